@@ -1,0 +1,294 @@
+"""One typed configuration for every stage: defaults < TOML file < PARALLM_* env < CLI.
+
+The supervisor builds a `Config` once and hands it to each stage as encoded bytes, so every
+process sees exactly the same values; stages never read the environment for settings.
+Each field's `Meta(description=...)` is its documentation and its `--help` text.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+from typing import Annotated, Any, Literal, Mapping, Sequence, get_args, get_origin, get_type_hints
+
+import msgspec
+from msgspec import Meta, Struct
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover
+    import tomli as tomllib
+
+ENV_PREFIX = "PARALLM_"
+
+
+def _d(text: str) -> Meta:
+    return Meta(description=text)
+
+
+class ModelConfig(Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    path: Annotated[str, _d("'default' (embedded SmolLM2-135M-Instruct), an MLX model directory, "
+                            "a Hugging Face hub id from the local cache, or a .gguf file")] = "default"
+    dtype: Annotated[Literal["auto", "float32", "float16", "bfloat16", "quantized"],
+                     _d("weight dtype; 'auto' = float32 on MLX's CPU device, as stored elsewhere")] = "auto"
+    served_name: Annotated[str, _d("model name in /v1/models; empty = derived from the path")] = ""
+    max_model_len: Annotated[int, _d("context length limit in tokens; 0 = the model's own")] = 0
+    cache_dir: Annotated[str, _d("where converted models are kept; empty = the user cache dir")] = ""
+
+
+class EngineConfig(Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    max_num_seqs: Annotated[int, _d("most sequences decoded together (rows of the live batch)")] = 64
+    max_prefill_tokens: Annotated[int, _d("prompt tokens prefilled per step (the chunk budget)")] = 512
+    kv_budget_mb: Annotated[int, _d("KV memory for live rows and the prefix cache, MiB; 0 = auto")] = 0
+    block_size: Annotated[int, _d("tokens per prefix-cache block")] = 16
+    prefix_cache: Annotated[bool, _d("reuse the KV of shared prompt prefixes")] = True
+    overlap: Annotated[bool, _d("build and launch step t+1 before reading step t's tokens")] = True
+    compile: Annotated[bool, _d("fuse the decode step with mx.compile where the backend supports it")] = True
+    default_max_tokens: Annotated[int, _d("max_tokens when a request gives none")] = 256
+    seed: Annotated[int, _d("seed for requests that give none")] = 0
+
+
+class TokenizerConfig(Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    replicas: Annotated[int, _d("tokenizer processes (requests fan out over them)")] = 1
+
+
+class ServerConfig(Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    host: Annotated[str, _d("HTTP bind address")] = "127.0.0.1"
+    port: Annotated[int, _d("HTTP port")] = 8000
+    api_keys: Annotated[list[str], _d("accepted Bearer keys; empty = no auth")] = []
+    api_key_file: Annotated[str, _d("file with one accepted key per line")] = ""
+    max_concurrent_requests: Annotated[int, _d("requests in flight before 429")] = 256
+    max_queued_requests: Annotated[int, _d("requests waiting for KV memory before 503")] = 1024
+    max_body_bytes: Annotated[int, _d("largest request body accepted (413 past it)")] = 8 << 20
+    max_output_tokens: Annotated[int, _d("largest max_tokens accepted; 0 = context length")] = 0
+    first_token_timeout_s: Annotated[float, _d("seconds to the first token before 504; 0 = none")] = 0.0
+    request_timeout_s: Annotated[float, _d("seconds for a whole request before 504; 0 = none")] = 0.0
+
+
+class TransportConfig(Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    kind: Annotated[Literal["ipc", "tcp"], _d("ZeroMQ transport between stages")] = "ipc"
+    run_dir: Annotated[str, _d("directory for ipc sockets; empty = a fresh temporary one")] = ""
+    tcp_host: Annotated[str, _d("host the tcp sockets bind to and clients reach")] = "127.0.0.1"
+    tcp_base_port: Annotated[int, _d("first of the consecutive tcp ports the stages bind")] = 5550
+    hwm: Annotated[int, _d("ZeroMQ high-water mark, messages per socket")] = 100_000
+
+
+class SupervisorConfig(Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    heartbeat_s: Annotated[float, _d("seconds between stage heartbeats")] = 0.5
+    dead_after_s: Annotated[float, _d("a stage silent this long is declared dead and restarted")] = 10.0
+    ready_timeout_s: Annotated[float, _d("seconds a stage may take to report READY")] = 600.0
+    restart_backoff_s: Annotated[float, _d("first restart delay; doubles per crash up to 30 s")] = 0.5
+    drain_timeout_s: Annotated[float, _d("on SIGTERM, seconds in-flight requests get to finish")] = 30.0
+    blas: Annotated[Literal["auto", "openblas", "none"],
+                    _d("BLAS preloaded for the engine on Linux CPU ('auto': OpenBLAS if installed)")] = "auto"
+
+
+class RLConfig(Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    rollout_hwm: Annotated[int, _d("rollout PUB high-water mark; past it rollouts are dropped and counted")] = 10_000
+    staleness_policy: Annotated[Literal["reject", "hold"],
+                                _d("a request whose minimum policy version is not there yet: reject or wait")] = "reject"
+    adapter_history: Annotated[int, _d("versions kept per adapter name")] = 4
+
+
+class Config(Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    model: ModelConfig = ModelConfig()
+    engine: EngineConfig = EngineConfig()
+    tokenizer: TokenizerConfig = TokenizerConfig()
+    server: ServerConfig = ServerConfig()
+    transport: TransportConfig = TransportConfig()
+    supervisor: SupervisorConfig = SupervisorConfig()
+    rl: RLConfig = RLConfig()
+    log_level: Annotated[Literal["debug", "info", "warning", "error"], _d("log level of every stage")] = "info"
+
+    def encode(self) -> bytes:
+        return msgspec.msgpack.encode(self)
+
+    @staticmethod
+    def decode(data: bytes) -> "Config":
+        return msgspec.msgpack.decode(data, type=Config)
+
+
+# Short CLI spellings for the options people type most.
+ALIASES: dict[str, str] = {
+    "model": "model.path",
+    "host": "server.host",
+    "port": "server.port",
+    "dtype": "model.dtype",
+    "api-key": "server.api_keys",
+}
+
+
+class ConfigError(ValueError):
+    """A setting from a file, the environment or the command line is invalid."""
+
+
+def _fields(struct_type: type) -> list[tuple[str, Any, str]]:
+    hints = get_type_hints(struct_type, include_extras=True)
+    out = []
+    for name in struct_type.__struct_fields__:
+        hint = hints[name]
+        desc = ""
+        if get_origin(hint) is Annotated:
+            base, *extras = get_args(hint)
+            desc = next((m.description for m in extras if isinstance(m, Meta) and m.description), "")
+        else:
+            base = hint
+        out.append((name, base, desc))
+    return out
+
+
+def iter_options(struct_type: type = Config, prefix: str = "") -> list[tuple[str, Any, str, Any]]:
+    """Every leaf setting as (dotted name, type, description, default)."""
+    defaults = struct_type()
+    out = []
+    for name, base, desc in _fields(struct_type):
+        default = getattr(defaults, name)
+        if isinstance(base, type) and issubclass(base, Struct):
+            out.extend(iter_options(base, f"{prefix}{name}."))
+        else:
+            out.append((f"{prefix}{name}", base, desc, default))
+    return out
+
+
+def _parse_scalar(text: str, typ: Any, where: str) -> Any:
+    origin = get_origin(typ)
+    try:
+        if typ is bool:
+            low = text.strip().lower()
+            if low in ("1", "true", "yes", "on"):
+                return True
+            if low in ("0", "false", "no", "off"):
+                return False
+            raise ValueError(f"not a boolean: {text!r}")
+        if typ is int:
+            return int(text)
+        if typ is float:
+            return float(text)
+        if origin is list:
+            return [item.strip() for item in text.split(",") if item.strip()]
+        if origin is Literal:
+            if text not in get_args(typ):
+                raise ValueError(f"{text!r} is not one of {', '.join(map(str, get_args(typ)))}")
+            return text
+        return text
+    except ValueError as exc:
+        raise ConfigError(f"{where}: {exc}") from None
+
+
+def _set_dotted(tree: dict, dotted: str, value: Any) -> None:
+    *parents, leaf = dotted.split(".")
+    node = tree
+    for part in parents:
+        node = node.setdefault(part, {})
+    node[leaf] = value
+
+
+def _merge(base: dict, over: Mapping) -> dict:
+    out = dict(base)
+    for key, value in over.items():
+        if isinstance(value, Mapping) and isinstance(out.get(key), Mapping):
+            out[key] = _merge(out[key], value)
+        else:
+            out[key] = value
+    return out
+
+
+def env_overrides(environ: Mapping[str, str]) -> dict:
+    """PARALLM_ENGINE__MAX_NUM_SEQS=32 sets engine.max_num_seqs (double underscore between levels)."""
+    known = {dotted: typ for dotted, typ, _, _ in iter_options()}
+    tree: dict = {}
+    for key, raw in environ.items():
+        if not key.startswith(ENV_PREFIX) or key == ENV_PREFIX + "CONFIG":
+            continue
+        dotted = key[len(ENV_PREFIX):].lower().replace("__", ".")
+        if dotted not in known:
+            continue
+        _set_dotted(tree, dotted, _parse_scalar(raw, known[dotted], key))
+    return tree
+
+
+def add_cli_options(parser: argparse.ArgumentParser) -> None:
+    """One --section.name option per setting, documented from its description and default."""
+    parser.add_argument("--config", metavar="FILE", help="TOML file with [model], [engine], ... sections "
+                        f"(also {ENV_PREFIX}CONFIG)")
+    reverse_alias = {v: k for k, v in ALIASES.items()}
+    for dotted, typ, desc, default in iter_options():
+        flags = [f"--{dotted.replace('_', '-')}"]
+        if dotted in reverse_alias:
+            flags.insert(0, f"--{reverse_alias[dotted]}")
+        shown = ",".join(default) if isinstance(default, list) else default
+        env = ENV_PREFIX + dotted.upper().replace(".", "__")
+        help_text = f"{desc} (default: {shown!s}; env {env})"
+        action = "append" if get_origin(typ) is list else "store"
+        parser.add_argument(*flags, dest=f"opt:{dotted}", metavar="LIST" if action == "append" else
+                            typ.__name__.upper() if isinstance(typ, type) else "VALUE",
+                            action=action, default=None, help=help_text)
+
+
+def cli_overrides(namespace: argparse.Namespace) -> dict:
+    known = {dotted: typ for dotted, typ, _, _ in iter_options()}
+    tree: dict = {}
+    for key, value in vars(namespace).items():
+        if not key.startswith("opt:") or value is None:
+            continue
+        dotted = key[4:]
+        typ = known[dotted]
+        where = f"--{dotted.replace('_', '-')}"
+        if get_origin(typ) is list:
+            parsed = [item for raw in value for item in _parse_scalar(raw, typ, where)]
+        else:
+            parsed = _parse_scalar(value, typ, where)
+        _set_dotted(tree, dotted, parsed)
+    return tree
+
+
+def build_config(*, file: str | os.PathLike | None = None, environ: Mapping[str, str] | None = None,
+                 cli: dict | None = None, overrides: dict | None = None) -> Config:
+    """Layer defaults < TOML file < environment < CLI < explicit overrides into a validated Config."""
+    environ = os.environ if environ is None else environ
+    tree: dict = {}
+    file = file or environ.get(ENV_PREFIX + "CONFIG")
+    if file:
+        try:
+            tree = _merge(tree, tomllib.loads(Path(file).read_text()))
+        except (OSError, tomllib.TOMLDecodeError) as exc:
+            raise ConfigError(f"config file {file}: {exc}") from None
+    tree = _merge(tree, env_overrides(environ))
+    tree = _merge(tree, cli or {})
+    tree = _merge(tree, overrides or {})
+    try:
+        config = msgspec.convert(tree, type=Config)
+    except msgspec.ValidationError as exc:
+        raise ConfigError(f"invalid configuration: {exc}") from None
+    _check(config)
+    return config
+
+
+def _check(config: Config) -> None:
+    problems = []
+    if config.engine.max_num_seqs < 1:
+        problems.append("engine.max_num_seqs must be >= 1")
+    if config.engine.max_prefill_tokens < 1:
+        problems.append("engine.max_prefill_tokens must be >= 1")
+    if config.engine.block_size < 1:
+        problems.append("engine.block_size must be >= 1")
+    if config.tokenizer.replicas < 1:
+        problems.append("tokenizer.replicas must be >= 1")
+    if not 0 < config.server.port < 65536:
+        problems.append("server.port must be in 1..65535")
+    if problems:
+        raise ConfigError("; ".join(problems))
+
+
+def parse_args(argv: Sequence[str] | None = None, *, prog: str = "parallm-launch",
+               description: str = "") -> tuple[Config, argparse.Namespace]:
+    parser = argparse.ArgumentParser(prog=prog, description=description)
+    add_cli_options(parser)
+    namespace = parser.parse_args(argv)
+    try:
+        config = build_config(file=namespace.config, cli=cli_overrides(namespace))
+    except ConfigError as exc:
+        parser.error(str(exc))
+    return config, namespace
