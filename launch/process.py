@@ -1,0 +1,80 @@
+"""One supervised child process: started with a parent-death pipe, its output prefixed."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import IO
+
+
+@dataclass
+class StageSpec:
+    name: str
+    replica: int = 0
+    env: dict[str, str] | None = None
+
+    @property
+    def label(self) -> str:
+        return self.name if self.name != "tokenizer" else f"tokenizer-{self.replica}"
+
+
+def _pump(stream: IO[bytes], prefix: str, out: IO[str]) -> None:
+    for raw in iter(stream.readline, b""):
+        line = raw.decode("utf-8", "replace").rstrip("\n")
+        out.write(f"{prefix} {line}\n")
+        out.flush()
+    stream.close()
+
+
+@dataclass
+class StageProcess:
+    """A running (or dead) stage and its restart bookkeeping."""
+
+    spec: StageSpec
+    proc: subprocess.Popen | None = None
+    restarts: int = 0
+    started_at: float = 0.0
+    last_beat: float = 0.0
+    ready: bool = False
+    pid: int = 0
+    stats: dict = field(default_factory=dict)
+    next_restart_at: float = 0.0
+    backoff: float = 0.0
+
+    def start(self, config_file: str, parent_read_fd: int, log_out: IO[str]) -> None:
+        cmd = [sys.executable, "-m", "stages", self.spec.name, "--replica", str(self.spec.replica),
+               "--config-file", config_file, "--parent-fd", str(parent_read_fd)]
+        env = dict(self.spec.env or os.environ)
+        env["PYTHONUNBUFFERED"] = "1"
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env,
+                                     pass_fds=(parent_read_fd,), start_new_session=True)
+        self.pid = self.proc.pid
+        self.started_at = self.last_beat = time.monotonic()
+        self.ready = False
+        threading.Thread(target=_pump, args=(self.proc.stdout, f"[{self.spec.label}]", log_out),
+                         daemon=True, name=f"log-{self.spec.label}").start()
+
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def exit_code(self) -> int | None:
+        return None if self.proc is None else self.proc.poll()
+
+    def kill(self) -> None:
+        if self.alive():
+            self.proc.kill()
+            self.proc.wait(timeout=10)
+
+    def terminate(self, timeout: float) -> None:
+        if not self.alive():
+            return
+        self.proc.terminate()
+        try:
+            self.proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait(timeout=10)

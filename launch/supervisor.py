@@ -1,0 +1,272 @@
+"""The supervisor: starts the stages in order, watches them, restarts the dead, drains on SIGTERM.
+
+Start order is detokenizer, engine, tokenizers, ingress; each must report READY before the
+next starts, so that by the time HTTP is served every stage behind it is up. A stage that dies
+(or stops heartbeating) is announced on the control channel (StageDown) so that ingress and
+clients fail its in-flight requests with a retryable error, then restarted with exponential
+backoff and announced again when READY (StageUp).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import signal
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import IO
+
+import msgspec
+import zmq
+
+from parallm import protocol
+from parallm.config import Config
+from parallm.transport import Receiver, Sender, addresses, open_socket
+
+from .process import StageProcess, StageSpec
+
+log = logging.getLogger("parallm.supervisor")
+
+START_ORDER = ("detokenizer", "engine", "tokenizer", "ingress")
+MAX_BACKOFF_S = 30.0
+STABLE_AFTER_S = 60.0
+
+
+class StartupError(RuntimeError):
+    """A stage could not start; the message says why."""
+
+
+def engine_environment(config: Config) -> dict[str, str]:
+    """The engine's environment: OpenBLAS preloaded on Linux when MLX computes on the CPU."""
+    env = dict(os.environ)
+    choice = config.supervisor.blas
+    if choice == "none" or not sys.platform.startswith("linux"):
+        return env
+    from parallm import blas
+
+    if choice == "auto":
+        import mlx.core as mx
+
+        if mx.default_device() != mx.cpu:
+            return env
+    preloaded = blas.openblas_env(env)
+    if preloaded is None:
+        if choice == "openblas":
+            raise StartupError("supervisor.blas=openblas but the cmeel-openblas package is not installed "
+                               "(pip install cmeel-openblas)")
+        log.warning("MLX runs on the CPU with its reference BLAS; install cmeel-openblas for 15-60x "
+                    "faster matmuls")
+        return env
+    log.info("engine preloads OpenBLAS: %s", blas.find_openblas())
+    return preloaded
+
+
+class Supervisor:
+    def __init__(self, config: Config, *, log_out: IO[str] | None = None) -> None:
+        self.config = config
+        self.log_out = log_out or sys.stderr
+        self.stages: list[StageProcess] = []
+        self._own_run_dir: str | None = None
+        self._stop_requested = 0
+        self._draining_until: float | None = None
+
+    # ------------------------------------------------------------------ setup
+    def _prepare(self) -> None:
+        transport = self.config.transport
+        run_dir = transport.run_dir
+        if not run_dir:
+            run_dir = tempfile.mkdtemp(prefix="parallm-")
+            self._own_run_dir = run_dir
+        Path(run_dir).mkdir(parents=True, exist_ok=True)
+        model = self._resolve_model()
+        self.config = msgspec.structs.replace(
+            self.config,
+            transport=msgspec.structs.replace(transport, run_dir=run_dir),
+            model=model,
+        )
+        self.run_dir = run_dir
+        self.config_file = os.path.join(run_dir, "config.msgpack")
+        Path(self.config_file).write_bytes(self.config.encode())
+        self.addrs = addresses(self.config)
+
+    def _resolve_model(self):
+        """Convert/locate the model once here (with progress), so stages load a ready directory."""
+        from parallm.models import ModelLoadError, resolve_model
+
+        try:
+            source = resolve_model(self.config.model, progress=True)
+        except ModelLoadError as exc:
+            raise StartupError(f"cannot load model {self.config.model.path!r}: {exc}") from None
+        return msgspec.structs.replace(self.config.model, path=str(source.path),
+                                       served_name=self.config.model.served_name or source.name)
+
+    def _specs(self) -> list[StageSpec]:
+        engine_env = engine_environment(self.config)
+        specs = [StageSpec("detokenizer"), StageSpec("engine", env=engine_env)]
+        specs += [StageSpec("tokenizer", replica=i) for i in range(self.config.tokenizer.replicas)]
+        specs.append(StageSpec("ingress"))
+        return specs
+
+    # ------------------------------------------------------------------ run
+    def run(self) -> int:
+        try:
+            self._prepare()
+        except StartupError as exc:
+            print(f"parallm-launch: {exc}", file=sys.stderr)
+            return 2
+        self.ctx = zmq.Context()
+        self.inbox = Receiver(open_socket(self.ctx, zmq.PULL, self.addrs.supervisor, bind=True),
+                              protocol.SupervisorInbound, name="supervisor")
+        self.control = Sender(open_socket(self.ctx, zmq.PUB, self.addrs.control, bind=True))
+        self._parent_read, self._parent_write = os.pipe()
+        old_handlers = {sig: signal.signal(sig, self._on_signal) for sig in (signal.SIGTERM, signal.SIGINT)}
+        try:
+            self.stages = [StageProcess(spec) for spec in self._specs()]
+            for stage in self.stages:
+                self._start_and_wait(stage)
+            server = self.config.server
+            log.info("serving %s on http://%s:%d", self.config.model.served_name, server.host, server.port)
+            self._print_ready()
+            return self._monitor()
+        except StartupError as exc:
+            print(f"parallm-launch: {exc}", file=sys.stderr)
+            return 3
+        finally:
+            for sig, handler in old_handlers.items():
+                signal.signal(sig, handler)
+            self._stop_all()
+
+    def _print_ready(self) -> None:
+        server = self.config.server
+        print(f"parallm-launch: ready: model {self.config.model.served_name} at "
+              f"http://{server.host}:{server.port}/v1 (zmq engine {self.addrs.engine}, "
+              f"router {self.addrs.router})", file=self.log_out, flush=True)
+
+    def _on_signal(self, signum: int, frame) -> None:
+        self._stop_requested += 1
+
+    def _start_and_wait(self, stage: StageProcess) -> None:
+        stage.start(self.config_file, self._parent_read, self.log_out)
+        deadline = time.monotonic() + self.config.supervisor.ready_timeout_s
+        while time.monotonic() < deadline:
+            if self._stop_requested:
+                raise StartupError("interrupted during startup")
+            message = self.inbox.recv(timeout_ms=100)
+            if message is not None:
+                self._handle(message)
+                if stage.ready:
+                    return
+            if not stage.alive():
+                raise StartupError(f"stage {stage.spec.label} exited with code {stage.exit_code()} during "
+                                   "startup (its log is above)")
+        raise StartupError(f"stage {stage.spec.label} did not report READY within "
+                           f"{self.config.supervisor.ready_timeout_s:.0f} s")
+
+    def _find(self, name: str, replica: int) -> StageProcess | None:
+        return next((s for s in self.stages if s.spec.name == name and s.spec.replica == replica), None)
+
+    def _handle(self, message) -> None:
+        stage = self._find(message.stage, message.replica)
+        if stage is None or message.pid and message.pid != stage.pid:
+            return
+        now = time.monotonic()
+        stage.last_beat = now
+        if isinstance(message, protocol.Ready):
+            stage.ready = True
+            if stage.restarts:
+                log.info("%s is back (restart %d)", stage.spec.label, stage.restarts)
+                self.control.send(protocol.StageUp(stage=stage.spec.name, replica=stage.spec.replica,
+                                                   restarts=stage.restarts))
+        elif isinstance(message, protocol.Heartbeat):
+            stage.stats = message.stats
+        elif isinstance(message, protocol.Fatal):
+            if not stage.ready and stage.restarts == 0:
+                raise StartupError(f"{stage.spec.label}: {message.message}")
+            log.error("%s reported a fatal error: %s", stage.spec.label, message.message)
+
+    def _monitor(self) -> int:
+        sup = self.config.supervisor
+        while True:
+            if self._stop_requested and self._draining_until is None:
+                self._begin_drain()
+            if self._draining_until is not None and (self._drained() or time.monotonic() > self._draining_until
+                                                     or self._stop_requested > 1):
+                log.info("drained; shutting down")
+                return 0
+            message = self.inbox.recv(timeout_ms=100)
+            while message is not None:
+                try:
+                    self._handle(message)
+                except StartupError as exc:
+                    log.error("%s", exc)
+                message = next(self.inbox.drain(1), None)
+            now = time.monotonic()
+            for stage in self.stages:
+                if stage.proc is None:
+                    if now >= stage.next_restart_at and self._draining_until is None:
+                        self._restart(stage)
+                    continue
+                dead = not stage.alive()
+                silent = stage.ready and now - stage.last_beat > sup.dead_after_s
+                slow_start = not stage.ready and now - stage.started_at > sup.ready_timeout_s
+                if dead or silent or slow_start:
+                    why = (f"exited with code {stage.exit_code()}" if dead else
+                           f"silent for {now - stage.last_beat:.1f} s" if silent else "never became ready")
+                    self._declare_dead(stage, why)
+
+    def _declare_dead(self, stage: StageProcess, why: str) -> None:
+        log.error("%s %s; restarting", stage.spec.label, why)
+        stage.kill()
+        stage.proc = None
+        stage.ready = False
+        now = time.monotonic()
+        if now - stage.started_at > STABLE_AFTER_S:
+            stage.backoff = 0.0
+        stage.backoff = min(MAX_BACKOFF_S, stage.backoff * 2 if stage.backoff else
+                            self.config.supervisor.restart_backoff_s)
+        stage.next_restart_at = now + stage.backoff
+        stage.restarts += 1
+        self.control.send(protocol.StageDown(stage=stage.spec.name, replica=stage.spec.replica,
+                                             restarts=stage.restarts))
+
+    def _restart(self, stage: StageProcess) -> None:
+        log.info("starting %s again (restart %d)", stage.spec.label, stage.restarts)
+        stage.start(self.config_file, self._parent_read, self.log_out)
+
+    # ------------------------------------------------------------------ drain / stop
+    def _begin_drain(self) -> None:
+        timeout = self.config.supervisor.drain_timeout_s
+        log.info("draining: no new requests; in-flight ones get %.0f s", timeout)
+        self._draining_until = time.monotonic() + timeout
+        self.control.send(protocol.Drain(deadline=time.time() + timeout))
+        self._drain_started = time.monotonic()
+
+    def _drained(self) -> bool:
+        # give stages a heartbeat to report post-drain state before trusting their counts
+        if time.monotonic() - self._drain_started < 2 * self.config.supervisor.heartbeat_s:
+            return False
+        ingress = [s for s in self.stages if s.spec.name == "ingress"]
+        detok = [s for s in self.stages if s.spec.name == "detokenizer"]
+        busy = sum(int(s.stats.get("in_flight", 0)) for s in ingress + detok if s.alive())
+        return busy == 0
+
+    def _stop_all(self) -> None:
+        if not hasattr(self, "control"):
+            return
+        try:
+            self.control.send(protocol.Shutdown())
+        except zmq.ZMQError:
+            pass
+        deadline = time.monotonic() + 5.0
+        for stage in reversed(self.stages):
+            stage.terminate(max(0.1, deadline - time.monotonic()))
+        os.close(self._parent_write)
+        os.close(self._parent_read)
+        self.inbox.close()
+        self.control.close()
+        self.ctx.term()
+        if self._own_run_dir:
+            shutil.rmtree(self._own_run_dir, ignore_errors=True)

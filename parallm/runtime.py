@@ -1,0 +1,108 @@
+"""What every stage process shares: its link to the supervisor and dying with it.
+
+A stage reports READY once it can serve, a heartbeat (with its stats) every
+`supervisor.heartbeat_s`, and FATAL if it cannot start. It listens to the supervisor's
+control channel for stage restarts, drain and shutdown. It exits when its supervisor dies:
+the supervisor holds the write end of a pipe whose read end each stage watches, which works
+on Linux and macOS alike (and PR_SET_PDEATHSIG is set too where Linux offers it).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+import signal
+import sys
+import threading
+import time
+from typing import Any, Callable
+
+import zmq
+
+from . import protocol
+from .config import Config
+from .transport import Addresses, Receiver, Sender, addresses, open_socket
+
+log = logging.getLogger(__name__)
+
+
+def setup_logging(level: str, stage: str) -> None:
+    logging.basicConfig(level=getattr(logging, level.upper(), logging.INFO), stream=sys.stderr,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s", force=True)
+
+
+def die_with_parent(parent_fd: int | None) -> None:
+    """Exit at once when the supervisor goes away, however it died."""
+    parent = os.getppid()
+    if sys.platform.startswith("linux"):
+        try:
+            libc = ctypes.CDLL("libc.so.6", use_errno=True)
+            libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+        except OSError:
+            pass
+    if os.getppid() != parent or os.getppid() == 1:
+        os._exit(1)
+    if parent_fd is None:
+        return
+
+    def watch() -> None:
+        try:
+            while os.read(parent_fd, 1):
+                pass
+        except OSError:
+            pass
+        os._exit(1)
+
+    threading.Thread(target=watch, name="parent-watch", daemon=True).start()
+
+
+class StageRuntime:
+    """A stage's sockets to the supervisor: READY / heartbeat / FATAL out, control messages in."""
+
+    def __init__(self, config: Config, stage: str, replica: int = 0,
+                 ctx: zmq.Context | None = None) -> None:
+        self.config = config
+        self.stage = stage
+        self.replica = replica
+        self.ctx = ctx or zmq.Context.instance()
+        self.addrs: Addresses = addresses(config)
+        self._to_supervisor = Sender(open_socket(self.ctx, zmq.PUSH, self.addrs.supervisor, bind=False))
+        sub = open_socket(self.ctx, zmq.SUB, self.addrs.control, bind=False)
+        sub.setsockopt(zmq.SUBSCRIBE, b"")
+        self.control = Receiver(sub, protocol.ControlMessage, name="control")
+        self._interval = config.supervisor.heartbeat_s
+        self._next_beat = 0.0
+        self.draining = False
+        self.shutting_down = False
+
+    def ready(self, info: dict[str, Any] | None = None) -> None:
+        self._to_supervisor.send(protocol.Ready(stage=self.stage, replica=self.replica, pid=os.getpid(),
+                                                info=info or {}))
+        log.info("%s %d ready", self.stage, self.replica)
+
+    def fatal(self, message: str) -> None:
+        self._to_supervisor.send(protocol.Fatal(stage=self.stage, replica=self.replica, message=message))
+        time.sleep(0.2)  # let the frame leave before the process exits
+
+    def heartbeat(self, stats: Callable[[], dict[str, Any]] | None = None, *, force: bool = False) -> None:
+        now = time.monotonic()
+        if not force and now < self._next_beat:
+            return
+        self._next_beat = now + self._interval
+        self._to_supervisor.send(protocol.Heartbeat(stage=self.stage, replica=self.replica, pid=os.getpid(),
+                                                    stats=stats() if stats else {}), block=False)
+
+    def poll_control(self) -> list[Any]:
+        """Control messages that arrived; Drain and Shutdown also set the flags."""
+        messages = list(self.control.drain())
+        for message in messages:
+            if isinstance(message, protocol.Drain):
+                self.draining = True
+            elif isinstance(message, protocol.Shutdown):
+                self.shutting_down = True
+        return messages
+
+    def close(self) -> None:
+        self._to_supervisor.close()
+        self.control.close()

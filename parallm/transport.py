@@ -1,0 +1,236 @@
+"""ZeroMQ plumbing: socket addresses derived from the config, and typed sockets.
+
+Every socket knows the message types it accepts: a frame that does not decode to one of them
+is logged and dropped, never raised into a stage's loop. Stages never call raw send/recv.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass, field
+from typing import Any, Generic, Iterator, TypeVar
+
+import zmq
+import zmq.asyncio
+
+from . import protocol
+from .config import Config, TransportConfig
+
+log = logging.getLogger(__name__)
+
+M = TypeVar("M")
+
+# Fixed offsets from tcp_base_port, one per bound endpoint; tokenizers take the ports after the last.
+_TCP_OFFSETS = {"engine": 0, "detok": 1, "router": 2, "supervisor": 3, "control": 4, "rollouts": 5,
+                "adapters": 6, "tokenizer": 7}
+MAX_FRAME_BYTES = 512 << 20
+
+
+@dataclass(frozen=True)
+class Addresses:
+    """Every endpoint of one deployment. Bound by the stage named in each comment."""
+
+    engine: str          # engine PULL: Submit, Abort, Query, ... (tokenizers, ingress, raw clients, detok)
+    detok: str           # detokenizer PULL: Track, StepOutputs, RequestError, QueryReply
+    router: str          # detokenizer ROUTER: clients' DEALERs receive Outputs here
+    supervisor: str      # supervisor PULL: Ready, Heartbeat, Fatal
+    control: str         # supervisor PUB: StageDown, StageUp, Drain, Shutdown
+    rollouts: str        # detokenizer PUB: Rollout, topic = adapter name
+    adapters: str        # engine SUB (bound): trainers' PUBs connect and publish AdapterPublish
+    tokenizers: tuple[str, ...] = field(default_factory=tuple)  # tokenizer PULLs
+
+    def public(self) -> dict[str, str]:
+        """What a raw client needs, as sent in Welcome."""
+        return {"engine": self.engine, "router": self.router, "control": self.control,
+                "rollouts": self.rollouts, "adapters": self.adapters,
+                "tokenizers": ",".join(self.tokenizers)}
+
+
+def addresses(config: Config) -> Addresses:
+    t: TransportConfig = config.transport
+    n_tok = config.tokenizer.replicas
+    if t.kind == "ipc":
+        if not t.run_dir:
+            raise ValueError("transport.run_dir must be set for ipc (the supervisor creates one)")
+        base = os.path.abspath(t.run_dir)
+
+        def at(name: str) -> str:
+            return f"ipc://{base}/{name}.sock"
+
+        tokenizers = tuple(at(f"tokenizer-{i}") for i in range(n_tok))
+    else:
+        def at(name: str) -> str:
+            return f"tcp://{t.tcp_host}:{t.tcp_base_port + _TCP_OFFSETS[name]}"
+
+        first = t.tcp_base_port + _TCP_OFFSETS["tokenizer"]
+        tokenizers = tuple(f"tcp://{t.tcp_host}:{first + i}" for i in range(n_tok))
+    return Addresses(engine=at("engine"), detok=at("detok"), router=at("router"),
+                     supervisor=at("supervisor"), control=at("control"), rollouts=at("rollouts"),
+                     adapters=at("adapters"), tokenizers=tokenizers)
+
+
+def _configure(sock: zmq.Socket, hwm: int) -> None:
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.SNDHWM, hwm)
+    sock.setsockopt(zmq.RCVHWM, hwm)
+    sock.setsockopt(zmq.MAXMSGSIZE, MAX_FRAME_BYTES)
+
+
+def open_socket(ctx: zmq.Context, kind: int, address: str | list[str] | tuple[str, ...], *, bind: bool,
+                hwm: int = 100_000, identity: bytes | None = None) -> zmq.Socket:
+    sock = ctx.socket(kind)
+    _configure(sock, hwm)
+    if identity is not None:
+        sock.setsockopt(zmq.IDENTITY, identity)
+    if kind == zmq.ROUTER:
+        sock.setsockopt(zmq.ROUTER_HANDOVER, 1)
+    targets = [address] if isinstance(address, str) else list(address)
+    for target in targets:
+        if bind:
+            if target.startswith("ipc://"):
+                path = target[len("ipc://"):]
+                if os.path.exists(path):
+                    os.unlink(path)
+            sock.bind(target)
+        else:
+            sock.connect(target)
+    return sock
+
+
+class Sender:
+    """A PUSH or PUB socket that sends protocol messages."""
+
+    def __init__(self, sock: zmq.Socket) -> None:
+        self.sock = sock
+
+    def send(self, message: protocol.Message, *, topic: bytes | None = None, block: bool = True) -> bool:
+        """Send; with block=False a full queue drops the message and returns False."""
+        data = protocol.encode(message)
+        flags = 0 if block else zmq.NOBLOCK
+        try:
+            if topic is None:
+                self.sock.send(data, flags, copy=len(data) < 65536)
+            else:
+                self.sock.send_multipart([topic, data], flags, copy=len(data) < 65536)
+        except zmq.Again:
+            return False
+        return True
+
+    def close(self) -> None:
+        self.sock.close(0)
+
+
+class Receiver(Generic[M]):
+    """A PULL or SUB socket that yields messages of the accepted types; malformed frames are dropped."""
+
+    def __init__(self, sock: zmq.Socket, accepts: Any, *, name: str = "") -> None:
+        self.sock = sock
+        self.decoder = protocol.Decoder(accepts)
+        self.name = name or repr(accepts)
+        self.dropped = 0
+
+    def _decode(self, frames: list[bytes]) -> M | None:
+        data = frames[-1]
+        try:
+            return self.decoder.decode(data)
+        except protocol.ProtocolError as exc:
+            self.dropped += 1
+            log.warning("dropped a malformed message on %s (%d bytes): %s", self.name, len(data), exc)
+            return None
+
+    def recv(self, timeout_ms: int | None = None) -> M | None:
+        """One message, or None when none arrived within timeout_ms (None = wait forever)."""
+        while True:
+            if timeout_ms is not None and not self.sock.poll(timeout_ms, zmq.POLLIN):
+                return None
+            message = self._decode(self.sock.recv_multipart(copy=True))
+            if message is not None:
+                return message
+
+    def drain(self, limit: int = 10_000) -> Iterator[M]:
+        """Every message already queued, without waiting."""
+        for _ in range(limit):
+            try:
+                frames = self.sock.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            message = self._decode(frames)
+            if message is not None:
+                yield message
+
+    def close(self) -> None:
+        self.sock.close(0)
+
+
+class Router:
+    """The detokenizer's ROUTER: receives Hello from clients, sends each client its messages."""
+
+    def __init__(self, sock: zmq.Socket) -> None:
+        self.sock = sock
+        self.decoder = protocol.Decoder(protocol.RouterInbound)
+        self.unroutable = 0
+
+    def send(self, identity: bytes, message: protocol.Message) -> bool:
+        try:
+            self.sock.send_multipart([identity, protocol.encode(message)], zmq.NOBLOCK)
+        except zmq.ZMQError:
+            self.unroutable += 1
+            return False
+        return True
+
+    def drain(self, limit: int = 10_000) -> Iterator[tuple[bytes, Any]]:
+        for _ in range(limit):
+            try:
+                frames = self.sock.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            if len(frames) < 2:
+                continue
+            try:
+                yield frames[0], self.decoder.decode(frames[-1])
+            except protocol.ProtocolError as exc:
+                log.warning("dropped a malformed client message from %r: %s", frames[0][:32], exc)
+
+    def close(self) -> None:
+        self.sock.close(0)
+
+
+class AsyncReceiver(Generic[M]):
+    """asyncio twin of Receiver for zmq.asyncio sockets (ingress and the asyncio client)."""
+
+    def __init__(self, sock: zmq.asyncio.Socket, accepts: Any, *, name: str = "") -> None:
+        self.sock = sock
+        self.decoder = protocol.Decoder(accepts)
+        self.name = name or repr(accepts)
+        self.dropped = 0
+
+    async def recv(self) -> M:
+        while True:
+            frames = await self.sock.recv_multipart()
+            try:
+                return self.decoder.decode(frames[-1])
+            except protocol.ProtocolError as exc:
+                self.dropped += 1
+                log.warning("dropped a malformed message on %s: %s", self.name, exc)
+
+    def close(self) -> None:
+        self.sock.close(0)
+
+
+class AsyncSender:
+    def __init__(self, sock: zmq.asyncio.Socket) -> None:
+        self.sock = sock
+
+    async def send(self, message: protocol.Message) -> None:
+        await self.sock.send(protocol.encode(message))
+
+    def send_nowait(self, message: protocol.Message) -> bool:
+        try:
+            self.sock.send(protocol.encode(message), zmq.NOBLOCK)
+        except zmq.Again:
+            return False
+        return True
+
+    def close(self) -> None:
+        self.sock.close(0)

@@ -1,0 +1,172 @@
+"""The engine stage: the only process that imports the model.
+
+One busy loop: drain the inbox, run one engine step, push that step's outputs (one message for
+all rows) to the detokenizer. While idle it blocks on the inbox for up to a heartbeat.
+A request the engine refuses gets a RequestError routed to its client; nothing else stops.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+import zmq
+
+from parallm import protocol
+from parallm.config import Config
+from parallm.engine import Engine, Request, RequestRejected, SeqOutput
+from parallm.runtime import StageRuntime
+from parallm.transport import Receiver, Sender, open_socket
+
+log = logging.getLogger("parallm.engine.stage")
+
+
+def to_delta(out: SeqOutput) -> protocol.SeqDelta:
+    delta = protocol.SeqDelta(rid=out.rid, index=out.index, token_ids=protocol.pack_ids(out.token_ids),
+                              adapter=out.adapter, version=out.version, finish_reason=out.finish_reason,
+                              usage=out.usage)
+    if out.logprobs is not None:
+        delta.logprobs = protocol.pack_floats(out.logprobs)
+    if out.top_logprobs:
+        delta.top_ids = protocol.pack_ids([tid for row in out.top_logprobs for tid, _ in row])
+        delta.top_logprobs = protocol.pack_floats([lp for row in out.top_logprobs for _, lp in row])
+    if out.prompt_logprobs is not None:
+        delta.prompt_logprobs = protocol.pack_floats([float("nan") if lp is None else lp
+                                                      for lp in out.prompt_logprobs])
+        if out.prompt_top_logprobs:
+            delta.prompt_top_ids = protocol.pack_ids([tid for row in out.prompt_top_logprobs for tid, _ in row])
+            delta.prompt_top_logprobs = protocol.pack_floats([lp for row in out.prompt_top_logprobs
+                                                              for _, lp in row])
+    return delta
+
+
+class EngineStage:
+    def __init__(self, config: Config, runtime: StageRuntime, engine: Engine, model_info: dict[str, Any]) -> None:
+        self.config = config
+        self.rt = runtime
+        self.engine = engine
+        self.model_info = model_info
+        ctx = runtime.ctx
+        hwm = config.transport.hwm
+        self.inbox: Receiver = Receiver(open_socket(ctx, zmq.PULL, runtime.addrs.engine, bind=True, hwm=hwm),
+                                        protocol.EngineInbound, name="engine")
+        self.out = Sender(open_socket(ctx, zmq.PUSH, runtime.addrs.detok, bind=False, hwm=hwm))
+        self.paused = False
+        self.step_count = 0
+        self.received = 0
+
+    # ------------------------------------------------------------------ messages
+    def handle(self, message: Any) -> None:
+        self.received += 1
+        if isinstance(message, protocol.Submit):
+            self.on_submit(message)
+        elif isinstance(message, protocol.Abort):
+            rids = list(self.engine.request_ids()) if message.all else message.rids
+            for rid in rids:
+                self.engine.abort(rid, message.reason)
+        elif isinstance(message, protocol.Query):
+            self.on_query(message)
+        elif isinstance(message, protocol.Score):
+            self.on_score(message)
+        elif isinstance(message, protocol.Pause):
+            self.paused = True
+            if message.mode == "abort":
+                for rid in list(self.engine.request_ids()):
+                    self.engine.abort(rid, "abort")
+            self._ack(message.qid, message.reply_to, {"paused": True, "mode": message.mode})
+        elif isinstance(message, protocol.Resume):
+            self.paused = False
+            self._ack(message.qid, message.reply_to, {"paused": False})
+        else:
+            self._ack(getattr(message, "qid", ""), getattr(message, "reply_to", b""), None,
+                      error=f"{type(message).__name__} is not supported by this engine", status=501)
+
+    def _ack(self, qid: str, reply_to: bytes, result: Any, *, error: str = "", status: int = 200) -> None:
+        if qid and reply_to:
+            self.out.send(protocol.QueryReply(qid=qid, reply_to=reply_to, ok=not error, result=result,
+                                              error=error, status=status))
+
+    def on_submit(self, message: protocol.Submit) -> None:
+        request = Request(rid=message.rid, prompt_ids=protocol.unpack_ids(message.prompt_ids),
+                          params=message.params, n=message.n, adapter=message.adapter,
+                          arrival=message.submitted_at or time.time())
+        try:
+            self.engine.add_request(request)
+        except RequestRejected as exc:
+            self.out.send(protocol.RequestError(rid=message.rid, reply_to=message.reply_to, status=exc.status,
+                                                code=exc.code, message=str(exc), param=exc.param))
+            return
+        self.out.send(protocol.Track(rid=message.rid, reply_to=message.reply_to, n=message.n,
+                                     prompt_ids=message.prompt_ids, detok=message.detok, stream=message.stream,
+                                     adapter=message.adapter, metadata=message.metadata,
+                                     submitted_at=message.submitted_at))
+
+    def on_score(self, message: protocol.Score) -> None:
+        try:
+            ids = protocol.unpack_ids(message.ids)
+            result = self.engine.score(ids, start=message.start, top_logprobs=message.top_logprobs)
+        except RequestRejected as exc:
+            self.out.send(protocol.RequestError(rid=message.rid, reply_to=message.reply_to, status=exc.status,
+                                                code=exc.code, message=str(exc), param=exc.param))
+            return
+        payload = {"logprobs": protocol.pack_floats(result.logprobs)}
+        if result.top_logprobs:
+            payload["top_ids"] = protocol.pack_ids([t for row in result.top_logprobs for t, _ in row])
+            payload["top_logprobs"] = protocol.pack_floats([lp for row in result.top_logprobs for _, lp in row])
+        self.out.send(protocol.QueryReply(qid=message.rid, reply_to=message.reply_to, result=payload))
+
+    def on_query(self, message: protocol.Query) -> None:
+        if message.what == "stats":
+            self._ack(message.qid, message.reply_to, self.stats())
+        elif message.what == "model":
+            self._ack(message.qid, message.reply_to, self.model_info)
+        else:
+            self._ack(message.qid, message.reply_to, None, error=f"unknown query {message.what!r}", status=404)
+
+    def stats(self) -> dict[str, Any]:
+        stats = self.engine.stats()
+        stats.update(paused=self.paused, received=self.received, dropped_frames=self.inbox.dropped)
+        return stats
+
+    # ------------------------------------------------------------------ loop
+    def run(self) -> int:
+        beat_ms = max(1, int(self.config.supervisor.heartbeat_s * 1000))
+        while not self.rt.shutting_down:
+            for message in self.inbox.drain():
+                self.handle(message)
+            self.rt.poll_control()
+            if self.engine.has_work() and not self.paused:
+                outputs = self.engine.step()
+                self.step_count += 1
+                if outputs:
+                    self.out.send(protocol.StepOutputs(step=self.step_count, time=time.time(),
+                                                       batch_size=self.engine.last_batch_size,
+                                                       outputs=[to_delta(o) for o in outputs]))
+            else:
+                message = self.inbox.recv(timeout_ms=beat_ms)
+                if message is not None:
+                    self.handle(message)
+            self.rt.heartbeat(self.stats)
+        return 0
+
+
+def main(config: Config, replica: int = 0) -> int:
+    runtime = StageRuntime(config, "engine", replica)
+    from parallm.models import ModelLoadError, load_model
+
+    try:
+        loaded = load_model(config.model)
+    except ModelLoadError as exc:
+        runtime.fatal(f"cannot load model {config.model.path!r}: {exc}")
+        return 2
+    engine = Engine(loaded.model, config.engine, eos_token_ids=loaded.eos_token_ids,
+                    max_model_len=loaded.max_model_len, vocab_size=loaded.vocab_size)
+    info = {"model": config.model.served_name, "path": str(loaded.source.path), "dtype": loaded.dtype,
+            "max_model_len": loaded.max_model_len, "vocab_size": loaded.vocab_size}
+    stage = EngineStage(config, runtime, engine, info)
+    runtime.ready(info)
+    try:
+        return stage.run()
+    finally:
+        runtime.close()

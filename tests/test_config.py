@@ -1,0 +1,63 @@
+import subprocess
+import sys
+
+import pytest
+
+from parallm.config import Config, ConfigError, build_config, iter_options, parse_args
+
+
+def test_defaults_are_valid_and_round_trip():
+    config = build_config(environ={})
+    assert config == Config()
+    assert Config.decode(config.encode()) == config
+
+
+def test_layering_file_env_cli(tmp_path):
+    path = tmp_path / "parallm.toml"
+    path.write_text('[engine]\nmax_num_seqs = 8\nblock_size = 32\n[server]\nport = 9001\n')
+    config = build_config(file=path, environ={"PARALLM_ENGINE__MAX_NUM_SEQS": "12"},
+                          cli={"server": {"port": 9002}})
+    assert config.engine.block_size == 32          # file
+    assert config.engine.max_num_seqs == 12        # env beats file
+    assert config.server.port == 9002              # cli beats file
+
+
+def test_config_file_from_env(tmp_path):
+    path = tmp_path / "c.toml"
+    path.write_text('log_level = "debug"\n')
+    assert build_config(environ={"PARALLM_CONFIG": str(path)}).log_level == "debug"
+
+
+@pytest.mark.parametrize("environ, fragment", [
+    ({"PARALLM_ENGINE__MAX_NUM_SEQS": "many"}, "PARALLM_ENGINE__MAX_NUM_SEQS"),
+    ({"PARALLM_ENGINE__OVERLAP": "perhaps"}, "not a boolean"),
+    ({"PARALLM_MODEL__DTYPE": "int3"}, "is not one of"),
+    ({"PARALLM_ENGINE__MAX_NUM_SEQS": "0"}, "max_num_seqs"),
+])
+def test_bad_values_name_the_setting(environ, fragment):
+    with pytest.raises(ConfigError, match=fragment):
+        build_config(environ=environ)
+
+
+def test_unknown_file_key_is_refused(tmp_path):
+    path = tmp_path / "c.toml"
+    path.write_text("[engine]\nmax_num_sequences = 3\n")
+    with pytest.raises(ConfigError, match="max_num_sequences"):
+        build_config(file=path, environ={})
+
+
+def test_cli_options_cover_every_setting():
+    config, _ = parse_args(["--model", "/x.gguf", "--port", "8100", "--engine.max-num-seqs", "4",
+                            "--api-key", "a,b", "--server.api-keys", "c"])
+    assert config.model.path == "/x.gguf"
+    assert config.server.port == 8100
+    assert config.engine.max_num_seqs == 4
+    assert config.server.api_keys == ["a", "b", "c"]
+
+
+def test_help_documents_every_option():
+    out = subprocess.run([sys.executable, "-m", "launch", "--help"], capture_output=True, text=True,
+                         check=True).stdout
+    for dotted, _, desc, _ in iter_options():
+        assert f"--{dotted.replace('_', '-')}" in out, dotted
+        assert desc, f"{dotted} has no description"
