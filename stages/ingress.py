@@ -1,0 +1,263 @@
+"""The ingress stage: the OpenAI HTTP API (Starlette on uvicorn) in front of the ZeroMQ pipeline.
+
+It knows nothing of MLX. Requests go to the tokenizers; results come back from the
+detokenizer's ROUTER, dispatched to per-request queues by one reader task. When the
+supervisor announces a dead stage, every request that stage could have held ends at once
+with a retryable 503, so no client waits on a request that no longer exists.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any, AsyncIterator
+
+import zmq
+import zmq.asyncio
+
+from parallm import protocol
+from parallm.api.app import build_app
+from parallm.api.backend import BackendError
+from parallm.config import Config
+from parallm.runtime import StageRuntime
+from parallm.transport import Sender, open_socket
+
+log = logging.getLogger("parallm.ingress")
+
+QUERY_TIMEOUT_S = 30.0
+
+
+@dataclass
+class _Pending:
+    queue: asyncio.Queue
+    heard: bool = False            # something came back from the detokenizer: the engine has it
+    first_output_at: float = 0.0
+    submitted_at: float = field(default_factory=time.monotonic)
+
+
+class ZmqBackend:
+    """The api.Backend that talks to the pipeline over ZeroMQ."""
+
+    def __init__(self, config: Config, runtime: StageRuntime, model_info: dict[str, Any]) -> None:
+        self.config = config
+        self.rt = runtime
+        self.model_name = config.model.served_name
+        self.max_model_len = int(model_info.get("max_model_len", 0))
+        self.model_info = model_info
+        self.identity = f"ingress-{os.getpid()}".encode()
+        addrs = runtime.addrs
+        hwm = config.transport.hwm
+        self.actx = zmq.asyncio.Context()
+        self.dealer = open_socket(self.actx, zmq.DEALER, addrs.router, bind=False, identity=self.identity, hwm=hwm)
+        self.to_tokenizers = Sender(open_socket(runtime.ctx, zmq.PUSH, addrs.tokenizers, bind=False, hwm=hwm))
+        self.to_engine = Sender(open_socket(runtime.ctx, zmq.PUSH, addrs.engine, bind=False, hwm=hwm))
+        self.decoder = protocol.Decoder(protocol.ClientInbound)
+        self.pending: dict[str, _Pending] = {}
+        self.replies: dict[str, asyncio.Future] = {}
+        self.stages_down: set[str] = set()
+        self.requests_total = 0
+        self.tasks: list[asyncio.Task] = []
+
+    # ------------------------------------------------------------------ lifecycle
+    async def start(self) -> None:
+        deadline = time.monotonic() + 60
+        while True:
+            await self.dealer.send(protocol.encode(protocol.Hello(client=self.identity.decode())))
+            if await self.dealer.poll(500, zmq.POLLIN):
+                message = self.decoder.decode(await self.dealer.recv())
+                if isinstance(message, protocol.Welcome):
+                    break
+            if time.monotonic() > deadline:
+                raise RuntimeError("the detokenizer's router never answered Hello")
+        self.tasks = [asyncio.create_task(self._read(), name="ingress-read"),
+                      asyncio.create_task(self._control(), name="ingress-control")]
+
+    async def stop(self) -> None:
+        for task in self.tasks:
+            task.cancel()
+
+    # ------------------------------------------------------------------ inbound
+    async def _read(self) -> None:
+        while True:
+            frames = await self.dealer.recv_multipart()
+            try:
+                message = self.decoder.decode(frames[-1])
+            except protocol.ProtocolError as exc:
+                log.warning("dropped a malformed message from the router: %s", exc)
+                continue
+            if isinstance(message, protocol.Outputs):
+                for item in message.items:
+                    self._deliver(item.rid, item)
+            elif isinstance(message, protocol.RequestError):
+                self._deliver(message.rid, message)
+            elif isinstance(message, protocol.QueryReply):
+                future = self.replies.pop(message.qid, None)
+                if future is not None and not future.done():
+                    future.set_result(message)
+
+    def _deliver(self, rid: str, item: Any) -> None:
+        pending = self.pending.get(rid)
+        if pending is None:
+            if isinstance(item, protocol.Output) and item.finish_reason is None:
+                self.to_engine.send(protocol.Abort(rids=[rid], reason="abort"), block=False)
+            return
+        pending.heard = True
+        pending.queue.put_nowait(item)
+
+    async def _control(self) -> None:
+        while True:
+            for message in self.rt.poll_control():
+                if isinstance(message, protocol.StageDown):
+                    self.stages_down.add(f"{message.stage}-{message.replica}")
+                    self._fail_in_flight(message.stage)
+                elif isinstance(message, protocol.StageUp):
+                    self.stages_down.discard(f"{message.stage}-{message.replica}")
+            self.rt.heartbeat(self.stats)
+            await asyncio.sleep(0.05)
+
+    def _fail_in_flight(self, stage: str) -> None:
+        """Fail what the dead stage may have held: everything for engine/detokenizer, unheard ones for a tokenizer."""
+        lost = [rid for rid, p in self.pending.items() if stage != "tokenizer" or not p.heard]
+        for rid in lost:
+            self.pending[rid].queue.put_nowait(protocol.RequestError(
+                rid=rid, status=503, code="stage_restarted", retryable=True,
+                message=f"the {stage} stage restarted while this request was in flight; retry it"))
+        if lost and stage != "engine":
+            self.to_engine.send(protocol.Abort(rids=lost, reason="abort"), block=False)
+        log.warning("%s died: failed %d in-flight request(s)", stage, len(lost))
+
+    # ------------------------------------------------------------------ Backend API
+    async def generate(self, submit: protocol.TextSubmit) -> AsyncIterator[protocol.Output]:
+        if self.rt.draining:
+            raise BackendError(503, "shutting_down", "the server is shutting down", retryable=True)
+        if self.stages_down:
+            raise BackendError(503, "service_unavailable", "a stage is restarting; retry shortly", retryable=True)
+        submit.reply_to = self.identity
+        submit.submitted_at = submit.submitted_at or time.time()
+        pending = _Pending(asyncio.Queue())
+        self.pending[submit.rid] = pending
+        self.requests_total += 1
+        remaining = submit.n
+        try:
+            if not self.to_tokenizers.send(submit, block=False):
+                raise BackendError(503, "overloaded", "the tokenizer queue is full; retry shortly", retryable=True)
+            while remaining:
+                item = await pending.queue.get()
+                if isinstance(item, protocol.RequestError):
+                    raise BackendError(item.status, item.code, item.message, param=item.param,
+                                       retryable=item.retryable)
+                if item.finish_reason is not None:
+                    remaining -= 1
+                yield item
+        finally:
+            self.pending.pop(submit.rid, None)
+            if remaining:
+                self.to_engine.send(protocol.Abort(rids=[submit.rid], reason="abort"), block=False)
+
+    async def _ask(self, target: str, message_type: type, **fields: Any) -> Any:
+        qid = uuid.uuid4().hex
+        future = asyncio.get_running_loop().create_future()
+        self.replies[qid] = future
+        sender = self.to_engine if target == "engine" else self.to_tokenizers
+        sender.send(message_type(qid=qid, reply_to=self.identity, **fields), block=False)
+        try:
+            reply = await asyncio.wait_for(future, QUERY_TIMEOUT_S)
+        except asyncio.TimeoutError:
+            self.replies.pop(qid, None)
+            raise BackendError(503, "timeout", f"the {target} did not answer", retryable=True) from None
+        if not reply.ok:
+            raise BackendError(reply.status if reply.status >= 400 else 400, "invalid_request_error", reply.error)
+        return reply.result
+
+    async def query(self, stage: str, what: str, args: dict) -> Any:
+        return await self._ask(stage, protocol.Query, what=what, args=args)
+
+    async def tokenize(self, **fields: Any) -> Any:
+        return await self._ask("tokenizer", protocol.Tokenize, **fields)
+
+    async def detokenize(self, **fields: Any) -> Any:
+        return await self._ask("tokenizer", protocol.Detokenize, **fields)
+
+    def health(self) -> dict[str, Any]:
+        if self.rt.draining:
+            status = "shutting_down"
+        elif self.stages_down:
+            status = "degraded"
+        elif len(self.pending) >= self.config.server.max_concurrent_requests:
+            status = "overloaded"
+        else:
+            status = "ok"
+        return {"status": status, "stages_down": sorted(self.stages_down), "in_flight": len(self.pending)}
+
+    def stats(self) -> dict[str, Any]:
+        return {"in_flight": len(self.pending), "requests_total": self.requests_total,
+                "stages_down": sorted(self.stages_down)}
+
+
+def main(config: Config, replica: int = 0) -> int:
+    import uvicorn
+
+    runtime = StageRuntime(config, "ingress", replica)
+    info = _model_info(config, runtime)
+    backend = ZmqBackend(config, runtime, info)
+    app = build_app(backend, config.server)
+
+    server_config = uvicorn.Config(app, host=config.server.host, port=config.server.port,
+                                   loop="uvloop" if _has_uvloop() else "asyncio", log_level="warning",
+                                   timeout_graceful_shutdown=int(config.supervisor.drain_timeout_s))
+    server = uvicorn.Server(server_config)
+
+    async def serve() -> None:
+        await backend.start()
+        serve_task = asyncio.create_task(server.serve())
+        while not server.started and not serve_task.done():
+            await asyncio.sleep(0.05)
+        if serve_task.done():
+            await serve_task
+            return
+        runtime.ready({"url": f"http://{config.server.host}:{config.server.port}"})
+        while not serve_task.done():
+            if runtime.shutting_down:
+                server.should_exit = True
+            await asyncio.sleep(0.1)
+        await backend.stop()
+
+    try:
+        if _has_uvloop():
+            import uvloop
+
+            uvloop.run(serve())
+        else:
+            asyncio.run(serve())
+    except OSError as exc:
+        runtime.fatal(f"cannot serve HTTP on {config.server.host}:{config.server.port}: {exc}")
+        return 2
+    return 0
+
+
+def _has_uvloop() -> bool:
+    try:
+        import uvloop  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def _model_info(config: Config, runtime: StageRuntime) -> dict[str, Any]:
+    """max_model_len etc. from the converted model's config.json (ingress never imports MLX)."""
+    import json
+    from pathlib import Path
+
+    path = Path(config.model.path) / "config.json"
+    try:
+        model_config = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+    limit = int(model_config.get("max_position_embeddings") or 0)
+    if config.model.max_model_len:
+        limit = min(limit, config.model.max_model_len) if limit else config.model.max_model_len
+    return {"max_model_len": limit, "model_type": model_config.get("model_type", "")}
