@@ -1,0 +1,240 @@
+"""Load generator: fixed-seed workloads over OpenAI HTTP streaming or the raw ZeroMQ client.
+
+Reports output throughput and time-to-first-token / inter-token latency percentiles as JSON.
+Every request is made to run its full length (the end-of-sequence token is suppressed with
+logit_bias, which mlx_lm.server also honours), so servers are compared on equal work.
+
+    python -m perf.loadgen --url http://127.0.0.1:8000 --workload chat --concurrency 16
+    python -m perf.loadgen --router ipc:///tmp/parallm-x/router.sock --workload rl
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import statistics
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+WORDS = ("the of and to in is that for it as with was on be by at this had not are but from or have an they "
+         "which one you were all we her she there would their will when who him been has more if no out so said "
+         "what up its about than into them can only other new some could time these two may then do first any my "
+         "now such like our over man me even most made after also did many before must through back years where "
+         "much your way well down should because each just those people how too little state good very make world "
+         "still own see men work long get here between both life being under never day same another know while last "
+         "might us great old year off come since against go came right used take three river garden light music").split()
+
+
+@dataclass(frozen=True)
+class Workload:
+    name: str
+    prompt_words: int          # approximate prompt length
+    max_tokens: int
+    requests: int
+    n: int = 1                 # samples per request (RL groups)
+    shared_prefix_words: int = 0
+    chat: bool = True
+
+
+WORKLOADS = {
+    "chat": Workload("chat", prompt_words=40, max_tokens=128, requests=64),
+    "short": Workload("short", prompt_words=40, max_tokens=64, requests=64),
+    "rl": Workload("rl", prompt_words=60, max_tokens=256, requests=8, n=8, chat=False),
+    "shared_prefix": Workload("shared_prefix", prompt_words=30, max_tokens=32, requests=32,
+                              shared_prefix_words=750),
+    "long_context": Workload("long_context", prompt_words=1500, max_tokens=64, requests=8),
+}
+
+
+def make_prompts(workload: Workload, seed: int = 0) -> list[str]:
+    rng = random.Random(seed)
+    prefix = " ".join(rng.choice(WORDS) for _ in range(workload.shared_prefix_words))
+    prompts = []
+    for i in range(workload.requests):
+        body = " ".join(rng.choice(WORDS) for _ in range(workload.prompt_words))
+        text = f"Request {i}: continue this text. {body}"
+        prompts.append(f"{prefix}\n\n{text}" if prefix else text)
+    return prompts
+
+
+@dataclass
+class RequestRecord:
+    ok: bool
+    tokens: int = 0
+    ttft: float = 0.0
+    latency: float = 0.0
+    itls: list[float] = field(default_factory=list)
+    error: str = ""
+
+
+def percentile(values: list[float], q: float) -> float:
+    if not values:
+        return float("nan")
+    ordered = sorted(values)
+    k = (len(ordered) - 1) * q
+    lo, hi = int(k), min(int(k) + 1, len(ordered) - 1)
+    return ordered[lo] + (ordered[hi] - ordered[lo]) * (k - lo)
+
+
+def summarize(records: list[RequestRecord], wall: float, workload: Workload, concurrency: int,
+              target: str) -> dict[str, Any]:
+    ok = [r for r in records if r.ok]
+    tokens = sum(r.tokens for r in ok)
+    ttfts = [r.ttft for r in ok]
+    itls = [x for r in ok for x in r.itls]
+    return {
+        "target": target, "workload": workload.name, "concurrency": concurrency,
+        "requests": len(records), "ok": len(ok), "errors": sorted({r.error for r in records if not r.ok})[:5],
+        "output_tokens": tokens, "wall_s": wall, "throughput_tok_s": tokens / wall if wall else 0.0,
+        "ttft_p50_s": percentile(ttfts, 0.5), "ttft_p99_s": percentile(ttfts, 0.99),
+        "itl_p50_s": percentile(itls, 0.5), "itl_p99_s": percentile(itls, 0.99),
+        "latency_p50_s": percentile([r.latency for r in ok], 0.5),
+    }
+
+
+# ---------------------------------------------------------------------------- HTTP
+
+async def _http_one(client, url: str, model: str, prompt: str, workload: Workload, eos_ids: list[int],
+                    seed: int) -> RequestRecord:
+    body: dict[str, Any] = {"model": model, "max_tokens": workload.max_tokens, "stream": True,
+                            "temperature": 0.0, "stream_options": {"include_usage": True}, "seed": seed,
+                            "logit_bias": {str(t): -100 for t in eos_ids}}
+    if workload.n > 1:
+        body["n"] = workload.n
+        body["temperature"] = 1.0
+    if workload.chat:
+        body["messages"] = [{"role": "user", "content": prompt}]
+        path = "/v1/chat/completions"
+    else:
+        body["prompt"] = prompt
+        path = "/v1/completions"
+    start = time.perf_counter()
+    last = None
+    record = RequestRecord(ok=False)
+    chunks = 0
+    try:
+        async with client.stream("POST", url + path, json=body, timeout=3600) as response:
+            if response.status_code != 200:
+                record.error = f"HTTP {response.status_code}"
+                await response.aread()
+                return record
+            async for line in response.aiter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                payload = json.loads(line[6:])
+                if payload.get("usage"):
+                    record.tokens = payload["usage"]["completion_tokens"]
+                choices = payload.get("choices") or []
+                has_token = any((c.get("delta") or {}).get("content") or c.get("text") for c in choices)
+                if has_token:
+                    now = time.perf_counter()
+                    if last is None:
+                        record.ttft = now - start
+                    else:
+                        record.itls.append(now - last)
+                    last = now
+                    chunks += 1
+    except Exception as exc:  # noqa: BLE001 - a benchmark records every failure
+        record.error = f"{type(exc).__name__}: {exc}"
+        return record
+    record.latency = time.perf_counter() - start
+    record.tokens = record.tokens or chunks
+    record.ok = True
+    return record
+
+
+async def run_http(url: str, model: str, workload: Workload, concurrency: int, eos_ids: list[int],
+                   seed: int = 0) -> dict[str, Any]:
+    import httpx
+
+    prompts = make_prompts(workload, seed)
+    limits = httpx.Limits(max_connections=concurrency + 4, max_keepalive_connections=concurrency + 4)
+    async with httpx.AsyncClient(limits=limits, timeout=3600) as client:
+        semaphore = asyncio.Semaphore(concurrency)
+
+        async def one(i: int, prompt: str) -> RequestRecord:
+            async with semaphore:
+                return await _http_one(client, url, model, prompt, workload, eos_ids, seed + i)
+
+        start = time.perf_counter()
+        records = await asyncio.gather(*(one(i, p) for i, p in enumerate(prompts)))
+        wall = time.perf_counter() - start
+    return summarize(list(records), wall, workload, concurrency, url)
+
+
+# ---------------------------------------------------------------------------- ZeroMQ
+
+async def run_zmq(router: str, workload: Workload, concurrency: int, eos_ids: list[int],
+                  seed: int = 0) -> dict[str, Any]:
+    from parallm.client import AsyncClient
+    from parallm.protocol import SamplingParams
+
+    prompts = make_prompts(workload, seed)
+    async with AsyncClient(router) as client:
+        semaphore = asyncio.Semaphore(concurrency)
+
+        async def one(i: int, prompt: str) -> RequestRecord:
+            params = SamplingParams(max_tokens=workload.max_tokens, temperature=1.0 if workload.n > 1 else 0.0,
+                                    seed=seed + i, logit_bias={t: -100.0 for t in eos_ids}, logprobs=True)
+            record = RequestRecord(ok=False)
+            async with semaphore:
+                start = last = time.perf_counter()
+                first = True
+                try:
+                    text = [{"role": "user", "content": prompt}] if workload.chat else prompt
+                    async for out in client.stream(text, params, n=workload.n):
+                        count = len(out.token_ids) // 4
+                        if count:
+                            now = time.perf_counter()
+                            if first:
+                                record.ttft, first = now - start, False
+                            else:
+                                record.itls.append(now - last)
+                            last = now
+                            record.tokens += count
+                except Exception as exc:  # noqa: BLE001
+                    record.error = f"{type(exc).__name__}: {exc}"
+                    return record
+                record.latency = time.perf_counter() - start
+                record.ok = True
+                return record
+
+        start = time.perf_counter()
+        records = await asyncio.gather(*(one(i, p) for i, p in enumerate(prompts)))
+        wall = time.perf_counter() - start
+    return summarize(list(records), wall, workload, concurrency, router)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    target = parser.add_mutually_exclusive_group(required=True)
+    target.add_argument("--url", help="OpenAI-compatible server base URL (without /v1)")
+    target.add_argument("--router", help="parallm router address for the raw ZeroMQ client")
+    parser.add_argument("--model", default="default")
+    parser.add_argument("--workload", choices=sorted(WORKLOADS), default="chat")
+    parser.add_argument("--concurrency", type=int, default=16)
+    parser.add_argument("--requests", type=int, help="override the workload's request count")
+    parser.add_argument("--max-tokens", type=int, help="override the workload's output length")
+    parser.add_argument("--eos-ids", default="2", help="token ids to suppress (comma-separated)")
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args(argv)
+    workload = WORKLOADS[args.workload]
+    if args.requests or args.max_tokens:
+        workload = Workload(**{**asdict(workload), **({"requests": args.requests} if args.requests else {}),
+                               **({"max_tokens": args.max_tokens} if args.max_tokens else {})})
+    eos = [int(x) for x in args.eos_ids.split(",") if x]
+    if args.url:
+        result = asyncio.run(run_http(args.url, args.model, workload, args.concurrency, eos, args.seed))
+    else:
+        result = asyncio.run(run_zmq(args.router, workload, args.concurrency, eos, args.seed))
+    json.dump(result, sys.stdout, indent=2)
+    print()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,102 @@
+"""A tokenizer stage: chat templates, tokenization and prompt-length checks.
+
+Several replicas may run; producers PUSH to all of them (ZeroMQ round-robins). A request the
+templater refuses (too long, bad message) gets its error routed to the client through the
+detokenizer, like every other reply; everything else goes on to the engine as a Submit.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import zmq
+
+from parallm import protocol
+from parallm.config import Config
+from parallm.runtime import StageRuntime
+from parallm.text.templating import Templater, TemplateError
+from parallm.transport import Receiver, Sender, open_socket
+
+log = logging.getLogger("parallm.tokenizer")
+
+
+class TokenizerStage:
+    def __init__(self, config: Config, runtime: StageRuntime, templater: Templater) -> None:
+        self.config = config
+        self.rt = runtime
+        self.templater = templater
+        ctx, addrs, hwm = runtime.ctx, runtime.addrs, config.transport.hwm
+        self.inbox = Receiver(open_socket(ctx, zmq.PULL, addrs.tokenizers[runtime.replica], bind=True, hwm=hwm),
+                              protocol.TokenizerInbound, name="tokenizer")
+        self.to_engine = Sender(open_socket(ctx, zmq.PUSH, addrs.engine, bind=False, hwm=hwm))
+        self.to_detok = Sender(open_socket(ctx, zmq.PUSH, addrs.detok, bind=False, hwm=hwm))
+        self.handled = 0
+        self.rejected = 0
+
+    def handle(self, message: Any) -> None:
+        self.handled += 1
+        if isinstance(message, protocol.TextSubmit):
+            self.on_text_submit(message)
+        elif isinstance(message, protocol.Tokenize):
+            self._reply(message.qid, message.reply_to, lambda: self.templater.tokenize(message))
+        elif isinstance(message, protocol.Detokenize):
+            self._reply(message.qid, message.reply_to, lambda: self.templater.detokenize(message))
+        elif isinstance(message, protocol.Query):
+            self._reply(message.qid, message.reply_to, lambda: self.stats())
+
+    def _reply(self, qid: str, reply_to: bytes, compute) -> None:
+        try:
+            result = compute()
+        except TemplateError as exc:
+            self.to_detok.send(protocol.QueryReply(qid=qid, reply_to=reply_to, ok=False, error=str(exc),
+                                                   status=exc.status))
+            return
+        self.to_detok.send(protocol.QueryReply(qid=qid, reply_to=reply_to, result=result))
+
+    def on_text_submit(self, message: protocol.TextSubmit) -> None:
+        try:
+            ids = self.templater.encode(message)
+        except TemplateError as exc:
+            self.rejected += 1
+            self.to_detok.send(protocol.RequestError(rid=message.rid, reply_to=message.reply_to, status=exc.status,
+                                                     code="invalid_request_error", message=str(exc),
+                                                     param=exc.param))
+            return
+        self.to_engine.send(protocol.Submit(
+            rid=message.rid, reply_to=message.reply_to, prompt_ids=protocol.pack_ids(ids), params=message.params,
+            n=message.n, detok=message.detok, stream=message.stream, adapter=message.adapter,
+            adapter_version=message.adapter_version, min_version=message.min_version,
+            max_staleness=message.max_staleness, metadata=message.metadata, submitted_at=message.submitted_at))
+
+    def stats(self) -> dict[str, Any]:
+        return {"handled": self.handled, "rejected": self.rejected, "dropped_frames": self.inbox.dropped}
+
+    def run(self) -> int:
+        beat_ms = max(1, int(self.config.supervisor.heartbeat_s * 1000))
+        while not self.rt.shutting_down:
+            message = self.inbox.recv(timeout_ms=beat_ms)
+            if message is not None:
+                self.handle(message)
+                for queued in self.inbox.drain(256):
+                    self.handle(queued)
+            self.rt.poll_control()
+            self.rt.heartbeat(self.stats)
+        return 0
+
+
+def main(config: Config, replica: int = 0) -> int:
+    runtime = StageRuntime(config, "tokenizer", replica)
+    from parallm.text.loading import load_text_tokenizer
+
+    try:
+        tokenizer, max_model_len = load_text_tokenizer(config.model)
+    except (OSError, ValueError) as exc:
+        runtime.fatal(f"cannot load the tokenizer of {config.model.path!r}: {exc}")
+        return 2
+    stage = TokenizerStage(config, runtime, Templater(tokenizer, max_model_len))
+    runtime.ready({"max_model_len": max_model_len})
+    try:
+        return stage.run()
+    finally:
+        runtime.close()
