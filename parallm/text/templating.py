@@ -1,0 +1,188 @@
+"""The tokenizer stage's logic: prompts, chat templates and prompt-length checks, to token ids.
+
+Errors are `TemplateError`s carrying an OpenAI-style message, the offending parameter and an
+HTTP status, so the stage can answer with a RequestError without knowing what went wrong.
+Messages follow vLLM's wording where vLLM has one, since clients match on them.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any, Sequence
+
+from parallm.protocol import Detokenize, RequestError, TextSubmit, Tokenize, unpack_ids
+from parallm.text.vocab import TokenizerLike, TokenizerView
+
+# Arguments of apply_chat_template that chat_template_kwargs must not override.
+_RESERVED_KWARGS = frozenset({
+    "conversation", "tokenize", "chat_template", "add_generation_prompt", "continue_final_message",
+    "return_dict", "return_tensors", "padding", "truncation", "max_length", "tokenizer_kwargs",
+    "return_assistant_tokens_mask"})
+_TEXT_PARTS = ("text", "input_text")
+
+
+class TemplateError(ValueError):
+    """A request the tokenizer stage refuses: an OpenAI-style error for the client."""
+
+    def __init__(self, message: str, param: str | None = None, status: int = 400,
+                 code: str = "invalid_request_error") -> None:
+        super().__init__(message)
+        self.message, self.param, self.status, self.code = message, param, status, code
+
+    def to_error(self, rid: str, reply_to: bytes = b"") -> RequestError:
+        return RequestError(rid=rid, reply_to=reply_to, status=self.status, code=self.code,
+                            message=self.message, param=self.param)
+
+
+def content_text(content: Any, where: str) -> str | None:
+    """A message's content as a string: OpenAI content-part lists joined with newlines (as vLLM)."""
+    if content is None or isinstance(content, str):
+        return content
+    if not isinstance(content, list):
+        raise TemplateError(f"{where} must be a string or a list of content parts", where)
+    texts = []
+    for j, part in enumerate(content):
+        if isinstance(part, str):
+            texts.append(part)
+            continue
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind in _TEXT_PARTS and isinstance(part.get("text"), str):
+            texts.append(part["text"])
+        elif kind in _TEXT_PARTS:
+            raise TemplateError(f"{where}[{j}] has no 'text' string", f"{where}[{j}].text")
+        else:
+            raise TemplateError(f"{where}[{j}]: content part type {kind!r} is not supported; this model "
+                                "takes text only (parts of type 'text')", f"{where}[{j}].type")
+    return "\n".join(texts)
+
+
+def normalize_messages(messages: Sequence[Any]) -> list[dict[str, Any]]:
+    """Copies of the messages that chat templates expect: string content, tool-call arguments as
+    dicts (templates apply `tojson` to them; OpenAI sends them as JSON strings)."""
+    if not isinstance(messages, (list, tuple)) or not messages:
+        raise TemplateError("messages must be a non-empty list", "messages")
+    out = []
+    for i, msg in enumerate(messages):
+        if not isinstance(msg, dict) or not isinstance(msg.get("role"), str):
+            raise TemplateError(f"messages[{i}] must be an object with a string 'role'", f"messages[{i}].role")
+        msg = dict(msg)
+        if "content" in msg:
+            msg["content"] = content_text(msg["content"], f"messages[{i}].content")
+        if isinstance(msg.get("tool_calls"), list):
+            msg["tool_calls"] = [_parse_arguments(call) for call in msg["tool_calls"]]
+        out.append(msg)
+    return out
+
+
+def _parse_arguments(call: Any) -> Any:
+    fn = call.get("function") if isinstance(call, dict) else None
+    if not isinstance(fn, dict) or not isinstance(fn.get("arguments"), str):
+        return call
+    try:
+        args = json.loads(fn["arguments"])
+    except ValueError:
+        return call
+    return {**call, "function": {**fn, "arguments": args}}
+
+
+class Templater:
+    """Turns TextSubmit / Tokenize / Detokenize requests into ids or text, checking them."""
+
+    def __init__(self, tokenizer: TokenizerLike, max_model_len: int, vocab_size: int | None = None) -> None:
+        self.tok = TokenizerView.of(tokenizer)
+        self.max_model_len = max_model_len
+        self.vocab_size = self.tok.vocab_size if vocab_size is None else vocab_size
+
+    # ------------------------------------------------------------------ requests
+
+    def encode(self, req: TextSubmit) -> list[int]:
+        """The prompt ids for a request, checked against the vocabulary and the context length."""
+        given = [name for name in ("prompt", "messages", "prompt_ids") if getattr(req, name) is not None]
+        if len(given) != 1:
+            raise TemplateError("give exactly one of prompt, messages or prompt_ids"
+                                + (f" (got {', '.join(given)})" if given else ""), "prompt")
+        if req.messages is not None:
+            param = "messages"
+            text = self.render(req.messages, add_generation_prompt=req.add_generation_prompt,
+                               continue_final_message=req.continue_final_message,
+                               chat_template_kwargs=req.chat_template_kwargs)
+            ids = self.tok.encode(text, add_special_tokens=req.add_special_tokens)
+        elif req.prompt is not None:
+            param = "prompt"
+            ids = self.tok.encode(req.prompt, add_special_tokens=req.add_special_tokens)
+        else:
+            param = "prompt"
+            ids = self.check_ids(unpack_ids(req.prompt_ids or b""), param)
+        if not ids:
+            raise TemplateError("The decoder prompt cannot be empty", param)
+        self.check_length(len(ids), req.params.max_tokens, param)
+        return ids
+
+    def tokenize(self, req: Tokenize) -> list[int]:
+        """/v1/tokenize: a prompt or chat messages to ids (no length check, as vLLM)."""
+        if (req.prompt is None) == (req.messages is None):
+            raise TemplateError("give exactly one of prompt or messages", "prompt")
+        if req.messages is not None:
+            text = self.render(req.messages, add_generation_prompt=req.add_generation_prompt,
+                               chat_template_kwargs=req.chat_template_kwargs)
+            return self.tok.encode(text, add_special_tokens=req.add_special_tokens)
+        return self.tok.encode(req.prompt or "", add_special_tokens=req.add_special_tokens)
+
+    def detokenize(self, req: Detokenize) -> str:
+        """/v1/detokenize: ids (checked) to text."""
+        ids = self.check_ids(unpack_ids(req.ids), "tokens")
+        return self.tok.decode(ids, skip_special_tokens=req.skip_special_tokens)
+
+    # ------------------------------------------------------------------ parts
+
+    def render(self, messages: Sequence[Any], *, add_generation_prompt: bool = True,
+               continue_final_message: bool = False,
+               chat_template_kwargs: dict[str, Any] | None = None) -> str:
+        """The chat template applied to the messages, as text (special tokens written out)."""
+        if self.tok.hf is None or not self.tok.chat_template:
+            raise TemplateError("This model has no chat template, so chat messages cannot be used; "
+                                "send a plain prompt to /v1/completions instead", "messages")
+        if add_generation_prompt and continue_final_message:
+            raise TemplateError("Cannot set both `continue_final_message` and `add_generation_prompt` "
+                                "to True.", "continue_final_message")
+        kwargs = dict(chat_template_kwargs or {})
+        reserved = sorted(_RESERVED_KWARGS.intersection(kwargs))
+        if reserved:
+            raise TemplateError(f"chat_template_kwargs may not set {', '.join(reserved)}",
+                                "chat_template_kwargs")
+        conversation = normalize_messages(messages)
+        try:
+            text = self.tok.hf.apply_chat_template(
+                conversation, tokenize=False, add_generation_prompt=add_generation_prompt,
+                continue_final_message=continue_final_message, **kwargs)
+        except Exception as exc:  # a template raising on these messages is the request's fault
+            raise TemplateError(f"The chat template could not be applied to these messages: {exc}",
+                                "messages") from None
+        if not isinstance(text, str):
+            raise TemplateError("The chat template did not produce text", "messages", status=500,
+                                code="internal_error")
+        return text
+
+    def check_ids(self, ids: list[int], param: str) -> list[int]:
+        """Ids must be in [0, vocab_size)."""
+        bad = next((i for i in ids if not 0 <= i < self.vocab_size), None)
+        if bad is not None:
+            raise TemplateError(f"Token id {bad} is out of vocabulary (the vocabulary has "
+                                f"{self.vocab_size} tokens)", param)
+        return ids
+
+    def check_length(self, prompt_tokens: int, max_tokens: int | None, param: str = "messages") -> None:
+        """vLLM's context-length check: prompt + max_tokens must fit in max_model_len."""
+        n = self.max_model_len
+        if max_tokens is None:
+            if prompt_tokens >= n:
+                raise TemplateError(
+                    f"This model's maximum context length is {n} tokens. However, you requested "
+                    f"{prompt_tokens} tokens in the messages, Please reduce the length of the messages.",
+                    param)
+        elif prompt_tokens + max_tokens > n:
+            raise TemplateError(
+                f"This model's maximum context length is {n} tokens. However, you requested "
+                f"{prompt_tokens + max_tokens} tokens ({prompt_tokens} in the messages, {max_tokens} in "
+                f"the completion). Please reduce the length of the messages or completion.",
+                param)
