@@ -157,7 +157,10 @@ class Score(Message, tag="score"):
 
 
 class Abort(Message, tag="abort"):
+    """End requests (every sample of each rid), single samples (`sequences`: [rid, index]), or all."""
+
     rids: list[str] = []
+    sequences: list[tuple[str, int]] = []
     all: bool = False
     reason: str = "abort"
 
@@ -215,6 +218,8 @@ class Track(Message, tag="track"):
     detok: DetokSpec | None = None
     stream: bool = True
     adapter: str = ""
+    stop_token_ids: list[int] = []
+    min_tokens: int = 0
     metadata: dict[str, Any] = {}
     submitted_at: float = 0.0
 

@@ -65,6 +65,8 @@ class EngineStage:
             rids = list(self.engine.request_ids()) if message.all else message.rids
             for rid in rids:
                 self.engine.abort(rid, message.reason)
+            for rid, index in message.sequences:
+                self.engine.abort(rid, message.reason, index=index)
         elif isinstance(message, protocol.Query):
             self.on_query(message)
         elif isinstance(message, protocol.Score):
@@ -99,7 +101,8 @@ class EngineStage:
             return
         self.out.send(protocol.Track(rid=message.rid, reply_to=message.reply_to, n=message.n,
                                      prompt_ids=message.prompt_ids, detok=message.detok, stream=message.stream,
-                                     adapter=message.adapter, metadata=message.metadata,
+                                     adapter=message.adapter, stop_token_ids=message.params.stop_token_ids,
+                                     min_tokens=message.params.min_tokens, metadata=message.metadata,
                                      submitted_at=message.submitted_at))
 
     def on_score(self, message: protocol.Score) -> None:

@@ -202,7 +202,9 @@ def main(config: Config, replica: int = 0) -> int:
     import uvicorn
 
     runtime = StageRuntime(config, "ingress", replica)
-    info = _model_info(config, runtime)
+    from parallm.text.loading import model_limits
+
+    info = model_limits(config.model)
     backend = ZmqBackend(config, runtime, info)
     app = build_app(backend, config.server)
 
@@ -245,19 +247,3 @@ def _has_uvloop() -> bool:
     except ImportError:
         return False
     return True
-
-
-def _model_info(config: Config, runtime: StageRuntime) -> dict[str, Any]:
-    """max_model_len etc. from the converted model's config.json (ingress never imports MLX)."""
-    import json
-    from pathlib import Path
-
-    path = Path(config.model.path) / "config.json"
-    try:
-        model_config = json.loads(path.read_text())
-    except (OSError, ValueError):
-        return {}
-    limit = int(model_config.get("max_position_embeddings") or 0)
-    if config.model.max_model_len:
-        limit = min(limit, config.model.max_model_len) if limit else config.model.max_model_len
-    return {"max_model_len": limit, "model_type": model_config.get("model_type", "")}

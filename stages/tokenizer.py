@@ -59,9 +59,7 @@ class TokenizerStage:
             ids = self.templater.encode(message)
         except TemplateError as exc:
             self.rejected += 1
-            self.to_detok.send(protocol.RequestError(rid=message.rid, reply_to=message.reply_to, status=exc.status,
-                                                     code="invalid_request_error", message=str(exc),
-                                                     param=exc.param))
+            self.to_detok.send(exc.to_error(message.rid, message.reply_to))
             return
         self.to_engine.send(protocol.Submit(
             rid=message.rid, reply_to=message.reply_to, prompt_ids=protocol.pack_ids(ids), params=message.params,
@@ -90,12 +88,13 @@ def main(config: Config, replica: int = 0) -> int:
     from parallm.text.loading import load_text_tokenizer
 
     try:
-        tokenizer, max_model_len = load_text_tokenizer(config.model)
+        tokenizer, limits = load_text_tokenizer(config.model)
     except (OSError, ValueError) as exc:
         runtime.fatal(f"cannot load the tokenizer of {config.model.path!r}: {exc}")
         return 2
-    stage = TokenizerStage(config, runtime, Templater(tokenizer, max_model_len))
-    runtime.ready({"max_model_len": max_model_len})
+    templater = Templater(tokenizer, limits["max_model_len"], limits["vocab_size"] or None)
+    stage = TokenizerStage(config, runtime, templater)
+    runtime.ready(limits)
     try:
         return stage.run()
     finally:

@@ -1,0 +1,175 @@
+"""The detokenizer stage: engine steps in, per-client outputs out, rollouts published.
+
+It learns each request from the engine's Track (sent on the same socket ahead of the
+request's outputs), turns every step's deltas into text with stop-string hold-back, sends
+each client one Outputs message per step, tells the engine to abort samples whose stop string
+matched, and publishes every finished sample on the rollout PUB (never blocking on a slow
+subscriber: what would block is dropped and counted). When the engine dies, every request it
+held ends here with a retryable error.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import defaultdict
+from dataclasses import dataclass
+from typing import Any
+
+import zmq
+
+from parallm import protocol
+from parallm.config import Config
+from parallm.runtime import StageRuntime
+from parallm.text.sequence import DetokState
+from parallm.text.vocab import TokenizerView
+from parallm.transport import Receiver, Router, Sender, open_socket
+
+log = logging.getLogger("parallm.detokenizer")
+
+
+@dataclass
+class _Request:
+    reply_to: bytes
+    states: list[DetokState]
+    remaining: int
+
+
+class DetokenizerStage:
+    def __init__(self, config: Config, runtime: StageRuntime, tokenizer: TokenizerView, model_name: str) -> None:
+        self.config = config
+        self.rt = runtime
+        self.tok = tokenizer
+        self.model_name = model_name
+        ctx, addrs, hwm = runtime.ctx, runtime.addrs, config.transport.hwm
+        self.inbox = Receiver(open_socket(ctx, zmq.PULL, addrs.detok, bind=True, hwm=hwm),
+                              protocol.DetokInbound, name="detokenizer")
+        self.router = Router(open_socket(ctx, zmq.ROUTER, addrs.router, bind=True, hwm=hwm))
+        self.rollouts = open_socket(ctx, zmq.XPUB, addrs.rollouts, bind=True, hwm=config.rl.rollout_hwm)
+        self.rollouts.setsockopt(zmq.XPUB_NODROP, 1)
+        self.to_engine = Sender(open_socket(ctx, zmq.PUSH, addrs.engine, bind=False, hwm=hwm))
+        self.requests: dict[str, _Request] = {}
+        self.stats_counters = defaultdict(int)
+        self.last_batch_size = 0
+
+    # ------------------------------------------------------------------ inbound
+    def on_track(self, track: protocol.Track) -> None:
+        states = [DetokState.from_track(self.tok, track, index, stop_token_ids=track.stop_token_ids,
+                                        min_tokens=track.min_tokens) for index in range(track.n)]
+        self.requests[track.rid] = _Request(track.reply_to, states, track.n)
+
+    def on_step(self, step: protocol.StepOutputs) -> None:
+        now = time.time()
+        by_client: dict[bytes, list[protocol.Output]] = defaultdict(list)
+        aborts: list[tuple[str, int]] = []
+        self.last_batch_size = step.batch_size
+        for delta in step.outputs:
+            request = self.requests.get(delta.rid)
+            if request is None or delta.index >= len(request.states):
+                continue
+            state = request.states[delta.index]
+            out = state.update(delta, now)
+            if out is None:
+                continue
+            by_client[request.reply_to].append(out)
+            if state.needs_abort:
+                state.needs_abort = False
+                aborts.append((delta.rid, delta.index))
+            if state.finished:
+                self.publish(state)
+                request.remaining -= 1
+                if request.remaining == 0:
+                    del self.requests[delta.rid]
+        for reply_to, items in by_client.items():
+            self.router.send(reply_to, protocol.Outputs(items=items, batch_size=step.batch_size))
+        if aborts:
+            self.to_engine.send(protocol.Abort(sequences=aborts, reason="stop"))
+            self.stats_counters["stop_string_aborts"] += len(aborts)
+        self.stats_counters["outputs"] += len(step.outputs)
+
+    def on_error(self, error: protocol.RequestError) -> None:
+        request = self.requests.pop(error.rid, None)
+        reply_to = error.reply_to or (request.reply_to if request else b"")
+        if reply_to:
+            self.router.send(reply_to, error)
+        self.stats_counters["errors"] += 1
+
+    def publish(self, state: DetokState) -> None:
+        rollout = state.rollout()
+        try:
+            self.rollouts.send_multipart([rollout.adapter.encode(), protocol.encode(rollout)], zmq.NOBLOCK)
+            self.stats_counters["rollouts_published"] += 1
+        except zmq.Again:
+            self.stats_counters["rollouts_dropped"] += 1
+
+    def on_client(self, identity: bytes, message: Any) -> None:
+        if isinstance(message, protocol.Hello):
+            self.router.send(identity, protocol.Welcome(model=self.model_name, addresses=self.rt.addrs.public()))
+
+    def on_engine_down(self) -> None:
+        """The engine died: every request it held is lost; tell each client, retryably."""
+        for rid, request in self.requests.items():
+            self.router.send(request.reply_to, protocol.RequestError(
+                rid=rid, status=503, code="stage_restarted", retryable=True,
+                message="the engine restarted while this request was in flight; retry it"))
+        log.warning("engine down: failed %d in-flight request(s)", len(self.requests))
+        self.requests.clear()
+
+    def handle(self, message: Any) -> None:
+        if isinstance(message, protocol.StepOutputs):
+            self.on_step(message)
+        elif isinstance(message, protocol.Track):
+            self.on_track(message)
+        elif isinstance(message, protocol.RequestError):
+            self.on_error(message)
+        elif isinstance(message, protocol.QueryReply):
+            if message.reply_to:
+                self.router.send(message.reply_to, message)
+
+    def stats(self) -> dict[str, Any]:
+        return {"in_flight": len(self.requests), "unroutable": self.router.unroutable,
+                "dropped_frames": self.inbox.dropped, "batch_size": self.last_batch_size,
+                **self.stats_counters}
+
+    # ------------------------------------------------------------------ loop
+    def run(self) -> int:
+        poller = zmq.Poller()
+        poller.register(self.inbox.sock, zmq.POLLIN)
+        poller.register(self.router.sock, zmq.POLLIN)
+        poller.register(self.rollouts, zmq.POLLIN)
+        poller.register(self.rt.control.sock, zmq.POLLIN)
+        beat_ms = max(1, int(self.config.supervisor.heartbeat_s * 1000))
+        while not self.rt.shutting_down:
+            ready = dict(poller.poll(beat_ms))
+            if self.inbox.sock in ready:
+                for message in self.inbox.drain(1024):
+                    self.handle(message)
+            if self.router.sock in ready:
+                for identity, message in self.router.drain(256):
+                    self.on_client(identity, message)
+            if self.rollouts in ready:
+                while self.rollouts.poll(0, zmq.POLLIN):
+                    self.rollouts.recv()  # subscription notices
+            if self.rt.control.sock in ready:
+                for message in self.rt.poll_control():
+                    if isinstance(message, protocol.StageDown) and message.stage == "engine":
+                        self.on_engine_down()
+            self.rt.heartbeat(self.stats)
+        return 0
+
+
+def main(config: Config, replica: int = 0) -> int:
+    runtime = StageRuntime(config, "detokenizer", replica)
+    from parallm.text.loading import load_text_tokenizer
+
+    try:
+        tokenizer, _ = load_text_tokenizer(config.model)
+    except (OSError, ValueError) as exc:
+        runtime.fatal(f"cannot load the tokenizer of {config.model.path!r}: {exc}")
+        return 2
+    stage = DetokenizerStage(config, runtime, TokenizerView.of(tokenizer), config.model.served_name)
+    runtime.ready()
+    try:
+        return stage.run()
+    finally:
+        runtime.close()
