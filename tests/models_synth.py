@@ -51,7 +51,9 @@ CONFIGS: dict[str, dict[str, Any]] = {
     "gemma": {**_BASE, "model_type": "gemma"},
     "gemma2": {**_BASE, "model_type": "gemma2", "query_pre_attn_scalar": 64.0,
                "attn_logit_softcapping": 50.0, "final_logit_softcapping": 30.0},
-    "gemma3": {**_BASE, "model_type": "gemma3_text", "query_pre_attn_scalar": 64.0, "sliding_window": 4,
+    # mlx-lm's gemma3_text needs one full sliding-window pattern (6 layers) to build its masks.
+    "gemma3": {**_BASE, "model_type": "gemma3_text", "num_hidden_layers": 6, "query_pre_attn_scalar": 64.0,
+               "sliding_window": 4,
                "sliding_window_pattern": 6, "rope_local_base_freq": 10000.0, "rope_theta": 1e6},
 }
 
