@@ -1,0 +1,25 @@
+"""Model loading: model specs -> MLX model directories -> mlx-lm models under a dtype policy.
+
+The engine and stages use only what is exported here (see docs/models.md):
+
+    source = resolve_model(config.model)        # "default", MLX dir, hub id (offline) or .gguf
+    loaded = load_model(config.model)           # LoadedModel: mlx-lm model, dtype, eos ids, limits
+    tokenizer = load_tokenizer(loaded.source)   # transformers PreTrainedTokenizerFast
+    path = materialize(source, "float32")       # the same weights on disk, for baselines
+"""
+
+from .errors import ModelLoadError
+from .loader import SUPPORTED_MODEL_TYPES, LoadedModel, load_model, load_tokenizer, materialize
+from .resolve import resolve_model
+from .source import ModelSource
+
+__all__ = [
+    "SUPPORTED_MODEL_TYPES",
+    "LoadedModel",
+    "ModelLoadError",
+    "ModelSource",
+    "load_model",
+    "load_tokenizer",
+    "materialize",
+    "resolve_model",
+]
