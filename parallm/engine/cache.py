@@ -224,7 +224,11 @@ class KVPool:
         self.dtype = dtype
         self.num_blocks = num_blocks
         self.block_size = block_size
-        self.arrays: list[mx.array] = []  # K of every layer, then V; allocated on first write
+        self.arrays: list[mx.array] = []  # K of every layer, then V
+
+    def allocate(self) -> None:
+        """Commit the pool's memory now (zero-filling GBs takes a while: do it at start-up)."""
+        self._ensure()
 
     @property
     def nbytes(self) -> int:

@@ -84,6 +84,7 @@ class Engine:
         self.runner = ModelRunner(model, info, vocab_size=self.vocab_size, pool_blocks=pool_blocks,
                                   block_size=bs, compile=config.compile)
         self.runner.eos_ids = self.eos_token_ids
+        self.runner.pool.allocate()
         self._requests: dict[str, list[Sequence]] = {}
         self._unreported: list[Sequence] = []  # aborted: reported by the next step()
         self._launches: list[Launch] = []
