@@ -4,6 +4,10 @@ Row layout of the dense live KV (see cache.LiveKV): running sequences occupy row
 [0, nrun), sequences being prefilled rows [nrun, nrun + npre), in list order. Every change
 to that layout is emitted as an ordered `RowOp` for the runner, which owns the arrays.
 
+Row ops snapshot `num_computed` when they are emitted, so the caller must run them before
+the next decode launch (the engine runs them at the start of the next step, or at once for
+aborts).
+
 Per step (docs/scheduling.md has the reasoning and the measurements):
 1. rows released since the last step (finished, aborted) are compacted;
 2. if the live buffer cannot grow to what the next passes need, the newest admitted sequences
@@ -358,8 +362,11 @@ class Scheduler:
                 if len(rems) + 1 > self.max_prefill_rows:
                     return
                 length = self.chunk_len(rems + [remaining])
-                # join a pass only if this row's chunk fills at least half the padded length
-                if rems and 2 * min(remaining, length) < length:
+                # join a pass only if this row's chunk fills at least half the padded length, and
+                # only if the pass's chunk stays long enough to take this prompt (or what the
+                # others would get without it): more rows with shorter chunks only delay everyone
+                if rems and (2 * min(remaining, length) < length
+                             or length < min(remaining, self.chunk_len(rems))):
                     return
                 need = self._capacity(starts + [cached], length)
             else:
