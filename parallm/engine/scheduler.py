@@ -53,6 +53,8 @@ class KVBudget:
         else grown in quanta (capacity by at least a quarter, so copies stay rare), else the
         tightest that fits the budget; None if even the exact need does not fit."""
         r0, c0 = current
+        if rows > self.max_rows or cap > self.max_len:
+            return None
         if rows <= r0 and cap <= c0:
             return current
         grown_r = r0 if rows <= r0 else min(self.max_rows, round_up(rows, self.row_quantum))
