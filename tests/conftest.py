@@ -18,3 +18,16 @@ def pytest_configure(config):
     if capman is not None:
         capman.suspend_global_capture(in_=True)
     blas.reexec_with_openblas()
+
+
+@pytest.fixture
+def engines():
+    """Engines made through this list get check_integrity() (and a leak check when idle) at teardown."""
+    made = []
+    yield made
+    for engine in made:
+        engine.check_integrity()
+        if not engine.has_work():
+            stats = engine.stats()
+            assert stats["kv_blocks_used"] == 0, "idle engine still holds prefix-cache blocks"
+            assert stats["running"] == stats["prefilling"] == stats["waiting"] == 0
