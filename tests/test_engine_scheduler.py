@@ -221,6 +221,8 @@ def test_budget_shape_policy():
     assert b.shape_for(4, 48, (4, 48)) == (4, 48)  # enough: no change
     assert b.shape_for(5, 48, (4, 48)) == (8, 48)  # rows grown by a quantum
     assert b.shape_for(4, 49, (4, 48)) == (4, 64)  # capacity grown by at least a quarter
-    assert b.shape_for(8, 120, (8, 64)) == (8, 120)  # tight when the grown shape would not fit
+    assert b.shape_for(8, 100, (8, 64)) == (8, 112)  # grown to a capacity quantum
+    assert b.shape_for(8, 120, (8, 64)) == (8, 125)  # as much as fits when the grown shape would not
+    assert b.shape_for(6, 30, (8, 125)) == (8, 125)
     assert b.shape_for(9, 10, (8, 64)) is None  # rows over the limit
     assert b.shape_for(2, 501, (0, 0)) is None

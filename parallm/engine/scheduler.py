@@ -60,10 +60,12 @@ class KVBudget:
         grown_r = r0 if rows <= r0 else min(self.max_rows, round_up(rows, self.row_quantum))
         grown_c = c0 if cap <= c0 else min(self.max_len, round_up(max(cap, c0 + c0 // 4), self.cap_quantum))
         tight_r = min(self.max_rows, round_up(rows, self.row_quantum))
-        tight_c = min(self.max_len, round_up(cap, self.cap_quantum))
-        for r, c in ((grown_r, grown_c), (max(tight_r, rows), max(grown_c, cap)),
-                     (max(grown_r, rows), max(tight_c, cap)), (tight_r, tight_c), (rows, cap)):
-            if r >= rows and c >= cap and r * c <= self.budget_tokens:
+        for r in dict.fromkeys((grown_r, tight_r, rows)):
+            if r < rows:
+                continue
+            # the grown capacity, or as much of it as the budget allows with r rows
+            c = min(grown_c, self.budget_tokens // r)
+            if c >= cap:
                 return (r, c)
         return None
 
