@@ -1,19 +1,33 @@
-"""Test-session setup shared by every test module."""
+"""Shared test setup: OpenBLAS preloaded for every test process (matmuls ~50x faster on CPU).
 
-from __future__ import annotations
+The preload needs a re-exec. pytest has already redirected fds 1/2 into its capture files
+by the time a conftest runs, so capturing is suspended first: otherwise the re-executed
+pytest writes its whole report into a capture file nobody reads.
+"""
 
 import pytest
 
 from parallm import blas
 
 
-def pytest_configure(config: pytest.Config) -> None:
-    # MLX's Linux CPU wheels link a slow reference BLAS: re-run pytest with OpenBLAS preloaded so
-    # tests that run models take seconds, not minutes (a no-op where it does not apply or is done).
-    # Output capture is stopped first, or the new process would write into pytest's capture files.
+@pytest.hookimpl(tryfirst=True)
+def pytest_configure(config):
     if blas.is_preloaded() or blas.openblas_env() is None:
         return
-    capture = config.pluginmanager.getplugin("capturemanager")
-    if capture is not None:
-        capture.stop_global_capturing()
+    capman = config.pluginmanager.getplugin("capturemanager")
+    if capman is not None:
+        capman.suspend_global_capture(in_=True)
     blas.reexec_with_openblas()
+
+
+@pytest.fixture
+def engines():
+    """Engines made through this list get check_integrity() (and a leak check when idle) at teardown."""
+    made = []
+    yield made
+    for engine in made:
+        engine.check_integrity()
+        if not engine.has_work():
+            stats = engine.stats()
+            assert stats["kv_blocks_used"] == 0, "idle engine still holds prefix-cache blocks"
+            assert stats["running"] == stats["prefilling"] == stats["waiting"] == 0

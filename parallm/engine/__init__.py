@@ -1,0 +1,11 @@
+"""The scheduler-decoder core: continuous batching over a dense live KV and a block prefix cache.
+
+Usable in-process without any socket; the engine stage drives exactly this API.
+"""
+
+from .compat import SUPPORTED_MODEL_TYPES, UnsupportedModel
+from .engine import Engine
+from .request import Request, RequestRejected, ScoreResult, SeqOutput
+
+__all__ = ["Engine", "Request", "RequestRejected", "ScoreResult", "SeqOutput", "SUPPORTED_MODEL_TYPES",
+           "UnsupportedModel"]

@@ -1,0 +1,195 @@
+"""Prefix-cache bookkeeping, pure Python (modelled on nano-vllm's BlockManager).
+
+A block holds the KV of `block_size` consecutive tokens. Its key is a chained hash of
+(parent block's hash, the block's token ids, adapter identity), so a block is only ever reused
+after exactly the same prefix under the same adapter; the token ids are kept too, to catch hash
+collisions. Blocks are reference-counted by the live sequences that matched or wrote them.
+A block whose count drops to zero keeps its hash (it can still be hit) and sits in an LRU list,
+evicted only when a new block is needed; never-hashed free blocks are used first.
+
+Physical storage (per-layer pool arrays) lives in `cache.KVPool`; this module only decides
+which block ids hold what.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import struct
+from array import array
+from collections import OrderedDict, deque
+from dataclasses import dataclass
+from typing import Mapping, Sequence
+
+NO_HASH = -1
+
+
+def block_hash(parent: int, tokens: Sequence[int], adapter: str = "") -> int:
+    """Chained 63-bit hash of one block (stable across processes, unlike `hash()`)."""
+    h = hashlib.blake2b(digest_size=8)
+    h.update(struct.pack("<q", parent))
+    h.update(array("i", tokens).tobytes())
+    h.update(adapter.encode())
+    return int.from_bytes(h.digest(), "little") >> 1
+
+
+@dataclass(slots=True)
+class Block:
+    block_id: int
+    ref_count: int = 0
+    hash: int = NO_HASH
+    token_ids: tuple[int, ...] = ()
+
+
+class BlockManager:
+    def __init__(self, num_blocks: int, block_size: int) -> None:
+        if block_size < 1:
+            raise ValueError("block_size must be >= 1")
+        self.block_size = block_size
+        self.blocks = [Block(i) for i in range(num_blocks)]
+        self.hash_to_block: dict[int, int] = {}
+        self.free_unhashed: deque[int] = deque(range(num_blocks))
+        self.free_cached: OrderedDict[int, None] = OrderedDict()  # least recently freed first
+        self.evictions = 0
+
+    # ------------------------------------------------------------------ counts
+    @property
+    def num_blocks(self) -> int:
+        return len(self.blocks)
+
+    @property
+    def num_free(self) -> int:
+        """Free and holding nothing reusable."""
+        return len(self.free_unhashed)
+
+    @property
+    def num_cached(self) -> int:
+        """Free (no live reference) but still hashed, so a later request can hit them."""
+        return len(self.free_cached)
+
+    @property
+    def num_used(self) -> int:
+        return self.num_blocks - self.num_free - self.num_cached
+
+    # ------------------------------------------------------------------ lookups
+    def match(self, token_ids: Sequence[int], adapter: str, max_blocks: int) -> list[int]:
+        """Ids of the longest cached chain of full blocks that prefixes `token_ids` (no refs taken)."""
+        bs = self.block_size
+        out: list[int] = []
+        parent = NO_HASH
+        for j in range(min(max_blocks, len(token_ids) // bs)):
+            tokens = tuple(token_ids[j * bs:(j + 1) * bs])
+            h = block_hash(parent, tokens, adapter)
+            bid = self.hash_to_block.get(h)
+            if bid is None or self.blocks[bid].token_ids != tokens:
+                break
+            out.append(bid)
+            parent = h
+        return out
+
+    def chain_hash(self, block_ids: Sequence[int]) -> int:
+        return self.blocks[block_ids[-1]].hash if block_ids else NO_HASH
+
+    # ------------------------------------------------------------------ references
+    def acquire(self, block_ids: Sequence[int]) -> None:
+        for bid in block_ids:
+            block = self.blocks[bid]
+            if block.ref_count == 0:
+                if block.hash == NO_HASH:  # pragma: no cover - only hashed blocks are matched
+                    self.free_unhashed.remove(bid)
+                else:
+                    del self.free_cached[bid]
+            block.ref_count += 1
+
+    def release(self, block_ids: Sequence[int]) -> None:
+        for bid in block_ids:
+            block = self.blocks[bid]
+            if block.ref_count <= 0:
+                raise AssertionError(f"block {bid} released more often than acquired")
+            block.ref_count -= 1
+            if block.ref_count == 0:
+                if block.hash == NO_HASH:
+                    self.free_unhashed.append(bid)
+                else:
+                    self.free_cached[bid] = None
+
+    def store(self, held: Sequence[int], token_ids: Sequence[int], adapter: str,
+              num_blocks: int) -> list[tuple[int, bool]]:
+        """Register full blocks len(held)..num_blocks-1 of `token_ids` after the chain `held`.
+
+        Returns (block id, needs_write) for each block taken, with a reference acquired: blocks
+        already cached under the same key are shared (no write), others come from the free
+        list (never-hashed first, then least recently used). Stops early when no block can be
+        had or on a hash collision; the caller writes the KV of the `needs_write` ones.
+        """
+        bs = self.block_size
+        parent = self.chain_hash(held)
+        out: list[tuple[int, bool]] = []
+        for j in range(len(held), num_blocks):
+            tokens = tuple(token_ids[j * bs:(j + 1) * bs])
+            if len(tokens) < bs:
+                break
+            h = block_hash(parent, tokens, adapter)
+            bid = self.hash_to_block.get(h)
+            if bid is not None:
+                if self.blocks[bid].token_ids != tokens:
+                    break  # collision: keep the resident block, stop the chain here
+                self.acquire([bid])
+                out.append((bid, False))
+            else:
+                bid = self._take_free()
+                if bid is None:
+                    break
+                block = self.blocks[bid]
+                block.hash, block.token_ids, block.ref_count = h, tokens, 1
+                self.hash_to_block[h] = bid
+                out.append((bid, True))
+            parent = h
+        return out
+
+    def _take_free(self) -> int | None:
+        if self.free_unhashed:
+            return self.free_unhashed.popleft()
+        if self.free_cached:
+            bid, _ = self.free_cached.popitem(last=False)
+            block = self.blocks[bid]
+            if self.hash_to_block.get(block.hash) == bid:
+                del self.hash_to_block[block.hash]
+            block.hash, block.token_ids = NO_HASH, ()
+            self.evictions += 1
+            return bid
+        return None
+
+    def reset(self) -> None:
+        """Forget every cached block (only valid when no sequence holds any)."""
+        if self.num_used:
+            raise RuntimeError("cannot reset the prefix cache while blocks are referenced")
+        self.__init__(self.num_blocks, self.block_size)
+
+    # ------------------------------------------------------------------ integrity
+    def check_integrity(self, expected_refs: Mapping[int, int]) -> None:
+        """AssertionError unless refs equal `expected_refs` and the free lists and map agree."""
+        unhashed = set(self.free_unhashed)
+        cached = set(self.free_cached)
+        assert len(unhashed) == len(self.free_unhashed), "duplicate in the free list"
+        assert not unhashed & cached, "a block is in both free lists"
+        assert self.num_free + self.num_cached + self.num_used == self.num_blocks
+        for block in self.blocks:
+            bid = block.block_id
+            want = expected_refs.get(bid, 0)
+            assert block.ref_count == want, f"block {bid}: ref_count {block.ref_count}, live sequences hold {want}"
+            if block.ref_count == 0:
+                if block.hash == NO_HASH:
+                    assert bid in unhashed, f"free unhashed block {bid} missing from the free list"
+                else:
+                    assert bid in cached, f"free cached block {bid} missing from the LRU list"
+            else:
+                assert bid not in unhashed and bid not in cached, f"used block {bid} is on a free list"
+            if block.hash != NO_HASH:
+                assert self.hash_to_block.get(block.hash) == bid, f"block {bid}'s hash is not mapped to it"
+                assert len(block.token_ids) == self.block_size
+            else:
+                assert block.token_ids == ()
+        for h, bid in self.hash_to_block.items():
+            assert self.blocks[bid].hash == h, f"hash map entry for block {bid} is stale"
+        extra = set(expected_refs) - set(range(self.num_blocks))
+        assert not extra, f"sequences hold unknown blocks {sorted(extra)}"

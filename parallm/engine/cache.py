@@ -1,0 +1,268 @@
+"""The live KV cache: one dense buffer per layer, one row per live sequence, and the prefix pool.
+
+`LiveKV` holds per-layer K and V arrays of shape [rows, kv_heads, capacity, head_dim]. Each
+row belongs to one sequence and has its own length (no left padding). A pass over a range of
+rows hands the model one `RowsView` per layer; the view satisfies mlx-lm's cache protocol
+(`KVCacheProtocol` below): the model calls `update_and_fetch` with the new K/V, the view
+scatters them into each row at that row's own positions (one scatter per layer) and returns
+the rows sliced to the longest live length T, so attention reads each row's KV once; the mask
+from `make_mask` hides every row's unused tail (and applies sliding windows).
+
+MLX arrays are values: an update is in place only when nothing else still refers to the old
+array ("donation"). Every read of a buffer that is not an attention read of the updated array
+(row copies, write-backs) is therefore materialized with `mx.eval` before the next update;
+otherwise MLX silently copies the whole buffer (measured: 49 ms instead of 2 ms for a row move
+over 30 layers, docs/engine.md).
+
+Traps of mlx-lm's protocol, handled here: a truthy cache with `make_mask` builds the mask (the
+view always returns an explicit mask, since rows differ in length); an attribute named `bits`
+would switch attention to the quantized path (none here); `offset` is an mx.array of per-row
+positions, which mx.fast.rope accepts.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Protocol, runtime_checkable
+
+import mlx.core as mx
+
+
+@runtime_checkable
+class KVCacheProtocol(Protocol):
+    """What an mlx-lm attention layer uses of its cache (mlx_lm.models.cache.KVCache)."""
+
+    @property
+    def offset(self) -> Any:
+        """Positions of the first new token: an int, or an mx.array with one entry per row."""
+
+    def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
+        """Store keys/values [B, kv_heads, L, head_dim]; return all keys/values to attend over."""
+
+    def make_mask(self, N: int, return_array: bool = False, window_size: int | None = None) -> Any:
+        """The attention mask for N new tokens (None, "causal" or an array broadcastable to scores)."""
+
+    @property
+    def state(self) -> Any: ...
+
+    @property
+    def nbytes(self) -> int: ...
+
+    def __bool__(self) -> bool: ...
+
+
+@dataclass(frozen=True, slots=True)
+class LayerShape:
+    k_heads: int
+    k_dim: int
+    v_heads: int
+    v_dim: int
+
+    @property
+    def elems_per_token(self) -> int:
+        return self.k_heads * self.k_dim + self.v_heads * self.v_dim
+
+
+class PassContext:
+    """State shared by all layer views of one forward pass over rows [row0, row0 + n)."""
+
+    def __init__(self, row0: int, offsets: list[int], length: int, span: int, *, mask5d: bool = False) -> None:
+        self.row0 = row0
+        self.n = len(offsets)
+        self.length = length  # L: tokens per row in this pass
+        self.span = span  # T: key positions attended (max offset + L)
+        self.offsets = mx.array(offsets, dtype=mx.int32)
+        self.mask5d = mask5d
+        self.rows = mx.arange(row0, row0 + self.n, dtype=mx.int32)
+        if length == 1:
+            self.positions = self.offsets
+        else:
+            self.positions = self.offsets[:, None] + mx.arange(length, dtype=mx.int32)[None]
+        self._masks: dict[int | None, mx.array] = {}
+
+    def mask(self, window: int | None) -> mx.array:
+        m = self._masks.get(window)
+        if m is None:
+            q = self.offsets[:, None] + mx.arange(self.length, dtype=mx.int32)[None]  # [n, L]
+            k = mx.arange(self.span, dtype=mx.int32)
+            m = k[None, None, :] <= q[:, :, None]  # [n, L, T]
+            if window is not None:
+                m = m & (k[None, None, :] > q[:, :, None] - window)
+            m = m[:, None] if not self.mask5d else m[:, None, None]
+            self._masks[window] = m
+        return m
+
+
+class LiveKV:
+    """Per-layer dense K/V buffers [rows, heads, capacity, dim] for all live sequences."""
+
+    def __init__(self, shapes: list[LayerShape], dtype: mx.Dtype) -> None:
+        self.shapes = shapes
+        self.dtype = dtype
+        self.rows = 0
+        self.capacity = 0
+        self.keys: list[mx.array] = []
+        self.values: list[mx.array] = []
+
+    @property
+    def bytes_per_token(self) -> int:
+        return sum(s.elems_per_token for s in self.shapes) * self.dtype.size
+
+    @property
+    def nbytes(self) -> int:
+        return self.rows * self.capacity * self.bytes_per_token
+
+    def arrays(self) -> list[mx.array]:
+        return self.keys + self.values
+
+    def resize(self, rows: int, capacity: int) -> None:
+        """Reallocate to rows x capacity, keeping the overlapping content."""
+        if (rows, capacity) == (self.rows, self.capacity):
+            return
+        keep_r, keep_c = min(rows, self.rows), min(capacity, self.capacity)
+        new_k, new_v = [], []
+        for i, s in enumerate(self.shapes):
+            k = mx.zeros((rows, s.k_heads, capacity, s.k_dim), self.dtype)
+            v = mx.zeros((rows, s.v_heads, capacity, s.v_dim), self.dtype)
+            if keep_r and keep_c:
+                k[:keep_r, :, :keep_c] = self.keys[i][:keep_r, :, :keep_c]
+                v[:keep_r, :, :keep_c] = self.values[i][:keep_r, :, :keep_c]
+            new_k.append(k)
+            new_v.append(v)
+        self.keys, self.values = new_k, new_v
+        self.rows, self.capacity = rows, capacity
+        mx.eval(self.keys, self.values)  # the old buffers are freed now, not at the next pass
+
+    def copy_rows(self, pairs: list[tuple[int, int]], ntokens: int) -> None:
+        """Row dst := row src (positions [0, ntokens)) for every (src, dst), reading all sources
+        before writing any destination (so a swap is two pairs)."""
+        n = max(1, min(ntokens, self.capacity))
+        srcs = [[mx.contiguous(buf[s, :, :n]) for s, _ in pairs] for buf in self.arrays()]
+        mx.eval(srcs)
+        bufs = self.arrays()
+        for j, buf in enumerate(bufs):
+            for (_, d), src in zip(pairs, srcs[j]):
+                buf[d, :, :n] = src
+        self._set(bufs)
+
+    def _set(self, bufs: list[mx.array]) -> None:
+        half = len(self.shapes)
+        self.keys, self.values = bufs[:half], bufs[half:]
+
+    def read_positions(self, row: int, positions: mx.array) -> list[mx.array]:
+        """Materialized copies of a row's KV at `positions` (per layer, K then V: [heads, n, dim])."""
+        out = [mx.take(buf[row], positions, axis=1) for buf in self.arrays()]
+        mx.eval(out)
+        return out
+
+    def write_prefix(self, row: int, data: list[mx.array]) -> None:
+        """Positions [0, n) of a row := data (per layer, K then V: [heads, n, dim])."""
+        bufs = self.arrays()
+        for buf, d in zip(bufs, data):
+            buf[row, :, :d.shape[1]] = d
+        self._set(bufs)
+
+    def views(self, ctx: PassContext) -> list["RowsView"]:
+        return [RowsView(self, i, ctx) for i in range(len(self.shapes))]
+
+
+class RowsView:
+    """One layer's cache for one pass over rows [ctx.row0, ctx.row0 + ctx.n)."""
+
+    def __init__(self, live: LiveKV, layer: int, ctx: PassContext) -> None:
+        self._live = live
+        self._layer = layer
+        self._ctx = ctx
+
+    @property
+    def offset(self) -> mx.array:
+        return self._ctx.offsets
+
+    def __bool__(self) -> bool:
+        return True
+
+    def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
+        ctx, live, i = self._ctx, self._live, self._layer
+        if keys.shape[0] != ctx.n or keys.shape[2] != ctx.length:
+            raise ValueError(f"cache view expected [{ctx.n}, heads, {ctx.length}, dim] keys, got {keys.shape}")
+        k_buf, v_buf = live.keys[i], live.values[i]
+        if ctx.length == 1:
+            k_buf[ctx.rows, :, ctx.positions] = keys[:, :, 0, :]
+            v_buf[ctx.rows, :, ctx.positions] = values[:, :, 0, :]
+        else:
+            rows = mx.broadcast_to(ctx.rows[:, None], ctx.positions.shape)
+            k_buf[rows, :, ctx.positions] = keys.transpose(0, 2, 1, 3)
+            v_buf[rows, :, ctx.positions] = values.transpose(0, 2, 1, 3)
+        live.keys[i], live.values[i] = k_buf, v_buf
+        r0, r1, t = ctx.row0, ctx.row0 + ctx.n, ctx.span
+        return k_buf[r0:r1, :, :t], v_buf[r0:r1, :, :t]
+
+    def make_mask(self, N: int, return_array: bool = False, window_size: int | None = None) -> mx.array:
+        if N != self._ctx.length:
+            raise ValueError(f"mask for {N} tokens requested in a pass of {self._ctx.length}")
+        return self._ctx.mask(window_size)
+
+    @property
+    def state(self) -> tuple[mx.array, mx.array]:
+        ctx, i = self._ctx, self._layer
+        r0, r1 = ctx.row0, ctx.row0 + ctx.n
+        return self._live.keys[i][r0:r1, :, :ctx.span], self._live.values[i][r0:r1, :, :ctx.span]
+
+    @property
+    def nbytes(self) -> int:
+        return self._live.nbytes // max(1, len(self._live.shapes))
+
+    def is_trimmable(self) -> bool:
+        return False
+
+
+class KVPool:
+    """Physical storage of prefix-cache blocks: per layer [num_blocks, heads, block_size, dim]."""
+
+    def __init__(self, shapes: list[LayerShape], dtype: mx.Dtype, num_blocks: int, block_size: int) -> None:
+        self.shapes = shapes
+        self.dtype = dtype
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.arrays: list[mx.array] = []  # K of every layer, then V
+
+    def allocate(self) -> None:
+        """Commit the pool's memory now (zero-filling GBs takes a while: do it at start-up)."""
+        self._ensure()
+
+    @property
+    def nbytes(self) -> int:
+        return self.num_blocks * self.block_size * sum(s.elems_per_token for s in self.shapes) * self.dtype.size
+
+    def _ensure(self) -> None:
+        if self.arrays or not self.num_blocks:
+            return
+        bs = self.block_size
+        ks = [mx.zeros((self.num_blocks, s.k_heads, bs, s.k_dim), self.dtype) for s in self.shapes]
+        vs = [mx.zeros((self.num_blocks, s.v_heads, bs, s.v_dim), self.dtype) for s in self.shapes]
+        self.arrays = ks + vs
+        mx.eval(self.arrays)
+
+    def write(self, block_ids: list[int], data: list[mx.array]) -> None:
+        """Blocks := data (per layer, K then V: [heads, n * block_size, dim], already materialized)."""
+        self._ensure()
+        ids = mx.array(block_ids, dtype=mx.int32)
+        n, bs = len(block_ids), self.block_size
+        out = []
+        for buf, d in zip(self.arrays, data):
+            h, _, dim = d.shape
+            buf[ids] = d.reshape(h, n, bs, dim).transpose(1, 0, 2, 3)
+            out.append(buf)
+        self.arrays = out
+
+    def read(self, block_ids: list[int]) -> list[mx.array]:
+        """Materialized [heads, n * block_size, dim] per layer (K then V) of these blocks, in order."""
+        self._ensure()
+        ids = mx.array(block_ids, dtype=mx.int32)
+        n, bs = len(block_ids), self.block_size
+        out = []
+        for buf in self.arrays:
+            g = buf[ids]  # [n, heads, bs, dim]
+            out.append(g.transpose(1, 0, 2, 3).reshape(g.shape[1], n * bs, g.shape[3]))
+        mx.eval(out)
+        return out

@@ -1,0 +1,335 @@
+"""The engine core: continuous batching of an mlx-lm model, driven by `step()`.
+
+No sockets, threads or asyncio: the engine stage (and the tests) call `add_request`, `abort`,
+`step`, `score` and `stats` from one loop. See docs/engine.md and docs/scheduling.md.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections import Counter
+from typing import Sequence as Seq
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from parallm.config import EngineConfig
+from parallm.protocol import Usage
+
+from .blocks import BlockManager
+from .compat import check_model
+from .request import Request, RequestRejected, ScoreResult, SeqOutput, validate, validate_score
+from .runner import Launch, ModelRunner
+from .sampling import log_softmax, splitmix64, top_of
+from .scheduler import KVBudget, Scheduler
+from .sequence import Sequence, Status
+
+AUTO_BUDGET_FRACTION = 0.35
+AUTO_BUDGET_CAP = 8 << 30
+
+
+def auto_kv_budget_bytes() -> int:
+    """A share of the memory available now (the model is already loaded), capped."""
+    avail = 0
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    avail = int(line.split()[1]) * 1024
+                    break
+    except OSError:
+        pass
+    if not avail:
+        try:
+            avail = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // 2
+        except (ValueError, OSError):  # pragma: no cover
+            avail = 8 << 30
+    try:
+        if mx.metal.is_available():
+            avail = min(avail, int(mx.metal.device_info()["max_recommended_working_set_size"]))
+    except Exception:  # pragma: no cover - backend specific
+        pass
+    return max(64 << 20, min(int(avail * AUTO_BUDGET_FRACTION), AUTO_BUDGET_CAP))
+
+
+class Engine:
+    def __init__(self, model: nn.Module, config: EngineConfig, *, eos_token_ids: Seq[int], max_model_len: int,
+                 vocab_size: int | None = None, kv_budget_bytes: int | None = None,
+                 prefix_pool_fraction: float = 0.25, max_prefill_rows: int = 16,
+                 writeback_interval: int = 16) -> None:
+        """`kv_budget_bytes` overrides config.kv_budget_mb (finer grain, for tests);
+        `prefix_pool_fraction` of the budget holds the prefix cache, the rest the live rows."""
+        self.model = model
+        self.config = config
+        info = check_model(model)
+        self.model_type = info.model_type
+        self.vocab_size = int(vocab_size or _vocab_size(model))
+        self.eos_token_ids = [int(t) for t in eos_token_ids]
+        self.max_model_len = int(max_model_len)
+        if kv_budget_bytes is None:
+            kv_budget_bytes = config.kv_budget_mb << 20 if config.kv_budget_mb > 0 else auto_kv_budget_bytes()
+        self.kv_budget_bytes = int(kv_budget_bytes)
+        bytes_per_token = sum(s.elems_per_token for s in info.shapes) * info.dtype.size
+        total_tokens = self.kv_budget_bytes // bytes_per_token
+        bs = config.block_size
+        pool_blocks = int(total_tokens * prefix_pool_fraction) // bs if config.prefix_cache else 0
+        live_tokens = total_tokens - pool_blocks * bs
+        self.budget = KVBudget(budget_tokens=live_tokens, max_rows=config.max_num_seqs,
+                               max_len=self.max_model_len + config.max_prefill_tokens + 1)
+        self.blocks = BlockManager(pool_blocks, bs) if config.prefix_cache else None
+        self.scheduler = Scheduler(budget=self.budget, max_prefill_tokens=config.max_prefill_tokens,
+                                   blocks=self.blocks, block_size=bs, max_prefill_rows=max_prefill_rows,
+                                   writeback_interval=writeback_interval)
+        self.runner = ModelRunner(model, info, vocab_size=self.vocab_size, pool_blocks=pool_blocks,
+                                  block_size=bs, compile=config.compile)
+        self.runner.eos_ids = self.eos_token_ids
+        self.runner.pool.allocate()
+        self._requests: dict[str, list[Sequence]] = {}
+        self._unreported: list[Sequence] = []  # aborted: reported by the next step()
+        self._launches: list[Launch] = []
+        self._seq_counter = 0
+        self._seed_counter = 0
+        self._steps = 0
+        self._hist: Counter[int] = Counter()
+        self._timing = Counter()
+        self._prompt_computed = 0
+        self._generated = 0
+
+    # ------------------------------------------------------------------ requests
+    def add_request(self, request: Request) -> None:
+        try:
+            request.prompt_ids = [int(t) for t in request.prompt_ids]
+        except (TypeError, ValueError):
+            raise RequestRejected("prompt token ids must be integers", "prompt") from None
+        if request.rid in self._requests:
+            raise RequestRejected(f"request id {request.rid!r} is already in use", "rid")
+        validate(request, vocab_size=self.vocab_size, max_model_len=self.max_model_len,
+                 max_num_seqs=self.config.max_num_seqs)
+        p, n, P = request.params, request.n, len(request.prompt_ids)
+        if not self.budget.fits(1, P + p.max_tokens + 1) or not self.budget.fits(n, P + self.scheduler.headroom):
+            raise RequestRejected(
+                f"the request needs more KV memory than the engine has ({self.budget.budget_tokens} token slots "
+                f"for live rows); shorten the prompt, max_tokens or n", "max_tokens")
+        if p.seed is not None:
+            base = p.seed
+        else:
+            base = splitmix64((self.config.seed << 32) ^ self._seed_counter)
+            self._seed_counter += 1
+        seqs = []
+        for i in range(n):
+            self._seq_counter += 1
+            seqs.append(Sequence(seq_id=self._seq_counter, rid=request.rid, index=i,
+                                 prompt_ids=list(request.prompt_ids), params=p, seed=base + i,
+                                 adapter=request.adapter, arrival=request.arrival))
+        self._requests[request.rid] = seqs
+        self.scheduler.add(seqs)
+
+    def abort(self, rid: str, reason: str = "abort") -> bool:
+        seqs = self._requests.get(rid)
+        if not seqs:
+            return False
+        live = [s for s in seqs if not s.is_finished]
+        self.scheduler.abort(live)
+        self.runner.execute(self.scheduler.take_ops())
+        self._unreported.extend(live)
+        self._forget_if_done(rid)
+        return True
+
+    def has_work(self) -> bool:
+        return bool(self.scheduler.has_work() or self._launches or self._unreported)
+
+    # ------------------------------------------------------------------ the loop
+    def step(self) -> list[SeqOutput]:
+        t0 = time.perf_counter()
+        self._steps += 1
+        outputs: dict[int, SeqOutput] = {}
+        for seq in self._unreported:
+            outputs[seq.seq_id] = self._output(seq, finish="abort")
+        self._unreported.clear()
+
+        sched = self.scheduler
+        plan = sched.schedule()
+        self.runner.execute(plan.ops)
+        t1 = time.perf_counter()
+        if plan.prefill is not None:
+            work = plan.prefill
+            prompt_lps = self.runner.prefill(work)
+            self._prompt_computed += sum(work.lengths)
+            for seq in work.seqs:
+                got = prompt_lps.get(seq.seq_id)
+                if got is not None:
+                    start, lps, ids, vals = got
+                    del seq.prompt_logprobs[start:]
+                    for j, lp in enumerate(lps):
+                        top = None if ids is None else sorted(zip(ids[j], vals[j]), key=lambda x: -x[1])
+                        seq.prompt_logprobs.append((lp, top))
+            self.runner.execute(sched.complete_prefill(work))
+        t2 = time.perf_counter()
+
+        launched = self._launch()
+        t3 = time.perf_counter()
+        keep = 1 if (launched and self.config.overlap) else 0
+        while len(self._launches) > keep:
+            self._read(self._launches.pop(0), outputs)
+        t4 = time.perf_counter()
+        self._timing["schedule_s"] += t1 - t0
+        self._timing["prefill_s"] += t2 - t1
+        self._timing["launch_s"] += t3 - t2
+        self._timing["read_s"] += t4 - t3
+        return list(outputs.values())
+
+    def _launch(self) -> bool:
+        seqs = self.scheduler.running
+        if not seqs or all(s.scheduled_outputs >= s.params.max_tokens for s in seqs):
+            return False
+        prev = self._launches[-1] if self._launches else None
+        if prev is not None and all(s.inflight for s in seqs) and \
+                all(prev.row_of.get(s.seq_id) == i for i, s in enumerate(seqs)) and len(prev.seqs) == len(seqs):
+            inputs = prev.out.tokens
+        else:
+            src = [prev.row_of[s.seq_id] if s.inflight else 0 for s in seqs] if prev else [0] * len(seqs)
+            known = mx.array([0 if s.inflight else s.last_token for s in seqs], dtype=mx.int32)
+            if prev is not None and any(s.inflight for s in seqs):
+                from_prev = mx.array([bool(s.inflight) for s in seqs])
+                inputs = mx.where(from_prev, prev.out.tokens[mx.array(src, dtype=mx.int32)], known)
+            else:
+                inputs = known
+        positions = [s.scheduled_outputs for s in seqs]
+        launch = self.runner.decode(seqs, inputs, positions)
+        for s in seqs:
+            s.num_computed += 1
+            s.inflight += 1
+        self._launches.append(launch)
+        self._hist[len(seqs)] += 1
+        return True
+
+    def _read(self, launch: Launch, outputs: dict[int, SeqOutput]) -> None:
+        out = launch.out
+        tokens = out.tokens.tolist()
+        lps = out.logprobs.tolist() if out.logprobs is not None else None
+        top_ids = out.top_ids.tolist() if out.top_ids is not None else None
+        top_lps = out.top_logprobs.tolist() if out.top_logprobs is not None else None
+        for i, seq in enumerate(launch.seqs):
+            if seq.is_finished or seq.epoch != launch.epochs[i]:
+                continue  # aborted, preempted or finished after this pass was launched
+            seq.inflight -= 1
+            tok = tokens[i]
+            seq.output_ids.append(tok)
+            self._generated += 1
+            o = outputs.get(seq.seq_id)
+            if o is None:
+                o = outputs[seq.seq_id] = self._output(seq)
+            o.token_ids.append(tok)
+            p = seq.params
+            if p.logprobs or p.top_logprobs:
+                o.logprobs = (o.logprobs or []) + [lps[i]]
+            if p.top_logprobs:
+                pairs = sorted(zip(top_ids[i][:], top_lps[i][:]), key=lambda x: -x[1])[:p.top_logprobs]
+                o.top_logprobs = (o.top_logprobs or []) + [pairs]
+            stop = tok in p.stop_token_ids or (not p.ignore_eos and tok in self.eos_token_ids)
+            if stop or seq.num_output >= p.max_tokens:
+                self.scheduler.finish(seq, "stop" if stop else "length")
+                o.finish_reason = seq.finish_reason
+                o.usage = self._usage(seq)
+                self._forget_if_done(seq.rid)
+
+    def _output(self, seq: Sequence, finish: str | None = None) -> SeqOutput:
+        o = SeqOutput(rid=seq.rid, index=seq.index, token_ids=[], finish_reason=finish)
+        if finish is not None:
+            o.usage = self._usage(seq)
+        if seq.index == 0 and seq.params.prompt_logprobs is not None and not seq.prompt_logprobs_sent \
+                and seq.prompt_logprobs is not None and len(seq.prompt_logprobs) == seq.num_prompt - 1:
+            seq.prompt_logprobs_sent = True
+            o.prompt_logprobs = [None] + [lp for lp, _ in seq.prompt_logprobs]
+            if seq.params.prompt_logprobs:
+                o.prompt_top_logprobs = [None] + [top[:seq.params.prompt_logprobs] for _, top in seq.prompt_logprobs]
+        return o
+
+    def _usage(self, seq: Sequence) -> Usage:
+        return Usage(prompt_tokens=seq.num_prompt, completion_tokens=seq.num_output,
+                     cached_tokens=max(0, seq.num_cached_first))
+
+    def _forget_if_done(self, rid: str) -> None:
+        seqs = self._requests.get(rid)
+        if seqs and all(s.is_finished for s in seqs):
+            del self._requests[rid]
+
+    # ------------------------------------------------------------------ scoring
+    def score(self, ids: Seq[int], start: int = 1, top_logprobs: int = 0) -> ScoreResult:
+        """Teacher-forced logprobs of ids[start:] under the raw model distribution.
+
+        Runs in its own cache (mlx-lm's), chunked by max_prefill_tokens; running sequences
+        are not touched (their in-flight pass just completes first on the same stream).
+        """
+        from mlx_lm.models.cache import make_prompt_cache
+
+        ids = [int(t) for t in ids]
+        validate_score(ids, start, top_logprobs, vocab_size=self.vocab_size, max_model_len=self.max_model_len)
+        cache = make_prompt_cache(self.model)
+        chunk = self.config.max_prefill_tokens
+        lps: list[float] = []
+        tops: list | None = [] if top_logprobs else None
+        last = len(ids) - 1  # positions whose logits predict a token: 0 .. last-1
+        for a in range(0, last, chunk):
+            b = min(a + chunk, last)
+            logits = self.model(mx.array([ids[a:b]], dtype=mx.int32), cache=cache)[0]
+            lo = max(a, start - 1)
+            if lo >= b:
+                mx.eval([c.state for c in cache])
+                continue
+            lp = log_softmax(logits[lo - a:].astype(mx.float32))
+            targets = mx.array(ids[lo + 1:b + 1], dtype=mx.int32)
+            chosen = mx.take_along_axis(lp, targets[:, None], axis=-1)[:, 0]
+            if top_logprobs:
+                t_ids, t_vals = top_of(lp, top_logprobs)
+                mx.eval(chosen, t_ids, t_vals, [c.state for c in cache])
+                for r_ids, r_vals in zip(t_ids.tolist(), t_vals.tolist()):
+                    tops.append(sorted(zip(r_ids, r_vals), key=lambda x: -x[1]))
+            else:
+                mx.eval(chosen, [c.state for c in cache])
+            lps.extend(chosen.tolist())
+        return ScoreResult(ids=ids, start=start, logprobs=lps, top_logprobs=tops)
+
+    # ------------------------------------------------------------------ introspection
+    def stats(self) -> dict:
+        s = self.scheduler
+        b = self.blocks
+        t = self._timing
+        n = max(1, self._steps)
+        return {
+            "running": len(s.running), "waiting": len(s.waiting), "prefilling": len(s.prefilling),
+            "kv_blocks_total": b.num_blocks if b else 0, "kv_blocks_used": b.num_used if b else 0,
+            "kv_blocks_free": b.num_free if b else 0, "kv_blocks_cached": b.num_cached if b else 0,
+            "kv_budget_bytes": self.kv_budget_bytes, "live_token_slots": self.budget.budget_tokens,
+            "prefix_queried_tokens": s.prefix_queried_tokens, "prefix_hit_tokens": s.prefix_hit_tokens,
+            "prefix_evictions": b.evictions if b else 0,
+            "preemptions": s.preemptions, "steps": self._steps,
+            "decode_batch_hist": dict(sorted(self._hist.items())),
+            "prompt_tokens_computed": self._prompt_computed, "prompt_tokens_cached": s.prefix_hit_tokens,
+            "generated_tokens": self._generated,
+            "step_ms_mean": {k[:-2]: 1000 * v / n for k, v in t.items()},
+            **self.runner.stats(),
+        }
+
+    def check_integrity(self) -> None:
+        self.scheduler.check_integrity()
+        live = self.runner.live
+        r, c = self.scheduler.shape
+        assert (live.rows, live.capacity) == (r, c) or not self.scheduler.has_work(), \
+            f"runner buffer {live.rows}x{live.capacity} differs from the plan {r}x{c}"
+        for rid, seqs in self._requests.items():
+            assert any(not s.is_finished for s in seqs), f"finished request {rid} still tracked"
+        for seq in self.scheduler.running + self.scheduler.prefilling:
+            assert not seq.is_finished
+            assert seq.inflight <= 2
+            assert seq.num_computed <= seq.num_tokens + seq.inflight
+
+
+def _vocab_size(model: nn.Module) -> int:
+    args = getattr(model, "args", None)
+    v = getattr(args, "vocab_size", None)
+    if v:
+        return int(v)
+    logits = model(mx.array([[0]]))
+    return int(logits.shape[-1])

@@ -1,0 +1,131 @@
+"""The one place that owns MLX arrays: live KV, prefix pool, penalty state; runs the passes."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from .cache import KVPool, LiveKV, PassContext
+from .compat import ModelInfo
+from .sampling import BatchParams, PenaltyState, Sampler, SampleOut, log_softmax, top_of
+from .scheduler import CopyRow, InitRow, LoadPrefix, PrefillWork, Resize, RowOp, SwapRows, WriteBack
+from .sequence import Sequence
+
+
+@dataclass(slots=True)
+class Launch:
+    """A decode pass whose results have not been read yet."""
+
+    seqs: list[Sequence]
+    epochs: list[int]
+    positions: list[int]  # output index each row sampled
+    out: SampleOut
+    row_of: dict[int, int] = field(default_factory=dict)  # seq_id -> row in this pass
+    launched_at: float = 0.0
+
+
+class ModelRunner:
+    def __init__(self, model: nn.Module, info: ModelInfo, *, vocab_size: int, pool_blocks: int,
+                 block_size: int, compile: bool = True) -> None:
+        self.model = model
+        self.info = info
+        self.vocab_size = vocab_size
+        self.block_size = block_size
+        self.live = LiveKV(info.shapes, info.dtype)
+        self.pool = KVPool(info.shapes, info.dtype, pool_blocks, block_size)
+        self.penalties = PenaltyState(vocab_size)
+        self.sampler = Sampler(vocab_size, compiled=compile)
+        self._params_key: tuple | None = None
+        self._params: BatchParams | None = None
+        self.eos_ids: list[int] = []
+
+    # ------------------------------------------------------------------ row operations
+    def execute(self, ops: list[RowOp]) -> None:
+        for op in ops:
+            if isinstance(op, Resize):
+                self.live.resize(op.rows, op.capacity)
+                self.penalties.resize(op.rows)
+            elif isinstance(op, CopyRow):
+                self.live.copy_rows([(op.src, op.dst)], op.ntokens)
+                self.penalties.copy_rows([(op.src, op.dst)])
+            elif isinstance(op, SwapRows):
+                pairs = [(op.a, op.b), (op.b, op.a)]
+                self.live.copy_rows(pairs, op.ntokens)
+                self.penalties.copy_rows(pairs)
+            elif isinstance(op, LoadPrefix):
+                self.live.write_prefix(op.row, self.pool.read(op.block_ids))
+            elif isinstance(op, WriteBack):
+                bs = self.block_size
+                pos = mx.array([j * bs + t for j, _ in op.blocks for t in range(bs)], dtype=mx.int32)
+                self.pool.write([bid for _, bid in op.blocks], self.live.read_positions(op.row, pos))
+            elif isinstance(op, InitRow):
+                if op.seq.uses_penalties:
+                    self.penalties.activate(self.live.rows)
+                    self.penalties.init_row(op.row, op.seq.prompt_ids, op.seq.output_ids)
+            else:  # pragma: no cover
+                raise TypeError(f"unknown row op {op!r}")
+
+    # ------------------------------------------------------------------ prefill
+    def prefill(self, work: PrefillWork) -> dict[int, tuple]:
+        """Run one padded prefill pass; returns prompt logprobs for rows that asked for them:
+        seq_id -> (start, logprobs list, top ids, top logprobs)."""
+        L = work.length
+        rows = []
+        for seq, start, n in zip(work.seqs, work.starts, work.lengths):
+            chunk = seq.token_ids[start:start + n]
+            rows.append(chunk + [0] * (L - n))
+        ctx = PassContext(work.row0, work.starts, L, max(work.starts) + L, mask5d=self.info.mask5d)
+        logits = self.model(mx.array(rows, dtype=mx.int32), cache=self.live.views(ctx))
+        wanted = []
+        for i, (seq, start, n) in enumerate(zip(work.seqs, work.starts, work.lengths)):
+            if seq.prompt_logprobs is None or n == 0:
+                continue
+            targets = mx.array(seq.token_ids[start + 1:start + n + 1], dtype=mx.int32)
+            lp = log_softmax(logits[i, :n].astype(mx.float32))
+            chosen = mx.take_along_axis(lp, targets[:, None], axis=-1)[:, 0]
+            k = seq.params.prompt_logprobs or 0
+            top = top_of(lp, k) if k else (None, None)
+            wanted.append((seq, start, chosen, *top))
+        mx.eval(self.live.arrays(), [w[2:] for w in wanted])
+        del logits
+        out = {}
+        for seq, start, chosen, ids, vals in wanted:
+            out[seq.seq_id] = (start, chosen.tolist(), None if ids is None else ids.tolist(),
+                               None if vals is None else vals.tolist())
+        return out
+
+    # ------------------------------------------------------------------ decode
+    def batch_params(self, seqs: list[Sequence]) -> BatchParams:
+        key = tuple(s.seq_id for s in seqs)
+        if key != self._params_key:
+            self._params = BatchParams(seqs, self.eos_ids, self.vocab_size)
+            self._params_key = key
+        return self._params
+
+    def decode(self, seqs: list[Sequence], inputs: mx.array, positions: list[int]) -> Launch:
+        """Build and launch one decode pass over rows [0, len(seqs)); nothing is waited for."""
+        bp = self.batch_params(seqs)
+        offsets = [s.num_computed for s in seqs]
+        ctx = PassContext(0, offsets, 1, max(offsets) + 1, mask5d=self.info.mask5d)
+        logits = self.model(inputs[:, None], cache=self.live.views(ctx))[:, -1, :]
+        pen = self.penalties
+        if bp.any_penalty:
+            B = len(seqs)
+            out = self.sampler.sample(logits, bp, positions, pen.counts[:B], pen.seen[:B])
+        else:
+            if pen.active:
+                pen.deactivate()
+            out = self.sampler.sample(logits, bp, positions)
+        if pen.active:
+            pen.update(out.tokens)
+        mx.async_eval(out.arrays(), pen.arrays())
+        return Launch(seqs=list(seqs), epochs=[s.epoch for s in seqs], positions=list(positions), out=out,
+                      row_of={s.seq_id: i for i, s in enumerate(seqs)}, launched_at=time.perf_counter())
+
+    def stats(self) -> dict:
+        return {"live_rows": self.live.rows, "live_capacity": self.live.capacity,
+                "live_bytes": self.live.nbytes, "pool_bytes": self.pool.nbytes,
+                "bytes_per_token": self.live.bytes_per_token, "penalty_state": self.penalties.active}

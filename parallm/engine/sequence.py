@@ -1,0 +1,115 @@
+"""One generated sequence: a few counters plus derived properties.
+
+Token accounting (P prompt tokens, G tokens generated and read back so far):
+- `token_ids` = prompt + output; the last one is always the next decode input, so its KV is
+  computed by the decode pass, never by prefill or the prefix cache (there is always a logit).
+- `num_computed`: positions [0, num_computed) of the sequence's row hold valid KV (or are
+  scheduled to, when a decode is in flight).
+- `inflight`: decode passes launched whose sampled token has not been read yet (0..2 with
+  overlap). The position of the token a new decode samples is `num_output + inflight`.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+from parallm.protocol import SamplingParams
+
+
+class Status(enum.Enum):
+    WAITING = "waiting"
+    PREFILLING = "prefilling"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass(eq=False, slots=True)
+class Sequence:
+    seq_id: int
+    rid: str
+    index: int
+    prompt_ids: list[int]
+    params: SamplingParams
+    seed: int  # base of this sequence's noise stream; token i uses (seed, i)
+    adapter: str = ""
+    arrival: float = 0.0
+    group: "SeqGroup | None" = None  # set while n > 1 siblings still wait for the shared prefill
+
+    output_ids: list[int] = field(default_factory=list)
+    status: Status = Status.WAITING
+    row: int = -1
+    num_computed: int = 0
+    inflight: int = 0
+    epoch: int = 0  # bumped when the row is lost (preemption/abort): in-flight tokens are dropped
+    admitted_at: int = -1  # admission counter: preemption takes the newest first
+    block_ids: list[int] = field(default_factory=list)  # prefix-cache blocks held (refs), in order
+    num_cached_first: int = -1  # prefix-cache hit of the first admission (usage.cached_tokens)
+    finish_reason: str | None = None
+    prompt_logprobs: list | None = None  # [(logprob, top) per prompt position], filled by prefill
+    prompt_logprobs_sent: bool = False
+    logprobs_out: list[float] = field(default_factory=list)  # pending for the next SeqOutput
+
+    # ------------------------------------------------------------------ derived
+    @property
+    def token_ids(self) -> list[int]:
+        return self.prompt_ids + self.output_ids
+
+    @property
+    def num_prompt(self) -> int:
+        return len(self.prompt_ids)
+
+    @property
+    def num_output(self) -> int:
+        return len(self.output_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_ids) + len(self.output_ids)
+
+    @property
+    def prefill_target(self) -> int:
+        """KV positions to compute before the first decode: everything but the last token."""
+        return self.num_tokens - 1
+
+    @property
+    def prefill_remaining(self) -> int:
+        return max(0, self.prefill_target - self.num_computed)
+
+    @property
+    def last_token(self) -> int:
+        return self.output_ids[-1] if self.output_ids else self.prompt_ids[-1]
+
+    @property
+    def scheduled_outputs(self) -> int:
+        """Output tokens read back plus those in flight."""
+        return len(self.output_ids) + self.inflight
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is Status.FINISHED
+
+    @property
+    def wants_logprobs(self) -> bool:
+        return self.params.logprobs or self.params.top_logprobs > 0
+
+    @property
+    def wants_prompt_logprobs(self) -> bool:
+        return self.params.prompt_logprobs is not None
+
+    @property
+    def uses_penalties(self) -> bool:
+        p = self.params
+        return p.repetition_penalty != 1.0 or p.presence_penalty != 0.0 or p.frequency_penalty != 0.0
+
+
+@dataclass(eq=False, slots=True)
+class SeqGroup:
+    """The n sequences of one request while they share a single prefill.
+
+    The leader (index 0) is admitted and prefilled; the others wait here and are forked from
+    the leader's row when its prefill completes.
+    """
+
+    leader: Sequence
+    followers: list[Sequence]
