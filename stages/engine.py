@@ -24,7 +24,7 @@ log = logging.getLogger("parallm.engine.stage")
 
 def to_delta(out: SeqOutput) -> protocol.SeqDelta:
     delta = protocol.SeqDelta(rid=out.rid, index=out.index, token_ids=protocol.pack_ids(out.token_ids),
-                              adapter=out.adapter, version=out.version, finish_reason=out.finish_reason,
+                              finish_reason=out.finish_reason,
                               usage=out.usage)
     if out.logprobs is not None:
         delta.logprobs = protocol.pack_floats(out.logprobs)
@@ -39,6 +39,12 @@ def to_delta(out: SeqOutput) -> protocol.SeqDelta:
             delta.prompt_top_logprobs = protocol.pack_floats([lp for row in out.prompt_top_logprobs
                                                               for _, lp in row])
     return delta
+
+
+def rejection_code(exc: RequestRejected) -> str:
+    """OpenAI's error code for a refused request (vLLM answers an over-long prompt the same way)."""
+    return "context_length_exceeded" if "context" in exc.message or "too long" in exc.message \
+        else "invalid_request_error"
 
 
 class EngineStage:
@@ -96,8 +102,8 @@ class EngineStage:
         try:
             self.engine.add_request(request)
         except RequestRejected as exc:
-            self.out.send(protocol.RequestError(rid=message.rid, reply_to=message.reply_to, status=exc.status,
-                                                code=exc.code, message=str(exc), param=exc.param))
+            self.out.send(protocol.RequestError(rid=message.rid, reply_to=message.reply_to, status=400,
+                                                code=rejection_code(exc), message=str(exc), param=exc.param))
             return
         self.out.send(protocol.Track(rid=message.rid, reply_to=message.reply_to, n=message.n,
                                      prompt_ids=message.prompt_ids, detok=message.detok, stream=message.stream,
@@ -110,8 +116,8 @@ class EngineStage:
             ids = protocol.unpack_ids(message.ids)
             result = self.engine.score(ids, start=message.start, top_logprobs=message.top_logprobs)
         except RequestRejected as exc:
-            self.out.send(protocol.RequestError(rid=message.rid, reply_to=message.reply_to, status=exc.status,
-                                                code=exc.code, message=str(exc), param=exc.param))
+            self.out.send(protocol.RequestError(rid=message.rid, reply_to=message.reply_to, status=400,
+                                                code=rejection_code(exc), message=str(exc), param=exc.param))
             return
         payload = {"logprobs": protocol.pack_floats(result.logprobs)}
         if result.top_logprobs:

@@ -95,6 +95,7 @@ class Engine:
         self._timing = Counter()
         self._prompt_computed = 0
         self._generated = 0
+        self._last_batch = 0
 
     # ------------------------------------------------------------------ requests
     def add_request(self, request: Request) -> None:
@@ -125,16 +126,28 @@ class Engine:
         self._requests[request.rid] = seqs
         self.scheduler.add(seqs)
 
-    def abort(self, rid: str, reason: str = "abort") -> bool:
+    def abort(self, rid: str, reason: str = "abort", index: int | None = None) -> bool:
+        """Stop request `rid` (or only its sample `index`); its sequences end with finish_reason
+        "abort" in the next step's outputs, keeping the tokens already sampled."""
         seqs = self._requests.get(rid)
         if not seqs:
             return False
-        live = [s for s in seqs if not s.is_finished]
+        live = [s for s in seqs if not s.is_finished and (index is None or s.index == index)]
+        if not live:
+            return False
         self.scheduler.abort(live)
         self.runner.execute(self.scheduler.take_ops())
         self._unreported.extend(live)
         self._forget_if_done(rid)
         return True
+
+    def request_ids(self) -> list[str]:
+        """Ids of the requests with a sequence not yet finished."""
+        return list(self._requests)
+
+    @property
+    def last_batch_size(self) -> int:
+        return self._last_batch
 
     def has_work(self) -> bool:
         return bool(self.scheduler.has_work() or self._launches or self._unreported)
@@ -202,6 +215,7 @@ class Engine:
             s.inflight += 1
         self._launches.append(launch)
         self._hist[len(seqs)] += 1
+        self._last_batch = len(seqs)
         return True
 
     def _read(self, launch: Launch, outputs: dict[int, SeqOutput]) -> None:
@@ -306,6 +320,7 @@ class Engine:
             "prefix_evictions": b.evictions if b else 0,
             "preemptions": s.preemptions, "steps": self._steps,
             "decode_batch_hist": dict(sorted(self._hist.items())),
+            "max_decode_batch": max(self._hist, default=0),
             "prompt_tokens_computed": self._prompt_computed, "prompt_tokens_cached": s.prefix_hit_tokens,
             "generated_tokens": self._generated,
             "step_ms_mean": {k[:-2]: 1000 * v / n for k, v in t.items()},
