@@ -1,4 +1,4 @@
-"""A scripted Backend for the HTTP-layer tests: each TextSubmit gets Outputs from a script."""
+"""Shared by the tests/test_api_*.py files (no tests here): a scripted Backend for the HTTP layer."""
 
 from __future__ import annotations
 
