@@ -77,7 +77,7 @@ class GenerationRoutes:
                 return json_response(body)
             first = await watch.race(_first(outputs))
             handed_off = True
-            return _Stream(events(plan, first, outputs), watch, self.gate)
+            return _Stream(events(plan, first, outputs), watch, self.gate, outputs)
         except ClientGone:
             return Response(status_code=499)
         finally:
@@ -88,16 +88,19 @@ class GenerationRoutes:
 
 
 class _Stream(EventStream):
-    """An EventStream that releases its Gate slot when it ends."""
+    """An EventStream that closes the outputs and releases its Gate slot when it ends (the events
+    generator may never have started if the client left at once, so it cannot do this itself)."""
 
-    def __init__(self, body: Any, watch: DisconnectWatch, gate: Gate) -> None:
+    def __init__(self, body: Any, watch: DisconnectWatch, gate: Gate, outputs: Any) -> None:
         super().__init__(body, watch)
         self.gate = gate
+        self.outputs = outputs
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
         try:
             await super().__call__(scope, receive, send)
         finally:
+            await self.outputs.aclose()
             self.gate.leave()
 
 
