@@ -302,6 +302,6 @@ class DetokenizeResponse(Struct, kw_only=True):
 
 
 class HealthResponse(Struct, kw_only=True):
-    """GET /health: 200 when serving ('ok', 'overloaded'), 503 otherwise; the backend may add fields."""
+    """GET /health: 200 when the status is 'ok', 503 otherwise; the backend may add fields."""
 
     status: Literal["ok", "degraded", "overloaded", "shutting_down"]
