@@ -1,0 +1,152 @@
+"""The OpenAI-compatible HTTP application: `build_app(backend, server)`.
+
+Every error leaves as OpenAI's `{"error": {message, type, param, code}}`: bad input is 400 (type
+errors included, as OpenAI does, never 422), unknown model 404, unknown route 404, wrong method
+405, BackendError with its own status, and anything unexpected is logged and answered 500.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from functools import wraps
+from typing import Awaitable, Callable
+
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.middleware import Middleware
+from starlette.requests import Request
+from starlette.responses import Response
+from starlette.routing import Route
+
+from parallm.api.auth import BearerAuth, api_keys
+from parallm.api.backend import Backend, BackendError
+from parallm.api.errors import APIError, error_response, model_not_found
+from parallm.api.generation import GenerationRoutes
+from parallm.api.http import json_response, read_body
+from parallm.api.openapi import openapi_document
+from parallm.api.schemas import (DetokenizeRequest, DetokenizeResponse, ModelCard, ModelList, TokenizeRequest,
+                                 TokenizeResponse)
+from parallm.api.translate import message_dict
+from parallm.api.validate import Limits, check_model, check_tokenize, decode
+from parallm.config import ServerConfig
+from parallm.protocol import pack_ids
+
+log = logging.getLogger("parallm.api")
+
+Handler = Callable[[Request], Awaitable[Response]]
+
+SERVING = ("ok",)
+
+
+def endpoint(handler: Handler) -> Handler:
+    """Turn APIError, BackendError and unexpected exceptions into OpenAI error responses."""
+
+    @wraps(handler)
+    async def run(request: Request) -> Response:
+        try:
+            return await handler(request)
+        except APIError as exc:
+            return error_response(exc)
+        except BackendError as exc:
+            return error_response(APIError.from_backend(exc))
+        except Exception:  # noqa: BLE001 - the client gets an error body; the traceback goes to the log
+            log.exception("%s %s failed", request.method, request.url.path)
+            return error_response(APIError(500, "The server had an error while processing your request.",
+                                           code="internal_error"))
+
+    return run
+
+
+async def _http_error(request: Request, exc: Exception) -> Response:
+    assert isinstance(exc, HTTPException)
+    if exc.status_code == 404:
+        message, code = f"Unknown route: {request.method} {request.url.path}", "unknown_url"
+    elif exc.status_code == 405:
+        message, code = f"Method {request.method} is not allowed on {request.url.path}.", "method_not_allowed"
+    else:
+        message, code = exc.detail, None
+    return error_response(APIError(exc.status_code, message, code=code, headers=exc.headers))
+
+
+class Routes:
+    """The non-generation endpoints."""
+
+    def __init__(self, backend: Backend, server: ServerConfig) -> None:
+        self.backend = backend
+        self.server = server
+        self.created = int(time.time())
+        self.openapi = openapi_document()
+
+    def card(self) -> ModelCard:
+        name = self.backend.model_name
+        return ModelCard(id=name, created=self.created, root=name,
+                         max_model_len=int(self.backend.max_model_len or 0) or None)
+
+    async def models(self, request: Request) -> Response:
+        return json_response(ModelList(data=[self.card()]))
+
+    async def model(self, request: Request) -> Response:
+        name = request.path_params["model"]
+        if name != self.backend.model_name:
+            raise model_not_found(name)
+        return json_response(self.card())
+
+    async def health(self, request: Request) -> Response:
+        try:
+            state = dict(self.backend.health())
+        except BackendError as exc:
+            state = {"status": "degraded", "error": exc.message}
+        return json_response(state, 200 if state.get("status") in SERVING else 503)
+
+    async def tokenize(self, request: Request) -> Response:
+        req = decode(await read_body(request, self.server.max_body_bytes), TokenizeRequest)
+        check_tokenize(req, _limits_model(self.backend))
+        if req.messages is not None:
+            ids = await self.backend.tokenize(
+                messages=[message_dict(m) for m in req.messages], add_generation_prompt=req.add_generation_prompt,
+                add_special_tokens=bool(req.add_special_tokens), chat_template_kwargs=dict(req.chat_template_kwargs or {}))
+        else:
+            ids = await self.backend.tokenize(
+                prompt=req.prompt, add_special_tokens=req.add_special_tokens is not False)
+        tokens = [int(t) for t in ids]
+        return json_response(TokenizeResponse(count=len(tokens), max_model_len=int(self.backend.max_model_len or 0),
+                                              tokens=tokens))
+
+    async def detokenize(self, request: Request) -> Response:
+        req = decode(await read_body(request, self.server.max_body_bytes), DetokenizeRequest)
+        check_model(req.model, _limits_model(self.backend))
+        text = await self.backend.detokenize(ids=pack_ids(req.tokens))
+        return json_response(DetokenizeResponse(prompt=text))
+
+    async def openapi_json(self, request: Request) -> Response:
+        return json_response(self.openapi)
+
+
+def _limits_model(backend: Backend) -> Limits:
+    return Limits(model_name=backend.model_name)
+
+
+def build_app(backend: Backend, server: ServerConfig) -> Starlette:
+    """The Starlette app serving `backend` with the auth, body and concurrency limits of `server`."""
+    gen = GenerationRoutes(backend, server)
+    routes = Routes(backend, server)
+    keys = api_keys(server)
+    middleware = [Middleware(BearerAuth, keys=keys)] if keys else []
+    app = Starlette(
+        routes=[
+            Route("/v1/completions", endpoint(gen.completions), methods=["POST"]),
+            Route("/v1/chat/completions", endpoint(gen.chat), methods=["POST"]),
+            Route("/v1/models", endpoint(routes.models), methods=["GET"]),
+            Route("/v1/models/{model:path}", endpoint(routes.model), methods=["GET"]),
+            Route("/v1/tokenize", endpoint(routes.tokenize), methods=["POST"]),
+            Route("/v1/detokenize", endpoint(routes.detokenize), methods=["POST"]),
+            Route("/health", endpoint(routes.health), methods=["GET"]),
+            Route("/openapi.json", endpoint(routes.openapi_json), methods=["GET"]),
+        ],
+        middleware=middleware,
+        exception_handlers={HTTPException: _http_error},
+    )
+    app.state.backend = backend
+    app.state.generator = gen
+    return app

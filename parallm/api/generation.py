@@ -1,0 +1,116 @@
+"""POST /v1/completions and /v1/chat/completions: body -> Plan -> backend -> OpenAI response.
+
+Non-streamed requests collect every Output while watching for the client to leave. Streamed ones
+read the first Output before answering, so an error the backend reports at once (prompt too
+long, a stage down) gets its real HTTP status rather than a 200 stream holding an error event.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+from starlette.requests import Request
+from starlette.responses import Response
+
+from parallm.api.backend import Backend
+from parallm.api.errors import APIError
+from parallm.api.http import ClientGone, DisconnectWatch, EventStream, json_response, read_body
+from parallm.api.merge import Deadlines, merged
+from parallm.api.outputs import Collector
+from parallm.api.schemas import ChatCompletionRequest, CompletionRequest
+from parallm.api.sse import events
+from parallm.api.translate import Plan, chat_plan, completion_plan
+from parallm.api.validate import Limits, decode
+from parallm.config import ServerConfig
+
+
+class Gate:
+    """Counts generation requests in flight; past `limit` (0: none) new ones get 429."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.in_flight = 0
+
+    def enter(self) -> None:
+        if self.limit and self.in_flight >= self.limit:
+            raise APIError(429, f"Too many requests in flight (the limit is {self.limit}); retry shortly.",
+                           code="rate_limit_exceeded", headers={"Retry-After": "1"})
+        self.in_flight += 1
+
+    def leave(self) -> None:
+        self.in_flight -= 1
+
+
+class GenerationRoutes:
+    """The two generation endpoints over one backend."""
+
+    def __init__(self, backend: Backend, server: ServerConfig) -> None:
+        self.backend = backend
+        self.server = server
+        self.gate = Gate(server.max_concurrent_requests)
+
+    def limits(self) -> Limits:
+        return Limits(model_name=self.backend.model_name, max_model_len=int(self.backend.max_model_len or 0),
+                      max_output_tokens=self.server.max_output_tokens,
+                      default_max_tokens=int(getattr(self.backend, "default_max_tokens", 0) or 256))
+
+    async def completions(self, request: Request) -> Response:
+        return await self._serve(request, lambda body: completion_plan(decode(body, CompletionRequest),
+                                                                       self.limits()))
+
+    async def chat(self, request: Request) -> Response:
+        return await self._serve(request, lambda body: chat_plan(decode(body, ChatCompletionRequest),
+                                                                 self.limits()))
+
+    async def _serve(self, request: Request, make_plan: Callable[[bytes], Plan]) -> Response:
+        plan = make_plan(await read_body(request, self.server.max_body_bytes))
+        self.gate.enter()
+        handed_off = False
+        watch = DisconnectWatch(request.receive)
+        outputs = merged(self.backend, plan.submits,
+                         Deadlines(self.server.first_token_timeout_s, self.server.request_timeout_s))
+        try:
+            if not plan.stream:
+                collector = Collector(plan)
+                await watch.race(_collect(outputs, collector))
+                body: Any = collector.chat() if plan.kind == "chat" else collector.completion()
+                return json_response(body)
+            first = await watch.race(_first(outputs))
+            handed_off = True
+            return _Stream(events(plan, first, outputs), watch, self.gate, outputs)
+        except ClientGone:
+            return Response(status_code=499)
+        finally:
+            if not handed_off:
+                await outputs.aclose()
+                watch.stop()
+                self.gate.leave()
+
+
+class _Stream(EventStream):
+    """An EventStream that closes the outputs and releases its Gate slot when it ends (the events
+    generator may never have started if the client left at once, so it cannot do this itself)."""
+
+    def __init__(self, body: Any, watch: DisconnectWatch, gate: Gate, outputs: Any) -> None:
+        super().__init__(body, watch)
+        self.gate = gate
+        self.outputs = outputs
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            await self.outputs.aclose()
+            self.gate.leave()
+
+
+async def _collect(outputs: Any, collector: Collector) -> None:
+    async for prompt, out in outputs:
+        collector.add(prompt, out)
+
+
+async def _first(outputs: Any) -> Any:
+    try:
+        return await outputs.__anext__()
+    except StopAsyncIteration:
+        return None

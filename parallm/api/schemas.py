@@ -1,0 +1,307 @@
+"""The OpenAI-compatible request and response bodies, as msgspec Structs.
+
+Decoding a request body into one of these checks every type and range and names the field
+that is wrong (see errors.from_validation); cross-field rules live in validate.py.
+Unknown request fields are ignored, as OpenAI's own clients send fields a server may not know
+(`store`, `metadata`, `reasoning_effort`, ...); docs/openai-api.md lists what is honoured.
+Response fields that are extensions (vLLM's `token_ids`, `prompt_token_ids`, `prompt_logprobs`)
+default to UNSET, so they are left out of the JSON unless the request asked for them.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from msgspec import UNSET, Meta, Struct, UnsetType
+
+
+def _d(text: str, **constraints: Any) -> Meta:
+    return Meta(description=text, **constraints)
+
+
+MAX_N = 128
+MAX_LOGPROBS = 20
+
+# --------------------------------------------------------------------------- requests
+
+Role = Literal["system", "user", "assistant", "tool", "developer", "function"]
+
+
+class ContentPart(Struct, kw_only=True):
+    """A part of a message's content; only text parts ("text", "input_text") are supported."""
+
+    type: str
+    text: str | None = None
+
+
+class ChatMessage(Struct, kw_only=True):
+    role: Role
+    content: str | list[str | ContentPart] | None = None
+    name: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None
+    tool_call_id: str | None = None
+
+
+class StreamOptions(Struct, kw_only=True):
+    include_usage: Annotated[bool, _d("send a last chunk with the usage of the whole request")] = False
+
+
+class ResponseFormat(Struct, kw_only=True):
+    type: Annotated[str, _d("only 'text' is supported")]
+    json_schema: dict[str, Any] | None = None
+
+
+Penalty = Annotated[float, _d("in [-2, 2]", ge=-2.0, le=2.0)]
+Bias = Annotated[float, Meta(ge=-100.0, le=100.0)]
+NonNegInt = Annotated[int, Meta(ge=0)]
+
+
+class SamplingRequest(Struct, kw_only=True):
+    """Fields shared by /v1/completions and /v1/chat/completions."""
+
+    model: Annotated[str | None, _d("the served model id (GET /v1/models); omitted: the served model")] = None
+    max_tokens: Annotated[int, _d("tokens to generate at most; omitted: the server default", ge=0)] | None = None
+    temperature: Annotated[float, _d("0 = greedy", ge=0.0, le=2.0)] | None = None
+    top_p: Annotated[float, Meta(gt=0.0, le=1.0)] | None = None
+    n: Annotated[int, _d("choices to generate per prompt", ge=1, le=MAX_N)] = 1
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    stop: Annotated[str | list[str] | None, _d("stop strings (any number); not included in the output")] = None
+    seed: int | None = None
+    presence_penalty: Penalty | None = None
+    frequency_penalty: Penalty | None = None
+    logit_bias: Annotated[dict[int, Bias] | None, _d("token id -> bias in [-100, 100]")] = None
+    user: str | None = None
+    response_format: ResponseFormat | None = None
+    # vLLM extensions
+    top_k: Annotated[int, _d("keep the k most likely tokens; 0 or -1: off", ge=-1)] | None = None
+    min_p: Annotated[float, Meta(ge=0.0, le=1.0)] | None = None
+    repetition_penalty: Annotated[float, Meta(gt=0.0)] | None = None
+    min_tokens: Annotated[int, _d("tokens generated before eos or a stop may end the sequence", ge=0)] = 0
+    ignore_eos: bool = False
+    stop_token_ids: list[NonNegInt] | None = None
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+    add_special_tokens: Annotated[bool | None, _d("omitted: true for completions, false for chat")] = None
+    return_token_ids: Annotated[bool, _d("add prompt_token_ids and token_ids to the response")] = False
+    prompt_logprobs: Annotated[int, _d("logprobs of the prompt tokens, with this many alternatives",
+                                       ge=0, le=MAX_LOGPROBS)] | None = None
+    # parallm extension
+    adapter: Annotated[str, _d("LoRA adapter to generate with ('' = the base model)")] = ""
+
+
+PromptItem = str | int | list[int]
+
+
+class CompletionRequest(SamplingRequest, kw_only=True):
+    prompt: Annotated[str | list[PromptItem],
+                      _d("a string, a list of strings, a list of token ids, or a list of token-id lists; "
+                         "a list of several prompts gives n choices per prompt")]
+    echo: bool = False
+    logprobs: Annotated[int, _d("logprobs of the sampled tokens and this many alternatives",
+                                ge=0, le=MAX_LOGPROBS)] | None = None
+    suffix: Annotated[str | None, _d("not supported")] = None
+    best_of: Annotated[int, _d("only best_of == n is supported", ge=1)] | None = None
+
+
+class ChatCompletionRequest(SamplingRequest, kw_only=True):
+    messages: Annotated[list[ChatMessage], Meta(min_length=1)]
+    max_completion_tokens: Annotated[int, _d("OpenAI's newer name for max_tokens", ge=0)] | None = None
+    logprobs: bool | None = None
+    top_logprobs: Annotated[int, Meta(ge=0, le=MAX_LOGPROBS)] | None = None
+    tools: Annotated[list[dict[str, Any]] | None, _d("not supported")] = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
+    functions: Annotated[list[dict[str, Any]] | None, _d("not supported")] = None
+    function_call: str | dict[str, Any] | None = None
+    modalities: list[str] | None = None
+    audio: dict[str, Any] | None = None
+    # vLLM extensions
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
+
+
+class TokenizeRequest(Struct, kw_only=True):
+    """vLLM's /tokenize: exactly one of `prompt` or `messages`."""
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: Annotated[list[ChatMessage], Meta(min_length=1)] | None = None
+    add_special_tokens: Annotated[bool | None, _d("omitted: true for a prompt, false for messages")] = None
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
+
+
+class DetokenizeRequest(Struct, kw_only=True):
+    model: str | None = None
+    tokens: list[NonNegInt]
+
+
+# --------------------------------------------------------------------------- responses
+
+FinishReason = Literal["stop", "length", "abort"]
+
+
+class PromptTokensDetails(Struct):
+    cached_tokens: int = 0
+
+
+class UsageInfo(Struct, kw_only=True):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+    prompt_tokens_details: PromptTokensDetails | None = None
+
+
+class PromptLogprob(Struct, kw_only=True):
+    """vLLM's prompt logprob entry: one per alternative, keyed by token id."""
+
+    logprob: float | None
+    decoded_token: str | None = None
+
+
+PromptLogprobs = list[dict[str, PromptLogprob] | None]
+
+
+class CompletionLogprobs(Struct, kw_only=True):
+    tokens: list[str]
+    token_logprobs: list[float | None]
+    top_logprobs: list[dict[str, float] | None]
+    text_offset: list[int]
+
+
+class CompletionChoice(Struct, kw_only=True):
+    index: int
+    text: str
+    logprobs: CompletionLogprobs | None = None
+    finish_reason: FinishReason | None = None
+    stop_reason: int | str | None = None
+    token_ids: list[int] | UnsetType = UNSET
+    prompt_token_ids: list[int] | UnsetType = UNSET
+    prompt_logprobs: PromptLogprobs | UnsetType = UNSET
+
+
+class CompletionResponse(Struct, kw_only=True):
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int
+    model: str
+    system_fingerprint: str | None = None
+    choices: list[CompletionChoice]
+    usage: UsageInfo | None = None
+
+
+class CompletionChunk(Struct, kw_only=True):
+    """One SSE event of a streamed completion (OpenAI streams text_completion objects)."""
+
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int
+    model: str
+    system_fingerprint: str | None = None
+    choices: list[CompletionChoice]
+    usage: UsageInfo | None | UnsetType = UNSET
+
+
+class TopLogprob(Struct, kw_only=True):
+    token: str
+    logprob: float
+    bytes: list[int] | None = None
+
+
+class TokenLogprob(Struct, kw_only=True):
+    token: str
+    logprob: float
+    bytes: list[int] | None = None
+    top_logprobs: list[TopLogprob] = []
+
+
+class ChatLogprobs(Struct, kw_only=True):
+    content: list[TokenLogprob] | None = None
+    refusal: list[TokenLogprob] | None = None
+
+
+class AssistantMessage(Struct, kw_only=True):
+    role: Literal["assistant"] = "assistant"
+    content: str | None = None
+    refusal: str | None = None
+
+
+class ChatChoice(Struct, kw_only=True):
+    index: int
+    message: AssistantMessage
+    logprobs: ChatLogprobs | None = None
+    finish_reason: FinishReason | None = None
+    stop_reason: int | str | None = None
+    token_ids: list[int] | UnsetType = UNSET
+
+
+class ChatCompletionResponse(Struct, kw_only=True):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int
+    model: str
+    system_fingerprint: str | None = None
+    choices: list[ChatChoice]
+    usage: UsageInfo | None = None
+    prompt_token_ids: list[int] | None | UnsetType = UNSET
+    prompt_logprobs: PromptLogprobs | UnsetType = UNSET
+
+
+class ChatDelta(Struct, kw_only=True, omit_defaults=True):
+    role: Literal["assistant"] | None = None
+    content: str | None = None
+
+
+class ChatChunkChoice(Struct, kw_only=True):
+    index: int
+    delta: ChatDelta
+    logprobs: ChatLogprobs | None = None
+    finish_reason: FinishReason | None = None
+    stop_reason: int | str | None | UnsetType = UNSET
+    token_ids: list[int] | UnsetType = UNSET
+
+
+class ChatCompletionChunk(Struct, kw_only=True):
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int
+    model: str
+    system_fingerprint: str | None = None
+    choices: list[ChatChunkChoice]
+    usage: UsageInfo | None | UnsetType = UNSET
+    prompt_token_ids: list[int] | UnsetType = UNSET
+    prompt_logprobs: PromptLogprobs | UnsetType = UNSET
+
+
+class ModelCard(Struct, kw_only=True):
+    id: str
+    object: Literal["model"] = "model"
+    created: int
+    owned_by: str = "parallm"
+    root: str | None = None
+    parent: str | None = None
+    max_model_len: int | None = None
+
+
+class ModelList(Struct, kw_only=True):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]
+
+
+class TokenizeResponse(Struct, kw_only=True):
+    count: int
+    max_model_len: int
+    tokens: list[int]
+
+
+class DetokenizeResponse(Struct, kw_only=True):
+    prompt: str
+
+
+class HealthResponse(Struct, kw_only=True):
+    """GET /health: 200 when the status is 'ok', 503 otherwise; the backend may add fields."""
+
+    status: Literal["ok", "degraded", "overloaded", "shutting_down"]

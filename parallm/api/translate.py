@@ -1,0 +1,137 @@
+"""Checked OpenAI requests to protocol messages: a `Plan` holding one TextSubmit per prompt.
+
+The Plan also carries what building the response needs (ids, what was asked for), so
+outputs.py and sse.py never look at the request again. Choice `i * n + j` of a response is
+sample j of prompt i, as in OpenAI's and vLLM's batched completions.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from parallm.api.schemas import ChatCompletionRequest, ChatMessage, CompletionRequest, SamplingRequest
+from parallm.api.validate import Limits, check_chat, check_completion, stop_strings
+from parallm.protocol import DetokSpec, SamplingParams, TextSubmit, pack_ids
+
+SYSTEM_FINGERPRINT = "fp_parallm"
+
+
+def new_id(kind: Literal["completion", "chat"]) -> str:
+    return ("cmpl-" if kind == "completion" else "chatcmpl-") + uuid.uuid4().hex
+
+
+@dataclass
+class Plan:
+    """One HTTP generation request: what goes to the backend and how to answer."""
+
+    kind: Literal["completion", "chat"]
+    id: str
+    model: str
+    submits: list[TextSubmit]
+    n: int = 1
+    stream: bool = False
+    include_usage: bool = False
+    logprobs: int | None = None        # alternatives per token when logprobs are wanted, else None
+    prompt_logprobs: int | None = None  # vLLM's prompt_logprobs (alternatives per prompt token)
+    echo: bool = False                  # completions: prepend the prompt (and its logprobs)
+    echo_only: bool = False             # echo with max_tokens=0: the one generated token is dropped
+    return_token_ids: bool = False
+    created: int = field(default_factory=lambda: int(time.time()))
+    fingerprint: str = SYSTEM_FINGERPRINT
+
+    @property
+    def num_choices(self) -> int:
+        return self.n * len(self.submits)
+
+
+def sampling_params(req: SamplingRequest, max_tokens: int, top_logprobs: int | None,
+                    prompt_logprobs: int | None) -> SamplingParams:
+    """OpenAI/vLLM sampling fields to SamplingParams; omitted fields keep the protocol's defaults."""
+    p = SamplingParams(max_tokens=max_tokens, min_tokens=req.min_tokens, ignore_eos=req.ignore_eos,
+                       seed=req.seed, logprobs=top_logprobs is not None, top_logprobs=top_logprobs or 0,
+                       prompt_logprobs=prompt_logprobs)
+    for name in ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty"):
+        value = getattr(req, name)
+        if value is not None:
+            setattr(p, name, float(value))
+    if req.top_k is not None:
+        p.top_k = max(0, req.top_k)
+    if req.logit_bias:
+        p.logit_bias = {int(k): float(v) for k, v in req.logit_bias.items()}
+    if req.stop_token_ids:
+        p.stop_token_ids = list(req.stop_token_ids)
+    return p
+
+
+def detok_spec(req: SamplingRequest, *, token_strings: bool, prompt_info: bool) -> DetokSpec:
+    return DetokSpec(stop=stop_strings(req.stop), include_stop_str=req.include_stop_str_in_output,
+                     skip_special_tokens=req.skip_special_tokens, token_strings=token_strings, echo=prompt_info)
+
+
+def _metadata(request_id: str, user: str | None) -> dict[str, Any]:
+    meta: dict[str, Any] = {"request_id": request_id}
+    if user:
+        meta["user"] = user
+    return meta
+
+
+def completion_plan(req: CompletionRequest, limits: Limits, request_id: str = "") -> Plan:
+    """Check a completion request and build its Plan (raises errors.APIError)."""
+    prompts, max_tokens = check_completion(req, limits)
+    rid = new_id("completion")
+    echo_only = req.echo and max_tokens == 0
+    prompt_lp = req.prompt_logprobs
+    if req.echo and req.logprobs is not None:
+        prompt_lp = max(prompt_lp or 0, req.logprobs)
+    params = sampling_params(req, max(1, max_tokens), req.logprobs, prompt_lp)
+    spec = detok_spec(req, token_strings=req.logprobs is not None or prompt_lp is not None,
+                      prompt_info=req.echo or req.return_token_ids or prompt_lp is not None)
+    meta = _metadata(request_id or rid, req.user)
+    submits = []
+    for i, prompt in enumerate(prompts):
+        text, ids = (prompt, None) if isinstance(prompt, str) else (None, pack_ids(prompt))
+        submits.append(TextSubmit(
+            rid=rid if len(prompts) == 1 else f"{rid}-{i}", reply_to=b"", prompt=text, prompt_ids=ids,
+            add_special_tokens=True if req.add_special_tokens is None else req.add_special_tokens,
+            params=params, n=req.n, detok=spec, stream=req.stream, adapter=req.adapter, metadata=meta,
+            submitted_at=time.time()))
+    return Plan("completion", rid, limits.model_name, submits, n=req.n, stream=req.stream,
+                include_usage=bool(req.stream_options and req.stream_options.include_usage),
+                logprobs=req.logprobs, prompt_logprobs=req.prompt_logprobs, echo=req.echo,
+                echo_only=echo_only, return_token_ids=req.return_token_ids)
+
+
+def message_dict(msg: ChatMessage) -> dict[str, Any]:
+    """A message as the chat template sees it: text content, `developer` read as `system`."""
+    content = msg.content
+    if isinstance(content, list):
+        content = "\n".join(part if isinstance(part, str) else part.text or "" for part in content)
+    out: dict[str, Any] = {"role": "system" if msg.role == "developer" else msg.role, "content": content}
+    for name in ("name", "tool_calls", "tool_call_id"):
+        value = getattr(msg, name)
+        if value is not None:
+            out[name] = value
+    return out
+
+
+def chat_plan(req: ChatCompletionRequest, limits: Limits, request_id: str = "") -> Plan:
+    """Check a chat request and build its Plan (raises errors.APIError)."""
+    max_tokens = check_chat(req, limits)
+    rid = new_id("chat")
+    top = (req.top_logprobs or 0) if req.logprobs else None
+    params = sampling_params(req, max_tokens, top, req.prompt_logprobs)
+    spec = detok_spec(req, token_strings=top is not None or req.prompt_logprobs is not None,
+                      prompt_info=req.return_token_ids or req.prompt_logprobs is not None)
+    submit = TextSubmit(
+        rid=rid, reply_to=b"", messages=[message_dict(m) for m in req.messages],
+        add_generation_prompt=req.add_generation_prompt, continue_final_message=req.continue_final_message,
+        chat_template_kwargs=dict(req.chat_template_kwargs or {}),
+        add_special_tokens=bool(req.add_special_tokens), params=params, n=req.n, detok=spec,
+        stream=req.stream, adapter=req.adapter, metadata=_metadata(request_id or rid, req.user),
+        submitted_at=time.time())
+    return Plan("chat", rid, limits.model_name, [submit], n=req.n, stream=req.stream,
+                include_usage=bool(req.stream_options and req.stream_options.include_usage),
+                logprobs=top, prompt_logprobs=req.prompt_logprobs, return_token_ids=req.return_token_ids)

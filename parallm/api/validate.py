@@ -1,0 +1,189 @@
+"""Request bodies to checked Structs: JSON and type errors from msgspec, then the cross-field rules.
+
+Everything here raises errors.APIError with OpenAI's status, type, param and code. What only the
+tokenizer or engine can know (prompt length against the context, token ids against the
+vocabulary) is checked there and comes back as a BackendError.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+import msgspec
+
+from parallm.api.errors import APIError, from_decode, from_validation, invalid, model_not_found
+from parallm.api.schemas import ChatCompletionRequest, CompletionRequest, SamplingRequest, TokenizeRequest
+
+T = TypeVar("T")
+
+MAX_CHOICES = 1024      # n times the number of prompts in one request
+TEXT_PARTS = ("text", "input_text")
+
+
+@dataclass(frozen=True)
+class Limits:
+    """What validation needs to know about the server."""
+
+    model_name: str
+    max_model_len: int = 0          # 0: unknown (the tokenizer still checks the real one)
+    max_output_tokens: int = 0      # largest max_tokens accepted; 0: the context length
+    default_max_tokens: int = 256   # max_tokens when a request gives none
+
+    @property
+    def output_cap(self) -> int:
+        """Largest max_tokens accepted (0: no cap known here)."""
+        return self.max_output_tokens or self.max_model_len
+
+
+_decoders: dict[type, msgspec.json.Decoder] = {}
+
+
+def decode(body: bytes, kind: type[T]) -> T:
+    """Decode a JSON body into `kind` (unknown fields are ignored); malformed or mistyped -> 400."""
+    if not body.strip():
+        raise invalid("The request body is empty; expected a JSON object.", code="invalid_json")
+    decoder = _decoders.get(kind)
+    if decoder is None:
+        decoder = _decoders[kind] = msgspec.json.Decoder(kind)
+    try:
+        return decoder.decode(body)
+    except msgspec.ValidationError as exc:
+        raise from_validation(exc) from None
+    except msgspec.DecodeError as exc:
+        raise from_decode(exc) from None
+
+
+def unsupported(message: str, param: str) -> APIError:
+    return invalid(message, param, code="unsupported_parameter")
+
+
+def check_model(model: str | None, limits: Limits) -> None:
+    if model is not None and model != limits.model_name:
+        raise model_not_found(model)
+
+
+def stop_strings(stop: str | list[str] | None) -> list[str]:
+    stops = [stop] if isinstance(stop, str) else list(stop or [])
+    if any(s == "" for s in stops):
+        raise invalid("stop strings must not be empty", "stop")
+    return stops
+
+
+def max_tokens(given: int | None, param: str, limits: Limits, *, zero_ok: bool = False) -> int:
+    """The max_tokens to use: the request's (checked against the cap) or the server default."""
+    if given is None:
+        out = limits.default_max_tokens
+        if limits.max_output_tokens:
+            out = min(out, limits.max_output_tokens)
+        if limits.max_model_len:
+            out = min(out, max(1, limits.max_model_len - 1))
+        return out
+    if given == 0 and not zero_ok:
+        raise invalid(f"{param} must be at least 1, got 0.", param, code="invalid_value")
+    cap = limits.output_cap
+    if cap and given > cap:
+        raise invalid(f"{param} is too large: {given}. This server generates at most {cap} tokens "
+                      "per request.", param, code="invalid_value")
+    return given
+
+
+def _check_sampling(req: SamplingRequest, limits: Limits, n_prompts: int, resolved_max: int) -> None:
+    check_model(req.model, limits)
+    if req.stream_options is not None and not req.stream:
+        raise invalid("Stream options can only be defined when `stream=True`.", "stream_options")
+    if req.n * n_prompts > MAX_CHOICES:
+        raise invalid(f"n ({req.n}) times the number of prompts ({n_prompts}) is more than the "
+                      f"{MAX_CHOICES} choices one request may ask for.", "n")
+    if req.min_tokens > resolved_max:
+        raise invalid(f"min_tokens ({req.min_tokens}) must be at most max_tokens ({resolved_max}).", "min_tokens")
+    bad = next((k for k in (req.logit_bias or {}) if k < 0), None)
+    if bad is not None:
+        raise invalid(f"logit_bias key {bad} is not a token id.", "logit_bias")
+    if req.response_format is not None and req.response_format.type != "text":
+        raise unsupported(f"response_format type {req.response_format.type!r} is not supported; "
+                          "only 'text' is.", "response_format.type")
+    stop_strings(req.stop)
+
+
+def prompts(prompt: str | list[Any]) -> list[str | list[int]]:
+    """The prompts of a completion request: strings or token-id lists, one per choice group."""
+    if isinstance(prompt, str):
+        return [prompt]
+    if not prompt:
+        raise invalid("prompt must not be an empty list.", "prompt")
+    if all(isinstance(p, int) for p in prompt):
+        out: list[str | list[int]] = [list(prompt)]
+    elif all(isinstance(p, str) for p in prompt) or all(isinstance(p, list) for p in prompt):
+        out = list(prompt)
+    else:
+        raise invalid("prompt must be a string, a list of strings, a list of token ids or a list of "
+                      "token-id lists (not a mix).", "prompt")
+    for i, p in enumerate(out):
+        if isinstance(p, list) and any(t < 0 for t in p):
+            raise invalid(f"prompt {i} has a negative token id.", "prompt")
+    return out
+
+
+def check_completion(req: CompletionRequest, limits: Limits) -> tuple[list[str | list[int]], int]:
+    """(prompts, max_tokens) of a valid completion request; max_tokens 0 only with echo."""
+    items = prompts(req.prompt)
+    resolved = max_tokens(req.max_tokens, "max_tokens", limits, zero_ok=req.echo)
+    _check_sampling(req, limits, len(items), resolved)
+    if req.suffix:
+        raise unsupported("suffix is not supported by this server.", "suffix")
+    if req.best_of is not None and req.best_of != req.n:
+        raise unsupported("best_of is only supported when equal to n.", "best_of")
+    return items, resolved
+
+
+def check_chat(req: ChatCompletionRequest, limits: Limits) -> int:
+    """max_tokens of a valid chat request (max_completion_tokens wins over max_tokens)."""
+    if req.max_completion_tokens is not None:
+        resolved = max_tokens(req.max_completion_tokens, "max_completion_tokens", limits)
+    else:
+        resolved = max_tokens(req.max_tokens, "max_tokens", limits)
+    _check_sampling(req, limits, 1, resolved)
+    if req.tools:
+        raise unsupported("tools are not supported by this server.", "tools")
+    if req.functions:
+        raise unsupported("functions are not supported by this server.", "functions")
+    for name in ("tool_choice", "function_call"):
+        if getattr(req, name) not in (None, "none", "auto"):
+            raise unsupported(f"{name} is not supported by this server (no tools).", name)
+    if req.modalities is not None and any(m != "text" for m in req.modalities):
+        raise unsupported("only the 'text' modality is supported.", "modalities")
+    if req.audio is not None:
+        raise unsupported("audio output is not supported.", "audio")
+    if req.top_logprobs and not req.logprobs:
+        raise invalid("when using `top_logprobs`, `logprobs` must be set to true.", "top_logprobs")
+    check_messages(req.messages, req.add_generation_prompt, req.continue_final_message)
+    return resolved
+
+
+def check_messages(messages: list[Any], add_generation_prompt: bool, continue_final_message: bool) -> None:
+    if add_generation_prompt and continue_final_message:
+        raise invalid("Cannot set both `continue_final_message` and `add_generation_prompt` to True.",
+                      "continue_final_message")
+    for i, msg in enumerate(messages):
+        if not isinstance(msg.content, list):
+            continue
+        for j, part in enumerate(msg.content):
+            if isinstance(part, str):
+                continue
+            where = f"messages[{i}].content[{j}]"
+            if part.type not in TEXT_PARTS:
+                raise unsupported(f"{where}: content part type {part.type!r} is not supported; this model "
+                                  "takes text only (parts of type 'text').", f"{where}.type")
+            if part.text is None:
+                raise invalid(f"{where} has no 'text'.", f"{where}.text")
+
+
+def check_tokenize(req: TokenizeRequest, limits: Limits) -> None:
+    check_model(req.model, limits)
+    if (req.prompt is None) == (req.messages is None):
+        raise invalid("Give exactly one of prompt or messages.", "prompt")
+    if req.continue_final_message:
+        raise unsupported("continue_final_message is not supported by /v1/tokenize.", "continue_final_message")
+    if req.messages is not None:
+        check_messages(req.messages, req.add_generation_prompt, False)
