@@ -13,7 +13,7 @@ from parallm.api.app import build_app
 from parallm.api.backend import BackendError
 from parallm.config import ServerConfig
 from parallm.protocol import Output, pack_ids
-from test_api_fakes import MODEL, FakeBackend
+from test_api_fakes import FakeBackend
 
 CHAT = [{"role": "user", "content": "hi"}]
 
