@@ -13,7 +13,7 @@ from parallm.api.app import build_app
 from parallm.api.backend import BackendError
 from parallm.config import ServerConfig
 from parallm.protocol import Output, pack_ids
-from test_api_fakes import MODEL, FakeBackend
+from test_api_fakes import FakeBackend
 
 CHAT = [{"role": "user", "content": "hi"}]
 
@@ -167,10 +167,12 @@ def test_body_over_the_limit_is_413():
     assert not backend.submits
 
 
-def test_first_token_timeout_is_504():
+@pytest.mark.parametrize("prompt", ["x", ["a", "b"]])
+def test_first_token_timeout_is_504(prompt):
     client, backend = make(FakeBackend(hang_after=0), first_token_timeout_s=0.05)
-    error = error_of(client.post("/v1/completions", json={"prompt": "x"}), 504)
-    assert error["code"] == "timeout" and backend.iterators[0].closed
+    error = error_of(client.post("/v1/completions", json={"prompt": prompt}), 504)
+    assert error["code"] == "timeout" and "first token" in error["message"]
+    assert backend.iterators and all(it.closed for it in backend.iterators)
 
 
 def test_request_timeout_mid_stream_is_an_error_event():

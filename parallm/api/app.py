@@ -15,7 +15,7 @@ from typing import Awaitable, Callable
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response
 from starlette.routing import Route
 
@@ -46,6 +46,8 @@ def endpoint(handler: Handler) -> Handler:
     async def run(request: Request) -> Response:
         try:
             return await handler(request)
+        except ClientDisconnect:
+            return Response(status_code=499)
         except APIError as exc:
             return error_response(exc)
         except BackendError as exc:

@@ -32,6 +32,7 @@ class Backend(Protocol):
 
     model_name: str          # the served model id: the only accepted `model` value
     max_model_len: int       # context length in tokens (0: unknown)
+    # Optional: `default_max_tokens: int`, max_tokens for requests that give none (default 256).
 
     def generate(self, submit: TextSubmit) -> AsyncIterator[Output]:
         """Outputs for all `submit.n` sequences (interleaved, each with its `.index`), ending when
