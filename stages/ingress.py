@@ -47,6 +47,7 @@ class ZmqBackend:
         self.rt = runtime
         self.model_name = config.model.served_name
         self.max_model_len = int(model_info.get("max_model_len", 0))
+        self.default_max_tokens = config.engine.default_max_tokens
         self.model_info = model_info
         self.identity = f"ingress-{os.getpid()}".encode()
         addrs = runtime.addrs

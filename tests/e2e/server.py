@@ -82,6 +82,15 @@ class Server:
             time.sleep(0.2)
         raise TimeoutError(f"server not healthy within {timeout} s:\n{self.output()}")
 
+    def wait_restarted(self, stage: str, old_pid: int, timeout: float = 120.0) -> None:
+        """Until `stage` runs under a new pid and /health says every stage is up again."""
+        deadline = time.monotonic() + timeout
+        while self.stage_pids().get(stage, old_pid) == old_pid:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{stage} not restarted within {timeout} s:\n{self.output()}")
+            time.sleep(0.1)
+        self.wait_ready(max(1.0, deadline - time.monotonic()))
+
     def stage_pids(self) -> dict[str, int]:
         """pid of every stage process, from the supervisor's children."""
         out = subprocess.run(["ps", "-o", "pid=,args=", "--ppid", str(self.proc.pid)], capture_output=True,

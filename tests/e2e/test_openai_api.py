@@ -16,7 +16,7 @@ CHAT = [{"role": "user", "content": "What is the capital of France? Answer in on
 
 
 def chat_prompt_tokens(server, messages) -> int:
-    response = httpx.post(f"{server.url}/v1/tokenize", json={"model": "default", "messages": messages}, timeout=30)
+    response = httpx.post(f"{server.url}/v1/tokenize", json={"messages": messages}, timeout=30)
     response.raise_for_status()
     return response.json()["count"]
 

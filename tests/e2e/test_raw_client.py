@@ -140,7 +140,7 @@ def test_msgpack_only_client(server):
             continue
         message = msgpack.unpackb(dealer.recv(), strict_map_key=False)
         assert message["type"] == "outputs", message
-        for out in message["outputs"]:
+        for out in message["items"]:
             if out["rid"] != rid:
                 continue
             index = out.get("index", 0)
@@ -165,7 +165,7 @@ def test_msgpack_only_client(server):
     while not done and time.monotonic() < deadline:
         if dealer.poll(1000):
             message = msgpack.unpackb(dealer.recv(), strict_map_key=False)
-            done = any(o["rid"] == rid2 and o.get("finish_reason") for o in message.get("outputs", []))
+            done = any(o["rid"] == rid2 and o.get("finish_reason") for o in message.get("items", []))
     assert done
     push.close(0)
     dealer.close(0)
