@@ -45,6 +45,11 @@ class StageProcess:
     next_restart_at: float = 0.0
     backoff: float = 0.0
 
+    @property
+    def loop_age_s(self) -> float:
+        """How long the stage's loop has been in one iteration, as its last heartbeat said."""
+        return float(self.stats.get("loop_age_s", 0.0))
+
     def start(self, config_file: str, parent_read_fd: int, log_out: IO[str]) -> None:
         cmd = [sys.executable, "-m", "stages", self.spec.name, "--replica", str(self.spec.replica),
                "--config-file", config_file, "--parent-fd", str(parent_read_fd)]
@@ -55,6 +60,7 @@ class StageProcess:
         self.pid = self.proc.pid
         self.started_at = self.last_beat = time.monotonic()
         self.ready = False
+        self.stats = {}
         threading.Thread(target=_pump, args=(self.proc.stdout, f"[{self.spec.label}]", log_out),
                          daemon=True, name=f"log-{self.spec.label}").start()
 

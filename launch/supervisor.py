@@ -211,10 +211,13 @@ class Supervisor:
                     continue
                 dead = not stage.alive()
                 silent = stage.ready and now - stage.last_beat > sup.dead_after_s
+                stalled = stage.ready and sup.stall_after_s > 0 and stage.loop_age_s > sup.stall_after_s
                 slow_start = not stage.ready and now - stage.started_at > sup.ready_timeout_s
-                if dead or silent or slow_start:
+                if dead or silent or stalled or slow_start:
                     why = (f"exited with code {stage.exit_code()}" if dead else
-                           f"silent for {now - stage.last_beat:.1f} s" if silent else "never became ready")
+                           f"silent for {now - stage.last_beat:.1f} s" if silent else
+                           f"stuck in one loop iteration for {stage.loop_age_s:.0f} s" if stalled else
+                           "never became ready")
                     self._declare_dead(stage, why)
 
     def _declare_dead(self, stage: StageProcess, why: str) -> None:

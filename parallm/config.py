@@ -77,7 +77,8 @@ class TransportConfig(Struct, frozen=True, kw_only=True, forbid_unknown_fields=T
 
 class SupervisorConfig(Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     heartbeat_s: Annotated[float, _d("seconds between stage heartbeats")] = 0.5
-    dead_after_s: Annotated[float, _d("a stage silent this long is declared dead and restarted")] = 10.0
+    dead_after_s: Annotated[float, _d("a stage whose heartbeat thread is silent this long is restarted")] = 10.0
+    stall_after_s: Annotated[float, _d("a stage whose loop made no progress this long is restarted; 0 = never")] = 300.0
     ready_timeout_s: Annotated[float, _d("seconds a stage may take to report READY")] = 600.0
     restart_backoff_s: Annotated[float, _d("first restart delay; doubles per crash up to 30 s")] = 0.5
     drain_timeout_s: Annotated[float, _d("on SIGTERM, seconds in-flight requests get to finish")] = 30.0

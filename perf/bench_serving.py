@@ -1,0 +1,295 @@
+"""Served throughput and latency against the in-process engine, on the same model in one run.
+
+For each concurrency level it runs the same fixed-seed workload (chat prompts, end-of-sequence
+suppressed so every request runs `max_tokens`) three or four ways, one after another:
+
+- `inprocess`: parallm's Engine driven directly (no sockets), closed loop with `c` requests open;
+- `http`: `parallm-launch` over OpenAI streaming HTTP (perf.loadgen);
+- `zmq`: the same server over the raw ZeroMQ client;
+- `mlx_lm.server` (with --mlx-lm-server): mlx-lm's own server on the same float32 weights, with
+  the same OpenBLAS preload as parallm's engine.
+
+    python -m perf.bench_serving --concurrency 1,8,16,32 --out perf/results/serving-cpu.json
+
+Writes JSON (every number, the machine and the command), a markdown table and PNG plots.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import platform
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections import deque
+from pathlib import Path
+from typing import Any
+
+from perf.loadgen import WORKLOADS, RequestRecord, Workload, make_prompts, run_http, run_zmq, summarize
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def machine() -> dict[str, Any]:
+    import mlx.core as mx
+
+    from parallm import blas
+
+    return {"platform": platform.platform(), "processor": platform.processor() or platform.machine(),
+            "cpus": os.cpu_count(), "mlx": mx.__version__, "device": str(mx.default_device()),
+            "openblas_preloaded": blas.is_preloaded()}
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+# ---------------------------------------------------------------------------- in-process
+
+def chat_ids(tokenizer: Any, prompts: list[str]) -> list[list[int]]:
+    texts = [tokenizer.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True,
+                                           tokenize=False) for p in prompts]
+    return [tokenizer.encode(t, add_special_tokens=False) for t in texts]
+
+
+def run_inprocess(engine: Any, prompt_ids: list[list[int]], workload: Workload, concurrency: int,
+                  eos_ids: list[int], seed: int = 0) -> dict[str, Any]:
+    """Closed loop: `concurrency` requests open at a time, a new one as soon as one finishes."""
+    from parallm.engine import Request
+    from parallm.protocol import SamplingParams
+
+    pending = deque(enumerate(prompt_ids))
+    open_: dict[str, tuple[RequestRecord, list[float]]] = {}
+    records: list[RequestRecord] = []
+    start = time.perf_counter()
+    while pending or open_:
+        while pending and len(open_) < concurrency:
+            i, ids = pending.popleft()
+            params = SamplingParams(max_tokens=workload.max_tokens, temperature=0.0, seed=seed + i,
+                                    logit_bias={t: -100.0 for t in eos_ids})
+            rid = f"bench-{i}"
+            engine.add_request(Request(rid=rid, prompt_ids=ids, params=params, n=workload.n))
+            now = time.perf_counter()
+            open_[rid] = (RequestRecord(ok=False), [now, now, 1.0])  # start, last, first-pending
+        outputs = engine.step()
+        now = time.perf_counter()
+        for out in outputs:
+            record, clock = open_[out.rid]
+            if out.token_ids:
+                if clock[2]:
+                    record.ttft, clock[2] = now - clock[0], 0.0
+                else:
+                    record.itls.append(now - clock[1])
+                clock[1] = now
+                record.tokens += len(out.token_ids)
+            if out.finish_reason is not None:
+                record.ok = out.finish_reason in ("length", "stop")
+                record.latency = now - clock[0]
+                records.append(record)
+                del open_[out.rid]
+    wall = time.perf_counter() - start
+    return summarize(records, wall, workload, concurrency, "inprocess")
+
+
+# ---------------------------------------------------------------------------- servers
+
+class Launched:
+    """A server subprocess started for the benchmark and stopped afterwards."""
+
+    def __init__(self, argv: list[str], ready: str, env: dict[str, str] | None = None,
+                 timeout: float = 600.0) -> None:
+        self.log = tempfile.NamedTemporaryFile("w+", prefix="bench-serving-", suffix=".log", delete=False)
+        self.proc = subprocess.Popen(argv, stdout=self.log, stderr=subprocess.STDOUT, cwd=ROOT,
+                                     env={**os.environ, **(env or {})}, start_new_session=True)
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"{argv[0]} exited with {self.proc.returncode}: {self.tail()}")
+            if ready in Path(self.log.name).read_text(errors="replace"):
+                return
+            time.sleep(0.3)
+        self.stop()
+        raise RuntimeError(f"{argv} not ready in {timeout} s: {self.tail()}")
+
+    def tail(self) -> str:
+        return Path(self.log.name).read_text(errors="replace")[-3000:]
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(60)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+
+def wait_http(url: str, timeout: float = 300.0) -> None:
+    import httpx
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            if httpx.get(url, timeout=2).status_code < 500:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.5)
+    raise TimeoutError(url)
+
+
+# ---------------------------------------------------------------------------- report
+
+def write_report(result: dict[str, Any], out: Path) -> None:
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=2) + "\n")
+    rows = ["| target | c | tok/s | TTFT p50 s | TTFT p99 s | ITL p50 ms | ITL p99 ms | ok |",
+            "|---|---|---|---|---|---|---|---|"]
+    for r in result["runs"]:
+        rows.append(f"| {r['target']} | {r['concurrency']} | {r['throughput_tok_s']:.1f} | {r['ttft_p50_s']:.3f} | "
+                    f"{r['ttft_p99_s']:.3f} | {1000 * r['itl_p50_s']:.1f} | {1000 * r['itl_p99_s']:.1f} | "
+                    f"{r['ok']}/{r['requests']} |")
+    ratios = [f"- c={c}: http/inprocess = {v['http']:.2f}" + (f", zmq/inprocess = {v['zmq']:.2f}" if "zmq" in v else "")
+              + (f", http/mlx_lm.server = {v['vs_mlx_lm']:.2f}" if "vs_mlx_lm" in v else "")
+              for c, v in result["ratios"].items()]
+    md = [f"# Served vs in-process ({result['workload']}, {result['max_tokens']} output tokens)", "",
+          f"Machine: {result['machine']}", "", f"Command: `{result['command']}`", "", *rows, "", "Ratios:", *ratios]
+    out.with_suffix(".md").write_text("\n".join(md) + "\n")
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
+    for target in sorted({r["target"] for r in result["runs"]}):
+        runs = sorted((r for r in result["runs"] if r["target"] == target), key=lambda r: r["concurrency"])
+        cs = [r["concurrency"] for r in runs]
+        ax1.plot(cs, [r["throughput_tok_s"] for r in runs], marker="o", label=target)
+        ax2.plot(cs, [r["ttft_p50_s"] for r in runs], marker="o", label=target)
+    ax1.set(xlabel="concurrency", ylabel="output tokens/s", title="throughput")
+    ax2.set(xlabel="concurrency", ylabel="TTFT p50 (s)", title="time to first token")
+    for ax in (ax1, ax2):
+        ax.legend()
+        ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(out.with_suffix(".png"), dpi=100)
+
+
+# ---------------------------------------------------------------------------- main
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--concurrency", default="1,8,16,32")
+    parser.add_argument("--workload", choices=sorted(WORKLOADS), default="short")
+    parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--requests-per-client", type=int, default=2,
+                        help="requests per concurrency slot (at least 8 in all)")
+    parser.add_argument("--targets", default="inprocess,http,zmq")
+    parser.add_argument("--mlx-lm-server", action="store_true", help="also run mlx_lm.server on the same weights")
+    parser.add_argument("--server-args", default="", help="extra parallm-launch arguments")
+    parser.add_argument("--out", type=Path, default=ROOT / "perf/results/serving-cpu.json")
+    args = parser.parse_args(argv)
+
+    from parallm import blas
+
+    blas.reexec_with_openblas()
+    from parallm.config import EngineConfig, ModelConfig
+    from parallm.engine import Engine
+    from parallm.models import load_model, load_tokenizer, materialize
+
+    levels = [int(c) for c in args.concurrency.split(",")]
+    targets = args.targets.split(",") + (["mlx_lm.server"] if args.mlx_lm_server else [])
+    eos = [2]
+    loaded = load_model(ModelConfig())
+    tokenizer = load_tokenizer(loaded.source)
+    max_seqs = max(levels)
+    runs: list[dict[str, Any]] = []
+
+    def workload_for(c: int) -> Workload:
+        base = WORKLOADS[args.workload]
+        return Workload(**{**base.__dict__, "max_tokens": args.max_tokens,
+                           "requests": max(8, c * args.requests_per_client)})
+
+    if "inprocess" in targets:
+        engine = Engine(loaded.model, EngineConfig(max_num_seqs=max_seqs), eos_token_ids=loaded.eos_token_ids,
+                        max_model_len=loaded.max_model_len, vocab_size=loaded.vocab_size)
+        warm = workload_for(1)
+        run_inprocess(engine, chat_ids(tokenizer, make_prompts(warm, 99))[:2], warm, 2, eos)
+        for c in levels:
+            w = workload_for(c)
+            runs.append(run_inprocess(engine, chat_ids(tokenizer, make_prompts(w)), w, c, eos))
+            print(json.dumps(runs[-1]), flush=True)
+        del engine
+
+    if "http" in targets or "zmq" in targets:
+        port = free_port()
+        run_dir = tempfile.mkdtemp(prefix="bench-serving-")
+        launch = [sys.executable, "-m", "launch", "--port", str(port), "--transport.run-dir", run_dir,
+                  "--engine.max-num-seqs", str(max_seqs), "--model.served-name", "bench",
+                  *args.server_args.split()]
+        server = Launched(launch, "parallm-launch: ready", env={"PYTHONPATH": str(ROOT)})
+        try:
+            url, router = f"http://127.0.0.1:{port}", f"ipc://{run_dir}/router.sock"
+            asyncio.run(run_http(url, "bench", workload_for(1), 2, eos))  # warm-up
+            for c in levels:
+                w = workload_for(c)
+                if "http" in targets:
+                    r = asyncio.run(run_http(url, "bench", w, c, eos))
+                    r["target"] = "http"
+                    runs.append(r)
+                    print(json.dumps(r), flush=True)
+                if "zmq" in targets:
+                    r = asyncio.run(run_zmq(router, w, c, eos))
+                    r["target"] = "zmq"
+                    runs.append(r)
+                    print(json.dumps(r), flush=True)
+        finally:
+            server.stop()
+
+    if "mlx_lm.server" in targets:
+        path = materialize(loaded.source, "float32")
+        port = free_port()
+        env = {**(blas.openblas_env() or {}), "PYTHONPATH": str(ROOT)}
+        server = Launched([sys.executable, "-m", "mlx_lm", "server", "--model", str(path), "--port", str(port),
+                           "--host", "127.0.0.1"], "Starting httpd", env=env)
+        try:
+            url = f"http://127.0.0.1:{port}"
+            wait_http(f"{url}/v1/models")
+            asyncio.run(run_http(url, str(path), workload_for(1), 2, eos))
+            for c in levels:
+                r = asyncio.run(run_http(url, str(path), workload_for(c), c, eos))
+                r["target"] = "mlx_lm.server"
+                runs.append(r)
+                print(json.dumps(r), flush=True)
+        finally:
+            server.stop()
+
+    ratios: dict[str, dict[str, float]] = {}
+    by = {(r["target"], r["concurrency"]): r["throughput_tok_s"] for r in runs}
+    for c in levels:
+        base = by.get(("inprocess", c))
+        entry = {}
+        for t in ("http", "zmq"):
+            if base and (t, c) in by:
+                entry[t] = by[(t, c)] / base
+        if ("mlx_lm.server", c) in by and ("http", c) in by:
+            entry["vs_mlx_lm"] = by[("http", c)] / by[("mlx_lm.server", c)]
+        ratios[str(c)] = entry
+    result = {"machine": machine(), "command": "python -m perf.bench_serving " + " ".join(argv or sys.argv[1:]),
+              "workload": args.workload, "max_tokens": args.max_tokens, "runs": runs, "ratios": ratios}
+    write_report(result, args.out)
+    print(json.dumps(ratios, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
