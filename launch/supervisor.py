@@ -170,7 +170,8 @@ class Supervisor:
 
     def _handle(self, message) -> None:
         stage = self._find(message.stage, message.replica)
-        if stage is None or message.pid and message.pid != stage.pid:
+        pid = getattr(message, "pid", 0)
+        if stage is None or pid and pid != stage.pid:
             return
         now = time.monotonic()
         stage.last_beat = now

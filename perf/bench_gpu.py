@@ -1,0 +1,309 @@
+"""Throughput on a GPU (MLX CUDA or Metal) with random-weight models of real shapes.
+
+No hub is reachable on the lent GPU machine, so the model is built from its shape with random
+weights (what decode throughput depends on), saved as an mlx-lm model directory with a borrowed
+tokenizer, and measured four ways on the same weights in one run:
+
+- `batchgen`: mlx-lm's in-process BatchGenerator (the engine ceiling users compare with);
+- `engine`: parallm's in-process Engine;
+- `served`: parallm-launch over the raw ZeroMQ client (token ids in and out; the model's vocabulary
+  is larger than the borrowed tokenizer's, so no text is decoded);
+- the memory-bandwidth limit for one decode stream (weight bytes / HBM bandwidth).
+
+    python -m perf.bench_gpu --shape llama-3.2-3b --concurrency 1,16,64,256 --out perf/results/gpu-llama-3.2-3b.json
+    python -m perf.bench_gpu --shape tiny --concurrency 1,4 --out /tmp/tiny.json   # a smoke run on CPU
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import importlib
+import json
+import os
+import platform
+import random
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx.utils import tree_flatten
+
+ROOT = Path(__file__).resolve().parent.parent
+
+SHAPES: dict[str, dict[str, Any]] = {
+    "llama-3.2-3b": dict(model_type="llama", hidden_size=3072, num_hidden_layers=28, intermediate_size=8192,
+                         num_attention_heads=24, num_key_value_heads=8, head_dim=128, rms_norm_eps=1e-5,
+                         vocab_size=128256, rope_theta=500000.0, tie_word_embeddings=True,
+                         max_position_embeddings=131072, dtype="bfloat16"),
+    "qwen3-8b": dict(model_type="qwen3", hidden_size=4096, num_hidden_layers=36, intermediate_size=12288,
+                     num_attention_heads=32, num_key_value_heads=8, head_dim=128, rms_norm_eps=1e-6,
+                     vocab_size=151936, rope_theta=1000000.0, tie_word_embeddings=False,
+                     max_position_embeddings=40960, dtype="bfloat16", quantize_bits=4),
+    "tiny": dict(model_type="llama", hidden_size=256, num_hidden_layers=4, intermediate_size=512,
+                 num_attention_heads=4, num_key_value_heads=2, head_dim=64, rms_norm_eps=1e-5, vocab_size=50000,
+                 rope_theta=10000.0, tie_word_embeddings=True, max_position_embeddings=4096, dtype="float32"),
+}
+HBM_BYTES_PER_S = {"H100": 3.35e12, "H200": 4.8e12}
+
+
+def build_model_dir(shape: str, out: Path, tokenizer_dir: Path) -> Path:
+    """Random weights of `shape`, saved as an mlx-lm model directory (reused if present)."""
+    spec = dict(SHAPES[shape])
+    dtype = spec.pop("dtype")
+    bits = spec.pop("quantize_bits", 0)
+    if (out / "config.json").exists():
+        return out
+    tmp = out.with_name(out.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    config = {**spec, "torch_dtype": dtype, "bos_token_id": 1, "eos_token_id": 2}
+    (tmp / "config.json").write_text(json.dumps(config))
+    arch = importlib.import_module(f"mlx_lm.models.{spec['model_type']}")
+    model = arch.Model(arch.ModelArgs.from_dict(config))
+    mx.random.seed(0)
+    params = []
+    for name, p in tree_flatten(model.parameters()):
+        value = mx.ones(p.shape) if "norm" in name else mx.random.normal(p.shape) * 0.02
+        params.append((name, value.astype(getattr(mx, dtype))))
+        mx.eval(params[-1][1])
+    model.load_weights(params)
+    mx.eval(model.parameters())
+    if bits:
+        nn.quantize(model, group_size=64, bits=bits)
+        config["quantization"] = {"group_size": 64, "bits": bits}
+        mx.eval(model.parameters())
+    mx.save_safetensors(str(tmp / "model.safetensors"), dict(tree_flatten(model.parameters())),
+                        metadata={"format": "mlx"})
+    (tmp / "config.json").write_text(json.dumps(config))
+    for f in tokenizer_dir.iterdir():
+        if f.name.startswith(("tokenizer", "special_tokens")):
+            shutil.copy2(f, tmp / f.name)
+    tmp.rename(out)
+    return out
+
+
+def weight_bytes(model: nn.Module) -> int:
+    return sum(p.nbytes for _, p in tree_flatten(model.parameters()))
+
+
+def prompts(count: int, length: int, seed: int = 0) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(1000, 40000) for _ in range(length)] for _ in range(count)]
+
+
+# ---------------------------------------------------------------------------- in-process
+
+def run_batchgen(model: nn.Module, batch: list[list[int]], max_tokens: int) -> dict[str, float]:
+    from mlx_lm.generate import BatchGenerator
+
+    gen = BatchGenerator(model, max_tokens=max_tokens, stop_tokens=[], completion_batch_size=len(batch),
+                         prefill_batch_size=min(len(batch), 32))
+    start = time.perf_counter()
+    gen.insert(batch, [max_tokens] * len(batch))
+    tokens = 0
+    decode_start = None
+    decode_tokens = 0
+    while True:
+        _, generated = gen.next()
+        if not generated and not gen._unprocessed_sequences and not gen._currently_processing \
+                and tokens >= len(batch) * max_tokens:
+            break
+        if generated:
+            if decode_start is None and len(generated) == len(batch):
+                decode_start = time.perf_counter()
+            elif decode_start is not None:
+                decode_tokens += len(generated)
+            tokens += len(generated)
+        if tokens >= len(batch) * max_tokens:
+            break
+    end = time.perf_counter()
+    gen.close()
+    return {"tok_s": tokens / (end - start),
+            "decode_tok_s": decode_tokens / (end - decode_start) if decode_start and end > decode_start else 0.0}
+
+
+def run_engine(model: nn.Module, batch: list[list[int]], max_tokens: int, max_len: int) -> dict[str, float]:
+    from parallm.config import EngineConfig
+    from parallm.engine import Engine, Request
+    from parallm.protocol import SamplingParams
+
+    engine = Engine(model, EngineConfig(max_num_seqs=max(len(batch), 1), max_prefill_tokens=8192),
+                    eos_token_ids=[], max_model_len=max_len)
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    start = time.perf_counter()
+    for i, ids in enumerate(batch):
+        engine.add_request(Request(rid=str(i), prompt_ids=ids, params=params))
+    tokens = decode_tokens = 0
+    decode_start = None
+    while engine.has_work():
+        outs = engine.step()
+        n = sum(len(o.token_ids) for o in outs)
+        if decode_start is None and len(outs) == len(batch):
+            decode_start = time.perf_counter()
+        elif decode_start is not None:
+            decode_tokens += n
+        tokens += n
+    end = time.perf_counter()
+    stats = engine.stats()
+    return {"tok_s": tokens / (end - start),
+            "decode_tok_s": decode_tokens / (end - decode_start) if decode_start and end > decode_start else 0.0,
+            "step_ms_mean": stats.get("step_ms_mean", {}), "steps": stats.get("steps", 0)}
+
+
+# ---------------------------------------------------------------------------- served
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+async def served_run(router: str, batch: list[list[int]], max_tokens: int, concurrency: int) -> dict[str, float]:
+    from parallm.client import AsyncClient
+    from parallm.protocol import SamplingParams
+
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    ttfts: list[float] = []
+    tokens = 0
+    async with AsyncClient(router, timeout=1800) as client:
+        sem = asyncio.Semaphore(concurrency)
+
+        async def one(ids: list[int]) -> None:
+            nonlocal tokens
+            async with sem:
+                t0 = time.perf_counter()
+                first = True
+                async for out in client.stream(ids, params):
+                    if out.token_ids and first:
+                        ttfts.append(time.perf_counter() - t0)
+                        first = False
+                    tokens += len(out.token_ids) // 4
+
+        start = time.perf_counter()
+        await asyncio.gather(*(one(ids) for ids in batch))
+        wall = time.perf_counter() - start
+    ttfts.sort()
+    return {"tok_s": tokens / wall, "ttft_p50_s": ttfts[len(ttfts) // 2] if ttfts else float("nan")}
+
+
+class Served:
+    def __init__(self, model_dir: Path, max_seqs: int) -> None:
+        self.run_dir = tempfile.mkdtemp(prefix="bench-gpu-")
+        self.log = open(Path(self.run_dir) / "launch.log", "w+")
+        argv = [sys.executable, "-m", "launch", "--model", str(model_dir), "--port", str(free_port()),
+                "--transport.run-dir", self.run_dir, "--engine.max-num-seqs", str(max_seqs),
+                "--engine.max-prefill-tokens", "8192", "--supervisor.stall-after-s", "0"]
+        self.proc = subprocess.Popen(argv, stdout=self.log, stderr=subprocess.STDOUT, cwd=ROOT,
+                                     start_new_session=True)
+        deadline = time.monotonic() + 900
+        while time.monotonic() < deadline:
+            text = Path(self.log.name).read_text(errors="replace")
+            if "parallm-launch: ready" in text:
+                return
+            if self.proc.poll() is not None:
+                raise RuntimeError(text[-4000:])
+            time.sleep(0.5)
+        raise TimeoutError(Path(self.log.name).read_text(errors="replace")[-4000:])
+
+    @property
+    def router(self) -> str:
+        return f"ipc://{self.run_dir}/router.sock"
+
+    def stop(self) -> None:
+        self.proc.terminate()
+        try:
+            self.proc.wait(60)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+
+
+# ---------------------------------------------------------------------------- main
+
+def device_name() -> str:
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"], capture_output=True,
+                             text=True, timeout=10).stdout.strip()
+        return out or str(mx.default_device())
+    except (OSError, subprocess.SubprocessError):
+        return str(mx.default_device())
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--shape", choices=sorted(SHAPES), default="llama-3.2-3b")
+    parser.add_argument("--concurrency", default="1,16,64,256")
+    parser.add_argument("--prompt-len", type=int, default=128)
+    parser.add_argument("--max-tokens", type=int, default=128)
+    parser.add_argument("--tokenizer-dir", type=Path, required=True, help="a directory with tokenizer.json etc.")
+    parser.add_argument("--work-dir", type=Path, default=Path(tempfile.gettempdir()) / "parallm-bench-gpu")
+    parser.add_argument("--targets", default="batchgen,engine,served")
+    parser.add_argument("--out", type=Path, required=True)
+    args = parser.parse_args(argv)
+    levels = [int(c) for c in args.concurrency.split(",")]
+    targets = args.targets.split(",")
+
+    from mlx_lm.utils import load_model
+
+    t0 = time.perf_counter()
+    model_dir = build_model_dir(args.shape, args.work_dir / args.shape, args.tokenizer_dir)
+    model, _ = load_model(model_dir)
+    mx.eval(model.parameters())
+    build_s = time.perf_counter() - t0
+    wbytes = weight_bytes(model)
+    device = device_name()
+    bandwidth = next((v for k, v in HBM_BYTES_PER_S.items() if k in device), 0.0)
+    result: dict[str, Any] = {
+        "device": device, "platform": platform.platform(), "mlx": mx.__version__, "shape": args.shape,
+        "spec": SHAPES[args.shape], "weight_bytes": wbytes, "prompt_len": args.prompt_len,
+        "max_tokens": args.max_tokens, "model_build_s": build_s,
+        "bandwidth_limit_single_stream_tok_s": bandwidth / wbytes if bandwidth else None,
+        "command": "python -m perf.bench_gpu " + " ".join(argv or sys.argv[1:]), "runs": []}
+    max_len = args.prompt_len + args.max_tokens + 16
+
+    def record(entry: dict[str, Any]) -> None:
+        result["runs"].append(entry)
+        print(json.dumps(entry), flush=True)
+
+    run_batchgen(model, prompts(2, 16, 99), 4)  # warm-up: kernels compiled
+    run_engine(model, prompts(2, 16, 99), 4, max_len)
+    for c in levels:
+        batch = prompts(c, args.prompt_len, c)
+        if "batchgen" in targets:
+            record({"target": "batchgen", "concurrency": c, **run_batchgen(model, batch, args.max_tokens)})
+        if "engine" in targets:
+            record({"target": "engine", "concurrency": c, **run_engine(model, batch, args.max_tokens, max_len)})
+    del model
+    mx.clear_cache()
+    if "served" in targets:
+        server = Served(model_dir, max(levels))
+        try:
+            asyncio.run(served_run(server.router, prompts(2, 16, 99), 4, 2))
+            for c in levels:
+                batch = prompts(c, args.prompt_len, c)
+                record({"target": "served", "concurrency": c,
+                        **asyncio.run(served_run(server.router, batch, args.max_tokens, c))})
+        finally:
+            server.stop()
+    ratios = {}
+    by = {(r["target"], r["concurrency"]): r["tok_s"] for r in result["runs"]}
+    for c in levels:
+        base = by.get(("batchgen", c))
+        if base:
+            ratios[str(c)] = {t: by[(t, c)] / base for t in ("engine", "served") if (t, c) in by}
+    result["ratios_vs_batchgen"] = ratios
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(result, indent=2) + "\n")
+    print(json.dumps(ratios, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
