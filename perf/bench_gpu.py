@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
 import importlib
 import json
 import os
@@ -254,35 +255,25 @@ def main(argv: list[str] | None = None) -> int:
 
     t0 = time.perf_counter()
     model_dir = build_model_dir(args.shape, args.work_dir / args.shape, args.tokenizer_dir)
-    model, _ = load_model(model_dir)
-    mx.eval(model.parameters())
     build_s = time.perf_counter() - t0
-    wbytes = weight_bytes(model)
+    gc.collect()
+    mx.clear_cache()
     device = device_name()
     bandwidth = next((v for k, v in HBM_BYTES_PER_S.items() if k in device), 0.0)
     result: dict[str, Any] = {
         "device": device, "platform": platform.platform(), "mlx": mx.__version__, "shape": args.shape,
-        "spec": SHAPES[args.shape], "weight_bytes": wbytes, "prompt_len": args.prompt_len,
-        "max_tokens": args.max_tokens, "model_build_s": build_s,
-        "bandwidth_limit_single_stream_tok_s": bandwidth / wbytes if bandwidth else None,
-        "command": "python -m perf.bench_gpu " + " ".join(argv or sys.argv[1:]), "runs": []}
+        "spec": SHAPES[args.shape], "prompt_len": args.prompt_len, "max_tokens": args.max_tokens,
+        "model_build_s": build_s, "command": "python -m perf.bench_gpu " + " ".join(argv or sys.argv[1:]),
+        "runs": []}
     max_len = args.prompt_len + args.max_tokens + 16
 
     def record(entry: dict[str, Any]) -> None:
         result["runs"].append(entry)
         print(json.dumps(entry), flush=True)
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(result, indent=2) + "\n")
 
-    run_batchgen(model, prompts(2, 16, 99), 4)  # warm-up: kernels compiled
-    run_engine(model, prompts(2, 16, 99), 4, max_len)
-    for c in levels:
-        batch = prompts(c, args.prompt_len, c)
-        if "batchgen" in targets:
-            record({"target": "batchgen", "concurrency": c, **run_batchgen(model, batch, args.max_tokens)})
-        if "engine" in targets:
-            record({"target": "engine", "concurrency": c, **run_engine(model, batch, args.max_tokens, max_len)})
-    del model
-    mx.clear_cache()
-    if "served" in targets:
+    if "served" in targets:  # first, while this process holds no device memory
         server = Served(model_dir, max(levels))
         try:
             asyncio.run(served_run(server.router, prompts(2, 16, 99), 4, 2))
@@ -292,6 +283,23 @@ def main(argv: list[str] | None = None) -> int:
                         **asyncio.run(served_run(server.router, batch, args.max_tokens, c))})
         finally:
             server.stop()
+    from mlx_lm.utils import load_model
+
+    model, _ = load_model(model_dir)
+    mx.eval(model.parameters())
+    wbytes = weight_bytes(model)
+    result["weight_bytes"] = wbytes
+    result["bandwidth_limit_single_stream_tok_s"] = bandwidth / wbytes if bandwidth else None
+    run_batchgen(model, prompts(2, 16, 99), 4)  # warm-up: kernels compiled
+    run_engine(model, prompts(2, 16, 99), 4, max_len)
+    for c in levels:
+        batch = prompts(c, args.prompt_len, c)
+        if "batchgen" in targets:
+            record({"target": "batchgen", "concurrency": c, **run_batchgen(model, batch, args.max_tokens)})
+            gc.collect()
+        if "engine" in targets:
+            record({"target": "engine", "concurrency": c, **run_engine(model, batch, args.max_tokens, max_len)})
+            gc.collect()
     ratios = {}
     by = {(r["target"], r["concurrency"]): r["tok_s"] for r in result["runs"]}
     for c in levels:
@@ -299,7 +307,6 @@ def main(argv: list[str] | None = None) -> int:
         if base:
             ratios[str(c)] = {t: by[(t, c)] / base for t in ("engine", "served") if (t, c) in by}
     result["ratios_vs_batchgen"] = ratios
-    args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=2) + "\n")
     print(json.dumps(ratios, indent=2))
     return 0

@@ -1,0 +1,87 @@
+"""Where a decode step's time goes: Python (cProfile of the engine loop) against device time.
+
+Builds the random-weight model of perf.bench_gpu's `--shape`, fills the engine with `--batch`
+sequences, then profiles `--steps` pure decode steps and prints the engine's own phase timings,
+the step time with and without overlap, and the top functions by own time.
+
+    python -m perf.profile_decode --shape llama-3.2-3b --batch 256 --tokenizer-dir DIR
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import io
+import json
+import pstats
+import sys
+import time
+from pathlib import Path
+
+import mlx.core as mx
+import msgspec
+
+from perf.bench_gpu import SHAPES, build_model_dir, prompts
+
+
+def decode_steps(model, batch: int, steps: int, prompt_len: int, **engine_options) -> tuple[object, float]:
+    from parallm.config import EngineConfig
+    from parallm.engine import Engine, Request
+    from parallm.protocol import SamplingParams
+
+    config = msgspec.structs.replace(EngineConfig(max_num_seqs=batch, max_prefill_tokens=8192), **engine_options)
+    engine = Engine(model, config, eos_token_ids=[], max_model_len=prompt_len + steps + 64)
+    params = SamplingParams(max_tokens=steps + 40, temperature=0.0, ignore_eos=True)
+    for i, ids in enumerate(prompts(batch, prompt_len, 1)):
+        engine.add_request(Request(rid=str(i), prompt_ids=ids, params=params))
+    while engine.stats()["running"] < batch or engine.stats()["prefilling"]:
+        engine.step()
+    for _ in range(5):
+        engine.step()
+    engine._timing.clear()
+    start = time.perf_counter()
+    for _ in range(steps):
+        engine.step()
+    mx.synchronize()
+    return engine, (time.perf_counter() - start) / steps
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--shape", choices=sorted(SHAPES), default="llama-3.2-3b")
+    parser.add_argument("--batch", type=int, default=256)
+    parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--prompt-len", type=int, default=128)
+    parser.add_argument("--tokenizer-dir", type=Path, required=True)
+    parser.add_argument("--work-dir", type=Path, default=Path("/tmp/parallm-bench-gpu"))
+    parser.add_argument("--out", type=Path)
+    args = parser.parse_args(argv)
+    from mlx_lm.utils import load_model
+
+    model, _ = load_model(build_model_dir(args.shape, args.work_dir / args.shape, args.tokenizer_dir))
+    report = {"shape": args.shape, "batch": args.batch, "device": str(mx.default_device())}
+    for name, opts in (("default", {}), ("no_overlap", {"overlap": False}), ("no_compile", {"compile": False})):
+        engine, per_step = decode_steps(model, args.batch, args.steps, args.prompt_len, **opts)
+        phases = {k: 1000 * v / args.steps for k, v in engine._timing.items()}
+        report[name] = {"step_ms": 1000 * per_step, "tok_s": args.batch / per_step, "phases_ms": phases}
+        print(name, json.dumps(report[name]), flush=True)
+        del engine
+    engine, _ = decode_steps(model, args.batch, 3, args.prompt_len)
+    profiler = cProfile.Profile()
+    profiler.enable()
+    for _ in range(args.steps):
+        engine.step()
+    mx.synchronize()
+    profiler.disable()
+    text = io.StringIO()
+    pstats.Stats(profiler, stream=text).sort_stats("tottime").print_stats(30)
+    report["profile_top"] = text.getvalue()
+    print(text.getvalue())
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(report, indent=2) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
