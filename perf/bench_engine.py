@@ -216,7 +216,7 @@ def section_b(lm, P: Prompts, args) -> dict[str, Any]:
         prompts = P.batch(batch, args.prompt_tokens, seed=100 + batch)
         run_engine(lm, prompts, 8, sampled=True)
         runs: dict[str, list] = {name: [] for name, _, _ in variants}
-        for i in range(args.repeats):
+        for i in range(args.switch_repeats):
             for name, ov, co in variants:
                 r = run_engine(lm, prompts, args.switch_tokens, sampled=True, overlap=ov, compile=co)
                 log(f"  b batch {batch} {name} #{i + 1}: decode {r['decode_tok_s']:.1f} tok/s")
@@ -278,11 +278,11 @@ def section_d(lm32, P: Prompts, args) -> dict[str, Any]:
     log(f"quantized model loaded ({lmq.dtype})")
     out: dict[str, Any] = {"quantized_stored": "Q4_1 GGUF as MLX 4-bit affine quantization"}
     for batch in (1, 16):
-        prompts = P.batch(batch, args.prompt_tokens, seed=200 + batch)
+        prompts = P.batch(batch, args.dtype_prompt_tokens, seed=200 + batch)
         for name, lm in (("float32", lm32), ("quantized", lmq)):
-            run_engine(lm, prompts, 4)
+            run_engine(lm, prompts, 2)
         runs: dict[str, list] = {"float32": [], "quantized": []}
-        for i in range(args.repeats):
+        for i in range(args.dtype_repeats):
             for name, lm in (("float32", lm32), ("quantized", lmq)):
                 r = run_engine(lm, prompts, args.dtype_tokens)
                 log(f"  d batch {batch} {name} #{i + 1}: decode {r['decode_tok_s']:.1f} tok/s")
@@ -292,8 +292,9 @@ def section_d(lm32, P: Prompts, args) -> dict[str, Any]:
         out[f"batch{batch}"] = res
     del lmq
     # the same tiny workload the reference-BLAS child runs, here with OpenBLAS
-    out["tiny_openblas"] = tiny_workload(lm32, P, args.repeats)
-    out["tiny_reference_blas"] = refblas_child(args)
+    out["tiny_openblas"] = tiny_workload(lm32, P, args.dtype_repeats)
+    out["tiny_reference_blas"] = refblas_child(args, openblas=False)
+    out["tiny_openblas_default_threads"] = refblas_child(args, openblas=True)
     ref = out["tiny_reference_blas"]
     if isinstance(ref, dict) and "decode_tok_s" in ref:
         out["openblas_speedup_decode"] = out["tiny_openblas"]["decode_tok_s"] / ref["decode_tok_s"]
@@ -301,7 +302,7 @@ def section_d(lm32, P: Prompts, args) -> dict[str, Any]:
     return out
 
 
-TINY = {"batch": 16, "prompt_tokens": 8, "max_tokens": 8}
+TINY = {"batch": 16, "prompt_tokens": 4, "max_tokens": 8}
 
 
 def tiny_workload(lm, P: Prompts, repeats: int) -> dict[str, Any]:
@@ -312,8 +313,20 @@ def tiny_workload(lm, P: Prompts, repeats: int) -> dict[str, Any]:
     return res
 
 
-def refblas_child(args) -> dict[str, Any]:
-    """Re-run this script without the OpenBLAS preload for the tiny workload only."""
+def refblas_child(args, openblas: bool = False) -> dict[str, Any]:
+    """Re-run this script for the tiny workload only: without the OpenBLAS preload, or (openblas=True)
+    with it but OPENBLAS_NUM_THREADS unset (OpenBLAS's own default thread count)."""
+    if openblas:
+        cmd = [sys.executable, "-m", "perf.bench_engine", "--blas-threads", "0", "--only", "refblas",
+               "--repeats", str(args.ref_repeats)]
+        env = {k: v for k, v in os.environ.items() if k not in ("LD_PRELOAD", blas.MARK, "OPENBLAS_NUM_THREADS")}
+        log(f"default-threads OpenBLAS child: {shlex.join(cmd)}")
+        proc = subprocess.run(cmd, env=env, stdout=subprocess.PIPE, text=True, timeout=1800)
+        if proc.returncode != 0:
+            return {"error": f"child exited {proc.returncode}"}
+        res = json.loads(proc.stdout)
+        res["command"] = shlex.join(cmd)
+        return res
     env = dict(os.environ)
     preload = env.get("LD_PRELOAD", "")
     mark = env.pop(blas.MARK, "")
@@ -355,6 +368,7 @@ def machine() -> dict[str, Any]:
         "memory_gib": round(mem / 2**30, 1), "python": platform.python_version(),
         "mlx": mx.__version__, "mlx_lm": mlx_lm.__version__, "device": str(mx.default_device()),
         "blas": blas_description(),
+        "openblas_num_threads": os.environ.get("OPENBLAS_NUM_THREADS", "unset"),
     }
 
 
@@ -370,17 +384,32 @@ def fmt(x: float, digits: int = 1) -> str:
 
 def markdown(res: dict[str, Any]) -> str:
     m = res["machine"]
+    p = res["params"]
     lines = [
         "# Engine benchmark (CPU)",
         "",
-        f"Command: `{res['command']}`  ",
         f"Machine: {m['cpu_model']}, {m['cpu_count']} CPUs, {m['memory_gib']} GiB, {m['platform']}; "
-        f"MLX {m['mlx']} ({m['device']}), mlx-lm {m['mlx_lm']}; {m['blas']}.  ",
-        f"Model: {res['model']['name']} ({res['model']['dtype']}), prompts of {res['params']['prompt_tokens']} tokens, "
-        f"greedy, EOS suppressed. Load average at start/end: {res['loadavg_start']} / {res['loadavg_end']}.  ",
-        f"Every figure is the median of {res['params']['repeats']} repeats (the machine is shared with other work, "
-        "so single runs are noisy; raw values are in the JSON). Decode tok/s counts the tokens generated after every "
-        "sequence had its first token, over that interval; end-to-end includes prefill.",
+        f"MLX {m['mlx']} ({m['device']}), mlx-lm {m['mlx_lm']}; {m['blas']}, "
+        f"OPENBLAS_NUM_THREADS={m.get('openblas_num_threads')}.  ",
+        f"Model: {res['model']['name']} ({res['model']['dtype']} unless stated), the same model object for parallm "
+        f"and BatchGenerator; prompts of {p['prompt_tokens']} text tokens, fixed seeds, EOS suppressed.",
+        "",
+        "Runs that produced this file (a section run later replaces that section):",
+        "",
+    ]
+    for r in res.get("runs", [{"command": res["command"], "sections": "all", "loadavg_start": res["loadavg_start"],
+                               "loadavg_end": res["loadavg_end"]}]):
+        lines.append(f"- `{r['command']}` (sections {r['sections']}; load average 1/5/15 min at start "
+                     f"{r['loadavg_start']}, at end {r['loadavg_end']})")
+    lines += [
+        "",
+        f"**The machine is shared with other work** (test suites and e2e servers of other engineers ran throughout: "
+        f"the load averages above are on {m['cpu_count']} CPUs), so absolute figures are far below what an idle "
+        "machine gives and single runs are noisy. Every figure is the median over repeats "
+        f"(a: {p['repeats']}, b: {p.get('switch_repeats')}, c: {p['repeats']}, d: {p.get('dtype_repeats')}); "
+        "parallm and BatchGenerator runs (and the variants of b and d) are interleaved so they see the same load; "
+        "raw values per repeat are in the JSON. Decode tok/s = tokens generated after every sequence had its first "
+        "token, over that interval; end-to-end (e2e) includes prefill.",
         "",
     ]
     a = res.get("a_throughput")
@@ -416,7 +445,7 @@ def markdown(res: dict[str, Any]) -> str:
                   f"{int(c['prefix_hit_tokens'])} | {int(c['prompt_tokens_computed_hit'])} |", ""]
     d = res.get("d_dtype_blas")
     if d:
-        lines += [f"## d. dtype and BLAS ({res['params']['dtype_tokens']} output tokens)", "",
+        lines += [f"## d. dtype and BLAS ({p['dtype_prompt_tokens']}-token prompts, {p['dtype_tokens']} output tokens)", "",
                   "| batch | float32 decode tok/s | quantized decode tok/s | float32/quantized |",
                   "|---:|---:|---:|---:|"]
         for key in ("batch1", "batch16"):
@@ -428,6 +457,10 @@ def markdown(res: dict[str, Any]) -> str:
         lines += ["", f"float32, batch {w['batch']}, {w['prompt_tokens']}-token prompts, {w['max_tokens']} output tokens:", "",
                   "| BLAS | e2e tok/s | decode tok/s | wall s |", "|---|---:|---:|---:|",
                   f"| OpenBLAS (preloaded) | {fmt(t['e2e_tok_s'], 2)} | {fmt(t['decode_tok_s'], 2)} | {fmt(t['wall_s'], 2)} |"]
+        dt = d.get("tiny_openblas_default_threads", {})
+        if "decode_tok_s" in dt:
+            lines.append(f"| OpenBLAS, OPENBLAS_NUM_THREADS unset (child) | {fmt(dt['e2e_tok_s'], 2)} | "
+                         f"{fmt(dt['decode_tok_s'], 2)} | {fmt(dt['wall_s'], 2)} |")
         if "decode_tok_s" in ref:
             lines += [f"| reference BLAS (child, {ref['repeats']} repeats) | {fmt(ref['e2e_tok_s'], 2)} | "
                       f"{fmt(ref['decode_tok_s'], 2)} | {fmt(ref['wall_s'], 2)} |", "",
@@ -477,19 +510,30 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--only", choices=["a", "b", "c", "d", "refblas"], action="append",
                         help="run only these sections ('refblas': the tiny float32 workload, JSON on stdout)")
     parser.add_argument("--repeats", type=int, help="repeats per point (default 3, --quick 1)")
+    parser.add_argument("--blas-threads", type=int, default=1,
+                        help="OPENBLAS_NUM_THREADS for the preloaded OpenBLAS; 0 leaves it unset (OpenBLAS "
+                             "then starts one thread per core, which collapses when the cores are shared)")
     args = parser.parse_args(argv)
     if not args.no_openblas:
+        if not blas.is_preloaded():
+            if args.blas_threads > 0:
+                os.environ["OPENBLAS_NUM_THREADS"] = str(args.blas_threads)
+            else:
+                os.environ.pop("OPENBLAS_NUM_THREADS", None)
         blas.reexec_with_openblas()  # no-op once done, or where it does not apply
 
     quick = args.quick
     args.repeats = args.repeats or (1 if quick else 3)
-    args.ref_repeats = 1 if quick else 2
+    args.switch_repeats = 1
+    args.dtype_repeats = 1
+    args.ref_repeats = 1
     args.batches = [1, 8] if quick else [1, 8, 32]
     args.switch_batches = [8] if quick else [8, 32]
     args.prompt_tokens = 32
-    args.max_tokens = 16 if quick else 128
-    args.switch_tokens = 16 if quick else 64
-    args.dtype_tokens = 8 if quick else 32
+    args.max_tokens = 16 if quick else 64
+    args.switch_tokens = 16 if quick else 32
+    args.dtype_tokens = 4 if quick else 8
+    args.dtype_prompt_tokens = 8
     args.prefix_tokens = 1000
     args.suffix_tokens = 16
     sections = args.only or ["a", "b", "c", "d"]
@@ -503,15 +547,21 @@ def main(argv: list[str] | None = None) -> int:
     if sections == ["refblas"]:
         res = tiny_workload(lm, P, args.repeats)
         res["blas"] = blas_description()
+        res["openblas_num_threads"] = os.environ.get("OPENBLAS_NUM_THREADS", "unset")
         json.dump(res, sys.stdout)
         return 0
 
     command = shlex.join(["python", *sys.orig_argv[1:]]) if hasattr(sys, "orig_argv") else shlex.join(sys.argv)
+    out = Path(args.out)
+    previous: dict[str, Any] = {}
+    if args.only and out.is_file():  # a partial run updates its sections of an earlier results file
+        previous = json.loads(out.read_text())
     results: dict[str, Any] = {
+        **previous,
         "command": command,
         "machine": machine(),
         "model": {"spec": "default", "name": lm.source.name, "dtype": lm.dtype, "path": str(lm.source.path)},
-        "params": {k: v for k, v in vars(args).items() if k not in ("out", "only")},
+        "params": {k: v for k, v in vars(args).items() if k not in ("out", "only", "no_openblas")},
         "kv_budget_bytes": KV_BUDGET,
         "loadavg_start": loadavg(),
         "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
@@ -530,8 +580,12 @@ def main(argv: list[str] | None = None) -> int:
             results["d_no_openblas_tiny"] = tiny_workload(lm, P, args.repeats)
     results["loadavg_end"] = loadavg()
     results["finished"] = time.strftime("%Y-%m-%dT%H:%M:%S%z")
+    runs = previous.get("runs", [])
+    runs.append({"command": command, "sections": sections, "started": results["started"],
+                 "finished": results["finished"], "loadavg_start": results["loadavg_start"],
+                 "loadavg_end": results["loadavg_end"], "params": results["params"]})
+    results["runs"] = runs
 
-    out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(results, indent=2) + "\n")
     if "d_no_openblas_tiny" not in results:
