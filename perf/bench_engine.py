@@ -378,6 +378,18 @@ def blas_description() -> str:
     return "MLX wheel's reference BLAS (no preload)"
 
 
+def section_repeats(res: dict[str, Any]) -> str:
+    """Repeats per section as stored with its numbers (sections may come from different runs)."""
+    out = []
+    for key, name, pick in (("a_throughput", "a", lambda v: next(iter(v.values()))["parallm"]),
+                            ("b_switches", "b", lambda v: next(iter(v.values()))["neither"]),
+                            ("c_prefix", "c", lambda v: v),
+                            ("d_dtype_blas", "d", lambda v: v["batch1"]["float32"])):
+        if key in res:
+            out.append(f"{name}: {pick(res[key])['repeats']}")
+    return ", ".join(out)
+
+
 def fmt(x: float, digits: int = 1) -> str:
     return f"{x:.{digits}f}"
 
@@ -406,7 +418,7 @@ def markdown(res: dict[str, Any]) -> str:
         f"**The machine is shared with other work** (test suites and e2e servers of other engineers ran throughout: "
         f"the load averages above are on {m['cpu_count']} CPUs), so absolute figures are far below what an idle "
         "machine gives and single runs are noisy. Every figure is the median over repeats "
-        f"(a: {p['repeats']}, b: {p.get('switch_repeats')}, c: {p['repeats']}, d: {p.get('dtype_repeats')}); "
+        f"({section_repeats(res)}); "
         "parallm and BatchGenerator runs (and the variants of b and d) are interleaved so they see the same load; "
         "raw values per repeat are in the JSON. Decode tok/s = tokens generated after every sequence had its first "
         "token, over that interval; end-to-end (e2e) includes prefill.",
