@@ -277,10 +277,10 @@ def section_d(lm32, P: Prompts, args) -> dict[str, Any]:
     lmq = load_model(ModelConfig(dtype="quantized"))
     log(f"quantized model loaded ({lmq.dtype})")
     out: dict[str, Any] = {"quantized_stored": "Q4_1 GGUF as MLX 4-bit affine quantization"}
-    for batch in (1, 16):
+    for batch in args.dtype_batches:
         prompts = P.batch(batch, args.dtype_prompt_tokens, seed=200 + batch)
         for name, lm in (("float32", lm32), ("quantized", lmq)):
-            run_engine(lm, prompts, 2)
+            run_engine(lm, prompts, 1)
         runs: dict[str, list] = {"float32": [], "quantized": []}
         for i in range(args.dtype_repeats):
             for name, lm in (("float32", lm32), ("quantized", lmq)):
@@ -384,7 +384,7 @@ def section_repeats(res: dict[str, Any]) -> str:
     for key, name, pick in (("a_throughput", "a", lambda v: next(iter(v.values()))["parallm"]),
                             ("b_switches", "b", lambda v: next(iter(v.values()))["neither"]),
                             ("c_prefix", "c", lambda v: v),
-                            ("d_dtype_blas", "d", lambda v: v["batch1"]["float32"])):
+                            ("d_dtype_blas", "d", lambda v: next(x for k, x in v.items() if k.startswith("batch"))["float32"])):
         if key in res:
             out.append(f"{name}: {pick(res[key])['repeats']}")
     return ", ".join(out)
@@ -460,7 +460,7 @@ def markdown(res: dict[str, Any]) -> str:
         lines += [f"## d. dtype and BLAS ({p['dtype_prompt_tokens']}-token prompts, {p['dtype_tokens']} output tokens)", "",
                   "| batch | float32 decode tok/s | quantized decode tok/s | float32/quantized |",
                   "|---:|---:|---:|---:|"]
-        for key in ("batch1", "batch16"):
+        for key in [k for k in d if k.startswith("batch")]:
             r = d[key]
             lines.append(f"| {key[5:]} | {fmt(r['float32']['decode_tok_s'])} | {fmt(r['quantized']['decode_tok_s'])} | "
                          f"{fmt(r['float32_over_quantized_decode'], 2)}x |")
@@ -522,6 +522,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--only", choices=["a", "b", "c", "d", "refblas"], action="append",
                         help="run only these sections ('refblas': the tiny float32 workload, JSON on stdout)")
     parser.add_argument("--repeats", type=int, help="repeats per point (default 3, --quick 1)")
+    parser.add_argument("--dtype-batches", type=int, nargs="+", default=[1, 16],
+                        help="batch sizes of the float32 vs quantized comparison (section d)")
+    parser.add_argument("--dtype-tokens", type=int, help="output tokens in section d (default 8, --quick 4)")
     parser.add_argument("--blas-threads", type=int, default=1,
                         help="OPENBLAS_NUM_THREADS for the preloaded OpenBLAS; 0 leaves it unset (OpenBLAS "
                              "then starts one thread per core, which collapses when the cores are shared)")
@@ -544,7 +547,7 @@ def main(argv: list[str] | None = None) -> int:
     args.prompt_tokens = 32
     args.max_tokens = 16 if quick else 64
     args.switch_tokens = 16 if quick else 32
-    args.dtype_tokens = 4 if quick else 8
+    args.dtype_tokens = args.dtype_tokens or (4 if quick else 8)
     args.dtype_prompt_tokens = 8
     args.prefix_tokens = 1000
     args.suffix_tokens = 16
