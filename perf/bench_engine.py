@@ -468,7 +468,7 @@ def markdown(res: dict[str, Any]) -> str:
         w = t["workload"]
         lines += ["", f"float32, batch {w['batch']}, {w['prompt_tokens']}-token prompts, {w['max_tokens']} output tokens:", "",
                   "| BLAS | e2e tok/s | decode tok/s | wall s |", "|---|---:|---:|---:|",
-                  f"| OpenBLAS (preloaded) | {fmt(t['e2e_tok_s'], 2)} | {fmt(t['decode_tok_s'], 2)} | {fmt(t['wall_s'], 2)} |"]
+                  f"| OpenBLAS, OPENBLAS_NUM_THREADS={res['machine'].get('openblas_num_threads')} | {fmt(t['e2e_tok_s'], 2)} | {fmt(t['decode_tok_s'], 2)} | {fmt(t['wall_s'], 2)} |"]
         dt = d.get("tiny_openblas_default_threads", {})
         if "decode_tok_s" in dt:
             lines.append(f"| OpenBLAS, OPENBLAS_NUM_THREADS unset (child) | {fmt(dt['e2e_tok_s'], 2)} | "
