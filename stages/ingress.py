@@ -61,6 +61,7 @@ class ZmqBackend:
         self.replies: dict[str, asyncio.Future] = {}
         self.stages_down: set[str] = set()
         self.requests_total = 0
+        self.last_batch_size = 0       # engine batch size of the latest Outputs (RL /generate metadata)
         self.tasks: list[asyncio.Task] = []
 
     # ------------------------------------------------------------------ lifecycle
@@ -91,6 +92,7 @@ class ZmqBackend:
                 log.warning("dropped a malformed message from the router: %s", exc)
                 continue
             if isinstance(message, protocol.Outputs):
+                self.last_batch_size = message.batch_size
                 for item in message.items:
                     self._deliver(item.rid, item)
             elif isinstance(message, protocol.RequestError):
@@ -176,6 +178,14 @@ class ZmqBackend:
 
     async def query(self, stage: str, what: str, args: dict) -> Any:
         return await self._ask(stage, protocol.Query, what=what, args=args)
+
+    async def control(self, message: protocol.Pause | protocol.Resume | protocol.Abort) -> Any:
+        """A trainer's Pause/Resume (the engine's answer) or Abort (sent, no answer) for the RL routes."""
+        if isinstance(message, protocol.Abort):
+            self.to_engine.send(message, block=False)
+            return None
+        fields = {"mode": message.mode} if isinstance(message, protocol.Pause) else {}
+        return await self._ask("engine", type(message), **fields)
 
     async def tokenize(self, **fields: Any) -> Any:
         return await self._ask("tokenizer", protocol.Tokenize, **fields)

@@ -25,6 +25,7 @@ from parallm.api.errors import APIError, error_response, model_not_found
 from parallm.api.generation import GenerationRoutes
 from parallm.api.http import json_response, read_body
 from parallm.api.openapi import openapi_document
+from parallm.api.rl import rl_routes
 from parallm.api.schemas import (DetokenizeRequest, DetokenizeResponse, ModelCard, ModelList, TokenizeRequest,
                                  TokenizeResponse)
 from parallm.api.translate import message_dict
@@ -145,6 +146,7 @@ def build_app(backend: Backend, server: ServerConfig) -> Starlette:
             Route("/v1/detokenize", endpoint(routes.detokenize), methods=["POST"]),
             Route("/health", endpoint(routes.health), methods=["GET"]),
             Route("/openapi.json", endpoint(routes.openapi_json), methods=["GET"]),
+            *rl_routes(backend, server, gen.gate, endpoint),
         ],
         middleware=middleware,
         exception_handlers={HTTPException: _http_error},

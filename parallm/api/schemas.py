@@ -88,6 +88,8 @@ class SamplingRequest(Struct, kw_only=True):
                                        ge=0, le=MAX_LOGPROBS)] | None = None
     # parallm extension
     adapter: Annotated[str, _d("LoRA adapter to generate with ('' = the base model)")] = ""
+    min_policy_version: Annotated[int, _d("the adapter version must be at least this (0: any)", ge=0)] = 0
+    max_staleness: Annotated[int, _d("versions the adapter may lag its latest (-1: any)", ge=-1)] = -1
 
 
 PromptItem = str | int | list[int]

@@ -97,7 +97,7 @@ def completion_plan(req: CompletionRequest, limits: Limits, request_id: str = ""
             rid=rid if len(prompts) == 1 else f"{rid}-{i}", reply_to=b"", prompt=text, prompt_ids=ids,
             add_special_tokens=True if req.add_special_tokens is None else req.add_special_tokens,
             params=params, n=req.n, detok=spec, stream=req.stream, adapter=req.adapter, metadata=meta,
-            submitted_at=time.time()))
+            min_version=req.min_policy_version, max_staleness=req.max_staleness, submitted_at=time.time()))
     return Plan("completion", rid, limits.model_name, submits, n=req.n, stream=req.stream,
                 include_usage=bool(req.stream_options and req.stream_options.include_usage),
                 logprobs=req.logprobs, prompt_logprobs=req.prompt_logprobs, echo=req.echo,
@@ -131,7 +131,7 @@ def chat_plan(req: ChatCompletionRequest, limits: Limits, request_id: str = "") 
         chat_template_kwargs=dict(req.chat_template_kwargs or {}),
         add_special_tokens=bool(req.add_special_tokens), params=params, n=req.n, detok=spec,
         stream=req.stream, adapter=req.adapter, metadata=_metadata(request_id or rid, req.user),
-        submitted_at=time.time())
+        min_version=req.min_policy_version, max_staleness=req.max_staleness, submitted_at=time.time())
     return Plan("chat", rid, limits.model_name, [submit], n=req.n, stream=req.stream,
                 include_usage=bool(req.stream_options and req.stream_options.include_usage),
                 logprobs=top, prompt_logprobs=req.prompt_logprobs, return_token_ids=req.return_token_ids)

@@ -1,0 +1,156 @@
+"""Token-level HTTP routes for RL trainers (docs/rl.md):
+
+- POST /generate (and /generate/): vLLM's, TRL's and the MLX RL Inference Server's shapes on one route;
+- GET /v1/policy: the current policy version of every adapter (the engine's "policy" query);
+- POST /v1/pause {mode: keep|abort}, POST /v1/resume, POST /v1/abort {request_ids | all}: protocol
+  Pause / Resume / Abort forwarded to the engine through the backend's optional `control()`.
+
+A /generate request is abortable by its client-visible id: the MLX RL `request_id`, else the
+`X-Request-Id` header, else the generated `gen-...` id; /v1/abort maps that id to the engine
+request ids it stands for. Any other id (a `cmpl-...`, a raw client's rid) is passed through as is.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Protocol
+
+from starlette.requests import Request
+from starlette.responses import Response
+from starlette.routing import Route
+
+from parallm.api.backend import Backend, BackendError
+from parallm.api.errors import APIError, invalid
+from parallm.api.http import ClientGone, DisconnectWatch, json_response, read_body
+from parallm.api.merge import Deadlines, merged
+from parallm.api.rl_plan import Job, build, parse
+from parallm.api.rl_render import Gathered, render
+from parallm.api.rl_schemas import AbortRequest, PauseRequest, shape_of
+from parallm.api.validate import Limits, decode
+from parallm.config import ServerConfig
+from parallm.protocol import Abort, Pause, Resume
+
+log = logging.getLogger("parallm.api")
+
+
+class Controls(Protocol):
+    """What a Backend offers for trainers, besides api.Backend (optional: without it these routes 501).
+
+    `control(Pause | Resume)` returns the engine's answer; `control(Abort)` sends and returns None.
+    `last_batch_size` (optional attribute): the engine batch size of the latest outputs seen."""
+
+    async def control(self, message: Pause | Resume | Abort) -> Any: ...
+
+
+def _not_implemented(what: str) -> APIError:
+    return APIError(501, f"{what} is not available from this server's engine yet.", code="not_implemented")
+
+
+class RLRoutes:
+    def __init__(self, backend: Backend, server: ServerConfig, gate: Any) -> None:
+        self.backend = backend
+        self.server = server
+        self.gate = gate
+        self.live: dict[str, list[str]] = {}   # client-visible id -> engine request ids in flight
+
+    def limits(self) -> Limits:
+        return Limits(model_name=self.backend.model_name, max_model_len=int(self.backend.max_model_len or 0),
+                      max_output_tokens=self.server.max_output_tokens,
+                      default_max_tokens=int(getattr(self.backend, "default_max_tokens", 0) or 256))
+
+    # ------------------------------------------------------------------ /generate
+    async def generate(self, request: Request) -> Response:
+        body = await read_body(request, self.server.max_body_bytes)
+        raw = decode(body, Any)
+        if not isinstance(raw, dict):
+            raise invalid("The request body must be a JSON object.", code="invalid_json")
+        shape = shape_of(raw)
+        job = build(shape, parse(shape, raw), self.limits())
+        name = str(raw.get("request_id") or request.headers.get("x-request-id") or job.rid)
+        if name in self.live:
+            raise invalid(f"request_id {name!r} is already in flight.", "request_id")
+        self.gate.enter()
+        self.live[name] = [s.rid for s in job.submits]
+        watch = DisconnectWatch(request.receive)
+        try:
+            gathered = await watch.race(self._gather(job))
+        except ClientGone:
+            return Response(status_code=499)
+        finally:
+            watch.stop()
+            self.live.pop(name, None)
+            self.gate.leave()
+        return json_response(render(gathered))
+
+    async def _gather(self, job: Job) -> Gathered:
+        gathered = Gathered(job)
+        outputs = merged(self.backend, job.submits,
+                         Deadlines(self.server.first_token_timeout_s, self.server.request_timeout_s))
+        try:
+            async for i, out in outputs:
+                gathered.add(i, out, int(getattr(self.backend, "last_batch_size", 0) or 0))
+        finally:
+            await outputs.aclose()
+        return gathered
+
+    # ------------------------------------------------------------------ policy, pause, resume, abort
+    async def policy(self, request: Request) -> Response:
+        try:
+            versions = await self.backend.query("engine", "policy", {})
+        except BackendError as exc:
+            if exc.status in (404, 501):
+                raise _not_implemented("Policy versions") from None
+            raise
+        versions = {str(k): int(v) for k, v in dict(versions or {}).items()}
+        versions.setdefault("", 0)
+        return json_response({"object": "policy", "versions": versions, "current_policy_version": versions[""]})
+
+    async def _control(self, message: Pause | Resume | Abort) -> Any:
+        control = getattr(self.backend, "control", None)
+        if control is None:
+            raise _not_implemented(f"{type(message).__name__.lower()}")
+        try:
+            return await control(message)
+        except BackendError as exc:
+            if exc.status == 501:
+                raise _not_implemented(type(message).__name__.lower()) from None
+            raise
+
+    async def pause(self, request: Request) -> Response:
+        req = _optional_body(await read_body(request, self.server.max_body_bytes), PauseRequest)
+        answer = await self._control(Pause(mode=req.mode))
+        return json_response({"paused": True, "mode": req.mode, **dict(answer or {})})
+
+    async def resume(self, request: Request) -> Response:
+        await read_body(request, self.server.max_body_bytes)
+        answer = await self._control(Resume())
+        return json_response({"paused": False, **dict(answer or {})})
+
+    async def abort(self, request: Request) -> Response:
+        req = decode(await read_body(request, self.server.max_body_bytes), AbortRequest)
+        if not req.all and not req.request_ids:
+            raise invalid("Give request_ids (a non-empty list) or all: true.", "request_ids")
+        rids = [rid for name in req.request_ids for rid in self.live.get(name, [name])]
+        await self._control(Abort(rids=rids, all=req.all, reason="abort"))
+        return json_response({"aborted": req.request_ids, "all": req.all})
+
+
+def _optional_body(body: bytes, kind: type) -> Any:
+    """An empty body is the defaults of `kind`; anything else is decoded and checked."""
+    if not body.strip():
+        return kind()
+    return decode(body, kind)
+
+
+def rl_routes(backend: Backend, server: ServerConfig, gate: Any, endpoint: Any) -> list[Route]:
+    """The RL routes, each handler wrapped by app.endpoint (OpenAI error bodies)."""
+    rl = RLRoutes(backend, server, gate)
+    return [
+        Route("/generate", endpoint(rl.generate), methods=["POST"]),
+        Route("/generate/", endpoint(rl.generate), methods=["POST"]),
+        Route("/v1/policy", endpoint(rl.policy), methods=["GET"]),
+        Route("/v1/pause", endpoint(rl.pause), methods=["POST"]),
+        Route("/v1/resume", endpoint(rl.resume), methods=["POST"]),
+        Route("/v1/abort", endpoint(rl.abort), methods=["POST"]),
+    ]
+

@@ -1,0 +1,151 @@
+"""A checked /generate body (any of the three shapes in rl_schemas) to protocol TextSubmits: a `Job`.
+
+The Job holds what building the answer needs (shape, prompts, n, how many logprob alternatives,
+the request echo fields), so rl_render.py never looks at the request again.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgspec
+
+from parallm.api.errors import APIError, from_validation, invalid
+from parallm.api.rl_schemas import (MlxRlGenerateRequest, RLSampling, Shape, TokensPrompt, TrlGenerateRequest,
+                                    VllmGenerateRequest)
+from parallm.api.validate import MAX_CHOICES, Limits, max_tokens, stop_strings, unsupported
+from parallm.protocol import DetokSpec, SamplingParams, TextSubmit, pack_ids
+
+Prompt = str | list[int]
+
+_REQUESTS: dict[str, type] = {"vllm": VllmGenerateRequest, "trl": TrlGenerateRequest, "mlx_rl": MlxRlGenerateRequest}
+_SAMPLING_FIELDS = frozenset(RLSampling.__struct_fields__) | {"logprobs"}
+
+
+@dataclass
+class Job:
+    """One /generate request: what goes to the backend and how to answer."""
+
+    shape: Shape
+    req: Any
+    prompts: list[Prompt]
+    n: int
+    logprobs: int | None                 # alternatives per token when logprobs are wanted, else None
+    rid: str = field(default_factory=lambda: "gen-" + uuid.uuid4().hex)
+    submits: list[TextSubmit] = field(default_factory=list)
+    started: float = field(default_factory=time.monotonic)
+
+    @property
+    def metadata(self) -> dict[str, Any]:
+        """Client metadata that travels with the request (rollout subscribers see it)."""
+        meta: dict[str, Any] = {"request_id": self.rid, "api": f"generate:{self.shape}"}
+        if self.shape == "mlx_rl":
+            for name in ("policy_version", "step_id", "request_id"):
+                value = getattr(self.req, name)
+                if value is not None:
+                    meta["client_" + name if name == "request_id" else name] = value
+        return meta
+
+
+def parse(shape: Shape, body: dict[str, Any]) -> Any:
+    """The body as the request struct of its shape (type and range errors -> 400 naming the field)."""
+    if shape == "trl" and isinstance(body.get("generation_kwargs"), dict):
+        extra = body["generation_kwargs"]
+        unknown = sorted(set(extra) - _SAMPLING_FIELDS)
+        if unknown:
+            raise unsupported(f"generation_kwargs {unknown} are not supported by this server.", "generation_kwargs")
+        body = {**body, **extra}  # vLLM: SamplingParams(**generation_kwargs) wins over the named fields
+    try:
+        return msgspec.convert(body, _REQUESTS[shape])
+    except msgspec.ValidationError as exc:
+        raise from_validation(exc) from None
+
+
+def _ids(value: list[int], param: str) -> list[int]:
+    if not value:
+        raise invalid(f"{param} must not be an empty list of token ids.", param)
+    bad = next((t for t in value if t < 0), None)
+    if bad is not None:
+        raise invalid(f"{param} has a negative token id ({bad}).", param)
+    return list(value)
+
+
+def _tokens_prompt(p: TokensPrompt, param: str) -> Prompt:
+    if (p.prompt_token_ids is None) == (p.prompt is None):
+        raise invalid(f"{param} must have exactly one of prompt_token_ids or prompt.", param)
+    return _ids(p.prompt_token_ids, f"{param}.prompt_token_ids") if p.prompt is None else p.prompt
+
+
+def prompts_of(shape: Shape, req: Any) -> list[Prompt]:
+    if shape == "trl":
+        return [p if isinstance(p, str) else _ids(p, f"prompts[{i}]") for i, p in enumerate(req.prompts)]
+    if shape == "mlx_rl":
+        return [req.prompt if isinstance(req.prompt, str) else _ids(req.prompt, "prompt")]
+    if req.prompt_token_ids is not None:
+        if req.prompt is not None:
+            raise invalid("Give prompt or prompt_token_ids, not both.", "prompt_token_ids")
+        return [_ids(req.prompt_token_ids, "prompt_token_ids")]
+    if req.prompt is None:
+        raise APIError(400, "Missing required parameter: 'prompt'.", param="prompt", code="missing_required_parameter")
+    if isinstance(req.prompt, str):
+        return [req.prompt]
+    if isinstance(req.prompt, TokensPrompt):
+        return [_tokens_prompt(req.prompt, "prompt")]
+    if not req.prompt:
+        raise invalid("prompt must not be an empty list.", "prompt")
+    return [p if isinstance(p, str) else _tokens_prompt(p, f"prompt[{i}]") for i, p in enumerate(req.prompt)]
+
+
+def _check(shape: Shape, req: Any, n_prompts: int) -> None:
+    if req.stream:
+        raise unsupported("stream is not supported on /generate; use /v1/completions with stream=true.", "stream")
+    if req.n * n_prompts > MAX_CHOICES:
+        raise invalid(f"n ({req.n}) times the number of prompts ({n_prompts}) is more than the {MAX_CHOICES} "
+                      "samples one request may ask for.", "n")
+    if shape == "trl":
+        if req.images:
+            raise unsupported("images are not supported by this server (text models only).", "images")
+        if req.guided_decoding_regex:
+            raise unsupported("guided decoding is not supported by this server.", "guided_decoding_regex")
+    if shape == "mlx_rl" and req.n != 1:
+        raise invalid("the MLX RL shape returns one completion; send n=1 (or use the vLLM/TRL shapes).", "n")
+
+
+def _logprobs(shape: Shape, req: Any) -> int | None:
+    if shape == "trl":
+        return 0                      # TRL reads the sampled token's logprob of every completion token
+    if shape == "mlx_rl":
+        return 0 if req.logprobs else None
+    return req.logprobs               # vLLM: None = no logprobs; k = the sampled token and k alternatives
+
+
+def build(shape: Shape, req: Any, limits: Limits) -> Job:
+    """Check a parsed request and build its Job (raises APIError)."""
+    prompts = prompts_of(shape, req)
+    _check(shape, req, len(prompts))
+    if shape == "trl" and req.truncate_prompt_tokens:
+        prompts = [p[-req.truncate_prompt_tokens:] if isinstance(p, list) else p for p in prompts]
+    resolved = max_tokens(req.max_tokens, "max_tokens", limits)
+    if req.min_tokens > resolved:
+        raise invalid(f"min_tokens ({req.min_tokens}) must be at most max_tokens ({resolved}).", "min_tokens")
+    job = Job(shape, req, prompts, req.n, _logprobs(shape, req))
+    params = SamplingParams(
+        temperature=req.temperature, top_p=req.top_p, top_k=max(0, req.top_k), min_p=req.min_p,
+        repetition_penalty=req.repetition_penalty, presence_penalty=req.presence_penalty,
+        frequency_penalty=req.frequency_penalty, seed=req.seed, max_tokens=resolved, min_tokens=req.min_tokens,
+        stop_token_ids=list(req.stop_token_ids or []), ignore_eos=req.ignore_eos,
+        logprobs=job.logprobs is not None, top_logprobs=job.logprobs or 0)
+    spec = DetokSpec(stop=stop_strings(req.stop), include_stop_str=req.include_stop_str_in_output,
+                     skip_special_tokens=req.skip_special_tokens, echo=True)
+    meta = job.metadata
+    for i, prompt in enumerate(prompts):
+        text, ids = (prompt, None) if isinstance(prompt, str) else (None, pack_ids(prompt))
+        job.submits.append(TextSubmit(
+            rid=job.rid if len(prompts) == 1 else f"{job.rid}-{i}", reply_to=b"", prompt=text, prompt_ids=ids,
+            params=params, n=req.n, detok=spec, stream=True, adapter=req.adapter,
+            min_version=req.min_policy_version, max_staleness=req.max_staleness, metadata=meta,
+            submitted_at=time.time()))
+    return job

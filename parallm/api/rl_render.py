@@ -1,0 +1,125 @@
+"""Backend Outputs of a /generate Job to the answer in the shape it was asked in.
+
+`Gathered` collects every Output per (prompt, sample); `render()` writes:
+- vllm: `{"text": [prompt + completion], "prompt", "finish_reasons", "prompt_token_ids", "token_ids",
+  "logprobs"?: [[[{token id: logprob}]]] }` — per sample, per token, a one-element list holding a dict whose
+  first key is the sampled token (what Atropos reads) followed by up to `logprobs` alternatives;
+- trl: `{"prompt_ids": [[...] per prompt], "completion_ids": [[...] per prompt x n], "logprobs": [[...]]}`;
+- mlx_rl: `{request_id, policy_version, step_id, prompt_ids, completion_ids, text, logprobs, finish_reason,
+  metadata: {batch_size, latency_ms, current_policy_version}}`.
+Every shape also carries parallm's `versions` (per sample, `[[first token index, policy version], ...]`).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from parallm.api.errors import APIError
+from parallm.api.outputs import logprob
+from parallm.api.rl_plan import Job
+from parallm.protocol import Output, unpack_floats, unpack_ids
+
+
+@dataclass
+class Sample:
+    ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    top: list[list[tuple[int, float]]] = field(default_factory=list)
+    text: str = ""
+    finish_reason: str | None = None
+    versions: list[list[int]] = field(default_factory=list)
+
+    def add(self, out: Output) -> None:
+        if out.finish_reason == "error":
+            raise APIError(500, "The generation failed inside the server.", code="internal_error")
+        ids = unpack_ids(out.token_ids)
+        if ids and (not self.versions or self.versions[-1][1] != out.version):
+            self.versions.append([len(self.ids), out.version])
+        self.ids += ids
+        self.logprobs += unpack_floats(out.logprobs)
+        if out.top_ids and ids:
+            top_ids, top_lps = unpack_ids(out.top_ids), unpack_floats(out.top_logprobs)
+            k = len(top_ids) // len(ids)
+            self.top += [list(zip(top_ids[i * k:(i + 1) * k], top_lps[i * k:(i + 1) * k])) for i in range(len(ids))]
+        self.text += out.text
+        if out.finish_reason is not None:
+            self.finish_reason = out.finish_reason
+
+
+@dataclass
+class PromptSide:
+    ids: list[int] | None = None
+    text: str | None = None
+
+
+class Gathered:
+    """Every Output of a Job, per prompt and sample; `batch_size`/`version` for the MLX RL metadata."""
+
+    def __init__(self, job: Job) -> None:
+        self.job = job
+        self.samples = [[Sample() for _ in range(job.n)] for _ in job.prompts]
+        self.prompts = [PromptSide(ids=p if isinstance(p, list) else None) for p in job.prompts]
+        self.batch_size = 0
+        self.version = 0
+
+    def add(self, prompt: int, out: Output, batch_size: int = 0) -> None:
+        self.samples[prompt][out.index].add(out)
+        side = self.prompts[prompt]
+        if side.ids is None and out.prompt_ids:
+            side.ids = unpack_ids(out.prompt_ids)
+        if side.text is None and out.prompt_text is not None:
+            side.text = out.prompt_text
+        self.batch_size = max(self.batch_size, batch_size)
+        self.version = max(self.version, out.version)
+
+    def flat(self) -> list[Sample]:
+        return [s for group in self.samples for s in group]
+
+
+def _lp(value: float) -> float:
+    v = logprob(value)
+    return -9999.0 if v is None else v
+
+
+def _vllm_logprobs(sample: Sample, k: int) -> list[list[dict[str, float]]]:
+    out = []
+    for i, (tid, lp) in enumerate(zip(sample.ids, sample.logprobs)):
+        entry = {str(tid): _lp(lp)}
+        for alt, alt_lp in (sample.top[i] if i < len(sample.top) else [])[:k]:
+            entry.setdefault(str(alt), _lp(alt_lp))
+        out.append([entry])
+    return out
+
+
+def render(g: Gathered) -> dict[str, Any]:
+    job = g.job
+    samples = g.flat()
+    versions = [s.versions for s in samples]
+    if job.shape == "trl":
+        return {"prompt_ids": [p.ids or [] for p in g.prompts], "completion_ids": [s.ids for s in samples],
+                "logprobs": [[_lp(v) for v in s.logprobs] for s in samples],
+                "finish_reasons": [s.finish_reason for s in samples], "versions": versions}
+    if job.shape == "mlx_rl":
+        req, [sample], [side] = job.req, samples, g.prompts
+        return {"request_id": req.request_id, "policy_version": req.policy_version, "step_id": req.step_id,
+                "prompt_ids": side.ids or [], "completion_ids": sample.ids, "text": sample.text,
+                "logprobs": [_lp(v) for v in sample.logprobs] if job.logprobs is not None else None,
+                "finish_reason": sample.finish_reason, "versions": sample.versions,
+                "metadata": {"batch_size": g.batch_size,
+                             "latency_ms": round((time.monotonic() - job.started) * 1000, 3),
+                             "current_policy_version": g.version}}
+    single = len(g.prompts) == 1
+    prompt_texts = [p.text or "" for i, p in enumerate(g.prompts) for _ in range(job.n)]
+    body: dict[str, Any] = {
+        "text": [t + s.text for t, s in zip(prompt_texts, samples)],
+        "prompt": g.prompts[0].text if single else [p.text for p in g.prompts],
+        "finish_reasons": [s.finish_reason for s in samples],
+        "prompt_token_ids": (g.prompts[0].ids or []) if single else [p.ids or [] for p in g.prompts],
+        "token_ids": [s.ids for s in samples],
+        "versions": versions,
+    }
+    if job.logprobs is not None:
+        body["logprobs"] = [_vllm_logprobs(s, job.logprobs) for s in samples]
+    return body

@@ -1,0 +1,105 @@
+"""Request bodies of the token-level RL routes (POST /generate, /v1/pause, /v1/abort), as msgspec Structs.
+
+POST /generate takes three shapes on one route, told apart by their fields (`shape_of`):
+- "trl": TRL's vLLM client (`trl vllm-serve`): `prompts` (a list of strings or token-id lists);
+- "mlx_rl": the MLX RL Inference Server: `policy_version`, `step_id` or `request_id`, or a
+  `prompt` that is a list of token ids;
+- "vllm": vLLM's own /generate (what Atropos' "vllm" server type posts): everything else, e.g.
+  `{"prompt": {"prompt_token_ids": [...]}, "logprobs": 0, "n": 4, ...}` or `{"prompt": "text"}`.
+Each shape is answered in the shape it was asked in (docs/rl.md).
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from msgspec import Meta, Struct
+
+from parallm.api.schemas import MAX_LOGPROBS, MAX_N, NonNegInt
+
+Shape = Literal["vllm", "trl", "mlx_rl"]
+
+MLX_RL_FIELDS = ("policy_version", "step_id", "request_id")
+
+
+def shape_of(body: dict[str, Any]) -> Shape:
+    """Which client sent a /generate body (see the module docstring)."""
+    if "prompts" in body:
+        return "trl"
+    prompt = body.get("prompt")
+    if any(name in body for name in MLX_RL_FIELDS) or (
+            isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt)):
+        return "mlx_rl"
+    return "vllm"
+
+
+class RLSampling(Struct, kw_only=True):
+    """Sampling fields shared by every /generate shape (vLLM's SamplingParams names and defaults)."""
+
+    n: Annotated[int, Meta(ge=1, le=MAX_N)] = 1
+    temperature: Annotated[float, Meta(ge=0.0, le=2.0)] = 1.0
+    top_p: Annotated[float, Meta(gt=0.0, le=1.0)] = 1.0
+    top_k: Annotated[int, Meta(ge=-1)] = -1
+    min_p: Annotated[float, Meta(ge=0.0, le=1.0)] = 0.0
+    repetition_penalty: Annotated[float, Meta(gt=0.0)] = 1.0
+    presence_penalty: Annotated[float, Meta(ge=-2.0, le=2.0)] = 0.0
+    frequency_penalty: Annotated[float, Meta(ge=-2.0, le=2.0)] = 0.0
+    seed: int | None = None
+    max_tokens: Annotated[int, Meta(ge=1)] | None = None
+    min_tokens: NonNegInt = 0
+    stop: str | list[str] | None = None
+    stop_token_ids: list[NonNegInt] | None = None
+    ignore_eos: bool = False
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+    stream: bool = False
+    # parallm extensions
+    adapter: str = ""
+    min_policy_version: NonNegInt = 0
+    max_staleness: Annotated[int, Meta(ge=-1)] = -1
+
+
+class TokensPrompt(Struct, kw_only=True):
+    """vLLM's TokensPrompt / TextPrompt: `{"prompt_token_ids": [...]}` or `{"prompt": "text"}`."""
+
+    prompt_token_ids: list[int] | None = None
+    prompt: str | None = None
+
+
+class VllmGenerateRequest(RLSampling, kw_only=True):
+    """vLLM's /generate (vllm/entrypoints/api_server.py), as Atropos posts it."""
+
+    prompt: str | TokensPrompt | list[str | TokensPrompt] | None = None
+    prompt_token_ids: list[int] | None = None
+    logprobs: Annotated[int, Meta(ge=0, le=MAX_LOGPROBS)] | None = None
+    max_tokens: Annotated[int, Meta(ge=1)] | None = 16
+
+
+class TrlGenerateRequest(RLSampling, kw_only=True):
+    """TRL's VLLMClient.generate body (`trl vllm-serve` POST /generate/)."""
+
+    prompts: Annotated[list[str | list[int]], Meta(min_length=1)]
+    images: list[Any] | None = None
+    max_tokens: Annotated[int, Meta(ge=1)] | None = 16
+    truncate_prompt_tokens: Annotated[int, Meta(ge=1)] | None = None
+    guided_decoding_regex: str | None = None
+    generation_kwargs: dict[str, Any] | None = None
+
+
+class MlxRlGenerateRequest(RLSampling, kw_only=True):
+    """The MLX RL Inference Server's /generate: one prompt, metadata echoed back."""
+
+    prompt: str | list[int]
+    logprobs: int | bool | None = None
+    policy_version: int | None = None
+    step_id: int | str | None = None
+    request_id: str | int | None = None
+
+
+class PauseRequest(Struct, kw_only=True):
+    mode: Literal["keep", "abort"] = "keep"
+
+
+class AbortRequest(Struct, kw_only=True):
+    request_ids: list[str] = []
+    all: bool = False
