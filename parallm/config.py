@@ -41,6 +41,7 @@ class ModelConfig(Struct, frozen=True, kw_only=True, forbid_unknown_fields=True)
 class EngineConfig(Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     max_num_seqs: Annotated[int, _d("most sequences decoded together (rows of the live batch)")] = 64
     max_prefill_tokens: Annotated[int, _d("prompt tokens prefilled per step (the chunk budget)")] = 512
+    max_prefill_rows: Annotated[int, _d("sequences prefilled together in one pass")] = 16
     kv_budget_mb: Annotated[int, _d("KV memory for live rows and the prefix cache, MiB; 0 = auto")] = 0
     block_size: Annotated[int, _d("tokens per prefix-cache block")] = 16
     prefix_cache: Annotated[bool, _d("reuse the KV of shared prompt prefixes")] = True

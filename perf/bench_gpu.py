@@ -131,13 +131,16 @@ def run_batchgen(model: nn.Module, batch: list[list[int]], max_tokens: int) -> d
             "decode_tok_s": decode_tokens / (end - decode_start) if decode_start and end > decode_start else 0.0}
 
 
+KV_BUDGET_MB = 24_000
+
+
 def run_engine(model: nn.Module, batch: list[list[int]], max_tokens: int, max_len: int) -> dict[str, float]:
     from parallm.config import EngineConfig
     from parallm.engine import Engine, Request
     from parallm.protocol import SamplingParams
 
-    engine = Engine(model, EngineConfig(max_num_seqs=max(len(batch), 1), max_prefill_tokens=8192),
-                    eos_token_ids=[], max_model_len=max_len)
+    engine = Engine(model, EngineConfig(max_num_seqs=max(len(batch), 1), max_prefill_tokens=8192,
+                                        max_prefill_rows=64, kv_budget_mb=KV_BUDGET_MB), eos_token_ids=[], max_model_len=max_len)
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
     start = time.perf_counter()
     for i, ids in enumerate(batch):
@@ -201,7 +204,9 @@ class Served:
         self.log = open(Path(self.run_dir) / "launch.log", "w+")
         argv = [sys.executable, "-m", "launch", "--model", str(model_dir), "--port", str(free_port()),
                 "--transport.run-dir", self.run_dir, "--engine.max-num-seqs", str(max_seqs),
-                "--engine.max-prefill-tokens", "8192", "--supervisor.stall-after-s", "0"]
+                "--engine.max-prefill-tokens", "8192", "--engine.max-prefill-rows", "64",
+                "--engine.kv-budget-mb", str(KV_BUDGET_MB),
+                "--supervisor.stall-after-s", "0"]
         self.proc = subprocess.Popen(argv, stdout=self.log, stderr=subprocess.STDOUT, cwd=ROOT,
                                      start_new_session=True)
         deadline = time.monotonic() + 900
@@ -279,8 +284,10 @@ def main(argv: list[str] | None = None) -> int:
             asyncio.run(served_run(server.router, prompts(2, 16, 99), 4, 2))
             for c in levels:
                 batch = prompts(c, args.prompt_len, c)
+                asyncio.run(served_run(server.router, batch, args.max_tokens, c))  # warm: kernels for these shapes
                 record({"target": "served", "concurrency": c,
-                        **asyncio.run(served_run(server.router, batch, args.max_tokens, c))})
+                        **asyncio.run(served_run(server.router, prompts(c, args.prompt_len, c + 1),
+                                                 args.max_tokens, c))})
         finally:
             server.stop()
     from mlx_lm.utils import load_model
@@ -293,11 +300,13 @@ def main(argv: list[str] | None = None) -> int:
     run_batchgen(model, prompts(2, 16, 99), 4)  # warm-up: kernels compiled
     run_engine(model, prompts(2, 16, 99), 4, max_len)
     for c in levels:
-        batch = prompts(c, args.prompt_len, c)
+        warm, batch = prompts(c, args.prompt_len, c), prompts(c, args.prompt_len, c + 1)
         if "batchgen" in targets:
+            run_batchgen(model, warm, args.max_tokens)
             record({"target": "batchgen", "concurrency": c, **run_batchgen(model, batch, args.max_tokens)})
             gc.collect()
         if "engine" in targets:
+            run_engine(model, warm, args.max_tokens, max_len)
             record({"target": "engine", "concurrency": c, **run_engine(model, batch, args.max_tokens, max_len)})
             gc.collect()
     ratios = {}

@@ -72,6 +72,9 @@ class PassContext:
         self.length = length  # L: tokens per row in this pass
         self.span = span  # T: key positions attended (max offset + L)
         self.offsets = mx.array(offsets, dtype=mx.int32)
+        # one new token per row and every row at the same position: every key in [0, span) is
+        # visible to every query, so attention needs no mask (its fast path, e.g. batch 1)
+        self.unmasked = length == 1 and min(offsets) == max(offsets) == span - 1
         self.mask5d = mask5d
         self.rows = mx.arange(row0, row0 + self.n, dtype=mx.int32)
         if length == 1:
@@ -149,10 +152,12 @@ class LiveKV:
         half = len(self.shapes)
         self.keys, self.values = bufs[:half], bufs[half:]
 
-    def read_positions(self, row: int, positions: mx.array) -> list[mx.array]:
-        """Materialized copies of a row's KV at `positions` (per layer, K then V: [heads, n, dim])."""
+    def read_positions(self, row: int, positions: mx.array, *, materialize: bool = True) -> list[mx.array]:
+        """Copies of a row's KV at `positions` (per layer, K then V: [heads, n, dim]); the caller
+        must evaluate them before the next update of the buffers when `materialize` is False."""
         out = [mx.take(buf[row], positions, axis=1) for buf in self.arrays()]
-        mx.eval(out)
+        if materialize:
+            mx.eval(out)
         return out
 
     def write_prefix(self, row: int, data: list[mx.array]) -> None:
@@ -197,10 +202,13 @@ class RowsView:
         r0, r1, t = ctx.row0, ctx.row0 + ctx.n, ctx.span
         return k_buf[r0:r1, :, :t], v_buf[r0:r1, :, :t]
 
-    def make_mask(self, N: int, return_array: bool = False, window_size: int | None = None) -> mx.array:
-        if N != self._ctx.length:
-            raise ValueError(f"mask for {N} tokens requested in a pass of {self._ctx.length}")
-        return self._ctx.mask(window_size)
+    def make_mask(self, N: int, return_array: bool = False, window_size: int | None = None) -> mx.array | None:
+        ctx = self._ctx
+        if N != ctx.length:
+            raise ValueError(f"mask for {N} tokens requested in a pass of {ctx.length}")
+        if ctx.unmasked and not return_array and (window_size is None or ctx.span <= window_size):
+            return None
+        return ctx.mask(window_size)
 
     @property
     def state(self) -> tuple[mx.array, mx.array]:

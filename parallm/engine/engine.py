@@ -56,7 +56,7 @@ def auto_kv_budget_bytes() -> int:
 class Engine:
     def __init__(self, model: nn.Module, config: EngineConfig, *, eos_token_ids: Seq[int], max_model_len: int,
                  vocab_size: int | None = None, kv_budget_bytes: int | None = None,
-                 prefix_pool_fraction: float = 0.25, max_prefill_rows: int = 16,
+                 prefix_pool_fraction: float = 0.25, max_prefill_rows: int | None = None,
                  writeback_interval: int = 16) -> None:
         """`kv_budget_bytes` overrides config.kv_budget_mb (finer grain, for tests);
         `prefix_pool_fraction` of the budget holds the prefix cache, the rest the live rows."""
@@ -79,7 +79,8 @@ class Engine:
                                max_len=self.max_model_len + config.max_prefill_tokens + 1)
         self.blocks = BlockManager(pool_blocks, bs) if config.prefix_cache else None
         self.scheduler = Scheduler(budget=self.budget, max_prefill_tokens=config.max_prefill_tokens,
-                                   blocks=self.blocks, block_size=bs, max_prefill_rows=max_prefill_rows,
+                                   blocks=self.blocks, block_size=bs,
+                                   max_prefill_rows=max_prefill_rows or config.max_prefill_rows,
                                    writeback_interval=writeback_interval)
         self.runner = ModelRunner(model, info, vocab_size=self.vocab_size, pool_blocks=pool_blocks,
                                   block_size=bs, compile=config.compile)

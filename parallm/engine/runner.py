@@ -44,7 +44,14 @@ class ModelRunner:
 
     # ------------------------------------------------------------------ row operations
     def execute(self, ops: list[RowOp]) -> None:
+        write_backs: list[WriteBack] = []
         for op in ops:
+            if isinstance(op, WriteBack):
+                write_backs.append(op)
+                continue
+            if write_backs:
+                self._write_back(write_backs)
+                write_backs = []
             if isinstance(op, Resize):
                 self.live.resize(op.rows, op.capacity)
                 self.penalties.resize(op.rows)
@@ -57,16 +64,26 @@ class ModelRunner:
                 self.penalties.copy_rows(pairs)
             elif isinstance(op, LoadPrefix):
                 self.live.write_prefix(op.row, self.pool.read(op.block_ids))
-            elif isinstance(op, WriteBack):
-                bs = self.block_size
-                pos = mx.array([j * bs + t for j, _ in op.blocks for t in range(bs)], dtype=mx.int32)
-                self.pool.write([bid for _, bid in op.blocks], self.live.read_positions(op.row, pos))
             elif isinstance(op, InitRow):
                 if op.seq.uses_penalties:
                     self.penalties.activate(self.live.rows)
                     self.penalties.init_row(op.row, op.seq.prompt_ids, op.seq.output_ids)
             else:  # pragma: no cover
                 raise TypeError(f"unknown row op {op!r}")
+        if write_backs:
+            self._write_back(write_backs)
+
+    def _write_back(self, ops: list[WriteBack]) -> None:
+        """Copy blocks of live rows into the prefix pool: every read is materialized in one
+        evaluation (one device round trip for the whole step, not one per row)."""
+        bs = self.block_size
+        reads = []
+        for op in ops:
+            pos = mx.array([j * bs + t for j, _ in op.blocks for t in range(bs)], dtype=mx.int32)
+            reads.append(self.live.read_positions(op.row, pos, materialize=False))
+        mx.eval(reads)
+        for op, data in zip(ops, reads):
+            self.pool.write([bid for _, bid in op.blocks], data)
 
     # ------------------------------------------------------------------ prefill
     def prefill(self, work: PrefillWork) -> dict[int, tuple]:
