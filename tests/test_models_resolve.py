@@ -66,7 +66,7 @@ def test_unsupported_model_type_is_refused(tmp_path: Path, tiny_dir: Path) -> No
     config = json.loads((model_dir / "config.json").read_text())
     (model_dir / "config.json").write_text(json.dumps({**config, "model_type": "mamba"}))
     with pytest.raises(ModelLoadError, match=r"model_type 'mamba' is not supported by the engine; supported: gemma, "
-                                             r"gemma2, gemma3_text, llama, mistral, phi3, qwen2, qwen3, smollm3, starcoder2"):
+                                             r"gemma2, gemma3_text, llama, mistral, phi3, qwen2, qwen3"):
         load_model(ModelConfig(path=str(model_dir)))
 
 
@@ -194,3 +194,9 @@ def test_concurrent_conversions_convert_once(tmp_path: Path, tiny_gguf: Path) ->
     assert results[0]["path"] == results[1]["path"]
     assert sorted(r["converted"] for r in results) == [0, 1]
     assert load_model(ModelConfig(path=results[0]["path"])).dtype == "float32"
+
+
+def test_loader_and_engine_support_the_same_model_types() -> None:
+    from parallm import engine, models
+
+    assert set(models.SUPPORTED_MODEL_TYPES) == set(engine.SUPPORTED_MODEL_TYPES)

@@ -25,9 +25,10 @@ from .source import ModelSource, read_config
 
 log = logging.getLogger(__name__)
 
-# mlx-lm model types whose attention the engine's KV cache is known to drive correctly.
+# mlx-lm model types whose attention the engine's KV cache is known to drive correctly (the
+# engine's list, parallm.engine.compat, is the authority: a model it refuses must not load here).
 SUPPORTED_MODEL_TYPES: frozenset[str] = frozenset({
-    "llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text", "phi3", "starcoder2", "smollm3",
+    "llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text", "phi3",
 })
 
 # Keys that state a context length, in the order they are trusted.
