@@ -25,6 +25,15 @@ M = TypeVar("M")
 _TCP_OFFSETS = {"engine": 0, "detok": 1, "router": 2, "supervisor": 3, "control": 4, "rollouts": 5,
                 "adapters": 6, "tokenizer": 7}
 MAX_FRAME_BYTES = 512 << 20
+_max_frame_bytes = MAX_FRAME_BYTES
+
+
+def set_max_message_bytes(limit: int) -> None:
+    """ZMQ_MAXMSGSIZE of every socket this process opens from now on (a stage sets it from
+    `transport.max_message_mb` at start). ZeroMQ disconnects a peer that sends a larger message:
+    the stage never sees it and goes on serving everyone else."""
+    global _max_frame_bytes
+    _max_frame_bytes = int(limit)
 
 
 @dataclass(frozen=True)
@@ -74,7 +83,7 @@ def _configure(sock: zmq.Socket, hwm: int) -> None:
     sock.setsockopt(zmq.LINGER, 0)
     sock.setsockopt(zmq.SNDHWM, hwm)
     sock.setsockopt(zmq.RCVHWM, hwm)
-    sock.setsockopt(zmq.MAXMSGSIZE, MAX_FRAME_BYTES)
+    sock.setsockopt(zmq.MAXMSGSIZE, _max_frame_bytes)
 
 
 def open_socket(ctx: zmq.Context, kind: int, address: str | list[str] | tuple[str, ...], *, bind: bool,
