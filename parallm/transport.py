@@ -9,7 +9,7 @@ from __future__ import annotations
 import logging
 import os
 from dataclasses import dataclass, field
-from typing import Any, Generic, Iterator, TypeVar
+from typing import Any, Callable, Generic, Iterator, TypeVar
 
 import zmq
 import zmq.asyncio
@@ -173,18 +173,32 @@ class Receiver(Generic[M]):
 
 
 class Router:
-    """The detokenizer's ROUTER: receives Hello from clients, sends each client its messages."""
+    """The detokenizer's ROUTER: receives Hello from clients, sends each client its messages.
 
-    def __init__(self, sock: zmq.Socket) -> None:
+    With `mandatory` (ZMQ_ROUTER_MANDATORY) a send to an identity with no connection fails with
+    EHOSTUNREACH instead of vanishing: `on_unreachable(identity)` is called so that the owner
+    can abort what that client asked for. A full queue for a slow client (EAGAIN) only counts.
+    """
+
+    def __init__(self, sock: zmq.Socket, *, mandatory: bool = False,
+                 on_unreachable: Callable[[bytes], None] | None = None) -> None:
         self.sock = sock
         self.decoder = protocol.Decoder(protocol.RouterInbound)
         self.unroutable = 0
+        self.unreachable = 0
+        self.on_unreachable = on_unreachable
+        if mandatory:
+            sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
 
     def send(self, identity: bytes, message: protocol.Message) -> bool:
         try:
             self.sock.send_multipart([identity, protocol.encode(message)], zmq.NOBLOCK)
-        except zmq.ZMQError:
+        except zmq.ZMQError as exc:
             self.unroutable += 1
+            if exc.errno == zmq.EHOSTUNREACH:
+                self.unreachable += 1
+                if self.on_unreachable is not None:
+                    self.on_unreachable(identity)
             return False
         return True
 
