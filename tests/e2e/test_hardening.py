@@ -119,6 +119,8 @@ def test_killed_stage_under_concurrent_streams_ends_every_client(fault_server, s
                 except httpx.HTTPError:
                     pass
     assert not any(t.is_alive() for t in threads), f"a client hung after {stage} was killed: {out}"
+    if not saw_not_ready:  # the clients may all have ended before the first probe
+        saw_not_ready = httpx.get(f"{srv.url}/readyz", timeout=5).status_code == 503
     kinds = [o[0] for o in out]
     if stage == "tokenizer-0":
         assert set(kinds) <= {"completed"}, out
