@@ -60,8 +60,11 @@ class ServerConfig(Struct, frozen=True, kw_only=True, forbid_unknown_fields=True
     port: Annotated[int, _d("HTTP port")] = 8000
     api_keys: Annotated[list[str], _d("accepted Bearer keys; empty = no auth")] = []
     api_key_file: Annotated[str, _d("file with one accepted key per line")] = ""
+    auth_exempt_paths: Annotated[list[str], _d("paths served without an API key when keys are set")] = \
+        msgspec.field(default_factory=lambda: ["/livez", "/readyz", "/health", "/metrics", "/openapi.json"])
     max_concurrent_requests: Annotated[int, _d("requests in flight before 429")] = 256
-    max_queued_requests: Annotated[int, _d("requests waiting for KV memory before 503")] = 1024
+    max_queued_requests: Annotated[int, _d("sequences waiting in the engine (for a row or KV memory) past "
+                                           "which new requests get 503; 0 = no bound")] = 1024
     max_body_bytes: Annotated[int, _d("largest request body accepted (413 past it)")] = 8 << 20
     max_output_tokens: Annotated[int, _d("largest max_tokens accepted; 0 = context length")] = 0
     first_token_timeout_s: Annotated[float, _d("seconds to the first token before 504; 0 = none")] = 0.0
@@ -74,6 +77,8 @@ class TransportConfig(Struct, frozen=True, kw_only=True, forbid_unknown_fields=T
     tcp_host: Annotated[str, _d("host the tcp sockets bind to and clients reach")] = "127.0.0.1"
     tcp_base_port: Annotated[int, _d("first of the consecutive tcp ports the stages bind")] = 5550
     hwm: Annotated[int, _d("ZeroMQ high-water mark, messages per socket")] = 100_000
+    max_message_mb: Annotated[int, _d("largest ZeroMQ message a stage accepts, MiB; a peer sending a larger "
+                                      "one is disconnected")] = 512
 
 
 class SupervisorConfig(Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -278,6 +283,8 @@ def _check(config: Config) -> None:
         problems.append("engine.block_size must be >= 1")
     if config.tokenizer.replicas < 1:
         problems.append("tokenizer.replicas must be >= 1")
+    if config.transport.max_message_mb < 1:
+        problems.append("transport.max_message_mb must be >= 1")
     if not 0 < config.server.port < 65536:
         problems.append("server.port must be in 1..65535")
     if problems:

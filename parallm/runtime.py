@@ -22,7 +22,7 @@ import zmq
 
 from . import protocol
 from .config import Config
-from .transport import Addresses, Receiver, Sender, addresses, open_socket
+from .transport import Addresses, Receiver, Sender, addresses, open_socket, set_max_message_bytes
 
 log = logging.getLogger(__name__)
 
@@ -66,6 +66,7 @@ class StageRuntime:
         self.stage = stage
         self.replica = replica
         self.ctx = ctx or zmq.Context.instance()
+        set_max_message_bytes(config.transport.max_message_mb << 20)
         self.addrs: Addresses = addresses(config)
         self._to_supervisor = Sender(open_socket(self.ctx, zmq.PUSH, self.addrs.supervisor, bind=False))
         sub = open_socket(self.ctx, zmq.SUB, self.addrs.control, bind=False)

@@ -9,7 +9,7 @@ from __future__ import annotations
 import logging
 import os
 from dataclasses import dataclass, field
-from typing import Any, Generic, Iterator, TypeVar
+from typing import Any, Callable, Generic, Iterator, TypeVar
 
 import zmq
 import zmq.asyncio
@@ -25,6 +25,15 @@ M = TypeVar("M")
 _TCP_OFFSETS = {"engine": 0, "detok": 1, "router": 2, "supervisor": 3, "control": 4, "rollouts": 5,
                 "adapters": 6, "tokenizer": 7}
 MAX_FRAME_BYTES = 512 << 20
+_max_frame_bytes = MAX_FRAME_BYTES
+
+
+def set_max_message_bytes(limit: int) -> None:
+    """ZMQ_MAXMSGSIZE of every socket this process opens from now on (a stage sets it from
+    `transport.max_message_mb` at start). ZeroMQ disconnects a peer that sends a larger message:
+    the stage never sees it and goes on serving everyone else."""
+    global _max_frame_bytes
+    _max_frame_bytes = int(limit)
 
 
 @dataclass(frozen=True)
@@ -74,7 +83,7 @@ def _configure(sock: zmq.Socket, hwm: int) -> None:
     sock.setsockopt(zmq.LINGER, 0)
     sock.setsockopt(zmq.SNDHWM, hwm)
     sock.setsockopt(zmq.RCVHWM, hwm)
-    sock.setsockopt(zmq.MAXMSGSIZE, MAX_FRAME_BYTES)
+    sock.setsockopt(zmq.MAXMSGSIZE, _max_frame_bytes)
 
 
 def open_socket(ctx: zmq.Context, kind: int, address: str | list[str] | tuple[str, ...], *, bind: bool,
@@ -164,18 +173,32 @@ class Receiver(Generic[M]):
 
 
 class Router:
-    """The detokenizer's ROUTER: receives Hello from clients, sends each client its messages."""
+    """The detokenizer's ROUTER: receives Hello from clients, sends each client its messages.
 
-    def __init__(self, sock: zmq.Socket) -> None:
+    With `mandatory` (ZMQ_ROUTER_MANDATORY) a send to an identity with no connection fails with
+    EHOSTUNREACH instead of vanishing: `on_unreachable(identity)` is called so that the owner
+    can abort what that client asked for. A full queue for a slow client (EAGAIN) only counts.
+    """
+
+    def __init__(self, sock: zmq.Socket, *, mandatory: bool = False,
+                 on_unreachable: Callable[[bytes], None] | None = None) -> None:
         self.sock = sock
         self.decoder = protocol.Decoder(protocol.RouterInbound)
         self.unroutable = 0
+        self.unreachable = 0
+        self.on_unreachable = on_unreachable
+        if mandatory:
+            sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
 
     def send(self, identity: bytes, message: protocol.Message) -> bool:
         try:
             self.sock.send_multipart([identity, protocol.encode(message)], zmq.NOBLOCK)
-        except zmq.ZMQError:
+        except zmq.ZMQError as exc:
             self.unroutable += 1
+            if exc.errno == zmq.EHOSTUNREACH:
+                self.unreachable += 1
+                if self.on_unreachable is not None:
+                    self.on_unreachable(identity)
             return False
         return True
 

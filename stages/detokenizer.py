@@ -6,6 +6,11 @@ each client one Outputs message per step, tells the engine to abort samples whos
 matched, and publishes every finished sample on the rollout PUB (never blocking on a slow
 subscriber: what would block is dropped and counted). When the engine dies, every request it
 held ends here with a retryable error.
+
+A client that goes away (its DEALER disconnects: a raw client that exits, an ingress that
+restarted) is noticed through ZMQ_ROUTER_MANDATORY: the next send to it fails with
+EHOSTUNREACH, and every request of that client is aborted in the engine, freeing its KV. A
+message that cannot be handled is logged and dropped; the stage goes on.
 """
 
 from __future__ import annotations
@@ -44,7 +49,8 @@ class DetokenizerStage:
         ctx, addrs, hwm = runtime.ctx, runtime.addrs, config.transport.hwm
         self.inbox = Receiver(open_socket(ctx, zmq.PULL, addrs.detok, bind=True, hwm=hwm),
                               protocol.DetokInbound, name="detokenizer")
-        self.router = Router(open_socket(ctx, zmq.ROUTER, addrs.router, bind=True, hwm=hwm))
+        self.router = Router(open_socket(ctx, zmq.ROUTER, addrs.router, bind=True, hwm=hwm),
+                             mandatory=True, on_unreachable=self.on_client_gone)
         self.rollouts = open_socket(ctx, zmq.XPUB, addrs.rollouts, bind=True, hwm=config.rl.rollout_hwm)
         self.rollouts.setsockopt(zmq.XPUB_NODROP, 1)
         self.to_engine = Sender(open_socket(ctx, zmq.PUSH, addrs.engine, bind=False, hwm=hwm))
@@ -105,10 +111,26 @@ class DetokenizerStage:
     def on_client(self, identity: bytes, message: Any) -> None:
         if isinstance(message, protocol.Hello):
             self.router.send(identity, protocol.Welcome(model=self.model_name, addresses=self.rt.addrs.public()))
+        elif isinstance(message, protocol.Query):
+            if message.what == "stats":
+                self.router.send(identity, protocol.QueryReply(qid=message.qid, result=self.stats()))
+            else:
+                self.router.send(identity, protocol.QueryReply(qid=message.qid, ok=False, status=404,
+                                                               error=f"unknown query {message.what!r}"))
+
+    def on_client_gone(self, identity: bytes) -> None:
+        """`identity` has no connection any more: abort its requests so the engine frees their KV."""
+        rids = [rid for rid, request in self.requests.items() if request.reply_to == identity]
+        for rid in rids:
+            del self.requests[rid]
+        if rids:
+            self.to_engine.send(protocol.Abort(rids=rids, reason="abort"), block=False)
+            self.stats_counters["client_gone_aborts"] += len(rids)
+            log.info("client %r went away: aborted %d request(s)", identity[:32], len(rids))
 
     def on_engine_down(self) -> None:
         """The engine died: every request it held is lost; tell each client, retryably."""
-        for rid, request in self.requests.items():
+        for rid, request in list(self.requests.items()):
             self.router.send(request.reply_to, protocol.RequestError(
                 rid=rid, status=503, code="stage_restarted", retryable=True,
                 message="the engine restarted while this request was in flight; retry it"))
@@ -128,8 +150,17 @@ class DetokenizerStage:
 
     def stats(self) -> dict[str, Any]:
         return {"in_flight": len(self.requests), "unroutable": self.router.unroutable,
+                "unreachable": self.router.unreachable,
                 "dropped_frames": self.inbox.dropped, "batch_size": self.last_batch_size,
                 **self.stats_counters}
+
+    def safely(self, handler: Any, *args: Any) -> None:
+        """Run one message's handler; a message that breaks it is logged and dropped, never fatal."""
+        try:
+            handler(*args)
+        except Exception:  # noqa: BLE001 - one bad message must not take every client down
+            self.stats_counters["failed_messages"] += 1
+            log.exception("dropped a message the detokenizer could not handle: %s", type(args[-1]).__name__)
 
     # ------------------------------------------------------------------ loop
     def run(self) -> int:
@@ -143,10 +174,10 @@ class DetokenizerStage:
             ready = dict(poller.poll(beat_ms))
             if self.inbox.sock in ready:
                 for message in self.inbox.drain(1024):
-                    self.handle(message)
+                    self.safely(self.handle, message)
             if self.router.sock in ready:
                 for identity, message in self.router.drain(256):
-                    self.on_client(identity, message)
+                    self.safely(self.on_client, identity, message)
             if self.rollouts in ready:
                 while self.rollouts.poll(0, zmq.POLLIN):
                     self.rollouts.recv()  # subscription notices

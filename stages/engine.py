@@ -138,15 +138,44 @@ class EngineStage:
         stats.update(paused=self.paused, received=self.received, dropped_frames=self.inbox.dropped)
         return stats
 
+    # ------------------------------------------------------------------ faults
+    def safely(self, message: Any) -> None:
+        """Handle one message; one that breaks the engine's API is logged and dropped (with an
+        error to its client when it names one), never fatal."""
+        try:
+            self.handle(message)
+        except Exception as exc:  # noqa: BLE001 - a bad message must not take the engine down
+            log.exception("could not handle a %s", type(message).__name__)
+            rid, reply_to = getattr(message, "rid", ""), getattr(message, "reply_to", b"")
+            if rid and reply_to:
+                self.out.send(protocol.RequestError(rid=rid, reply_to=reply_to, status=400,
+                                                    message=f"the engine could not handle this request: {exc}"))
+
+    def fail_in_flight(self, exc: Exception) -> int:
+        """A step raised (MLX out of memory, a kernel error): the engine's state cannot be trusted.
+        Every request in it ends with a retryable 503 and the stage exits non-zero, so the
+        supervisor restarts it (and announces it, which fails anything this message missed)."""
+        log.exception("engine step failed; failing %d request(s) and exiting for a restart",
+                      len(self.engine.request_ids()))
+        for rid in self.engine.request_ids():
+            self.out.send(protocol.RequestError(rid=rid, status=503, code="engine_error", retryable=True,
+                                                message=f"the engine failed ({type(exc).__name__}) while this "
+                                                        "request was in flight; retry it"), block=False)
+        time.sleep(0.3)  # sockets close with LINGER 0: let the errors leave first
+        return 1
+
     # ------------------------------------------------------------------ loop
     def run(self) -> int:
         beat_ms = max(1, int(self.config.supervisor.heartbeat_s * 1000))
         while not self.rt.shutting_down:
             for message in self.inbox.drain():
-                self.handle(message)
+                self.safely(message)
             self.rt.poll_control()
             if self.engine.has_work() and not self.paused:
-                outputs = self.engine.step()
+                try:
+                    outputs = self.engine.step()
+                except Exception as exc:  # noqa: BLE001 - e.g. MLX out of memory: fail fast, get restarted
+                    return self.fail_in_flight(exc)
                 self.step_count += 1
                 if outputs:
                     self.out.send(protocol.StepOutputs(step=self.step_count, time=time.time(),
@@ -155,7 +184,7 @@ class EngineStage:
             else:
                 message = self.inbox.recv(timeout_ms=beat_ms)
                 if message is not None:
-                    self.handle(message)
+                    self.safely(message)
             self.rt.heartbeat(self.stats)
         return 0
 

@@ -23,12 +23,15 @@ from parallm import protocol
 from parallm.api.app import build_app
 from parallm.api.backend import BackendError
 from parallm.config import Config
+from parallm.metrics import ServerMetrics
 from parallm.runtime import StageRuntime
 from parallm.transport import Sender, open_socket
 
 log = logging.getLogger("parallm.ingress")
 
 QUERY_TIMEOUT_S = 30.0
+STATS_PERIOD_S = 0.5      # how often ingress asks the engine and detokenizer for their stats
+STATS_TIMEOUT_S = 5.0
 
 
 @dataclass
@@ -42,8 +45,10 @@ class _Pending:
 class ZmqBackend:
     """The api.Backend that talks to the pipeline over ZeroMQ."""
 
-    def __init__(self, config: Config, runtime: StageRuntime, model_info: dict[str, Any]) -> None:
+    def __init__(self, config: Config, runtime: StageRuntime, model_info: dict[str, Any],
+                 metrics: ServerMetrics | None = None) -> None:
         self.config = config
+        self.metrics = metrics or ServerMetrics()
         self.rt = runtime
         self.model_name = config.model.served_name
         self.max_model_len = int(model_info.get("max_model_len", 0))
@@ -76,7 +81,8 @@ class ZmqBackend:
             if time.monotonic() > deadline:
                 raise RuntimeError("the detokenizer's router never answered Hello")
         self.tasks = [asyncio.create_task(self._read(), name="ingress-read"),
-                      asyncio.create_task(self._control(), name="ingress-control")]
+                      asyncio.create_task(self._control(), name="ingress-control"),
+                      asyncio.create_task(self._poll_stats(), name="ingress-stats")]
 
     async def stop(self) -> None:
         for task in self.tasks:
@@ -116,9 +122,11 @@ class ZmqBackend:
             for message in self.rt.poll_control():
                 if isinstance(message, protocol.StageDown):
                     self.stages_down.add(f"{message.stage}-{message.replica}")
+                    self.metrics.stage_restarts.labels(message.stage).inc()
                     self._fail_in_flight(message.stage)
                 elif isinstance(message, protocol.StageUp):
                     self.stages_down.discard(f"{message.stage}-{message.replica}")
+                self.metrics.stages_down.set(len(self.stages_down))
             self.rt.heartbeat(self.stats)
             await asyncio.sleep(0.05)
 
@@ -133,18 +141,45 @@ class ZmqBackend:
             self.to_engine.send(protocol.Abort(rids=lost, reason="abort"), block=False)
         log.warning("%s died: failed %d in-flight request(s)", stage, len(lost))
 
+    async def _poll_stats(self) -> None:
+        """Engine and detokenizer stats for /metrics, /health and the queue bound, every STATS_PERIOD_S."""
+        while True:
+            for stage, store in (("engine", self.metrics.set_engine_stats),
+                                 ("detokenizer", self.metrics.set_detok_stats)):
+                if any(down.startswith(stage) for down in self.stages_down):
+                    continue
+                try:
+                    store(await self._ask(stage, protocol.Query, what="stats", args={}, timeout=STATS_TIMEOUT_S))
+                except BackendError:
+                    pass
+            await asyncio.sleep(STATS_PERIOD_S)
+
+    @property
+    def engine_waiting(self) -> int:
+        return int(self.metrics.engine_stats.get("waiting", 0) or 0)
+
+    def _queue_full(self) -> bool:
+        bound = self.config.server.max_queued_requests
+        return bool(bound) and self.engine_waiting >= bound
+
     # ------------------------------------------------------------------ Backend API
     async def generate(self, submit: protocol.TextSubmit) -> AsyncIterator[protocol.Output]:
         if self.rt.draining:
             raise BackendError(503, "shutting_down", "the server is shutting down", retryable=True)
         if self.stages_down:
+            self.metrics.rejected.labels("stage_down").inc()
             raise BackendError(503, "service_unavailable", "a stage is restarting; retry shortly", retryable=True)
+        if self._queue_full():
+            self.metrics.rejected.labels("queue_full").inc()
+            raise BackendError(503, "queue_full", f"{self.engine_waiting} requests are already waiting for the "
+                               "engine (server.max_queued_requests); retry shortly", retryable=True)
         submit.reply_to = self.identity
         submit.submitted_at = submit.submitted_at or time.time()
         pending = _Pending(asyncio.Queue())
         self.pending[submit.rid] = pending
         self.requests_total += 1
         remaining = submit.n
+        last_token_at: dict[int, float] = {}
         try:
             if not self.to_tokenizers.send(submit, block=False):
                 raise BackendError(503, "overloaded", "the tokenizer queue is full; retry shortly", retryable=True)
@@ -153,6 +188,7 @@ class ZmqBackend:
                 if isinstance(item, protocol.RequestError):
                     raise BackendError(item.status, item.code, item.message, param=item.param,
                                        retryable=item.retryable)
+                self._time_tokens(pending, item, last_token_at)
                 if item.finish_reason is not None:
                     remaining -= 1
                 yield item
@@ -161,14 +197,36 @@ class ZmqBackend:
             if remaining:
                 self.to_engine.send(protocol.Abort(rids=[submit.rid], reason="abort"), block=False)
 
-    async def _ask(self, target: str, message_type: type, **fields: Any) -> Any:
+    def _time_tokens(self, pending: _Pending, item: protocol.Output, last_token_at: dict[int, float]) -> None:
+        """TTFT per request, inter-token latency per sequence (a step's tokens share its gap)."""
+        tokens = len(item.token_ids) // 4
+        if not tokens:
+            return
+        now = time.monotonic()
+        if not pending.first_output_at:
+            pending.first_output_at = now
+            self.metrics.ttft.observe(now - pending.submitted_at)
+        last = last_token_at.get(item.index)
+        if last is not None:
+            gap = (now - last) / tokens
+            for _ in range(tokens):
+                self.metrics.itl.observe(gap)
+        last_token_at[item.index] = now
+        if item.finish_reason is not None:
+            self.metrics.e2e.observe(now - pending.submitted_at)
+
+    async def _ask(self, target: str, message_type: type, timeout: float = QUERY_TIMEOUT_S, **fields: Any) -> Any:
         qid = uuid.uuid4().hex
         future = asyncio.get_running_loop().create_future()
         self.replies[qid] = future
-        sender = self.to_engine if target == "engine" else self.to_tokenizers
-        sender.send(message_type(qid=qid, reply_to=self.identity, **fields), block=False)
+        message = message_type(qid=qid, reply_to=self.identity, **fields)
+        if target == "detokenizer":
+            await self.dealer.send(protocol.encode(message))
+        else:
+            sender = self.to_engine if target == "engine" else self.to_tokenizers
+            sender.send(message, block=False)
         try:
-            reply = await asyncio.wait_for(future, QUERY_TIMEOUT_S)
+            reply = await asyncio.wait_for(future, timeout)
         except asyncio.TimeoutError:
             self.replies.pop(qid, None)
             raise BackendError(503, "timeout", f"the {target} did not answer", retryable=True) from None
@@ -194,15 +252,18 @@ class ZmqBackend:
         return await self._ask("tokenizer", protocol.Detokenize, **fields)
 
     def health(self) -> dict[str, Any]:
+        limit = self.config.server.max_concurrent_requests
         if self.rt.draining:
             status = "shutting_down"
         elif self.stages_down:
             status = "degraded"
-        elif len(self.pending) >= self.config.server.max_concurrent_requests:
+        elif (limit and len(self.pending) >= limit) or self._queue_full():
             status = "overloaded"
         else:
             status = "ok"
-        return {"status": status, "stages_down": sorted(self.stages_down), "in_flight": len(self.pending)}
+        return {"status": status, "ready": status in ("ok", "overloaded"), "stages_down": sorted(self.stages_down),
+                "in_flight": len(self.pending), "waiting": self.engine_waiting,
+                "running": int(self.metrics.engine_stats.get("running", 0) or 0)}
 
     def stats(self) -> dict[str, Any]:
         return {"in_flight": len(self.pending), "requests_total": self.requests_total,
@@ -216,8 +277,9 @@ def main(config: Config, replica: int = 0) -> int:
     from parallm.text.loading import model_limits
 
     info = model_limits(config.model)
-    backend = ZmqBackend(config, runtime, info)
-    app = build_app(backend, config.server)
+    metrics = ServerMetrics()
+    backend = ZmqBackend(config, runtime, info, metrics)
+    app = build_app(backend, config.server, metrics)
 
     server_config = uvicorn.Config(app, host=config.server.host, port=config.server.port,
                                    loop="uvloop" if _has_uvloop() else "asyncio", log_level="warning",

@@ -33,6 +33,7 @@ class TokenizerStage:
         self.to_detok = Sender(open_socket(ctx, zmq.PUSH, addrs.detok, bind=False, hwm=hwm))
         self.handled = 0
         self.rejected = 0
+        self.failed = 0
 
     def handle(self, message: Any) -> None:
         self.handled += 1
@@ -67,17 +68,30 @@ class TokenizerStage:
             adapter_version=message.adapter_version, min_version=message.min_version,
             max_staleness=message.max_staleness, metadata=message.metadata, submitted_at=message.submitted_at))
 
+    def safely(self, message: Any) -> None:
+        """Handle one message; one that breaks the templater is logged and answered if it can be."""
+        try:
+            self.handle(message)
+        except Exception as exc:  # noqa: BLE001 - a bad message must not take the stage down
+            self.failed += 1
+            log.exception("could not handle a %s", type(message).__name__)
+            rid, reply_to = getattr(message, "rid", ""), getattr(message, "reply_to", b"")
+            if rid and reply_to:
+                self.to_detok.send(protocol.RequestError(rid=rid, reply_to=reply_to, status=400,
+                                                         message=f"the tokenizer could not handle this request: {exc}"))
+
     def stats(self) -> dict[str, Any]:
-        return {"handled": self.handled, "rejected": self.rejected, "dropped_frames": self.inbox.dropped}
+        return {"handled": self.handled, "rejected": self.rejected, "failed": self.failed,
+                "dropped_frames": self.inbox.dropped}
 
     def run(self) -> int:
         beat_ms = max(1, int(self.config.supervisor.heartbeat_s * 1000))
         while not self.rt.shutting_down:
             message = self.inbox.recv(timeout_ms=beat_ms)
             if message is not None:
-                self.handle(message)
+                self.safely(message)
                 for queued in self.inbox.drain(256):
-                    self.handle(queued)
+                    self.safely(queued)
             self.rt.poll_control()
             self.rt.heartbeat(self.stats)
         return 0

@@ -23,7 +23,9 @@ from parallm.api.auth import BearerAuth, api_keys
 from parallm.api.backend import Backend, BackendError
 from parallm.api.errors import APIError, error_response, model_not_found
 from parallm.api.generation import GenerationRoutes
+from parallm.api.health import HealthRoutes
 from parallm.api.http import json_response, read_body
+from parallm.api.metrics import CountRequests, MetricsRoute
 from parallm.api.openapi import openapi_document
 from parallm.api.rl import rl_routes
 from parallm.api.schemas import (DetokenizeRequest, DetokenizeResponse, ModelCard, ModelList, TokenizeRequest,
@@ -31,13 +33,12 @@ from parallm.api.schemas import (DetokenizeRequest, DetokenizeResponse, ModelCar
 from parallm.api.translate import message_dict
 from parallm.api.validate import Limits, check_model, check_tokenize, decode
 from parallm.config import ServerConfig
+from parallm.metrics import ServerMetrics
 from parallm.protocol import pack_ids
 
 log = logging.getLogger("parallm.api")
 
 Handler = Callable[[Request], Awaitable[Response]]
-
-SERVING = ("ok",)
 
 
 def endpoint(handler: Handler) -> Handler:
@@ -95,13 +96,6 @@ class Routes:
             raise model_not_found(name)
         return json_response(self.card())
 
-    async def health(self, request: Request) -> Response:
-        try:
-            state = dict(self.backend.health())
-        except BackendError as exc:
-            state = {"status": "degraded", "error": exc.message}
-        return json_response(state, 200 if state.get("status") in SERVING else 503)
-
     async def tokenize(self, request: Request) -> Response:
         req = decode(await read_body(request, self.server.max_body_bytes), TokenizeRequest)
         check_tokenize(req, _limits_model(self.backend))
@@ -130,12 +124,20 @@ def _limits_model(backend: Backend) -> Limits:
     return Limits(model_name=backend.model_name)
 
 
-def build_app(backend: Backend, server: ServerConfig) -> Starlette:
-    """The Starlette app serving `backend` with the auth, body and concurrency limits of `server`."""
-    gen = GenerationRoutes(backend, server)
+def build_app(backend: Backend, server: ServerConfig, metrics: ServerMetrics | None = None) -> Starlette:
+    """The Starlette app serving `backend` with the auth, body and concurrency limits of `server`.
+
+    `metrics` is where /metrics reads from (the ingress stage shares it with its backend, which
+    feeds it engine stats and token timings); without one the app counts HTTP answers only.
+    """
+    metrics = metrics or ServerMetrics()
+    gen = GenerationRoutes(backend, server, metrics)
     routes = Routes(backend, server)
+    health = HealthRoutes(backend)
     keys = api_keys(server)
-    middleware = [Middleware(BearerAuth, keys=keys)] if keys else []
+    middleware = [Middleware(CountRequests, metrics=metrics)]
+    if keys:
+        middleware.append(Middleware(BearerAuth, keys=keys, exempt=tuple(server.auth_exempt_paths)))
     app = Starlette(
         routes=[
             Route("/v1/completions", endpoint(gen.completions), methods=["POST"]),
@@ -144,7 +146,10 @@ def build_app(backend: Backend, server: ServerConfig) -> Starlette:
             Route("/v1/models/{model:path}", endpoint(routes.model), methods=["GET"]),
             Route("/v1/tokenize", endpoint(routes.tokenize), methods=["POST"]),
             Route("/v1/detokenize", endpoint(routes.detokenize), methods=["POST"]),
-            Route("/health", endpoint(routes.health), methods=["GET"]),
+            Route("/health", endpoint(health.health), methods=["GET"]),
+            Route("/livez", endpoint(health.livez), methods=["GET"]),
+            Route("/readyz", endpoint(health.readyz), methods=["GET"]),
+            Route("/metrics", endpoint(MetricsRoute(metrics).metrics_text), methods=["GET"]),
             Route("/openapi.json", endpoint(routes.openapi_json), methods=["GET"]),
             *rl_routes(backend, server, gen.gate, endpoint),
         ],
@@ -153,4 +158,5 @@ def build_app(backend: Backend, server: ServerConfig) -> Starlette:
     )
     app.state.backend = backend
     app.state.generator = gen
+    app.state.metrics = metrics
     return app

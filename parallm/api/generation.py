@@ -22,17 +22,21 @@ from parallm.api.sse import events
 from parallm.api.translate import Plan, chat_plan, completion_plan
 from parallm.api.validate import Limits, decode
 from parallm.config import ServerConfig
+from parallm.metrics import ServerMetrics
 
 
 class Gate:
-    """Counts generation requests in flight; past `limit` (0: none) new ones get 429."""
+    """Counts generation requests in flight; past `limit` (0: none) new ones get 429 with Retry-After."""
 
-    def __init__(self, limit: int) -> None:
+    def __init__(self, limit: int, metrics: ServerMetrics | None = None) -> None:
         self.limit = limit
         self.in_flight = 0
+        self.metrics = metrics
 
     def enter(self) -> None:
         if self.limit and self.in_flight >= self.limit:
+            if self.metrics is not None:
+                self.metrics.rejected.labels("concurrency").inc()
             raise APIError(429, f"Too many requests in flight (the limit is {self.limit}); retry shortly.",
                            code="rate_limit_exceeded", headers={"Retry-After": "1"})
         self.in_flight += 1
@@ -44,10 +48,12 @@ class Gate:
 class GenerationRoutes:
     """The two generation endpoints over one backend."""
 
-    def __init__(self, backend: Backend, server: ServerConfig) -> None:
+    def __init__(self, backend: Backend, server: ServerConfig, metrics: ServerMetrics | None = None) -> None:
         self.backend = backend
         self.server = server
-        self.gate = Gate(server.max_concurrent_requests)
+        self.gate = Gate(server.max_concurrent_requests, metrics)
+        if metrics is not None:
+            metrics.in_flight.set_function(lambda: self.gate.in_flight)
 
     def limits(self) -> Limits:
         return Limits(model_name=self.backend.model_name, max_model_len=int(self.backend.max_model_len or 0),

@@ -1,0 +1,45 @@
+"""Liveness, readiness and health: what a load balancer or an orchestrator probes.
+
+- GET /livez: 200 while the ingress process answers at all (no backend call).
+- GET /readyz: 200 when the model is loaded and every stage is up and not draining, else 503;
+  an overloaded server is still ready (it answers, if only with 429/503).
+- GET /health: `{"status": "ok" | "degraded" | "overloaded" | "shutting_down", ...}`, 200 only for ok.
+"""
+
+from __future__ import annotations
+
+from starlette.requests import Request
+from starlette.responses import Response
+
+from parallm.api.backend import Backend, BackendError
+from parallm.api.http import json_response
+
+SERVING = ("ok",)
+READY = ("ok", "overloaded")
+
+
+def backend_state(backend: Backend) -> dict:
+    try:
+        return dict(backend.health())
+    except BackendError as exc:
+        return {"status": "degraded", "error": exc.message}
+
+
+class HealthRoutes:
+    def __init__(self, backend: Backend) -> None:
+        self.backend = backend
+
+    async def livez(self, request: Request) -> Response:
+        return json_response({"status": "alive"})
+
+    async def readyz(self, request: Request) -> Response:
+        state = backend_state(self.backend)
+        ready = bool(state.get("ready", state.get("status") in READY))
+        body = {"status": "ready" if ready else "not_ready", "health": state.get("status")}
+        if state.get("stages_down"):
+            body["stages_down"] = state["stages_down"]
+        return json_response(body, 200 if ready else 503)
+
+    async def health(self, request: Request) -> Response:
+        state = backend_state(self.backend)
+        return json_response(state, 200 if state.get("status") in SERVING else 503)

@@ -1,0 +1,144 @@
+"""Schema-based fuzzing of the served OpenAPI document against a real server: zero 5xx.
+
+The fuzzer reads /openapi.json, and for every operation with a JSON request body draws
+- valid bodies from the body's JSON schema (hypothesis-jsonschema), with generation kept cheap
+  (max_tokens, n, prompt lists and logprob counts capped), and
+- invalid ones: a valid body with one field replaced by arbitrary JSON, arbitrary JSON
+  documents, and bytes that are not JSON at all;
+then posts each one and requires a status below 500. GET routes get random path segments and
+query strings. PARALLM_FUZZ_EXAMPLES sets hypothesis' max_examples per strategy (default 25,
+about a minute on a laptop CPU).
+"""
+
+from __future__ import annotations
+
+import os
+
+import httpx
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from .server import Server
+
+pytestmark = pytest.mark.e2e
+hypothesis_jsonschema = pytest.importorskip("hypothesis_jsonschema")
+
+EXAMPLES = int(os.environ.get("PARALLM_FUZZ_EXAMPLES", "25"))
+MODEL = "default"
+FUZZ = settings(max_examples=EXAMPLES, deadline=None, derandomize=True, database=None,
+                suppress_health_check=list(HealthCheck))
+
+JSON = st.recursive(st.none() | st.booleans() | st.integers(-2**70, 2**70) | st.floats(allow_nan=False)
+                    | st.text(max_size=20),
+                    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=10), inner,
+                                                                               max_size=4),
+                    max_leaves=12)
+
+CAPS = {"max_tokens": 2, "max_completion_tokens": 2, "n": 2, "best_of": 2, "min_tokens": 2, "logprobs": 2,
+        "top_logprobs": 2, "prompt_logprobs": 2}
+
+
+def cheap(body):
+    """Cap what makes generation expensive, keep everything else as drawn."""
+    if not isinstance(body, dict):
+        return body
+    body = dict(body)
+    for key, cap in CAPS.items():
+        value = body.get(key)
+        if isinstance(value, int) and not isinstance(value, bool) and value > cap:
+            body[key] = cap
+    body.setdefault("max_tokens", 2)
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and len(prompt) > 2:
+        body["prompt"] = prompt[:2]
+    if isinstance(body.get("messages"), list):
+        body["messages"] = body["messages"][:3]
+    return body
+
+
+@pytest.fixture(scope="module")
+def fuzz_server():
+    with Server("--model.served-name", MODEL, "--server.max-concurrent-requests", "64") as srv:
+        yield srv
+
+
+@pytest.fixture(scope="module")
+def spec(fuzz_server):
+    return httpx.get(f"{fuzz_server.url}/openapi.json", timeout=30).json()
+
+
+def body_operations(spec: dict) -> list[tuple[str, str, dict]]:
+    ops = []
+    for path, methods in spec["paths"].items():
+        for method, op in methods.items():
+            body = op.get("requestBody", {}).get("content", {}).get("application/json", {}).get("schema")
+            if body is not None:
+                # one self-contained schema: the body's $ref resolves against the components beside it
+                ops.append((method, path, {**body, "components": spec["components"]}))
+    return ops
+
+
+def check(response: httpx.Response, what) -> None:
+    assert response.status_code < 500, f"{response.status_code} for {what!r}: {response.text[:500]}"
+
+
+def post(srv: Server, path: str, **kwargs) -> httpx.Response:
+    return httpx.post(f"{srv.url}{path}", timeout=300, **kwargs)
+
+
+def test_the_document_has_body_operations(spec):
+    paths = {path for _, path, _ in body_operations(spec)}
+    assert {"/v1/completions", "/v1/chat/completions", "/v1/tokenize", "/v1/detokenize"} <= paths
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions", "/v1/tokenize", "/v1/detokenize"])
+def test_valid_and_invalid_bodies_never_get_a_5xx(fuzz_server, spec, path):
+    [(_, _, schema)] = [op for op in body_operations(spec) if op[1] == path]
+    valid = hypothesis_jsonschema.from_schema(schema)
+
+    @FUZZ
+    @given(valid)
+    def valid_bodies(body):
+        body = cheap(body)
+        check(post(fuzz_server, path, json=body), body)
+
+    @FUZZ
+    @given(valid, st.data())
+    def one_field_broken(body, data):
+        body = cheap(body)
+        if isinstance(body, dict) and body:
+            key = data.draw(st.sampled_from(sorted(body)))
+            body[key] = data.draw(JSON)
+        check(post(fuzz_server, path, json=cheap(body)), body)
+
+    @FUZZ
+    @given(JSON | st.binary(max_size=64))
+    def anything(doc):
+        if isinstance(doc, bytes):
+            check(post(fuzz_server, path, content=doc, headers={"content-type": "application/json"}), doc)
+        else:
+            check(post(fuzz_server, path, json=cheap(doc)), doc)
+
+    valid_bodies()
+    one_field_broken()
+    anything()
+
+
+def test_gets_with_random_paths_and_queries_never_get_a_5xx(fuzz_server, spec):
+    gets = [path for path, methods in spec["paths"].items() if "get" in methods]
+
+    @FUZZ
+    @given(st.sampled_from(gets), st.text(max_size=30), st.dictionaries(st.text(max_size=8), st.text(max_size=8),
+                                                                          max_size=3))
+    def run(path, segment, query):
+        url = f"{fuzz_server.url}{path.replace('{model}', segment.replace('/', '%2F') or 'x')}"
+        check(httpx.get(url, params=query, timeout=60), (path, segment, query))
+
+    run()
+
+
+def test_server_is_healthy_after_fuzzing(fuzz_server):
+    assert httpx.get(f"{fuzz_server.url}/health", timeout=30).json()["status"] == "ok"
+    r = post(fuzz_server, "/v1/completions", json={"model": MODEL, "prompt": "Hi", "max_tokens": 2})
+    assert r.status_code == 200

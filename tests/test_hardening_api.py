@@ -1,0 +1,113 @@
+"""Hardening of the HTTP layer over a scripted backend: auth sources and exemptions, probes,
+/metrics and the 503 a backend raises for a full queue."""
+
+from __future__ import annotations
+
+import pytest
+from starlette.testclient import TestClient
+
+from parallm.api.app import build_app
+from parallm.api.auth import BearerAuth
+from parallm.api.backend import BackendError
+from parallm.config import ServerConfig, build_config
+from parallm.metrics import ServerMetrics, route_label
+from test_api_fakes import MODEL, FakeBackend
+
+BODY = {"model": MODEL, "prompt": "hi", "max_tokens": 2}
+
+
+def make(backend: FakeBackend | None = None, metrics: ServerMetrics | None = None, **server):
+    backend = backend or FakeBackend()
+    return TestClient(build_app(backend, ServerConfig(**server), metrics)), backend
+
+
+def test_api_keys_from_flag_env_and_file(tmp_path):
+    assert build_config(environ={}, cli={"server": {"api_keys": ["a"]}}).server.api_keys == ["a"]
+    env = {"PARALLM_SERVER__API_KEYS": "k1, k2"}
+    assert build_config(environ=env).server.api_keys == ["k1", "k2"]
+    keys = tmp_path / "keys"
+    keys.write_text("filekey\n")
+    client, _ = make(api_keys=["k1", "k2"], api_key_file=str(keys))
+    for key in ("k1", "k2", "filekey"):
+        assert client.post("/v1/completions", json=BODY, headers={"Authorization": f"Bearer {key}"}).status_code == 200
+
+
+def test_auth_protects_every_path_but_the_exempt_ones():
+    client, _ = make(api_keys=["k"])
+    for path in ("/livez", "/readyz", "/health", "/metrics", "/openapi.json"):
+        assert client.get(path).status_code == 200, path
+    r = client.get("/v1/models")
+    assert r.status_code == 401 and r.json()["error"]["type"] == "authentication_error"
+    assert r.headers["www-authenticate"] == "Bearer"
+    assert client.get("/anything-else").status_code == 401
+    assert client.get("/v1/models", headers={"Authorization": "Bearer kk"}).status_code == 401
+    assert client.get("/v1/models", headers={"Authorization": "Bearer"}).status_code == 401
+    assert client.get("/v1/models", headers={"Authorization": "Bearer k"}).status_code == 200
+    closed, _ = make(api_keys=["k"], auth_exempt_paths=[])
+    assert closed.get("/metrics").status_code == 401
+
+
+def test_every_key_is_compared_with_compare_digest(monkeypatch):
+    calls = []
+    import parallm.api.auth as auth
+
+    def spy(a, b):
+        calls.append((a, b))
+        return a == b
+
+    monkeypatch.setattr(auth.hmac, "compare_digest", spy)
+    guard = BearerAuth(None, ["first", "second", "third"])
+    assert guard.accepted(b"first")
+    assert len(calls) == 3  # no early exit on the first match
+    assert not guard.accepted(b"")
+
+
+@pytest.mark.parametrize("status, ready", [("ok", 200), ("overloaded", 200), ("degraded", 503),
+                                           ("shutting_down", 503)])
+def test_probes(status, ready):
+    client, _ = make(FakeBackend(status=status))
+    assert client.get("/livez").status_code == 200
+    r = client.get("/readyz")
+    assert r.status_code == ready and r.json()["health"] == status
+    assert client.get("/health").status_code == (200 if status == "ok" else 503)
+
+
+def test_metrics_count_requests_by_route_and_status():
+    metrics = ServerMetrics()
+    client, _ = make(metrics=metrics, api_keys=["k"])
+    client.post("/v1/completions", json=BODY, headers={"Authorization": "Bearer k"})
+    client.post("/v1/completions", json=BODY)
+    client.get("/no/such/route/12345", headers={"Authorization": "Bearer k"})
+    metrics.set_engine_stats({"waiting": 3, "running": 2, "kv_blocks_used": 5, "kv_blocks_free": 7,
+                              "prefix_queried_tokens": 10, "prefix_hit_tokens": 4, "preemptions": 1,
+                              "decode_batch_hist": {1: 2, 3: 1}})
+    metrics.set_detok_stats({"rollouts_dropped": 6})
+    r = client.get("/metrics")
+    assert r.status_code == 200 and r.headers["content-type"].startswith("text/plain")
+    text = r.text
+    for line in ('parallm_http_requests_total{method="POST",route="/v1/completions",status="200"} 1.0',
+                 'parallm_http_requests_total{method="POST",route="/v1/completions",status="401"} 1.0',
+                 'parallm_http_requests_total{method="GET",route="other",status="404"} 1.0',
+                 "parallm_num_requests_waiting 3.0", "parallm_num_requests_running 2.0",
+                 "parallm_kv_blocks_used 5.0", "parallm_kv_blocks_free 7.0", "parallm_prefix_cache_hit_rate 0.4",
+                 "parallm_preemptions_total 1.0", "parallm_rollouts_dropped_total 6.0",
+                 'parallm_decode_batch_size_bucket{le="2"} 2.0', 'parallm_decode_batch_size_bucket{le="4"} 3.0',
+                 "parallm_decode_batch_size_sum 5.0", "parallm_requests_in_flight 0.0"):
+        assert line in text, line
+    for name in ("parallm_time_to_first_token_seconds_bucket", "parallm_inter_token_latency_seconds_bucket",
+                 "parallm_stage_restarts_total"):
+        assert name in text
+
+
+def test_route_labels_do_not_grow_with_paths():
+    assert route_label("/v1/models/some/model") == "/v1/models/{model}"
+    assert route_label("/x" * 50) == "other"
+
+
+def test_queue_full_is_a_retryable_503():
+    backend = FakeBackend(error_at_start=BackendError(503, "queue_full", "full", retryable=True))
+    client, _ = make(backend)
+    r = client.post("/v1/completions", json=BODY)
+    assert r.status_code == 503 and r.headers["retry-after"] == "1" and r.json()["error"]["code"] == "queue_full"
+    r = client.post("/v1/completions", json={**BODY, "stream": True})
+    assert r.status_code == 503
