@@ -63,14 +63,22 @@ class AdapterManager:
         self.versions: dict[str, list[LoadedAdapter]] = {}
         self.linears: dict[str, nn.Module] = {}
         self.other_modules: dict[str, str] = {}
-        for path, module in model.named_modules():
+        self.wrapped: set[str] = set()
+        modules = model.named_modules()
+        for path, module in modules:
+            if isinstance(module, MultiLoRALinear):  # wrapped by an earlier engine on this model: take it over
+                module._router = self.router
+                self.linears[path] = module.linear
+                self.wrapped.add(path)
+        for path, module in modules:
+            if path in self.wrapped or path.endswith(".linear") and path[:-len(".linear")] in self.wrapped:
+                continue
             if isinstance(module, (nn.Linear, nn.QuantizedLinear)):
                 self.linears[path] = module
             elif path:
                 self.other_modules[path] = type(module).__name__
         layers = getattr(model, "layers", None)
         self.num_layers = len(layers) if layers is not None else 0
-        self.wrapped: set[str] = set()
         self.published = 0
         self.rejected = 0
 
