@@ -55,8 +55,9 @@ class AdapterPublisher:
                                                  weights=blob, path=path, format=format))  # type: ignore[arg-type]
         self.published += 1
 
-    def close(self) -> None:
-        self.sender.close()
+    def close(self, linger_ms: int = 5000) -> None:
+        """Close, giving queued versions up to `linger_ms` to leave (a PUB closed at once drops them)."""
+        self.sender.sock.close(linger=linger_ms)
         if self._own_ctx:
             self.ctx.term()
 
