@@ -3,6 +3,8 @@
 One busy loop: drain the inbox, run one engine step, push that step's outputs (one message for
 all rows) to the detokenizer. While idle it blocks on the inbox for up to a heartbeat.
 A request the engine refuses gets a RequestError routed to its client; nothing else stops.
+Adapter versions arrive on the bound `adapters` SUB socket (trainers' PUBs connect to it) or on
+the inbox; each is loaded between two steps, so a version takes effect at a step boundary.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from typing import Any
 import zmq
 
 from parallm import protocol
+from parallm.adapters import AdapterError
 from parallm.config import Config
 from parallm.engine import Engine, Request, RequestRejected, SeqOutput
 from parallm.runtime import StageRuntime
@@ -24,7 +27,7 @@ log = logging.getLogger("parallm.engine.stage")
 
 def to_delta(out: SeqOutput) -> protocol.SeqDelta:
     delta = protocol.SeqDelta(rid=out.rid, index=out.index, token_ids=protocol.pack_ids(out.token_ids),
-                              finish_reason=out.finish_reason,
+                              finish_reason=out.finish_reason, adapter=out.adapter, version=out.version,
                               usage=out.usage)
     if out.logprobs is not None:
         delta.logprobs = protocol.pack_floats(out.logprobs)
@@ -43,8 +46,49 @@ def to_delta(out: SeqOutput) -> protocol.SeqDelta:
 
 def rejection_code(exc: RequestRejected) -> str:
     """OpenAI's error code for a refused request (vLLM answers an over-long prompt the same way)."""
+    if exc.code:
+        return exc.code
     return "context_length_exceeded" if "context" in exc.message or "too long" in exc.message \
         else "invalid_request_error"
+
+
+ADAPTER_QUERIES = ("policy", "adapters", "adapter_load", "adapter_unload")
+
+
+def load_adapter(engine: Engine, name: str, *, config: dict | None = None, weights: bytes | None = None,
+                 path: str = "", format: str = "auto", version: int = 0) -> dict[str, Any]:
+    """Load a version (raises AdapterError); answered in the MLX RL Inference Server's shape plus ours."""
+    t0 = time.perf_counter()
+    adapter = engine.load_adapter(name, config=config, weights=weights, path=path, format=format, version=version)
+    ms = 1000 * (time.perf_counter() - t0)
+    log.info("adapter %s version %d loaded (%s, rank %d, %d modules, %.1f ms)", name, adapter.version,
+             adapter.kind, adapter.rank, len(adapter.modules), ms)
+    return {"status": "success", "policy_version": adapter.version, "name": name, "version": adapter.version,
+            "bytes": adapter.nbytes, "load_ms": ms,
+            "message": f"adapter {name!r} version {adapter.version} loaded; new requests use it from the next step"}
+
+
+def adapter_query(engine: Engine, what: str, args: dict[str, Any]) -> Any:
+    """The engine's answer to an adapter Query (`what` in ADAPTER_QUERIES); AdapterError on failure."""
+    if what == "policy":
+        return engine.policy()
+    if what == "adapters":
+        return {"adapters": engine.adapters.describe(), "policy": engine.policy(), **engine.adapters.stats()}
+    try:
+        name = str(args.get("name", ""))
+        if what == "adapter_unload":
+            return {"status": "success", "name": name, "versions_removed": engine.unload_adapter(name)}
+        weights = args.get("weights")
+        config = args.get("config") or None
+        if config is not None and not isinstance(config, dict):
+            raise AdapterError("config must be a map")
+        return load_adapter(engine, name, config=config, weights=bytes(weights) if weights else None,
+                            path=str(args.get("path", "")), format=str(args.get("format", "auto")),
+                            version=int(args.get("version", 0)))
+    except (TypeError, ValueError) as exc:
+        if isinstance(exc, AdapterError):
+            raise
+        raise AdapterError(f"bad adapter arguments: {exc}") from None
 
 
 class EngineStage:
@@ -58,7 +102,14 @@ class EngineStage:
         self.inbox: Receiver = Receiver(open_socket(ctx, zmq.PULL, runtime.addrs.engine, bind=True, hwm=hwm),
                                         protocol.EngineInbound, name="engine")
         self.out = Sender(open_socket(ctx, zmq.PUSH, runtime.addrs.detok, bind=False, hwm=hwm))
+        sub = open_socket(ctx, zmq.SUB, runtime.addrs.adapters, bind=True, hwm=hwm)
+        sub.setsockopt(zmq.SUBSCRIBE, b"")
+        self.adapter_sub: Receiver = Receiver(sub, protocol.EngineInbound, name="adapters")
+        self.poller = zmq.Poller()
+        self.poller.register(self.inbox.sock, zmq.POLLIN)
+        self.poller.register(sub, zmq.POLLIN)
         self.paused = False
+        self.pause_mode = "keep"
         self.step_count = 0
         self.received = 0
 
@@ -77,15 +128,21 @@ class EngineStage:
             self.on_query(message)
         elif isinstance(message, protocol.Score):
             self.on_score(message)
+        elif isinstance(message, protocol.AdapterPublish):
+            self.on_publish(message)
+        elif isinstance(message, protocol.AdapterUnload):
+            self.on_unload(message)
         elif isinstance(message, protocol.Pause):
             self.paused = True
+            self.pause_mode = message.mode
             if message.mode == "abort":
                 for rid in list(self.engine.request_ids()):
                     self.engine.abort(rid, "abort")
             self._ack(message.qid, message.reply_to, {"paused": True, "mode": message.mode})
         elif isinstance(message, protocol.Resume):
+            moved = self.engine.follow_latest() if self.paused and self.pause_mode == "keep" else 0
             self.paused = False
-            self._ack(message.qid, message.reply_to, {"paused": False})
+            self._ack(message.qid, message.reply_to, {"paused": False, "moved_to_latest": moved})
         else:
             self._ack(getattr(message, "qid", ""), getattr(message, "reply_to", b""), None,
                       error=f"{type(message).__name__} is not supported by this engine", status=501)
@@ -95,14 +152,34 @@ class EngineStage:
             self.out.send(protocol.QueryReply(qid=qid, reply_to=reply_to, ok=not error, result=result,
                                               error=error, status=status))
 
+    # ------------------------------------------------------------------ adapters
+    def on_publish(self, message: protocol.AdapterPublish) -> None:
+        try:
+            result = load_adapter(self.engine, message.name, config=message.config, weights=message.weights or None,
+                                  path=message.path, format=message.format, version=message.version)
+        except AdapterError as exc:
+            log.warning("adapter %r version %d rejected: %s", message.name, message.version, exc.message)
+            self._ack(message.qid, message.reply_to, None, error=exc.message, status=exc.status)
+            return
+        self._ack(message.qid, message.reply_to, result)
+
+    def on_unload(self, message: protocol.AdapterUnload) -> None:
+        try:
+            result = adapter_query(self.engine, "adapter_unload", {"name": message.name})
+        except AdapterError as exc:
+            self._ack(message.qid, message.reply_to, None, error=exc.message, status=exc.status)
+            return
+        self._ack(message.qid, message.reply_to, result)
+
     def on_submit(self, message: protocol.Submit) -> None:
         request = Request(rid=message.rid, prompt_ids=protocol.unpack_ids(message.prompt_ids),
                           params=message.params, n=message.n, adapter=message.adapter,
-                          arrival=message.submitted_at or time.time())
+                          adapter_version=message.adapter_version, min_version=message.min_version,
+                          max_staleness=message.max_staleness, arrival=message.submitted_at or time.time())
         try:
             self.engine.add_request(request)
         except RequestRejected as exc:
-            self.out.send(protocol.RequestError(rid=message.rid, reply_to=message.reply_to, status=400,
+            self.out.send(protocol.RequestError(rid=message.rid, reply_to=message.reply_to, status=exc.status,
                                                 code=rejection_code(exc), message=str(exc), param=exc.param))
             return
         self.out.send(protocol.Track(rid=message.rid, reply_to=message.reply_to, n=message.n,
@@ -114,9 +191,10 @@ class EngineStage:
     def on_score(self, message: protocol.Score) -> None:
         try:
             ids = protocol.unpack_ids(message.ids)
-            result = self.engine.score(ids, start=message.start, top_logprobs=message.top_logprobs)
+            result = self.engine.score(ids, start=message.start, top_logprobs=message.top_logprobs,
+                                       adapter=message.adapter, adapter_version=message.adapter_version)
         except RequestRejected as exc:
-            self.out.send(protocol.RequestError(rid=message.rid, reply_to=message.reply_to, status=400,
+            self.out.send(protocol.RequestError(rid=message.rid, reply_to=message.reply_to, status=exc.status,
                                                 code=rejection_code(exc), message=str(exc), param=exc.param))
             return
         payload = {"logprobs": protocol.pack_floats(result.logprobs)}
@@ -130,6 +208,13 @@ class EngineStage:
             self._ack(message.qid, message.reply_to, self.stats())
         elif message.what == "model":
             self._ack(message.qid, message.reply_to, self.model_info)
+        elif message.what in ADAPTER_QUERIES:
+            try:
+                result = adapter_query(self.engine, message.what, message.args or {})
+            except AdapterError as exc:
+                self._ack(message.qid, message.reply_to, None, error=exc.message, status=exc.status)
+                return
+            self._ack(message.qid, message.reply_to, result)
         else:
             self._ack(message.qid, message.reply_to, None, error=f"unknown query {message.what!r}", status=404)
 
@@ -168,6 +253,8 @@ class EngineStage:
     def run(self) -> int:
         beat_ms = max(1, int(self.config.supervisor.heartbeat_s * 1000))
         while not self.rt.shutting_down:
+            for message in self.adapter_sub.drain():
+                self.safely(message)
             for message in self.inbox.drain():
                 self.safely(message)
             self.rt.poll_control()
@@ -182,9 +269,7 @@ class EngineStage:
                                                        batch_size=self.engine.last_batch_size,
                                                        outputs=[to_delta(o) for o in outputs]))
             else:
-                message = self.inbox.recv(timeout_ms=beat_ms)
-                if message is not None:
-                    self.safely(message)
+                self.poller.poll(beat_ms)  # the loop top drains whichever socket woke us
             self.rt.heartbeat(self.stats)
         return 0
 
@@ -199,7 +284,8 @@ def main(config: Config, replica: int = 0) -> int:
         runtime.fatal(f"cannot load model {config.model.path!r}: {exc}")
         return 2
     engine = Engine(loaded.model, config.engine, eos_token_ids=loaded.eos_token_ids,
-                    max_model_len=loaded.max_model_len, vocab_size=loaded.vocab_size)
+                    max_model_len=loaded.max_model_len, vocab_size=loaded.vocab_size,
+                    adapter_history=config.rl.adapter_history)
     info = {"model": config.model.served_name, "path": str(loaded.source.path), "dtype": loaded.dtype,
             "max_model_len": loaded.max_model_len, "vocab_size": loaded.vocab_size}
     stage = EngineStage(config, runtime, engine, info)

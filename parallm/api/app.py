@@ -19,6 +19,7 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response
 from starlette.routing import Route
 
+from parallm.api import adapters
 from parallm.api.auth import BearerAuth, api_keys
 from parallm.api.backend import Backend, BackendError
 from parallm.api.errors import APIError, error_response, model_not_found
@@ -152,6 +153,7 @@ def build_app(backend: Backend, server: ServerConfig, metrics: ServerMetrics | N
             Route("/metrics", endpoint(MetricsRoute(metrics).metrics_text), methods=["GET"]),
             Route("/openapi.json", endpoint(routes.openapi_json), methods=["GET"]),
             *rl_routes(backend, server, gen.gate, endpoint),
+            *adapters.routes(backend, server, endpoint),
         ],
         middleware=middleware,
         exception_handlers={HTTPException: _http_error},

@@ -12,6 +12,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from parallm.api.adapters import adapter_of
 from parallm.api.schemas import ChatCompletionRequest, ChatMessage, CompletionRequest, SamplingRequest
 from parallm.api.validate import Limits, check_chat, check_completion, stop_strings
 from parallm.protocol import DetokSpec, SamplingParams, TextSubmit, pack_ids
@@ -96,7 +97,8 @@ def completion_plan(req: CompletionRequest, limits: Limits, request_id: str = ""
         submits.append(TextSubmit(
             rid=rid if len(prompts) == 1 else f"{rid}-{i}", reply_to=b"", prompt=text, prompt_ids=ids,
             add_special_tokens=True if req.add_special_tokens is None else req.add_special_tokens,
-            params=params, n=req.n, detok=spec, stream=req.stream, adapter=req.adapter, metadata=meta,
+            params=params, n=req.n, detok=spec, stream=req.stream,
+            adapter=adapter_of(req.model, req.adapter, limits.model_name), metadata=meta,
             min_version=req.min_policy_version, max_staleness=req.max_staleness, submitted_at=time.time()))
     return Plan("completion", rid, limits.model_name, submits, n=req.n, stream=req.stream,
                 include_usage=bool(req.stream_options and req.stream_options.include_usage),
@@ -130,8 +132,9 @@ def chat_plan(req: ChatCompletionRequest, limits: Limits, request_id: str = "") 
         add_generation_prompt=req.add_generation_prompt, continue_final_message=req.continue_final_message,
         chat_template_kwargs=dict(req.chat_template_kwargs or {}),
         add_special_tokens=bool(req.add_special_tokens), params=params, n=req.n, detok=spec,
-        stream=req.stream, adapter=req.adapter, metadata=_metadata(request_id or rid, req.user),
-        min_version=req.min_policy_version, max_staleness=req.max_staleness, submitted_at=time.time())
+        stream=req.stream, adapter=adapter_of(req.model, req.adapter, limits.model_name),
+        metadata=_metadata(request_id or rid, req.user), min_version=req.min_policy_version,
+        max_staleness=req.max_staleness, submitted_at=time.time())
     return Plan("chat", rid, limits.model_name, [submit], n=req.n, stream=req.stream,
                 include_usage=bool(req.stream_options and req.stream_options.include_usage),
                 logprobs=top, prompt_logprobs=req.prompt_logprobs, return_token_ids=req.return_token_ids)

@@ -59,7 +59,7 @@ def unsupported(message: str, param: str) -> APIError:
 
 
 def check_model(model: str | None, limits: Limits) -> None:
-    if model is not None and model != limits.model_name:
+    if model is not None and model != limits.model_name and not model.startswith(limits.model_name + ":"):
         raise model_not_found(model)
 
 

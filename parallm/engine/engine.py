@@ -14,6 +14,7 @@ from typing import Sequence as Seq
 import mlx.core as mx
 import mlx.nn as nn
 
+from parallm.adapters import AdapterError, AdapterManager, LoadedAdapter
 from parallm.config import EngineConfig
 from parallm.protocol import Usage
 
@@ -57,9 +58,10 @@ class Engine:
     def __init__(self, model: nn.Module, config: EngineConfig, *, eos_token_ids: Seq[int], max_model_len: int,
                  vocab_size: int | None = None, kv_budget_bytes: int | None = None,
                  prefix_pool_fraction: float = 0.25, max_prefill_rows: int | None = None,
-                 writeback_interval: int = 16) -> None:
+                 writeback_interval: int = 16, adapter_history: int = 4) -> None:
         """`kv_budget_bytes` overrides config.kv_budget_mb (finer grain, for tests);
-        `prefix_pool_fraction` of the budget holds the prefix cache, the rest the live rows."""
+        `prefix_pool_fraction` of the budget holds the prefix cache, the rest the live rows;
+        `adapter_history` versions of each adapter name are kept (config.rl.adapter_history)."""
         self.model = model
         self.config = config
         info = check_model(model)
@@ -85,6 +87,8 @@ class Engine:
         self.runner = ModelRunner(model, info, vocab_size=self.vocab_size, pool_blocks=pool_blocks,
                                   block_size=bs, compile=config.compile)
         self.runner.eos_ids = self.eos_token_ids
+        self.adapters = AdapterManager(model, history=adapter_history)
+        self.runner.lora = self.adapters.router
         self.runner.pool.allocate()
         self._requests: dict[str, list[Sequence]] = {}
         self._unreported: list[Sequence] = []  # aborted: reported by the next step()
@@ -113,6 +117,11 @@ class Engine:
             raise RequestRejected(
                 f"the request needs more KV memory than the engine has ({self.budget.budget_tokens} token slots "
                 f"for live rows); shorten the prompt, max_tokens or n", "max_tokens")
+        try:
+            lora = self.adapters.resolve(request.adapter, request.adapter_version, request.min_version,
+                                         request.max_staleness)
+        except AdapterError as exc:
+            raise RequestRejected(exc.message, "adapter", status=exc.status, code=exc.code) from None
         if p.seed is not None:
             base = p.seed
         else:
@@ -123,7 +132,9 @@ class Engine:
             self._seq_counter += 1
             seqs.append(Sequence(seq_id=self._seq_counter, rid=request.rid, index=i,
                                  prompt_ids=list(request.prompt_ids), params=p, seed=base + i,
-                                 adapter=request.adapter, arrival=request.arrival))
+                                 adapter=lora.identity if lora else "", arrival=request.arrival,
+                                 adapter_name=request.adapter, adapter_version=lora.version if lora else 0,
+                                 lora=lora, pinned=bool(request.adapter_version)))
         self._requests[request.rid] = seqs
         self.scheduler.add(seqs)
 
@@ -157,7 +168,7 @@ class Engine:
     def step(self) -> list[SeqOutput]:
         t0 = time.perf_counter()
         self._steps += 1
-        outputs: dict[int, SeqOutput] = {}
+        outputs: dict = {}  # seq_id -> its output this step ((seq_id, version) for an earlier version's)
         for seq in self._unreported:
             outputs[seq.seq_id] = self._output(seq, finish="abort")
         self._unreported.clear()
@@ -219,7 +230,7 @@ class Engine:
         self._last_batch = len(seqs)
         return True
 
-    def _read(self, launch: Launch, outputs: dict[int, SeqOutput]) -> None:
+    def _read(self, launch: Launch, outputs: dict) -> None:
         out = launch.out
         tokens = out.tokens.tolist()
         lps = out.logprobs.tolist() if out.logprobs is not None else None
@@ -232,9 +243,16 @@ class Engine:
             tok = tokens[i]
             seq.output_ids.append(tok)
             self._generated += 1
+            version = launch.versions[i] if launch.versions else seq.adapter_version
             o = outputs.get(seq.seq_id)
+            if o is not None and o.version != version and o.token_ids:
+                # a Pause(keep)/Resume moved the sequence to a newer version between two passes read
+                # in this step: one output per version, in order
+                outputs[(seq.seq_id, o.version)] = outputs.pop(seq.seq_id)
+                o = None
             if o is None:
                 o = outputs[seq.seq_id] = self._output(seq)
+                o.version = version
             o.token_ids.append(tok)
             p = seq.params
             if p.logprobs or p.top_logprobs:
@@ -250,7 +268,8 @@ class Engine:
                 self._forget_if_done(seq.rid)
 
     def _output(self, seq: Sequence, finish: str | None = None) -> SeqOutput:
-        o = SeqOutput(rid=seq.rid, index=seq.index, token_ids=[], finish_reason=finish)
+        o = SeqOutput(rid=seq.rid, index=seq.index, token_ids=[], finish_reason=finish, adapter=seq.adapter_name,
+                      version=seq.adapter_version)
         if finish is not None:
             o.usage = self._usage(seq)
         if seq.index == 0 and seq.params.prompt_logprobs is not None and not seq.prompt_logprobs_sent \
@@ -270,17 +289,61 @@ class Engine:
         if seqs and all(s.is_finished for s in seqs):
             del self._requests[rid]
 
+    # ------------------------------------------------------------------ adapters
+    def load_adapter(self, name: str, *, config: dict | None = None, weights: bytes | dict | None = None,
+                     path: str = "", format: str = "auto", version: int = 0) -> LoadedAdapter:
+        """Add a version of adapter `name` (raises parallm.adapters.AdapterError, changing nothing).
+        Called between steps, it is used from the next pass on: new requests get it unless they pin
+        another version; running sequences keep theirs (see follow_latest)."""
+        return self.adapters.load(name, config=config, weights=weights, path=path, fmt=format, version=version)
+
+    def unload_adapter(self, name: str) -> int:
+        """Forget adapter `name`: new requests for it are refused; running ones finish under theirs."""
+        return self.adapters.unload(name)
+
+    def policy(self) -> dict[str, int]:
+        return self.adapters.policy()
+
+    def follow_latest(self) -> int:
+        """Move every running, unpinned adapter sequence to its adapter's latest version (the
+        Pause(keep)/Resume semantics); returns how many moved. Passes already launched keep the
+        version they were built with, and their tokens report it."""
+        moved = 0
+        for seqs in self._requests.values():
+            for seq in seqs:
+                if seq.is_finished or seq.pinned or not seq.adapter_name:
+                    continue
+                latest = self.adapters.latest(seq.adapter_name)
+                if latest is None or latest is seq.lora:
+                    continue
+                seq.lora, seq.adapter_version = latest, latest.version
+                # KV now mixes versions: an identity no other sequence can match
+                seq.adapter = f"{latest.identity}+seq{seq.seq_id}"
+                moved += 1
+        return moved
+
     # ------------------------------------------------------------------ scoring
-    def score(self, ids: Seq[int], start: int = 1, top_logprobs: int = 0) -> ScoreResult:
+    def score(self, ids: Seq[int], start: int = 1, top_logprobs: int = 0, adapter: str = "",
+              adapter_version: int = 0) -> ScoreResult:
         """Teacher-forced logprobs of ids[start:] under the raw model distribution.
 
         Runs in its own cache (mlx-lm's), chunked by max_prefill_tokens; running sequences
         are not touched (their in-flight pass just completes first on the same stream).
         """
-        from mlx_lm.models.cache import make_prompt_cache
-
         ids = [int(t) for t in ids]
         validate_score(ids, start, top_logprobs, vocab_size=self.vocab_size, max_model_len=self.max_model_len)
+        try:
+            lora = self.adapters.resolve(adapter, adapter_version)
+        except AdapterError as exc:
+            raise RequestRejected(exc.message, "adapter", status=exc.status, code=exc.code) from None
+        try:
+            return self._score(ids, start, top_logprobs, lora)
+        finally:
+            self.adapters.router.unbind()
+
+    def _score(self, ids: list[int], start: int, top_logprobs: int, lora: LoadedAdapter | None) -> ScoreResult:
+        from mlx_lm.models.cache import make_prompt_cache
+
         cache = make_prompt_cache(self.model)
         chunk = self.config.max_prefill_tokens
         lps: list[float] = []
@@ -288,7 +351,9 @@ class Engine:
         last = len(ids) - 1  # positions whose logits predict a token: 0 .. last-1
         for a in range(0, last, chunk):
             b = min(a + chunk, last)
+            self.adapters.router.bind([lora])
             logits = self.model(mx.array([ids[a:b]], dtype=mx.int32), cache=cache)[0]
+            self.adapters.router.unbind()
             lo = max(a, start - 1)
             if lo >= b:
                 mx.eval([c.state for c in cache])
@@ -326,6 +391,7 @@ class Engine:
             "generated_tokens": self._generated,
             "step_ms_mean": {k[:-2]: 1000 * v / n for k, v in t.items()},
             **self.runner.stats(),
+            **self.adapters.stats(),
         }
 
     def check_integrity(self) -> None:

@@ -16,10 +16,12 @@ TopLogprobs = list[list[tuple[int, float]]]
 class RequestRejected(ValueError):
     """The request can never be served as given (HTTP 400); `param` names the offending field."""
 
-    def __init__(self, message: str, param: str | None = None) -> None:
+    def __init__(self, message: str, param: str | None = None, *, status: int = 400, code: str = "") -> None:
         super().__init__(message)
         self.message = message
         self.param = param
+        self.status = status  # 404: unknown adapter or version; 409: the policy version is not available
+        self.code = code
 
 
 @dataclass(slots=True)
@@ -30,7 +32,10 @@ class Request:
     prompt_ids: list[int]
     params: SamplingParams = field(default_factory=SamplingParams)
     n: int = 1
-    adapter: str = ""  # adapter identity (name and version); part of every prefix-cache hash
+    adapter: str = ""  # adapter name ("" = the base model)
+    adapter_version: int = 0  # pin a version (0 = the latest when admitted)
+    min_version: int = 0
+    max_staleness: int = -1
     arrival: float = field(default_factory=time.monotonic)
 
 
@@ -52,6 +57,8 @@ class SeqOutput:
     usage: Usage | None = None
     prompt_logprobs: list[float | None] | None = None
     prompt_top_logprobs: list[list[tuple[int, float]] | None] | None = None
+    adapter: str = ""  # the adapter and version that produced these tokens
+    version: int = 0
 
 
 @dataclass(slots=True)

@@ -25,6 +25,7 @@ class Launch:
     out: SampleOut
     row_of: dict[int, int] = field(default_factory=dict)  # seq_id -> row in this pass
     launched_at: float = 0.0
+    versions: list[int] = field(default_factory=list)  # adapter version each row ran under
 
 
 class ModelRunner:
@@ -41,6 +42,18 @@ class ModelRunner:
         self._params_key: tuple | None = None
         self._params: BatchParams | None = None
         self.eos_ids: list[int] = []
+        self.lora = None  # parallm.adapters.LoRARouter: which adapter each row of a pass uses
+
+    def _forward(self, seqs: list[Sequence], tokens: mx.array, cache) -> mx.array:
+        """The model over `tokens`, row i under seqs[i]'s adapter; the graph is fixed on return."""
+        lora = self.lora
+        if lora is None:
+            return self.model(tokens, cache=cache)
+        lora.bind([s.lora for s in seqs])
+        try:
+            return self.model(tokens, cache=cache)
+        finally:
+            lora.unbind()
 
     # ------------------------------------------------------------------ row operations
     def execute(self, ops: list[RowOp]) -> None:
@@ -95,7 +108,7 @@ class ModelRunner:
             chunk = seq.token_ids[start:start + n]
             rows.append(chunk + [0] * (L - n))
         ctx = PassContext(work.row0, work.starts, L, max(work.starts) + L, mask5d=self.info.mask5d)
-        logits = self.model(mx.array(rows, dtype=mx.int32), cache=self.live.views(ctx))
+        logits = self._forward(work.seqs, mx.array(rows, dtype=mx.int32), self.live.views(ctx))
         wanted = []
         for i, (seq, start, n) in enumerate(zip(work.seqs, work.starts, work.lengths)):
             if seq.prompt_logprobs is None or n == 0:
@@ -127,7 +140,7 @@ class ModelRunner:
         bp = self.batch_params(seqs)
         offsets = [s.num_computed for s in seqs]
         ctx = PassContext(0, offsets, 1, max(offsets) + 1, mask5d=self.info.mask5d)
-        logits = self.model(inputs[:, None], cache=self.live.views(ctx))[:, -1, :]
+        logits = self._forward(seqs, inputs[:, None], self.live.views(ctx))[:, -1, :]
         pen = self.penalties
         if bp.any_penalty:
             B = len(seqs)
@@ -140,7 +153,8 @@ class ModelRunner:
             pen.update(out.tokens)
         mx.async_eval(out.arrays(), pen.arrays())
         return Launch(seqs=list(seqs), epochs=[s.epoch for s in seqs], positions=list(positions), out=out,
-                      row_of={s.seq_id: i for i, s in enumerate(seqs)}, launched_at=time.perf_counter())
+                      row_of={s.seq_id: i for i, s in enumerate(seqs)}, launched_at=time.perf_counter(),
+                      versions=[s.adapter_version for s in seqs])
 
     def stats(self) -> dict:
         return {"live_rows": self.live.rows, "live_capacity": self.live.capacity,

@@ -32,8 +32,12 @@ class Sequence:
     prompt_ids: list[int]
     params: SamplingParams
     seed: int  # base of this sequence's noise stream; token i uses (seed, i)
-    adapter: str = ""
+    adapter: str = ""  # prefix-cache identity: "" (base) or "name@version" (see follow())
     arrival: float = 0.0
+    adapter_name: str = ""
+    adapter_version: int = 0
+    lora: object | None = None  # the parallm.adapters.LoadedAdapter this sequence runs under
+    pinned: bool = False  # the request pinned its version: it never follows a newer one
     group: "SeqGroup | None" = None  # set while n > 1 siblings still wait for the shared prefill
 
     output_ids: list[int] = field(default_factory=list)

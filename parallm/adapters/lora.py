@@ -1,0 +1,200 @@
+"""Per-row LoRA in mixed batches: a wrapper around the model's own linear layers.
+
+The mlx-lm model stays unmodified apart from its targeted nn.Linear / nn.QuantizedLinear
+layers, which are wrapped (once, when the first adapter targeting them loads) in
+`MultiLoRALinear`: `base(x)` plus the LoRA delta of each row's adapter. Which adapter each row
+uses is set by the runner before a forward pass (`LoRARouter.bind`) and cleared after it, so
+the graph of a pass is fixed when it is built: a new adapter version changes the next pass,
+never one already launched (MLX arrays are immutable; a launched graph keeps its own).
+
+Three cases per pass:
+- no row has an adapter: the wrapper returns base(x) (one attribute check);
+- every row has the same adapter: y + scale * (x @ a) @ b, as mlx-lm's LoRALinear computes it;
+- mixed: the adapters of the pass (plus a zero slot when some rows have none) are stacked per
+  layer, A [S, in, r], B [S, r, out] (ranks zero-padded to the largest), and two `mx.gather_mm`
+  calls apply each row's own slot. Stacks are cached per set of adapters, so a steady mix costs
+  no copies after its first pass.
+DoRA rows are rescaled by their precomputed magnitude / norm gain per output feature.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from typing import TYPE_CHECKING, Sequence
+
+import mlx.core as mx
+import mlx.nn as nn
+
+if TYPE_CHECKING:
+    from .registry import LoadedAdapter
+
+STACK_CACHE_SETS = 8
+
+
+def linear_dims(linear: nn.Module) -> tuple[int, int]:
+    """(input features, output features) of an nn.Linear or nn.QuantizedLinear."""
+    out_dims, in_dims = linear.weight.shape
+    if isinstance(linear, nn.QuantizedLinear):
+        in_dims = in_dims * 32 // linear.bits
+    return int(in_dims), int(out_dims)
+
+
+def dense_weight(linear: nn.Module) -> mx.array:
+    if isinstance(linear, nn.QuantizedLinear):
+        return mx.dequantize(linear.weight, linear.scales, linear.biases, group_size=linear.group_size,
+                             bits=linear.bits, mode=getattr(linear, "mode", "affine"))
+    return linear.weight
+
+
+def compute_dtype(linear: nn.Module) -> mx.Dtype:
+    return linear.scales.dtype if isinstance(linear, nn.QuantizedLinear) else linear.weight.dtype
+
+
+class MultiLoRALinear(nn.Module):
+    """base(x) + the LoRA delta of each row's adapter for this pass (see module docstring)."""
+
+    def __init__(self, linear: nn.Module, path: str, router: "LoRARouter") -> None:
+        super().__init__()
+        self.linear = linear
+        self._path = path
+        self._router = router
+
+    def __call__(self, x: mx.array) -> mx.array:
+        y = self.linear(x)
+        plan = self._router.plan
+        if plan is None:
+            return y
+        return plan.apply(self._path, self.linear, x, y)
+
+
+def _dora(y: mx.array, linear: nn.Module, gain: mx.array) -> mx.array:
+    """mlx-lm's DoRA: gain * (x W^T + delta) + bias, given y = x W^T + bias + delta."""
+    if "bias" in linear:
+        return (y - linear.bias) * gain.astype(y.dtype) + linear.bias
+    return y * gain.astype(y.dtype)
+
+
+class _Single:
+    def __init__(self, adapter: "LoadedAdapter") -> None:
+        self.adapter = adapter
+
+    def apply(self, path: str, linear: nn.Module, x: mx.array, y: mx.array) -> mx.array:
+        m = self.adapter.modules.get(path)
+        if m is None:
+            return y
+        z = (x @ m.a) @ m.b
+        y = y + (m.scale * z).astype(x.dtype)
+        if m.m is not None:
+            y = _dora(y, linear, self.adapter.gains[path])
+        return y
+
+
+class _Stacks:
+    """A set of adapters stacked per layer path, built lazily and kept for later passes."""
+
+    def __init__(self, slots: list["LoadedAdapter | None"]) -> None:
+        self.slots = slots
+        self.by_path: dict[str, tuple | None] = {}
+
+    def get(self, path: str, linear: nn.Module) -> tuple | None:
+        if path in self.by_path:
+            return self.by_path[path]
+        mods = [None if a is None else a.modules.get(path) for a in self.slots]
+        if all(m is None for m in mods):
+            self.by_path[path] = None
+            return None
+        in_dims, out_dims = linear_dims(linear)
+        dtype = next(m.a.dtype for m in mods if m is not None)
+        r = max(m.rank for m in mods if m is not None)
+        A, B, scales, gains = [], [], [], []
+        any_dora = any(m is not None and m.m is not None for m in mods)
+        for adapter, m in zip(self.slots, mods):
+            if m is None:
+                A.append(mx.zeros((in_dims, r), dtype))
+                B.append(mx.zeros((r, out_dims), dtype))
+                scales.append(0.0)
+                gains.append(mx.ones((out_dims,), mx.float32))
+                continue
+            pad = r - m.rank
+            A.append(m.a if not pad else mx.pad(m.a, [(0, 0), (0, pad)]))
+            B.append(m.b if not pad else mx.pad(m.b, [(0, pad), (0, 0)]))
+            scales.append(m.scale)
+            gains.append(adapter.gains[path].astype(mx.float32) if m.m is not None else mx.ones((out_dims,), mx.float32))
+        entry = (mx.stack(A), mx.stack(B), mx.array(scales, dtype=mx.float32), mx.stack(gains) if any_dora else None)
+        self.by_path[path] = entry
+        return entry
+
+
+class _Mixed:
+    def __init__(self, stacks: _Stacks, idx: mx.array) -> None:
+        self.stacks = stacks
+        self.idx = idx
+
+    def apply(self, path: str, linear: nn.Module, x: mx.array, y: mx.array) -> mx.array:
+        st = self.stacks.get(path, linear)
+        if st is None:
+            return y
+        A, B, scales, gains = st
+        idx = self.idx
+        z = mx.gather_mm(mx.gather_mm(x, A, rhs_indices=idx), B, rhs_indices=idx)
+        s = scales[idx].reshape((-1,) + (1,) * (z.ndim - 1))
+        y = y + (s * z).astype(x.dtype)
+        if gains is not None:
+            g = gains[idx].reshape((idx.shape[0],) + (1,) * (y.ndim - 2) + (gains.shape[-1],))
+            y = _dora(y, linear, g)
+        return y
+
+
+class LoRARouter:
+    """Which adapter each batch row uses during the pass being built; None outside passes."""
+
+    def __init__(self) -> None:
+        self.plan: _Single | _Mixed | None = None
+        self._stacks: OrderedDict[tuple, _Stacks] = OrderedDict()
+        self.passes = {"base": 0, "single": 0, "mixed": 0}
+
+    def bind(self, adapters: Sequence["LoadedAdapter | None"]) -> None:
+        distinct: dict[int, "LoadedAdapter"] = {}
+        has_base = False
+        for a in adapters:
+            if a is None:
+                has_base = True
+            else:
+                distinct.setdefault(a.uid, a)
+        if not distinct:
+            self.plan = None
+            self.passes["base"] += 1
+        elif len(distinct) == 1 and not has_base:
+            self.plan = _Single(next(iter(distinct.values())))
+            self.passes["single"] += 1
+        else:
+            slots: list = ([None] if has_base else []) + list(distinct.values())
+            key = tuple(0 if a is None else a.uid for a in slots)
+            stacks = self._stacks.get(key)
+            if stacks is None:
+                stacks = self._stacks[key] = _Stacks(slots)
+                while len(self._stacks) > STACK_CACHE_SETS:
+                    self._stacks.popitem(last=False)
+            else:
+                self._stacks.move_to_end(key)
+            where = {k: i for i, k in enumerate(key)}
+            idx = mx.array([where[0 if a is None else a.uid] for a in adapters], dtype=mx.uint32)
+            self.plan = _Mixed(stacks, idx)
+            self.passes["mixed"] += 1
+
+    def unbind(self) -> None:
+        self.plan = None
+
+    def forget(self, uid: int) -> None:
+        """Drop cached stacks holding adapter `uid` (it was unloaded and no row uses it)."""
+        for key in [k for k in self._stacks if uid in k]:
+            del self._stacks[key]
+
+    @property
+    def stack_bytes(self) -> int:
+        total = 0
+        for st in self._stacks.values():
+            for entry in st.by_path.values():
+                if entry is not None:
+                    total += sum(a.nbytes for a in entry if a is not None)
+        return total

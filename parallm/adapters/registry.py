@@ -1,0 +1,243 @@
+"""Named adapters with integer versions, bound to one base model.
+
+`AdapterManager.load()` parses an adapter (parallm.adapters.formats), checks it against the base
+model, prepares its weights (cast to the layer's compute type, DoRA gains) and only then
+commits it: a bad adapter raises AdapterError and nothing serving changes. Versions are
+monotonic per name; the last `history` versions of each name are kept. A sequence holds its
+own reference to the LoadedAdapter it runs under, so dropping a version from the registry never
+pulls weights from under a running sequence (they are freed when it finishes).
+"""
+
+from __future__ import annotations
+
+import itertools
+import re
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx.utils import tree_unflatten
+
+from .errors import AdapterError
+from .formats import Format, ModuleLoRA, ParsedAdapter, parse, read_dir
+from .lora import LoRARouter, MultiLoRALinear, compute_dtype, dense_weight, linear_dims
+
+NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.\-/]{0,127}$")
+_LAYER_RE = re.compile(r"(?:^|\.)layers\.(\d+)\.")
+_uids = itertools.count(1)
+
+
+@dataclass(eq=False, slots=True)
+class LoadedAdapter:
+    name: str
+    version: int
+    kind: str
+    format: str
+    rank: int
+    modules: dict[str, ModuleLoRA]
+    gains: dict[str, mx.array] = field(default_factory=dict)
+    nbytes: int = 0
+    source: str = "inline"
+    loaded_at: float = 0.0
+    uid: int = field(default_factory=lambda: next(_uids))
+
+    @property
+    def identity(self) -> str:
+        """The prefix-cache identity: name and version."""
+        return f"{self.name}@{self.version}"
+
+    def describe(self) -> dict[str, Any]:
+        return {"version": self.version, "kind": self.kind, "format": self.format, "rank": self.rank,
+                "modules": len(self.modules), "bytes": self.nbytes, "source": self.source,
+                "loaded_at": self.loaded_at}
+
+
+class AdapterManager:
+    def __init__(self, model: nn.Module, *, history: int = 4) -> None:
+        self.model = model
+        self.history = max(1, int(history))
+        self.router = LoRARouter()
+        self.versions: dict[str, list[LoadedAdapter]] = {}
+        self.linears: dict[str, nn.Module] = {}
+        self.other_modules: dict[str, str] = {}
+        self.wrapped: set[str] = set()
+        modules = model.named_modules()
+        for path, module in modules:
+            if isinstance(module, MultiLoRALinear):  # wrapped by an earlier engine on this model: take it over
+                module._router = self.router
+                self.linears[path] = module.linear
+                self.wrapped.add(path)
+        for path, module in modules:
+            if path in self.wrapped or path.endswith(".linear") and path[:-len(".linear")] in self.wrapped:
+                continue
+            if isinstance(module, (nn.Linear, nn.QuantizedLinear)):
+                self.linears[path] = module
+            elif path:
+                self.other_modules[path] = type(module).__name__
+        layers = getattr(model, "layers", None)
+        self.num_layers = len(layers) if layers is not None else 0
+        self.published = 0
+        self.rejected = 0
+
+    # ------------------------------------------------------------------ queries
+    def latest(self, name: str) -> LoadedAdapter | None:
+        got = self.versions.get(name)
+        return got[-1] if got else None
+
+    def policy(self) -> dict[str, int]:
+        """{name: latest version}; the base model is "" at version 0."""
+        return {"": 0, **{name: vs[-1].version for name, vs in self.versions.items() if vs}}
+
+    def resolve(self, name: str, version: int = 0, min_version: int = 0,
+                max_staleness: int = -1) -> LoadedAdapter | None:
+        """The adapter a new request runs under (None = the base model), or AdapterError 404/409."""
+        if not name:
+            if version or min_version:
+                raise AdapterError("the base model has only version 0", status=409, code="version_unavailable")
+            return None
+        got = self.versions.get(name)
+        if not got:
+            raise AdapterError(f"adapter {name!r} is not loaded", status=404, code="adapter_not_found")
+        latest = got[-1]
+        if min_version > latest.version:
+            raise AdapterError(f"adapter {name!r} is at version {latest.version}, below the requested "
+                               f"min_version {min_version}", status=409, code="version_unavailable")
+        if not version:
+            return latest
+        for a in got:
+            if a.version == version:
+                if max_staleness >= 0 and latest.version - version > max_staleness:
+                    raise AdapterError(f"adapter {name!r} version {version} is {latest.version - version} versions "
+                                       f"behind the latest ({latest.version}); max_staleness is {max_staleness}",
+                                       status=409, code="version_unavailable")
+                if version < min_version:
+                    raise AdapterError(f"pinned version {version} is below min_version {min_version}",
+                                       status=409, code="version_unavailable")
+                return a
+        kept = ", ".join(str(a.version) for a in got)
+        raise AdapterError(f"adapter {name!r} has no version {version} (kept: {kept})", status=404,
+                           code="adapter_not_found")
+
+    def describe(self) -> list[dict[str, Any]]:
+        return [{"name": name, "latest": vs[-1].version, "versions": [a.describe() for a in vs],
+                 "bytes": sum(a.nbytes for a in vs)} for name, vs in sorted(self.versions.items()) if vs]
+
+    def stats(self) -> dict[str, Any]:
+        return {"adapters_loaded": sum(1 for vs in self.versions.values() if vs),
+                "adapter_versions_kept": sum(len(vs) for vs in self.versions.values()),
+                "adapter_bytes": sum(a.nbytes for vs in self.versions.values() for a in vs),
+                "adapter_stack_bytes": self.router.stack_bytes,
+                "adapter_publishes": self.published, "adapter_rejected": self.rejected,
+                "adapter_passes": dict(self.router.passes)}
+
+    # ------------------------------------------------------------------ changes
+    def load(self, name: str, *, config: dict[str, Any] | None = None, weights: bytes | dict | None = None,
+             path: str = "", fmt: Format = "auto", version: int = 0) -> LoadedAdapter:
+        """Validate and add a version of adapter `name`; returns it. AdapterError leaves everything as it was."""
+        try:
+            adapter = self._prepare(name, config, weights, path, fmt, version)
+        except AdapterError:
+            self.rejected += 1
+            raise
+        self._commit(adapter)
+        return adapter
+
+    def unload(self, name: str) -> int:
+        """Forget every version of `name` (running sequences finish under theirs); returns how many."""
+        got = self.versions.pop(name, None)
+        if not got:
+            raise AdapterError(f"adapter {name!r} is not loaded", status=404, code="adapter_not_found")
+        for a in got:
+            self.router.forget(a.uid)
+        return len(got)
+
+    def _prepare(self, name: str, config: dict | None, weights: bytes | dict | None, path: str, fmt: Format,
+                 version: int) -> LoadedAdapter:
+        if not isinstance(name, str) or not NAME_RE.match(name) or ":" in name:
+            raise AdapterError(f"adapter name {name!r} must be 1-128 characters of letters, digits, '_', '.', "
+                               "'-' or '/', starting with a letter or digit")
+        latest = self.latest(name)
+        if version < 0:
+            raise AdapterError(f"version must be positive (got {version})", code="invalid_version")
+        if version == 0:
+            version = latest.version + 1 if latest else 1
+        elif latest is not None and version <= latest.version:
+            raise AdapterError(f"adapter {name!r} is already at version {latest.version}; versions must increase "
+                               f"(got {version})", status=409, code="version_conflict")
+        if fmt not in ("auto", "mlx", "peft"):
+            raise AdapterError(f"format must be auto, mlx or peft (got {fmt!r})")
+        source = "inline"
+        if path:
+            if weights:
+                raise AdapterError("give the weights inline or a path, not both")
+            dir_config, weights, found = read_dir(path)
+            config = {**dir_config, **(config or {})}
+            fmt = found if fmt == "auto" else fmt
+            source = str(Path(path))
+        if not weights:
+            raise AdapterError("no adapter weights: give safetensors bytes inline or a path")
+        parsed = parse(config or {}, weights, fmt)
+        modules, gains = self._bind(parsed)
+        nbytes = sum(m.a.nbytes + m.b.nbytes + (m.m.nbytes if m.m is not None else 0) for m in modules.values())
+        nbytes += sum(g.nbytes for g in gains.values())
+        return LoadedAdapter(name=name, version=version, kind=parsed.kind, format=parsed.format, rank=parsed.rank,
+                             modules=modules, gains=gains, nbytes=nbytes, source=source, loaded_at=time.time())
+
+    def _bind(self, parsed: ParsedAdapter) -> tuple[dict[str, ModuleLoRA], dict[str, mx.array]]:
+        """Check every module against the base model; the weights in the layer's compute type."""
+        num_layers = parsed.config.get("num_layers") if parsed.format == "mlx" else None
+        modules: dict[str, ModuleLoRA] = {}
+        gains: dict[str, mx.array] = {}
+        for path, m in parsed.modules.items():
+            layer = _LAYER_RE.search(path)
+            if layer and self.num_layers and int(layer.group(1)) >= self.num_layers:
+                raise AdapterError(f"adapter does not match the base model: it targets layer {layer.group(1)} "
+                                   f"({path}) but the base model has {self.num_layers} layers")
+            linear = self.linears.get(path)
+            if linear is None:
+                if path in self.other_modules:
+                    raise AdapterError(f"module {path!r} is a {self.other_modules[path]}, not a linear layer; only "
+                                       "Linear and QuantizedLinear layers take adapters")
+                example = next(iter(self.linears), "")
+                raise AdapterError(f"adapter does not match the base model: it has no module {path!r} (its linear "
+                                   f"layers are named like {example!r})")
+            in_dims, out_dims = linear_dims(linear)
+            if m.a.shape[0] != in_dims or m.b.shape[1] != out_dims:
+                raise AdapterError(f"adapter does not match the base model: {path} maps {m.a.shape[0]} -> "
+                                   f"{m.b.shape[1]} features in the adapter (lora_a {tuple(m.a.shape)}, lora_b "
+                                   f"{tuple(m.b.shape)}) but {in_dims} -> {out_dims} in the base model")
+            if isinstance(num_layers, int) and 0 <= num_layers < self.num_layers and layer and \
+                    int(layer.group(1)) < self.num_layers - num_layers:
+                raise AdapterError(f"{path} is outside the last num_layers={num_layers} layers the config names")
+            dtype = compute_dtype(linear)
+            a, b = m.a.astype(dtype), m.b.astype(dtype)
+            mag = None
+            if m.m is not None:
+                mag = m.m.astype(mx.float32)
+                w = dense_weight(linear).astype(mx.float32)
+                adapted = w + (m.scale * b.T.astype(mx.float32)) @ a.T.astype(mx.float32)
+                gains[path] = (mag / mx.linalg.norm(adapted, axis=1)).astype(dtype)
+            modules[path] = ModuleLoRA(a=a, b=b, scale=m.scale, m=mag)
+        if not modules:
+            raise AdapterError("the adapter targets no layer")
+        mx.eval([(x.a, x.b) for x in modules.values()], list(gains.values()))
+        bad = [p for p, g in gains.items() if not mx.all(mx.isfinite(g)).item()]
+        if bad:
+            raise AdapterError(f"DoRA gains of {bad[0]} are not finite (a zero-norm adapted weight?)")
+        return modules, gains
+
+    def _commit(self, adapter: LoadedAdapter) -> None:
+        new = [p for p in adapter.modules if p not in self.wrapped]
+        if new:
+            self.model.update_modules(tree_unflatten(
+                [(p, MultiLoRALinear(self.linears[p], p, self.router)) for p in new]))
+            self.wrapped.update(new)
+        kept = self.versions.setdefault(adapter.name, [])
+        kept.append(adapter)
+        while len(kept) > self.history:
+            old = kept.pop(0)
+            self.router.forget(old.uid)
+        self.published += 1

@@ -1,0 +1,68 @@
+"""Publishing adapter versions to a running engine: what a trainer (ours or any MLX loop) uses.
+
+    pub = AdapterPublisher(welcome.addresses["adapters"])    # the engine's bound SUB socket
+    pub.publish("policy", version=7, weights=dict(tree_flatten(model.trainable_parameters())),
+                config={"fine_tune_type": "lora", "num_layers": 16,
+                        "lora_parameters": {"rank": 16, "scale": 20.0, "dropout": 0.0}})
+
+The weights travel inline as safetensors bytes in one AdapterPublish message (or `weights` may be
+a path to an adapter directory the engine can read). The engine loads each version between two
+steps; new requests use it from the next step (docs/adapters.md). PUB is fire-and-forget: a
+version the engine rejects is logged there and counted in its stats (`adapter_rejected`); to get
+a reply, send the same message with a `qid`/`reply_to` through the raw client instead.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any, Mapping
+
+import mlx.core as mx
+import zmq
+
+from parallm import protocol
+from parallm.adapters import save_bytes
+from parallm.transport import Sender, open_socket
+
+
+class AdapterPublisher:
+    """A PUB socket connected to the engine's `adapters` address."""
+
+    def __init__(self, address: str, *, ctx: zmq.Context | None = None, settle_s: float = 0.2) -> None:
+        self._own_ctx = ctx is None
+        self.ctx = ctx or zmq.Context()
+        self.sender = Sender(open_socket(self.ctx, zmq.PUB, address, bind=False))
+        self.published = 0
+        self._ready_at = time.monotonic() + settle_s  # PUB drops messages sent before the connection is up
+
+    def publish(self, name: str, version: int = 0, weights: Mapping[str, mx.array] | str | Path | bytes = b"",
+                config: Mapping[str, Any] | None = None, *, format: str = "auto") -> None:
+        """Send one version. `version` 0 lets the engine number it (latest + 1); otherwise it must
+        be larger than the latest. `weights`: tensors by name (mlx-lm's trainable_parameters()
+        names, or PEFT's), safetensors bytes, or a path to an adapter directory on the engine's machine."""
+        wait = self._ready_at - time.monotonic()
+        if wait > 0:
+            time.sleep(wait)
+        path = ""
+        if isinstance(weights, (str, Path)):
+            path, blob = str(weights), b""
+        elif isinstance(weights, (bytes, bytearray)):
+            blob = bytes(weights)
+        else:
+            blob = save_bytes(dict(weights))
+        self.sender.send(protocol.AdapterPublish(name=name, version=int(version), config=dict(config or {}),
+                                                 weights=blob, path=path, format=format))  # type: ignore[arg-type]
+        self.published += 1
+
+    def close(self, linger_ms: int = 5000) -> None:
+        """Close, giving queued versions up to `linger_ms` to leave (a PUB closed at once drops them)."""
+        self.sender.sock.close(linger=linger_ms)
+        if self._own_ctx:
+            self.ctx.term()
+
+    def __enter__(self) -> "AdapterPublisher":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

@@ -1,0 +1,167 @@
+"""Adapter benchmark: publish -> first token under the new version, and mixed-batch throughput.
+
+    PYTHONPATH=$PWD python -m perf.bench_adapters [--rows 16] [--tokens 48] [--publishes 30]
+
+In-process engine on the default model (float32 on CPU), rank-16 LoRA on q_proj and v_proj of
+all layers (what the issue's goal names). Writes perf/results/adapters-cpu.{json,md}.
+
+- publish latency: safetensors bytes of a new version in hand -> `load_adapter` (parse, validate,
+  cast) -> the first token sampled under that version, (a) by a new request arriving with the
+  publish (its prefill included), (b) by 8 running streams moved over by Pause(keep)/Resume
+  (`follow_latest`). The engine stage adds one ZeroMQ ipc hop and a msgpack decode on top.
+- throughput: decode tokens/s of `rows` greedy rows: base model only (no layer wrapped), base
+  rows with adapters loaded (wrapped layers, none used), all rows one adapter, and rows spread
+  over 4 adapters + base (the gather_mm path).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import mlx.core as mx
+
+from parallm.adapters import save_bytes
+from parallm.config import EngineConfig, ModelConfig
+from parallm.engine import Engine, Request
+from parallm.models import load_model
+from parallm.protocol import SamplingParams
+
+OUT = Path(__file__).parent / "results"
+
+
+def lora_blob(model, rank: int, seed: int) -> tuple[dict, bytes]:
+    mx.random.seed(seed)
+    w = {}
+    for path, module in model.named_modules():
+        if path.endswith(("self_attn.q_proj", "self_attn.v_proj")):
+            lin = getattr(module, "linear", module)
+            o, i = lin.weight.shape
+            w[f"{path}.lora_a"] = mx.random.normal((i, rank)) * (1 / i ** 0.5)
+            w[f"{path}.lora_b"] = mx.random.normal((rank, o)) * 0.02
+    config = {"fine_tune_type": "lora", "num_layers": -1, "lora_parameters": {"rank": rank, "scale": 2.0, "dropout": 0.0}}
+    return config, save_bytes(w)
+
+
+def greedy(n: int) -> SamplingParams:
+    return SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
+
+
+def drain(engine: Engine) -> None:
+    while engine.has_work():
+        engine.step()
+
+
+def throughput(engine: Engine, adapters: list[str], rows: int, tokens: int, tag: str) -> float:
+    prompts = [[1, 504 + i, 3458, 282, 2 + i] for i in range(rows)]
+    for i, p in enumerate(prompts):  # warm-up with the same mix
+        engine.add_request(Request(rid=f"w{tag}{i}", prompt_ids=p, params=greedy(4), adapter=adapters[i % len(adapters)]))
+    drain(engine)
+    for i, p in enumerate(prompts):
+        engine.add_request(Request(rid=f"{tag}{i}", prompt_ids=p, params=greedy(tokens),
+                                   adapter=adapters[i % len(adapters)]))
+    while engine.stats()["running"] < rows:  # prefill everything first: time decode only
+        engine.step()
+    g0, t0 = engine.stats()["generated_tokens"], time.perf_counter()
+    drain(engine)
+    return (engine.stats()["generated_tokens"] - g0) / (time.perf_counter() - t0)
+
+
+def publish_latency(engine: Engine, model, publishes: int, follow: bool) -> list[float]:
+    blobs = [lora_blob(model, 16, 1000 + k) for k in range(publishes + 1)]
+    engine.load_adapter("pol", config=blobs[0][0], weights=blobs[0][1])
+    lat = []
+    if follow:
+        for i in range(8):
+            engine.add_request(Request(rid=f"f{i}", prompt_ids=[1, 600 + i, 30], params=greedy(400),
+                                       adapter="pol"))
+        for _ in range(4):
+            engine.step()
+    for k in range(1, publishes + 1):
+        config, blob = blobs[k]
+        t0 = time.perf_counter()
+        v = engine.load_adapter("pol", config=config, weights=blob).version
+        if follow:
+            engine.follow_latest()
+        else:
+            engine.add_request(Request(rid=f"n{k}", prompt_ids=[1, 504, 3458, 282, 2, 77 + k], params=greedy(2),
+                                       adapter="pol"))
+        while True:
+            outs = engine.step()
+            if any(o.version == v and o.token_ids for o in outs):
+                break
+        lat.append(1000 * (time.perf_counter() - t0))
+        if not follow:
+            drain(engine)
+    for rid in engine.request_ids():
+        engine.abort(rid)
+    drain(engine)
+    return lat
+
+
+def summary(xs: list[float]) -> dict:
+    xs = sorted(xs)
+    return {"n": len(xs), "p50_ms": round(statistics.median(xs), 2), "p90_ms": round(xs[int(0.9 * (len(xs) - 1))], 2),
+            "min_ms": round(xs[0], 2), "max_ms": round(xs[-1], 2)}
+
+
+def main() -> int:
+    from parallm import blas
+
+    if not blas.is_preloaded() and blas.openblas_env() is not None:
+        blas.reexec_with_openblas()  # MLX's Linux CPU wheel links a reference BLAS ~15-60x slower
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--rows", type=int, default=16)
+    ap.add_argument("--tokens", type=int, default=48)
+    ap.add_argument("--publishes", type=int, default=30)
+    args = ap.parse_args()
+    loaded = load_model(ModelConfig(dtype="float32"))
+    model = loaded.model
+
+    def engine() -> Engine:
+        return Engine(model, EngineConfig(max_num_seqs=32, prefix_cache=False), eos_token_ids=loaded.eos_token_ids,
+                      max_model_len=2048, vocab_size=loaded.vocab_size, kv_budget_bytes=2 << 30)
+
+    res: dict = {"command": "PYTHONPATH=$PWD python -m perf.bench_adapters " + " ".join(sys.argv[1:]),
+                 "machine": f"{platform.machine()} {os.cpu_count()} cores, {platform.platform()}",
+                 "openblas_preloaded": blas.is_preloaded(),
+                 "loadavg_at_start": os.getloadavg(), "model": "SmolLM2-135M (default), float32, CPU",
+                 "adapter": "LoRA rank 16 on q_proj+v_proj of all 30 layers", "rows": args.rows,
+                 "decode_tokens": args.tokens}
+    e = engine()
+    tp = {"base_no_adapters": throughput(e, [""], args.rows, args.tokens, "b")}
+    for k in range(4):
+        c, b = lora_blob(model, 16, k)
+        e.load_adapter(f"a{k}", config=c, weights=b)
+    tp["base_rows_adapters_loaded"] = throughput(e, [""], args.rows, args.tokens, "bl")
+    tp["single_adapter"] = throughput(e, ["a0"], args.rows, args.tokens, "s")
+    tp["mixed_4_adapters_plus_base"] = throughput(e, ["", "a0", "a1", "a2", "a3"], args.rows, args.tokens, "m")
+    tp["mixed_2_adapters"] = throughput(e, ["a0", "a1"], args.rows, args.tokens, "m2")
+    res["decode_tokens_per_s"] = {k: round(v, 1) for k, v in tp.items()}
+    res["relative_to_base"] = {k: round(v / tp["base_no_adapters"], 3) for k, v in tp.items()}
+    e2 = engine()
+    res["publish_to_first_token_new_request"] = summary(publish_latency(e2, model, args.publishes, follow=False))
+    res["publish_to_first_token_running_streams"] = summary(publish_latency(e2, model, args.publishes, follow=True))
+    t0 = time.perf_counter()
+    for k in range(10):
+        c, b = lora_blob(model, 16, 50 + k)
+        t1 = time.perf_counter()
+        e2.load_adapter("loadonly", config=c, weights=b)
+        res.setdefault("_load", []).append(1000 * (time.perf_counter() - t1))
+    res["load_adapter_only"] = summary(res.pop("_load"))
+    res["blob_bytes"] = len(lora_blob(model, 16, 0)[1])
+    res["loadavg_at_end"] = os.getloadavg()
+    OUT.mkdir(parents=True, exist_ok=True)
+    (OUT / "adapters-cpu.json").write_text(json.dumps(res, indent=2))
+    print(json.dumps(res, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,108 @@
+"""Adapters on the real server: a trainer's PUB publishes versions while raw-client streams run."""
+
+from __future__ import annotations
+
+import time
+
+import mlx.core as mx
+import pytest
+
+from parallm.client import Client, ClientError
+from parallm.protocol import SamplingParams
+from parallm.training.publisher import AdapterPublisher
+
+pytestmark = pytest.mark.e2e
+
+PROMPTS = [[1, 504, 3458, 282, 2], [1, 9690, 30], [1, 422, 5248, 314, 253, 1694, 28], [1, 19, 2]]
+LAYERS, HIDDEN, KV = 30, 576, 192  # SmolLM2-135M: q_proj 576 -> 576, v_proj 576 -> 192
+
+
+def weights(seed: int, rank: int = 16) -> dict[str, mx.array]:
+    mx.random.seed(seed)
+    w = {}
+    for layer in range(LAYERS):
+        for proj, out in (("q_proj", HIDDEN), ("v_proj", KV)):
+            w[f"model.layers.{layer}.self_attn.{proj}.lora_a"] = mx.random.normal((HIDDEN, rank)) * 0.04
+            w[f"model.layers.{layer}.self_attn.{proj}.lora_b"] = mx.random.normal((rank, out)) * 0.04
+    return w
+
+
+CONFIG = {"fine_tune_type": "lora", "num_layers": LAYERS, "lora_parameters": {"rank": 16, "scale": 2.0, "dropout": 0.0}}
+
+
+def wait_for(client: Client, name: str, version: int, timeout: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout
+    while client.query("policy").get(name, 0) < version:
+        assert time.monotonic() < deadline, f"{name} version {version} never arrived"
+        time.sleep(0.05)
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    with Client(server.router, timeout=600) as c:
+        yield c
+
+
+def _run(client, publisher, name, versions, streams, max_tokens):
+    """Publish `versions` while `streams` requests run; returns the results and when each version landed."""
+    publisher.publish(name, 1, weights(1), CONFIG)
+    wait_for(client, name, 1)
+    rids = [client.submit(PROMPTS[i % len(PROMPTS)], SamplingParams(max_tokens=max_tokens, temperature=1.0, seed=i,
+                                                                    ignore_eos=True), adapter=name)
+            for i in range(streams)]
+    for v in range(2, versions + 1):
+        publisher.publish(name, v, weights(v), CONFIG)
+        if v % 5 == 0:  # new streams keep arriving under the newest version
+            rids.append(client.submit(PROMPTS[v % len(PROMPTS)], SamplingParams(max_tokens=8, temperature=0),
+                                      adapter=name))
+    results = [client.result(rid)[0] for rid in rids]
+    wait_for(client, name, versions)
+    return results
+
+
+def test_versions_published_while_streams_run(server, client):
+    publisher = AdapterPublisher(client.welcome.addresses["adapters"])
+    try:
+        results = _run(client, publisher, "e2e-pol", versions=10, streams=8, max_tokens=24)
+    finally:
+        publisher.close()
+    for r in results:
+        assert r.finish_reason == "length" and r.adapter == "e2e-pol"
+        assert [v for _, v in r.versions] and all(1 <= v <= 10 for _, v in r.versions)
+        assert len(r.versions) == 1  # a sequence keeps the version it started with
+    assert max(r.versions[0][1] for r in results) > 1  # later requests got later versions
+    stats = client.stats()
+    assert stats["adapter_rejected"] == 0 and stats["adapter_versions_kept"] >= 1
+    # a bad version is refused and serving continues
+    publisher = AdapterPublisher(client.welcome.addresses["adapters"])
+    bad = weights(99)
+    bad["model.layers.0.self_attn.q_proj.lora_a"] = bad["model.layers.0.self_attn.q_proj.lora_a"] * float("nan")
+    publisher.publish("e2e-pol", 11, bad, CONFIG)
+    publisher.close()
+    deadline = time.monotonic() + 30
+    while client.stats()["adapter_rejected"] < 1:
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    assert client.query("policy")["e2e-pol"] == 10
+    [ok] = client.generate(PROMPTS[0], SamplingParams(max_tokens=4, temperature=0), adapter="e2e-pol")
+    assert ok.versions == [(0, 10)]
+
+
+def test_unknown_adapter_is_404_and_min_version_409(client):
+    with pytest.raises(ClientError) as info:
+        client.generate(PROMPTS[0], SamplingParams(max_tokens=2), adapter="no-such-adapter")
+    assert info.value.status == 404 and info.value.code == "adapter_not_found"
+    with pytest.raises(ClientError) as info:
+        client.generate(PROMPTS[0], SamplingParams(max_tokens=2), adapter="e2e-pol", min_version=1000)
+    assert info.value.status == 409
+
+
+@pytest.mark.slow
+def test_fifty_versions_sixteen_streams(client):
+    publisher = AdapterPublisher(client.welcome.addresses["adapters"])
+    try:
+        results = _run(client, publisher, "e2e-fifty", versions=50, streams=16, max_tokens=64)
+    finally:
+        publisher.close()
+    assert all(r.finish_reason == "length" and len(r.versions) == 1 for r in results)
+    assert client.stats()["adapter_rejected"] == 0

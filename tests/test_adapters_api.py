@@ -1,0 +1,102 @@
+"""The adapter HTTP endpoints over a real in-process engine (the stage's query handler)."""
+
+from __future__ import annotations
+
+import base64
+import json
+
+import pytest
+from starlette.testclient import TestClient
+
+from parallm.adapters import AdapterError, save_bytes
+from parallm.api.app import build_app
+from parallm.api.backend import BackendError
+from parallm.config import ServerConfig
+from stages.engine import adapter_query
+from test_api_fakes import MODEL, FakeBackend
+from tests._adapter_helpers import adapter_tensors, lora_model, save_mlx, to_peft
+from tests._engine_helpers import make_engine, tiny_model
+
+
+class EngineBackend(FakeBackend):
+    engine = None
+
+    async def query(self, stage, what, args):
+        try:
+            return adapter_query(self.engine, what, args)
+        except AdapterError as exc:
+            raise BackendError(exc.status, exc.code, exc.message) from None
+
+
+@pytest.fixture
+def api(tmp_path):
+    backend = EngineBackend()
+    backend.engine = make_engine(tiny_model("llama"))
+    ref = tiny_model("llama")
+    config = lora_model(ref, rank=4)
+    save_mlx(ref, config, tmp_path / "ad")
+    return TestClient(build_app(backend, ServerConfig())), backend, tmp_path / "ad", (config, adapter_tensors(ref))
+
+
+def test_load_list_delete(api):
+    client, backend, path, _ = api
+    r = client.post("/v1/adapters", json={"name": "pol", "path": str(path)})
+    assert r.status_code == 200, r.text
+    assert (r.json()["status"], r.json()["policy_version"], r.json()["version"]) == ("success", 1, 1)
+    r = client.post("/v1/adapters", json={"name": "pol", "path": str(path)})
+    assert r.json()["version"] == 2
+    listing = client.get("/v1/adapters").json()
+    assert listing["policy"] == {"": 0, "pol": 2}
+    [entry] = listing["data"]
+    assert entry["id"] == "pol" and entry["latest_version"] == 2 and entry["bytes"] > 0
+    assert [v["version"] for v in entry["versions"]] == [1, 2]
+    r = client.delete("/v1/adapters/pol")
+    assert r.status_code == 200 and r.json()["versions_removed"] == 2
+    r = client.delete("/v1/adapters/pol")
+    assert r.status_code == 404
+    assert client.get("/v1/adapters").json()["data"] == []
+
+
+def test_upload_json_base64_and_compat_routes(api):
+    client, backend, path, (config, tensors) = api
+    peft_cfg, blob = to_peft(tensors, config)
+    r = client.post("/v1/adapters/upload", json={"name": "peft", "config": peft_cfg,
+                                                 "weights": base64.b64encode(blob).decode()})
+    assert r.status_code == 200, r.text
+    assert backend.engine.adapters.latest("peft").format == "peft"
+    r = client.post("/load_adapter", json={"adapter_path": str(path)})
+    assert r.json() == {"status": "success", "policy_version": 1, "message": r.json()["message"]}
+    r = client.post("/upload_adapter", json={"config": config, "weights": base64.b64encode(save_bytes(tensors)).decode()})
+    assert r.status_code == 200 and r.json()["policy_version"] == 2
+    assert backend.engine.policy() == {"": 0, "peft": 1, "default": 2}
+
+
+def test_errors_are_precise(api):
+    client, backend, path, (config, tensors) = api
+    r = client.post("/v1/adapters", json={"name": "x", "path": "/no/such/dir"})
+    assert r.status_code == 404 and "does not exist" in r.json()["error"]["message"]
+    bad = dict(tensors)
+    k = next(iter(bad))
+    bad[k] = bad[k] * float("nan")
+    r = client.post("/v1/adapters/upload", json={"name": "x", "config": config,
+                                                 "weights": base64.b64encode(save_bytes(bad)).decode()})
+    assert r.status_code == 400 and "NaN" in r.json()["error"]["message"]
+    r = client.post("/v1/adapters/upload", json={"name": "x", "config": config, "weights": "!!"})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "weights"
+    r = client.post("/v1/adapters", json={"name": "x"})
+    assert r.status_code == 400
+    assert backend.engine.policy() == {"": 0}
+
+
+def test_adapter_chosen_by_model_suffix_or_field():
+    client, backend = TestClient(build_app(FakeBackend(), ServerConfig())), None
+    backend = client.app.state.backend
+    body = {"prompt": "hi", "max_tokens": 2}
+    assert client.post("/v1/completions", json={**body, "model": f"{MODEL}:pol"}).status_code == 200
+    assert client.post("/v1/completions", json={**body, "model": MODEL, "adapter": "b"}).status_code == 200
+    chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "model": f"{MODEL}:c"}
+    assert client.post("/v1/chat/completions", json=chat).status_code == 200
+    assert [s.adapter for s in backend.submits] == ["pol", "b", "c"]
+    r = client.post("/v1/completions", json={**body, "model": f"{MODEL}:pol", "adapter": "other"})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "adapter"
+    assert client.post("/v1/completions", json={**body, "model": "elsewhere:pol"}).status_code == 404
