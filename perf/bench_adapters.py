@@ -111,6 +111,23 @@ def summary(xs: list[float]) -> dict:
             "min_ms": round(xs[0], 2), "max_ms": round(xs[-1], 2)}
 
 
+def report(r: dict) -> str:
+    lines = ["# Adapters on CPU", "", f"Command: `{r['command']}`  ", f"Machine: {r['machine']}; OpenBLAS preloaded: "
+             f"{r['openblas_preloaded']}; load average at start {tuple(round(x, 1) for x in r['loadavg_at_start'])}, "
+             f"at end {tuple(round(x, 1) for x in r['loadavg_at_end'])} (a shared machine: other jobs ran).  ",
+             f"Model: {r['model']}; adapter: {r['adapter']} ({r['blob_bytes']} bytes of safetensors).", "",
+             f"## Decode throughput, {r['rows']} rows x {r['decode_tokens']} tokens", "",
+             "| batch | tokens/s | vs base |", "|---|---|---|"]
+    for k, v in r["decode_tokens_per_s"].items():
+        lines.append(f"| {k} | {v} | {r['relative_to_base'][k]} |")
+    lines += ["", "## Publish -> first token under the new version", "", "| measure | n | p50 ms | p90 ms | min | max |",
+              "|---|---|---|---|---|---|"]
+    for k in ("load_adapter_only", "publish_to_first_token_new_request", "publish_to_first_token_running_streams"):
+        m = r[k]
+        lines.append(f"| {k} | {m['n']} | {m['p50_ms']} | {m['p90_ms']} | {m['min_ms']} | {m['max_ms']} |")
+    return "\n".join(lines) + "\n"
+
+
 def main() -> int:
     from parallm import blas
 
@@ -159,6 +176,7 @@ def main() -> int:
     res["loadavg_at_end"] = os.getloadavg()
     OUT.mkdir(parents=True, exist_ok=True)
     (OUT / "adapters-cpu.json").write_text(json.dumps(res, indent=2))
+    (OUT / "adapters-cpu.md").write_text(report(res))
     print(json.dumps(res, indent=2))
     return 0
 
