@@ -111,3 +111,15 @@ def test_queue_full_is_a_retryable_503():
     assert r.status_code == 503 and r.headers["retry-after"] == "1" and r.json()["error"]["code"] == "queue_full"
     r = client.post("/v1/completions", json={**BODY, "stream": True})
     assert r.status_code == 503
+
+
+def test_token_ids_past_int32_are_a_400_not_a_500():
+    # found by tests/e2e/test_fuzz.py: pack_ids overflowed on {"tokens": [2147483648]}
+    client, backend = make()
+    r = client.post("/v1/detokenize", json={"tokens": [2**31]})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "tokens"
+    r = client.post("/v1/completions", json={"model": MODEL, "prompt": [1, 2**31], "max_tokens": 2})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "prompt"
+    r = client.post("/v1/completions", json={**BODY, "logit_bias": {str(2**40): 1}})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "logit_bias"
+    assert not backend.submits

@@ -32,7 +32,7 @@ from parallm.api.rl import rl_routes
 from parallm.api.schemas import (DetokenizeRequest, DetokenizeResponse, ModelCard, ModelList, TokenizeRequest,
                                  TokenizeResponse)
 from parallm.api.translate import message_dict
-from parallm.api.validate import Limits, check_model, check_tokenize, decode
+from parallm.api.validate import Limits, check_model, check_token_ids, check_tokenize, decode
 from parallm.config import ServerConfig
 from parallm.metrics import ServerMetrics
 from parallm.protocol import pack_ids
@@ -114,6 +114,7 @@ class Routes:
     async def detokenize(self, request: Request) -> Response:
         req = decode(await read_body(request, self.server.max_body_bytes), DetokenizeRequest)
         check_model(req.model, _limits_model(self.backend))
+        check_token_ids(req.tokens)
         text = await self.backend.detokenize(ids=pack_ids(req.tokens))
         return json_response(DetokenizeResponse(prompt=text))
 

@@ -18,6 +18,7 @@ from parallm.api.schemas import ChatCompletionRequest, CompletionRequest, Sampli
 T = TypeVar("T")
 
 MAX_CHOICES = 1024      # n times the number of prompts in one request
+MAX_TOKEN_ID = 2**31 - 1  # token ids travel as int32; larger ones are a 400, not an overflow
 TEXT_PARTS = ("text", "input_text")
 
 
@@ -97,7 +98,7 @@ def _check_sampling(req: SamplingRequest, limits: Limits, n_prompts: int, resolv
                       f"{MAX_CHOICES} choices one request may ask for.", "n")
     if req.min_tokens > resolved_max:
         raise invalid(f"min_tokens ({req.min_tokens}) must be at most max_tokens ({resolved_max}).", "min_tokens")
-    bad = next((k for k in (req.logit_bias or {}) if k < 0), None)
+    bad = next((k for k in (req.logit_bias or {}) if not 0 <= k <= MAX_TOKEN_ID), None)
     if bad is not None:
         raise invalid(f"logit_bias key {bad} is not a token id.", "logit_bias")
     if req.response_format is not None and req.response_format.type != "text":
@@ -120,8 +121,8 @@ def prompts(prompt: str | list[Any]) -> list[str | list[int]]:
         raise invalid("prompt must be a string, a list of strings, a list of token ids or a list of "
                       "token-id lists (not a mix).", "prompt")
     for i, p in enumerate(out):
-        if isinstance(p, list) and any(t < 0 for t in p):
-            raise invalid(f"prompt {i} has a negative token id.", "prompt")
+        if isinstance(p, list) and any(not 0 <= t <= MAX_TOKEN_ID for t in p):
+            raise invalid(f"prompt {i} has a token id that is negative or past {MAX_TOKEN_ID}.", "prompt")
     return out
 
 
@@ -177,6 +178,11 @@ def check_messages(messages: list[Any], add_generation_prompt: bool, continue_fi
                                   "takes text only (parts of type 'text').", f"{where}.type")
             if part.text is None:
                 raise invalid(f"{where} has no 'text'.", f"{where}.text")
+
+
+def check_token_ids(ids: list[int], param: str = "tokens") -> None:
+    if any(not 0 <= t <= MAX_TOKEN_ID for t in ids):
+        raise invalid(f"{param} holds a token id that is negative or past {MAX_TOKEN_ID}.", param)
 
 
 def check_tokenize(req: TokenizeRequest, limits: Limits) -> None:
