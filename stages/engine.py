@@ -38,8 +38,9 @@ def to_delta(out: SeqOutput) -> protocol.SeqDelta:
         delta.prompt_logprobs = protocol.pack_floats([float("nan") if lp is None else lp
                                                       for lp in out.prompt_logprobs])
         if out.prompt_top_logprobs:
-            delta.prompt_top_ids = protocol.pack_ids([tid for row in out.prompt_top_logprobs for tid, _ in row])
-            delta.prompt_top_logprobs = protocol.pack_floats([lp for row in out.prompt_top_logprobs
+            delta.prompt_top_ids = protocol.pack_ids([tid for row in out.prompt_top_logprobs if row
+                                                            for tid, _ in row])
+            delta.prompt_top_logprobs = protocol.pack_floats([lp for row in out.prompt_top_logprobs if row
                                                               for _, lp in row])
     return delta
 
@@ -258,9 +259,10 @@ class EngineStage:
             for message in self.inbox.drain():
                 self.safely(message)
             self.rt.poll_control()
-            if self.engine.has_work() and not self.paused:
+            paused_owing = self.paused and self.engine.owes_outputs()
+            if paused_owing or (self.engine.has_work() and not self.paused):
                 try:
-                    outputs = self.engine.step()
+                    outputs = self.engine.flush() if paused_owing else self.engine.step()
                 except Exception as exc:  # noqa: BLE001 - e.g. MLX out of memory: fail fast, get restarted
                     return self.fail_in_flight(exc)
                 self.step_count += 1

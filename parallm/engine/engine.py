@@ -161,6 +161,21 @@ class Engine:
     def last_batch_size(self) -> int:
         return self._last_batch
 
+    def owes_outputs(self) -> bool:
+        """Outputs are decided but not yet returned (aborted sequences, launched steps)."""
+        return bool(self._unreported or self._launches)
+
+    def flush(self) -> list[SeqOutput]:
+        """What is owed without starting new work: a paused engine still reports its aborts and
+        the tokens of steps it had launched."""
+        outputs: dict[int, SeqOutput] = {}
+        for seq in self._unreported:
+            outputs[seq.seq_id] = self._output(seq, finish="abort")
+        self._unreported.clear()
+        while self._launches:
+            self._read(self._launches.pop(0), outputs)
+        return list(outputs.values())
+
     def has_work(self) -> bool:
         return bool(self.scheduler.has_work() or self._launches or self._unreported)
 
