@@ -96,6 +96,7 @@ class RLConfig(Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     rollout_hwm: Annotated[int, _d("rollout PUB high-water mark; past it rollouts are dropped and counted")] = 10_000
     staleness_policy: Annotated[Literal["reject", "hold"],
                                 _d("a request whose minimum policy version is not there yet: reject or wait")] = "reject"
+    hold_timeout_s: Annotated[float, _d("with staleness_policy 'hold': seconds a request waits for its version")] = 120.0
     adapter_history: Annotated[int, _d("versions kept per adapter name")] = 4
 
 

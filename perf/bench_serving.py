@@ -156,9 +156,9 @@ def write_report(result: dict[str, Any], out: Path) -> None:
         rows.append(f"| {r['target']} | {r['concurrency']} | {r['throughput_tok_s']:.1f} | {r['ttft_p50_s']:.3f} | "
                     f"{r['ttft_p99_s']:.3f} | {1000 * r['itl_p50_s']:.1f} | {1000 * r['itl_p99_s']:.1f} | "
                     f"{r['ok']}/{r['requests']} |")
-    ratios = [f"- c={c}: http/inprocess = {v['http']:.2f}" + (f", zmq/inprocess = {v['zmq']:.2f}" if "zmq" in v else "")
-              + (f", http/mlx_lm.server = {v['vs_mlx_lm']:.2f}" if "vs_mlx_lm" in v else "")
-              for c, v in result["ratios"].items()]
+    names = {"http": "http/inprocess", "zmq": "zmq/inprocess", "vs_mlx_lm": "http/mlx_lm.server"}
+    ratios = [f"- c={c}: " + ", ".join(f"{names[k]} = {v[k]:.2f}" for k in names if k in v)
+              for c, v in result["ratios"].items() if v]
     md = [f"# Served vs in-process ({result['workload']}, {result['max_tokens']} output tokens)", "",
           f"Machine: {result['machine']}", "", f"Command: `{result['command']}`", "", *rows, "", "Ratios:", *ratios]
     out.with_suffix(".md").write_text("\n".join(md) + "\n")

@@ -101,11 +101,11 @@ def summarize(records: list[RequestRecord], wall: float, workload: Workload, con
 async def _http_one(client, url: str, model: str, prompt: str, workload: Workload, eos_ids: list[int],
                     seed: int) -> RequestRecord:
     body: dict[str, Any] = {"model": model, "max_tokens": workload.max_tokens, "stream": True,
-                            "temperature": 0.0, "stream_options": {"include_usage": True}, "seed": seed,
+                            "temperature": 0.0, "stream_options": {"include_usage": True},
                             "logit_bias": {str(t): -100 for t in eos_ids}}
     if workload.n > 1:
-        body["n"] = workload.n
-        body["temperature"] = 1.0
+        # a seed only where sampling uses it: mlx_lm.server serves seeded requests one at a time
+        body.update(n=workload.n, temperature=1.0, seed=seed)
     if workload.chat:
         body["messages"] = [{"role": "user", "content": prompt}]
         path = "/v1/chat/completions"

@@ -111,6 +111,7 @@ class EngineStage:
         self.poller.register(sub, zmq.POLLIN)
         self.paused = False
         self.pause_mode = "keep"
+        self.held: dict[str, tuple[float, protocol.Submit]] = {}  # rid -> (since, request) waiting for a version
         self.step_count = 0
         self.received = 0
 
@@ -121,6 +122,12 @@ class EngineStage:
             self.on_submit(message)
         elif isinstance(message, protocol.Abort):
             rids = list(self.engine.request_ids()) if message.all else message.rids
+            for rid in (list(self.held) if message.all else rids):
+                held = self.held.pop(rid, None)
+                if held is not None:
+                    self.out.send(protocol.RequestError(rid=rid, reply_to=held[1].reply_to, status=409,
+                                                        code="aborted", message="aborted while waiting for its "
+                                                        "policy version"))
             for rid in rids:
                 self.engine.abort(rid, message.reason)
             for rid, index in message.sequences:
@@ -172,7 +179,7 @@ class EngineStage:
             return
         self._ack(message.qid, message.reply_to, result)
 
-    def on_submit(self, message: protocol.Submit) -> None:
+    def on_submit(self, message: protocol.Submit, *, held_since: float | None = None) -> None:
         request = Request(rid=message.rid, prompt_ids=protocol.unpack_ids(message.prompt_ids),
                           params=message.params, n=message.n, adapter=message.adapter,
                           adapter_version=message.adapter_version, min_version=message.min_version,
@@ -180,6 +187,12 @@ class EngineStage:
         try:
             self.engine.add_request(request)
         except RequestRejected as exc:
+            now = time.monotonic()
+            waiting_for_version = exc.status == 409 and message.min_version > 0 and \
+                self.config.rl.staleness_policy == "hold"
+            if waiting_for_version and now - (held_since or now) < self.config.rl.hold_timeout_s:
+                self.held[message.rid] = (held_since or now, message)
+                return
             self.out.send(protocol.RequestError(rid=message.rid, reply_to=message.reply_to, status=exc.status,
                                                 code=rejection_code(exc), message=str(exc), param=exc.param))
             return
@@ -188,6 +201,13 @@ class EngineStage:
                                      adapter=message.adapter, stop_token_ids=message.params.stop_token_ids,
                                      min_tokens=message.params.min_tokens, metadata=message.metadata,
                                      submitted_at=message.submitted_at))
+
+    def retry_held(self) -> None:
+        """Requests waiting for a policy version (staleness_policy "hold"): admitted once it is
+        published, refused with 409 after rl.hold_timeout_s."""
+        held, self.held = self.held, {}
+        for since, message in held.values():
+            self.on_submit(message, held_since=since)
 
     def on_score(self, message: protocol.Score) -> None:
         try:
@@ -221,7 +241,8 @@ class EngineStage:
 
     def stats(self) -> dict[str, Any]:
         stats = self.engine.stats()
-        stats.update(paused=self.paused, received=self.received, dropped_frames=self.inbox.dropped)
+        stats.update(held_for_version=len(self.held), paused=self.paused, received=self.received,
+                     dropped_frames=self.inbox.dropped)
         return stats
 
     # ------------------------------------------------------------------ faults
@@ -259,6 +280,8 @@ class EngineStage:
             for message in self.inbox.drain():
                 self.safely(message)
             self.rt.poll_control()
+            if self.held:
+                self.retry_held()
             paused_owing = self.paused and self.engine.owes_outputs()
             if paused_owing or (self.engine.has_work() and not self.paused):
                 try:

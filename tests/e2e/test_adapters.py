@@ -106,3 +106,37 @@ def test_fifty_versions_sixteen_streams(client):
         publisher.close()
     assert all(r.finish_reason == "length" and len(r.versions) == 1 for r in results)
     assert client.stats()["adapter_rejected"] == 0
+
+
+def test_hold_policy_waits_for_the_version():
+    """With rl.staleness_policy "hold", a request for a version not yet published waits for it."""
+    import threading
+
+    from .server import Server
+
+    with Server("--rl.staleness-policy", "hold", "--rl.hold-timeout-s", "60") as srv, \
+            Client(srv.router, timeout=120) as c:
+        publisher = AdapterPublisher(c.welcome.addresses["adapters"])
+        try:
+            publisher.publish("held", 1, weights(1), CONFIG)
+            wait_for(c, "held", 1)
+            got: list = []
+
+            def ask() -> None:
+                with Client(srv.router, timeout=120) as other:
+                    got.extend(other.generate(PROMPTS[0], SamplingParams(max_tokens=3, temperature=0),
+                                              adapter="held", min_version=2))
+
+            thread = threading.Thread(target=ask)
+            thread.start()
+            deadline = time.monotonic() + 30
+            while c.stats()["held_for_version"] < 1:
+                assert time.monotonic() < deadline, "the request was not held"
+                time.sleep(0.05)
+            assert not got
+            publisher.publish("held", 2, weights(2), CONFIG)
+            thread.join(60)
+            assert len(got) == 1 and got[0].versions == [(0, 2)] and got[0].finish_reason == "length"
+            assert c.stats()["held_for_version"] == 0
+        finally:
+            publisher.close()
