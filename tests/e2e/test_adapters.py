@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import time
 
+import httpx
 import mlx.core as mx
 import pytest
 
@@ -86,6 +87,11 @@ def test_versions_published_while_streams_run(server, client):
     assert client.query("policy")["e2e-pol"] == 10
     [ok] = client.generate(PROMPTS[0], SamplingParams(max_tokens=4, temperature=0), adapter="e2e-pol")
     assert ok.versions == [(0, 10)]
+    # operators see the served version on /metrics (ingress polls the engine's stats)
+    deadline = time.monotonic() + 10
+    while 'parallm_adapter_version{adapter="e2e-pol"} 10.0' not in httpx.get(f"{server.url}/metrics").text:
+        assert time.monotonic() < deadline, "the adapter version never reached /metrics"
+        time.sleep(0.2)
 
 
 def test_unknown_adapter_is_404_and_min_version_409(client):
