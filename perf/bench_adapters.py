@@ -114,7 +114,7 @@ def summary(xs: list[float]) -> dict:
 def report(r: dict) -> str:
     lines = ["# Adapters on CPU", "", f"Command: `{r['command']}`  ", f"Machine: {r['machine']}; OpenBLAS preloaded: "
              f"{r['openblas_preloaded']}; load average at start {tuple(round(x, 1) for x in r['loadavg_at_start'])}, "
-             f"at end {tuple(round(x, 1) for x in r['loadavg_at_end'])} (a shared machine: other jobs ran).  ",
+             f"at end {tuple(round(x, 1) for x in r['loadavg_at_end'])}.  ",
              f"Model: {r['model']}; adapter: {r['adapter']} ({r['blob_bytes']} bytes of safetensors).", "",
              f"## Decode throughput, {r['rows']} rows x {r['decode_tokens']} tokens", "",
              "| batch | tokens/s | vs base |", "|---|---|---|"]
