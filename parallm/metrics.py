@@ -80,7 +80,7 @@ class _Snapshots:
         hist = engine.get("decode_batch_hist") or {}
         if isinstance(hist, dict):
             yield _histogram(f"{PREFIX}_decode_batch_size", "Sequences per decode step", hist, BATCH_BUCKETS)
-        adapters = engine.get("adapters")
+        adapters = engine.get("adapter_versions")
         if isinstance(adapters, dict):
             family = GaugeMetricFamily(f"{PREFIX}_adapter_version", "Loaded version of each LoRA adapter",
                                        labels=["adapter"])

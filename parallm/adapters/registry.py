@@ -132,7 +132,7 @@ class AdapterManager:
                 "adapter_stack_bytes": self.router.stack_bytes,
                 "adapter_publishes": self.published, "adapter_rejected": self.rejected,
                 # the names /metrics reads (parallm/metrics.py): latest version per adapter, versions loaded
-                "adapters": {name: vs[-1].version for name, vs in self.versions.items() if vs},
+                "adapter_versions": {name: vs[-1].version for name, vs in self.versions.items() if vs},
                 "adapter_swaps": self.published,
                 "adapter_passes": dict(self.router.passes)}
 
