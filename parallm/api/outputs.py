@@ -24,9 +24,9 @@ from parallm.api.schemas import (AssistantMessage, ChatChoice, ChatCompletionRes
                                  PromptLogprobs, PromptTokensDetails, TokenLogprob, TopLogprob, UsageInfo)
 from parallm.api.translate import Plan
 from parallm.protocol import Output, Usage, unpack_floats, unpack_ids
+from parallm.text.vocab import token_string_bytes
 
 MIN_LOGPROB = -9999.0
-_BYTES_PREFIX = "bytes:"
 
 Alt = tuple[int, str, float]  # an alternative: token id, token string, logprob
 
@@ -34,18 +34,6 @@ Alt = tuple[int, str, float]  # an alternative: token id, token string, logprob
 def logprob(value: float) -> float | None:
     """A logprob fit for JSON: NaN (no value) -> None, -inf -> -9999.0."""
     return None if math.isnan(value) else max(value, MIN_LOGPROB)
-
-
-def token_bytes(token: str) -> list[int]:
-    """OpenAI's `bytes` of a logprob token string (`bytes:\\xe2\\x80` for partial UTF-8)."""
-    if token.startswith(_BYTES_PREFIX + "\\x"):
-        hexes = token[len(_BYTES_PREFIX):].split("\\x")[1:]
-        if all(len(h) == 2 for h in hexes):
-            try:
-                return [int(h, 16) for h in hexes]
-            except ValueError:
-                pass
-    return list(token.encode("utf-8"))
 
 
 def _strings(given: list[str], ids: list[int]) -> list[str]:
@@ -155,8 +143,8 @@ def _chat_lp(value: float) -> float:
 
 
 def chat_logprobs(tokens: list[str], lps: list[float], tops: list[list[Alt]], k: int) -> list[TokenLogprob]:
-    return [TokenLogprob(token=token, logprob=_chat_lp(lp), bytes=token_bytes(token),
-                         top_logprobs=[TopLogprob(token=name, logprob=_chat_lp(v), bytes=token_bytes(name))
+    return [TokenLogprob(token=token, logprob=_chat_lp(lp), bytes=token_string_bytes(token),
+                         top_logprobs=[TopLogprob(token=name, logprob=_chat_lp(v), bytes=token_string_bytes(name))
                                        for _, name, v in alts[:k]])
             for token, lp, alts in zip(tokens, lps, tops)]
 
