@@ -46,11 +46,8 @@ def to_delta(out: SeqOutput) -> protocol.SeqDelta:
 
 
 def rejection_code(exc: RequestRejected) -> str:
-    """OpenAI's error code for a refused request (vLLM answers an over-long prompt the same way)."""
-    if exc.code:
-        return exc.code
-    return "context_length_exceeded" if "context" in exc.message or "too long" in exc.message \
-        else "invalid_request_error"
+    """OpenAI's error code for a refused request: the engine's own (e.g. context_length_exceeded)."""
+    return exc.code or "invalid_request_error"
 
 
 ADAPTER_QUERIES = ("policy", "adapters", "adapter_load", "adapter_unload")

@@ -88,7 +88,7 @@ def validate(request: Request, *, vocab_size: int, max_model_len: int, max_num_s
     if len(ids) + p.max_tokens > max_model_len:
         raise RequestRejected(
             f"prompt ({len(ids)} tokens) plus max_tokens ({p.max_tokens}) exceeds the model's "
-            f"context length of {max_model_len} tokens", "max_tokens")
+            f"context length of {max_model_len} tokens", "max_tokens", code="context_length_exceeded")
     _finite(p.temperature, "temperature")
     if p.temperature < 0:
         raise RequestRejected("temperature must be >= 0", "temperature")
@@ -130,7 +130,8 @@ def validate_score(ids: Sequence[int], start: int, top_logprobs: int, *, vocab_s
     if len(ids) < 2:
         raise RequestRejected("scoring needs at least two token ids", "ids")
     if len(ids) > max_model_len:
-        raise RequestRejected(f"{len(ids)} ids exceed the context length of {max_model_len}", "ids")
+        raise RequestRejected(f"{len(ids)} ids exceed the context length of {max_model_len}", "ids",
+                              code="context_length_exceeded")
     if not 1 <= start < len(ids):
         raise RequestRejected(f"start must be in [1, {len(ids) - 1}]", "start")
     if any(not 0 <= int(t) < vocab_size for t in ids):
