@@ -44,6 +44,7 @@ class StageProcess:
     stats: dict = field(default_factory=dict)
     next_restart_at: float = 0.0
     backoff: float = 0.0
+    finished: bool = False          # an off-path stage (the trainer) that exited 0: done, not restarted
 
     @property
     def loop_age_s(self) -> float:

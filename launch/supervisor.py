@@ -1,7 +1,8 @@
 """The supervisor: starts the stages in order, watches them, restarts the dead, drains on SIGTERM.
 
-Start order is detokenizer, engine, tokenizers, ingress; each must report READY before the
-next starts, so that by the time HTTP is served every stage behind it is up. A stage that dies
+Start order is detokenizer, engine, tokenizers, ingress (then the trainer, when configured);
+each must report READY before the next starts, so that by the time HTTP is served every stage
+behind it is up. A stage that dies
 (or stops heartbeating) is announced on the control channel (StageDown) so that ingress and
 clients fail its in-flight requests with a retryable error, then restarted with exponential
 backoff and announced again when READY (StageUp).
@@ -30,7 +31,10 @@ from .process import StageProcess, StageSpec
 
 log = logging.getLogger("parallm.supervisor")
 
-START_ORDER = ("detokenizer", "engine", "tokenizer", "ingress")
+START_ORDER = ("detokenizer", "engine", "tokenizer", "ingress", "trainer")
+# Stages no request passes through: their death fails nothing in flight, so it is not announced,
+# and one that exits with 0 has finished its work and is not restarted.
+OFF_PATH = frozenset({"trainer"})
 MAX_BACKOFF_S = 30.0
 STABLE_AFTER_S = 60.0
 
@@ -108,6 +112,8 @@ class Supervisor:
         specs = [StageSpec("detokenizer"), StageSpec("engine", env=engine_env)]
         specs += [StageSpec("tokenizer", replica=i) for i in range(self.config.tokenizer.replicas)]
         specs.append(StageSpec("ingress"))
+        if self.config.trainer.enabled:
+            specs.append(StageSpec("trainer", env=engine_env))
         return specs
 
     # ------------------------------------------------------------------ run
@@ -177,7 +183,7 @@ class Supervisor:
         stage.last_beat = now
         if isinstance(message, protocol.Ready):
             stage.ready = True
-            if stage.restarts:
+            if stage.restarts and stage.spec.name not in OFF_PATH:
                 log.info("%s is back (restart %d)", stage.spec.label, stage.restarts)
                 self.control.send(protocol.StageUp(stage=stage.spec.name, replica=stage.spec.replica,
                                                    restarts=stage.restarts))
@@ -206,11 +212,17 @@ class Supervisor:
                 message = next(self.inbox.drain(1), None)
             now = time.monotonic()
             for stage in self.stages:
+                if stage.finished:
+                    continue
                 if stage.proc is None:
                     if now >= stage.next_restart_at and self._draining_until is None:
                         self._restart(stage)
                     continue
                 dead = not stage.alive()
+                if dead and stage.spec.name in OFF_PATH and stage.exit_code() == 0:
+                    log.info("%s finished", stage.spec.label)
+                    stage.finished = True
+                    continue
                 silent = stage.ready and now - stage.last_beat > sup.dead_after_s
                 stalled = stage.ready and sup.stall_after_s > 0 and stage.loop_age_s > sup.stall_after_s
                 slow_start = not stage.ready and now - stage.started_at > sup.ready_timeout_s
@@ -233,6 +245,8 @@ class Supervisor:
                             self.config.supervisor.restart_backoff_s)
         stage.next_restart_at = now + stage.backoff
         stage.restarts += 1
+        if stage.spec.name in OFF_PATH:
+            return
         self.control.send(protocol.StageDown(stage=stage.spec.name, replica=stage.spec.replica,
                                              restarts=stage.restarts))
 

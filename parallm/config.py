@@ -8,6 +8,7 @@ Each field's `Meta(description=...)` is its documentation and its `--help` text.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 from pathlib import Path
@@ -100,6 +101,81 @@ class RLConfig(Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     adapter_history: Annotated[int, _d("versions kept per adapter name")] = 4
 
 
+class TrainerServerConfig(Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    router: Annotated[str, _d("the server's ZeroMQ router (e.g. tcp://127.0.0.1:5552 or ipc://RUN_DIR/router.sock); "
+                              "empty when the supervisor starts the trainer")] = ""
+    timeout_s: Annotated[float, _d("seconds a rollout request may take before the step fails")] = 600.0
+
+
+class TrainerModelConfig(Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    path: Annotated[str, _d("base model the trainer loads (must be the one served); empty = the server's "
+                            "model.path, or 'default' when run standalone")] = ""
+    dtype: Annotated[Literal["auto", "float32", "float16", "bfloat16"],
+                     _d("dtype the trainer computes in; 'auto' = float32 on the CPU, bfloat16 elsewhere")] = "auto"
+    adapter: Annotated[str, _d("adapter name the trainer publishes its versions under")] = "policy"
+
+
+class LoRATrainConfig(Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    fine_tune_type: Annotated[Literal["lora", "dora"], _d("adapter kind (mlx-lm's fine_tune_type)")] = "lora"
+    rank: Annotated[int, _d("LoRA rank")] = 8
+    scale: Annotated[float, _d("LoRA scale (mlx-lm's; PEFT's alpha / rank)")] = 20.0
+    dropout: Annotated[float, _d("LoRA dropout while training")] = 0.0
+    keys: Annotated[list[str], _d("modules adapted in each layer")] = \
+        msgspec.field(default_factory=lambda: ["self_attn.q_proj", "self_attn.v_proj"])
+    num_layers: Annotated[int, _d("adapt the last N transformer layers; -1 = all")] = 8
+
+
+class RLTrainingConfig(Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    task: Annotated[str, _d("built-in task (arithmetic, length, json) or 'module:callable' returning a Task")] = "length"
+    task_args: Annotated[dict[str, Any], _d("keyword arguments for the task's constructor")] = {}
+    steps: Annotated[int, _d("optimizer steps to run; 0 = until stopped")] = 0
+    prompts_per_step: Annotated[int, _d("groups (distinct prompts) per step")] = 4
+    group_size: Annotated[int, _d("completions sampled per prompt (GRPO's G)")] = 8
+    max_tokens: Annotated[int, _d("completion length limit")] = 64
+    temperature: Annotated[float, _d("sampling temperature of rollouts (the loss uses the same)")] = 1.0
+    top_p: Annotated[float, _d("nucleus sampling of rollouts")] = 1.0
+    learning_rate: Annotated[float, _d("Adam learning rate")] = 1e-4
+    max_grad_norm: Annotated[float, _d("gradient norm clip; 0 = none")] = 1.0
+    clip_low: Annotated[float, _d("importance ratio clipped below at 1 - clip_low")] = 0.2
+    clip_high: Annotated[float, _d("importance ratio clipped above at 1 + clip_high")] = 0.28
+    kl_coef: Annotated[float, _d("weight of the KL to the base model (teacher-forced scoring by the server); "
+                                 "0 = no KL, no scoring")] = 0.0
+    scale_rewards: Annotated[bool, _d("divide group-centred rewards by the group's std (GRPO); off = Dr. GRPO")] = True
+    updates_per_batch: Annotated[int, _d("optimizer steps on each batch of rollouts (PPO epochs)")] = 1
+    micro_batch: Annotated[int, _d("sequences per forward/backward pass (gradients accumulate)")] = 8
+    rollout_source: Annotated[Literal["generate", "subscribe"],
+                              _d("'generate': the trainer requests its rollouts; 'subscribe': it trains on "
+                                 "rollouts other clients produce, from the rollout PUB stream")] = "generate"
+    prefetch: Annotated[int, _d("rollout batches generated ahead while training (each adds one version of "
+                                "staleness); 0 = strictly on-policy")] = 0
+    max_staleness: Annotated[int, _d("rollouts whose oldest token is more versions behind are not trained on "
+                                     "(counted); -1 = no limit")] = 4
+    subscribe_group_timeout_s: Annotated[float, _d("subscribe mode: a group still incomplete after this long "
+                                                   "is trained on as it is (if it has 2+ samples)")] = 30.0
+    seed: Annotated[int, _d("seed of prompt sampling and of rollouts")] = 0
+
+
+class CheckpointConfig(Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    dir: Annotated[str, _d("checkpoint directory (mlx-lm adapter format, one folder per checkpoint)")] = \
+        "checkpoints/policy"
+    every_steps: Annotated[int, _d("checkpoint every N optimizer steps")] = 10
+    keep_last: Annotated[int, _d("checkpoints kept; older ones are deleted")] = 3
+    resume: Annotated[bool, _d("resume from the latest checkpoint in dir when there is one")] = True
+    metrics_file: Annotated[str, _d("JSON lines of per-step metrics; empty = DIR/metrics.jsonl")] = ""
+
+
+class TrainerConfig(Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """`parallm-train`'s settings: the [trainer] section of a launch config, or the top level of its own file."""
+
+    enabled: Annotated[bool, _d("parallm-launch starts and supervises a trainer")] = False
+    server: TrainerServerConfig = TrainerServerConfig()
+    model: TrainerModelConfig = TrainerModelConfig()
+    lora: LoRATrainConfig = LoRATrainConfig()
+    rl_training: RLTrainingConfig = RLTrainingConfig()
+    checkpointing: CheckpointConfig = CheckpointConfig()
+    log_level: Annotated[Literal["debug", "info", "warning", "error"], _d("trainer log level")] = "info"
+
+
 class Config(Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     model: ModelConfig = ModelConfig()
     engine: EngineConfig = EngineConfig()
@@ -108,6 +184,7 @@ class Config(Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     transport: TransportConfig = TransportConfig()
     supervisor: SupervisorConfig = SupervisorConfig()
     rl: RLConfig = RLConfig()
+    trainer: TrainerConfig = TrainerConfig()
     log_level: Annotated[Literal["debug", "info", "warning", "error"], _d("log level of every stage")] = "info"
 
     def encode(self) -> bytes:
@@ -176,6 +253,11 @@ def _parse_scalar(text: str, typ: Any, where: str) -> Any:
             return float(text)
         if origin is list:
             return [item.strip() for item in text.split(",") if item.strip()]
+        if origin is dict:
+            value = json.loads(text)
+            if not isinstance(value, dict):
+                raise ValueError(f"not a JSON object: {text!r}")
+            return value
         if origin is Literal:
             if text not in get_args(typ):
                 raise ValueError(f"{text!r} is not one of {', '.join(map(str, get_args(typ)))}")
@@ -203,31 +285,34 @@ def _merge(base: dict, over: Mapping) -> dict:
     return out
 
 
-def env_overrides(environ: Mapping[str, str]) -> dict:
+def env_overrides(environ: Mapping[str, str], root: type = Config, prefix: str = ENV_PREFIX) -> dict:
     """PARALLM_ENGINE__MAX_NUM_SEQS=32 sets engine.max_num_seqs (double underscore between levels)."""
-    known = {dotted: typ for dotted, typ, _, _ in iter_options()}
+    known = {dotted: typ for dotted, typ, _, _ in iter_options(root)}
     tree: dict = {}
     for key, raw in environ.items():
-        if not key.startswith(ENV_PREFIX) or key == ENV_PREFIX + "CONFIG":
+        if not key.startswith(prefix) or key == ENV_PREFIX + "CONFIG":
             continue
-        dotted = key[len(ENV_PREFIX):].lower().replace("__", ".")
+        dotted = key[len(prefix):].lower().replace("__", ".")
         if dotted not in known:
             continue
         _set_dotted(tree, dotted, _parse_scalar(raw, known[dotted], key))
     return tree
 
 
-def add_cli_options(parser: argparse.ArgumentParser) -> None:
-    """One --section.name option per setting, documented from its description and default."""
-    parser.add_argument("--config", metavar="FILE", help="TOML file with [model], [engine], ... sections "
-                        f"(also {ENV_PREFIX}CONFIG)")
-    reverse_alias = {v: k for k, v in ALIASES.items()}
-    for dotted, typ, desc, default in iter_options():
+def add_cli_options(parser: argparse.ArgumentParser, root: type = Config, *, env_prefix: str = ENV_PREFIX,
+                    aliases: Mapping[str, str] | None = None, add_config: bool = True) -> None:
+    """One --section.name option per setting of `root`, documented from its description and default."""
+    if add_config:
+        parser.add_argument("--config", metavar="FILE", help="TOML file with [model], [engine], ... sections "
+                            f"(also {ENV_PREFIX}CONFIG)")
+    reverse_alias = {v: k for k, v in (ALIASES if aliases is None else aliases).items()}
+    for dotted, typ, desc, default in iter_options(root):
         flags = [f"--{dotted.replace('_', '-')}"]
         if dotted in reverse_alias:
             flags.insert(0, f"--{reverse_alias[dotted]}")
-        shown = ",".join(default) if isinstance(default, list) else default
-        env = ENV_PREFIX + dotted.upper().replace(".", "__")
+        shown = ",".join(default) if isinstance(default, list) else json.dumps(default) if isinstance(default, dict) \
+            else default
+        env = env_prefix + dotted.upper().replace(".", "__")
         help_text = f"{desc} (default: {shown!s}; env {env})"
         action = "append" if get_origin(typ) is list else "store"
         parser.add_argument(*flags, dest=f"opt:{dotted}", metavar="LIST" if action == "append" else
@@ -235,8 +320,8 @@ def add_cli_options(parser: argparse.ArgumentParser) -> None:
                             action=action, default=None, help=help_text)
 
 
-def cli_overrides(namespace: argparse.Namespace) -> dict:
-    known = {dotted: typ for dotted, typ, _, _ in iter_options()}
+def cli_overrides(namespace: argparse.Namespace, root: type = Config) -> dict:
+    known = {dotted: typ for dotted, typ, _, _ in iter_options(root)}
     tree: dict = {}
     for key, value in vars(namespace).items():
         if not key.startswith("opt:") or value is None:
@@ -302,3 +387,28 @@ def parse_args(argv: Sequence[str] | None = None, *, prog: str = "parallm-launch
     except ConfigError as exc:
         parser.error(str(exc))
     return config, namespace
+
+
+TRAINER_ENV_PREFIX = ENV_PREFIX + "TRAINER__"
+
+
+def build_trainer_config(*, file: str | os.PathLike | None = None, environ: Mapping[str, str] | None = None,
+                         cli: dict | None = None) -> TrainerConfig:
+    """`parallm-train`'s settings: defaults < TOML file < PARALLM_TRAINER__* env < CLI. The file is
+    either a trainer file ([server], [model], [lora], [rl_training], [checkpointing] at the top) or
+    a parallm-launch file, whose [trainer] section is used."""
+    environ = os.environ if environ is None else environ
+    tree: dict = {}
+    if file:
+        try:
+            tree = tomllib.loads(Path(file).read_text())
+        except (OSError, tomllib.TOMLDecodeError) as exc:
+            raise ConfigError(f"config file {file}: {exc}") from None
+        if isinstance(tree.get("trainer"), dict):
+            tree = tree["trainer"]
+    tree = _merge(tree, env_overrides(environ, TrainerConfig, TRAINER_ENV_PREFIX))
+    tree = _merge(tree, cli or {})
+    try:
+        return msgspec.convert(tree, type=TrainerConfig)
+    except msgspec.ValidationError as exc:
+        raise ConfigError(f"invalid trainer configuration: {exc}") from None

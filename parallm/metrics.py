@@ -3,6 +3,7 @@
 Two kinds of numbers end up on /metrics:
 - what ingress measures itself: HTTP requests by route and status, time to first token,
   inter-token latency, requests in flight, stage restarts it was told about;
+- the latest status each trainer pushed (step, version, loss, reward, staleness histogram);
 - snapshots of the other stages' own counters (engine and detokenizer stats, polled by ingress
   every `STATS_PERIOD_S`), exported through a custom collector so the values are exactly the
   stage's, never re-counted here. A restarted stage starts its counters from zero again, which
@@ -25,7 +26,7 @@ CONTENT_TYPE = CONTENT_TYPE_LATEST
 
 # routes are labelled by their template; anything else is "other" (a fuzzer must not mint labels)
 KNOWN_ROUTES = ("/v1/completions", "/v1/chat/completions", "/v1/models", "/v1/tokenize", "/v1/detokenize",
-                "/health", "/livez", "/readyz", "/metrics", "/openapi.json")
+                "/health", "/livez", "/readyz", "/metrics", "/openapi.json", "/v1/training/status")
 
 TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
 ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5)
@@ -102,6 +103,7 @@ class _Snapshots:
         dropped.add_metric(["engine"], float(engine.get("dropped_frames") or 0))
         dropped.add_metric(["detokenizer"], float(detok.get("dropped_frames") or 0))
         yield dropped
+        yield from _training_metrics(self.server.training)
         age = GaugeMetricFamily(f"{PREFIX}_stats_age_seconds", "Seconds since each stage last reported stats",
                                 labels=["stage"])
         now = time.monotonic()
@@ -110,13 +112,61 @@ class _Snapshots:
         yield age
 
 
-def _histogram(name: str, doc: str, counts: dict, bounds: tuple[float, ...]) -> HistogramMetricFamily:
-    """A Prometheus histogram from an exact {value: count} table."""
+STALENESS_BUCKETS = (0, 1, 2, 4, 8, 16, 32)
+_TRAINING_GAUGES = (("step", "step", "Optimizer steps the trainer has taken"),
+                    ("version", "version", "Adapter version the trainer published last"),
+                    ("loss", "last.loss", "GRPO loss of the latest step"),
+                    ("reward_mean", "last.reward_mean", "Mean reward of the latest step's rollouts"),
+                    ("reward_std", "last.reward_std", "Reward standard deviation of the latest step"),
+                    ("kl", "last.kl", "Mean per-token KL to the base model at the latest step"),
+                    ("rollout_tokens_per_second", "last.rollout_tokens_per_s",
+                     "Completion tokens per second while the latest batch was sampled"),
+                    ("train_tokens_per_second", "last.train_tokens_per_s",
+                     "Completion tokens per second through the latest GRPO update"))
+_TRAINING_COUNTERS = (("rollouts_trained", "rollouts_trained", "Rollouts trained on"),
+                      ("rollouts_stale_dropped", "rollouts_dropped_stale",
+                       "Rollouts not trained on because they were older than max_staleness versions"))
+
+
+def _training_metrics(trainers: dict[str, dict[str, Any]]) -> Iterable[Metric]:
+    """Each trainer's latest TrainingStatus (as pushed to ingress), labelled by trainer and adapter."""
+    if not trainers:
+        return
+    labels = ["trainer", "adapter"]
+    for name, path, doc in _TRAINING_GAUGES:
+        family = GaugeMetricFamily(f"{PREFIX}_training_{name}", doc, labels=labels)
+        for trainer, status in trainers.items():
+            value: Any = status
+            for part in path.split("."):
+                value = value.get(part) if isinstance(value, dict) else None
+            if isinstance(value, (int, float)):
+                family.add_metric([trainer, str(status.get("adapter", ""))], float(value))
+        yield family
+    for name, key, doc in _TRAINING_COUNTERS:
+        family = CounterMetricFamily(f"{PREFIX}_training_{name}", doc, labels=labels)
+        for trainer, status in trainers.items():
+            family.add_metric([trainer, str(status.get("adapter", ""))],
+                              float((status.get("totals") or {}).get(key, 0) or 0))
+        yield family
+    staleness = HistogramMetricFamily(f"{PREFIX}_training_staleness",
+                                      "Versions between sampling and training, per rollout", labels=labels)
+    for trainer, status in trainers.items():
+        buckets, total = _buckets(status.get("staleness_hist") or {}, STALENESS_BUCKETS)
+        staleness.add_metric([trainer, str(status.get("adapter", ""))], buckets, total)
+    yield staleness
+
+
+def _buckets(counts: dict, bounds: tuple[float, ...]) -> tuple[list[tuple[str, float]], float]:
+    """Cumulative Prometheus buckets and the sum of an exact {value: count} table."""
     items = sorted((float(k), int(v)) for k, v in counts.items())
     buckets = []
     for bound in (*bounds, float("inf")):
         buckets.append(("+Inf" if bound == float("inf") else str(bound), sum(c for v, c in items if v <= bound)))
-    total = sum(v * c for v, c in items)
+    return buckets, sum(v * c for v, c in items)
+
+
+def _histogram(name: str, doc: str, counts: dict, bounds: tuple[float, ...]) -> HistogramMetricFamily:
+    buckets, total = _buckets(counts, bounds)
     return HistogramMetricFamily(name, doc, buckets=buckets, sum_value=total)
 
 
@@ -145,6 +195,7 @@ class ServerMetrics:
         self.detok_stats: dict[str, Any] = {}
         self.engine_stats_at = 0.0
         self.detok_stats_at = 0.0
+        self.training: dict[str, dict[str, Any]] = {}   # trainer name -> its latest TrainingStatus
         r.register(_Snapshots(self))
 
     def set_engine_stats(self, stats: dict[str, Any]) -> None:
@@ -154,6 +205,9 @@ class ServerMetrics:
     def set_detok_stats(self, stats: dict[str, Any]) -> None:
         self.detok_stats = dict(stats or {})
         self.detok_stats_at = time.monotonic()
+
+    def set_training_status(self, status: dict[str, Any]) -> None:
+        self.training[str(status.get("trainer", ""))] = dict(status)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -338,6 +338,23 @@ class Rollout(Message, tag="rollout"):
     finished_at: float = 0.0
 
 
+class TrainingStatus(Message, tag="training_status"):
+    """A trainer's state after each step, pushed to ingress (GET /v1/training/status, /metrics)."""
+
+    trainer: str
+    adapter: str
+    state: Literal["starting", "running", "stopped", "failed"] = "running"
+    step: int = 0
+    version: int = 0
+    steps_planned: int = 0
+    last: dict[str, Any] = {}           # the latest step's metrics (loss, reward_mean, ...)
+    totals: dict[str, Any] = {}         # counters since the trainer (re)started its run
+    staleness_hist: dict[str, int] = {}
+    resumed_from: str = ""
+    error: str = ""
+    updated_at: float = 0.0
+
+
 # --------------------------------------------------------------------------- supervisor
 
 class Ready(Message, tag="ready"):
@@ -393,7 +410,7 @@ SupervisorInbound = Union[Ready, Heartbeat, Fatal]
 ControlMessage = Union[StageDown, StageUp, Drain, Shutdown]
 AnyMessage = Union[TextSubmit, Tokenize, Detokenize, Submit, Score, Abort, Pause, Resume, Query,
                    AdapterPublish, AdapterUnload, Track, StepOutputs, RequestError, QueryReply,
-                   Hello, Welcome, Outputs, Rollout, Ready, Heartbeat, Fatal, StageDown, StageUp,
+                   Hello, Welcome, Outputs, Rollout, TrainingStatus, Ready, Heartbeat, Fatal, StageDown, StageUp,
                    Drain, Shutdown]
 
 

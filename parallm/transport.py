@@ -23,7 +23,7 @@ M = TypeVar("M")
 
 # Fixed offsets from tcp_base_port, one per bound endpoint; tokenizers take the ports after the last.
 _TCP_OFFSETS = {"engine": 0, "detok": 1, "router": 2, "supervisor": 3, "control": 4, "rollouts": 5,
-                "adapters": 6, "tokenizer": 7}
+                "adapters": 6, "training": 7, "tokenizer": 8}
 MAX_FRAME_BYTES = 512 << 20
 _max_frame_bytes = MAX_FRAME_BYTES
 
@@ -47,12 +47,13 @@ class Addresses:
     control: str         # supervisor PUB: StageDown, StageUp, Drain, Shutdown
     rollouts: str        # detokenizer PUB: Rollout, topic = adapter name
     adapters: str        # engine SUB (bound): trainers' PUBs connect and publish AdapterPublish
+    training: str        # ingress PULL: trainers push TrainingStatus
     tokenizers: tuple[str, ...] = field(default_factory=tuple)  # tokenizer PULLs
 
     def public(self) -> dict[str, str]:
         """What a raw client needs, as sent in Welcome."""
         return {"engine": self.engine, "router": self.router, "control": self.control,
-                "rollouts": self.rollouts, "adapters": self.adapters,
+                "rollouts": self.rollouts, "adapters": self.adapters, "training": self.training,
                 "tokenizers": ",".join(self.tokenizers)}
 
 
@@ -76,7 +77,7 @@ def addresses(config: Config) -> Addresses:
         tokenizers = tuple(f"tcp://{t.tcp_host}:{first + i}" for i in range(n_tok))
     return Addresses(engine=at("engine"), detok=at("detok"), router=at("router"),
                      supervisor=at("supervisor"), control=at("control"), rollouts=at("rollouts"),
-                     adapters=at("adapters"), tokenizers=tokenizers)
+                     adapters=at("adapters"), training=at("training"), tokenizers=tokenizers)
 
 
 def _configure(sock: zmq.Socket, hwm: int) -> None:

@@ -10,7 +10,7 @@ from pathlib import Path
 from parallm.config import Config
 from parallm.runtime import die_with_parent, setup_logging
 
-STAGES = ("ingress", "tokenizer", "engine", "detokenizer")
+STAGES = ("ingress", "tokenizer", "engine", "detokenizer", "trainer")
 
 
 def main() -> int:

@@ -16,6 +16,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator
 
+import msgspec
 import zmq
 import zmq.asyncio
 
@@ -62,6 +63,9 @@ class ZmqBackend:
         self.to_tokenizers = Sender(open_socket(runtime.ctx, zmq.PUSH, addrs.tokenizers, bind=False, hwm=hwm))
         self.to_engine = Sender(open_socket(runtime.ctx, zmq.PUSH, addrs.engine, bind=False, hwm=hwm))
         self.decoder = protocol.Decoder(protocol.ClientInbound)
+        self.training_in = open_socket(self.actx, zmq.PULL, addrs.training, bind=True, hwm=hwm)
+        self.training_decoder = protocol.Decoder(protocol.TrainingStatus)
+        self.trainers: dict[str, protocol.TrainingStatus] = {}
         self.pending: dict[str, _Pending] = {}
         self.replies: dict[str, asyncio.Future] = {}
         self.stages_down: set[str] = set()
@@ -82,7 +86,8 @@ class ZmqBackend:
                 raise RuntimeError("the detokenizer's router never answered Hello")
         self.tasks = [asyncio.create_task(self._read(), name="ingress-read"),
                       asyncio.create_task(self._control(), name="ingress-control"),
-                      asyncio.create_task(self._poll_stats(), name="ingress-stats")]
+                      asyncio.create_task(self._poll_stats(), name="ingress-stats"),
+                      asyncio.create_task(self._read_training(), name="ingress-training")]
 
     async def stop(self) -> None:
         for task in self.tasks:
@@ -107,6 +112,25 @@ class ZmqBackend:
                 future = self.replies.pop(message.qid, None)
                 if future is not None and not future.done():
                     future.set_result(message)
+
+    async def _read_training(self) -> None:
+        """Trainers' TrainingStatus pushes: kept (latest per trainer) for /v1/training/status and /metrics."""
+        while True:
+            frame = await self.training_in.recv()
+            try:
+                status = self.training_decoder.decode(frame)
+            except protocol.ProtocolError as exc:
+                log.warning("dropped a malformed training status: %s", exc)
+                continue
+            self.trainers[status.trainer] = status
+            self.metrics.set_training_status(msgspec.structs.asdict(status))
+
+    def training_status(self) -> dict[str, Any]:
+        now = time.time()
+        trainers = [{**msgspec.structs.asdict(s), "age_s": round(max(0.0, now - s.updated_at), 3)}
+                    for s in self.trainers.values()]
+        return {"object": "training.status", "active": any(t["state"] in ("starting", "running") for t in trainers),
+                "trainers": trainers}
 
     def _deliver(self, rid: str, item: Any) -> None:
         pending = self.pending.get(rid)

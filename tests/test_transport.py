@@ -14,7 +14,7 @@ def test_addresses_derive_from_config(tmp_path):
     tcp = addresses(build_config(environ={}, overrides={"transport": {"kind": "tcp", "tcp_base_port": 7000}}))
     assert tcp.engine == "tcp://127.0.0.1:7000"
     assert len({tcp.engine, tcp.detok, tcp.router, tcp.supervisor, tcp.control, tcp.rollouts, tcp.adapters,
-                *tcp.tokenizers}) == 8
+                tcp.training, *tcp.tokenizers}) == 9
 
 
 def test_malformed_frames_are_dropped_not_raised(tmp_path):

@@ -2,6 +2,7 @@
 
 - POST /generate (and /generate/): vLLM's, TRL's and the MLX RL Inference Server's shapes on one route;
 - GET /v1/policy: the current policy version of every adapter (the engine's "policy" query);
+- GET /v1/training/status: what each trainer (parallm-train) last reported;
 - POST /v1/pause {mode: keep|abort}, POST /v1/resume, POST /v1/abort {request_ids | all}: protocol
   Pause / Resume / Abort forwarded to the engine through the backend's optional `control()`.
 
@@ -105,6 +106,12 @@ class RLRoutes:
         versions.setdefault("", 0)
         return json_response({"object": "policy", "versions": versions, "current_policy_version": versions[""]})
 
+    async def training_status(self, request: Request) -> Response:
+        """Every trainer that reported to this server: its state, step, version, latest metrics."""
+        status = getattr(self.backend, "training_status", None)
+        body = status() if status is not None else {"object": "training.status", "active": False, "trainers": []}
+        return json_response(body)
+
     async def _control(self, message: Pause | Resume | Abort) -> Any:
         control = getattr(self.backend, "control", None)
         if control is None:
@@ -152,5 +159,6 @@ def rl_routes(backend: Backend, server: ServerConfig, gate: Any, endpoint: Any) 
         Route("/v1/pause", endpoint(rl.pause), methods=["POST"]),
         Route("/v1/resume", endpoint(rl.resume), methods=["POST"]),
         Route("/v1/abort", endpoint(rl.abort), methods=["POST"]),
+        Route("/v1/training/status", endpoint(rl.training_status), methods=["GET"]),
     ]
 
