@@ -1,0 +1,116 @@
+"""The RL loop end to end: parallm-launch serving the default model with its supervised trainer
+(GRPO, LoRA) on a built-in task; reports the reward curve and the step timings.
+
+    PYTHONPATH=$PWD python -m perf.bench_train --config perf/configs/train_length_cpu.toml \
+        --out perf/results/train-cpu
+
+Writes OUT.json (every step's metrics line, the config, the machine), OUT.md and OUT.png (reward
+mean ± std and completion length against the step).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "tests"))  # tests/e2e/server.py starts parallm-launch
+
+
+def run(config: str, steps: int | None, timeout_s: float) -> tuple[list[dict], dict]:
+    from e2e.server import Server
+
+    from parallm.config import build_config
+
+    work = Path(tempfile.mkdtemp(prefix="parallm-train-bench-"))
+    args = ["--config", config, "--trainer.checkpointing.dir", str(work / "ckpt")]
+    if steps:
+        args += ["--trainer.rl-training.steps", str(steps)]
+    planned = steps or build_config(file=config, environ={}).trainer.rl_training.steps
+    metrics = work / "ckpt" / "metrics.jsonl"
+    t0 = time.monotonic()
+    with Server(*args, ready_timeout=600) as server:
+        while True:
+            lines = metrics.read_text().splitlines() if metrics.exists() else []
+            if len(lines) >= planned:
+                break
+            if time.monotonic() - t0 > timeout_s:
+                raise SystemExit(f"only {len(lines)} of {planned} steps in {timeout_s:.0f} s:\n{server.output()}")
+            time.sleep(2)
+    rows = [json.loads(line) for line in lines]
+    return rows, {"wall_s": round(time.monotonic() - t0, 1), "checkpoints": str(work / "ckpt")}
+
+
+def plot(rows: list[dict], path: Path, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    steps = [r["step"] for r in rows]
+    mean = [r["reward_mean"] for r in rows]
+    std = [r["reward_std"] for r in rows]
+    fig, (ax, ax2) = plt.subplots(2, 1, figsize=(7, 6), sharex=True)
+    ax.plot(steps, mean, marker="o", ms=3, label="mean reward")
+    ax.fill_between(steps, [m - s for m, s in zip(mean, std)], [m + s for m, s in zip(mean, std)], alpha=0.2,
+                    label="± std")
+    ax.set_ylabel("reward")
+    ax.set_ylim(-0.05, 1.05)
+    ax.legend(loc="lower right")
+    ax.set_title(title)
+    ax2.plot(steps, [r["completion_len_mean"] for r in rows], marker="o", ms=3, color="tab:orange")
+    ax2.set_ylabel("completion tokens (mean)")
+    ax2.set_xlabel("GRPO step (= adapter version - 1)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--config", default=str(ROOT / "perf/configs/train_length_cpu.toml"))
+    parser.add_argument("--steps", type=int, default=None, help="override rl_training.steps")
+    parser.add_argument("--timeout", type=float, default=3600)
+    parser.add_argument("--out", default=str(ROOT / "perf/results/train-cpu"))
+    args = parser.parse_args()
+    rows, info = run(args.config, args.steps, args.timeout)
+    first, last = rows[:5], rows[-5:]
+    summary = {
+        "reward_first5": sum(r["reward_mean"] for r in first) / len(first),
+        "reward_last5": sum(r["reward_mean"] for r in last) / len(last),
+        "step_s_mean": sum(r["step_s"] + r["rollout_wait_s"] for r in rows) / len(rows),
+        "train_s_mean": sum(r["train_s"] for r in rows) / len(rows),
+        "rollout_wait_s_mean": sum(r["rollout_wait_s"] for r in rows) / len(rows),
+        "publish_ms_mean": 1000 * sum(r["publish_s"] for r in rows) / len(rows),
+        "rollouts_dropped_stale": rows[-1]["rollouts_dropped_stale"],
+    }
+    machine = f"{platform.machine()} {platform.system()}, {os.cpu_count()} cores"
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    command = "PYTHONPATH=$PWD python -m perf.bench_train " + " ".join(sys.argv[1:])
+    out.with_suffix(".json").write_text(json.dumps({"command": command, "machine": machine,
+                                                    "config": Path(args.config).read_text(), **info,
+                                                    "summary": summary, "steps": rows}, indent=1) + "\n")
+    plot(rows, out.with_suffix(".png"), f"GRPO, length task, default model ({machine})")
+    lines = [f"# RL loop on the CPU: GRPO + LoRA on the length task\n", f"Command: `{command}`  ",
+             f"Machine: {machine}; wall time {info['wall_s']} s for {len(rows)} steps.\n",
+             f"Mean reward, first 5 steps: {summary['reward_first5']:.3f}; last 5: {summary['reward_last5']:.3f}.  ",
+             f"Per step: {summary['step_s_mean']:.1f} s ({summary['rollout_wait_s_mean']:.1f} s waiting for rollouts, "
+             f"{summary['train_s_mean']:.1f} s GRPO update, {summary['publish_ms_mean']:.1f} ms publish → served).\n",
+             "| step | version | reward mean | reward std | completion tokens | loss | step s |",
+             "|---:|---:|---:|---:|---:|---:|---:|"]
+    for r in rows:
+        lines.append(f"| {r['step']} | {r['version']} | {r['reward_mean']:.3f} | {r['reward_std']:.3f} | "
+                     f"{r['completion_len_mean']:.1f} | {r['loss']:.4f} | {r['step_s'] + r['rollout_wait_s']:.1f} |")
+    lines.append(f"\n![reward curve]({out.with_suffix('.png').name})")
+    out.with_suffix(".md").write_text("\n".join(lines) + "\n")
+    print(json.dumps(summary, indent=1))
+
+
+if __name__ == "__main__":
+    main()
