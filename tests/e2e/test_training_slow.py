@@ -32,7 +32,11 @@ def test_mean_reward_rises_within_24_steps(tmp_path):
             time.sleep(2)
         status = trainers[0]
         policy = httpx.get(f"{srv.url}/v1/policy", timeout=10).json()["versions"]
-        assert any("trainer finished" in line for line in srv.lines)
+        finished_by = time.monotonic() + 60  # the status is sent just before the process exits
+        while not any("trainer finished" in line for line in srv.lines):
+            assert time.monotonic() < finished_by, srv.output()
+            time.sleep(0.5)
+        assert "trainer" not in srv.stage_pids()        # exit 0 after its steps: not restarted
     rows = [json.loads(line) for line in metrics.read_text().splitlines()]
     rewards = [r["reward_mean"] for r in rows]
     first, last = sum(rewards[:5]) / 5, sum(rewards[-5:]) / 5
