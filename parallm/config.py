@@ -12,7 +12,8 @@ import json
 import os
 import sys
 from pathlib import Path
-from typing import Annotated, Any, Literal, Mapping, Sequence, get_args, get_origin, get_type_hints
+from types import UnionType
+from typing import Annotated, Any, Literal, Mapping, Sequence, Union, get_args, get_origin, get_type_hints
 
 import msgspec
 from msgspec import Meta, Struct
@@ -41,15 +42,34 @@ class ModelConfig(Struct, frozen=True, kw_only=True, forbid_unknown_fields=True)
 
 class EngineConfig(Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     max_num_seqs: Annotated[int, _d("most sequences decoded together (rows of the live batch)")] = 64
-    max_prefill_tokens: Annotated[int, _d("prompt tokens prefilled per step (the chunk budget)")] = 512
+    max_prefill_tokens: Annotated[int, _d("prompt tokens prefilled per step (the chunk budget); 0 = auto: 256 on "
+                                          "MLX's CPU device, 512 elsewhere")] = 0
     max_prefill_rows: Annotated[int, _d("sequences prefilled together in one pass")] = 16
     kv_budget_mb: Annotated[int, _d("KV memory for live rows and the prefix cache, MiB; 0 = auto")] = 0
     block_size: Annotated[int, _d("tokens per prefix-cache block")] = 16
     prefix_cache: Annotated[bool, _d("reuse the KV of shared prompt prefixes")] = True
-    overlap: Annotated[bool, _d("build and launch step t+1 before reading step t's tokens")] = True
+    overlap: Annotated[bool | None, _d("build and launch step t+1 before reading step t's tokens; unset = auto: "
+                                       "on with a GPU, off on MLX's CPU device")] = None
     compile: Annotated[bool, _d("fuse the decode step with mx.compile where the backend supports it")] = True
     default_max_tokens: Annotated[int, _d("max_tokens when a request gives none")] = 256
     seed: Annotated[int, _d("seed for requests that give none")] = 0
+
+
+def resolve_engine_config(config: EngineConfig, on_cpu: bool) -> EngineConfig:
+    """The engine settings left to 'auto' decided for the device.
+
+    On MLX's CPU device the step's compute is the CPU itself, so launching step t+1 before reading
+    step t hides little and costs every new request two steps of time to first token (its first
+    token is read a step late, and a finished sequence's row is freed a step late); smaller prefill
+    passes let the first prompts of a burst start decoding sooner. Measured on the 2-core CPU
+    (docs/scheduling.md): 16 concurrent chat streams, TTFT p50 3.1 s -> 0.9 s, same throughput.
+    """
+    changes: dict[str, Any] = {}
+    if config.overlap is None:
+        changes["overlap"] = not on_cpu
+    if config.max_prefill_tokens == 0:
+        changes["max_prefill_tokens"] = 256 if on_cpu else 512
+    return msgspec.structs.replace(config, **changes) if changes else config
 
 
 class TokenizerConfig(Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -239,6 +259,9 @@ def iter_options(struct_type: type = Config, prefix: str = "") -> list[tuple[str
 
 def _parse_scalar(text: str, typ: Any, where: str) -> Any:
     origin = get_origin(typ)
+    optional = [a for a in get_args(typ) if a is not type(None)] if origin in (Union, UnionType) else []
+    if len(optional) == 1:
+        return _parse_scalar(text, optional[0], where)
     try:
         if typ is bool:
             low = text.strip().lower()
@@ -363,8 +386,8 @@ def _check(config: Config) -> None:
     problems = []
     if config.engine.max_num_seqs < 1:
         problems.append("engine.max_num_seqs must be >= 1")
-    if config.engine.max_prefill_tokens < 1:
-        problems.append("engine.max_prefill_tokens must be >= 1")
+    if config.engine.max_prefill_tokens < 0:
+        problems.append("engine.max_prefill_tokens must be >= 0 (0 = auto)")
     if config.engine.block_size < 1:
         problems.append("engine.block_size must be >= 1")
     if config.tokenizer.replicas < 1:

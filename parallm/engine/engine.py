@@ -15,7 +15,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from parallm.adapters import AdapterError, AdapterManager, LoadedAdapter
-from parallm.config import EngineConfig
+from parallm.config import EngineConfig, resolve_engine_config
 from parallm.protocol import Usage
 
 from .blocks import BlockManager
@@ -63,6 +63,7 @@ class Engine:
         `prefix_pool_fraction` of the budget holds the prefix cache, the rest the live rows;
         `adapter_history` versions of each adapter name are kept (config.rl.adapter_history)."""
         self.model = model
+        config = resolve_engine_config(config, mx.default_device() == mx.cpu)
         self.config = config
         info = check_model(model)
         self.model_type = info.model_type
