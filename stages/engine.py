@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections import Counter
 from typing import Any
 
 import zmq
@@ -111,6 +112,8 @@ class EngineStage:
         self.held: dict[str, tuple[float, protocol.Submit]] = {}  # rid -> (since, request) waiting for a version
         self.step_count = 0
         self.received = 0
+        self.loop_time: Counter[str] = Counter()  # seconds per loop phase, over working iterations
+        self.loop_steps = 0
 
     # ------------------------------------------------------------------ messages
     def handle(self, message: Any) -> None:
@@ -239,7 +242,9 @@ class EngineStage:
     def stats(self) -> dict[str, Any]:
         stats = self.engine.stats()
         stats.update(held_for_version=len(self.held), paused=self.paused, received=self.received,
-                     dropped_frames=self.inbox.dropped)
+                     dropped_frames=self.inbox.dropped,
+                     stage_loop_steps=self.loop_steps,
+                     stage_ms_mean={k[:-2]: 1000 * v / max(1, self.loop_steps) for k, v in self.loop_time.items()})
         return stats
 
     # ------------------------------------------------------------------ faults
@@ -270,8 +275,12 @@ class EngineStage:
 
     # ------------------------------------------------------------------ loop
     def run(self) -> int:
+        """The loop. `loop_time` splits each working iteration into inbox (draining sockets and
+        control), step (the engine), send (encoding and pushing the outputs) and beat."""
         beat_ms = max(1, int(self.config.supervisor.heartbeat_s * 1000))
+        clock, spent = time.perf_counter, self.loop_time
         while not self.rt.shutting_down:
+            t0 = clock()
             for message in self.adapter_sub.drain():
                 self.safely(message)
             for message in self.inbox.drain():
@@ -281,18 +290,27 @@ class EngineStage:
                 self.retry_held()
             paused_owing = self.paused and self.engine.owes_outputs()
             if paused_owing or (self.engine.has_work() and not self.paused):
+                t1 = clock()
                 try:
                     outputs = self.engine.flush() if paused_owing else self.engine.step()
                 except Exception as exc:  # noqa: BLE001 - e.g. MLX out of memory: fail fast, get restarted
                     return self.fail_in_flight(exc)
+                t2 = clock()
                 self.step_count += 1
                 if outputs:
                     self.out.send(protocol.StepOutputs(step=self.step_count, time=time.time(),
                                                        batch_size=self.engine.last_batch_size,
                                                        outputs=[to_delta(o) for o in outputs]))
+                t3 = clock()
+                self.rt.heartbeat(self.stats)
+                self.loop_steps += 1
+                spent["inbox_s"] += t1 - t0
+                spent["step_s"] += t2 - t1
+                spent["send_s"] += t3 - t2
+                spent["beat_s"] += clock() - t3
             else:
                 self.poller.poll(beat_ms)  # the loop top drains whichever socket woke us
-            self.rt.heartbeat(self.stats)
+                self.rt.heartbeat(self.stats)
         return 0
 
 
