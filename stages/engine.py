@@ -107,6 +107,7 @@ class EngineStage:
         self.poller = zmq.Poller()
         self.poller.register(self.inbox.sock, zmq.POLLIN)
         self.poller.register(sub, zmq.POLLIN)
+        self.poller.register(runtime.control.sock, zmq.POLLIN)
         self.paused = False
         self.pause_mode = "keep"
         self.held: dict[str, tuple[float, protocol.Submit]] = {}  # rid -> (since, request) waiting for a version
@@ -275,42 +276,52 @@ class EngineStage:
 
     # ------------------------------------------------------------------ loop
     def run(self) -> int:
-        """The loop. `loop_time` splits each working iteration into inbox (draining sockets and
-        control), step (the engine), send (encoding and pushing the outputs) and beat."""
+        """The loop: one poll of every socket (without waiting while there is work; up to a
+        heartbeat while idle), drain the ready ones, one engine step, its outputs out.
+        `loop_time` splits each working iteration into inbox (polling and handling messages),
+        step (the engine), send (encoding and pushing the outputs) and beat."""
         beat_ms = max(1, int(self.config.supervisor.heartbeat_s * 1000))
         clock, spent = time.perf_counter, self.loop_time
+        control = self.rt.control.sock
+        timeout = 0
         while not self.rt.shutting_down:
             t0 = clock()
-            for message in self.adapter_sub.drain():
-                self.safely(message)
-            for message in self.inbox.drain():
-                self.safely(message)
-            self.rt.poll_control()
+            ready = dict(self.poller.poll(timeout))
+            if ready:
+                if self.adapter_sub.sock in ready:
+                    for message in self.adapter_sub.drain():
+                        self.safely(message)
+                if self.inbox.sock in ready:
+                    for message in self.inbox.drain():
+                        self.safely(message)
+                if control in ready:
+                    self.rt.poll_control()
             if self.held:
                 self.retry_held()
             paused_owing = self.paused and self.engine.owes_outputs()
-            if paused_owing or (self.engine.has_work() and not self.paused):
-                t1 = clock()
-                try:
-                    outputs = self.engine.flush() if paused_owing else self.engine.step()
-                except Exception as exc:  # noqa: BLE001 - e.g. MLX out of memory: fail fast, get restarted
-                    return self.fail_in_flight(exc)
-                t2 = clock()
-                self.step_count += 1
-                if outputs:
-                    self.out.send(protocol.StepOutputs(step=self.step_count, time=time.time(),
-                                                       batch_size=self.engine.last_batch_size,
-                                                       outputs=[to_delta(o) for o in outputs]))
-                t3 = clock()
+            if not (paused_owing or (self.engine.has_work() and not self.paused)):
+                timeout = beat_ms  # idle: the next poll waits for a message
                 self.rt.heartbeat(self.stats)
-                self.loop_steps += 1
-                spent["inbox_s"] += t1 - t0
-                spent["step_s"] += t2 - t1
-                spent["send_s"] += t3 - t2
-                spent["beat_s"] += clock() - t3
-            else:
-                self.poller.poll(beat_ms)  # the loop top drains whichever socket woke us
-                self.rt.heartbeat(self.stats)
+                continue
+            timeout = 0
+            t1 = clock()
+            try:
+                outputs = self.engine.flush() if paused_owing else self.engine.step()
+            except Exception as exc:  # noqa: BLE001 - e.g. MLX out of memory: fail fast, get restarted
+                return self.fail_in_flight(exc)
+            t2 = clock()
+            self.step_count += 1
+            if outputs:
+                self.out.send(protocol.StepOutputs(step=self.step_count, time=time.time(),
+                                                   batch_size=self.engine.last_batch_size,
+                                                   outputs=[to_delta(o) for o in outputs]))
+            t3 = clock()
+            self.rt.heartbeat(self.stats)
+            self.loop_steps += 1
+            spent["inbox_s"] += t1 - t0
+            spent["step_s"] += t2 - t1
+            spent["send_s"] += t3 - t2
+            spent["beat_s"] += clock() - t3
         return 0
 
 
