@@ -1,9 +1,12 @@
 """Adapter benchmark: publish -> first token under the new version, and mixed-batch throughput.
 
     PYTHONPATH=$PWD python -m perf.bench_adapters [--rows 16] [--tokens 48] [--publishes 30]
+    python -m perf.bench_adapters --shape smollm2-135m --tokenizer-dir DIR --name adapters-gpu   # on a GPU
 
 In-process engine on the default model (float32 on CPU), rank-16 LoRA on q_proj and v_proj of
-all layers (what the issue's goal names). Writes perf/results/adapters-cpu.{json,md}.
+all layers (what the issue's goal names). Writes perf/results/adapters-cpu.{json,md}. With
+`--shape`, a random-weight model of that shape (perf.bench_gpu; the GPU machine has no model
+files) in its stored dtype instead, written to perf/results/<name>.{json,md}.
 
 - publish latency: safetensors bytes of a new version in hand -> `load_adapter` (parse, validate,
   cast) -> the first token sampled under that version, (a) by a new request arriving with the
@@ -105,6 +108,83 @@ def publish_latency(engine: Engine, model, publishes: int, follow: bool) -> list
     return lat
 
 
+def served_publish_latency(model_dir: Path, publishes: int, streams: int = 8) -> list[float]:
+    """Through parallm-launch: a trainer's AdapterPublisher sends version v on the engine's adapters
+    SUB socket and a raw client at once submits a request that needs v (min_version, hold policy);
+    the time until that request's first token (tagged v) reaches the client, while `streams`
+    base-model streams keep the engine stepping."""
+    import asyncio
+
+    from parallm.client import AsyncClient, ClientError
+    from parallm.training.publisher import AdapterPublisher
+    from perf.bench_gpu import Served
+
+    server = Served(model_dir, 32, ["--rl.staleness-policy", "hold"], kv_budget_mb=2048)
+    blobs = [lora_blob_for_dir(model_dir, k) for k in range(publishes + 1)]
+
+    async def run() -> list[float]:
+        lat = []
+        async with AsyncClient(server.router, timeout=600) as client:
+            pub = AdapterPublisher(client.welcome.addresses["adapters"])
+            pub.publish("pol", 1, blobs[0][1], blobs[0][0])
+            for _ in range(100):  # until version 1 is loaded (a request for an unknown adapter is a 404)
+                try:
+                    await first_token(client, 1, "warm")
+                    break
+                except ClientError:
+                    await asyncio.sleep(0.1)
+            busy = [asyncio.create_task(drain_stream(client, i)) for i in range(streams)]
+            await asyncio.sleep(0.5)
+            for k in range(1, publishes + 1):
+                t0 = time.perf_counter()
+                pub.publish("pol", k + 1, blobs[k][1], blobs[k][0])
+                await first_token(client, k + 1, f"n{k}")
+                lat.append(1000 * (time.perf_counter() - t0))
+                await asyncio.sleep(0.02)
+            await client.abort(all=True)
+            for task in busy:
+                task.cancel()
+            pub.close(0)
+        return lat
+
+    async def first_token(client, version: int, tag: str) -> None:
+        async for out in client.stream([1, 504, 3458, 282, 2, 77 + version], greedy(1), adapter="pol",
+                                       min_version=version):
+            if out.token_ids:
+                assert out.version == version, (out.version, version)
+                return
+
+    async def drain_stream(client, i: int) -> None:
+        try:
+            async for _ in client.stream([1, 600 + i, 30], greedy(4000)):
+                pass
+        except Exception:  # noqa: BLE001 - aborted at the end
+            pass
+
+    try:
+        return asyncio.run(run())
+    finally:
+        server.stop()
+
+
+def lora_blob_for_dir(model_dir: Path, seed: int) -> tuple[dict, bytes]:
+    """lora_blob for a model directory's shape, without loading the model (numpy, rank 16)."""
+    import numpy as np
+
+    cfg = json.loads((model_dir / "config.json").read_text())
+    rng = np.random.default_rng(seed)
+    h, hd = cfg["hidden_size"], cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
+    outs = {"q_proj": cfg["num_attention_heads"] * hd, "v_proj": cfg["num_key_value_heads"] * hd}
+    w = {}
+    for layer in range(cfg["num_hidden_layers"]):
+        for proj, o in outs.items():
+            path = f"model.layers.{layer}.self_attn.{proj}"
+            w[f"{path}.lora_a"] = mx.array((rng.standard_normal((h, 16)) / h ** 0.5).astype(np.float32))
+            w[f"{path}.lora_b"] = mx.array((rng.standard_normal((16, o)) * 0.02).astype(np.float32))
+    config = {"fine_tune_type": "lora", "num_layers": -1, "lora_parameters": {"rank": 16, "scale": 2.0, "dropout": 0.0}}
+    return config, save_bytes(w)
+
+
 def summary(xs: list[float]) -> dict:
     xs = sorted(xs)
     return {"n": len(xs), "p50_ms": round(statistics.median(xs), 2), "p90_ms": round(xs[int(0.9 * (len(xs) - 1))], 2),
@@ -112,7 +192,7 @@ def summary(xs: list[float]) -> dict:
 
 
 def report(r: dict) -> str:
-    lines = ["# Adapters on CPU", "", f"Command: `{r['command']}`  ", f"Machine: {r['machine']}; OpenBLAS preloaded: "
+    lines = [f"# Adapters on {r.get('device', 'CPU')}", "", f"Command: `{r['command']}`  ", f"Machine: {r['machine']}; OpenBLAS preloaded: "
              f"{r['openblas_preloaded']}; load average at start {tuple(round(x, 1) for x in r['loadavg_at_start'])}, "
              f"at end {tuple(round(x, 1) for x in r['loadavg_at_end'])}.  ",
              f"Model: {r['model']}; adapter: {r['adapter']} ({r['blob_bytes']} bytes of safetensors).", "",
@@ -122,8 +202,11 @@ def report(r: dict) -> str:
         lines.append(f"| {k} | {v} | {r['relative_to_base'][k]} |")
     lines += ["", "## Publish -> first token under the new version", "", "| measure | n | p50 ms | p90 ms | min | max |",
               "|---|---|---|---|---|---|"]
-    for k in ("load_adapter_only", "publish_to_first_token_new_request", "publish_to_first_token_running_streams"):
-        m = r[k]
+    for k in ("load_adapter_only", "publish_to_first_token_new_request", "publish_to_first_token_running_streams",
+              "served_publish_to_first_token_new_request"):
+        m = r.get(k)
+        if m is None:
+            continue
         lines.append(f"| {k} | {m['n']} | {m['p50_ms']} | {m['p90_ms']} | {m['min_ms']} | {m['max_ms']} |")
     return "\n".join(lines) + "\n"
 
@@ -137,8 +220,22 @@ def main() -> int:
     ap.add_argument("--rows", type=int, default=16)
     ap.add_argument("--tokens", type=int, default=48)
     ap.add_argument("--publishes", type=int, default=30)
+    ap.add_argument("--shape", default="", help="a perf.bench_gpu shape with random weights instead of the default model")
+    ap.add_argument("--tokenizer-dir", type=Path, help="with --shape: a directory with tokenizer.json etc.")
+    ap.add_argument("--work-dir", type=Path, default=Path("/tmp/parallm-bench-gpu"))
+    ap.add_argument("--name", default="adapters-cpu", help="results file name (NAME.json, NAME.md)")
+    ap.add_argument("--out-dir", type=Path, default=OUT)
+    ap.add_argument("--served", action="store_true", help="with --shape: also publish through parallm-launch")
     args = ap.parse_args()
-    loaded = load_model(ModelConfig(dtype="float32"))
+    if args.shape:
+        from perf.bench_gpu import build_model_dir, device_name
+
+        model_dir = build_model_dir(args.shape, args.work_dir / args.shape, args.tokenizer_dir)
+        loaded = load_model(ModelConfig(path=str(model_dir)))
+        described = f"random weights of the {args.shape} shape, {loaded.dtype}, {device_name()}"
+    else:
+        loaded = load_model(ModelConfig(dtype="float32"))
+        described = "SmolLM2-135M (default), float32, CPU"
     model = loaded.model
 
     def engine() -> Engine:
@@ -148,8 +245,9 @@ def main() -> int:
     res: dict = {"command": "PYTHONPATH=$PWD python -m perf.bench_adapters " + " ".join(sys.argv[1:]),
                  "machine": f"{platform.machine()} {os.cpu_count()} cores, {platform.platform()}",
                  "openblas_preloaded": blas.is_preloaded(),
-                 "loadavg_at_start": os.getloadavg(), "model": "SmolLM2-135M (default), float32, CPU",
-                 "adapter": "LoRA rank 16 on q_proj+v_proj of all 30 layers", "rows": args.rows,
+                 "loadavg_at_start": os.getloadavg(), "model": described, "mlx": mx.__version__,
+                 "device": str(mx.default_device()),
+                 "adapter": f"LoRA rank 16 on q_proj+v_proj of all {len(model.layers)} layers", "rows": args.rows,
                  "decode_tokens": args.tokens}
     e = engine()
     tp = {"base_no_adapters": throughput(e, [""], args.rows, args.tokens, "b")}
@@ -173,10 +271,15 @@ def main() -> int:
         res.setdefault("_load", []).append(1000 * (time.perf_counter() - t1))
     res["load_adapter_only"] = summary(res.pop("_load"))
     res["blob_bytes"] = len(lora_blob(model, 16, 0)[1])
+    res["step_ms_mean"] = e2.stats()["step_ms_mean"]
+    if args.served and args.shape:
+        del e, e2
+        res["served_publish_to_first_token_new_request"] = summary(
+            served_publish_latency(model_dir, args.publishes))
     res["loadavg_at_end"] = os.getloadavg()
-    OUT.mkdir(parents=True, exist_ok=True)
-    (OUT / "adapters-cpu.json").write_text(json.dumps(res, indent=2))
-    (OUT / "adapters-cpu.md").write_text(report(res))
+    args.out_dir.mkdir(parents=True, exist_ok=True)
+    (args.out_dir / f"{args.name}.json").write_text(json.dumps(res, indent=2))
+    (args.out_dir / f"{args.name}.md").write_text(report(res))
     print(json.dumps(res, indent=2))
     return 0
 

@@ -48,6 +48,11 @@ SHAPES: dict[str, dict[str, Any]] = {
                      num_attention_heads=32, num_key_value_heads=8, head_dim=128, rms_norm_eps=1e-6,
                      vocab_size=151936, rope_theta=1000000.0, tie_word_embeddings=False,
                      max_position_embeddings=40960, dtype="bfloat16", quantize_bits=4),
+    # the default model's shape (SmolLM2-135M-Instruct), for the adapter benchmark on a GPU
+    "smollm2-135m": dict(model_type="llama", hidden_size=576, num_hidden_layers=30, intermediate_size=1536,
+                         num_attention_heads=9, num_key_value_heads=3, head_dim=64, rms_norm_eps=1e-5,
+                         vocab_size=49152, rope_theta=100000.0, tie_word_embeddings=True,
+                         max_position_embeddings=8192, dtype="bfloat16"),
     "tiny": dict(model_type="llama", hidden_size=256, num_hidden_layers=4, intermediate_size=512,
                  num_attention_heads=4, num_key_value_heads=2, head_dim=64, rms_norm_eps=1e-5, vocab_size=50000,
                  rope_theta=10000.0, tie_word_embeddings=True, max_position_embeddings=4096, dtype="float32"),
@@ -199,14 +204,15 @@ async def served_run(router: str, batch: list[list[int]], max_tokens: int, concu
 
 
 class Served:
-    def __init__(self, model_dir: Path, max_seqs: int) -> None:
+    def __init__(self, model_dir: Path, max_seqs: int, extra: list[str] | None = None,
+                 kv_budget_mb: int = KV_BUDGET_MB) -> None:
         self.run_dir = tempfile.mkdtemp(prefix="bench-gpu-")
         self.log = open(Path(self.run_dir) / "launch.log", "w+")
         argv = [sys.executable, "-m", "launch", "--model", str(model_dir), "--port", str(free_port()),
                 "--transport.run-dir", self.run_dir, "--engine.max-num-seqs", str(max_seqs),
                 "--engine.max-prefill-tokens", "8192", "--engine.max-prefill-rows", "64",
-                "--engine.kv-budget-mb", str(KV_BUDGET_MB),
-                "--supervisor.stall-after-s", "0"]
+                "--engine.kv-budget-mb", str(kv_budget_mb),
+                "--supervisor.stall-after-s", "0", *(extra or [])]
         self.proc = subprocess.Popen(argv, stdout=self.log, stderr=subprocess.STDOUT, cwd=ROOT,
                                      start_new_session=True)
         deadline = time.monotonic() + 900
