@@ -148,9 +148,9 @@ def test_unknown_adapter_and_versions_are_refused_per_request():
     assert not engine.has_work()
 
 
-def _versions_engine(history=64):
+def _versions_engine(history=64, **config):
     model = tiny_model("llama")
-    engine = make_engine(model, max_num_seqs=32)
+    engine = make_engine(model, max_num_seqs=32, **config)
     engine.adapters.history = history
     passes: list[list[tuple[str, int]]] = []
     bind = engine.adapters.router.bind
@@ -239,3 +239,27 @@ def test_history_keeps_last_k_versions_and_running_sequences_keep_theirs():
     assert len(out[("old", 0)]["tokens"]) >= 19  # finished under the evicted version 1
     st = engine.stats()
     assert st["adapter_versions_kept"] == 2 and st["adapter_bytes"] > 0
+
+
+def test_first_token_of_a_new_version_is_read_in_the_step_that_samples_it():
+    """With overlap a pass is read one step after its launch; the first pass under a newly loaded
+    version is read at once (what a trainer waits for after publishing), later ones overlap again."""
+    model, engine, _ = _versions_engine(overlap=True)  # auto would turn it off on the CPU
+    config, w = _random_adapter(model, seed=1)
+    engine.load_adapter("pol", config=config, weights=save_bytes(w))
+    engine.add_request(Request(rid="base", prompt_ids=[3, 4, 5], params=greedy(40)))
+    engine.add_request(Request(rid="old", prompt_ids=[3, 4, 5], params=greedy(40), adapter="pol"))
+    for _ in range(4):
+        engine.step()
+    assert engine.owes_outputs()  # steady decode: one pass in flight between steps
+    config, w = _random_adapter(model, seed=2)
+    engine.load_adapter("pol", config=config, weights=save_bytes(w))
+    engine.follow_latest()
+    outs = engine.step()
+    assert any(o.version == 2 and o.token_ids for o in outs), [(o.rid, o.version) for o in outs]
+    assert not engine.owes_outputs()  # that pass was read, not left in flight
+    engine.step()
+    assert engine.owes_outputs()  # and overlap resumes
+    assert engine.stats()["adapter_load_to_first_token_ms"] is not None
+    run_all(engine)
+    engine.check_integrity()

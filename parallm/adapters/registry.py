@@ -43,6 +43,7 @@ class LoadedAdapter:
     source: str = "inline"
     loaded_at: float = 0.0
     uid: int = field(default_factory=lambda: next(_uids))
+    first_token_at: float = 0.0  # when the engine read the first token sampled under this version
 
     @property
     def identity(self) -> str:

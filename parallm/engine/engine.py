@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import os
 import time
-from collections import Counter
+from collections import Counter, deque
 from typing import Sequence as Seq
 
 import mlx.core as mx
@@ -102,6 +102,7 @@ class Engine:
         self._prompt_computed = 0
         self._generated = 0
         self._last_batch = 0
+        self._swap_ms: deque[float] = deque(maxlen=64)  # adapter load -> its first token read, ms
 
     # ------------------------------------------------------------------ requests
     def add_request(self, request: Request) -> None:
@@ -210,7 +211,10 @@ class Engine:
 
         launched = self._launch()
         t3 = time.perf_counter()
-        keep = 1 if (launched and self.config.overlap) else 0
+        # overlap keeps the pass just launched in flight and reads it next step, after launching
+        # the following one; a pass sampling the first token of a newly loaded adapter version is
+        # read now instead, so that token (what a trainer waits for) is not held back by a launch
+        keep = 1 if (launched and self.config.overlap and not self._launches[-1].fresh) else 0
         while len(self._launches) > keep:
             self._read(self._launches.pop(0), outputs)
         t4 = time.perf_counter()
@@ -238,6 +242,9 @@ class Engine:
                 inputs = known
         positions = [s.scheduled_outputs for s in seqs]
         launch = self.runner.decode(seqs, inputs, positions)
+        if self.adapters.published:
+            launch.fresh = list({id(s.lora): s.lora for s in seqs
+                                 if s.lora is not None and not s.lora.first_token_at}.values())
         for s in seqs:
             s.num_computed += 1
             s.inflight += 1
@@ -249,6 +256,10 @@ class Engine:
     def _read(self, launch: Launch, outputs: dict) -> None:
         out = launch.out
         tokens = out.tokens.tolist()
+        for lora in launch.fresh:
+            if not lora.first_token_at:
+                lora.first_token_at = time.time()
+                self._swap_ms.append(1000 * (lora.first_token_at - lora.loaded_at))
         lps = out.logprobs.tolist() if out.logprobs is not None else None
         top_ids = out.top_ids.tolist() if out.top_ids is not None else None
         top_lps = out.top_logprobs.tolist() if out.top_logprobs is not None else None
@@ -406,6 +417,7 @@ class Engine:
             "prompt_tokens_computed": self._prompt_computed, "prompt_tokens_cached": s.prefix_hit_tokens,
             "generated_tokens": self._generated,
             "step_ms_mean": {k[:-2]: 1000 * v / n for k, v in t.items()},
+            "adapter_load_to_first_token_ms": sorted(self._swap_ms)[len(self._swap_ms) // 2] if self._swap_ms else None,
             **self.runner.stats(),
             **self.adapters.stats(),
         }

@@ -26,6 +26,7 @@ class Launch:
     row_of: dict[int, int] = field(default_factory=dict)  # seq_id -> row in this pass
     launched_at: float = 0.0
     versions: list[int] = field(default_factory=list)  # adapter version each row ran under
+    fresh: list = field(default_factory=list)  # adapter versions sampling their first token in this pass
 
 
 class ModelRunner:
