@@ -203,6 +203,29 @@ async def served_run(router: str, batch: list[list[int]], max_tokens: int, concu
     return {"tok_s": tokens / wall, "ttft_p50_s": ttfts[len(ttfts) // 2] if ttfts else float("nan")}
 
 
+async def engine_stats(router: str) -> dict[str, Any]:
+    from parallm.client import AsyncClient
+
+    async with AsyncClient(router, timeout=60) as client:
+        return await client.query("stats")
+
+
+def stats_delta(before: dict[str, Any], after: dict[str, Any]) -> dict[str, Any]:
+    """The served engine's per-step means over the steps between two stats snapshots: its own
+    phases (`step_ms_mean`, as the in-process engine reports them) and the stage loop's split
+    (`stage_ms_mean`: inbox, step, send, beat)."""
+    def delta(key: str, steps_key: str) -> dict[str, float]:
+        n0, n1 = before.get(steps_key, 0), after.get(steps_key, 0)
+        if n1 <= n0:
+            return {}
+        return {k: round((v * n1 - before.get(key, {}).get(k, 0.0) * n0) / (n1 - n0), 4)
+                for k, v in after.get(key, {}).items()}
+
+    return {"steps": after.get("steps", 0) - before.get("steps", 0),
+            "step_ms_mean": delta("step_ms_mean", "steps"),
+            "stage_ms_mean": delta("stage_ms_mean", "stage_loop_steps")}
+
+
 class Served:
     def __init__(self, model_dir: Path, max_seqs: int, extra: list[str] | None = None,
                  kv_budget_mb: int = KV_BUDGET_MB) -> None:
@@ -257,9 +280,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tokenizer-dir", type=Path, required=True, help="a directory with tokenizer.json etc.")
     parser.add_argument("--work-dir", type=Path, default=Path(tempfile.gettempdir()) / "parallm-bench-gpu")
     parser.add_argument("--targets", default="batchgen,engine,served")
+    parser.add_argument("--warm-tokens", type=int, default=0,
+                        help="output tokens of each level's warm-up run (0: --max-tokens); fewer fit a long "
+                             "level into one call")
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args(argv)
     levels = [int(c) for c in args.concurrency.split(",")]
+    warm_tokens = args.warm_tokens or args.max_tokens
     targets = args.targets.split(",")
 
     from mlx_lm.utils import load_model
@@ -290,10 +317,11 @@ def main(argv: list[str] | None = None) -> int:
             asyncio.run(served_run(server.router, prompts(2, 16, 99), 4, 2))
             for c in levels:
                 batch = prompts(c, args.prompt_len, c)
-                asyncio.run(served_run(server.router, batch, args.max_tokens, c))  # warm: kernels for these shapes
-                record({"target": "served", "concurrency": c,
-                        **asyncio.run(served_run(server.router, prompts(c, args.prompt_len, c + 1),
-                                                 args.max_tokens, c))})
+                asyncio.run(served_run(server.router, batch, warm_tokens, c))  # warm: kernels for these shapes
+                before = asyncio.run(engine_stats(server.router))
+                entry = asyncio.run(served_run(server.router, prompts(c, args.prompt_len, c + 1), args.max_tokens, c))
+                record({"target": "served", "concurrency": c, **entry,
+                        **stats_delta(before, asyncio.run(engine_stats(server.router)))})
         finally:
             server.stop()
     from mlx_lm.utils import load_model
@@ -308,11 +336,11 @@ def main(argv: list[str] | None = None) -> int:
     for c in levels:
         warm, batch = prompts(c, args.prompt_len, c), prompts(c, args.prompt_len, c + 1)
         if "batchgen" in targets:
-            run_batchgen(model, warm, args.max_tokens)
+            run_batchgen(model, warm, warm_tokens)
             record({"target": "batchgen", "concurrency": c, **run_batchgen(model, batch, args.max_tokens)})
             gc.collect()
         if "engine" in targets:
-            run_engine(model, warm, args.max_tokens, max_len)
+            run_engine(model, warm, warm_tokens, max_len)
             record({"target": "engine", "concurrency": c, **run_engine(model, batch, args.max_tokens, max_len)})
             gc.collect()
     ratios = {}

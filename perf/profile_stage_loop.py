@@ -1,0 +1,102 @@
+"""The engine stage's own cost per step, without MLX: a fake engine that returns `--batch`
+outputs per step drives `EngineStage.run()`; a thread drains the detokenizer socket. What is
+left per loop iteration is the stage's polling, encoding, sending and heartbeat work.
+
+    PYTHONPATH=$PWD python -m perf.profile_stage_loop --batch 1,256 --steps 5000 --out perf/results/stage-loop-cpu.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import zmq
+
+from parallm.config import build_config
+from parallm.engine.request import SeqOutput
+from parallm.runtime import StageRuntime
+from parallm.transport import open_socket
+
+
+class FakeEngine:
+    """Returns `batch` one-token outputs per step; the stage shuts down after `steps` steps."""
+
+    def __init__(self, rt: StageRuntime, batch: int, steps: int) -> None:
+        self.rt, self.batch, self.steps, self.n = rt, batch, steps, 0
+        self.last_batch_size = batch
+        self.rids = [f"{i:032x}" for i in range(batch)]
+
+    def has_work(self) -> bool:
+        return True
+
+    def owes_outputs(self) -> bool:
+        return False
+
+    def step(self) -> list[SeqOutput]:
+        self.n += 1
+        if self.n >= self.steps:
+            self.rt.shutting_down = True
+        return [SeqOutput(rid=rid, index=0, token_ids=[self.n], adapter="", version=0) for rid in self.rids]
+
+    def request_ids(self) -> list[str]:
+        return []
+
+    def stats(self) -> dict:
+        return {}
+
+
+def measure(batch: int, steps: int) -> dict:
+    from stages.engine import EngineStage
+
+    config = build_config(environ={}, overrides={"transport": {"run_dir": tempfile.mkdtemp(prefix="stage-loop-")}})
+    ctx = zmq.Context()
+    rt = StageRuntime(config, "engine", ctx=ctx)
+    detok = open_socket(ctx, zmq.PULL, rt.addrs.detok, bind=True)
+    received = [0]
+
+    def sink() -> None:
+        while received[0] < steps - 1 and detok.poll(2000):
+            detok.recv()
+            received[0] += 1
+
+    thread = threading.Thread(target=sink, daemon=True)
+    thread.start()
+    stage = EngineStage(config, rt, FakeEngine(rt, batch, steps), {})
+    t0 = time.perf_counter()
+    stage.run()
+    wall = time.perf_counter() - t0
+    thread.join(10)
+    split = {k: round(1000 * v, 4) for k, v in stage.stats()["stage_ms_mean"].items()}  # ms -> us
+    # the context stays open: the runtime's heartbeat thread still holds a socket of it
+    return {"batch": batch, "steps": steps, "us_per_iteration": round(1e6 * wall / steps, 2),
+            "stage_us_mean": split, "received": received[0]}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--batch", default="1,256")
+    parser.add_argument("--steps", type=int, default=5000)
+    parser.add_argument("--out", type=Path)
+    args = parser.parse_args(argv)
+    result = {"command": "PYTHONPATH=$PWD python -m perf.profile_stage_loop " + " ".join(argv or sys.argv[1:]),
+              "machine": f"{platform.machine()} {os.cpu_count()} cores, {platform.platform()}",
+              "loadavg_at_start": os.getloadavg(), "runs": []}
+    for b in [int(x) for x in args.batch.split(",")]:
+        result["runs"].append(measure(b, args.steps))
+        print(json.dumps(result["runs"][-1]), flush=True)
+    result["loadavg_at_end"] = os.getloadavg()
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(result, indent=2) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
