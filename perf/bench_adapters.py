@@ -108,7 +108,7 @@ def publish_latency(engine: Engine, model, publishes: int, follow: bool) -> list
     return lat
 
 
-def served_publish_latency(model_dir: Path, publishes: int, streams: int = 8) -> list[float]:
+def served_publish_latency(model_dir: Path, publishes: int, streams: int = 8) -> tuple[list[float], dict]:
     """Through parallm-launch: a trainer's AdapterPublisher sends version v on the engine's adapters
     SUB socket and a raw client at once submits a request that needs v (min_version, hold policy);
     the time until that request's first token (tagged v) reaches the client, while `streams`
@@ -121,6 +121,8 @@ def served_publish_latency(model_dir: Path, publishes: int, streams: int = 8) ->
 
     server = Served(model_dir, 32, ["--rl.staleness-policy", "hold"], kv_budget_mb=2048)
     blobs = [lora_blob_for_dir(model_dir, k) for k in range(publishes + 1)]
+
+    engine_side: dict = {}
 
     async def run() -> list[float]:
         lat = []
@@ -141,6 +143,7 @@ def served_publish_latency(model_dir: Path, publishes: int, streams: int = 8) ->
                 await first_token(client, k + 1, f"n{k}")
                 lat.append(1000 * (time.perf_counter() - t0))
                 await asyncio.sleep(0.02)
+            engine_side.update(await client.query("stats"))
             await client.abort(all=True)
             for task in busy:
                 task.cancel()
@@ -162,9 +165,11 @@ def served_publish_latency(model_dir: Path, publishes: int, streams: int = 8) ->
             pass
 
     try:
-        return asyncio.run(run())
+        lat = asyncio.run(run())
     finally:
         server.stop()
+    keep = ("adapter_load_to_first_token_ms", "step_ms_mean", "stage_ms_mean", "decode_batch_hist")
+    return lat, {k: engine_side.get(k) for k in keep}
 
 
 def lora_blob_for_dir(model_dir: Path, seed: int) -> tuple[dict, bytes]:
@@ -274,8 +279,9 @@ def main() -> int:
     res["step_ms_mean"] = e2.stats()["step_ms_mean"]
     if args.served and args.shape:
         del e, e2
-        res["served_publish_to_first_token_new_request"] = summary(
-            served_publish_latency(model_dir, args.publishes))
+        lat, engine_side = served_publish_latency(model_dir, args.publishes)
+        res["served_publish_to_first_token_new_request"] = summary(lat)
+        res["served_engine"] = engine_side
     res["loadavg_at_end"] = os.getloadavg()
     args.out_dir.mkdir(parents=True, exist_ok=True)
     (args.out_dir / f"{args.name}.json").write_text(json.dumps(res, indent=2))
