@@ -1,0 +1,36 @@
+#!/usr/bin/env bash
+# The GPU measurements of issues 5 and 8, one `run` call each (../shared/GPU.md says how MLX gets
+# there). Call 1 of a fresh machine: carry [".gpu/a"], `mkdir -p /tmp/gpu && cp .gpu/a/* /tmp/gpu/`;
+# the next call carries [".gpu/b", ".gpu-tok"] (install) and later ones only [".gpu-tok"] while the
+# machine stays warm:   bash perf/gpu_runs.sh <what>     (results and logs land in $OUT)
+#   diag      served vs in-process single-stream decode, llama-3.2-3b (perf/profile_served.py), ~3 min
+#   llama     perf/bench_gpu.py llama-3.2-3b at 1 and 256, ~4 min
+#   adapters  perf/bench_adapters.py on the smollm2-135m shape, in-process and served, ~2 min
+#   qwen-a    qwen3-8b 4-bit at 1 and 64, 128 tokens, ~5 min
+#   qwen-b    qwen3-8b 4-bit at 256, 64 tokens (warm-up 8), ~6 min
+set -uo pipefail
+case "${1:-}" in diag|llama|adapters|qwen-a|qwen-b) ;; *) sed -n 2,14p "$0"; exit 2 ;; esac
+OUT=${OUT:-/tmp/out}
+mkdir -p "$OUT"
+if [ -d /tmp/site/mlx ] && [ ! -f .gpu/b/install.sh ]; then
+  export PYTHONPATH=/tmp/site:$PWD${PYTHONPATH:+:$PYTHONPATH}
+  NV=$(python3 -c "import nvidia, os; print(os.path.dirname(nvidia.__path__[0]))" 2>/dev/null)/nvidia
+  export LD_LIBRARY_PATH=$(ls -d $NV/*/lib 2>/dev/null | tr '\n' ':')${LD_LIBRARY_PATH:-}
+else
+  source .gpu/b/install.sh || exit 3
+fi
+TOK=.gpu-tok
+WORK=/tmp/bg
+nvidia-smi --query-gpu=name,memory.used --format=csv,noheader
+case "${1:-}" in
+  diag)     python3 -m perf.profile_served --shape llama-3.2-3b --tokenizer-dir $TOK --work-dir $WORK \
+              --out "$OUT/gpu-profile-served-llama-3.2-3b.json" ;;
+  llama)    python3 -m perf.bench_gpu --shape llama-3.2-3b --concurrency 1,256 --max-tokens 128 --prompt-len 128 \
+              --tokenizer-dir $TOK --work-dir $WORK --out "$OUT/gpu-llama-3.2-3b-c1-c256.json" ;;
+  adapters) python3 -m perf.bench_adapters --shape smollm2-135m --tokenizer-dir $TOK --work-dir $WORK \
+              --rows 16 --tokens 48 --publishes 30 --served --name adapters-gpu --out-dir "$OUT" ;;
+  qwen-a)   python3 -m perf.bench_gpu --shape qwen3-8b --concurrency 1,64 --max-tokens 128 --prompt-len 128 \
+              --tokenizer-dir $TOK --work-dir $WORK --out "$OUT/gpu-qwen3-8b-4bit-c1-c64.json" ;;
+  qwen-b)   python3 -m perf.bench_gpu --shape qwen3-8b --concurrency 256 --max-tokens 64 --warm-tokens 8 \
+              --prompt-len 128 --tokenizer-dir $TOK --work-dir $WORK --out "$OUT/gpu-qwen3-8b-4bit-c256.json" ;;
+esac
