@@ -26,6 +26,7 @@ from parallm import protocol
 from parallm.client import Client, ClientError
 from parallm.config import RLTrainingConfig
 from parallm.protocol import SamplingParams
+from parallm.transport import open_socket
 
 from .tasks import Conversation, Task, TaskPrompt
 
@@ -150,9 +151,8 @@ class SubscribedRollouts:
     def __init__(self, address: str, *, adapter: str, decode: Decode, group_size: int, group_timeout_s: float,
                  ctx: zmq.Context | None = None) -> None:
         self.ctx = ctx or zmq.Context.instance()
-        self.sock = self.ctx.socket(zmq.SUB)
+        self.sock = open_socket(self.ctx, zmq.SUB, address, bind=False)
         self.sock.setsockopt(zmq.SUBSCRIBE, adapter.encode())
-        self.sock.connect(address)
         self.adapter = adapter
         self.decode = decode
         self.group_size = group_size

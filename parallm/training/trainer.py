@@ -32,6 +32,7 @@ import zmq
 from parallm import protocol
 from parallm.client import Client
 from parallm.config import ModelConfig, TrainerConfig
+from parallm.transport import Sender, open_socket
 
 from . import checkpoint
 from .grpo import GRPOUpdater, LossConfig, Sample, StepStats, group_advantages
@@ -92,12 +93,9 @@ class Trainer:
         self.client = Client(self.router, timeout=self.cfg.server.timeout_s, identity=f"{self.name}-{os.getpid()}")
         addrs = self.client.welcome.addresses
         self.publisher = AdapterPublisher(addrs["adapters"], ctx=self._ctx)
-        self.status_out: zmq.Socket | None = None
+        self.status_out: Sender | None = None
         if addrs.get("training"):
-            self.status_out = self._ctx.socket(zmq.PUSH)
-            self.status_out.setsockopt(zmq.SNDHWM, 16)
-            self.status_out.setsockopt(zmq.LINGER, 500)
-            self.status_out.connect(addrs["training"])
+            self.status_out = Sender(open_socket(self._ctx, zmq.PUSH, addrs["training"], bind=False, hwm=16))
         self.ckpt_dir = Path(self.cfg.checkpointing.dir)
         self.metrics_path = Path(self.cfg.checkpointing.metrics_file or self.ckpt_dir / "metrics.jsonl")
         self.metrics_path.parent.mkdir(parents=True, exist_ok=True)
@@ -365,10 +363,7 @@ class Trainer:
     def send_status(self, state: str, error: str = "") -> None:
         if self.status_out is None:
             return
-        try:
-            self.status_out.send(protocol.encode(self.status(state, error)), zmq.NOBLOCK)
-        except zmq.Again:
-            pass
+        self.status_out.send(self.status(state, error), block=False)
 
     def close(self) -> None:
         """Close every socket (a `run()` already closed the rollout source; closing twice is fine)."""
@@ -382,5 +377,5 @@ class Trainer:
         if publisher is not None:
             publisher.close(linger_ms=1000)
         if getattr(self, "status_out", None) is not None:
-            self.status_out.close()
+            self.status_out.sock.close(linger=500)  # let the final "stopped" status leave
         self._ctx.destroy(linger=0)
