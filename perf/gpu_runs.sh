@@ -8,8 +8,9 @@
 #   adapters  perf/bench_adapters.py on the smollm2-135m shape, in-process and served, ~2 min
 #   qwen-a    qwen3-8b 4-bit at 1 and 64, 128 tokens, ~5 min
 #   qwen-b    qwen3-8b 4-bit at 256, 64 tokens (warm-up 8), ~6 min
+#   launch    MLX CUDA command-buffer settings vs per-step launch cost (perf/profile_launch.py), ~5 min
 set -uo pipefail
-case "${1:-}" in diag|llama|adapters|qwen-a|qwen-b) ;; *) sed -n 2,14p "$0"; exit 2 ;; esac
+case "${1:-}" in diag|llama|adapters|qwen-a|qwen-b|launch) ;; *) sed -n 2,11p "$0"; exit 2 ;; esac
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
 if [ -d /tmp/site/mlx ] && [ ! -f .gpu/b/install.sh ]; then
@@ -33,4 +34,6 @@ case "${1:-}" in
               --tokenizer-dir $TOK --work-dir $WORK --out "$OUT/gpu-qwen3-8b-4bit-c1-c64.json" ;;
   qwen-b)   python3 -m perf.bench_gpu --shape qwen3-8b --concurrency 256 --max-tokens 64 --warm-tokens 8 \
               --prompt-len 128 --tokenizer-dir $TOK --work-dir $WORK --out "$OUT/gpu-qwen3-8b-4bit-c256.json" ;;
+  launch)   python3 -m perf.profile_launch --tokenizer-dir $TOK --work-dir $WORK --served \
+              --out "$OUT/gpu-launch-settings.json" ;;
 esac
