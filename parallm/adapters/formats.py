@@ -24,7 +24,7 @@ from typing import Any, Literal
 import mlx.core as mx
 
 from .errors import AdapterError
-from .safetensors_io import load_bytes
+from .safetensors_io import Target, read_bytes
 
 Format = Literal["auto", "mlx", "peft"]
 FLOATS = (mx.float32, mx.float16, mx.bfloat16)
@@ -92,8 +92,17 @@ def detect(config: dict[str, Any], names: list[str]) -> Literal["mlx", "peft"]:
                        "PEFT's lora_alpha, and no tensor is named like lora_a / lora_A")
 
 
-def parse(config: dict[str, Any], weights: bytes | dict[str, mx.array], fmt: Format = "auto") -> ParsedAdapter:
-    tensors = load_bytes(weights) if isinstance(weights, (bytes, bytearray, memoryview)) else dict(weights)
+def parse(config: dict[str, Any], weights: bytes | dict[str, mx.array], fmt: Format = "auto",
+          dtype: mx.Dtype | None = None) -> ParsedAdapter:
+    """The adapter on its own, checked; AdapterError when it is not one.
+
+    Weights given as bytes have their lora_a / lora_b read in `dtype` when given (DoRA's `m`
+    keeps its own): one cast per stored dtype instead of one per tensor.
+    """
+    if isinstance(weights, (bytes, bytearray, memoryview)):
+        tensors, nonfinite = read_bytes(weights, None if dtype is None else _lora_weights_in(dtype))
+    else:
+        tensors, nonfinite = dict(weights), None
     if not tensors:
         raise AdapterError("the adapter has no tensors")
     for name, t in tensors.items():
@@ -105,15 +114,24 @@ def parse(config: dict[str, Any], weights: bytes | dict[str, mx.array], fmt: For
     if fmt == "auto":
         fmt = detect(config, list(tensors))
     parsed = _parse_mlx(config, tensors) if fmt == "mlx" else _parse_peft(config, tensors)
-    _check_finite(tensors)
+    _reject_nonfinite(nonfinite_names(tensors) if nonfinite is None else nonfinite)
     return parsed
 
 
-def _check_finite(tensors: dict[str, mx.array]) -> None:
+def _lora_weights_in(dtype: mx.Dtype) -> Target:
+    return lambda name: None if name.endswith(".m") else dtype
+
+
+def nonfinite_names(tensors: dict[str, mx.array]) -> list[str]:
+    """Names of the tensors holding NaN or inf, in order; one evaluation and one sync for all."""
     names = list(tensors)
-    flags = [mx.all(mx.isfinite(tensors[n])) for n in names]
-    mx.eval(flags)
-    bad = [n for n, ok in zip(names, flags) if not ok.item()]
+    if not names:
+        return []
+    flags = mx.stack([mx.all(mx.isfinite(tensors[n])) for n in names])
+    return [n for n, ok in zip(names, flags.tolist()) if not ok]
+
+
+def _reject_nonfinite(bad: list[str]) -> None:
     if bad:
         more = f" (and {len(bad) - 3} more)" if len(bad) > 3 else ""
         raise AdapterError(f"tensor {bad[0]!r}{''.join(', ' + repr(b) for b in bad[1:3])}{more} holds NaN or "

@@ -23,7 +23,7 @@ import mlx.nn as nn
 from mlx.utils import tree_unflatten
 
 from .errors import AdapterError
-from .formats import Format, ModuleLoRA, ParsedAdapter, parse, read_dir
+from .formats import Format, ModuleLoRA, ParsedAdapter, nonfinite_names, parse, read_dir
 from .lora import LoRARouter, MultiLoRALinear, compute_dtype, dense_weight, linear_dims
 
 NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.\-/]{0,127}$")
@@ -79,6 +79,9 @@ class AdapterManager:
                 self.linears[path] = module
             elif path:
                 self.other_modules[path] = type(module).__name__
+        dtypes = {compute_dtype(linear) for linear in self.linears.values()}
+        # one compute type for every layer: safetensors bytes are cast to it per dtype group as they're read
+        self.dtype = dtypes.pop() if len(dtypes) == 1 else None
         layers = getattr(model, "layers", None)
         self.num_layers = len(layers) if layers is not None else 0
         self.published = 0
@@ -196,7 +199,7 @@ class AdapterManager:
             source = str(Path(path))
         if not weights:
             raise AdapterError("no adapter weights: give safetensors bytes inline or a path")
-        parsed = parse(config or {}, weights, fmt)
+        parsed = parse(config or {}, weights, fmt, dtype=self.dtype)
         modules, gains = self._bind(parsed)
         nbytes = sum(m.a.nbytes + m.b.nbytes + (m.m.nbytes if m.m is not None else 0) for m in modules.values())
         nbytes += sum(g.nbytes for g in gains.values())
@@ -241,7 +244,7 @@ class AdapterManager:
         if not modules:
             raise AdapterError("the adapter targets no layer")
         mx.eval([(x.a, x.b) for x in modules.values()], list(gains.values()))
-        bad = [p for p, g in gains.items() if not mx.all(mx.isfinite(g)).item()]
+        bad = nonfinite_names(gains)
         if bad:
             raise AdapterError(f"DoRA gains of {bad[0]} are not finite (a zero-norm adapted weight?)")
         return modules, gains
