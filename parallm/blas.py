@@ -11,13 +11,20 @@ environment (`openblas_env`) or by re-executing the current process (`reexec_wit
 
 from __future__ import annotations
 
+import ctypes
 import ctypes.util
 import importlib.metadata
+import logging
+import math
 import os
 import platform
 import sys
 import tempfile
+import time
 from pathlib import Path
+from typing import Callable
+
+log = logging.getLogger(__name__)
 
 MARK = "PARALLM_BLAS_PRELOADED"
 
@@ -101,14 +108,17 @@ def openblas_env(env: dict[str, str] | None = None) -> dict[str, str] | None:
 
 
 def default_threads() -> int:
-    """OpenBLAS threads for the engine: half the cores it may use (at least one). The other
-    stages and the clients share the machine; a full-width pool on busy cores collapsed (decode at
-    batch 16: 12.9 tok/s with the default pool vs 51.4 with one thread, perf/results/engine-cpu.md)."""
+    """The OpenBLAS pool of the engine: every core it may use. How many of them a call uses is
+    governed at run time (`ThreadGovernor`), because a full-width pool on cores that another
+    process keeps busy collapses (see the class)."""
+    return len(_cpus())
+
+
+def _cpus() -> list[int]:
     try:
-        cores = len(os.sched_getaffinity(0))
+        return sorted(os.sched_getaffinity(0))
     except AttributeError:  # pragma: no cover - macOS
-        cores = os.cpu_count() or 1
-    return max(1, cores // 2)
+        return list(range(os.cpu_count() or 1))
 
 
 def is_preloaded() -> bool:
@@ -123,3 +133,98 @@ def reexec_with_openblas() -> None:
     if env is None:
         return
     os.execve(sys.executable, [sys.executable, *sys.orig_argv[1:]], env)
+
+
+CpuSample = tuple[float, float, float]  # (wall seconds, busy seconds of our cores, this process's CPU seconds)
+
+
+def cpu_sample(cpus: list[int] | None = None) -> CpuSample:
+    """Wall clock, the busy time of `cpus` (all of them by default) from /proc/stat, and the CPU
+    time of this process (every thread): their differences give what other processes used."""
+    wanted = None if cpus is None else {f"cpu{c}" for c in cpus}
+    hz = os.sysconf("SC_CLK_TCK")
+    busy = 0
+    with open("/proc/stat") as f:
+        for line in f:
+            if not line.startswith("cpu"):
+                break
+            name, *fields = line.split()
+            if name != "cpu" if wanted is None else name not in wanted:
+                continue
+            user, nice, system, _idle, _iowait, irq, softirq, steal = (int(x) for x in fields[:8])
+            busy += user + nice + system + irq + softirq + steal
+    return time.monotonic(), busy / hz, time.process_time()
+
+
+class ThreadGovernor:
+    """How many of its threads OpenBLAS uses, set from the cores other processes leave idle.
+
+    OpenBLAS splits a matmul over its threads and waits for all of them, so one thread that
+    another busy process keeps off its core stalls every call. Measured on the 2-core CI machine
+    (served HTTP, c=16, default model): 108 tok/s with 2 threads on a quiet machine against 80
+    with one; with one other process spinning on a core, 11 tok/s with 2 threads and still 80 with
+    one. So every `interval_s` the engine measures the CPU time other processes used on its cores
+    and uses the cores left over (at least one thread), changing only after two samples agree.
+    """
+
+    def __init__(self, set_threads: Callable[[int], None], max_threads: int, cpus: list[int], *,
+                 interval_s: float = 0.5, sample: Callable[[], CpuSample] | None = None) -> None:
+        self._set = set_threads
+        self.max_threads = max(1, max_threads)
+        self.cpus = cpus
+        self.interval_s = interval_s
+        self._sample = sample or (lambda: cpu_sample(cpus))
+        self._last = self._sample()
+        self._candidate = 0
+        self._pending = 0
+        self.threads = self.max_threads
+        self.others_busy = 0.0
+        self.changes = 0
+
+    @classmethod
+    def for_this_process(cls) -> "ThreadGovernor | None":
+        """A governor for the OpenBLAS preloaded into this process (None where there is none)."""
+        if not is_preloaded() or not os.path.exists("/proc/stat"):
+            return None
+        try:
+            lib = ctypes.CDLL(os.environ[MARK])
+            set_threads, get_threads = lib.openblas_set_num_threads, lib.openblas_get_num_threads
+        except (OSError, AttributeError):
+            return None
+        set_threads.argtypes = [ctypes.c_int]
+        get_threads.restype = ctypes.c_int
+        return cls(set_threads, int(get_threads()), _cpus())
+
+    def target(self, others_busy: float) -> int:
+        """Threads for a machine where other processes keep `others_busy` of our cores busy."""
+        free = len(self.cpus) - others_busy
+        return max(1, min(self.max_threads, math.floor(free + 0.5)))
+
+    def tick(self) -> None:
+        """Called from the engine's loop; samples at most every `interval_s`."""
+        if self.max_threads == 1 or time.monotonic() - self._last[0] < self.interval_s:
+            return
+        now = self._sample()
+        wall = now[0] - self._last[0]
+        others = (now[1] - self._last[1]) - (now[2] - self._last[2])
+        self._last = now
+        if wall <= 0:
+            return
+        self.others_busy = max(0.0, others / wall)
+        want = self.target(self.others_busy)
+        if want == self.threads:
+            self._candidate = self._pending = 0
+            return
+        self._pending = self._pending + 1 if want == self._candidate else 1
+        self._candidate = want
+        if self._pending >= 2:
+            log.info("OpenBLAS threads %d -> %d (other processes keep %.2f of %d cores busy)",
+                     self.threads, want, self.others_busy, len(self.cpus))
+            self._set(want)
+            self.threads = want
+            self.changes += 1
+            self._candidate = self._pending = 0
+
+    def stats(self) -> dict[str, float]:
+        return {"blas_threads": self.threads, "blas_others_busy_cores": round(self.others_busy, 2),
+                "blas_thread_changes": self.changes}

@@ -14,9 +14,10 @@ import time
 from collections import Counter
 from typing import Any
 
+import mlx.core as mx
 import zmq
 
-from parallm import protocol
+from parallm import blas, protocol
 from parallm.adapters import AdapterError
 from parallm.config import Config
 from parallm.engine import Engine, Request, RequestRejected, SeqOutput
@@ -108,6 +109,7 @@ class EngineStage:
         self.poller.register(self.inbox.sock, zmq.POLLIN)
         self.poller.register(sub, zmq.POLLIN)
         self.poller.register(runtime.control.sock, zmq.POLLIN)
+        self.blas = blas.ThreadGovernor.for_this_process() if mx.default_device() == mx.cpu else None
         self.paused = False
         self.pause_mode = "keep"
         self.held: dict[str, tuple[float, protocol.Submit]] = {}  # rid -> (since, request) waiting for a version
@@ -246,6 +248,8 @@ class EngineStage:
                      dropped_frames=self.inbox.dropped,
                      stage_loop_steps=self.loop_steps,
                      stage_ms_mean={k[:-2]: 1000 * v / max(1, self.loop_steps) for k, v in self.loop_time.items()})
+        if self.blas is not None:
+            stats.update(self.blas.stats())
         return stats
 
     # ------------------------------------------------------------------ faults
@@ -286,6 +290,8 @@ class EngineStage:
         timeout = 0
         while not self.rt.shutting_down:
             t0 = clock()
+            if self.blas is not None:
+                self.blas.tick()
             ready = dict(self.poller.poll(timeout))
             if ready:
                 if self.adapter_sub.sock in ready:
