@@ -113,7 +113,9 @@ class Supervisor:
         specs += [StageSpec("tokenizer", replica=i) for i in range(self.config.tokenizer.replicas)]
         specs.append(StageSpec("ingress"))
         if self.config.trainer.enabled:
-            specs.append(StageSpec("trainer", env=engine_env))
+            from parallm import blas
+
+            specs.append(StageSpec("trainer", env=blas.beside_engine_env(engine_env)))
         return specs
 
     # ------------------------------------------------------------------ run

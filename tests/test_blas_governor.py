@@ -92,3 +92,11 @@ def test_the_preloaded_openblas_takes_thread_counts() -> None:
         assert lib.openblas_get_num_threads() == 1
     finally:
         g._set(before)
+
+
+def test_the_trainer_beside_the_engine_keeps_half_the_cores() -> None:
+    env = {blas.MARK: "/x/libopenblas.so.0", "OPENBLAS_NUM_THREADS": str(blas.default_threads())}
+    assert blas.beside_engine_env(env)["OPENBLAS_NUM_THREADS"] == str(max(1, len(blas._cpus()) // 2))
+    assert blas.beside_engine_env({"A": "1"}) == {"A": "1"}
+    chosen = {**env, "OPENBLAS_NUM_THREADS": "7"}
+    assert blas.beside_engine_env(chosen) is chosen
