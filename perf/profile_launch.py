@@ -20,7 +20,6 @@ a fresh process (MLX reads them once) and reports, on the same random-weight mod
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
 import os
 import subprocess
@@ -103,25 +102,18 @@ def run_child(env_extra: dict[str, str], args: argparse.Namespace) -> dict[str, 
 
 
 def served_c1(settings: dict[str, str], args: argparse.Namespace) -> dict[str, Any]:
-    from perf.bench_gpu import Served, build_model_dir, engine_stats, prompts, served_run, stats_delta
+    """perf.profile_served's served single stream, parallm-launch started under `settings`."""
+    from perf.bench_gpu import build_model_dir
+    from perf.profile_served import served_variant
 
     model_dir = build_model_dir("llama-3.2-3b", args.work_dir / "llama-3.2-3b", args.tokenizer_dir)
     saved = dict(os.environ)
     os.environ.update(settings)
     try:
-        server = Served(model_dir, 256)
+        return served_variant(model_dir, args.max_tokens, 256)
     finally:
         os.environ.clear()
         os.environ.update(saved)
-    try:
-        asyncio.run(served_run(server.router, prompts(1, 128, 1), args.max_tokens, 1))
-        before = asyncio.run(engine_stats(server.router))
-        t0 = time.perf_counter()
-        run = asyncio.run(served_run(server.router, prompts(1, 128, 2), args.max_tokens, 1))
-        return {**run, "wall_s": time.perf_counter() - t0,
-                **stats_delta(before, asyncio.run(engine_stats(server.router)))}
-    finally:
-        server.stop()
 
 
 def main(argv: list[str] | None = None) -> int:
