@@ -51,6 +51,8 @@ class EngineConfig(Struct, frozen=True, kw_only=True, forbid_unknown_fields=True
     overlap: Annotated[bool | None, _d("build and launch step t+1 before reading step t's tokens; unset = auto: "
                                        "on with a GPU, off on MLX's CPU device")] = None
     compile: Annotated[bool, _d("fuse the decode step with mx.compile where the backend supports it")] = True
+    fast_math: Annotated[bool | None, _d("exp without libm in the model's SwiGLU and attention softmax (float32, "
+                                         "relative error <= 4e-7); unset = auto: on on MLX's CPU device")] = None
     default_max_tokens: Annotated[int, _d("max_tokens when a request gives none")] = 256
     seed: Annotated[int, _d("seed for requests that give none")] = 0
 
@@ -69,6 +71,8 @@ def resolve_engine_config(config: EngineConfig, on_cpu: bool) -> EngineConfig:
         changes["overlap"] = not on_cpu
     if config.max_prefill_tokens == 0:
         changes["max_prefill_tokens"] = 256 if on_cpu else 512
+    if config.fast_math is None:
+        changes["fast_math"] = on_cpu
     return msgspec.structs.replace(config, **changes) if changes else config
 
 

@@ -16,7 +16,7 @@ import mlx.nn as nn
 
 from parallm.adapters import AdapterError, AdapterManager, LoadedAdapter
 from parallm.config import EngineConfig, resolve_engine_config
-from parallm.protocol import Usage
+from parallm.protocol import SamplingParams, Usage
 
 from .blocks import BlockManager
 from .compat import check_model
@@ -86,7 +86,7 @@ class Engine:
                                    max_prefill_rows=max_prefill_rows or config.max_prefill_rows,
                                    writeback_interval=writeback_interval)
         self.runner = ModelRunner(model, info, vocab_size=self.vocab_size, pool_blocks=pool_blocks,
-                                  block_size=bs, compile=config.compile)
+                                  block_size=bs, compile=config.compile, fast_math=bool(config.fast_math))
         self.runner.eos_ids = self.eos_token_ids
         self.adapters = AdapterManager(model, history=adapter_history)
         self.runner.lora = self.adapters.router
@@ -316,6 +316,36 @@ class Engine:
         if seqs and all(s.is_finished for s in seqs):
             del self._requests[rid]
 
+    # ------------------------------------------------------------------ start-up
+    def warm_up(self) -> float:
+        """Run a few short requests through every kind of pass (one row alone; rows of different
+        lengths prefilled together, then decoded under a mask) so that what MLX builds on first
+        use is built before the first real request: on the CPU each fused elementwise loop is
+        compiled once by the system C++ compiler (cached under /tmp/mlx per machine, ~0.3 s each).
+        Leaves no request, cached block or counter behind; returns the seconds it took."""
+        if self.has_work():
+            raise RuntimeError("warm_up() must run before any request")
+        t0 = time.perf_counter()
+        vocab = max(2, self.vocab_size)
+        short = max(1, min(self.config.block_size - 4, self.max_model_len - 4))  # no full block to cache
+        params = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)
+        waves = [[short], [short, max(1, short // 2), max(1, short // 3)]]
+        for w, lengths in enumerate(waves):
+            for i, n in enumerate(lengths):
+                ids = [(7 * (i + j) + 1) % vocab for j in range(n)]
+                self.add_request(Request(rid=f"__warm_up_{w}_{i}", prompt_ids=ids, params=params))
+            while self.has_work():
+                self.step()
+        self._reset_counters()
+        return time.perf_counter() - t0
+
+    def _reset_counters(self) -> None:
+        self._steps = self._prompt_computed = self._generated = self._last_batch = 0
+        self._hist.clear()
+        self._timing.clear()
+        self._seq_counter = self._seed_counter = 0
+        self.scheduler.prefix_queried_tokens = self.scheduler.prefix_hit_tokens = 0
+
     # ------------------------------------------------------------------ adapters
     def load_adapter(self, name: str, *, config: dict | None = None, weights: bytes | dict | None = None,
                      path: str = "", format: str = "auto", version: int = 0) -> LoadedAdapter:
@@ -379,7 +409,7 @@ class Engine:
         for a in range(0, last, chunk):
             b = min(a + chunk, last)
             self.adapters.router.bind([lora])
-            logits = self.model(mx.array([ids[a:b]], dtype=mx.int32), cache=cache)[0]
+            logits = self.runner.call_model(mx.array([ids[a:b]], dtype=mx.int32), cache)[0]
             self.adapters.router.unbind()
             lo = max(a, start - 1)
             if lo >= b:

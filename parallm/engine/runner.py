@@ -9,6 +9,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from .cache import KVPool, LiveKV, PassContext
+from .fastmath import FastMath
 from .compat import ModelInfo
 from .sampling import BatchParams, PenaltyState, Sampler, SampleOut, log_softmax, top_of
 from .scheduler import CopyRow, InitRow, LoadPrefix, PrefillWork, Resize, RowOp, SwapRows, WriteBack
@@ -31,7 +32,7 @@ class Launch:
 
 class ModelRunner:
     def __init__(self, model: nn.Module, info: ModelInfo, *, vocab_size: int, pool_blocks: int,
-                 block_size: int, compile: bool = True) -> None:
+                 block_size: int, compile: bool = True, fast_math: bool = False) -> None:
         self.model = model
         self.info = info
         self.vocab_size = vocab_size
@@ -44,17 +45,25 @@ class ModelRunner:
         self._params: BatchParams | None = None
         self.eos_ids: list[int] = []
         self.lora = None  # parallm.adapters.LoRARouter: which adapter each row of a pass uses
+        self.fast_math = FastMath(model) if fast_math else None
 
     def _forward(self, seqs: list[Sequence], tokens: mx.array, cache) -> mx.array:
         """The model over `tokens`, row i under seqs[i]'s adapter; the graph is fixed on return."""
         lora = self.lora
-        if lora is None:
-            return self.model(tokens, cache=cache)
-        lora.bind([s.lora for s in seqs])
+        if lora is not None:
+            lora.bind([s.lora for s in seqs])
         try:
-            return self.model(tokens, cache=cache)
+            return self.call_model(tokens, cache)
         finally:
-            lora.unbind()
+            if lora is not None:
+                lora.unbind()
+
+    def call_model(self, tokens: mx.array, cache) -> mx.array:
+        """The model's graph over `tokens`, built with the fast-math kernels where enabled."""
+        if self.fast_math is None:
+            return self.model(tokens, cache=cache)
+        with self.fast_math:
+            return self.model(tokens, cache=cache)
 
     # ------------------------------------------------------------------ row operations
     def execute(self, ops: list[RowOp]) -> None:

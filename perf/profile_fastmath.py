@@ -1,0 +1,110 @@
+"""What parallm.engine.fastmath saves on MLX's CPU backend: kernels, then whole engine passes.
+
+Times mlx-lm's stock SwiGLU and attention against the libm-free ones at the default model's
+prefill (5 prompts x 45 tokens) and decode (16 rows) shapes, then the engine's prefill and
+batch-16 decode steps on the default model with `engine.fast_math` off and on.
+
+    python -m perf.profile_fastmath --out perf/results/fastmath-cpu.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def median_ms(fn: Callable[[], Any], repeats: int = 15) -> float:
+    import mlx.core as mx
+
+    mx.eval(fn())
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        mx.eval(fn())
+        times.append(time.perf_counter() - t0)
+    return 1000 * statistics.median(times)
+
+
+def kernels() -> list[dict[str, Any]]:
+    import mlx.core as mx
+    from mlx_lm.models import activations, base
+
+    from parallm.engine import fastmath
+
+    rows = []
+    for label, m in (("prefill 5x45", 225), ("decode 16", 16)):
+        gate, x = mx.random.normal((m, 1536)) * 4, mx.random.normal((m, 1536))
+        mx.eval(gate, x)
+        rows.append({"kernel": "swiglu", "shape": f"{label} (x 1536)",
+                     "stock_ms": median_ms(lambda: activations.swiglu(gate, x)),
+                     "fast_ms": median_ms(lambda: fastmath.swiglu(gate, x))})
+    for label, (B, L, T) in (("prefill 5x45", (5, 45, 80)), ("decode 16", (16, 1, 150))):
+        q, k, v = mx.random.normal((B, 9, L, 64)), mx.random.normal((B, 3, T, 64)), mx.random.normal((B, 3, T, 64))
+        mask = (mx.arange(T)[None, None] <= (mx.arange(T - L, T)[None, :, None]))[:, None]
+        mask = mx.broadcast_to(mask, (B, 1, L, T))
+        mx.eval(q, k, v, mask)
+        rows.append({"kernel": "attention", "shape": f"{label} (span {T})",
+                     "stock_ms": median_ms(lambda: base.scaled_dot_product_attention(q, k, v, None, 0.125, mask)),
+                     "fast_ms": median_ms(lambda: fastmath.scaled_dot_product_attention(q, k, v, None, 0.125, mask))})
+    return rows
+
+
+def engine_steps(fast: bool) -> dict[str, float]:
+    """Median step times: passes that prefill 5 prompts of 45 tokens (plus the running rows'
+    decode) and pure batch-16 decode steps."""
+    from parallm.config import EngineConfig, ModelConfig
+    from parallm.engine import Engine, Request
+    from parallm.models import load_model
+    from parallm.protocol import SamplingParams
+
+    loaded = load_model(ModelConfig())
+    engine = Engine(loaded.model, EngineConfig(max_num_seqs=16, prefix_cache=False, fast_math=fast,
+                                               max_prefill_tokens=225),
+                    eos_token_ids=[], max_model_len=loaded.max_model_len, vocab_size=loaded.vocab_size)
+    engine.warm_up()
+    rng = random.Random(0)
+    params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
+    for i in range(15):
+        engine.add_request(Request(rid=str(i), prompt_ids=[rng.randrange(100, 40000) for _ in range(45)],
+                                   params=params))
+    prefill, decode = [], []
+    while engine.has_work():
+        prefilling = bool(engine.scheduler.waiting or engine.scheduler.prefilling)
+        t0 = time.perf_counter()
+        engine.step()
+        (prefill if prefilling else decode).append(time.perf_counter() - t0)
+    return {"prefill_step_ms": 1000 * statistics.median(prefill), "prefill_steps": len(prefill),
+            "decode_step_ms": 1000 * statistics.median(decode[:-5]), "decode_steps": len(decode)}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", type=Path, default=ROOT / "perf/results/fastmath-cpu.json")
+    args = parser.parse_args(argv)
+    from parallm import blas
+
+    blas.reexec_with_openblas()
+    from perf.bench_serving import machine
+
+    result = {"machine": machine(), "command": "python -m perf.profile_fastmath " + " ".join(argv or sys.argv[1:]),
+              "kernels": kernels(), "engine": {"stock": engine_steps(False), "fast_math": engine_steps(True)}}
+    for row in result["kernels"]:
+        print(f"{row['kernel']:9} {row['shape']:28} stock {row['stock_ms']:7.3f} ms  fast {row['fast_ms']:7.3f} ms")
+    for name, r in result["engine"].items():
+        print(f"engine {name:9}: prefill step {r['prefill_step_ms']:6.1f} ms, decode step (16 rows) "
+              f"{r['decode_step_ms']:6.1f} ms")
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(result, indent=2) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
