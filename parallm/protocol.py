@@ -243,7 +243,8 @@ class SeqDelta(Struct, kw_only=True, omit_defaults=True):
 
 
 class StepOutputs(Message, tag="step_outputs"):
-    """Everything one engine step produced, for all rows: one message per step."""
+    """Everything one engine step produced, for all rows: one message per step, or two when the
+    step's prefill pass sampled first tokens (those go out before the decode pass runs)."""
 
     step: int
     time: float

@@ -83,17 +83,7 @@ def run_inprocess(engine: Any, prompt_ids: list[list[int]], workload: Workload, 
     pending = deque(enumerate(prompt_ids))
     open_: dict[str, tuple[RequestRecord, list[float]]] = {}
     records: list[RequestRecord] = []
-    start = time.perf_counter()
-    while pending or open_:
-        while pending and len(open_) < concurrency:
-            i, ids = pending.popleft()
-            params = SamplingParams(max_tokens=workload.max_tokens, temperature=0.0, seed=seed + i,
-                                    logit_bias={t: -100.0 for t in eos_ids})
-            rid = f"bench-{i}"
-            engine.add_request(Request(rid=rid, prompt_ids=ids, params=params, n=workload.n))
-            now = time.perf_counter()
-            open_[rid] = (RequestRecord(ok=False), [now, now, 1.0])  # start, last, first-pending
-        outputs = engine.step()
+    def handle(outputs: list) -> None:
         now = time.perf_counter()
         for out in outputs:
             record, clock = open_[out.rid]
@@ -109,6 +99,18 @@ def run_inprocess(engine: Any, prompt_ids: list[list[int]], workload: Workload, 
                 record.latency = now - clock[0]
                 records.append(record)
                 del open_[out.rid]
+
+    start = time.perf_counter()
+    while pending or open_:
+        while pending and len(open_) < concurrency:
+            i, ids = pending.popleft()
+            params = SamplingParams(max_tokens=workload.max_tokens, temperature=0.0, seed=seed + i,
+                                    logit_bias={t: -100.0 for t in eos_ids})
+            rid = f"bench-{i}"
+            engine.add_request(Request(rid=rid, prompt_ids=ids, params=params, n=workload.n))
+            now = time.perf_counter()
+            open_[rid] = (RequestRecord(ok=False), [now, now, 1.0])  # start, last, first-pending
+        handle(engine.step(emit=handle))  # first tokens as the prefill pass hands them out, then the rest
     wall = time.perf_counter() - start
     return summarize(records, wall, workload, concurrency, "inprocess")
 

@@ -205,6 +205,11 @@ class EngineStage:
                                      min_tokens=message.params.min_tokens, metadata=message.metadata,
                                      submitted_at=message.submitted_at))
 
+    def send(self, outputs: list[SeqOutput]) -> None:
+        self.out.send(protocol.StepOutputs(step=self.step_count, time=time.time(),
+                                           batch_size=self.engine.last_batch_size,
+                                           outputs=[to_delta(o) for o in outputs]))
+
     def retry_held(self) -> None:
         """Requests waiting for a policy version (staleness_policy "hold"): admitted once it is
         published, refused with 409 after rl.hold_timeout_s."""
@@ -311,16 +316,15 @@ class EngineStage:
                 continue
             timeout = 0
             t1 = clock()
+            self.step_count += 1
             try:
-                outputs = self.engine.flush() if paused_owing else self.engine.step()
+                # first tokens sampled by the step's prefill pass go out before its decode pass runs
+                outputs = self.engine.flush() if paused_owing else self.engine.step(emit=self.send)
             except Exception as exc:  # noqa: BLE001 - e.g. MLX out of memory: fail fast, get restarted
                 return self.fail_in_flight(exc)
             t2 = clock()
-            self.step_count += 1
             if outputs:
-                self.out.send(protocol.StepOutputs(step=self.step_count, time=time.time(),
-                                                   batch_size=self.engine.last_batch_size,
-                                                   outputs=[to_delta(o) for o in outputs]))
+                self.send(outputs)
             t3 = clock()
             self.rt.heartbeat(self.stats)
             self.loop_steps += 1

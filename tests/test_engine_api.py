@@ -136,7 +136,7 @@ def test_n_greater_than_one_prefills_once_and_forks(engines, model):
     e = new(engines, model)
     params = SamplingParams(temperature=1.0, max_tokens=10, seed=77, ignore_eos=True)
     res = run_all(e, [Request("n3", p, params, n=3)])
-    assert e.stats()["prompt_tokens_computed"] == len(p) - 1  # one prefill for three sequences
+    assert e.stats()["prompt_tokens_computed"] == len(p)  # one prefill for three sequences
     outs = [res[("n3", i)]["tokens"] for i in range(3)]
     assert len({tuple(o) for o in outs}) == 3
     # each fork samples its own seed stream: seed + index, like a separate request with that seed
@@ -181,3 +181,53 @@ def test_prompt_logprobs_logprobs_and_score_match_a_direct_forward(engines, mode
     assert [t for t, _ in s.top_logprobs[0]] == np.argsort(-ref[2])[:2].tolist()  # predicts ids[3]
     with pytest.raises(RequestRejected):
         e.score(ids, start=0)
+
+
+def test_first_tokens_come_from_the_prefill_pass_before_its_decode(engines, model):
+    """Every prompt a prefill pass finishes gets its first token from that pass, handed to `emit`
+    before the step's decode pass (which then samples the second); a request whose first token
+    ends it never reaches a decode pass and leaves nothing behind."""
+    e = new(engines, model)
+    e.add_request(Request("a", prompt(12, 1), greedy(5, logprobs=True, top_logprobs=2)))
+    e.add_request(Request("n2", prompt(9, 2), SamplingParams(temperature=1.0, seed=5, max_tokens=4), n=2))
+    e.add_request(Request("one", prompt(7, 3), greedy(1)))
+    emitted = []
+    returned = e.step(emit=emitted.append)
+    assert len(emitted) == 1
+    first = {(o.rid, o.index): o for o in emitted[0]}
+    assert set(first) == {("a", 0), ("n2", 0), ("n2", 1), ("one", 0)}
+    assert all(len(o.token_ids) == 1 for o in first.values())
+    assert first[("one", 0)].finish_reason == "length" and first[("one", 0)].usage.completion_tokens == 1
+    assert len(first[("a", 0)].logprobs) == 1 and len(first[("a", 0)].top_logprobs[0]) == 2
+    second = {(o.rid, o.index): o for o in returned}
+    assert set(second) == {("a", 0), ("n2", 0), ("n2", 1)}  # the decode pass of the same step
+    assert e.stats()["decode_batch_hist"] == {3: 1}
+    e.check_integrity()
+    rest = run_all(e)
+    tokens = {k: first[k].token_ids + second[k].token_ids + rest[k]["tokens"] for k in second}
+    ref = new(engines, model)
+    ref.add_request(Request("a", prompt(12, 1), greedy(5, logprobs=True, top_logprobs=2)))
+    ref.add_request(Request("n2", prompt(9, 2), SamplingParams(temperature=1.0, seed=5, max_tokens=4), n=2))
+    whole = run_all(ref)  # without emit: the first tokens come back with the step's other outputs
+    assert tokens == {k: whole[k]["tokens"] for k in tokens}
+    assert e.stats()["kv_blocks_used"] == 0 and not e.has_work()
+
+
+def test_output_head_projects_only_the_chosen_positions():
+    from parallm.engine.head import OutputHead
+    from mlx_lm.models.cache import make_prompt_cache
+
+    from _engine_helpers import TINY_MODELS
+
+    tokens = mx.array([[3, 1, 4, 1, 5], [9, 2, 6, 5, 3]], dtype=mx.int32)
+    rows = mx.array([4, 7], dtype=mx.int32)  # flattened [batch x length] positions
+    for name in TINY_MODELS:
+        m = tiny_model(name)
+        head = OutputHead(m)
+        assert head.usable, name
+        full = m(tokens, cache=make_prompt_cache(m)).reshape(-1, TINY_VOCAB)
+        with head.select(rows):
+            picked = m(tokens, cache=make_prompt_cache(m))
+        assert picked.shape == (1, 2, TINY_VOCAB)
+        assert mx.allclose(picked[0], full[rows], rtol=1e-4, atol=1e-4), name
+        assert m(tokens, cache=make_prompt_cache(m)).shape == (2, 5, TINY_VOCAB)  # restored

@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import time
 from collections import Counter, deque
+from typing import Callable
 from typing import Sequence as Seq
 
 import mlx.core as mx
@@ -23,7 +24,7 @@ from .compat import check_model
 from .request import Request, RequestRejected, ScoreResult, SeqOutput, validate, validate_score
 from .runner import Launch, ModelRunner
 from .sampling import log_softmax, splitmix64, top_of
-from .scheduler import KVBudget, Scheduler
+from .scheduler import KVBudget, PrefillWork, Scheduler
 from .sequence import Sequence, Status
 
 AUTO_BUDGET_FRACTION = 0.35
@@ -182,7 +183,11 @@ class Engine:
         return bool(self.scheduler.has_work() or self._launches or self._unreported)
 
     # ------------------------------------------------------------------ the loop
-    def step(self) -> list[SeqOutput]:
+    def step(self, emit: Callable[[list[SeqOutput]], None] | None = None) -> list[SeqOutput]:
+        """One scheduling round: admissions, at most one prefill pass, one decode pass, and the
+        tokens read back. The prefill pass samples the first token of every prompt it finishes;
+        with `emit`, those outputs are handed to it as soon as the prefill pass is read (before
+        the decode pass runs) instead of being returned with the rest."""
         t0 = time.perf_counter()
         self._steps += 1
         outputs: dict = {}  # seq_id -> its output this step ((seq_id, version) for an earlier version's)
@@ -195,18 +200,9 @@ class Engine:
         self.runner.execute(plan.ops)
         t1 = time.perf_counter()
         if plan.prefill is not None:
-            work = plan.prefill
-            prompt_lps = self.runner.prefill(work)
-            self._prompt_computed += sum(work.lengths)
-            for seq in work.seqs:
-                got = prompt_lps.get(seq.seq_id)
-                if got is not None:
-                    start, lps, ids, vals = got
-                    del seq.prompt_logprobs[start:]
-                    for j, lp in enumerate(lps):
-                        top = None if ids is None else sorted(zip(ids[j], vals[j]), key=lambda x: -x[1])
-                        seq.prompt_logprobs.append((lp, top))
-            self.runner.execute(sched.complete_prefill(work))
+            first = self._prefill(plan.prefill, {} if emit is not None else outputs)
+            if emit is not None and first:
+                emit(list(first.values()))
         t2 = time.perf_counter()
 
         launched = self._launch()
@@ -253,46 +249,85 @@ class Engine:
         self._last_batch = len(seqs)
         return True
 
+    def _prefill(self, work: PrefillWork, outputs: dict) -> dict:
+        """Run a prefill pass; the first tokens it samples go into `outputs` (returned)."""
+        prompt_lps, first = self.runner.prefill(work)
+        self._prompt_computed += sum(work.lengths)
+        for seq in work.seqs:
+            got = prompt_lps.get(seq.seq_id)
+            if got is not None:
+                start, lps, ids, vals = got
+                del seq.prompt_logprobs[start:]
+                for j, lp in enumerate(lps):
+                    top = None if ids is None else sorted(zip(ids[j], vals[j]), key=lambda x: -x[1])
+                    seq.prompt_logprobs.append((lp, top))
+        ops = self.scheduler.complete_prefill(work)  # finished prompts (and their forks) join the running rows
+        stops = []
+        if first is not None:
+            for i, seq in enumerate(first.seqs):
+                stop = self._accept(seq, first.tokens[i], seq.adapter_version, first, i, outputs)
+                stops.append((seq, stop))
+            if self.adapters.published:
+                self._note_first_tokens({id(s.lora): s.lora for s in first.seqs if s.lora is not None}.values())
+        self.runner.execute(ops)  # InitRow starts penalty state from the prompt and the first token
+        for seq, stop in stops:
+            if stop is not None:
+                self._finish(seq, stop, outputs)
+        self.runner.execute(self.scheduler.take_ops())  # rows freed by those finishes, before the decode
+        return outputs
+
     def _read(self, launch: Launch, outputs: dict) -> None:
         out = launch.out
         tokens = out.tokens.tolist()
-        for lora in launch.fresh:
-            if not lora.first_token_at:
-                lora.first_token_at = time.time()
-                self._swap_ms.append(1000 * (lora.first_token_at - lora.loaded_at))
-        lps = out.logprobs.tolist() if out.logprobs is not None else None
-        top_ids = out.top_ids.tolist() if out.top_ids is not None else None
-        top_lps = out.top_logprobs.tolist() if out.top_logprobs is not None else None
+        self._note_first_tokens(launch.fresh)
+        cols = _Columns(out)
         for i, seq in enumerate(launch.seqs):
             if seq.is_finished or seq.epoch != launch.epochs[i]:
                 continue  # aborted, preempted or finished after this pass was launched
             seq.inflight -= 1
-            tok = tokens[i]
-            seq.output_ids.append(tok)
-            self._generated += 1
             version = launch.versions[i] if launch.versions else seq.adapter_version
-            o = outputs.get(seq.seq_id)
-            if o is not None and o.version != version and o.token_ids:
-                # a Pause(keep)/Resume moved the sequence to a newer version between two passes read
-                # in this step: one output per version, in order
-                outputs[(seq.seq_id, o.version)] = outputs.pop(seq.seq_id)
-                o = None
-            if o is None:
-                o = outputs[seq.seq_id] = self._output(seq)
-                o.version = version
-            o.token_ids.append(tok)
-            p = seq.params
-            if p.logprobs or p.top_logprobs:
-                o.logprobs = (o.logprobs or []) + [lps[i]]
-            if p.top_logprobs:
-                pairs = sorted(zip(top_ids[i][:], top_lps[i][:]), key=lambda x: -x[1])[:p.top_logprobs]
-                o.top_logprobs = (o.top_logprobs or []) + [pairs]
-            stop = tok in p.stop_token_ids or (not p.ignore_eos and tok in self.eos_token_ids)
-            if stop or seq.num_output >= p.max_tokens:
-                self.scheduler.finish(seq, "stop" if stop else "length")
-                o.finish_reason = seq.finish_reason
-                o.usage = self._usage(seq)
-                self._forget_if_done(seq.rid)
+            stop = self._accept(seq, tokens[i], version, cols, i, outputs)
+            if stop is not None:
+                self._finish(seq, stop, outputs)
+
+    def _note_first_tokens(self, loras) -> None:
+        for lora in loras:
+            if not lora.first_token_at:
+                lora.first_token_at = time.time()
+                self._swap_ms.append(1000 * (lora.first_token_at - lora.loaded_at))
+
+    def _accept(self, seq: Sequence, tok: int, version: int, cols, i: int, outputs: dict) -> bool | None:
+        """Append a sampled token to its sequence and its output of this step; returns whether
+        it ends the sequence by a stop token (True) or by length (False), else None."""
+        seq.output_ids.append(tok)
+        self._generated += 1
+        o = outputs.get(seq.seq_id)
+        if o is not None and o.version != version and o.token_ids:
+            # a Pause(keep)/Resume moved the sequence to a newer version between two passes read
+            # in this step: one output per version, in order
+            outputs[(seq.seq_id, o.version)] = outputs.pop(seq.seq_id)
+            o = None
+        if o is None:
+            o = outputs[seq.seq_id] = self._output(seq)
+            o.version = version
+        o.token_ids.append(tok)
+        p = seq.params
+        if p.logprobs or p.top_logprobs:
+            o.logprobs = (o.logprobs or []) + [cols.logprobs[i]]
+        if p.top_logprobs:
+            pairs = sorted(zip(cols.top_ids[i][:], cols.top_logprobs[i][:]), key=lambda x: -x[1])[:p.top_logprobs]
+            o.top_logprobs = (o.top_logprobs or []) + [pairs]
+        stop = tok in p.stop_token_ids or (not p.ignore_eos and tok in self.eos_token_ids)
+        if stop or seq.num_output >= p.max_tokens:
+            return stop
+        return None
+
+    def _finish(self, seq: Sequence, stop: bool, outputs: dict) -> None:
+        self.scheduler.finish(seq, "stop" if stop else "length")
+        o = outputs[seq.seq_id]
+        o.finish_reason = seq.finish_reason
+        o.usage = self._usage(seq)
+        self._forget_if_done(seq.rid)
 
     def _output(self, seq: Sequence, finish: str | None = None) -> SeqOutput:
         o = SeqOutput(rid=seq.rid, index=seq.index, token_ids=[], finish_reason=finish, adapter=seq.adapter_name,
@@ -473,3 +508,12 @@ def _vocab_size(model: nn.Module) -> int:
         return int(v)
     logits = model(mx.array([[0]]))
     return int(logits.shape[-1])
+
+
+class _Columns:
+    """A decode pass's logprob columns read back to lists once (only those it computed)."""
+
+    def __init__(self, out) -> None:
+        self.logprobs = out.logprobs.tolist() if out.logprobs is not None else None
+        self.top_ids = out.top_ids.tolist() if out.top_ids is not None else None
+        self.top_logprobs = out.top_logprobs.tolist() if out.top_logprobs is not None else None

@@ -11,9 +11,42 @@ import mlx.nn as nn
 from .cache import KVPool, LiveKV, PassContext
 from .fastmath import FastMath
 from .compat import ModelInfo
-from .sampling import BatchParams, PenaltyState, Sampler, SampleOut, log_softmax, top_of
+from .head import OutputHead
+from .sampling import BatchParams, PenaltyState, Sampler, SampleOut, log_softmax, penalty_rows, top_of
 from .scheduler import CopyRow, InitRow, LoadPrefix, PrefillWork, Resize, RowOp, SwapRows, WriteBack
 from .sequence import Sequence
+
+
+def _leads(seq: Sequence) -> bool:
+    return seq.group is not None and seq.group.leader is seq
+
+
+def first_seqs(finishing: list[tuple[int, Sequence]]) -> list[Sequence]:
+    """The sequences that sample a first token when these prompts finish: each, then its n > 1
+    siblings waiting to be forked from it."""
+    out = []
+    for _, seq in finishing:
+        out.append(seq)
+        if _leads(seq):
+            out.extend(seq.group.followers)
+    return out
+
+
+@dataclass(slots=True)
+class FirstTokens:
+    """Tokens sampled from the last prompt position by a prefill pass, read back to lists."""
+
+    seqs: list[Sequence]
+    tokens: list[int]
+    logprobs: list[float] | None
+    top_ids: list[list[int]] | None
+    top_logprobs: list[list[float]] | None
+
+    @classmethod
+    def read(cls, seqs: list[Sequence], out: SampleOut) -> "FirstTokens":
+        return cls(seqs, out.tokens.tolist(), None if out.logprobs is None else out.logprobs.tolist(),
+                   None if out.top_ids is None else out.top_ids.tolist(),
+                   None if out.top_logprobs is None else out.top_logprobs.tolist())
 
 
 @dataclass(slots=True)
@@ -46,6 +79,7 @@ class ModelRunner:
         self.eos_ids: list[int] = []
         self.lora = None  # parallm.adapters.LoRARouter: which adapter each row of a pass uses
         self.fast_math = FastMath(model) if fast_math else None
+        self.head = OutputHead(model)
 
     def _forward(self, seqs: list[Sequence], tokens: mx.array, cache) -> mx.array:
         """The model over `tokens`, row i under seqs[i]'s adapter; the graph is fixed on return."""
@@ -109,33 +143,63 @@ class ModelRunner:
             self.pool.write([bid for _, bid in op.blocks], data)
 
     # ------------------------------------------------------------------ prefill
-    def prefill(self, work: PrefillWork) -> dict[int, tuple]:
-        """Run one padded prefill pass; returns prompt logprobs for rows that asked for them:
-        seq_id -> (start, logprobs list, top ids, top logprobs)."""
+    def prefill(self, work: PrefillWork) -> tuple[dict[int, tuple], FirstTokens | None]:
+        """Run one padded prefill pass. Returns prompt logprobs for rows that asked for them
+        (seq_id -> (start, logprobs list, top ids, top logprobs)) and the first token of every
+        prompt the pass finishes (for n > 1, one per sample of the request, from the same logits)."""
         L = work.length
         rows = []
-        for seq, start, n in zip(work.seqs, work.starts, work.lengths):
-            chunk = seq.token_ids[start:start + n]
-            rows.append(chunk + [0] * (L - n))
+        finishing: list[tuple[int, Sequence]] = []  # (row in the pass, seq) whose prompt ends here
+        for i, (seq, start, n) in enumerate(zip(work.seqs, work.starts, work.lengths)):
+            rows.append(seq.token_ids[start:start + n] + [0] * (L - n))
+            if n and start + n == seq.prefill_target:
+                finishing.append((i, seq))
+        wants_prompt = any(seq.prompt_logprobs is not None and n for seq, n in zip(work.seqs, work.lengths))
         ctx = PassContext(work.row0, work.starts, L, max(work.starts) + L, mask5d=self.info.mask5d)
-        logits = self._forward(work.seqs, mx.array(rows, dtype=mx.int32), self.live.views(ctx))
+        tokens = mx.array(rows, dtype=mx.int32)
+        last = mx.array([i * L + work.lengths[i] - 1 for i, _ in finishing], dtype=mx.int32)
+        if finishing and not wants_prompt and self.head.usable:
+            with self.head.select(last):  # only the finishing rows' last positions are projected
+                logits = self._forward(work.seqs, tokens, self.live.views(ctx))
+            last_logits = logits[0]
+        else:
+            logits = self._forward(work.seqs, tokens, self.live.views(ctx))
+            last_logits = logits.reshape(-1, logits.shape[-1])[last] if finishing else None
         wanted = []
         for i, (seq, start, n) in enumerate(zip(work.seqs, work.starts, work.lengths)):
-            if seq.prompt_logprobs is None or n == 0:
+            m = min(n, seq.num_tokens - 1 - start)  # the last token predicts no prompt token
+            if seq.prompt_logprobs is None or m <= 0:
                 continue
-            targets = mx.array(seq.token_ids[start + 1:start + n + 1], dtype=mx.int32)
-            lp = log_softmax(logits[i, :n].astype(mx.float32))
+            targets = mx.array(seq.token_ids[start + 1:start + m + 1], dtype=mx.int32)
+            lp = log_softmax(logits[i, :m].astype(mx.float32))
             chosen = mx.take_along_axis(lp, targets[:, None], axis=-1)[:, 0]
             k = seq.params.prompt_logprobs or 0
             top = top_of(lp, k) if k else (None, None)
             wanted.append((seq, start, chosen, *top))
-        mx.eval(self.live.arrays(), [w[2:] for w in wanted])
+        first = self._sample_first(finishing, last_logits) if finishing else None
+        mx.eval(self.live.arrays(), [w[2:] for w in wanted], first.arrays() if first else [])
         del logits
         out = {}
         for seq, start, chosen, ids, vals in wanted:
             out[seq.seq_id] = (start, chosen.tolist(), None if ids is None else ids.tolist(),
                                None if vals is None else vals.tolist())
-        return out
+        if first is None:
+            return out, None
+        return out, FirstTokens.read(first_seqs(finishing), first)
+
+    def _sample_first(self, finishing: list[tuple[int, Sequence]], last_logits: mx.array) -> SampleOut:
+        """Sample the next token of every finishing prompt (and of its n > 1 siblings, which
+        share its logits) with each sequence's own parameters, seed and penalties."""
+        seqs = first_seqs(finishing)
+        source = [j for j, (_, seq) in enumerate(finishing)
+                  for _ in range(1 + (len(seq.group.followers) if _leads(seq) else 0))]
+        logits = last_logits if len(source) == len(finishing) else last_logits[mx.array(source, dtype=mx.int32)]
+        bp = BatchParams(seqs, self.eos_ids, self.vocab_size)
+        positions = [s.num_output for s in seqs]
+        if bp.any_penalty:
+            counts, seen = penalty_rows(seqs, self.vocab_size)
+            return self.sampler.sample(logits, bp, positions, counts, seen)
+        return self.sampler.sample(logits, bp, positions)
 
     # ------------------------------------------------------------------ decode
     def batch_params(self, seqs: list[Sequence]) -> BatchParams:

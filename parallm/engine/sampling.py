@@ -216,6 +216,22 @@ class Sampler:
         return z
 
 
+def _row_state(prompt_ids: list[int], output_ids: list[int], vocab_size: int) -> tuple[mx.array, mx.array]:
+    """One row's penalty state: counts of output tokens, and which tokens were seen at all."""
+    c = mx.zeros((vocab_size,))
+    if output_ids:
+        c = c.at[mx.array(output_ids, dtype=mx.int32)].add(1.0)
+    s = mx.zeros((vocab_size,))
+    s[mx.array(prompt_ids + output_ids, dtype=mx.int32)] = 1.0
+    return c, s
+
+
+def penalty_rows(seqs: Seq[Sequence], vocab_size: int) -> tuple[mx.array, mx.array]:
+    """Penalty state [len(seqs), vocab] of sequences that are not in live rows yet."""
+    states = [_row_state(s.prompt_ids, s.output_ids, vocab_size) for s in seqs]
+    return mx.stack([c for c, _ in states]), mx.stack([s for _, s in states])
+
+
 class PenaltyState:
     """Per-row token counts for penalties, aligned with the live KV rows.
 
@@ -264,13 +280,7 @@ class PenaltyState:
             self.seen[d] = s
 
     def init_row(self, row: int, prompt_ids: list[int], output_ids: list[int]) -> None:
-        c = mx.zeros((self.vocab_size,))
-        if output_ids:
-            c = c.at[mx.array(output_ids, dtype=mx.int32)].add(1.0)
-        s = mx.zeros((self.vocab_size,))
-        s[mx.array(prompt_ids + output_ids, dtype=mx.int32)] = 1.0
-        self.counts[row] = c
-        self.seen[row] = s
+        self.counts[row], self.seen[row] = _row_state(prompt_ids, output_ids, self.vocab_size)
 
     def update(self, tokens: mx.array) -> None:
         """Count the tokens just sampled by rows [0, len(tokens))."""

@@ -267,10 +267,9 @@ class Scheduler:
         for j, s in enumerate(self.prefilling):
             s.row = self.nrun + j
 
-    def _insert_running(self, seq: Sequence, *, prefix: list[int] | None = None,
-                        copy_from: Sequence | None = None) -> None:
+    def _insert_running(self, seq: Sequence, *, copy_from: Sequence) -> None:
         """Give `seq` the row right after the running ones (moving a prefilling row out of the
-        way), fill it from cached blocks or another row, then start its sampling state."""
+        way), fill it from another row, then start its sampling state."""
         if self.prefilling:
             first = self.prefilling.pop(0)
             self._pending.append(CopyRow(first.row, self.nrun + len(self.prefilling) + 1, first.num_computed))
@@ -279,10 +278,7 @@ class Scheduler:
         seq.status = Status.RUNNING
         self.running.append(seq)
         self._renumber_prefilling()
-        if prefix:
-            self._pending.append(LoadPrefix(seq.row, prefix))
-        if copy_from is not None:
-            self._pending.append(CopyRow(copy_from.row, seq.row, copy_from.num_computed))
+        self._pending.append(CopyRow(copy_from.row, seq.row, copy_from.num_computed))
         self._pending.append(InitRow(seq.row, seq))
 
     # ------------------------------------------------------------------ the step plan
@@ -362,19 +358,16 @@ class Scheduler:
             remaining = seq.prefill_target - cached
             starts = [s.num_computed for s in self.prefilling]
             rems = [s.prefill_remaining for s in self.prefilling]
-            if remaining > 0:
-                if len(rems) + 1 > self.max_prefill_rows:
-                    return
-                length = self.chunk_len(rems + [remaining])
-                # join a pass only if this row's chunk fills at least half the padded length, and
-                # only if the pass's chunk stays long enough to take this prompt (or what the
-                # others would get without it): more rows with shorter chunks only delay everyone
-                if rems and (2 * min(remaining, length) < length
-                             or length < min(remaining, self.chunk_len(rems))):
-                    return
-                need = self._capacity(starts + [cached], length)
-            else:
-                need = self._capacity(starts, self.chunk_len(rems))
+            if len(rems) + 1 > self.max_prefill_rows:
+                return
+            length = self.chunk_len(rems + [remaining])
+            # join a pass only if this row's chunk fills at least half the padded length, and
+            # only if the pass's chunk stays long enough to take this prompt (or what the
+            # others would get without it): more rows with shorter chunks only delay everyone
+            if rems and (2 * min(remaining, length) < length
+                         or length < min(remaining, self.chunk_len(rems))):
+                return
+            need = self._capacity(starts + [cached], length)
             need = max(need, seq.num_tokens + self.headroom)
             if not self.budget.fits(self.rows_in_use + nrows, min(need, self.budget.max_len)):
                 return
@@ -393,21 +386,17 @@ class Scheduler:
                 seq.num_cached_first = cached
             if group is not None:
                 self.reserved += len(group.followers)
-            if remaining > 0:
-                seq.status = Status.PREFILLING
-                seq.row = self.nrun + len(self.prefilling)
-                self.prefilling.append(seq)
-                if hit:
-                    self._pending.append(LoadPrefix(seq.row, list(hit)))
-            else:
-                self._insert_running(seq, prefix=list(hit))
-                self._fork(seq)
+            seq.status = Status.PREFILLING
+            seq.row = self.nrun + len(self.prefilling)
+            self.prefilling.append(seq)
+            if hit:
+                self._pending.append(LoadPrefix(seq.row, list(hit)))
             plan.admitted.append(seq)
 
     def _match(self, seq: Sequence) -> list[int]:
         if self.blocks is None or seq.wants_prompt_logprobs:
             return []
-        max_blocks = seq.prefill_target // self.block_size  # the last token is never cached
+        max_blocks = (seq.num_tokens - 1) // self.block_size  # the last token is always prefilled
         return self.blocks.match(seq.token_ids, seq.adapter, max_blocks)
 
     def _prefill_work(self) -> PrefillWork | None:

@@ -1,8 +1,10 @@
 """One generated sequence: a few counters plus derived properties.
 
 Token accounting (P prompt tokens, G tokens generated and read back so far):
-- `token_ids` = prompt + output; the last one is always the next decode input, so its KV is
-  computed by the decode pass, never by prefill or the prefix cache (there is always a logit).
+- `token_ids` = prompt + output. Prefill computes the KV of all of them and samples the next
+  token from the last one's logits (the prefix cache never covers the last token, so there is
+  always one to compute); from then on the last token is the next decode input, whose KV the
+  decode pass computes.
 - `num_computed`: positions [0, num_computed) of the sequence's row hold valid KV (or are
   scheduled to, when a decode is in flight).
 - `inflight`: decode passes launched whose sampled token has not been read yet (0..2 with
@@ -73,8 +75,8 @@ class Sequence:
 
     @property
     def prefill_target(self) -> int:
-        """KV positions to compute before the first decode: everything but the last token."""
-        return self.num_tokens - 1
+        """KV positions prefill computes: every token (the last one's logits give the next token)."""
+        return self.num_tokens
 
     @property
     def prefill_remaining(self) -> int:
