@@ -1,8 +1,8 @@
 """What parallm.engine.fastmath saves on MLX's CPU backend: kernels, then whole engine passes.
 
 Times mlx-lm's stock SwiGLU and attention against the libm-free ones at the default model's
-prefill (5 prompts x 45 tokens) and decode (16 rows) shapes, then the engine's prefill and
-batch-16 decode steps on the default model with `engine.fast_math` off and on.
+prefill (5 prompts x 45 tokens) and decode (16 rows) shapes, then the engine's prefill pass and
+batch-16 decode step on the default model with `engine.fast_math` off and on, alternating.
 
     python -m perf.profile_fastmath --out perf/results/fastmath-cpu.json
 """
@@ -57,32 +57,48 @@ def kernels() -> list[dict[str, Any]]:
     return rows
 
 
-def engine_steps(fast: bool) -> dict[str, float]:
-    """Median step times: passes that prefill 5 prompts of 45 tokens (plus the running rows'
-    decode) and pure batch-16 decode steps."""
+def engine_steps(rounds: int = 20) -> dict[str, dict[str, float]]:
+    """Median step times with `engine.fast_math` off and on, alternating step by step on one
+    engine (this VM's speed drifts by 10 % over minutes, so sequential runs mislead): a prefill
+    pass of five 45-token prompts (max_tokens 1: the pass alone), then batch-16 decode steps."""
     from parallm.config import EngineConfig, ModelConfig
     from parallm.engine import Engine, Request
     from parallm.models import load_model
     from parallm.protocol import SamplingParams
 
     loaded = load_model(ModelConfig())
-    engine = Engine(loaded.model, EngineConfig(max_num_seqs=16, prefix_cache=False, fast_math=fast,
+    engine = Engine(loaded.model, EngineConfig(max_num_seqs=16, prefix_cache=False, fast_math=True,
                                                max_prefill_tokens=225),
                     eos_token_ids=[], max_model_len=loaded.max_model_len, vocab_size=loaded.vocab_size)
     engine.warm_up()
+    fast = engine.runner.fast_math
     rng = random.Random(0)
-    params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
-    for i in range(15):
-        engine.add_request(Request(rid=str(i), prompt_ids=[rng.randrange(100, 40000) for _ in range(45)],
-                                   params=params))
-    prefill, decode = [], []
-    while engine.has_work():
-        prefilling = bool(engine.scheduler.waiting or engine.scheduler.prefilling)
+    times: dict[str, dict[bool, list[float]]] = {"prefill": {True: [], False: []}, "decode": {True: [], False: []}}
+
+    def timed(kind: str, on: bool) -> None:
+        engine.runner.fast_math = fast if on else None
         t0 = time.perf_counter()
         engine.step()
-        (prefill if prefilling else decode).append(time.perf_counter() - t0)
-    return {"prefill_step_ms": 1000 * statistics.median(prefill), "prefill_steps": len(prefill),
-            "decode_step_ms": 1000 * statistics.median(decode[:-5]), "decode_steps": len(decode)}
+        times[kind][on].append(time.perf_counter() - t0)
+
+    def prompt() -> list[int]:
+        return [rng.randrange(100, 40000) for _ in range(45)]
+
+    for r in range(2 * rounds):
+        for i in range(5):
+            engine.add_request(Request(rid=f"p{r}-{i}", prompt_ids=prompt(),
+                                       params=SamplingParams(max_tokens=1, temperature=0.0)))
+        timed("prefill", r % 2 == 0)
+    params = SamplingParams(max_tokens=4 * rounds + 8, temperature=0.0, ignore_eos=True)
+    for i in range(16):
+        engine.add_request(Request(rid=f"d{i}", prompt_ids=prompt(), params=params))
+    while engine.stats()["running"] < 16:
+        engine.step()
+    for r in range(4 * rounds):
+        timed("decode", r % 2 == 0)
+    engine.runner.fast_math = fast
+    return {name: {f"{kind}_step_ms": 1000 * statistics.median(times[kind][on]) for kind in times}
+            for name, on in (("stock", False), ("fast_math", True))}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -95,7 +111,7 @@ def main(argv: list[str] | None = None) -> int:
     from perf.bench_serving import machine
 
     result = {"machine": machine(), "command": "python -m perf.profile_fastmath " + " ".join(argv or sys.argv[1:]),
-              "kernels": kernels(), "engine": {"stock": engine_steps(False), "fast_math": engine_steps(True)}}
+              "kernels": kernels(), "engine": engine_steps()}
     for row in result["kernels"]:
         print(f"{row['kernel']:9} {row['shape']:28} stock {row['stock_ms']:7.3f} ms  fast {row['fast_ms']:7.3f} ms")
     for name, r in result["engine"].items():
