@@ -144,3 +144,11 @@ def test_warm_up_leaves_nothing_behind():
     with pytest.raises(RuntimeError):
         fresh.add_request(Request(rid="b", prompt_ids=[5, 6], params=sampled))
         fresh.warm_up()
+
+
+def test_warm_up_fits_a_tiny_context():
+    engine = make_engine(tiny_model("llama"), max_model_len=3)
+    engine.warm_up()  # requests shrunk to fit (one 1-token prompt generating 2), none refused
+    assert not engine.has_work() and engine.stats()["steps"] == 0
+    engine.add_request(Request(rid="a", prompt_ids=[5], params=greedy(2)))
+    assert len(run_all(engine)[("a", 0)]["tokens"]) == 2

@@ -363,12 +363,16 @@ class Engine:
         t0 = time.perf_counter()
         vocab = max(2, self.vocab_size)
         short = max(1, min(self.config.block_size - 4, self.max_model_len - 4))  # no full block to cache
-        params = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)
         waves = [[short], [short, max(1, short // 2), max(1, short // 3)]]
         for w, lengths in enumerate(waves):
             for i, n in enumerate(lengths):
                 ids = [(7 * (i + j) + 1) % vocab for j in range(n)]
-                self.add_request(Request(rid=f"__warm_up_{w}_{i}", prompt_ids=ids, params=params))
+                params = SamplingParams(max_tokens=max(1, min(3, self.max_model_len - n)), temperature=0.0,
+                                        ignore_eos=True)
+                try:
+                    self.add_request(Request(rid=f"__warm_up_{w}_{i}", prompt_ids=ids, params=params))
+                except RequestRejected:  # a context or KV budget too small for it: warm up less
+                    continue
             while self.has_work():
                 self.step()
         self._reset_counters()
