@@ -23,7 +23,7 @@ from .blocks import BlockManager
 from .compat import check_model
 from .request import Request, RequestRejected, ScoreResult, SeqOutput, validate, validate_score
 from .runner import Launch, ModelRunner
-from .sampling import log_softmax, splitmix64, top_of
+from .sampling import SampledLists, log_softmax, splitmix64, top_of
 from .scheduler import KVBudget, PrefillWork, Scheduler
 from .sequence import Sequence, Status
 
@@ -239,8 +239,7 @@ class Engine:
         positions = [s.scheduled_outputs for s in seqs]
         launch = self.runner.decode(seqs, inputs, positions)
         if self.adapters.published:
-            launch.fresh = list({id(s.lora): s.lora for s in seqs
-                                 if s.lora is not None and not s.lora.first_token_at}.values())
+            launch.fresh = _unseen_versions(seqs)
         for s in seqs:
             s.num_computed += 1
             s.inflight += 1
@@ -265,10 +264,9 @@ class Engine:
         stops = []
         if first is not None:
             for i, seq in enumerate(first.seqs):
-                stop = self._accept(seq, first.tokens[i], seq.adapter_version, first, i, outputs)
-                stops.append((seq, stop))
+                stops.append((seq, self._accept(seq, seq.adapter_version, first.sampled, i, outputs)))
             if self.adapters.published:
-                self._note_first_tokens({id(s.lora): s.lora for s in first.seqs if s.lora is not None}.values())
+                self._note_first_tokens(_unseen_versions(first.seqs))
         self.runner.execute(ops)  # InitRow starts penalty state from the prompt and the first token
         for seq, stop in stops:
             if stop is not None:
@@ -277,28 +275,28 @@ class Engine:
         return outputs
 
     def _read(self, launch: Launch, outputs: dict) -> None:
-        out = launch.out
-        tokens = out.tokens.tolist()
+        sampled = launch.out.read()
         self._note_first_tokens(launch.fresh)
-        cols = _Columns(out)
         for i, seq in enumerate(launch.seqs):
             if seq.is_finished or seq.epoch != launch.epochs[i]:
                 continue  # aborted, preempted or finished after this pass was launched
             seq.inflight -= 1
             version = launch.versions[i] if launch.versions else seq.adapter_version
-            stop = self._accept(seq, tokens[i], version, cols, i, outputs)
+            stop = self._accept(seq, version, sampled, i, outputs)
             if stop is not None:
                 self._finish(seq, stop, outputs)
 
-    def _note_first_tokens(self, loras) -> None:
+    def _note_first_tokens(self, loras: list[LoadedAdapter]) -> None:
+        """These adapter versions' first tokens were just read: record load -> first token."""
         for lora in loras:
             if not lora.first_token_at:
                 lora.first_token_at = time.time()
                 self._swap_ms.append(1000 * (lora.first_token_at - lora.loaded_at))
 
-    def _accept(self, seq: Sequence, tok: int, version: int, cols, i: int, outputs: dict) -> bool | None:
-        """Append a sampled token to its sequence and its output of this step; returns whether
+    def _accept(self, seq: Sequence, version: int, sampled: SampledLists, i: int, outputs: dict) -> bool | None:
+        """Append row i of `sampled` to its sequence and its output of this step; returns whether
         it ends the sequence by a stop token (True) or by length (False), else None."""
+        tok = sampled.tokens[i]
         seq.output_ids.append(tok)
         self._generated += 1
         o = outputs.get(seq.seq_id)
@@ -313,9 +311,9 @@ class Engine:
         o.token_ids.append(tok)
         p = seq.params
         if p.logprobs or p.top_logprobs:
-            o.logprobs = (o.logprobs or []) + [cols.logprobs[i]]
+            o.logprobs = (o.logprobs or []) + [sampled.logprobs[i]]
         if p.top_logprobs:
-            pairs = sorted(zip(cols.top_ids[i][:], cols.top_logprobs[i][:]), key=lambda x: -x[1])[:p.top_logprobs]
+            pairs = sorted(zip(sampled.top_ids[i][:], sampled.top_logprobs[i][:]), key=lambda x: -x[1])[:p.top_logprobs]
             o.top_logprobs = (o.top_logprobs or []) + [pairs]
         stop = tok in p.stop_token_ids or (not p.ignore_eos and tok in self.eos_token_ids)
         if stop or seq.num_output >= p.max_tokens:
@@ -514,10 +512,7 @@ def _vocab_size(model: nn.Module) -> int:
     return int(logits.shape[-1])
 
 
-class _Columns:
-    """A decode pass's logprob columns read back to lists once (only those it computed)."""
 
-    def __init__(self, out) -> None:
-        self.logprobs = out.logprobs.tolist() if out.logprobs is not None else None
-        self.top_ids = out.top_ids.tolist() if out.top_ids is not None else None
-        self.top_logprobs = out.top_logprobs.tolist() if out.top_logprobs is not None else None
+def _unseen_versions(seqs: list[Sequence]) -> list[LoadedAdapter]:
+    """The adapter versions these sequences run under that have not had a first token yet."""
+    return list({id(s.lora): s.lora for s in seqs if s.lora is not None and not s.lora.first_token_at}.values())

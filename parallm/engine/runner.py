@@ -12,7 +12,8 @@ from .cache import KVPool, LiveKV, PassContext
 from .fastmath import FastMath
 from .compat import ModelInfo
 from .head import OutputHead
-from .sampling import BatchParams, PenaltyState, Sampler, SampleOut, log_softmax, penalty_rows, top_of
+from .sampling import (BatchParams, PenaltyState, SampledLists, Sampler, SampleOut, log_softmax, penalty_rows,
+                       top_of)
 from .scheduler import CopyRow, InitRow, LoadPrefix, PrefillWork, Resize, RowOp, SwapRows, WriteBack
 from .sequence import Sequence
 
@@ -34,19 +35,10 @@ def first_seqs(finishing: list[tuple[int, Sequence]]) -> list[Sequence]:
 
 @dataclass(slots=True)
 class FirstTokens:
-    """Tokens sampled from the last prompt position by a prefill pass, read back to lists."""
+    """Tokens sampled from the last prompt position by a prefill pass: row i is seqs[i]'s."""
 
     seqs: list[Sequence]
-    tokens: list[int]
-    logprobs: list[float] | None
-    top_ids: list[list[int]] | None
-    top_logprobs: list[list[float]] | None
-
-    @classmethod
-    def read(cls, seqs: list[Sequence], out: SampleOut) -> "FirstTokens":
-        return cls(seqs, out.tokens.tolist(), None if out.logprobs is None else out.logprobs.tolist(),
-                   None if out.top_ids is None else out.top_ids.tolist(),
-                   None if out.top_logprobs is None else out.top_logprobs.tolist())
+    sampled: SampledLists
 
 
 @dataclass(slots=True)
@@ -185,7 +177,7 @@ class ModelRunner:
                                None if vals is None else vals.tolist())
         if first is None:
             return out, None
-        return out, FirstTokens.read(first_seqs(finishing), first)
+        return out, FirstTokens(first_seqs(finishing), first.read())
 
     def _sample_first(self, finishing: list[tuple[int, Sequence]], last_logits: mx.array) -> SampleOut:
         """Sample the next token of every finishing prompt (and of its n > 1 siblings, which

@@ -111,6 +111,22 @@ class SampleOut:
     def arrays(self) -> list[mx.array]:
         return [a for a in (self.tokens, self.logprobs, self.top_ids, self.top_logprobs) if a is not None]
 
+    def read(self) -> "SampledLists":
+        """The sampled columns as Python lists (waits for the pass)."""
+        return SampledLists(self.tokens.tolist(), None if self.logprobs is None else self.logprobs.tolist(),
+                            None if self.top_ids is None else self.top_ids.tolist(),
+                            None if self.top_logprobs is None else self.top_logprobs.tolist())
+
+
+@dataclass(slots=True)
+class SampledLists:
+    """A SampleOut read back: one entry per row; None where the pass computed no such column."""
+
+    tokens: list[int]
+    logprobs: list[float] | None
+    top_ids: list[list[int]] | None
+    top_logprobs: list[list[float]] | None
+
 
 class BatchParams:
     """Per-row sampling parameters of one batch composition, as small arrays."""
