@@ -53,6 +53,9 @@ class EngineConfig(Struct, frozen=True, kw_only=True, forbid_unknown_fields=True
     compile: Annotated[bool, _d("fuse the decode step with mx.compile where the backend supports it")] = True
     fast_math: Annotated[bool | None, _d("exp without libm in the model's SwiGLU and attention softmax (float32, "
                                          "relative error <= 4e-7); unset = auto: on on MLX's CPU device")] = None
+    mixed_passes: Annotated[bool, _d("prefill prompt chunks in the same pass as the running rows' decode tokens "
+                                     "(one read of the weights instead of two) where the model's layers allow it; "
+                                     "needs fast_math")] = True
     default_max_tokens: Annotated[int, _d("max_tokens when a request gives none")] = 256
     seed: Annotated[int, _d("seed for requests that give none")] = 0
 

@@ -5,10 +5,12 @@ import mlx.nn as nn
 import numpy as np
 import pytest
 from mlx_lm.models import activations, base, llama, qwen3
+from mlx_lm.models.rope_utils import Llama3RoPE
 
 from _engine_helpers import greedy, make_engine, run_all, tiny_model
 from parallm.engine import Request
-from parallm.engine.fastmath import FastMath, exp, scaled_dot_product_attention, swiglu
+from parallm.engine.cache import TokenPositions
+from parallm.engine.fastmath import FastMath, FastRoPE, RopeTables, exp, scaled_dot_product_attention, swiglu
 from parallm.protocol import SamplingParams
 
 
@@ -100,6 +102,59 @@ def test_fast_math_swaps_only_while_entered_and_restores_on_error():
     with pytest.raises(RuntimeError), fm:
         raise RuntimeError("boom")
     assert llama.scaled_dot_product_attention is base.scaled_dot_product_attention
+
+
+ROPES = {
+    "plain": lambda: nn.RoPE(16, base=10000.0),
+    "partial-scaled": lambda: nn.RoPE(8, base=500.0, scale=0.5),
+    "llama3": lambda: Llama3RoPE(16, max_position_embeddings=4096, base=500000.0, scaling_config={
+        "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 512}),
+}
+
+
+@pytest.mark.parametrize("kind", sorted(ROPES))
+def test_fast_rope_is_bit_exact_with_mlx_rope(kind):
+    """Same tables as MLX's own (CPU) RoPE, built once per pass: the same float32 results."""
+    rope = ROPES[kind]()
+    fast = FastRoPE(rope, RopeTables())
+    for B, H, L in ((16, 9, 1), (3, 4, 45), (1, 2, 7)):
+        x = mx.random.normal((B, L, H, 16)).transpose(0, 2, 1, 3)  # as attention hands it over
+        for offset in (mx.array(list(range(100, 100 + B))), 37, mx.array(5)):
+            assert mx.array_equal(fast(x, offset=offset), rope(x, offset=offset)), (B, H, L, offset)
+
+
+def test_fast_rope_of_a_packed_pass_rotates_each_token_at_its_own_position():
+    rope = nn.RoPE(16, base=10000.0)
+    fast = FastRoPE(rope, RopeTables())
+    positions = [7, 3, 0, 1, 2, 40]
+    x = mx.random.normal((1, 4, len(positions), 16))
+    got = fast(x, offset=TokenPositions(mx.array(positions)))
+    want = mx.concatenate([rope(x[:, :, j:j + 1], offset=p) for j, p in enumerate(positions)], axis=2)
+    assert mx.array_equal(got, want)
+
+
+def test_fast_rope_leaves_other_inputs_to_the_module():
+    rope = nn.RoPE(16, base=10000.0)
+    fast = FastRoPE(rope, RopeTables())
+    half = mx.random.normal((2, 4, 3, 16)).astype(mx.float16)
+    assert mx.array_equal(fast(half, offset=4), rope(half, offset=4))
+    with pytest.raises(ValueError):
+        fast(half, offset=TokenPositions(mx.array([1, 2, 3])))
+    interleaved = tiny_model("llama")
+    interleaved.model.layers[0].self_attn.rope = nn.RoPE(16, traditional=True)
+    assert len(FastMath(interleaved).ropes) == 1  # only the other layer's rotate-half RoPE is taken
+
+
+def test_fast_math_swaps_the_rope_modules_only_while_entered():
+    model = tiny_model("llama")
+    attn = model.model.layers[1].self_attn
+    original = attn.rope
+    fm = FastMath(model)
+    with fm:
+        assert isinstance(attn.rope, FastRoPE) and attn.rope.rope is original
+        attn.rope(mx.zeros((1, 4, 2, 16)), offset=3)
+        assert fm.rope_tables._tables
+    assert attn.rope is original and not fm.rope_tables._tables
 
 
 def test_fast_math_is_a_no_op_for_a_module_without_the_stock_functions():

@@ -22,7 +22,7 @@ from parallm.protocol import SamplingParams, Usage
 from .blocks import BlockManager
 from .compat import check_model
 from .request import Request, RequestRejected, ScoreResult, SeqOutput, validate, validate_score
-from .runner import Launch, ModelRunner
+from .runner import FirstTokens, Launch, ModelRunner
 from .sampling import SampledLists, log_softmax, splitmix64, top_of
 from .scheduler import KVBudget, PrefillWork, Scheduler
 from .sequence import Sequence, Status
@@ -103,6 +103,7 @@ class Engine:
         self._prompt_computed = 0
         self._generated = 0
         self._last_batch = 0
+        self._mixed_passes = 0  # steps whose prompt chunks rode in the decode pass
         self._swap_ms: deque[float] = deque(maxlen=64)  # adapter load -> its first token read, ms
 
     # ------------------------------------------------------------------ requests
@@ -187,7 +188,8 @@ class Engine:
         """One scheduling round: admissions, at most one prefill pass, one decode pass, and the
         tokens read back. The prefill pass samples the first token of every prompt it finishes;
         with `emit`, those outputs are handed to it as soon as the prefill pass is read (before
-        the decode pass runs) instead of being returned with the rest."""
+        the decode pass runs) instead of being returned with the rest. Where the runner can pack
+        them (`engine.mixed_passes`), the prompt chunks and the decode rows share one pass."""
         t0 = time.perf_counter()
         self._steps += 1
         outputs: dict = {}  # seq_id -> its output this step ((seq_id, version) for an earlier version's)
@@ -199,6 +201,11 @@ class Engine:
         plan = sched.schedule()
         self.runner.execute(plan.ops)
         t1 = time.perf_counter()
+        self._timing["schedule_s"] += t1 - t0
+        if plan.prefill is not None and self._can_mix(plan.prefill):
+            self._mixed(plan.prefill, outputs, emit)
+            self._timing["mixed_s"] += time.perf_counter() - t1
+            return list(outputs.values())
         if plan.prefill is not None:
             first = self._prefill(plan.prefill, {} if emit is not None else outputs)
             if emit is not None and first:
@@ -214,16 +221,25 @@ class Engine:
         while len(self._launches) > keep:
             self._read(self._launches.pop(0), outputs)
         t4 = time.perf_counter()
-        self._timing["schedule_s"] += t1 - t0
         self._timing["prefill_s"] += t2 - t1
         self._timing["launch_s"] += t3 - t2
         self._timing["read_s"] += t4 - t3
         return list(outputs.values())
 
-    def _launch(self) -> bool:
+    def _wants_decode(self) -> bool:
         seqs = self.scheduler.running
-        if not seqs or all(s.scheduled_outputs >= s.params.max_tokens for s in seqs):
+        return bool(seqs) and not all(s.scheduled_outputs >= s.params.max_tokens for s in seqs)
+
+    def _launch(self) -> bool:
+        if not self._wants_decode():
             return False
+        seqs = self.scheduler.running
+        launch = self.runner.decode(seqs, self._decode_inputs(seqs), [s.scheduled_outputs for s in seqs])
+        self._launched(seqs, launch)
+        return True
+
+    def _decode_inputs(self, seqs: list[Sequence]) -> mx.array:
+        """Each running row's last token: read back, or still in the pass launched before."""
         prev = self._launches[-1] if self._launches else None
         if prev is not None and all(s.inflight for s in seqs) and \
                 all(prev.row_of.get(s.seq_id) == i for i, s in enumerate(seqs)) and len(prev.seqs) == len(seqs):
@@ -236,8 +252,9 @@ class Engine:
                 inputs = mx.where(from_prev, prev.out.tokens[mx.array(src, dtype=mx.int32)], known)
             else:
                 inputs = known
-        positions = [s.scheduled_outputs for s in seqs]
-        launch = self.runner.decode(seqs, inputs, positions)
+        return inputs
+
+    def _launched(self, seqs: list[Sequence], launch: Launch) -> None:
         if self.adapters.published:
             launch.fresh = _unseen_versions(seqs)
         for s in seqs:
@@ -246,11 +263,42 @@ class Engine:
         self._launches.append(launch)
         self._hist[len(seqs)] += 1
         self._last_batch = len(seqs)
-        return True
+
+    def _can_mix(self, work: PrefillWork) -> bool:
+        """Whether this step's prefill chunks can ride in the decode pass (runner.mixed): rows
+        to decode, fast-math kernels that read packed passes, no prompt logprobs asked for, and
+        one adapter (or none) for every row."""
+        if not self.config.mixed_passes or not self._wants_decode():
+            return False
+        rows = self.scheduler.running + work.seqs
+        if any(s.prompt_logprobs is not None for s in work.seqs):
+            return False
+        lora = rows[0].lora
+        return all(s.lora is lora for s in rows) and self.runner.can_pack
+
+    def _mixed(self, work: PrefillWork, outputs: dict, emit: Callable[[list[SeqOutput]], None] | None) -> None:
+        """Decode every running row and prefill this step's chunks in one pass, then account
+        both as `_prefill` and `_read` would (the prompts first: a finish read from the decode
+        rows moves rows, and those moves copy what the prompts' rows have computed)."""
+        seqs = self.scheduler.running
+        launch, first = self.runner.mixed(seqs, self._decode_inputs(seqs), [s.scheduled_outputs for s in seqs], work)
+        self._launched(seqs, launch)
+        self._mixed_passes += 1
+        firsts = self._complete_prefill(work, {}, first, {} if emit is not None else outputs)
+        if emit is not None and firsts:
+            emit(list(firsts.values()))
+        while self._launches:
+            self._read(self._launches.pop(0), outputs)
 
     def _prefill(self, work: PrefillWork, outputs: dict) -> dict:
         """Run a prefill pass; the first tokens it samples go into `outputs` (returned)."""
         prompt_lps, first = self.runner.prefill(work)
+        return self._complete_prefill(work, prompt_lps, first, outputs)
+
+    def _complete_prefill(self, work: PrefillWork, prompt_lps: dict, first: FirstTokens | None,
+                          outputs: dict) -> dict:
+        """Account a pass's prompt chunks: prompt logprobs, finished prompts joining the running
+        rows, their first tokens (into `outputs`, returned)."""
         self._prompt_computed += sum(work.lengths)
         for seq in work.seqs:
             got = prompt_lps.get(seq.seq_id)
@@ -352,9 +400,10 @@ class Engine:
     # ------------------------------------------------------------------ start-up
     def warm_up(self) -> float:
         """Run a few short requests through every kind of pass (one row alone; rows of different
-        lengths prefilled together, then decoded under a mask) so that what MLX builds on first
-        use is built before the first real request: on the CPU each fused elementwise loop is
-        compiled once by the system C++ compiler (cached under /tmp/mlx per machine, ~0.3 s each).
+        lengths prefilled while another row decodes, then decoded under a mask) so that what MLX
+        builds on first use is built before the first real request: on the CPU each fused
+        elementwise loop is compiled once by the system C++ compiler (cached under /tmp/mlx per
+        machine, ~0.3 s each), and the check that packed passes fit the model runs.
         Leaves no request, cached block or counter behind; returns the seconds it took."""
         if self.has_work():
             raise RuntimeError("warm_up() must run before any request")
@@ -371,13 +420,15 @@ class Engine:
                     self.add_request(Request(rid=f"__warm_up_{w}_{i}", prompt_ids=ids, params=params))
                 except RequestRejected:  # a context or KV budget too small for it: warm up less
                     continue
+                if w == 1 and i == 0:
+                    self.step()  # it decodes while the others are prefilled
             while self.has_work():
                 self.step()
         self._reset_counters()
         return time.perf_counter() - t0
 
     def _reset_counters(self) -> None:
-        self._steps = self._prompt_computed = self._generated = self._last_batch = 0
+        self._steps = self._prompt_computed = self._generated = self._last_batch = self._mixed_passes = 0
         self._hist.clear()
         self._timing.clear()
         self._seq_counter = self._seed_counter = 0
@@ -478,7 +529,7 @@ class Engine:
             "kv_budget_bytes": self.kv_budget_bytes, "live_token_slots": self.budget.budget_tokens,
             "prefix_queried_tokens": s.prefix_queried_tokens, "prefix_hit_tokens": s.prefix_hit_tokens,
             "prefix_evictions": b.evictions if b else 0,
-            "preemptions": s.preemptions, "steps": self._steps,
+            "preemptions": s.preemptions, "steps": self._steps, "mixed_passes": self._mixed_passes,
             "decode_batch_hist": dict(sorted(self._hist.items())),
             "max_decode_batch": max(self._hist, default=0),
             "prompt_tokens_computed": self._prompt_computed, "prompt_tokens_cached": s.prefix_hit_tokens,

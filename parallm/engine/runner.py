@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 import mlx.core as mx
 import mlx.nn as nn
 
-from .cache import KVPool, LiveKV, PassContext
+from .cache import KVPool, LiveKV, PackedContext, PassContext
 from .fastmath import FastMath
 from .compat import ModelInfo
 from .head import OutputHead
@@ -55,6 +55,12 @@ class Launch:
     fresh: list = field(default_factory=list)  # adapter versions sampling their first token in this pass
 
 
+def _launch_of(seqs: list[Sequence], positions: list[int], out: SampleOut) -> Launch:
+    return Launch(seqs=list(seqs), epochs=[s.epoch for s in seqs], positions=list(positions), out=out,
+                  row_of={s.seq_id: i for i, s in enumerate(seqs)}, launched_at=time.perf_counter(),
+                  versions=[s.adapter_version for s in seqs])
+
+
 class ModelRunner:
     def __init__(self, model: nn.Module, info: ModelInfo, *, vocab_size: int, pool_blocks: int,
                  block_size: int, compile: bool = True, fast_math: bool = False) -> None:
@@ -72,6 +78,7 @@ class ModelRunner:
         self.lora = None  # parallm.adapters.LoRARouter: which adapter each row of a pass uses
         self.fast_math = FastMath(model) if fast_math else None
         self.head = OutputHead(model)
+        self._packing: bool | None = None
 
     def _forward(self, seqs: list[Sequence], tokens: mx.array, cache) -> mx.array:
         """The model over `tokens`, row i under seqs[i]'s adapter; the graph is fixed on return."""
@@ -203,10 +210,16 @@ class ModelRunner:
 
     def decode(self, seqs: list[Sequence], inputs: mx.array, positions: list[int]) -> Launch:
         """Build and launch one decode pass over rows [0, len(seqs)); nothing is waited for."""
-        bp = self.batch_params(seqs)
         offsets = [s.num_computed for s in seqs]
         ctx = PassContext(0, offsets, 1, max(offsets) + 1, mask5d=self.info.mask5d)
         logits = self._forward(seqs, inputs[:, None], self.live.views(ctx))[:, -1, :]
+        out = self._sample_rows(seqs, logits, positions)
+        mx.async_eval(out.arrays(), self.penalties.arrays())
+        return _launch_of(seqs, positions, out)
+
+    def _sample_rows(self, seqs: list[Sequence], logits: mx.array, positions: list[int]) -> SampleOut:
+        """The next token of running rows [0, len(seqs)) from their logits; counts it for penalties."""
+        bp = self.batch_params(seqs)
         pen = self.penalties
         if bp.any_penalty:
             B = len(seqs)
@@ -217,10 +230,74 @@ class ModelRunner:
             out = self.sampler.sample(logits, bp, positions)
         if pen.active:
             pen.update(out.tokens)
-        mx.async_eval(out.arrays(), pen.arrays())
-        return Launch(seqs=list(seqs), epochs=[s.epoch for s in seqs], positions=list(positions), out=out,
-                      row_of={s.seq_id: i for i, s in enumerate(seqs)}, launched_at=time.perf_counter(),
-                      versions=[s.adapter_version for s in seqs])
+        return out
+
+    # ------------------------------------------------------------------ decode and prefill in one pass
+    @property
+    def can_pack(self) -> bool:
+        """Whether running rows and prompt chunks can share one pass: needs the fast-math
+        attention and RoPE (the only ones that read a packed pass's layout) and the output head,
+        and is checked once against separate passes on this model."""
+        if self._packing is None:
+            self._packing = self._check_packing()
+        return self._packing
+
+    def mixed(self, seqs: list[Sequence], inputs: mx.array, positions: list[int],
+              work: PrefillWork) -> tuple[Launch, FirstTokens | None]:
+        """One packed pass (cache.PackedContext): a decode token of every running row [0,
+        len(seqs)), as `decode` samples it, and the next prompt chunk of every prefilling row, with
+        the first token of each prompt it finishes, as `prefill` samples it (no prompt logprobs:
+        the head projects only the sampled positions). All rows share one adapter (or none).
+        Waits for the pass."""
+        n = len(seqs)
+        ctx = PackedContext([s.num_computed for s in seqs], work.row0, work.starts, work.lengths)
+        prompt = [t for seq, start, k in zip(work.seqs, work.starts, work.lengths) for t in seq.token_ids[start:start + k]]
+        tokens = mx.concatenate([inputs.astype(mx.int32), mx.array(prompt, dtype=mx.int32)])[None]
+        finishing: list[tuple[int, Sequence]] = []
+        picked = list(range(n))
+        end = n
+        for i, (seq, start, k) in enumerate(zip(work.seqs, work.starts, work.lengths)):
+            end += k
+            if k and start + k == seq.prefill_target:
+                finishing.append((i, seq))
+                picked.append(end - 1)
+        with self.head.select(mx.array(picked, dtype=mx.int32)):
+            logits = self._forward(seqs[:1], tokens, self.live.views(ctx))[0]
+        out = self._sample_rows(seqs, logits[:n], positions)
+        first = self._sample_first(finishing, logits[n:]) if finishing else None
+        mx.eval(out.arrays(), self.penalties.arrays(), self.live.arrays(), first.arrays() if first else [])
+        return _launch_of(seqs, positions, out), FirstTokens(first_seqs(finishing), first.read()) if first else None
+
+    def _check_packing(self) -> bool:
+        """Logits of a packed pass (two decode rows, two prompts of different lengths) against
+        the same rows run as a decode pass and a padded prefill pass, on scratch buffers."""
+        if self.fast_math is None or not self.fast_math.active or not self.head.usable:
+            return False
+        vocab = self.vocab_size
+
+        def ids(n: int, seed: int) -> list[int]:
+            return [(seed * 7919 + j * 104729) % vocab for j in range(n)]
+
+        scratch = LiveKV(self.info.shapes, self.info.dtype)
+        scratch.resize(4, 32)
+        m5 = self.info.mask5d
+        try:
+            pad7 = ids(5, 1) + [0, 0]
+            mx.eval(self.call_model(mx.array([pad7, ids(7, 2)]), scratch.views(PassContext(0, [0, 0], 7, 7, mask5d=m5))),
+                    scratch.arrays())
+            step = mx.array([[ids(1, 3)[0]], [ids(1, 4)[0]]])
+            want_dec = self.call_model(step, scratch.views(PassContext(0, [5, 7], 1, 8, mask5d=m5)))[:, -1]
+            mx.eval(want_dec, scratch.arrays())
+            p2, p3 = ids(6, 5), ids(3, 6)
+            full = self.call_model(mx.array([p2, p3 + [0, 0, 0]]), scratch.views(PassContext(2, [0, 0], 6, 6, mask5d=m5)))
+            want = mx.concatenate([want_dec, full[0, 5:6], full[1, 2:3]])
+            mx.eval(want, scratch.arrays())
+            tokens = mx.array(step[:, 0].tolist() + p2 + p3)[None]
+            with self.head.select(mx.array([0, 1, 7, 10], dtype=mx.int32)):
+                got = self.call_model(tokens, scratch.views(PackedContext([5, 7], 2, [0, 0], [6, 3])))[0]
+            return got.shape == want.shape and bool(mx.allclose(got, want, rtol=1e-3, atol=1e-2).item())
+        except Exception:  # noqa: BLE001 - an architecture whose layers do not fit packed passes
+            return False
 
     def stats(self) -> dict:
         return {"live_rows": self.live.rows, "live_capacity": self.live.capacity,
