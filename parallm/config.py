@@ -42,8 +42,8 @@ class ModelConfig(Struct, frozen=True, kw_only=True, forbid_unknown_fields=True)
 
 class EngineConfig(Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     max_num_seqs: Annotated[int, _d("most sequences decoded together (rows of the live batch)")] = 64
-    max_prefill_tokens: Annotated[int, _d("prompt tokens prefilled per step (the chunk budget); 0 = auto: 256 on "
-                                          "MLX's CPU device, 512 elsewhere")] = 0
+    max_prefill_tokens: Annotated[int, _d("prompt tokens prefilled per step (the chunk budget); 0 = auto: on MLX's "
+                                          "CPU device 128 with mixed passes, else 256; 512 elsewhere")] = 0
     max_prefill_rows: Annotated[int, _d("sequences prefilled together in one pass")] = 16
     kv_budget_mb: Annotated[int, _d("KV memory for live rows and the prefix cache, MiB; 0 = auto")] = 0
     block_size: Annotated[int, _d("tokens per prefix-cache block")] = 16
@@ -60,8 +60,20 @@ class EngineConfig(Struct, frozen=True, kw_only=True, forbid_unknown_fields=True
     seed: Annotated[int, _d("seed for requests that give none")] = 0
 
 
+def auto_prefill_tokens(on_cpu: bool, mixed: bool) -> int:
+    """The prefill budget of `max_prefill_tokens = 0`, once the engine knows whether its prompt
+    chunks ride in the decode pass (`mixed`: then a chunk costs no extra read of the weights, so
+    smaller chunks get first tokens out sooner for little throughput). Measured served on the
+    2-core CPU with mixed passes, 16 chat streams: 256 -> 128 TTFT p50 0.75-0.98 -> 0.56-0.62 s,
+    126-139 -> 123-131 tok/s; 32 streams: 1.07-1.09 -> 0.63-0.64 s, 174-178 -> 165-169 tok/s."""
+    if not on_cpu:
+        return 512
+    return 128 if mixed else 256
+
+
 def resolve_engine_config(config: EngineConfig, on_cpu: bool) -> EngineConfig:
-    """The engine settings left to 'auto' decided for the device.
+    """The engine settings left to 'auto' decided for the device (the prefill budget is decided
+    by the engine, `auto_prefill_tokens`, once it knows whether it can mix passes).
 
     On MLX's CPU device the step's compute is the CPU itself, so launching step t+1 before reading
     step t hides little and costs every new request two steps of time to first token (its first
@@ -72,8 +84,6 @@ def resolve_engine_config(config: EngineConfig, on_cpu: bool) -> EngineConfig:
     changes: dict[str, Any] = {}
     if config.overlap is None:
         changes["overlap"] = not on_cpu
-    if config.max_prefill_tokens == 0:
-        changes["max_prefill_tokens"] = 256 if on_cpu else 512
     if config.fast_math is None:
         changes["fast_math"] = on_cpu
     return msgspec.structs.replace(config, **changes) if changes else config

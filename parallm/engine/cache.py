@@ -172,21 +172,35 @@ class PackedContext:
         return mx.concatenate(outs, axis=1)[None]
 
 
-class PackedView:
+class _LayerView:
+    """What both kinds of layer view answer alike (a truthy cache, sized, never trimmed)."""
+
+    def __init__(self, live: "LiveKV", layer: int) -> None:
+        self._live = live
+        self._layer = layer
+
+    def __bool__(self) -> bool:
+        return True
+
+    @property
+    def nbytes(self) -> int:
+        return self._live.nbytes // max(1, len(self._live.shapes))
+
+    def is_trimmable(self) -> bool:
+        return False
+
+
+class PackedView(_LayerView):
     """One layer's cache in a packed pass (see PackedContext): stores every token's K/V at its
     own (row, position) with one scatter and leaves attention to `PackedContext.attend`."""
 
     def __init__(self, live: "LiveKV", layer: int, ctx: PackedContext) -> None:
-        self._live = live
-        self._layer = layer
+        super().__init__(live, layer)
         self.packed = ctx
 
     @property
     def offset(self) -> TokenPositions:
         return self.packed.positions
-
-    def __bool__(self) -> bool:
-        return True
 
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
         ctx, live, i = self.packed, self._live, self._layer
@@ -206,13 +220,6 @@ class PackedView:
     @property
     def state(self) -> tuple[mx.array, mx.array]:
         return self._live.keys[self._layer], self._live.values[self._layer]
-
-    @property
-    def nbytes(self) -> int:
-        return self._live.nbytes // max(1, len(self._live.shapes))
-
-    def is_trimmable(self) -> bool:
-        return False
 
 
 class LiveKV:
@@ -292,20 +299,16 @@ class LiveKV:
         return [RowsView(self, i, ctx) for i in range(len(self.shapes))]
 
 
-class RowsView:
+class RowsView(_LayerView):
     """One layer's cache for one pass over rows [ctx.row0, ctx.row0 + ctx.n)."""
 
     def __init__(self, live: LiveKV, layer: int, ctx: PassContext) -> None:
-        self._live = live
-        self._layer = layer
+        super().__init__(live, layer)
         self._ctx = ctx
 
     @property
     def offset(self) -> mx.array:
         return self._ctx.offsets
-
-    def __bool__(self) -> bool:
-        return True
 
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
         ctx, live, i = self._ctx, self._live, self._layer
@@ -336,13 +339,6 @@ class RowsView:
         ctx, i = self._ctx, self._layer
         r0, r1 = ctx.row0, ctx.row0 + ctx.n
         return self._live.keys[i][r0:r1, :, :ctx.span], self._live.values[i][r0:r1, :, :ctx.span]
-
-    @property
-    def nbytes(self) -> int:
-        return self._live.nbytes // max(1, len(self._live.shapes))
-
-    def is_trimmable(self) -> bool:
-        return False
 
 
 class KVPool:

@@ -14,9 +14,10 @@ from typing import Sequence as Seq
 
 import mlx.core as mx
 import mlx.nn as nn
+import msgspec
 
 from parallm.adapters import AdapterError, AdapterManager, LoadedAdapter
-from parallm.config import EngineConfig, resolve_engine_config
+from parallm.config import EngineConfig, auto_prefill_tokens, resolve_engine_config
 from parallm.protocol import SamplingParams, Usage
 
 from .blocks import BlockManager
@@ -64,8 +65,8 @@ class Engine:
         `prefix_pool_fraction` of the budget holds the prefix cache, the rest the live rows;
         `adapter_history` versions of each adapter name are kept (config.rl.adapter_history)."""
         self.model = model
-        config = resolve_engine_config(config, mx.default_device() == mx.cpu)
-        self.config = config
+        on_cpu = mx.default_device() == mx.cpu
+        config = resolve_engine_config(config, on_cpu)
         info = check_model(model)
         self.model_type = info.model_type
         self.vocab_size = int(vocab_size or _vocab_size(model))
@@ -79,6 +80,12 @@ class Engine:
         bs = config.block_size
         pool_blocks = int(total_tokens * prefix_pool_fraction) // bs if config.prefix_cache else 0
         live_tokens = total_tokens - pool_blocks * bs
+        self.runner = ModelRunner(model, info, vocab_size=self.vocab_size, pool_blocks=pool_blocks,
+                                  block_size=bs, compile=config.compile, fast_math=bool(config.fast_math))
+        if config.max_prefill_tokens == 0:
+            mixed = config.mixed_passes and self.runner.can_pack
+            config = msgspec.structs.replace(config, max_prefill_tokens=auto_prefill_tokens(on_cpu, mixed))
+        self.config = config
         self.budget = KVBudget(budget_tokens=live_tokens, max_rows=config.max_num_seqs,
                                max_len=self.max_model_len + config.max_prefill_tokens + 1)
         self.blocks = BlockManager(pool_blocks, bs) if config.prefix_cache else None
@@ -86,8 +93,6 @@ class Engine:
                                    blocks=self.blocks, block_size=bs,
                                    max_prefill_rows=max_prefill_rows or config.max_prefill_rows,
                                    writeback_interval=writeback_interval)
-        self.runner = ModelRunner(model, info, vocab_size=self.vocab_size, pool_blocks=pool_blocks,
-                                  block_size=bs, compile=config.compile, fast_math=bool(config.fast_math))
         self.runner.eos_ids = self.eos_token_ids
         self.adapters = AdapterManager(model, history=adapter_history)
         self.runner.lora = self.adapters.router

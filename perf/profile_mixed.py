@@ -1,0 +1,181 @@
+"""What mixed passes (`engine.mixed_passes`) and the per-pass RoPE tables save on MLX's CPU backend.
+
+1. Passes: the default model's forward over 16 decode rows, over one 45-token prompt, and over
+   both packed into one 61-token pass (the weights read once), each the median of `--repeats`.
+2. RoPE: `mx.fast.rope` (MLX's CPU fallback) against `FastRoPE` for a batch-16 decode query.
+3. Engine steps, alternating step by step on one engine (this VM drifts ~10 % over minutes):
+   batch-16 decode steps with the RoPE stand-ins on and off.
+4. In-process closed loop, 16 chat streams of 64 tokens (perf.bench_serving's workload, prefix
+   cache off so repeated prompts stay cold), `--runs` runs with `mixed_passes` on and off,
+   alternating which goes first.
+
+    python -m perf.profile_mixed --out perf/results/mixed-passes-cpu.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def median_ms(fn: Callable[[], Any], repeats: int) -> float:
+    import mlx.core as mx
+
+    mx.eval(fn())
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        mx.eval(fn())
+        times.append(time.perf_counter() - t0)
+    return 1000 * statistics.median(times)
+
+
+def passes(engine, repeats: int) -> dict[str, float]:
+    """Model passes through the engine's own cache views, with its fast math entered."""
+    import mlx.core as mx
+
+    from parallm.engine.cache import LiveKV, PackedContext, PassContext
+
+    runner = engine.runner
+    live = LiveKV(runner.info.shapes, runner.info.dtype)
+    live.resize(17, 256)
+    rng = random.Random(0)
+    offsets = [100 + i for i in range(16)]
+    decode_tokens = mx.array([rng.randrange(100, 40000) for _ in range(16)])
+    prompt = mx.array([rng.randrange(100, 40000) for _ in range(45)])
+    last = mx.array([44])
+
+    def decode():
+        return runner.call_model(decode_tokens[:, None], live.views(PassContext(0, offsets, 1, 116)))[:, -1]
+
+    def prefill():
+        with runner.head.select(last):
+            return runner.call_model(prompt[None], live.views(PassContext(16, [0], 45, 45)))
+
+    def packed():
+        with runner.head.select(mx.array(list(range(16)) + [60])):
+            return runner.call_model(mx.concatenate([decode_tokens, prompt])[None],
+                                     live.views(PackedContext(offsets, 16, [0], [45])))
+
+    out = {}
+    for _ in range(2):  # the second round is reported (the first builds what MLX caches)
+        out = {"decode_16_rows_ms": median_ms(decode, repeats), "prefill_45_tokens_ms": median_ms(prefill, repeats),
+               "packed_16_rows_plus_45_tokens_ms": median_ms(packed, repeats)}
+    out["separate_sum_ms"] = out["decode_16_rows_ms"] + out["prefill_45_tokens_ms"]
+    return out
+
+
+def rope_kernel(repeats: int) -> dict[str, float]:
+    import mlx.core as mx
+    import mlx.nn as nn
+
+    from parallm.engine.fastmath import FastRoPE, RopeTables
+
+    rope = nn.RoPE(64, base=100000.0)
+    x = mx.random.normal((16, 1, 9, 64)).transpose(0, 2, 1, 3)
+    offset = mx.arange(100, 116)
+    mx.eval(x, offset)
+
+    def fast():
+        return FastRoPE(rope, RopeTables())(x, offset=offset)  # fresh tables: their cost included
+
+    return {"stock_us": 1000 * median_ms(lambda: rope(x, offset=offset), repeats),
+            "fast_with_tables_us": 1000 * median_ms(fast, repeats)}
+
+
+def rope_steps(engine, rounds: int) -> dict[str, float]:
+    from parallm.engine import Request
+    from parallm.protocol import SamplingParams
+
+    fm = engine.runner.fast_math
+    ropes = fm.ropes
+    rng = random.Random(1)
+    params = SamplingParams(max_tokens=2 * rounds + 8, temperature=0.0, ignore_eos=True)
+    for i in range(16):
+        engine.add_request(Request(rid=f"d{i}", prompt_ids=[rng.randrange(100, 40000) for _ in range(100)],
+                                   params=params))
+    while engine.stats()["running"] < 16:
+        engine.step()
+    times: dict[bool, list[float]] = {True: [], False: []}
+    for r in range(2 * rounds):
+        on = r % 2 == 0
+        fm.ropes = ropes if on else []
+        t0 = time.perf_counter()
+        engine.step()
+        times[on].append(time.perf_counter() - t0)
+    fm.ropes = ropes
+    while engine.has_work():
+        engine.step()
+    return {"decode_step_rope_tables_ms": 1000 * statistics.median(times[True]),
+            "decode_step_stock_rope_ms": 1000 * statistics.median(times[False])}
+
+
+def closed_loop(loaded, runs: int) -> dict[str, Any]:
+    import msgspec
+
+    from parallm.config import EngineConfig
+    from parallm.engine import Engine
+    from parallm.models import load_tokenizer
+    from perf.bench_serving import chat_ids, run_inprocess
+    from perf.loadgen import WORKLOADS, Workload, make_prompts
+
+    tokenizer = load_tokenizer(loaded.source)
+    engine = Engine(loaded.model, EngineConfig(max_num_seqs=16, prefix_cache=False),
+                    eos_token_ids=loaded.eos_token_ids, max_model_len=loaded.max_model_len,
+                    vocab_size=loaded.vocab_size)
+    engine.warm_up()
+    workload = Workload(**{**WORKLOADS["short"].__dict__, "max_tokens": 64, "requests": 32})
+    got: dict[str, dict[str, list[float]]] = {"mixed": {"tok_s": [], "ttft_p50_s": []},
+                                              "separate": {"tok_s": [], "ttft_p50_s": []}}
+    for run in range(runs):
+        for on in ((True, False) if run % 2 == 0 else (False, True)):
+            engine.config = msgspec.structs.replace(engine.config, mixed_passes=on)
+            r = run_inprocess(engine, chat_ids(tokenizer, make_prompts(workload, 100 + run)), workload, 16, [2])
+            g = got["mixed" if on else "separate"]
+            g["tok_s"].append(round(r["throughput_tok_s"], 1))
+            g["ttft_p50_s"].append(round(r["ttft_p50_s"], 3))
+    return {k: {**v, "tok_s_median": statistics.median(v["tok_s"]),
+                "ttft_p50_s_median": statistics.median(v["ttft_p50_s"])} for k, v in got.items()}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--repeats", type=int, default=15)
+    parser.add_argument("--rounds", type=int, default=40, help="decode steps each way, alternating")
+    parser.add_argument("--runs", type=int, default=6, help="closed-loop runs each way")
+    parser.add_argument("--out", type=Path, default=ROOT / "perf/results/mixed-passes-cpu.json")
+    args = parser.parse_args(argv)
+    from parallm import blas
+
+    blas.reexec_with_openblas()
+    from parallm.config import EngineConfig, ModelConfig
+    from parallm.engine import Engine
+    from parallm.models import load_model
+    from perf.bench_serving import machine
+
+    loaded = load_model(ModelConfig())
+    engine = Engine(loaded.model, EngineConfig(max_num_seqs=16, prefix_cache=False), eos_token_ids=[],
+                    max_model_len=loaded.max_model_len, vocab_size=loaded.vocab_size)
+    engine.warm_up()
+    result = {"machine": machine(), "command": "python -m perf.profile_mixed " + " ".join(argv or sys.argv[1:]),
+              "passes": passes(engine, args.repeats), "rope_kernel": rope_kernel(args.repeats),
+              "rope_steps": rope_steps(engine, args.rounds)}
+    del engine
+    print(json.dumps({k: result[k] for k in ("passes", "rope_kernel", "rope_steps")}, indent=1), flush=True)
+    result["closed_loop_c16"] = closed_loop(loaded, args.runs)
+    print(json.dumps(result["closed_loop_c16"], indent=1))
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(result, indent=2) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
