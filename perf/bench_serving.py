@@ -4,6 +4,8 @@ For each concurrency level it runs the same fixed-seed workload (chat prompts, e
 suppressed so every request runs `max_tokens`) three or four ways, one after another:
 
 - `inprocess`: parallm's Engine driven directly (no sockets), closed loop with `c` requests open;
+- `batchgen`: mlx-lm's BatchGenerator (the engine mlx_lm.server runs; its default batch sizes) on
+  the same model object, prompts and closed loop, new prompts inserted as soon as others finish;
 - `http`: `parallm-launch` over OpenAI streaming HTTP (perf.loadgen);
 - `zmq`: the same server over the raw ZeroMQ client;
 - `mlx_lm.server` (with --mlx-lm-server): mlx-lm's own server on the same float32 weights, with
@@ -115,6 +117,51 @@ def run_inprocess(engine: Any, prompt_ids: list[list[int]], workload: Workload, 
     return summarize(records, wall, workload, concurrency, "inprocess")
 
 
+def run_batchgen(model: Any, prompt_ids: list[list[int]], workload: Workload, concurrency: int) -> dict[str, Any]:
+    """mlx-lm's BatchGenerator in the same closed loop as `run_inprocess`: greedy, no stop tokens
+    (so every request runs `max_tokens`, as EOS suppression does for the others), mlx_lm.server's
+    default batch sizes (32 decoding, 8 prompts per prefill)."""
+    import mlx.core as mx
+    from mlx_lm.generate import BatchGenerator
+
+    gen = BatchGenerator(model, max_tokens=workload.max_tokens, stop_tokens=None,
+                         completion_batch_size=max(32, concurrency), prefill_batch_size=8)
+    pending = deque(prompt_ids)
+    open_: dict[int, tuple[RequestRecord, list[float]]] = {}
+    records: list[RequestRecord] = []
+    try:
+        start = time.perf_counter()
+        while pending or open_:
+            room = concurrency - len(open_)
+            if pending and room > 0:
+                batch = [pending.popleft() for _ in range(min(room, len(pending)))]
+                uids = gen.insert(batch, max_tokens=[workload.max_tokens] * len(batch))
+                now = time.perf_counter()
+                for uid in uids:
+                    open_[uid] = (RequestRecord(ok=False), [now, now, 1.0])
+            responses = gen.next_generated()
+            now = time.perf_counter()
+            for r in responses:
+                record, clock = open_[r.uid]
+                if clock[2]:
+                    record.ttft, clock[2] = now - clock[0], 0.0
+                else:
+                    record.itls.append(now - clock[1])
+                clock[1] = now
+                record.tokens += 1
+                if r.finish_reason is not None:
+                    record.ok = r.finish_reason == "length"
+                    record.latency = now - clock[0]
+                    records.append(record)
+                    del open_[r.uid]
+        wall = time.perf_counter() - start
+    finally:
+        gen.close()
+        del gen
+        mx.clear_cache()
+    return summarize(records, wall, workload, concurrency, "batchgen")
+
+
 # ---------------------------------------------------------------------------- servers
 
 class Launched:
@@ -173,7 +220,8 @@ def write_report(result: dict[str, Any], out: Path) -> None:
         rows.append(f"| {r['target']} | {r['concurrency']} | {r['throughput_tok_s']:.1f} | {r['ttft_p50_s']:.3f} | "
                     f"{r['ttft_p99_s']:.3f} | {1000 * r['itl_p50_s']:.1f} | {1000 * r['itl_p99_s']:.1f} | "
                     f"{r['ok']}/{r['requests']} |")
-    names = {"http": "http/inprocess", "zmq": "zmq/inprocess", "vs_mlx_lm": "http/mlx_lm.server"}
+    names = {"http": "http/inprocess", "zmq": "zmq/inprocess", "vs_batchgen": "http/batchgen",
+             "vs_mlx_lm": "http/mlx_lm.server"}
     ratios = [f"- c={c}: " + ", ".join(f"{names[k]} = {v[k]:.2f}" for k in names if k in v)
               for c, v in result["ratios"].items() if v]
     md = [f"# Served vs in-process ({result['workload']}, {result['max_tokens']} output tokens)", "",
@@ -210,7 +258,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--requests-per-client", type=int, default=2,
                         help="requests per concurrency slot (at least 8 in all)")
-    parser.add_argument("--targets", default="inprocess,http,zmq")
+    parser.add_argument("--targets", default="inprocess,batchgen,http,zmq")
     parser.add_argument("--mlx-lm-server", action="store_true", help="also run mlx_lm.server on the same weights")
     parser.add_argument("--server-args", default="", help="extra parallm-launch arguments")
     parser.add_argument("--out", type=Path, default=ROOT / "perf/results/serving-cpu.json")
@@ -247,6 +295,15 @@ def main(argv: list[str] | None = None) -> int:
             runs.append(run_inprocess(engine, prompt_ids, w, c, eos))
             print(json.dumps(runs[-1]), flush=True)
         del engine
+
+    if "batchgen" in targets:
+        warm = workload_for(1)
+        run_batchgen(loaded.model, chat_ids(tokenizer, make_prompts(warm, WARM_SEED))[:2], warm, 2)
+        for c in levels:
+            w = workload_for(c)
+            prompt_ids = chat_ids(tokenizer, make_prompts(w, prompt_seed(c, "inprocess")))
+            runs.append(run_batchgen(loaded.model, prompt_ids, w, c))
+            print(json.dumps(runs[-1]), flush=True)
 
     if "http" in targets or "zmq" in targets:
         port = free_port()
@@ -301,6 +358,8 @@ def main(argv: list[str] | None = None) -> int:
                 entry[t] = by[(t, c)] / base
         if ("mlx_lm.server", c) in by and ("http", c) in by:
             entry["vs_mlx_lm"] = by[("http", c)] / by[("mlx_lm.server", c)]
+        if ("batchgen", c) in by and ("http", c) in by:
+            entry["vs_batchgen"] = by[("http", c)] / by[("batchgen", c)]
         ratios[str(c)] = entry
     result = {"machine": machine(), "command": "python -m perf.bench_serving " + " ".join(argv or sys.argv[1:]),
               "workload": args.workload, "max_tokens": args.max_tokens, "runs": runs, "ratios": ratios}
