@@ -3,8 +3,8 @@
 1. `step`: one engine step with 16 running rows (the engine's own loop: forward, sampling,
    bookkeeping), alternating with
 2. `forward`: the model pass alone through the engine's cache views (fast math entered), and
-3. `matmuls`: the pass's matrix products alone — every Linear of the model, in layer order,
-   with its own float32 weights and a [16, in] input, and the tied-embedding output head — so
+3. `matmuls`: the pass's matrix products alone — every Linear of the model with its own
+   float32 weights and a [16, in] input, and the tied-embedding output head — so
    `forward - matmuls` is everything else (attention, norms, RoPE, SwiGLU, the KV scatter,
    graph building);
 4. the memory-bandwidth limit of the step: the weights' bytes over the best read bandwidth of
@@ -52,7 +52,7 @@ ROWS = 16
 
 
 def linear_weights(model: Any) -> list[Any]:
-    """The float32 weight of every Linear in call order, then the output head's."""
+    """The weight of every Linear of the model, then the output head's (the tied embedding's)."""
     import mlx.nn as nn
 
     weights = [m.weight for _, m in model.named_modules() if isinstance(m, nn.Linear)]
