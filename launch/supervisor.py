@@ -44,7 +44,7 @@ class StartupError(RuntimeError):
 
 
 def engine_environment(config: Config) -> dict[str, str]:
-    """The engine's environment: OpenBLAS preloaded on Linux when MLX computes on the CPU."""
+    """The engine's environment: OpenBLAS (and mimalloc) preloaded on Linux when MLX computes on the CPU."""
     env = dict(os.environ)
     choice = config.supervisor.blas
     if choice == "none" or not sys.platform.startswith("linux"):
@@ -56,7 +56,13 @@ def engine_environment(config: Config) -> dict[str, str]:
 
         if mx.default_device() != mx.cpu:
             return env
-    preloaded = blas.openblas_env(env)
+    allocator = config.supervisor.allocator
+    if allocator == "mimalloc" and blas.find_mimalloc() is None:
+        raise StartupError("supervisor.allocator=mimalloc but the cmeel-mimalloc package is not installed "
+                           "(pip install cmeel-mimalloc)")
+    if allocator == "mimalloc":
+        env.pop(blas.NO_MIMALLOC, None)
+    preloaded = blas.openblas_env(env, allocator=allocator != "system")
     if preloaded is None:
         if choice == "openblas":
             raise StartupError("supervisor.blas=openblas but the cmeel-openblas package is not installed "
@@ -64,7 +70,7 @@ def engine_environment(config: Config) -> dict[str, str]:
         log.warning("MLX runs on the CPU with its reference BLAS; install cmeel-openblas for 15-60x "
                     "faster matmuls")
         return env
-    log.info("engine preloads OpenBLAS: %s", blas.find_openblas())
+    log.info("engine preloads %s", preloaded["LD_PRELOAD"])
     return preloaded
 
 

@@ -1,9 +1,16 @@
-"""Preloading OpenBLAS for MLX's Linux CPU backend.
+"""Preloading OpenBLAS (and mimalloc) for MLX's Linux CPU backend.
 
 MLX's Linux CPU wheels link a reference BLAS (~3 GFLOP/s). Preloading the OpenBLAS that the
 `cmeel-openblas` wheel ships replaces its cblas symbols and makes matmuls 15-60x faster. That
 OpenBLAS needs `libgfortran.so.5`, which many machines lack; MLX's wheel bundles a renamed copy
 in `mlx_cpu.libs`, so a shim directory of links under those names satisfies the loader.
+
+MLX's CPU allocator takes every op's output buffer straight from malloc and frees it after
+use, and glibc's malloc splits, coalesces and consolidates free chunks for it (`_int_malloc`,
+`malloc_consolidate` and `unlink_chunk` in a `perf` profile of the engine's main thread): a batch-16 decode step of the default model takes 8-20 % longer than with
+mimalloc (perf/results/step-cpu.json). The mimalloc that the
+`cmeel-mimalloc` wheel ships is preloaded beside OpenBLAS (docs/performance.md); set
+`PARALLM_NO_MIMALLOC=1` (or `supervisor.allocator=system`) to keep glibc's.
 
 This must happen before the process starts (LD_PRELOAD), so it is applied to a child's
 environment (`openblas_env`) or by re-executing the current process (`reexec_with_openblas`).
@@ -18,6 +25,7 @@ import logging
 import math
 import os
 import platform
+import re
 import sys
 import tempfile
 import time
@@ -27,6 +35,7 @@ from typing import Callable
 log = logging.getLogger(__name__)
 
 MARK = "PARALLM_BLAS_PRELOADED"
+NO_MIMALLOC = "PARALLM_NO_MIMALLOC"
 # OpenBLAS workers spin for 2^n cycles after a call before they sleep (default n = 28, ~0.1 s:
 # they never sleep between a decode step's matmuls, and hold a core the other stages need to take
 # new requests). 2^16 cycles is ~25 us. Served, 16 chat streams: time to first token p50 0.87 ->
@@ -50,6 +59,38 @@ def _site_file(dist: str, suffix: str) -> Path | None:
 def find_openblas() -> Path | None:
     """The libopenblas.so.0 of the cmeel-openblas wheel, if installed."""
     return _site_file("cmeel-openblas", "lib/libopenblas.so.0")
+
+
+def find_mimalloc() -> Path | None:
+    """The libmimalloc.so.<major> of the cmeel-mimalloc wheel, if installed."""
+    try:
+        files = importlib.metadata.distribution("cmeel-mimalloc").files or []
+    except importlib.metadata.PackageNotFoundError:
+        return None
+    for entry in files:
+        if re.search(r"lib/libmimalloc\.so\.\d+$", str(entry)):
+            path = Path(entry.locate()).resolve()
+            if path.exists():
+                return path
+    return None
+
+
+def _is_mimalloc(path: str) -> bool:
+    return Path(path).name.startswith("libmimalloc.so")
+
+
+def without_preloads(env: dict[str, str]) -> dict[str, str]:
+    """`env` without the OpenBLAS and mimalloc preloads of `openblas_env`: the environment a
+    process started by the user would have (e.g. a server launched from a re-executed benchmark,
+    whose supervisor decides what each of its processes preloads)."""
+    out = dict(env)
+    blas = out.pop(MARK, None)
+    preload = [p for p in out.get("LD_PRELOAD", "").split(":") if p and p != blas and not _is_mimalloc(p)]
+    if preload:
+        out["LD_PRELOAD"] = ":".join(preload)
+    else:
+        out.pop("LD_PRELOAD", None)
+    return out
 
 
 def _mlx_bundled_libs() -> list[Path]:
@@ -89,8 +130,10 @@ def _gfortran_shim_dir() -> Path | None:
     return shim
 
 
-def openblas_env(env: dict[str, str] | None = None) -> dict[str, str] | None:
-    """`env` plus the variables that preload OpenBLAS, or None where it does not apply or is missing."""
+def openblas_env(env: dict[str, str] | None = None, *, allocator: bool = True) -> dict[str, str] | None:
+    """`env` plus the variables that preload OpenBLAS, or None where it does not apply or is missing.
+    With `allocator`, mimalloc is preloaded too where installed, unless `env` sets
+    PARALLM_NO_MIMALLOC."""
     if platform.system() != "Linux":
         return None
     openblas = find_openblas()
@@ -100,6 +143,12 @@ def openblas_env(env: dict[str, str] | None = None) -> dict[str, str] | None:
     preload = [p for p in out.get("LD_PRELOAD", "").split(":") if p]
     if str(openblas) not in preload:
         preload.insert(0, str(openblas))
+    if allocator and not out.get(NO_MIMALLOC):
+        mimalloc = find_mimalloc()
+        if mimalloc is not None and str(mimalloc) not in preload:
+            preload.insert(0, str(mimalloc))
+    else:  # e.g. inherited from a parent process that preloads it
+        preload = [p for p in preload if not _is_mimalloc(p)]
     out["LD_PRELOAD"] = ":".join(preload)
     shim = _gfortran_shim_dir()
     if shim is not None:

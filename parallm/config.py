@@ -128,6 +128,9 @@ class SupervisorConfig(Struct, frozen=True, kw_only=True, forbid_unknown_fields=
     drain_timeout_s: Annotated[float, _d("on SIGTERM, seconds in-flight requests get to finish")] = 30.0
     blas: Annotated[Literal["auto", "openblas", "none"],
                     _d("BLAS preloaded for the engine on Linux CPU ('auto': OpenBLAS if installed)")] = "auto"
+    allocator: Annotated[Literal["auto", "mimalloc", "system"],
+                         _d("malloc of the engine where it preloads OpenBLAS ('auto': mimalloc if installed; "
+                            "the environment variable PARALLM_NO_MIMALLOC=1 also keeps the system's)")] = "auto"
 
 
 class RLConfig(Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):

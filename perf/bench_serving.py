@@ -9,7 +9,12 @@ suppressed so every request runs `max_tokens`) three or four ways, one after ano
 - `http`: `parallm-launch` over OpenAI streaming HTTP (perf.loadgen);
 - `zmq`: the same server over the raw ZeroMQ client;
 - `mlx_lm.server` (with --mlx-lm-server): mlx-lm's own server on the same float32 weights, with
-  the same OpenBLAS preload as parallm's engine.
+  the same OpenBLAS preload as parallm's engine (and, with --mlx-lm-allocator, parallm's allocator
+  too: mimalloc, which parallm's supervisor preloads for its engine).
+
+This process preloads OpenBLAS and mimalloc like parallm's engine (the in-process targets run
+here); `parallm-launch` is started without them, so its supervisor chooses what each of its
+processes gets, as it does for a user.
 
     python -m perf.bench_serving --concurrency 1,8,16,32 --out perf/results/serving-cpu.json
 
@@ -51,7 +56,8 @@ def machine() -> dict[str, Any]:
 
     return {"platform": platform.platform(), "processor": platform.processor() or platform.machine(),
             "cpus": os.cpu_count(), "mlx": mx.__version__, "device": str(mx.default_device()),
-            "openblas_preloaded": blas.is_preloaded()}
+            "openblas_preloaded": blas.is_preloaded(),
+            "allocator": "mimalloc" if "libmimalloc" in os.environ.get("LD_PRELOAD", "") else "system"}
 
 
 def free_port() -> int:
@@ -167,11 +173,11 @@ def run_batchgen(model: Any, prompt_ids: list[list[int]], workload: Workload, co
 class Launched:
     """A server subprocess started for the benchmark and stopped afterwards."""
 
-    def __init__(self, argv: list[str], ready: str, env: dict[str, str] | None = None,
-                 timeout: float = 600.0) -> None:
+    def __init__(self, argv: list[str], ready: str, env: dict[str, str], timeout: float = 600.0) -> None:
+        """Start `argv` with exactly the environment `env`."""
         self.log = tempfile.NamedTemporaryFile("w+", prefix="bench-serving-", suffix=".log", delete=False)
         self.proc = subprocess.Popen(argv, stdout=self.log, stderr=subprocess.STDOUT, cwd=ROOT,
-                                     env={**os.environ, **(env or {})}, start_new_session=True)
+                                     env=env, start_new_session=True)
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
@@ -260,6 +266,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="requests per concurrency slot (at least 8 in all)")
     parser.add_argument("--targets", default="inprocess,batchgen,http,zmq")
     parser.add_argument("--mlx-lm-server", action="store_true", help="also run mlx_lm.server on the same weights")
+    parser.add_argument("--mlx-lm-allocator", action="store_true",
+                        help="preload parallm's allocator (mimalloc) for mlx_lm.server too")
     parser.add_argument("--server-args", default="", help="extra parallm-launch arguments")
     parser.add_argument("--out", type=Path, default=ROOT / "perf/results/serving-cpu.json")
     args = parser.parse_args(argv)
@@ -311,7 +319,8 @@ def main(argv: list[str] | None = None) -> int:
         launch = [sys.executable, "-m", "launch", "--port", str(port), "--transport.run-dir", run_dir,
                   "--engine.max-num-seqs", str(max_seqs), "--model.served-name", "bench",
                   *args.server_args.split()]
-        server = Launched(launch, "parallm-launch: ready", env={"PYTHONPATH": str(ROOT)})
+        server = Launched(launch, "parallm-launch: ready",
+                          env={**blas.without_preloads(dict(os.environ)), "PYTHONPATH": str(ROOT)})
         try:
             url, router = f"http://127.0.0.1:{port}", f"ipc://{run_dir}/router.sock"
             asyncio.run(run_http(url, "bench", workload_for(1), 2, eos, WARM_SEED))  # warm-up
@@ -333,7 +342,7 @@ def main(argv: list[str] | None = None) -> int:
     if "mlx_lm.server" in targets:
         path = materialize(loaded.source, "float32")
         port = free_port()
-        env = {**(blas.openblas_env() or {}), "PYTHONPATH": str(ROOT)}
+        env = {**(blas.openblas_env(allocator=args.mlx_lm_allocator) or dict(os.environ)), "PYTHONPATH": str(ROOT)}
         server = Launched([sys.executable, "-m", "mlx_lm", "server", "--model", str(path), "--port", str(port),
                            "--host", "127.0.0.1"], "Starting httpd", env=env)
         try:
@@ -362,7 +371,9 @@ def main(argv: list[str] | None = None) -> int:
             entry["vs_batchgen"] = by[("http", c)] / by[("batchgen", c)]
         ratios[str(c)] = entry
     result = {"machine": machine(), "command": "python -m perf.bench_serving " + " ".join(argv or sys.argv[1:]),
-              "workload": args.workload, "max_tokens": args.max_tokens, "runs": runs, "ratios": ratios}
+              "workload": args.workload, "max_tokens": args.max_tokens,
+              "mlx_lm_server_allocator": "mimalloc" if args.mlx_lm_allocator else "system",
+              "runs": runs, "ratios": ratios}
     write_report(result, args.out)
     print(json.dumps(ratios, indent=2))
     return 0

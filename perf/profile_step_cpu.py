@@ -1,4 +1,4 @@
-"""Where a batch-16 decode step of the default model goes on the CPU, and two environment knobs.
+"""Where a batch-16 decode step of the default model goes on the CPU, and the environment knobs.
 
 1. `step`: one engine step with 16 running rows (the engine's own loop: forward, sampling,
    bookkeeping), alternating with
@@ -12,10 +12,12 @@
    core, best of five), as milliseconds per step and tokens/s at 16 rows.
 
 With `--variants`, the script runs itself in fresh processes under each environment below,
-round-robin, `--runs` times each (this VM's speed drifts ~10 % over minutes):
-`OPENBLAS_THREAD_TIMEOUT` 16 (parallm's default, workers sleep after ~25 us) / 20 / 24 / 28
-(OpenBLAS's default, ~0.1 s of spinning), and transparent huge pages for MLX's buffers
-(`GLIBC_TUNABLES=glibc.malloc.hugetlb=1`, glibc >= 2.35) with the default timeout.
+round-robin, `--runs` times each (this VM's speed drifts ~10 % over minutes): `default` (what
+parallm's engine gets: OpenBLAS with `OPENBLAS_THREAD_TIMEOUT=16`, workers sleep after ~25 us,
+and mimalloc preloaded), `system_malloc` (glibc's malloc instead, `PARALLM_NO_MIMALLOC=1`),
+`timeout20` / `24` / `28` (OpenBLAS's default, ~0.1 s of spinning), and `hugepages` (glibc's
+malloc with transparent huge pages for MLX's buffers, `GLIBC_TUNABLES=glibc.malloc.hugetlb=1`,
+glibc >= 2.35).
 
     python -m perf.profile_step_cpu --variants --out perf/results/step-cpu.json
 
@@ -42,11 +44,12 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 
 VARIANTS: dict[str, dict[str, str]] = {
-    "timeout16": {"OPENBLAS_THREAD_TIMEOUT": "16"},
+    "default": {},
+    "system_malloc": {"PARALLM_NO_MIMALLOC": "1"},
     "timeout20": {"OPENBLAS_THREAD_TIMEOUT": "20"},
     "timeout24": {"OPENBLAS_THREAD_TIMEOUT": "24"},
     "timeout28": {"OPENBLAS_THREAD_TIMEOUT": "28"},
-    "hugepages": {"OPENBLAS_THREAD_TIMEOUT": "16", "GLIBC_TUNABLES": "glibc.malloc.hugetlb=1"},
+    "hugepages": {"PARALLM_NO_MIMALLOC": "1", "GLIBC_TUNABLES": "glibc.malloc.hugetlb=1"},
 }
 ROWS = 16
 
@@ -147,6 +150,7 @@ def measure(rounds: int) -> dict[str, float]:
     out["bandwidth_limit_step_ms"] = round(1000 * weight_bytes / bandwidth, 2)
     out["bandwidth_limit_tok_s"] = round(ROWS * bandwidth / weight_bytes, 1)
     out["step_tok_s"] = round(1000 * ROWS / out["step_ms"], 1)
+    out["allocator"] = "mimalloc" if "libmimalloc" in os.environ.get("LD_PRELOAD", "") else "system"
     return out
 
 
@@ -154,7 +158,8 @@ def run_variants(runs: int, rounds: int) -> dict[str, Any]:
     got: dict[str, list[dict[str, float]]] = {name: [] for name in VARIANTS}
     for _ in range(runs):
         for name, extra in VARIANTS.items():
-            env = {k: v for k, v in os.environ.items() if k not in ("OPENBLAS_THREAD_TIMEOUT", "GLIBC_TUNABLES")}
+            env = {k: v for k, v in os.environ.items()
+                   if k not in ("OPENBLAS_THREAD_TIMEOUT", "GLIBC_TUNABLES", "PARALLM_NO_MIMALLOC")}
             env.update(extra)
             proc = subprocess.run([sys.executable, "-m", "perf.profile_step_cpu", "--rounds", str(rounds)],
                                   cwd=ROOT, env=env, capture_output=True, text=True, check=True)
