@@ -7,8 +7,8 @@ in `mlx_cpu.libs`, so a shim directory of links under those names satisfies the 
 
 MLX's CPU allocator takes every op's output buffer straight from malloc and frees it after
 use, and glibc's malloc splits, coalesces and consolidates free chunks for it (`_int_malloc`,
-`malloc_consolidate` and `unlink_chunk` in a `perf` profile of the engine's main thread): a batch-16 decode step of the default model takes 8-20 % longer than with
-mimalloc (perf/results/step-cpu.json). The mimalloc that the
+`malloc_consolidate` and `unlink_chunk` in a `perf` profile of the engine's main thread): a batch-16 decode step of the default model takes 97.9 ms against 85.6 ms
+with mimalloc (medians of three processes each, perf/results/step-cpu.json). The mimalloc that the
 `cmeel-mimalloc` wheel ships is preloaded beside OpenBLAS (docs/performance.md); set
 `PARALLM_NO_MIMALLOC=1` (or `supervisor.allocator=system`) to keep glibc's.
 

@@ -143,6 +143,9 @@ def measure(rounds: int) -> dict[str, float]:
     out = {f"{k}_ms": round(1000 * statistics.median(v), 2) for k, v in times.items()}
     out["other_ops_ms"] = round(out["forward_ms"] - out["matmuls_ms"], 2)
     out["matmul_calls"] = len(weights)
+    status = dict(line.split(":", 1) for line in Path("/proc/self/status").read_text().splitlines() if ":" in line)
+    for key in ("VmRSS", "VmHWM"):  # resident after the steps, and at the peak so far
+        out[f"{key.lower()}_mb"] = round(int(status[key].split()[0]) / 1024, 1)
     weight_bytes = sum(w.nbytes for w in weights)
     out["weights_mb"] = round(weight_bytes / 1e6, 1)
     bandwidth = read_bandwidth(weight_bytes)
@@ -182,6 +185,8 @@ def main(argv: list[str] | None = None) -> int:
         from perf.bench_serving import machine
 
         result = {"machine": machine(), "command": "python -m perf.profile_step_cpu " + " ".join(argv or sys.argv[1:]),
+                  "note": "machine describes the parent; each variant runs in a child re-executed with OpenBLAS "
+                          "(and mimalloc unless PARALLM_NO_MIMALLOC), see each run's allocator",
                   **run_variants(args.runs, args.rounds)}
         print(json.dumps(result["median"], indent=1))
         if args.out is not None:
