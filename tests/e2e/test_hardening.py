@@ -107,20 +107,28 @@ def test_killed_stage_under_concurrent_streams_ends_every_client(fault_server, s
         t.start()
     barrier.wait(300)  # every stream has its first token
     pid = srv.stage_pids()[stage]
+    # readiness is probed from the kill until the restart is seen: the clients can all end before
+    # ingress's view of the stages (polled) shows the dead one
+    not_ready, probing = threading.Event(), threading.Event()
+    probing.set()
+
+    def probe_readiness() -> None:
+        while probing.is_set() and not not_ready.is_set():
+            try:
+                if httpx.get(f"{srv.url}/readyz", timeout=2).status_code == 503:
+                    not_ready.set()
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.05)
+
+    prober = threading.Thread(target=probe_readiness, daemon=True)
     os.kill(pid, signal.SIGKILL)
     killed_at = time.monotonic()
-    saw_not_ready = False
+    prober.start()
     for t in threads:
         while t.is_alive() and time.monotonic() - killed_at < BOUND_S + (120 if stage == "tokenizer-0" else 0):
             t.join(0.2)
-            if not saw_not_ready:
-                try:
-                    saw_not_ready = httpx.get(f"{srv.url}/readyz", timeout=2).status_code == 503
-                except httpx.HTTPError:
-                    pass
     assert not any(t.is_alive() for t in threads), f"a client hung after {stage} was killed: {out}"
-    if not saw_not_ready:  # the clients may all have ended before the first probe
-        saw_not_ready = httpx.get(f"{srv.url}/readyz", timeout=5).status_code == 503
     kinds = [o[0] for o in out]
     if stage == "tokenizer-0":
         assert set(kinds) <= {"completed"}, out
@@ -129,7 +137,9 @@ def test_killed_stage_under_concurrent_streams_ends_every_client(fault_server, s
         assert max(o[2] for o in out) - killed_at < BOUND_S, out
         assert all("retry" in o[1] or o[0] == "exception" for o in out), out
     srv.wait_restarted(stage, pid, 120)
-    assert saw_not_ready or stage == "tokenizer-0", "readiness never reflected the dead stage"
+    probing.clear()
+    prober.join(5)
+    assert not_ready.is_set() or stage == "tokenizer-0", "readiness never reflected the dead stage"
     assert httpx.get(f"{srv.url}/readyz").status_code == 200
     assert completion(srv.url, max_tokens=2).status_code == 200
     metrics = httpx.get(f"{srv.url}/metrics").text
