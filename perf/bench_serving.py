@@ -10,7 +10,9 @@ suppressed so every request runs `max_tokens`) three or four ways, one after ano
 - `zmq`: the same server over the raw ZeroMQ client;
 - `mlx_lm.server` (with --mlx-lm-server): mlx-lm's own server on the same float32 weights, with
   the same OpenBLAS preload as parallm's engine (and, with --mlx-lm-allocator, parallm's allocator
-  too: mimalloc, which parallm's supervisor preloads for its engine).
+  too: mimalloc, which parallm's supervisor preloads for its engine);
+- `mlx_lm.server-shipped` (with --mlx-lm-shipped): mlx_lm.server as a user would run it on this
+  model: its stored 4-bit weights (Q4_1 read as MLX 4-bit, group 32), MLX's own BLAS, no preloads.
 
 This process preloads OpenBLAS and mimalloc like parallm's engine (the in-process targets run
 here); `parallm-launch` is started without them, so its supervisor chooses what each of its
@@ -227,7 +229,7 @@ def write_report(result: dict[str, Any], out: Path) -> None:
                     f"{r['ttft_p99_s']:.3f} | {1000 * r['itl_p50_s']:.1f} | {1000 * r['itl_p99_s']:.1f} | "
                     f"{r['ok']}/{r['requests']} |")
     names = {"http": "http/inprocess", "zmq": "zmq/inprocess", "vs_batchgen": "http/batchgen",
-             "vs_mlx_lm": "http/mlx_lm.server"}
+             "vs_mlx_lm": "http/mlx_lm.server", "vs_mlx_lm_shipped": "http/mlx_lm.server-shipped"}
     ratios = [f"- c={c}: " + ", ".join(f"{names[k]} = {v[k]:.2f}" for k in names if k in v)
               for c, v in result["ratios"].items() if v]
     md = [f"# Served vs in-process ({result['workload']}, {result['max_tokens']} output tokens)", "",
@@ -266,6 +268,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="requests per concurrency slot (at least 8 in all)")
     parser.add_argument("--targets", default="inprocess,batchgen,http,zmq")
     parser.add_argument("--mlx-lm-server", action="store_true", help="also run mlx_lm.server on the same weights")
+    parser.add_argument("--mlx-lm-shipped", action="store_true",
+                        help="also run mlx_lm.server as shipped: the stored 4-bit weights, no preloads")
     parser.add_argument("--mlx-lm-allocator", action="store_true",
                         help="preload parallm's allocator (mimalloc) for mlx_lm.server too")
     parser.add_argument("--server-args", default="", help="extra parallm-launch arguments")
@@ -339,19 +343,24 @@ def main(argv: list[str] | None = None) -> int:
         finally:
             server.stop()
 
-    if "mlx_lm.server" in targets:
-        path = materialize(loaded.source, "float32")
+    baselines = []
+    if "mlx_lm.server" in targets:  # the same float32 weights and OpenBLAS as parallm's engine
+        baselines.append(("mlx_lm.server", "float32",
+                          blas.openblas_env(allocator=args.mlx_lm_allocator) or dict(os.environ)))
+    if args.mlx_lm_shipped:  # the stored 4-bit weights, MLX's own BLAS and glibc's malloc
+        baselines.append(("mlx_lm.server-shipped", "quantized", blas.without_preloads(dict(os.environ))))
+    for label, dtype, env in baselines:
+        path = materialize(loaded.source, dtype)
         port = free_port()
-        env = {**(blas.openblas_env(allocator=args.mlx_lm_allocator) or dict(os.environ)), "PYTHONPATH": str(ROOT)}
         server = Launched([sys.executable, "-m", "mlx_lm", "server", "--model", str(path), "--port", str(port),
-                           "--host", "127.0.0.1"], "Starting httpd", env=env)
+                           "--host", "127.0.0.1"], "Starting httpd", env={**env, "PYTHONPATH": str(ROOT)})
         try:
             url = f"http://127.0.0.1:{port}"
             wait_http(f"{url}/v1/models")
             asyncio.run(run_http(url, str(path), workload_for(1), 2, eos, WARM_SEED))
             for c in levels:
                 r = asyncio.run(run_http(url, str(path), workload_for(c), c, eos, prompt_seed(c, "mlx_lm.server")))
-                r["target"] = "mlx_lm.server"
+                r["target"] = label
                 runs.append(r)
                 print(json.dumps(r), flush=True)
         finally:
@@ -367,6 +376,8 @@ def main(argv: list[str] | None = None) -> int:
                 entry[t] = by[(t, c)] / base
         if ("mlx_lm.server", c) in by and ("http", c) in by:
             entry["vs_mlx_lm"] = by[("http", c)] / by[("mlx_lm.server", c)]
+        if ("mlx_lm.server-shipped", c) in by and ("http", c) in by:
+            entry["vs_mlx_lm_shipped"] = by[("http", c)] / by[("mlx_lm.server-shipped", c)]
         if ("batchgen", c) in by and ("http", c) in by:
             entry["vs_batchgen"] = by[("http", c)] / by[("batchgen", c)]
         ratios[str(c)] = entry
