@@ -57,10 +57,10 @@ def engine_environment(config: Config) -> dict[str, str]:
         if mx.default_device() != mx.cpu:
             return env
     allocator = config.supervisor.allocator
-    if allocator == "mimalloc" and blas.find_mimalloc() is None:
-        raise StartupError("supervisor.allocator=mimalloc but the cmeel-mimalloc package is not installed "
-                           "(pip install cmeel-mimalloc)")
-    if allocator == "mimalloc":
+    if allocator == "mimalloc":  # an explicit choice outranks PARALLM_NO_MIMALLOC
+        if blas.find_mimalloc() is None:
+            raise StartupError("supervisor.allocator=mimalloc but the cmeel-mimalloc package is not installed "
+                               "(pip install cmeel-mimalloc)")
         env.pop(blas.NO_MIMALLOC, None)
     preloaded = blas.openblas_env(env, allocator=allocator != "system")
     if preloaded is None:

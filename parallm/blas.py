@@ -7,10 +7,11 @@ in `mlx_cpu.libs`, so a shim directory of links under those names satisfies the 
 
 MLX's CPU allocator takes every op's output buffer straight from malloc and frees it after
 use, and glibc's malloc splits, coalesces and consolidates free chunks for it (`_int_malloc`,
-`malloc_consolidate` and `unlink_chunk` in a `perf` profile of the engine's main thread): a batch-16 decode step of the default model takes 97.9 ms against 85.6 ms
-with mimalloc (medians of three processes each, perf/results/step-cpu.json). The mimalloc that the
-`cmeel-mimalloc` wheel ships is preloaded beside OpenBLAS (docs/performance.md); set
-`PARALLM_NO_MIMALLOC=1` (or `supervisor.allocator=system`) to keep glibc's.
+`malloc_consolidate` and `unlink_chunk` in a `perf` profile of the engine's main thread): a
+batch-16 decode step of the default model takes 97.9 ms against 85.6 ms with mimalloc (medians
+of three processes each, perf/results/step-cpu.json). The mimalloc that the `cmeel-mimalloc`
+wheel ships is preloaded beside OpenBLAS (docs/performance.md); set `PARALLM_NO_MIMALLOC=1` (or
+`supervisor.allocator=system`) to keep glibc's.
 
 This must happen before the process starts (LD_PRELOAD), so it is applied to a child's
 environment (`openblas_env`) or by re-executing the current process (`reexec_with_openblas`).
@@ -44,12 +45,13 @@ THREAD_SPIN_LOG2_CYCLES = 16
 
 
 def _site_file(dist: str, suffix: str) -> Path | None:
+    """The first existing file of `dist` whose path ends with a match of the regex `suffix`."""
     try:
         files = importlib.metadata.distribution(dist).files or []
     except importlib.metadata.PackageNotFoundError:
         return None
     for entry in files:
-        if str(entry).endswith(suffix):
+        if re.search(f"(?:{suffix})$", str(entry)):
             path = Path(entry.locate()).resolve()
             if path.exists():
                 return path
@@ -58,25 +60,22 @@ def _site_file(dist: str, suffix: str) -> Path | None:
 
 def find_openblas() -> Path | None:
     """The libopenblas.so.0 of the cmeel-openblas wheel, if installed."""
-    return _site_file("cmeel-openblas", "lib/libopenblas.so.0")
+    return _site_file("cmeel-openblas", r"lib/libopenblas\.so\.0")
 
 
 def find_mimalloc() -> Path | None:
     """The libmimalloc.so.<major> of the cmeel-mimalloc wheel, if installed."""
-    try:
-        files = importlib.metadata.distribution("cmeel-mimalloc").files or []
-    except importlib.metadata.PackageNotFoundError:
-        return None
-    for entry in files:
-        if re.search(r"lib/libmimalloc\.so\.\d+$", str(entry)):
-            path = Path(entry.locate()).resolve()
-            if path.exists():
-                return path
-    return None
+    return _site_file("cmeel-mimalloc", r"lib/libmimalloc\.so\.\d+")
 
 
 def _is_mimalloc(path: str) -> bool:
     return Path(path).name.startswith("libmimalloc.so")
+
+
+def preloaded_allocator(env: dict[str, str] | None = None) -> str:
+    """Which malloc `env` (this process's by default) preloads: "mimalloc" or "system"."""
+    preload = (os.environ if env is None else env).get("LD_PRELOAD", "")
+    return "mimalloc" if any(_is_mimalloc(p) for p in preload.split(":") if p) else "system"
 
 
 def without_preloads(env: dict[str, str]) -> dict[str, str]:

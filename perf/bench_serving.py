@@ -59,7 +59,7 @@ def machine() -> dict[str, Any]:
     return {"platform": platform.platform(), "processor": platform.processor() or platform.machine(),
             "cpus": os.cpu_count(), "mlx": mx.__version__, "device": str(mx.default_device()),
             "openblas_preloaded": blas.is_preloaded(),
-            "allocator": "mimalloc" if "libmimalloc" in os.environ.get("LD_PRELOAD", "") else "system"}
+            "allocator": blas.preloaded_allocator()}
 
 
 def free_port() -> int:
@@ -374,12 +374,10 @@ def main(argv: list[str] | None = None) -> int:
         for t in ("http", "zmq"):
             if base and (t, c) in by:
                 entry[t] = by[(t, c)] / base
-        if ("mlx_lm.server", c) in by and ("http", c) in by:
-            entry["vs_mlx_lm"] = by[("http", c)] / by[("mlx_lm.server", c)]
-        if ("mlx_lm.server-shipped", c) in by and ("http", c) in by:
-            entry["vs_mlx_lm_shipped"] = by[("http", c)] / by[("mlx_lm.server-shipped", c)]
-        if ("batchgen", c) in by and ("http", c) in by:
-            entry["vs_batchgen"] = by[("http", c)] / by[("batchgen", c)]
+        for key, baseline in (("vs_mlx_lm", "mlx_lm.server"), ("vs_mlx_lm_shipped", "mlx_lm.server-shipped"),
+                              ("vs_batchgen", "batchgen")):
+            if (baseline, c) in by and ("http", c) in by:
+                entry[key] = by[("http", c)] / by[(baseline, c)]
         ratios[str(c)] = entry
     result = {"machine": machine(), "command": "python -m perf.bench_serving " + " ".join(argv or sys.argv[1:]),
               "workload": args.workload, "max_tokens": args.max_tokens,

@@ -51,6 +51,7 @@ VARIANTS: dict[str, dict[str, str]] = {
     "timeout28": {"OPENBLAS_THREAD_TIMEOUT": "28"},
     "hugepages": {"PARALLM_NO_MIMALLOC": "1", "GLIBC_TUNABLES": "glibc.malloc.hugetlb=1"},
 }
+VARIED = {key for extra in VARIANTS.values() for key in extra}  # unset in every child, then set per variant
 ROWS = 16
 
 
@@ -90,6 +91,7 @@ def read_bandwidth(nbytes: int, repeats: int = 5) -> float:
 def measure(rounds: int) -> dict[str, float]:
     import mlx.core as mx
 
+    from parallm import blas
     from parallm.config import EngineConfig, ModelConfig
     from parallm.engine import Engine, Request
     from parallm.engine.cache import LiveKV, PassContext
@@ -153,7 +155,7 @@ def measure(rounds: int) -> dict[str, float]:
     out["bandwidth_limit_step_ms"] = round(1000 * weight_bytes / bandwidth, 2)
     out["bandwidth_limit_tok_s"] = round(ROWS * bandwidth / weight_bytes, 1)
     out["step_tok_s"] = round(1000 * ROWS / out["step_ms"], 1)
-    out["allocator"] = "mimalloc" if "libmimalloc" in os.environ.get("LD_PRELOAD", "") else "system"
+    out["allocator"] = blas.preloaded_allocator()
     return out
 
 
@@ -161,8 +163,7 @@ def run_variants(runs: int, rounds: int) -> dict[str, Any]:
     got: dict[str, list[dict[str, float]]] = {name: [] for name in VARIANTS}
     for _ in range(runs):
         for name, extra in VARIANTS.items():
-            env = {k: v for k, v in os.environ.items()
-                   if k not in ("OPENBLAS_THREAD_TIMEOUT", "GLIBC_TUNABLES", "PARALLM_NO_MIMALLOC")}
+            env = {k: v for k, v in os.environ.items() if k not in VARIED}
             env.update(extra)
             proc = subprocess.run([sys.executable, "-m", "perf.profile_step_cpu", "--rounds", str(rounds)],
                                   cwd=ROOT, env=env, capture_output=True, text=True, check=True)
