@@ -71,6 +71,16 @@ def auto_prefill_tokens(on_cpu: bool, mixed: bool) -> int:
     return 128 if mixed else 256
 
 
+def auto_adapter_merge_mb(on_cpu: bool) -> int:
+    """The merge budget of `rl.adapter_merge_mb` unset (docs/adapters.md, Measured). On a GPU a
+    small model's pass is spent launching kernels and the factored update adds kernels to every
+    adapted layer: rank-16 q/v LoRA on the default model's shape, H100, 16-row decode at 0.95-0.97
+    of the base model's throughput merged vs 0.61-0.78 factored. On MLX's CPU device the pass is
+    matmul time, where the update costs ~3 %, while the merge's weight-sized matmuls made a load
+    24.7 ms instead of 2.7 (2-core CPU, perf/bench_adapters.py)."""
+    return 0 if on_cpu else 256
+
+
 def resolve_engine_config(config: EngineConfig, on_cpu: bool) -> EngineConfig:
     """The engine settings left to 'auto' decided for the device (the prefill budget is decided
     by the engine, `auto_prefill_tokens`, once it knows whether it can mix passes).
@@ -139,6 +149,11 @@ class RLConfig(Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
                                 _d("a request whose minimum policy version is not there yet: reject or wait")] = "reject"
     hold_timeout_s: Annotated[float, _d("with staleness_policy 'hold': seconds a request waits for its version")] = 120.0
     adapter_history: Annotated[int, _d("versions kept per adapter name")] = 4
+    adapter_merge_mb: Annotated[int | None, _d("an adapter version whose target layers are dense also keeps copies "
+                                               "of their weights with its update folded in, when those copies take "
+                                               "at most this many MiB: a pass where every row uses that version "
+                                               "then costs what the base model's does; 0 = never; unset = auto: "
+                                               "256 with a GPU, 0 on MLX's CPU device")] = None
 
 
 class TrainerServerConfig(Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):

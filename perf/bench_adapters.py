@@ -9,12 +9,15 @@ all layers (what the issue's goal names). Writes perf/results/adapters-cpu.{json
 files) in its stored dtype instead, written to perf/results/<name>.{json,md}.
 
 - publish latency: safetensors bytes of a new version in hand -> `load_adapter` (parse, validate,
-  cast) -> the first token sampled under that version, (a) by a new request arriving with the
-  publish (its prefill included), (b) by 8 running streams moved over by Pause(keep)/Resume
-  (`follow_latest`). The engine stage adds one ZeroMQ ipc hop and a msgpack decode on top.
+  cast, merge) -> the first token sampled under that version, (a) by a new request arriving with
+  the publish on an otherwise idle engine (its prefill included), (b) by 8 running streams moved
+  over by Pause(keep)/Resume (`follow_latest`); each with the version's merged weights
+  (`_merged`, the GPU default) and without (`_factored`: `rl.adapter_merge_mb` 0, the CPU default). The engine stage adds one ZeroMQ ipc hop
+  and a msgpack decode on top; `--served` measures through parallm-launch with 8 base-model
+  streams running (the new request's pass mixes base and adapter rows) and with none.
 - throughput: decode tokens/s of `rows` greedy rows: base model only (no layer wrapped), base
-  rows with adapters loaded (wrapped layers, none used), all rows one adapter, and rows spread
-  over 4 adapters + base (the gather_mm path).
+  rows with adapters loaded (wrapped layers, none used, the device's default merging), all rows
+  one adapter (merged, and factored), and rows spread over 4 adapters + base (the gather_mm path).
 """
 
 from __future__ import annotations
@@ -93,7 +96,7 @@ def publish_latency(engine: Engine, model, publishes: int, follow: bool) -> list
         if follow:
             engine.follow_latest()
         else:
-            engine.add_request(Request(rid=f"n{k}", prompt_ids=[1, 504, 3458, 282, 2, 77 + k], params=greedy(2),
+            engine.add_request(Request(rid=f"n{k}", prompt_ids=NEW_REQUEST_PROMPT[:-1] + [77 + k], params=greedy(2),
                                        adapter="pol"))
         seen: list[float] = []
 
@@ -155,7 +158,7 @@ def served_publish_latency(model_dir: Path, publishes: int, streams: int = 8) ->
         return lat
 
     async def first_token(client, version: int, tag: str) -> None:
-        async for out in client.stream([1, 504, 3458, 282, 2, 77 + version], greedy(1), adapter="pol",
+        async for out in client.stream(NEW_REQUEST_PROMPT[:-1] + [77 + version], greedy(1), adapter="pol",
                                        min_version=version):
             if out.token_ids:
                 assert out.version == version, (out.version, version)
@@ -194,6 +197,24 @@ def lora_blob_for_dir(model_dir: Path, seed: int) -> tuple[dict, bytes]:
     return config, save_bytes(w)
 
 
+NEW_REQUEST_PROMPT = [1, 504, 3458, 282, 2, 77]
+
+
+def bare_pass_ms(model, tokens: list[list[int]], reps: int = 12) -> float:
+    """mlx-lm's own forward over `tokens` with a fresh cache, an argmax and its read (median ms):
+    what the pass that samples a first token costs with no engine and no adapter around it."""
+    from mlx_lm.models.cache import make_prompt_cache
+
+    times = []
+    for _ in range(reps + 3):
+        cache = make_prompt_cache(model)
+        t0 = time.perf_counter()
+        logits = model(mx.array(tokens), cache=cache)
+        mx.argmax(logits[:, -1, :], axis=-1).tolist()
+        times.append(1000 * (time.perf_counter() - t0))
+    return round(statistics.median(times[3:]), 2)
+
+
 def summary(xs: list[float]) -> dict:
     xs = sorted(xs)
     return {"n": len(xs), "p50_ms": round(statistics.median(xs), 2), "p90_ms": round(xs[int(0.9 * (len(xs) - 1))], 2),
@@ -209,12 +230,13 @@ def report(r: dict) -> str:
              "| batch | tokens/s | vs base |", "|---|---|---|"]
     for k, v in r["decode_tokens_per_s"].items():
         lines.append(f"| {k} | {v} | {r['relative_to_base'][k]} |")
+    if "bare_pass_ms" in r:
+        lines += ["", "## One bare mlx-lm pass (fresh cache, argmax read; no engine, no adapter)", "",
+                  "| pass | ms |", "|---|---|"] + [f"| {k} | {v} |" for k, v in r["bare_pass_ms"].items()]
     lines += ["", "## Publish -> first token under the new version", "", "| measure | n | p50 ms | p90 ms | min | max |",
               "|---|---|---|---|---|---|"]
-    for k in ("load_adapter_only", "publish_to_first_token_new_request", "publish_to_first_token_running_streams",
-              "served_publish_to_first_token_new_request"):
-        m = r.get(k)
-        if m is None:
+    for k, m in r.items():
+        if not (isinstance(m, dict) and "p50_ms" in m):
             continue
         lines.append(f"| {k} | {m['n']} | {m['p50_ms']} | {m['p90_ms']} | {m['min_ms']} | {m['max_ms']} |")
     return "\n".join(lines) + "\n"
@@ -246,10 +268,14 @@ def main() -> int:
         loaded = load_model(ModelConfig(dtype="float32"))
         described = "SmolLM2-135M (default), float32, CPU"
     model = loaded.model
+    bare = {"new_request_prompt_6_tokens": bare_pass_ms(model, [NEW_REQUEST_PROMPT]),
+            "decode_1_row": bare_pass_ms(model, [[1]]), "decode_8_rows": bare_pass_ms(model, [[1]] * 8),
+            f"decode_{args.rows}_rows": bare_pass_ms(model, [[1]] * args.rows)}
 
-    def engine() -> Engine:
+    def engine(merge_mb: int | None = None) -> Engine:
         return Engine(model, EngineConfig(max_num_seqs=32, prefix_cache=False), eos_token_ids=loaded.eos_token_ids,
-                      max_model_len=2048, vocab_size=loaded.vocab_size, kv_budget_bytes=2 << 30)
+                      max_model_len=2048, vocab_size=loaded.vocab_size, kv_budget_bytes=2 << 30,
+                      adapter_merge_mb=merge_mb)
 
     res: dict = {"command": "PYTHONPATH=$PWD python -m perf.bench_adapters " + " ".join(sys.argv[1:]),
                  "machine": f"{platform.machine()} {os.cpu_count()} cores, {platform.platform()}",
@@ -257,35 +283,46 @@ def main() -> int:
                  "loadavg_at_start": os.getloadavg(), "model": described, "mlx": mx.__version__,
                  "device": str(mx.default_device()),
                  "adapter": f"LoRA rank 16 on q_proj+v_proj of all {len(model.layers)} layers", "rows": args.rows,
-                 "decode_tokens": args.tokens}
+                 "decode_tokens": args.tokens, "bare_pass_ms": bare}
     e = engine()
     tp = {"base_no_adapters": throughput(e, [""], args.rows, args.tokens, "b")}
     for k in range(4):
         c, b = lora_blob(model, 16, k)
         e.load_adapter(f"a{k}", config=c, weights=b)
+    c0, b0 = lora_blob(model, 16, 0)
     tp["base_rows_adapters_loaded"] = throughput(e, [""], args.rows, args.tokens, "bl")
-    tp["single_adapter"] = throughput(e, ["a0"], args.rows, args.tokens, "s")
+    for label, merge_mb in (("_merged", 256), ("_factored", 0)):
+        one = engine(merge_mb)
+        one.load_adapter("a0", config=c0, weights=b0)
+        tp[f"single_adapter{label}"] = throughput(one, ["a0"], args.rows, args.tokens, "s" + label)
+        del one
     tp["mixed_4_adapters_plus_base"] = throughput(e, ["", "a0", "a1", "a2", "a3"], args.rows, args.tokens, "m")
     tp["mixed_2_adapters"] = throughput(e, ["a0", "a1"], args.rows, args.tokens, "m2")
     res["decode_tokens_per_s"] = {k: round(v, 1) for k, v in tp.items()}
     res["relative_to_base"] = {k: round(v / tp["base_no_adapters"], 3) for k, v in tp.items()}
-    e2 = engine()
-    res["publish_to_first_token_new_request"] = summary(publish_latency(e2, model, args.publishes, follow=False))
-    res["publish_to_first_token_running_streams"] = summary(publish_latency(e2, model, args.publishes, follow=True))
-    t0 = time.perf_counter()
-    for k in range(10):
-        c, b = lora_blob(model, 16, 50 + k)
-        t1 = time.perf_counter()
-        e2.load_adapter("loadonly", config=c, weights=b)
-        res.setdefault("_load", []).append(1000 * (time.perf_counter() - t1))
-    res["load_adapter_only"] = summary(res.pop("_load"))
+    for label, merge_mb in (("_merged", 256), ("_factored", 0)):
+        e2 = engine(merge_mb)
+        res[f"publish_to_first_token_new_request{label}"] = summary(publish_latency(e2, model, args.publishes, False))
+        res[f"publish_to_first_token_running_streams{label}"] = summary(publish_latency(e2, model, args.publishes,
+                                                                                        True))
+        loads = []
+        for k in range(10):
+            c, b = lora_blob(model, 16, 50 + k)
+            t1 = time.perf_counter()
+            e2.load_adapter("loadonly", config=c, weights=b)
+            loads.append(1000 * (time.perf_counter() - t1))
+        res[f"load_adapter_only{label}"] = summary(loads)
+        res[f"step_ms_mean{label}"] = e2.stats()["step_ms_mean"]
+        del e2
     res["blob_bytes"] = len(lora_blob(model, 16, 0)[1])
-    res["step_ms_mean"] = e2.stats()["step_ms_mean"]
     if args.served and args.shape:
-        del e, e2
+        del e
         lat, engine_side = served_publish_latency(model_dir, args.publishes)
         res["served_publish_to_first_token_new_request"] = summary(lat)
         res["served_engine"] = engine_side
+        lat, engine_side = served_publish_latency(model_dir, args.publishes, streams=0)
+        res["served_publish_to_first_token_idle_engine"] = summary(lat)
+        res["served_engine_idle"] = engine_side
     res["loadavg_at_end"] = os.getloadavg()
     args.out_dir.mkdir(parents=True, exist_ok=True)
     (args.out_dir / f"{args.name}.json").write_text(json.dumps(res, indent=2))

@@ -346,7 +346,7 @@ def main(config: Config, replica: int = 0) -> int:
         return 2
     engine = Engine(loaded.model, config.engine, eos_token_ids=loaded.eos_token_ids,
                     max_model_len=loaded.max_model_len, vocab_size=loaded.vocab_size,
-                    adapter_history=config.rl.adapter_history)
+                    adapter_history=config.rl.adapter_history, adapter_merge_mb=config.rl.adapter_merge_mb)
     log.info("warm-up took %.2f s", engine.warm_up())
     info = {"model": config.model.served_name, "path": str(loaded.source.path), "dtype": loaded.dtype,
             "max_model_len": loaded.max_model_len, "vocab_size": loaded.vocab_size}

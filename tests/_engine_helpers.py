@@ -93,6 +93,6 @@ def run_all(engine: Engine, requests: list[Request] | None = None, *, arrivals: 
 
 def make_engine(model: nn.Module, *, eos: list[int] | None = None, max_model_len: int = 512, **config) -> Engine:
     kv_budget_bytes = config.pop("kv_budget_bytes", 64 << 20)
-    extra = {k: config.pop(k) for k in ("prefix_pool_fraction", "max_prefill_rows", "writeback_interval") if k in config}
+    extra = {k: config.pop(k) for k in ("prefix_pool_fraction", "max_prefill_rows", "writeback_interval", "adapter_merge_mb") if k in config}
     return Engine(model, EngineConfig(**config), eos_token_ids=eos if eos is not None else [],
                   max_model_len=max_model_len, kv_budget_bytes=kv_budget_bytes, **extra)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 
 import mlx.core as mx
+import mlx.nn as nn
 import pytest
 
 from parallm.adapters import AdapterError, save_bytes
@@ -66,6 +67,62 @@ def test_mixed_batch_rows_match_alone(arch):
         assert out[(f"m{i}", 0)]["tokens"] == alone[name], (i, name)
     passes = engine.stats()["adapter_passes"]
     assert passes["mixed"] > 0 and passes["single"] > 0 and passes["base"] > 0
+
+
+@pytest.mark.parametrize("dora", [False, True], ids=["lora", "dora"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])  # qwen2: biases on q/k/v
+def test_merged_weights_give_the_factored_update(arch, dora):
+    """A single-adapter pass through the merged copies equals base + (x @ a) @ b, and mixing
+    the version with the base model (the factored path) gives each row its own tokens still."""
+    ref = tiny_model(arch)
+    config = lora_model(ref, rank=4, keys=("self_attn.q_proj", "self_attn.v_proj", "mlp.down_proj"), dora=dora)
+    blob = save_bytes(adapter_tensors(ref))
+    merged_engine = make_engine(tiny_model(arch), max_num_seqs=4, adapter_merge_mb=256)
+    factored_engine = make_engine(tiny_model(arch), max_num_seqs=4, adapter_merge_mb=0)
+    merged = merged_engine.load_adapter("pol", config=config, weights=blob)
+    factored = factored_engine.load_adapter("pol", config=config, weights=blob)
+    assert merged.merged and not factored.merged
+    assert merged.describe()["merged"] and not factored.describe()["merged"]
+    targets = [m for p, m in merged_engine.model.named_modules() if p in merged.modules]
+    copies = sum(m.merged.nbytes for m in merged.modules.values())
+    assert merged.nbytes - factored.nbytes == copies == sum(t.linear.weight.nbytes for t in targets)
+    assert merged_engine.stats()["adapter_bytes"] == merged.nbytes
+
+    x = mx.array([PROMPT])
+    outs = []
+    for engine, adapter in ((merged_engine, merged), (factored_engine, factored)):
+        engine.adapters.router.bind([adapter])
+        outs.append(engine.model(x))
+        engine.adapters.router.unbind()
+    assert mx.allclose(outs[0], outs[1], atol=1e-4, rtol=1e-4).item()
+
+    want = reference_greedy(ref, PROMPT, 12)
+    assert _tokens(merged_engine, adapter="pol") == _tokens(factored_engine, adapter="pol") == want
+    base = reference_greedy(tiny_model(arch), [3, 4, 5], 12)
+    reqs = [Request(rid="m0", prompt_ids=PROMPT, params=greedy(12), adapter="pol"),
+            Request(rid="m1", prompt_ids=[3, 4, 5], params=greedy(12))]
+    out = run_all(merged_engine, reqs)
+    assert out[("m0", 0)]["tokens"] == want and out[("m1", 0)]["tokens"] == base
+    assert merged_engine.stats()["adapter_passes"]["mixed"] > 0
+
+
+def test_merging_needs_dense_layers_within_the_budget():
+    ref = tiny_model("llama")
+    config = lora_model(ref, rank=4)
+    blob = save_bytes(adapter_tensors(ref))
+    quantized = tiny_model("llama")
+    nn.quantize(quantized, group_size=32, bits=8)
+    engine = make_engine(quantized, adapter_merge_mb=256)
+    assert not engine.load_adapter("pol", config=config, weights=blob).merged  # no dense weight to fold into
+    engine = make_engine(tiny_model("llama"), adapter_merge_mb=0)
+    assert not engine.load_adapter("pol", config=config, weights=blob).merged
+    assert make_engine(tiny_model("llama")).adapters.merge_bytes == 0  # auto on MLX's CPU device
+    engine = make_engine(tiny_model("llama"), adapter_merge_mb=1)
+    engine.adapters.merge_bytes = sum(m.weight.nbytes for p, m in engine.model.named_modules()
+                                      if p.endswith(("q_proj", "v_proj"))) - 1
+    assert not engine.load_adapter("pol", config=config, weights=blob).merged  # one byte over
+    engine.adapters.merge_bytes += 1
+    assert engine.load_adapter("pol", config=config, weights=blob).merged
 
 
 def _random_adapter(engine_model, rank=4, seed=0, spread=0.3, keys=("q_proj", "v_proj")):

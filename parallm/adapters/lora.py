@@ -9,17 +9,23 @@ never one already launched (MLX arrays are immutable; a launched graph keeps its
 
 Three cases per pass:
 - no row has an adapter: the wrapper returns base(x) (one attribute check);
-- every row has the same adapter: y + scale * (x @ a) @ b, as mlx-lm's LoRALinear computes it;
+- every row has the same adapter: x @ W'^T with the update merged into a copy of the base weight
+  when the adapter has one (`PreparedLoRA.merged`: the pass then costs what the base model's
+  does), else base(x) + (x @ a) @ b as one matmul and one addmm (b carries the scale);
 - mixed: the adapters of the pass (plus a zero slot when some rows have none) are stacked per
   layer, A [S, in, r], B [S, r, out] (ranks zero-padded to the largest), and two `mx.gather_mm`
   calls apply each row's own slot. Stacks are cached per set of adapters, so a steady mix costs
   no copies after its first pass.
 DoRA rows are rescaled by their precomputed magnitude / norm gain per output feature.
+
+On a GPU a small model's pass is spent launching kernels, not running them, so the number of
+ops per adapted layer is what an adapter costs there (docs/adapters.md, "Measured").
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Sequence
 
 import mlx.core as mx
@@ -50,6 +56,24 @@ def compute_dtype(linear: nn.Module) -> mx.Dtype:
     return linear.scales.dtype if isinstance(linear, nn.QuantizedLinear) else linear.weight.dtype
 
 
+@dataclass(frozen=True, slots=True)
+class PreparedLoRA:
+    """One layer's update as passes apply it: delta = (x @ a) @ b, the scale already in b."""
+
+    a: mx.array  # [in, r], the layer's compute dtype
+    b: mx.array  # [r, out], times the adapter's scale
+    m: mx.array | None = None  # DoRA magnitude [out] (float32)
+    merged: mx.array | None = None  # [out, in]: the base weight with the update (and DoRA gain) folded in
+
+    @property
+    def rank(self) -> int:
+        return int(self.a.shape[1])
+
+    @property
+    def nbytes(self) -> int:
+        return sum(x.nbytes for x in (self.a, self.b, self.m, self.merged) if x is not None)
+
+
 class MultiLoRALinear(nn.Module):
     """base(x) + the LoRA delta of each row's adapter for this pass (see module docstring)."""
 
@@ -60,11 +84,10 @@ class MultiLoRALinear(nn.Module):
         self._router = router
 
     def __call__(self, x: mx.array) -> mx.array:
-        y = self.linear(x)
         plan = self._router.plan
         if plan is None:
-            return y
-        return plan.apply(self._path, self.linear, x, y)
+            return self.linear(x)
+        return plan.apply(self._path, self.linear, x)
 
 
 def _dora(y: mx.array, linear: nn.Module, gain: mx.array) -> mx.array:
@@ -78,12 +101,13 @@ class _Single:
     def __init__(self, adapter: "LoadedAdapter") -> None:
         self.adapter = adapter
 
-    def apply(self, path: str, linear: nn.Module, x: mx.array, y: mx.array) -> mx.array:
+    def apply(self, path: str, linear: nn.Module, x: mx.array) -> mx.array:
         m = self.adapter.modules.get(path)
         if m is None:
-            return y
-        z = (x @ m.a) @ m.b
-        y = y + (m.scale * z).astype(x.dtype)
+            return linear(x)
+        if m.merged is not None:
+            return mx.addmm(linear.bias, x, m.merged.T) if "bias" in linear else x @ m.merged.T
+        y = mx.addmm(linear(x), x @ m.a, m.b)
         if m.m is not None:
             y = _dora(y, linear, self.adapter.gains[path])
         return y
@@ -106,21 +130,19 @@ class _Stacks:
         in_dims, out_dims = linear_dims(linear)
         dtype = next(m.a.dtype for m in mods if m is not None)
         r = max(m.rank for m in mods if m is not None)
-        A, B, scales, gains = [], [], [], []
+        A, B, gains = [], [], []
         any_dora = any(m is not None and m.m is not None for m in mods)
         for adapter, m in zip(self.slots, mods):
             if m is None:
                 A.append(mx.zeros((in_dims, r), dtype))
                 B.append(mx.zeros((r, out_dims), dtype))
-                scales.append(0.0)
                 gains.append(mx.ones((out_dims,), mx.float32))
                 continue
             pad = r - m.rank
             A.append(m.a if not pad else mx.pad(m.a, [(0, 0), (0, pad)]))
             B.append(m.b if not pad else mx.pad(m.b, [(0, pad), (0, 0)]))
-            scales.append(m.scale)
             gains.append(adapter.gains[path].astype(mx.float32) if m.m is not None else mx.ones((out_dims,), mx.float32))
-        entry = (mx.stack(A), mx.stack(B), mx.array(scales, dtype=mx.float32), mx.stack(gains) if any_dora else None)
+        entry = (mx.stack(A), mx.stack(B), mx.stack(gains) if any_dora else None)
         self.by_path[path] = entry
         return entry
 
@@ -130,15 +152,14 @@ class _Mixed:
         self.stacks = stacks
         self.idx = idx
 
-    def apply(self, path: str, linear: nn.Module, x: mx.array, y: mx.array) -> mx.array:
+    def apply(self, path: str, linear: nn.Module, x: mx.array) -> mx.array:
+        y = linear(x)
         st = self.stacks.get(path, linear)
         if st is None:
             return y
-        A, B, scales, gains = st
+        A, B, gains = st
         idx = self.idx
-        z = mx.gather_mm(mx.gather_mm(x, A, rhs_indices=idx), B, rhs_indices=idx)
-        s = scales[idx].reshape((-1,) + (1,) * (z.ndim - 1))
-        y = y + (s * z).astype(x.dtype)
+        y = y + mx.gather_mm(mx.gather_mm(x, A, rhs_indices=idx), B, rhs_indices=idx)
         if gains is not None:
             g = gains[idx].reshape((idx.shape[0],) + (1,) * (y.ndim - 2) + (gains.shape[-1],))
             y = _dora(y, linear, g)

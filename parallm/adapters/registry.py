@@ -23,8 +23,8 @@ import mlx.nn as nn
 from mlx.utils import tree_unflatten
 
 from .errors import AdapterError
-from .formats import Format, ModuleLoRA, ParsedAdapter, nonfinite_names, parse, read_dir
-from .lora import LoRARouter, MultiLoRALinear, compute_dtype, dense_weight, linear_dims
+from .formats import Format, ParsedAdapter, nonfinite_names, parse, read_dir
+from .lora import LoRARouter, MultiLoRALinear, PreparedLoRA, compute_dtype, dense_weight, linear_dims
 
 NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.\-/]{0,127}$")
 _LAYER_RE = re.compile(r"(?:^|\.)layers\.(\d+)\.")
@@ -38,7 +38,7 @@ class LoadedAdapter:
     kind: str
     format: str
     rank: int
-    modules: dict[str, ModuleLoRA]
+    modules: dict[str, PreparedLoRA]
     gains: dict[str, mx.array] = field(default_factory=dict)
     nbytes: int = 0
     source: str = "inline"
@@ -51,16 +51,25 @@ class LoadedAdapter:
         """The prefix-cache identity: name and version."""
         return f"{self.name}@{self.version}"
 
+    @property
+    def merged(self) -> bool:
+        """Whether its updates are folded into copies of the base weights (see lora.py)."""
+        return any(m.merged is not None for m in self.modules.values())
+
     def describe(self) -> dict[str, Any]:
         return {"version": self.version, "kind": self.kind, "format": self.format, "rank": self.rank,
-                "modules": len(self.modules), "bytes": self.nbytes, "source": self.source,
+                "modules": len(self.modules), "bytes": self.nbytes, "merged": self.merged, "source": self.source,
                 "loaded_at": self.loaded_at}
 
 
 class AdapterManager:
-    def __init__(self, model: nn.Module, *, history: int = 4) -> None:
+    def __init__(self, model: nn.Module, *, history: int = 4, merge_mb: int = 256) -> None:
+        """`merge_mb`: a version whose targeted layers are dense also gets copies of their weights
+        with its update folded in when those copies take at most this many MiB (0: never), so a
+        pass where every row runs under it costs what the base model's does."""
         self.model = model
         self.history = max(1, int(history))
+        self.merge_bytes = max(0, int(merge_mb)) << 20
         self.router = LoRARouter()
         self.versions: dict[str, list[LoadedAdapter]] = {}
         self.linears: dict[str, nn.Module] = {}
@@ -201,16 +210,14 @@ class AdapterManager:
             raise AdapterError("no adapter weights: give safetensors bytes inline or a path")
         parsed = parse(config or {}, weights, fmt, dtype=self.dtype)
         modules, gains = self._bind(parsed)
-        nbytes = sum(m.a.nbytes + m.b.nbytes + (m.m.nbytes if m.m is not None else 0) for m in modules.values())
-        nbytes += sum(g.nbytes for g in gains.values())
+        nbytes = sum(m.nbytes for m in modules.values()) + sum(g.nbytes for g in gains.values())
         return LoadedAdapter(name=name, version=version, kind=parsed.kind, format=parsed.format, rank=parsed.rank,
                              modules=modules, gains=gains, nbytes=nbytes, source=source, loaded_at=time.time())
 
-    def _bind(self, parsed: ParsedAdapter) -> tuple[dict[str, ModuleLoRA], dict[str, mx.array]]:
+    def _bind(self, parsed: ParsedAdapter) -> tuple[dict[str, PreparedLoRA], dict[str, mx.array]]:
         """Check every module against the base model; the weights in the layer's compute type."""
         num_layers = parsed.config.get("num_layers") if parsed.format == "mlx" else None
-        modules: dict[str, ModuleLoRA] = {}
-        gains: dict[str, mx.array] = {}
+        linears = {}
         for path, m in parsed.modules.items():
             layer = _LAYER_RE.search(path)
             if layer and self.num_layers and int(layer.group(1)) >= self.num_layers:
@@ -232,18 +239,31 @@ class AdapterManager:
             if isinstance(num_layers, int) and 0 <= num_layers < self.num_layers and layer and \
                     int(layer.group(1)) < self.num_layers - num_layers:
                 raise AdapterError(f"{path} is outside the last num_layers={num_layers} layers the config names")
+            linears[path] = linear
+        if not linears:
+            raise AdapterError("the adapter targets no layer")
+        merge = all(type(linear) is nn.Linear for linear in linears.values()) and \
+            sum(linear.weight.nbytes for linear in linears.values()) <= self.merge_bytes
+        modules: dict[str, PreparedLoRA] = {}
+        gains: dict[str, mx.array] = {}
+        for path, m in parsed.modules.items():
+            linear = linears[path]
             dtype = compute_dtype(linear)
             a, b = m.a.astype(dtype), m.b.astype(dtype)
-            mag = None
+            mag = merged = None
             if m.m is not None:
                 mag = m.m.astype(mx.float32)
                 w = dense_weight(linear).astype(mx.float32)
                 adapted = w + (m.scale * b.T.astype(mx.float32)) @ a.T.astype(mx.float32)
-                gains[path] = (mag / mx.linalg.norm(adapted, axis=1)).astype(dtype)
-            modules[path] = ModuleLoRA(a=a, b=b, scale=m.scale, m=mag)
-        if not modules:
-            raise AdapterError("the adapter targets no layer")
-        mx.eval([(x.a, x.b) for x in modules.values()], list(gains.values()))
+                gain = mag / mx.linalg.norm(adapted, axis=1)
+                gains[path] = gain.astype(dtype)
+                if merge:
+                    merged = (gain[:, None] * adapted).astype(dtype)
+            elif merge:
+                merged = mx.addmm(linear.weight, b.T, a.T, alpha=m.scale)
+            modules[path] = PreparedLoRA(a=a, b=b if m.scale == 1.0 else (m.scale * b).astype(dtype), m=mag,
+                                         merged=merged)
+        mx.eval([(x.a, x.b, x.merged) for x in modules.values()], list(gains.values()))
         bad = nonfinite_names(gains)
         if bad:
             raise AdapterError(f"DoRA gains of {bad[0]} are not finite (a zero-norm adapted weight?)")

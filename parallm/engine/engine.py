@@ -17,7 +17,7 @@ import mlx.nn as nn
 import msgspec
 
 from parallm.adapters import AdapterError, AdapterManager, LoadedAdapter
-from parallm.config import EngineConfig, auto_prefill_tokens, resolve_engine_config
+from parallm.config import EngineConfig, auto_adapter_merge_mb, auto_prefill_tokens, resolve_engine_config
 from parallm.protocol import SamplingParams, Usage
 
 from .blocks import BlockManager
@@ -60,10 +60,13 @@ class Engine:
     def __init__(self, model: nn.Module, config: EngineConfig, *, eos_token_ids: Seq[int], max_model_len: int,
                  vocab_size: int | None = None, kv_budget_bytes: int | None = None,
                  prefix_pool_fraction: float = 0.25, max_prefill_rows: int | None = None,
-                 writeback_interval: int = 16, adapter_history: int = 4) -> None:
+                 writeback_interval: int = 16, adapter_history: int = 4,
+                 adapter_merge_mb: int | None = None) -> None:
         """`kv_budget_bytes` overrides config.kv_budget_mb (finer grain, for tests);
         `prefix_pool_fraction` of the budget holds the prefix cache, the rest the live rows;
-        `adapter_history` versions of each adapter name are kept (config.rl.adapter_history)."""
+        `adapter_history` versions of each adapter name are kept (config.rl.adapter_history);
+        `adapter_merge_mb` caps an adapter version's merged weights (config.rl.adapter_merge_mb;
+        None: `auto_adapter_merge_mb`)."""
         self.model = model
         on_cpu = mx.default_device() == mx.cpu
         config = resolve_engine_config(config, on_cpu)
@@ -94,7 +97,8 @@ class Engine:
                                    max_prefill_rows=max_prefill_rows or config.max_prefill_rows,
                                    writeback_interval=writeback_interval)
         self.runner.eos_ids = self.eos_token_ids
-        self.adapters = AdapterManager(model, history=adapter_history)
+        self.adapters = AdapterManager(model, history=adapter_history, merge_mb=auto_adapter_merge_mb(on_cpu)
+                                       if adapter_merge_mb is None else adapter_merge_mb)
         self.runner.lora = self.adapters.router
         self.runner.pool.allocate()
         self._requests: dict[str, list[Sequence]] = {}
