@@ -71,6 +71,69 @@ def test_upload_json_base64_and_compat_routes(api):
     assert backend.engine.policy() == {"": 0, "peft": 1, "default": 2}
 
 
+def test_upload_multipart_as_the_rl_inference_server_sends_it(api):
+    client, backend, _, (config, tensors) = api
+    blob = save_bytes(tensors)
+    files = {"adapter_weights": ("adapters.safetensors", blob, "application/octet-stream"),
+             "adapter_config": ("adapter_config.json", json.dumps(config), "application/json")}
+    r = client.post("/upload_adapter", files=files)
+    assert r.status_code == 200, r.text
+    assert r.json() == {"status": "success", "policy_version": 1, "message": r.json()["message"]}
+    assert backend.engine.policy() == {"": 0, "default": 1}
+    r = client.post("/v1/adapters/upload", files={"weights": ("w.safetensors", blob)},
+                    data={"name": "pol", "version": "7", "format": "mlx", "config": json.dumps(config)})
+    assert r.status_code == 200, r.text
+    assert (r.json()["name"], r.json()["version"]) == ("pol", 7)
+    loaded = backend.engine.adapters.latest("pol")
+    assert loaded.format == "mlx" and loaded.version == 7
+    peft_cfg, peft_blob = to_peft(tensors, config)
+    r = client.post("/v1/adapters/upload", files={"file": ("adapter_model.safetensors", peft_blob),
+                                                  "config": ("adapter_config.json", json.dumps(peft_cfg))},
+                    data={"name": "peft"})
+    assert r.status_code == 200, r.text
+    assert backend.engine.adapters.latest("peft").format == "peft"
+
+
+def test_multipart_upload_errors(api):
+    client, backend, _, (config, tensors) = api
+    blob, cfg = save_bytes(tensors), json.dumps(config)
+
+    def post(files=None, data=None, **kw):
+        r = client.post("/v1/adapters/upload", files=files, data=data, **kw)
+        assert r.status_code >= 400, r.text
+        return r.status_code, r.json()["error"]
+
+    status, err = post(data={"name": "x", "config": cfg, "version": "1"})
+    assert status == 400 and err["param"] == "adapter_weights" and "safetensors file" in err["message"]
+    status, err = post(files={"adapter_weights": ("a", blob), "weights": ("b", blob)})
+    assert status == 400 and "exactly one" in err["message"]
+    status, err = post(files={"adapter_weights": ("a", blob)}, data={"adapter_config": "{not json"})
+    assert status == 400 and err["param"] == "adapter_config" and "not JSON" in err["message"]
+    status, err = post(files={"adapter_weights": ("a", blob)}, data={"config": "[1, 2]"})
+    assert status == 400 and "JSON object" in err["message"]
+    status, err = post(files={"adapter_weights": ("a", blob)}, data={"config": cfg, "version": "two"})
+    assert status == 400 and err["param"] == "version"
+    status, err = post(files={"adapter_weights": ("a", blob)}, data={"config": cfg, "colour": "red"})
+    assert status == 400 and err["param"] == "colour" and "unknown multipart field" in err["message"]
+    status, err = post(files={"adapter_weights": ("a", blob)}, data={"config": cfg, "format": "onnx"})
+    assert status == 400 and err["param"] == "format"
+    status, err = post(data={"adapter_weights": "not a file", "config": cfg})
+    assert status == 400 and "must be a file" in err["message"]
+    status, err = post(files={"adapter_weights": ("a", b"garbage")}, data={"config": cfg})
+    assert status == 400 and "safetensors" in err["message"]
+    status, err = post(content=b"--x\r\nnonsense", headers={"content-type": "multipart/form-data"})
+    assert status == 400 and "multipart" in err["message"]
+    status, err = post(content=b"--b\r\nContent-Disposition: form-data\r\n\r\nx\r\n--b--\r\n",
+                       headers={"content-type": "multipart/form-data; boundary=b"})
+    assert status == 400
+    assert backend.engine.policy() == {"": 0}  # nothing was loaded by any of them
+    small = TestClient(build_app(backend, ServerConfig(max_body_bytes=1000)))
+    r = small.post("/v1/adapters/upload", files={"adapter_weights": ("a", blob)}, data={"config": cfg})
+    assert r.status_code == 413
+    r = client.post("/v1/adapters/upload", files={"adapter_weights": ("a", blob)}, data={"config": cfg})
+    assert r.status_code == 200, r.text  # and serving goes on
+
+
 def test_errors_are_precise(api):
     client, backend, path, (config, tensors) = api
     r = client.post("/v1/adapters", json={"name": "x", "path": "/no/such/dir"})

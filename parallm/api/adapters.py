@@ -2,13 +2,16 @@
 
 Routes (registered by `routes(backend, server)` in build_app):
 - POST   /v1/adapters          {name, path, version?, format?, config?}: load from a path on the server
-- POST   /v1/adapters/upload   JSON {name, weights: base64 safetensors, config: {...}, version?, format?}
-                               (multipart is not accepted: python-multipart is not installed)
+- POST   /v1/adapters/upload   multipart/form-data: the safetensors file in `adapter_weights` (or
+                               `weights` / `file`), adapter_config.json in `adapter_config` (or
+                               `config`, a file or a text field), text fields name?, version?,
+                               format?; or JSON {name, weights: base64 safetensors, config: {...}, ...}
 - GET    /v1/adapters          names, versions, sizes, and the policy {name: latest version}
 - DELETE /v1/adapters/{name}   forget every version of `name`
 - POST   /load_adapter         MLX RL Inference Server compatible: {adapter_path, name?} ->
                                {status, policy_version, message}
-- POST   /upload_adapter       as /v1/adapters/upload, answered like /load_adapter
+- POST   /upload_adapter       as /v1/adapters/upload (the MLX RL Inference Server sends multipart
+                               adapter_weights + adapter_config), answered like /load_adapter
 The engine does the work (Query what="adapter_load" / "adapter_unload" / "adapters"); errors keep
 the engine's status: 400 bad adapter, 404 unknown adapter or path, 409 version conflict.
 """
@@ -17,9 +20,13 @@ from __future__ import annotations
 
 import base64
 import binascii
+import json
 from typing import Any
 
 import msgspec
+from starlette.datastructures import UploadFile
+from starlette.exceptions import HTTPException
+from starlette.formparsers import MultiPartException
 from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
@@ -30,6 +37,10 @@ from parallm.api.http import json_response, read_body
 from parallm.config import ServerConfig
 
 DEFAULT_NAME = "default"  # the adapter /load_adapter loads when no name is given
+WEIGHTS_FIELDS = ("adapter_weights", "weights", "file")
+CONFIG_FIELDS = ("adapter_config", "config")
+TEXT_FIELDS = ("name", "version", "format")
+FORM_TYPES = ("multipart/form-data", "application/x-www-form-urlencoded")  # the latter can carry no file: a clear 400
 
 
 def split_model(model: str | None, base: str) -> tuple[str | None, str]:
@@ -99,6 +110,8 @@ class AdapterRoutes:
         return json_response(result)
 
     async def _upload(self, request: Request) -> dict[str, Any]:
+        if request.headers.get("content-type", "").lower().startswith(FORM_TYPES):
+            return await self._load(await self._multipart(request))
         # the weights are base64: allow a third more than the body limit for them
         req = _decode(await read_body(request, self.limit * 4 // 3 + 4096), _Upload)
         try:
@@ -107,6 +120,30 @@ class AdapterRoutes:
             raise invalid("weights must be base64-encoded safetensors bytes", "weights") from None
         return await self._load({"name": req.name, "weights": weights, "config": req.config, "version": req.version,
                                  "format": _format(req.format)})
+
+    async def _multipart(self, request: Request) -> dict[str, Any]:
+        """The load arguments of a multipart upload (the body read within the limit first)."""
+        body = await read_body(request, self.limit)
+        replayed = False
+
+        async def receive() -> dict[str, Any]:
+            nonlocal replayed
+            if replayed:
+                return {"type": "http.disconnect"}
+            replayed = True
+            return {"type": "http.request", "body": body, "more_body": False}
+
+        try:
+            form = await Request(request.scope, receive).form(max_files=2, max_fields=8,
+                                                              max_part_size=max(self.limit, 1 << 20))
+        except HTTPException as exc:
+            raise invalid(f"invalid multipart body: {exc.detail}") from None
+        except MultiPartException as exc:
+            raise invalid(f"invalid multipart body: {exc.message}") from None
+        try:
+            return await _upload_args(form)
+        finally:
+            await form.close()
 
     async def upload(self, request: Request) -> Response:
         return json_response(await self._upload(request))
@@ -130,6 +167,48 @@ class AdapterRoutes:
 
     async def upload_compat(self, request: Request) -> Response:
         return _compat(await self._upload(request))
+
+
+async def _upload_args(form) -> dict[str, Any]:
+    unknown = sorted(set(form.keys()) - {*WEIGHTS_FIELDS, *CONFIG_FIELDS, *TEXT_FIELDS})
+    if unknown:
+        raise invalid(f"unknown multipart field {unknown[0]!r}; the fields are {', '.join(WEIGHTS_FIELDS)} (the "
+                      f"safetensors file), {', '.join(CONFIG_FIELDS)} (adapter_config.json) and "
+                      f"{', '.join(TEXT_FIELDS)}", unknown[0])
+    for key in form.keys():
+        if len(form.getlist(key)) > 1:
+            raise invalid(f"multipart field {key!r} is given more than once", key)
+    given = [f for f in WEIGHTS_FIELDS if f in form]
+    if len(given) != 1:
+        raise invalid("a multipart upload needs the adapter's safetensors file in exactly one of the fields "
+                      f"{', '.join(WEIGHTS_FIELDS)}" + (f" (got {', '.join(given)})" if given else ""), "adapter_weights")
+    weights = form[given[0]]
+    if not isinstance(weights, UploadFile):
+        raise invalid(f"multipart field {given[0]!r} must be a file (the safetensors bytes)", given[0])
+    configs = [f for f in CONFIG_FIELDS if f in form]
+    if len(configs) > 1:
+        raise invalid("give the adapter config in one of adapter_config or config, not both", "adapter_config")
+    config: dict[str, Any] = {}
+    if configs:
+        raw = form[configs[0]]
+        text = await raw.read() if isinstance(raw, UploadFile) else raw
+        try:
+            config = json.loads(text)
+        except ValueError as exc:
+            raise invalid(f"multipart field {configs[0]!r} is not JSON: {exc}", configs[0]) from None
+        if not isinstance(config, dict):
+            raise invalid(f"multipart field {configs[0]!r} must be a JSON object", configs[0])
+    text_fields = {}
+    for key in TEXT_FIELDS:
+        value = form.get(key)
+        if isinstance(value, UploadFile):
+            raise invalid(f"multipart field {key!r} must be text, not a file", key)
+        text_fields[key] = value
+    version = text_fields["version"] or "0"
+    if not version.isdigit():
+        raise invalid(f"version must be a non-negative integer (got {version!r})", "version")
+    return {"name": text_fields["name"] or DEFAULT_NAME, "weights": await weights.read(), "config": config,
+            "version": int(version), "format": _format(text_fields["format"] or "auto")}
 
 
 def _compat(result: dict[str, Any]) -> Response:

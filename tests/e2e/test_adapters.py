@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import time
 
 import httpx
@@ -146,3 +147,40 @@ def test_hold_policy_waits_for_the_version():
             assert c.stats()["held_for_version"] == 0
         finally:
             publisher.close()
+
+
+def test_multipart_upload_then_openai_requests_use_it(server, client, openai_client):
+    """The MLX RL Inference Server's multipart upload, then the adapter chosen per request over HTTP
+    (model suffix or `adapter` field) gives the raw ZeroMQ client's tokens; a bad upload is a 400."""
+    from parallm.adapters import save_bytes
+
+    name = "e2e-upload"
+    files = {"adapter_weights": ("adapters.safetensors", save_bytes(weights(7)), "application/octet-stream"),
+             "adapter_config": ("adapter_config.json", json.dumps(CONFIG), "application/json")}
+    r = httpx.post(f"{server.url}/v1/adapters/upload", files=files, data={"name": name}, timeout=60)
+    assert r.status_code == 200, r.text
+    assert r.json()["name"] == name and r.json()["version"] == 1
+    base = openai_client.models.list().data[0].id
+    [raw] = client.generate(PROMPTS[0], SamplingParams(max_tokens=8, temperature=0, ignore_eos=True), adapter=name,
+                            detok=True)
+    assert raw.versions == [(0, 1)] and len(raw.token_ids) == 8
+    want = raw.text
+    by_suffix = openai_client.completions.create(model=f"{base}:{name}", prompt=PROMPTS[0], max_tokens=8,
+                                                 temperature=0, extra_body={"ignore_eos": True})
+    by_field = openai_client.completions.create(model=base, prompt=PROMPTS[0], max_tokens=8, temperature=0,
+                                                extra_body={"adapter": name, "ignore_eos": True})
+    plain = openai_client.completions.create(model=base, prompt=PROMPTS[0], max_tokens=8, temperature=0,
+                                             extra_body={"ignore_eos": True})
+    assert by_suffix.choices[0].text == by_field.choices[0].text == want
+    assert plain.choices[0].text != want  # the adapter changes what the model says
+    bad = weights(8)
+    bad["model.layers.3.self_attn.v_proj.lora_b"] = bad["model.layers.3.self_attn.v_proj.lora_b"] * float("inf")
+    files["adapter_weights"] = ("adapters.safetensors", save_bytes(bad), "application/octet-stream")
+    r = httpx.post(f"{server.url}/upload_adapter", files=files, data={"name": name}, timeout=60)
+    assert r.status_code == 400 and "model.layers.3.self_attn.v_proj.lora_b" in r.json()["error"]["message"]
+    listing = httpx.get(f"{server.url}/v1/adapters", timeout=30).json()
+    [entry] = [a for a in listing["data"] if a["id"] == name]
+    assert entry["latest_version"] == 1 and entry["versions"][0]["merged"] is False  # CPU: factored
+    again = openai_client.completions.create(model=f"{base}:{name}", prompt=PROMPTS[0], max_tokens=8, temperature=0,
+                                             extra_body={"ignore_eos": True})
+    assert again.choices[0].text == want
