@@ -11,11 +11,11 @@ Three cases per pass:
 - no row has an adapter: the wrapper returns base(x) (one attribute check);
 - every row has the same adapter: x @ W'^T with the update merged into a copy of the base weight
   when the adapter has one (`PreparedLoRA.merged`: the pass then costs what the base model's
-  does), else base(x) + (x @ a) @ b as one matmul and one addmm (b carries the scale);
+  does), else base(x) + scale * (x @ a) @ b as one matmul and one addmm;
 - mixed: the adapters of the pass (plus a zero slot when some rows have none) are stacked per
-  layer, A [S, in, r], B [S, r, out] (ranks zero-padded to the largest), and two `mx.gather_mm`
-  calls apply each row's own slot. Stacks are cached per set of adapters, so a steady mix costs
-  no copies after its first pass.
+  layer, A [S, in, r], B [S, r, out] (ranks zero-padded to the largest, each slot's B times its
+  scale), and two `mx.gather_mm` calls apply each row's own slot. Stacks are cached per set of
+  adapters, so a steady mix costs no copies after its first pass.
 DoRA rows are rescaled by their precomputed magnitude / norm gain per output feature.
 
 On a GPU a small model's pass is spent launching kernels, not running them, so the number of
@@ -58,10 +58,11 @@ def compute_dtype(linear: nn.Module) -> mx.Dtype:
 
 @dataclass(frozen=True, slots=True)
 class PreparedLoRA:
-    """One layer's update as passes apply it: delta = (x @ a) @ b, the scale already in b."""
+    """One layer's update as passes apply it: delta = scale * (x @ a) @ b."""
 
     a: mx.array  # [in, r], the layer's compute dtype
-    b: mx.array  # [r, out], times the adapter's scale
+    b: mx.array  # [r, out]
+    scale: float
     m: mx.array | None = None  # DoRA magnitude [out] (float32)
     merged: mx.array | None = None  # [out, in]: the base weight with the update (and DoRA gain) folded in
 
@@ -107,7 +108,7 @@ class _Single:
             return linear(x)
         if m.merged is not None:
             return mx.addmm(linear.bias, x, m.merged.T) if "bias" in linear else x @ m.merged.T
-        y = mx.addmm(linear(x), x @ m.a, m.b)
+        y = mx.addmm(linear(x), x @ m.a, m.b, alpha=m.scale)
         if m.m is not None:
             y = _dora(y, linear, self.adapter.gains[path])
         return y
@@ -130,19 +131,22 @@ class _Stacks:
         in_dims, out_dims = linear_dims(linear)
         dtype = next(m.a.dtype for m in mods if m is not None)
         r = max(m.rank for m in mods if m is not None)
-        A, B, gains = [], [], []
+        A, B, scales, gains = [], [], [], []
         any_dora = any(m is not None and m.m is not None for m in mods)
         for adapter, m in zip(self.slots, mods):
             if m is None:
                 A.append(mx.zeros((in_dims, r), dtype))
                 B.append(mx.zeros((r, out_dims), dtype))
+                scales.append(0.0)
                 gains.append(mx.ones((out_dims,), mx.float32))
                 continue
             pad = r - m.rank
             A.append(m.a if not pad else mx.pad(m.a, [(0, 0), (0, pad)]))
             B.append(m.b if not pad else mx.pad(m.b, [(0, pad), (0, 0)]))
+            scales.append(m.scale)
             gains.append(adapter.gains[path].astype(mx.float32) if m.m is not None else mx.ones((out_dims,), mx.float32))
-        entry = (mx.stack(A), mx.stack(B), mx.stack(gains) if any_dora else None)
+        B_scaled = (mx.stack(B) * mx.array(scales, dtype=mx.float32)[:, None, None]).astype(dtype)
+        entry = (mx.stack(A), B_scaled, mx.stack(gains) if any_dora else None)
         self.by_path[path] = entry
         return entry
 

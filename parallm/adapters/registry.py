@@ -261,8 +261,7 @@ class AdapterManager:
                     merged = (gain[:, None] * adapted).astype(dtype)
             elif merge:
                 merged = mx.addmm(linear.weight, b.T, a.T, alpha=m.scale)
-            modules[path] = PreparedLoRA(a=a, b=b if m.scale == 1.0 else (m.scale * b).astype(dtype), m=mag,
-                                         merged=merged)
+            modules[path] = PreparedLoRA(a=a, b=b, scale=m.scale, m=mag, merged=merged)
         mx.eval([(x.a, x.b, x.merged) for x in modules.values()], list(gains.values()))
         bad = nonfinite_names(gains)
         if bad:
