@@ -76,8 +76,8 @@ def auto_adapter_merge_mb(on_cpu: bool) -> int:
     small model's pass is spent launching kernels and the factored update adds kernels to every
     adapted layer: rank-16 q/v LoRA on the default model's shape, H100, 16-row decode at 0.95-0.97
     of the base model's throughput merged vs 0.61-0.78 factored. On MLX's CPU device the pass is
-    matmul time, where the update costs ~3 %, while the merge's weight-sized matmuls made a load
-    24.7 ms instead of 2.7 (2-core CPU, perf/bench_adapters.py)."""
+    matmul time, where the update costs less than the run-to-run noise, while the merge's
+    weight-sized matmuls made a load 20.8 ms instead of 2.1 (2-core CPU, perf/bench_adapters.py)."""
     return 0 if on_cpu else 256
 
 
