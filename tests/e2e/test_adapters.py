@@ -55,8 +55,8 @@ def _run(client, publisher, name, versions, streams, max_tokens):
     for v in range(2, versions + 1):
         publisher.publish(name, v, weights(v), CONFIG)
         if v % 5 == 0:  # new streams keep arriving under the newest version
-            rids.append(client.submit(PROMPTS[v % len(PROMPTS)], SamplingParams(max_tokens=8, temperature=0),
-                                      adapter=name))
+            rids.append(client.submit(PROMPTS[v % len(PROMPTS)], SamplingParams(max_tokens=8, temperature=0,
+                                                                                ignore_eos=True), adapter=name))
     results = [client.result(rid)[0] for rid in rids]
     wait_for(client, name, versions)
     return results
@@ -113,7 +113,7 @@ def test_fifty_versions_sixteen_streams(client):
         results = _run(client, publisher, "e2e-fifty", versions=50, streams=16, max_tokens=64)
     finally:
         publisher.close()
-    assert all(r.finish_reason == "length" and len(r.versions) == 1 for r in results)
+    assert [(r.finish_reason, len(r.versions)) for r in results] == [("length", 1)] * len(results)
     assert client.stats()["adapter_rejected"] == rejected
 
 
