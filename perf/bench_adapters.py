@@ -12,8 +12,9 @@ files) in its stored dtype instead, written to perf/results/<name>.{json,md}.
   cast, merge) -> the first token sampled under that version, (a) by a new request arriving with
   the publish on an otherwise idle engine (its prefill included), (b) by 8 running streams moved
   over by Pause(keep)/Resume (`follow_latest`); each with the version's merged weights
-  (`_merged`, the GPU default) and without (`_factored`: `rl.adapter_merge_mb` 0, the CPU default). The engine stage adds one ZeroMQ ipc hop
-  and a msgpack decode on top; `--served` measures through parallm-launch with 8 base-model
+  (`_merged`, the GPU default) and without (`_factored`: `rl.adapter_merge_mb` 0, the CPU
+  default). The engine stage adds one ZeroMQ ipc hop and a msgpack decode on top; `--served`
+  measures through parallm-launch with 8 base-model
   streams running (the new request's pass mixes base and adapter rows) and with none.
 - throughput: decode tokens/s of `rows` greedy rows: base model only (no layer wrapped), base
   rows with adapters loaded (wrapped layers, none used, the device's default merging), all rows
@@ -198,6 +199,7 @@ def lora_blob_for_dir(model_dir: Path, seed: int) -> tuple[dict, bytes]:
 
 
 NEW_REQUEST_PROMPT = [1, 504, 3458, 282, 2, 77]
+MERGE_VARIANTS = (("_merged", 256), ("_factored", 0))  # rl.adapter_merge_mb: the GPU's and the CPU's default
 
 
 def bare_pass_ms(model, tokens: list[list[int]], reps: int = 12) -> float:
@@ -286,21 +288,20 @@ def main() -> int:
                  "decode_tokens": args.tokens, "bare_pass_ms": bare}
     e = engine()
     tp = {"base_no_adapters": throughput(e, [""], args.rows, args.tokens, "b")}
-    for k in range(4):
-        c, b = lora_blob(model, 16, k)
+    blobs = [lora_blob(model, 16, k) for k in range(4)]
+    for k, (c, b) in enumerate(blobs):
         e.load_adapter(f"a{k}", config=c, weights=b)
-    c0, b0 = lora_blob(model, 16, 0)
     tp["base_rows_adapters_loaded"] = throughput(e, [""], args.rows, args.tokens, "bl")
-    for label, merge_mb in (("_merged", 256), ("_factored", 0)):
+    for label, merge_mb in MERGE_VARIANTS:
         one = engine(merge_mb)
-        one.load_adapter("a0", config=c0, weights=b0)
+        one.load_adapter("a0", config=blobs[0][0], weights=blobs[0][1])
         tp[f"single_adapter{label}"] = throughput(one, ["a0"], args.rows, args.tokens, "s" + label)
         del one
     tp["mixed_4_adapters_plus_base"] = throughput(e, ["", "a0", "a1", "a2", "a3"], args.rows, args.tokens, "m")
     tp["mixed_2_adapters"] = throughput(e, ["a0", "a1"], args.rows, args.tokens, "m2")
     res["decode_tokens_per_s"] = {k: round(v, 1) for k, v in tp.items()}
     res["relative_to_base"] = {k: round(v / tp["base_no_adapters"], 3) for k, v in tp.items()}
-    for label, merge_mb in (("_merged", 256), ("_factored", 0)):
+    for label, merge_mb in MERGE_VARIANTS:
         e2 = engine(merge_mb)
         res[f"publish_to_first_token_new_request{label}"] = summary(publish_latency(e2, model, args.publishes, False))
         res[f"publish_to_first_token_running_streams{label}"] = summary(publish_latency(e2, model, args.publishes,

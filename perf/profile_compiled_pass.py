@@ -108,8 +108,8 @@ def make_pass(model: nn.Module, slots: list[dict[str, mx.array]]) -> Callable:
 def run(fn: Callable, model: nn.Module, rows: int, cap: int, steps: int, lora: list, eval_each: bool = True
         ) -> dict[str, float]:
     args = model.args
-    heads, dim = args.num_key_value_heads, args.hidden_size // args.num_attention_heads
-    dim = getattr(args, "head_dim", None) or dim
+    heads = args.num_key_value_heads
+    dim = getattr(args, "head_dim", None) or args.hidden_size // args.num_attention_heads
     dtype = model.model.embed_tokens.weight.dtype
     keys = [mx.zeros((rows, heads, cap, dim), dtype) for _ in model.model.layers]
     values = [mx.zeros((rows, heads, cap, dim), dtype) for _ in model.model.layers]
@@ -138,7 +138,7 @@ def run(fn: Callable, model: nn.Module, rows: int, cap: int, steps: int, lora: l
 def main() -> None:
     from mlx_lm.utils import load_model
 
-    from perf.bench_gpu import build_model_dir
+    from perf.bench_gpu import build_model_dir, device_name
 
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--shape", default="smollm2-135m")
@@ -157,13 +157,10 @@ def main() -> None:
     lora2 = lora_weights(model, 16, 1)
     forward = make_pass(model, slots)
     compiled = mx.compile(forward)
-    result: dict[str, Any] = {"device": str(mx.default_device()), "shape": a.shape, "capacity": a.capacity,
-                              "machine": platform.platform(), "command": "python -m perf.profile_compiled_pass "
+    result: dict[str, Any] = {"device": str(mx.default_device()), "gpu": device_name(), "shape": a.shape,
+                              "capacity": a.capacity, "machine": platform.platform(),
+                              "command": "python -m perf.profile_compiled_pass "
                               f"--shape {a.shape} --rows {a.rows} --capacity {a.capacity} --steps {a.steps}"}
-    try:
-        result["gpu"] = mx.cuda.is_available() and mx.device_info().get("device_name", "")
-    except Exception:
-        pass
     for rows in [int(r) for r in a.rows.split(",")]:
         for label, weights in (("base", []), ("lora_qv_r16", lora)):
             eager = run(forward, model, rows, a.capacity, a.steps, weights)
