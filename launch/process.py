@@ -52,7 +52,7 @@ class StageProcess:
         return float(self.stats.get("loop_age_s", 0.0))
 
     def start(self, config_file: str, parent_read_fd: int, log_out: IO[str]) -> None:
-        cmd = [sys.executable, "-m", "stages", self.spec.name, "--replica", str(self.spec.replica),
+        cmd = [sys.executable, "-m", "parallm.stages", self.spec.name, "--replica", str(self.spec.replica),
                "--config-file", config_file, "--parent-fd", str(parent_read_fd)]
         env = dict(self.spec.env or os.environ)
         env["PYTHONUNBUFFERED"] = "1"

@@ -231,7 +231,7 @@ class Served:
                  kv_budget_mb: int = KV_BUDGET_MB) -> None:
         self.run_dir = tempfile.mkdtemp(prefix="bench-gpu-")
         self.log = open(Path(self.run_dir) / "launch.log", "w+")
-        argv = [sys.executable, "-m", "launch", "--model", str(model_dir), "--port", str(free_port()),
+        argv = [sys.executable, "-m", "parallm.launch", "--model", str(model_dir), "--port", str(free_port()),
                 "--transport.run-dir", self.run_dir, "--engine.max-num-seqs", str(max_seqs),
                 "--engine.max-prefill-tokens", "8192", "--engine.max-prefill-rows", "64",
                 "--engine.kv-budget-mb", str(kv_budget_mb),

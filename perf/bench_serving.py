@@ -320,7 +320,7 @@ def main(argv: list[str] | None = None) -> int:
     if "http" in targets or "zmq" in targets:
         port = free_port()
         run_dir = tempfile.mkdtemp(prefix="bench-serving-")
-        launch = [sys.executable, "-m", "launch", "--port", str(port), "--transport.run-dir", run_dir,
+        launch = [sys.executable, "-m", "parallm.launch", "--port", str(port), "--transport.run-dir", run_dir,
                   "--engine.max-num-seqs", str(max_seqs), "--model.served-name", "bench",
                   *args.server_args.split()]
         server = Launched(launch, "parallm-launch: ready",

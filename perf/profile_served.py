@@ -38,7 +38,7 @@ def engine_run(model, max_tokens: int, *, seed: int, max_num_seqs: int = 1, eos:
     from parallm.engine import Engine, Request
     from parallm.protocol import SamplingParams
     from parallm.transport import Sender, open_socket
-    from stages.engine import to_delta
+    from parallm.stages.engine import to_delta
 
     engine = Engine(model, EngineConfig(max_num_seqs=max_num_seqs, max_prefill_tokens=8192, max_prefill_rows=64,
                                         kv_budget_mb=24_000, overlap=overlap),

@@ -53,7 +53,7 @@ class FakeEngine:
 
 
 def measure(batch: int, steps: int) -> dict:
-    from stages.engine import EngineStage
+    from parallm.stages.engine import EngineStage
 
     config = build_config(environ={}, overrides={"transport": {"run_dir": tempfile.mkdtemp(prefix="stage-loop-")}})
     ctx = zmq.Context()

@@ -1,4 +1,4 @@
-"""Entry point of every stage process: `python -m stages <name> --config-file F [--replica N]`."""
+"""Entry point of every stage process: `python -m parallm.stages <name> --config-file F [--replica N]`."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ STAGES = ("ingress", "tokenizer", "engine", "detokenizer", "trainer")
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(prog="python -m stages")
+    parser = argparse.ArgumentParser(prog="python -m parallm.stages")
     parser.add_argument("stage", choices=STAGES)
     parser.add_argument("--replica", type=int, default=0)
     parser.add_argument("--config-file", required=True)
@@ -23,7 +23,7 @@ def main() -> int:
     die_with_parent(args.parent_fd)
     config = Config.decode(Path(args.config_file).read_bytes())
     setup_logging(config.log_level, args.stage)
-    module = importlib.import_module(f"stages.{args.stage}")
+    module = importlib.import_module(f"parallm.stages.{args.stage}")
     return module.main(config, args.replica)
 
 

@@ -12,7 +12,7 @@ from parallm.adapters import AdapterError, save_bytes
 from parallm.api.app import build_app
 from parallm.api.backend import BackendError
 from parallm.config import ServerConfig
-from stages.engine import adapter_query
+from parallm.stages.engine import adapter_query
 from test_api_fakes import MODEL, FakeBackend
 from tests._adapter_helpers import adapter_tensors, lora_model, save_mlx, to_peft
 from tests._engine_helpers import make_engine, tiny_model

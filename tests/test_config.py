@@ -56,7 +56,7 @@ def test_cli_options_cover_every_setting():
 
 
 def test_help_documents_every_option():
-    out = subprocess.run([sys.executable, "-m", "launch", "--help"], capture_output=True, text=True,
+    out = subprocess.run([sys.executable, "-m", "parallm.launch", "--help"], capture_output=True, text=True,
                          check=True).stdout
     for dotted, _, desc, _ in iter_options():
         assert f"--{dotted.replace('_', '-')}" in out, dotted

@@ -6,7 +6,7 @@ import pytest
 
 from parallm import protocol
 from parallm.engine import SeqOutput
-from stages.engine import to_delta
+from parallm.stages.engine import to_delta
 
 
 def test_prompt_top_logprobs_skip_the_first_position():

@@ -54,7 +54,7 @@ def collect(receiver: Receiver, want: int, timeout: float = 5.0) -> list:
 
 
 def test_engine_step_error_fails_requests_retryably_and_exits_nonzero(config):
-    from stages.engine import EngineStage
+    from parallm.stages.engine import EngineStage
 
     ctx = zmq.Context()
     rt = StageRuntime(config, "engine", ctx=ctx)
@@ -68,7 +68,7 @@ def test_engine_step_error_fails_requests_retryably_and_exits_nonzero(config):
 
 
 def test_a_message_that_breaks_the_engine_is_answered_and_dropped(config):
-    from stages.engine import EngineStage
+    from parallm.stages.engine import EngineStage
 
     ctx = zmq.Context()
     rt = StageRuntime(config, "engine", ctx=ctx)
@@ -81,7 +81,7 @@ def test_a_message_that_breaks_the_engine_is_answered_and_dropped(config):
 
 
 def _detok_stage(config, ctx):
-    from stages.detokenizer import DetokenizerStage, _Request
+    from parallm.stages.detokenizer import DetokenizerStage, _Request
 
     rt = StageRuntime(config, "detokenizer", ctx=ctx)
     engine = Receiver(open_socket(ctx, zmq.PULL, rt.addrs.engine, bind=True), protocol.EngineInbound)

@@ -24,7 +24,7 @@ def free_port() -> int:
 
 def launch_command() -> list[str]:
     script = Path(sys.executable).with_name("parallm-launch")
-    return [str(script)] if script.exists() else [sys.executable, "-m", "launch"]
+    return [str(script)] if script.exists() else [sys.executable, "-m", "parallm.launch"]
 
 
 class Server:
@@ -99,8 +99,8 @@ class Server:
         for line in out.splitlines():
             pid, _, args = line.strip().partition(" ")
             parts = args.split()
-            if "stages" in parts:
-                name = parts[parts.index("stages") + 1]
+            if "parallm.stages" in parts:
+                name = parts[parts.index("parallm.stages") + 1]
                 replica = parts[parts.index("--replica") + 1] if "--replica" in parts else "0"
                 pids[name if name != "tokenizer" else f"tokenizer-{replica}"] = int(pid)
         return pids
