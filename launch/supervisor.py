@@ -51,7 +51,7 @@ def engine_environment(config: Config) -> dict[str, str]:
         return env
     from parallm import blas
 
-    if choice == "auto":
+    if choice is None:
         import mlx.core as mx
 
         if mx.default_device() != mx.cpu:

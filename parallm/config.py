@@ -3,6 +3,11 @@
 The supervisor builds a `Config` once and hands it to each stage as encoded bytes, so every
 process sees exactly the same values; stages never read the environment for settings.
 Each field's `Meta(description=...)` is its documentation and its `--help` text.
+
+A setting decided for the machine when it is not given has one spelling of "automatic": unset
+(None). On the command line, in the environment and in a TOML file the word `auto` unsets it.
+The engine resolves its unset settings once, where it starts (`resolve_engine_config`), and
+reports what it chose in its stats.
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ else:  # pragma: no cover
     import tomli as tomllib
 
 ENV_PREFIX = "PARALLM_"
+AUTO = "auto"  # the word that leaves an optional setting unset (decided for the machine)
 
 
 def _d(text: str) -> Meta:
@@ -33,8 +39,8 @@ def _d(text: str) -> Meta:
 class ModelConfig(Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     path: Annotated[str, _d("'default' (embedded SmolLM2-135M-Instruct), an MLX model directory, "
                             "a Hugging Face hub id from the local cache, or a .gguf file")] = "default"
-    dtype: Annotated[Literal["auto", "float32", "float16", "bfloat16", "quantized"],
-                     _d("weight dtype; 'auto' = float32 on MLX's CPU device, as stored elsewhere")] = "auto"
+    dtype: Annotated[Literal["float32", "float16", "bfloat16", "quantized"] | None,
+                     _d("weight dtype; unset = float32 on MLX's CPU device, as stored elsewhere")] = None
     served_name: Annotated[str, _d("model name in /v1/models; empty = derived from the path")] = ""
     max_model_len: Annotated[int, _d("context length limit in tokens; 0 = the model's own")] = 0
     cache_dir: Annotated[str, _d("where converted models are kept; empty = the user cache dir")] = ""
@@ -42,22 +48,32 @@ class ModelConfig(Struct, frozen=True, kw_only=True, forbid_unknown_fields=True)
 
 class EngineConfig(Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     max_num_seqs: Annotated[int, _d("most sequences decoded together (rows of the live batch)")] = 64
-    max_prefill_tokens: Annotated[int, _d("prompt tokens prefilled per step (the chunk budget); 0 = auto: on MLX's "
-                                          "CPU device 128 with mixed passes, else 256; 512 elsewhere")] = 0
+    max_prefill_tokens: Annotated[int | None, _d("prompt tokens prefilled per step (the chunk budget); unset = on "
+                                                 "MLX's CPU device 128 with mixed passes, else 256; 512 "
+                                                 "elsewhere")] = None
     max_prefill_rows: Annotated[int, _d("sequences prefilled together in one pass")] = 16
-    kv_budget_mb: Annotated[int, _d("KV memory for live rows and the prefix cache, MiB; 0 = auto")] = 0
+    kv_budget_mb: Annotated[float | None, _d("KV memory for live rows and the prefix cache, MiB; unset = a share "
+                                             "of the memory available once the model is loaded")] = None
+    prefix_pool_fraction: Annotated[float, _d("share of the KV budget that holds the prefix cache (the rest holds "
+                                              "the live rows)")] = 0.25
+    writeback_interval: Annotated[int, _d("a long-running sequence writes its new full blocks to the prefix cache "
+                                          "every this many blocks; 0 = only when it ends")] = 16
     block_size: Annotated[int, _d("tokens per prefix-cache block")] = 16
     prefix_cache: Annotated[bool, _d("reuse the KV of shared prompt prefixes")] = True
-    overlap: Annotated[bool | None, _d("build and launch step t+1 before reading step t's tokens; unset = auto: "
-                                       "on with a GPU, off on MLX's CPU device")] = None
-    compile: Annotated[bool, _d("fuse the decode step with mx.compile where the backend supports it")] = True
+    overlap: Annotated[bool | None, _d("build and launch step t+1 before reading step t's tokens; unset = on with "
+                                       "a GPU, off on MLX's CPU device")] = None
+    compile: Annotated[bool, _d("compile the sampler's elementwise kernels (the seeded Gumbel noise, the "
+                                "penalties) with mx.compile")] = True
     fast_math: Annotated[bool | None, _d("exp without libm in the model's SwiGLU and attention softmax (float32, "
-                                         "relative error <= 4e-7); unset = auto: on on MLX's CPU device")] = None
+                                         "relative error <= 4e-7); unset = on on MLX's CPU device")] = None
     mixed_passes: Annotated[bool, _d("prefill prompt chunks in the same pass as the running rows' decode tokens "
                                      "(one read of the weights instead of two) where the model's layers allow it; "
                                      "needs fast_math")] = True
     default_max_tokens: Annotated[int, _d("max_tokens when a request gives none")] = 256
     seed: Annotated[int, _d("seed for requests that give none")] = 0
+    priority_aging_s: Annotated[float, _d("a waiting request's priority improves by one level per this many seconds "
+                                          "of waiting, so low-priority work is never starved; 0 = strict "
+                                          "priority")] = 10.0
 
 
 def auto_prefill_tokens(on_cpu: bool, mixed: bool) -> int:
@@ -72,7 +88,7 @@ def auto_prefill_tokens(on_cpu: bool, mixed: bool) -> int:
 
 
 def auto_adapter_merge_mb(on_cpu: bool) -> int:
-    """The merge budget of `rl.adapter_merge_mb` unset (docs/adapters.md, Measured). On a GPU a
+    """The merge budget of `adapters.merge_mb` unset (docs/adapters.md, Measured). On a GPU a
     small model's pass is spent launching kernels and the factored update adds kernels to every
     adapted layer: rank-16 q/v LoRA on the default model's shape, H100, 16-row decode at 0.95-0.97
     of the base model's throughput merged vs 0.61-0.78 factored. On MLX's CPU device the pass is
@@ -82,8 +98,9 @@ def auto_adapter_merge_mb(on_cpu: bool) -> int:
 
 
 def resolve_engine_config(config: EngineConfig, on_cpu: bool) -> EngineConfig:
-    """The engine settings left to 'auto' decided for the device (the prefill budget is decided
-    by the engine, `auto_prefill_tokens`, once it knows whether it can mix passes).
+    """The engine settings left unset decided for the device (the prefill budget is decided by the
+    engine, `auto_prefill_tokens`, once it knows whether it can mix passes; the KV budget once
+    the model is loaded).
 
     On MLX's CPU device the step's compute is the CPU itself, so launching step t+1 before reading
     step t hides little and costs every new request two steps of time to first token (its first
@@ -136,24 +153,31 @@ class SupervisorConfig(Struct, frozen=True, kw_only=True, forbid_unknown_fields=
     ready_timeout_s: Annotated[float, _d("seconds a stage may take to report READY")] = 600.0
     restart_backoff_s: Annotated[float, _d("first restart delay; doubles per crash up to 30 s")] = 0.5
     drain_timeout_s: Annotated[float, _d("on SIGTERM, seconds in-flight requests get to finish")] = 30.0
-    blas: Annotated[Literal["auto", "openblas", "none"],
-                    _d("BLAS preloaded for the engine on Linux CPU ('auto': OpenBLAS if installed)")] = "auto"
-    allocator: Annotated[Literal["auto", "mimalloc", "system"],
-                         _d("malloc of the engine where it preloads OpenBLAS ('auto': mimalloc if installed; "
-                            "the environment variable PARALLM_NO_MIMALLOC=1 also keeps the system's)")] = "auto"
+    blas: Annotated[Literal["openblas", "none"] | None,
+                    _d("BLAS preloaded for the engine on Linux when MLX computes on the CPU; unset = OpenBLAS if "
+                       "installed")] = None
+    allocator: Annotated[Literal["mimalloc", "system"] | None,
+                         _d("malloc of the engine where it preloads OpenBLAS; unset = mimalloc if installed (the "
+                            "environment variable PARALLM_NO_MIMALLOC=1 also keeps the system's)")] = None
 
 
-class RLConfig(Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
-    rollout_hwm: Annotated[int, _d("rollout PUB high-water mark; past it rollouts are dropped and counted")] = 10_000
+class AdaptersConfig(Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """The engine's adapter registry and how it admits requests that ask for a policy version."""
+
+    history: Annotated[int, _d("versions kept per adapter name")] = 4
+    merge_mb: Annotated[int | None, _d("an adapter version whose target layers are dense also keeps copies of their "
+                                       "weights with its update folded in, when those copies take at most this "
+                                       "many MiB: a pass where every row uses that version then costs what the "
+                                       "base model's does; 0 = never; unset = 256 with a GPU, 0 on MLX's CPU "
+                                       "device")] = None
     staleness_policy: Annotated[Literal["reject", "hold"],
-                                _d("a request whose minimum policy version is not there yet: reject or wait")] = "reject"
+                                _d("a request whose minimum policy version is not there yet: reject it (409) or "
+                                   "hold it until the version is published")] = "reject"
     hold_timeout_s: Annotated[float, _d("with staleness_policy 'hold': seconds a request waits for its version")] = 120.0
-    adapter_history: Annotated[int, _d("versions kept per adapter name")] = 4
-    adapter_merge_mb: Annotated[int | None, _d("an adapter version whose target layers are dense also keeps copies "
-                                               "of their weights with its update folded in, when those copies take "
-                                               "at most this many MiB: a pass where every row uses that version "
-                                               "then costs what the base model's does; 0 = never; unset = auto: "
-                                               "256 with a GPU, 0 on MLX's CPU device")] = None
+
+
+class DetokenizerConfig(Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    rollout_hwm: Annotated[int, _d("rollout PUB high-water mark; past it rollouts are dropped and counted")] = 10_000
 
 
 class TrainerServerConfig(Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -165,8 +189,8 @@ class TrainerServerConfig(Struct, frozen=True, kw_only=True, forbid_unknown_fiel
 class TrainerModelConfig(Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     path: Annotated[str, _d("base model the trainer loads (must be the one served); empty = the server's "
                             "model.path, or 'default' when run standalone")] = ""
-    dtype: Annotated[Literal["auto", "float32", "float16", "bfloat16"],
-                     _d("dtype the trainer computes in; 'auto' = float32 on the CPU, bfloat16 elsewhere")] = "auto"
+    dtype: Annotated[Literal["float32", "float16", "bfloat16"] | None,
+                     _d("dtype the trainer computes in; unset = float32 on the CPU, bfloat16 elsewhere")] = None
     adapter: Annotated[str, _d("adapter name the trainer publishes its versions under")] = "policy"
 
 
@@ -235,10 +259,11 @@ class Config(Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     model: ModelConfig = ModelConfig()
     engine: EngineConfig = EngineConfig()
     tokenizer: TokenizerConfig = TokenizerConfig()
+    detokenizer: DetokenizerConfig = DetokenizerConfig()
     server: ServerConfig = ServerConfig()
     transport: TransportConfig = TransportConfig()
     supervisor: SupervisorConfig = SupervisorConfig()
-    rl: RLConfig = RLConfig()
+    adapters: AdaptersConfig = AdaptersConfig()
     trainer: TrainerConfig = TrainerConfig()
     log_level: Annotated[Literal["debug", "info", "warning", "error"], _d("log level of every stage")] = "info"
 
@@ -296,6 +321,8 @@ def _parse_scalar(text: str, typ: Any, where: str) -> Any:
     origin = get_origin(typ)
     optional = [a for a in get_args(typ) if a is not type(None)] if origin in (Union, UnionType) else []
     if len(optional) == 1:
+        if text.strip().lower() == AUTO:
+            return None
         return _parse_scalar(text, optional[0], where)
     try:
         if typ is bool:
@@ -323,6 +350,24 @@ def _parse_scalar(text: str, typ: Any, where: str) -> Any:
         return text
     except ValueError as exc:
         raise ConfigError(f"{where}: {exc}") from None
+
+
+def _is_optional(typ: Any) -> bool:
+    return get_origin(typ) in (Union, UnionType) and type(None) in get_args(typ)
+
+
+def _unset_autos(tree: Mapping, struct_type: type) -> dict:
+    """`auto` (from a TOML file or overrides) as None for every optional setting of `struct_type`."""
+    out = dict(tree)
+    for name, base, _ in _fields(struct_type):
+        if name not in out:
+            continue
+        value = out[name]
+        if isinstance(base, type) and issubclass(base, Struct) and isinstance(value, Mapping):
+            out[name] = _unset_autos(value, base)
+        elif _is_optional(base) and isinstance(value, str) and value.strip().lower() == AUTO:
+            out[name] = None
+    return out
 
 
 def _set_dotted(tree: dict, dotted: str, value: Any) -> None:
@@ -369,7 +414,7 @@ def add_cli_options(parser: argparse.ArgumentParser, root: type = Config, *, env
         if dotted in reverse_alias:
             flags.insert(0, f"--{reverse_alias[dotted]}")
         shown = ",".join(default) if isinstance(default, list) else json.dumps(default) if isinstance(default, dict) \
-            else default
+            else AUTO if default is None and _is_optional(typ) else default
         env = env_prefix + dotted.upper().replace(".", "__")
         help_text = f"{desc} (default: {shown!s}; env {env})"
         action = "append" if get_origin(typ) is list else "store"
@@ -410,7 +455,7 @@ def build_config(*, file: str | os.PathLike | None = None, environ: Mapping[str,
     tree = _merge(tree, cli or {})
     tree = _merge(tree, overrides or {})
     try:
-        config = msgspec.convert(tree, type=Config)
+        config = msgspec.convert(_unset_autos(tree, Config), type=Config)
     except msgspec.ValidationError as exc:
         raise ConfigError(f"invalid configuration: {exc}") from None
     _check(config)
@@ -421,8 +466,17 @@ def _check(config: Config) -> None:
     problems = []
     if config.engine.max_num_seqs < 1:
         problems.append("engine.max_num_seqs must be >= 1")
-    if config.engine.max_prefill_tokens < 0:
-        problems.append("engine.max_prefill_tokens must be >= 0 (0 = auto)")
+    engine = config.engine
+    if engine.max_prefill_tokens is not None and engine.max_prefill_tokens < 1:
+        problems.append("engine.max_prefill_tokens must be >= 1 (or unset: auto)")
+    if engine.kv_budget_mb is not None and engine.kv_budget_mb <= 0:
+        problems.append("engine.kv_budget_mb must be > 0 (or unset: auto)")
+    if not 0 <= engine.prefix_pool_fraction < 1:
+        problems.append("engine.prefix_pool_fraction must be in [0, 1)")
+    if engine.priority_aging_s < 0:
+        problems.append("engine.priority_aging_s must be >= 0 (0 = strict priority)")
+    if config.adapters.history < 1:
+        problems.append("adapters.history must be >= 1")
     if config.engine.block_size < 1:
         problems.append("engine.block_size must be >= 1")
     if config.tokenizer.replicas < 1:
@@ -467,6 +521,6 @@ def build_trainer_config(*, file: str | os.PathLike | None = None, environ: Mapp
     tree = _merge(tree, env_overrides(environ, TrainerConfig, TRAINER_ENV_PREFIX))
     tree = _merge(tree, cli or {})
     try:
-        return msgspec.convert(tree, type=TrainerConfig)
+        return msgspec.convert(_unset_autos(tree, TrainerConfig), type=TrainerConfig)
     except msgspec.ValidationError as exc:
         raise ConfigError(f"invalid trainer configuration: {exc}") from None

@@ -12,7 +12,7 @@ files) in its stored dtype instead, written to perf/results/<name>.{json,md}.
   cast, merge) -> the first token sampled under that version, (a) by a new request arriving with
   the publish on an otherwise idle engine (its prefill included), (b) by 8 running streams moved
   over by Pause(keep)/Resume (`follow_latest`); each with the version's merged weights
-  (`_merged`, the GPU default) and without (`_factored`: `rl.adapter_merge_mb` 0, the CPU
+  (`_merged`, the GPU default) and without (`_factored`: `adapters.merge_mb` 0, the CPU
   default). The engine stage adds one ZeroMQ ipc hop and a msgpack decode on top; `--served`
   measures through parallm-launch with 8 base-model
   streams running (the new request's pass mixes base and adapter rows) and with none.
@@ -127,7 +127,7 @@ def served_publish_latency(model_dir: Path, publishes: int, streams: int = 8) ->
     from parallm.training.publisher import AdapterPublisher
     from perf.bench_gpu import Served
 
-    server = Served(model_dir, 32, ["--rl.staleness-policy", "hold"], kv_budget_mb=2048)
+    server = Served(model_dir, 32, ["--adapters.staleness-policy", "hold"], kv_budget_mb=2048)
     blobs = [lora_blob_for_dir(model_dir, k) for k in range(publishes + 1)]
 
     engine_side: dict = {}
@@ -199,7 +199,7 @@ def lora_blob_for_dir(model_dir: Path, seed: int) -> tuple[dict, bytes]:
 
 
 NEW_REQUEST_PROMPT = [1, 504, 3458, 282, 2, 77]
-MERGE_VARIANTS = (("_merged", 256), ("_factored", 0))  # rl.adapter_merge_mb: the GPU's and the CPU's default
+MERGE_VARIANTS = (("_merged", 256), ("_factored", 0))  # adapters.merge_mb: the GPU's and the CPU's default
 
 
 def bare_pass_ms(model, tokens: list[list[int]], reps: int = 12) -> float:

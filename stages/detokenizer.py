@@ -51,7 +51,7 @@ class DetokenizerStage:
                               protocol.DetokInbound, name="detokenizer")
         self.router = Router(open_socket(ctx, zmq.ROUTER, addrs.router, bind=True, hwm=hwm),
                              mandatory=True, on_unreachable=self.on_client_gone)
-        self.rollouts = open_socket(ctx, zmq.XPUB, addrs.rollouts, bind=True, hwm=config.rl.rollout_hwm)
+        self.rollouts = open_socket(ctx, zmq.XPUB, addrs.rollouts, bind=True, hwm=config.detokenizer.rollout_hwm)
         self.rollouts.setsockopt(zmq.XPUB_NODROP, 1)
         self.to_engine = Sender(open_socket(ctx, zmq.PUSH, addrs.engine, bind=False, hwm=hwm))
         self.requests: dict[str, _Request] = {}

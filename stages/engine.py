@@ -192,8 +192,8 @@ class EngineStage:
         except RequestRejected as exc:
             now = time.monotonic()
             waiting_for_version = exc.status == 409 and message.min_version > 0 and \
-                self.config.rl.staleness_policy == "hold"
-            if waiting_for_version and now - (held_since or now) < self.config.rl.hold_timeout_s:
+                self.config.adapters.staleness_policy == "hold"
+            if waiting_for_version and now - (held_since or now) < self.config.adapters.hold_timeout_s:
                 self.held[message.rid] = (held_since or now, message)
                 return
             self.out.send(protocol.RequestError(rid=message.rid, reply_to=message.reply_to, status=exc.status,
@@ -212,7 +212,7 @@ class EngineStage:
 
     def retry_held(self) -> None:
         """Requests waiting for a policy version (staleness_policy "hold"): admitted once it is
-        published, refused with 409 after rl.hold_timeout_s."""
+        published, refused with 409 after adapters.hold_timeout_s."""
         held, self.held = self.held, {}
         for since, message in held.values():
             self.on_submit(message, held_since=since)
@@ -346,7 +346,7 @@ def main(config: Config, replica: int = 0) -> int:
         return 2
     engine = Engine(loaded.model, config.engine, eos_token_ids=loaded.eos_token_ids,
                     max_model_len=loaded.max_model_len, vocab_size=loaded.vocab_size,
-                    adapter_history=config.rl.adapter_history, adapter_merge_mb=config.rl.adapter_merge_mb)
+                    adapter_history=config.adapters.history, adapter_merge_mb=config.adapters.merge_mb)
     log.info("warm-up took %.2f s", engine.warm_up())
     info = {"model": config.model.served_name, "path": str(loaded.source.path), "dtype": loaded.dtype,
             "max_model_len": loaded.max_model_len, "vocab_size": loaded.vocab_size}

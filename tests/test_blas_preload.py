@@ -50,9 +50,9 @@ def test_without_preloads_gives_back_what_the_user_had() -> None:
 
 
 @pytest.mark.parametrize("choice, no_mimalloc_env, expected", [
-    ("auto", None, True), ("auto", "1", False), ("system", None, False), ("mimalloc", "1", True)])
+    (None, None, True), (None, "1", False), ("system", None, False), ("mimalloc", "1", True)])
 def test_the_supervisor_gives_the_engine_the_chosen_allocator(monkeypatch, choice, no_mimalloc_env, expected) -> None:
-    from launch.supervisor import engine_environment
+    from parallm.launch.supervisor import engine_environment
 
     if no_mimalloc_env is None:
         monkeypatch.delenv(blas.NO_MIMALLOC, raising=False)

@@ -61,3 +61,35 @@ def test_help_documents_every_option():
     for dotted, _, desc, _ in iter_options():
         assert f"--{dotted.replace('_', '-')}" in out, dotted
         assert desc, f"{dotted} has no description"
+
+
+def test_auto_is_the_one_spelling_of_unset_everywhere(tmp_path):
+    """Every setting decided for the machine is None when unset; `auto` unsets it from any layer."""
+    optional = [dotted for dotted, typ, _, default in iter_options() if default is None]
+    assert {"engine.max_prefill_tokens", "engine.kv_budget_mb", "engine.overlap", "engine.fast_math",
+            "adapters.merge_mb", "model.dtype", "supervisor.blas", "supervisor.allocator"} <= set(optional)
+    assert not [dotted for dotted, _, _, default in iter_options() if default == "auto"]
+    path = tmp_path / "c.toml"
+    path.write_text('[engine]\noverlap = "auto"\nkv_budget_mb = 64\n[model]\ndtype = "auto"\n')
+    config = build_config(file=path, environ={"PARALLM_ENGINE__MAX_PREFILL_TOKENS": "auto"},
+                          cli={"adapters": {"merge_mb": None}})
+    assert (config.engine.overlap, config.engine.max_prefill_tokens, config.model.dtype) == (None, None, None)
+    assert config.engine.kv_budget_mb == 64
+    config, _ = parse_args(["--engine.fast-math", "auto", "--supervisor.blas", "auto", "--engine.kv-budget-mb", "0.5"])
+    assert config.engine.fast_math is None and config.supervisor.blas is None and config.engine.kv_budget_mb == 0.5
+    with pytest.raises(ConfigError, match="max_prefill_tokens"):
+        build_config(environ={"PARALLM_ENGINE__MAX_PREFILL_TOKENS": "0"})
+
+
+def test_sections_are_named_for_what_they_hold():
+    config = build_config(environ={"PARALLM_ADAPTERS__STALENESS_POLICY": "hold",
+                                   "PARALLM_DETOKENIZER__ROLLOUT_HWM": "7"})
+    assert config.adapters.staleness_policy == "hold" and config.detokenizer.rollout_hwm == 7
+    assert not hasattr(config, "rl")
+
+
+def test_help_texts_claim_nothing_that_does_not_exist():
+    out = subprocess.run([sys.executable, "-m", "parallm.launch", "--help"], capture_output=True, text=True,
+                         check=True).stdout
+    assert "fuse the decode step" not in out
+    assert "(default: auto;" in out

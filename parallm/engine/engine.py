@@ -64,8 +64,8 @@ class Engine:
                  adapter_merge_mb: int | None = None) -> None:
         """`kv_budget_bytes` overrides config.kv_budget_mb (finer grain, for tests);
         `prefix_pool_fraction` of the budget holds the prefix cache, the rest the live rows;
-        `adapter_history` versions of each adapter name are kept (config.rl.adapter_history);
-        `adapter_merge_mb` caps an adapter version's merged weights (config.rl.adapter_merge_mb;
+        `adapter_history` versions of each adapter name are kept (config.adapters.history);
+        `adapter_merge_mb` caps an adapter version's merged weights (config.adapters.merge_mb;
         None: `auto_adapter_merge_mb`)."""
         self.model = model
         on_cpu = mx.default_device() == mx.cpu
@@ -76,7 +76,7 @@ class Engine:
         self.eos_token_ids = [int(t) for t in eos_token_ids]
         self.max_model_len = int(max_model_len)
         if kv_budget_bytes is None:
-            kv_budget_bytes = config.kv_budget_mb << 20 if config.kv_budget_mb > 0 else auto_kv_budget_bytes()
+            kv_budget_bytes = int(config.kv_budget_mb * (1 << 20)) if config.kv_budget_mb else auto_kv_budget_bytes()
         self.kv_budget_bytes = int(kv_budget_bytes)
         bytes_per_token = sum(s.elems_per_token for s in info.shapes) * info.dtype.size
         total_tokens = self.kv_budget_bytes // bytes_per_token
@@ -85,7 +85,7 @@ class Engine:
         live_tokens = total_tokens - pool_blocks * bs
         self.runner = ModelRunner(model, info, vocab_size=self.vocab_size, pool_blocks=pool_blocks,
                                   block_size=bs, compile=config.compile, fast_math=bool(config.fast_math))
-        if config.max_prefill_tokens == 0:
+        if config.max_prefill_tokens is None:
             mixed = config.mixed_passes and self.runner.can_pack
             config = msgspec.structs.replace(config, max_prefill_tokens=auto_prefill_tokens(on_cpu, mixed))
         self.config = config

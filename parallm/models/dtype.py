@@ -1,6 +1,6 @@
 """The weight dtype policy, applied to a loaded mlx-lm model.
 
-- "auto": float32 on MLX's CPU device; elsewhere the model's own type ("quantized" if it has
+- unset (None): float32 on MLX's CPU device; elsewhere the model's own type ("quantized" if it has
   quantized layers, else the float type holding most of its parameters). On CPU, float32 runs
   through the BLAS (OpenBLAS when preloaded) while quantized matmuls run in MLX's own kernels:
   measured on a 2-core x86 machine with SmolLM2-135M, float32 + OpenBLAS decoded a 16-row batch
@@ -21,7 +21,7 @@ from mlx.utils import tree_flatten, tree_unflatten
 from .errors import ModelLoadError
 
 FLOAT_DTYPES = {"float32": mx.float32, "float16": mx.float16, "bfloat16": mx.bfloat16}
-DTYPES = ("auto", *FLOAT_DTYPES, "quantized")
+DTYPES = (*FLOAT_DTYPES, "quantized")
 _NAMES = {v: k for k, v in FLOAT_DTYPES.items()}
 
 
@@ -78,12 +78,13 @@ def _cast(model: nn.Module, dtype: mx.Dtype) -> None:
         model.update(tree_unflatten(changed), strict=False)
 
 
-def apply_dtype(model: nn.Module, requested: str) -> str:
-    """Bring `model`'s weights to the policy's type in place; returns what they are now."""
-    if requested not in DTYPES:
-        raise ModelLoadError(f"unknown dtype '{requested}'; choose one of {', '.join(DTYPES)}")
+def apply_dtype(model: nn.Module, requested: str | None) -> str:
+    """Bring `model`'s weights to the policy's type in place (None: the device's default); returns
+    what they are now."""
+    if requested is not None and requested not in DTYPES:
+        raise ModelLoadError(f"unknown dtype '{requested}'; choose one of {', '.join(DTYPES)} (or leave it unset)")
     target = requested
-    if requested == "auto":
+    if requested is None:
         target = "float32" if mx.default_device() == mx.cpu else stored_dtype(model)
     quantized = _quantized_modules(model)
     if target in FLOAT_DTYPES:
@@ -94,7 +95,7 @@ def apply_dtype(model: nn.Module, requested: str) -> str:
         return target
     if not quantized:
         raise ModelLoadError(f"dtype 'quantized' keeps the stored quantization, but this model's weights are "
-                             f"{stored_dtype(model)}; use 'auto' or a float dtype (or quantize it with mlx_lm.convert -q)")
+                             f"{stored_dtype(model)}; leave dtype unset or choose a float dtype (or quantize it with mlx_lm.convert -q)")
     scales = quantized[0][1].scales
     _cast(model, scales.dtype if mx.issubdtype(scales.dtype, mx.floating) else mx.float16)
     return "quantized"

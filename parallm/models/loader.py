@@ -145,18 +145,18 @@ def _write_materialized(source: ModelSource, dtype: str, out: Path) -> None:
             shutil.copy2(f, out / f.name)
 
 
-def materialize(source: ModelSource, dtype: str, out_dir: Path | None = None) -> Path:
+def materialize(source: ModelSource, dtype: str | None, out_dir: Path | None = None) -> Path:
     """An MLX model directory holding `source` with its weights in `dtype` (the policy of load_model).
 
     For mlx_lm.load / mlx_lm.server / BatchGenerator baselines that must run on exactly the weights
     parallm serves. Written atomically; by default cached under the user cache dir and reused.
     """
-    if dtype not in DTYPES:
-        raise ModelLoadError(f"unknown dtype '{dtype}'; choose one of {', '.join(DTYPES)}")
+    if dtype is not None and dtype not in DTYPES:
+        raise ModelLoadError(f"unknown dtype '{dtype}'; choose one of {', '.join(DTYPES)} (or leave it unset)")
     _check_type(source)
-    if dtype == "auto":
+    if dtype is None:
         dtype = "float32" if mx.default_device() == mx.cpu else "stored"
     target = Path(out_dir) if out_dir is not None else _materialized_dir(source, dtype)
-    requested = "auto" if dtype == "stored" else dtype
+    requested = None if dtype == "stored" else dtype
     ensure_dir(target, lambda tmp: _write_materialized(source, requested, tmp))
     return target

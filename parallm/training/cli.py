@@ -53,7 +53,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
     trainer = Trainer(config, router=config.server.router,
-                      model=ModelConfig(path=config.model.path or "default", dtype="auto"), stop=stop)
+                      model=ModelConfig(path=config.model.path or "default", dtype=None), stop=stop)
     try:
         trainer.setup()
         return trainer.run()

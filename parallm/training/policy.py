@@ -55,7 +55,7 @@ def load_policy(model_config: ModelConfig, lora: LoRATrainConfig, seed: int = 0)
     from parallm.models import load_model
 
     dtype = model_config.dtype
-    if dtype in ("auto", "quantized"):
+    if dtype in (None, "quantized"):
         dtype = "float32" if mx.default_device() == mx.cpu else "bfloat16"
     loaded = load_model(ModelConfig(path=model_config.path, dtype=dtype, cache_dir=model_config.cache_dir,
                                     max_model_len=model_config.max_model_len))

@@ -118,12 +118,12 @@ def test_fifty_versions_sixteen_streams(client):
 
 
 def test_hold_policy_waits_for_the_version():
-    """With rl.staleness_policy "hold", a request for a version not yet published waits for it."""
+    """With adapters.staleness_policy "hold", a request for a version not yet published waits for it."""
     import threading
 
     from .server import Server
 
-    with Server("--rl.staleness-policy", "hold", "--rl.hold-timeout-s", "60") as srv, \
+    with Server("--adapters.staleness-policy", "hold", "--adapters.hold-timeout-s", "60") as srv, \
             Client(srv.router, timeout=120) as c:
         publisher = AdapterPublisher(c.welcome.addresses["adapters"])
         try:
