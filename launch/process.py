@@ -7,7 +7,7 @@ import subprocess
 import sys
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import IO
 
 
@@ -41,15 +41,11 @@ class StageProcess:
     last_beat: float = 0.0
     ready: bool = False
     pid: int = 0
-    stats: dict = field(default_factory=dict)
+    loop_age_s: float = 0.0         # how long its loop has been in one iteration, as its last heartbeat said
+    in_flight: int = 0              # what it still holds, as its last heartbeat said
     next_restart_at: float = 0.0
     backoff: float = 0.0
     finished: bool = False          # an off-path stage (the trainer) that exited 0: done, not restarted
-
-    @property
-    def loop_age_s(self) -> float:
-        """How long the stage's loop has been in one iteration, as its last heartbeat said."""
-        return float(self.stats.get("loop_age_s", 0.0))
 
     def start(self, config_file: str, parent_read_fd: int, log_out: IO[str]) -> None:
         cmd = [sys.executable, "-m", "parallm.stages", self.spec.name, "--replica", str(self.spec.replica),
@@ -61,7 +57,8 @@ class StageProcess:
         self.pid = self.proc.pid
         self.started_at = self.last_beat = time.monotonic()
         self.ready = False
-        self.stats = {}
+        self.loop_age_s = 0.0
+        self.in_flight = 0
         threading.Thread(target=_pump, args=(self.proc.stdout, f"[{self.spec.label}]", log_out),
                          daemon=True, name=f"log-{self.spec.label}").start()
 

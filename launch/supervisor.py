@@ -196,7 +196,7 @@ class Supervisor:
                 self.control.send(protocol.StageUp(stage=stage.spec.name, replica=stage.spec.replica,
                                                    restarts=stage.restarts))
         elif isinstance(message, protocol.Heartbeat):
-            stage.stats = message.stats
+            stage.loop_age_s, stage.in_flight = message.loop_age_s, message.in_flight
         elif isinstance(message, protocol.Fatal):
             if not stage.ready and stage.restarts == 0:
                 raise StartupError(f"{stage.spec.label}: {message.message}")
@@ -276,7 +276,7 @@ class Supervisor:
             return False
         ingress = [s for s in self.stages if s.spec.name == "ingress"]
         detok = [s for s in self.stages if s.spec.name == "detokenizer"]
-        busy = sum(int(s.stats.get("in_flight", 0)) for s in ingress + detok if s.alive())
+        busy = sum(s.in_flight for s in ingress + detok if s.alive())
         return busy == 0
 
     def _stop_all(self) -> None:

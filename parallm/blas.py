@@ -31,7 +31,10 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
+
+if TYPE_CHECKING:
+    from parallm.protocol import BlasStats
 
 log = logging.getLogger(__name__)
 
@@ -289,6 +292,8 @@ class ThreadGovernor:
             self.changes += 1
             self._candidate = self._pending = 0
 
-    def stats(self) -> dict[str, float]:
-        return {"blas_threads": self.threads, "blas_others_busy_cores": round(self.others_busy, 2),
-                "blas_thread_changes": self.changes}
+    def stats(self) -> BlasStats:
+        from parallm.protocol import BlasStats
+
+        return BlasStats(threads=self.threads, others_busy_cores=round(self.others_busy, 2),
+                         thread_changes=self.changes)

@@ -60,17 +60,12 @@ class SequenceResult:
 
     def add(self, out: protocol.Output) -> None:
         ids = protocol.unpack_ids(out.token_ids)
-        if ids and (not self.versions or self.versions[-1][1] != out.version):
-            self.versions.append((len(self.token_ids), out.version))
+        if ids:
+            protocol.extend_spans(self.versions, len(self.token_ids), out.version)
         self.token_ids.extend(ids)
         if out.logprobs:
             self.logprobs.extend(protocol.unpack_floats(out.logprobs))
-        if out.top_ids and ids:
-            top_ids = protocol.unpack_ids(out.top_ids)
-            top_lps = protocol.unpack_floats(out.top_logprobs)
-            k = len(top_ids) // len(ids)
-            for i in range(len(ids)):
-                self.top_logprobs.append(list(zip(top_ids[i * k:(i + 1) * k], top_lps[i * k:(i + 1) * k])))
+        self.top_logprobs.extend(protocol.unpack_top(out.top_ids, out.top_logprobs, len(ids)))
         self.text += out.text
         self.adapter = out.adapter or self.adapter
         if out.finish_reason is not None:
@@ -79,12 +74,7 @@ class SequenceResult:
 
     def version_of(self, position: int) -> int:
         """The policy version that produced token `position`."""
-        version = 0
-        for start, v in self.versions:
-            if start > position:
-                break
-            version = v
-        return version
+        return protocol.version_at(self.versions, position)
 
 
 def _error(message: protocol.RequestError) -> ClientError:
@@ -97,16 +87,17 @@ def _new_rid() -> str:
 
 
 def _submit_message(rid: str, reply_to: bytes, prompt: Prompt, params: SamplingParams | None, n: int,
-                    detok: bool, stream: bool, extra: dict[str, Any]) -> tuple[str, protocol.Message]:
-    params = params or SamplingParams()
-    spec = protocol.DetokSpec(**extra.pop("detok_options", {})) if detok else None
+                    detok: bool, extra: dict[str, Any]) -> tuple[str, protocol.Message]:
+    """The Submit (token ids, straight to the engine) or TextSubmit (text or chat, through a
+    tokenizer) for a prompt; `extra` holds other RequestSpec fields (adapter, priority, metadata, ...)."""
+    detok_options = extra.pop("detok_options", {})
+    spec = protocol.RequestSpec(params=params or SamplingParams(), n=n,
+                                detok=protocol.DetokSpec(**detok_options) if detok else None,
+                                submitted_at=time.time(), **extra)
     if isinstance(prompt, str) or (prompt and isinstance(prompt[0], dict)):
         text = {"prompt": prompt} if isinstance(prompt, str) else {"messages": list(prompt)}
-        return "tokenizer", protocol.TextSubmit(rid=rid, reply_to=reply_to, params=params, n=n, detok=spec,
-                                                stream=stream, submitted_at=time.time(), **text, **extra)
-    return "engine", protocol.Submit(rid=rid, reply_to=reply_to, prompt_ids=protocol.pack_ids(prompt),
-                                     params=params, n=n, detok=spec, stream=stream, submitted_at=time.time(),
-                                     **extra)
+        return "tokenizer", protocol.TextSubmit(rid=rid, reply_to=reply_to, spec=spec, **text)
+    return "engine", protocol.Submit(rid=rid, reply_to=reply_to, prompt_ids=protocol.pack_ids(prompt), spec=spec)
 
 
 class Client:
@@ -130,7 +121,7 @@ class Client:
         self._poller.register(self._control, zmq.POLLIN)
         self._inbox: dict[str, list[Any]] = {}
         self._samples: dict[str, int] = {}
-        self._replies: dict[str, protocol.QueryReply] = {}
+        self._replies: dict[str, protocol.Reply | protocol.RequestError] = {}
         self._qids = itertools.count()
 
     def _hello(self) -> protocol.Welcome:
@@ -171,15 +162,17 @@ class Client:
             elif isinstance(message, protocol.RequestError):
                 if message.rid in self._inbox:
                     self._inbox[message.rid].append(message)
-            elif isinstance(message, protocol.QueryReply):
+                else:
+                    self._replies[message.rid] = message
+            elif isinstance(message, protocol.REPLIES):
                 self._replies[message.qid] = message
 
     # ------------------------------------------------------------------ requests
     def submit(self, prompt: Prompt, params: SamplingParams | None = None, *, n: int = 1, detok: bool = False,
-               stream: bool = True, rid: str | None = None, **extra: Any) -> str:
+               rid: str | None = None, **extra: Any) -> str:
         """Send one request; read its outputs with `stream(rid)` or `result(rid)`."""
         rid = rid or _new_rid()
-        target, message = _submit_message(rid, self.identity, prompt, params, n, detok, stream, extra)
+        target, message = _submit_message(rid, self.identity, prompt, params, n, detok, extra)
         self._inbox[rid] = []
         self._samples[rid] = n
         self._send(target, message)
@@ -229,46 +222,43 @@ class Client:
     def abort(self, rids: Sequence[str] = (), *, all: bool = False) -> None:
         self._send("engine", protocol.Abort(rids=list(rids), all=all))
 
-    def _call(self, target: str, message_type: type, **fields: Any) -> Any:
-        qid = f"q{next(self._qids)}-{uuid.uuid4().hex[:6]}"
-        self._send(target, message_type(qid=qid, reply_to=self.identity, **fields))
-        deadline = time.monotonic() + min(self.timeout, 60.0)
-        while qid not in self._replies:
+    def _call(self, target: str, message: Any) -> Any:
+        message.qid, message.reply_to = f"q{next(self._qids)}-{uuid.uuid4().hex[:6]}", self.identity
+        self._send(target, message)
+        deadline = time.monotonic() + min(self.timeout, 120.0)
+        while message.qid not in self._replies:
             if time.monotonic() > deadline:
-                raise ClientError(f"no reply to {message_type.__name__}", status=504, retryable=True)
+                raise ClientError(f"no reply to {type(message).__name__}", status=504, retryable=True)
             self._pump(0.05)
-        reply = self._replies.pop(qid)
-        if not reply.ok:
-            raise ClientError(reply.error, status=reply.status)
-        return reply.result
+        reply = self._replies.pop(message.qid)
+        if isinstance(reply, protocol.RequestError):
+            raise _error(reply)
+        return reply
 
-    def query(self, what: str, *, target: str = "engine", **args: Any) -> Any:
-        return self._call(target, protocol.Query, what=what, args=args)
+    def stats(self) -> protocol.EngineStats:
+        return self._call("engine", protocol.GetStats(qid="")).stats
 
-    def stats(self) -> dict[str, Any]:
-        return self.query("stats")
+    def policy(self) -> dict[str, int]:
+        """The latest version of every adapter ("" = the base model, 0)."""
+        return {"": 0, **self.list_adapters().policy}
 
-    def pause(self, mode: str = "keep") -> Any:
-        return self._call("engine", protocol.Pause, mode=mode)
+    def list_adapters(self) -> protocol.AdapterList:
+        return self._call("engine", protocol.ListAdapters(qid="", reply_to=b""))
 
-    def resume(self) -> Any:
-        return self._call("engine", protocol.Resume)
+    def pause(self, mode: str = "keep") -> protocol.PauseState:
+        return self._call("engine", protocol.Pause(mode=mode))
+
+    def resume(self) -> protocol.PauseState:
+        return self._call("engine", protocol.Resume())
 
     def score(self, ids: Sequence[int], *, start: int = 1, top_logprobs: int = 0) -> dict[str, Any]:
         """Teacher-forced logprobs of ids[start:] under the current policy."""
-        rid = _new_rid()
-        self._send("engine", protocol.Score(rid=rid, reply_to=self.identity, ids=protocol.pack_ids(ids),
-                                            start=start, top_logprobs=top_logprobs))
-        deadline = time.monotonic() + min(self.timeout, 120.0)
-        while rid not in self._replies:
-            if time.monotonic() > deadline:
-                raise ClientError("no reply to score", status=504, retryable=True)
-            self._pump(0.05)
-        reply = self._replies.pop(rid)
-        out: dict[str, Any] = {"logprobs": protocol.unpack_floats(reply.result["logprobs"])}
-        if "top_ids" in reply.result:
-            out["top_ids"] = protocol.unpack_ids(reply.result["top_ids"])
-            out["top_logprobs"] = protocol.unpack_floats(reply.result["top_logprobs"])
+        reply = self._call("engine", protocol.Score(qid="", reply_to=b"", ids=protocol.pack_ids(ids), start=start,
+                                                     top_logprobs=top_logprobs))
+        out: dict[str, Any] = {"logprobs": protocol.unpack_floats(reply.logprobs)}
+        if reply.top_ids:
+            out["top_ids"] = protocol.unpack_ids(reply.top_ids)
+            out["top_logprobs"] = protocol.unpack_floats(reply.top_logprobs)
         return out
 
     def close(self) -> None:
@@ -335,7 +325,10 @@ class AsyncClient:
                 queue = self._queues.get(message.rid)
                 if queue is not None:
                     queue.put_nowait(message)
-            elif isinstance(message, protocol.QueryReply):
+                future = self._replies.pop(message.rid, None)
+                if future is not None and not future.done():
+                    future.set_result(message)
+            elif isinstance(message, protocol.REPLIES):
                 future = self._replies.pop(message.qid, None)
                 if future is not None and not future.done():
                     future.set_result(message)
@@ -356,7 +349,7 @@ class AsyncClient:
     async def stream(self, prompt: Prompt, params: SamplingParams | None = None, *, n: int = 1,
                      detok: bool = False, rid: str | None = None, **extra: Any) -> AsyncIterator[protocol.Output]:
         rid = rid or _new_rid()
-        target, message = _submit_message(rid, self.identity, prompt, params, n, detok, True, extra)
+        target, message = _submit_message(rid, self.identity, prompt, params, n, detok, extra)
         queue: asyncio.Queue = asyncio.Queue()
         self._queues[rid] = queue
         remaining = n
@@ -390,24 +383,27 @@ class AsyncClient:
     async def abort(self, rids: Sequence[str] = (), *, all: bool = False) -> None:
         await self._send("engine", protocol.Abort(rids=list(rids), all=all))
 
-    async def _call(self, target: str, message_type: type, **fields: Any) -> Any:
-        qid = _new_rid()
+    async def _call(self, target: str, message: Any) -> Any:
+        message.qid, message.reply_to = _new_rid(), self.identity
         future = asyncio.get_running_loop().create_future()
-        self._replies[qid] = future
-        await self._send(target, message_type(qid=qid, reply_to=self.identity, **fields))
-        reply = await asyncio.wait_for(future, min(self.timeout, 60.0))
-        if not reply.ok:
-            raise ClientError(reply.error, status=reply.status)
-        return reply.result
+        self._replies[message.qid] = future
+        await self._send(target, message)
+        reply = await asyncio.wait_for(future, min(self.timeout, 120.0))
+        if isinstance(reply, protocol.RequestError):
+            raise _error(reply)
+        return reply
 
-    async def query(self, what: str, *, target: str = "engine", **args: Any) -> Any:
-        return await self._call(target, protocol.Query, what=what, args=args)
+    async def stats(self) -> protocol.EngineStats:
+        return (await self._call("engine", protocol.GetStats(qid=""))).stats
 
-    async def pause(self, mode: str = "keep") -> Any:
-        return await self._call("engine", protocol.Pause, mode=mode)
+    async def policy(self) -> dict[str, int]:
+        return {"": 0, **(await self._call("engine", protocol.ListAdapters(qid="", reply_to=b""))).policy}
 
-    async def resume(self) -> Any:
-        return await self._call("engine", protocol.Resume)
+    async def pause(self, mode: str = "keep") -> protocol.PauseState:
+        return await self._call("engine", protocol.Pause(mode=mode))
+
+    async def resume(self) -> protocol.PauseState:
+        return await self._call("engine", protocol.Resume())
 
     async def close(self) -> None:
         for task in self._tasks:

@@ -8,15 +8,19 @@ Nothing else in parallm defines a wire message, and nothing is pickled.
 
 from __future__ import annotations
 
-from typing import Any, Literal, Union
+from typing import Any, Literal, Sequence, Union
 
 import msgspec
 import numpy as np
 from msgspec import Struct
 
-PROTOCOL_VERSION = 1
+from .config import EngineConfig
+
+PROTOCOL_VERSION = 2
 
 FinishReason = Literal["stop", "length", "abort", "error"]
+"""Why a sequence ended, everywhere from the engine to the client: a stop token or string, max_tokens,
+an abort (a client, a stop string matched by the detokenizer, a pause), or a failure."""
 
 
 # --------------------------------------------------------------------------- packed arrays
@@ -36,6 +40,50 @@ def pack_floats(values: Any) -> bytes:
 
 def unpack_floats(data: bytes) -> list[float]:
     return np.frombuffer(data, dtype="<f4").tolist()
+
+
+def count_ids(data: bytes) -> int:
+    """How many ids (or floats) a packed array holds."""
+    return len(data) // 4
+
+
+TopRow = list[tuple[int, float]]
+
+
+def pack_top(rows: Sequence[Sequence[tuple[int, float]]]) -> tuple[bytes, bytes]:
+    """Top-k alternatives of several positions (each a list of (token id, logprob)), flattened
+    row-major into packed ids and logprobs; every row must have the same k."""
+    return pack_ids([t for row in rows for t, _ in row]), pack_floats([lp for row in rows for _, lp in row])
+
+
+def unpack_top(ids: bytes, logprobs: bytes, rows: int) -> list[TopRow]:
+    """The inverse of `pack_top` for `rows` positions (k = entries / rows); [] when there are none."""
+    flat_ids, flat_lps = unpack_ids(ids), unpack_floats(logprobs)
+    if not rows or not flat_ids:
+        return []
+    k = len(flat_ids) // rows
+    return [list(zip(flat_ids[r * k:(r + 1) * k], flat_lps[r * k:(r + 1) * k])) for r in range(rows)]
+
+
+VersionSpans = list[tuple[int, int]]
+"""[(index of the first token, policy version), ...]: which version produced which tokens of a sample."""
+
+
+def extend_spans(spans: VersionSpans, first_token: int, version: int) -> None:
+    """Record that tokens from `first_token` on were produced by `version` (a new span only when the
+    version changes)."""
+    if not spans or spans[-1][1] != version:
+        spans.append((first_token, version))
+
+
+def version_at(spans: VersionSpans, position: int) -> int:
+    """The policy version that produced token `position` (0 before the first span)."""
+    version = 0
+    for start, v in spans:
+        if start > position:
+            break
+        version = v
+    return version
 
 
 # --------------------------------------------------------------------------- shared parts
@@ -71,6 +119,24 @@ class DetokSpec(Struct, kw_only=True, forbid_unknown_fields=True):
     echo: bool = False
 
 
+class RequestSpec(Struct, kw_only=True, forbid_unknown_fields=True):
+    """Everything a request asks for, whole. Whoever builds a request (ingress, a raw client) fills it
+    once; it travels unchanged through the tokenizer to the engine (which wraps it in its Request)
+    and, in Track, to the detokenizer. A new request field is added here, validated where requests
+    are built (parallm/api for HTTP, the engine for everyone) and read where it acts: nowhere else."""
+
+    params: SamplingParams = msgspec.field(default_factory=SamplingParams)
+    n: int = 1
+    detok: DetokSpec | None = None          # None: token ids only, no text
+    adapter: str = ""                       # "" = the base model, unless the server has a default policy
+    adapter_version: int = 0                # pin a version (0 = the latest when admitted)
+    min_version: int = 0                    # the version must be at least this
+    max_staleness: int = -1                 # a pinned version may lag the latest by at most this (-1: any)
+    priority: int = 0                       # lower is served first (vLLM's convention); ties by arrival
+    metadata: dict[str, Any] = {}           # echoed in the rollout stream
+    submitted_at: float = 0.0               # the client's unix time, for timings
+
+
 class Usage(Struct, kw_only=True):
     prompt_tokens: int
     completion_tokens: int
@@ -88,6 +154,7 @@ class TextSubmit(Message, tag="text_submit"):
 
     rid: str
     reply_to: bytes
+    spec: RequestSpec = msgspec.field(default_factory=RequestSpec)
     prompt: str | None = None
     messages: list[dict[str, Any]] | None = None
     prompt_ids: bytes | None = None
@@ -95,19 +162,11 @@ class TextSubmit(Message, tag="text_submit"):
     continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] = {}
     add_special_tokens: bool = True
-    params: SamplingParams = msgspec.field(default_factory=SamplingParams)
-    n: int = 1
-    detok: DetokSpec | None = msgspec.field(default_factory=DetokSpec)
-    stream: bool = True
-    adapter: str = ""
-    adapter_version: int = 0
-    min_version: int = 0
-    max_staleness: int = -1
-    metadata: dict[str, Any] = {}
-    submitted_at: float = 0.0
 
 
 class Tokenize(Message, tag="tokenize"):
+    """Token ids of a prompt, or of chat messages rendered by the chat template; answered by TokenizeReply."""
+
     qid: str
     reply_to: bytes
     prompt: str | None = None
@@ -118,10 +177,19 @@ class Tokenize(Message, tag="tokenize"):
 
 
 class Detokenize(Message, tag="detokenize"):
+    """Text of packed token ids; answered by DetokenizeReply."""
+
     qid: str
     reply_to: bytes
     ids: bytes
     skip_special_tokens: bool = False
+
+
+class GetStats(Message, tag="get_stats"):
+    """Ask a stage (the engine, a tokenizer, or the detokenizer through the router) for its StatsReply."""
+
+    qid: str
+    reply_to: bytes = b""
 
 
 # --------------------------------------------------------------------------- to the engine
@@ -132,22 +200,15 @@ class Submit(Message, tag="submit"):
     rid: str
     reply_to: bytes
     prompt_ids: bytes
-    params: SamplingParams = msgspec.field(default_factory=SamplingParams)
-    n: int = 1
-    detok: DetokSpec | None = None
-    stream: bool = True
-    adapter: str = ""
-    adapter_version: int = 0
-    min_version: int = 0
-    max_staleness: int = -1
-    metadata: dict[str, Any] = {}
-    submitted_at: float = 0.0
+    spec: RequestSpec = msgspec.field(default_factory=RequestSpec)
 
 
 class Score(Message, tag="score"):
-    """Teacher-forced scoring: logprobs of ids[start:] given what precedes them, no sampling."""
+    """Teacher-forced scoring: logprobs of ids[start:] given what precedes them, no sampling.
+    Runs as prefill work in the engine's steps (batched, through the prefix cache); answered by
+    ScoreReply."""
 
-    rid: str
+    qid: str
     reply_to: bytes
     ids: bytes
     start: int = 1
@@ -166,7 +227,8 @@ class Abort(Message, tag="abort"):
 
 
 class Pause(Message, tag="pause"):
-    """Stop scheduling; 'keep' leaves sequences in place, 'abort' ends them with their partial tokens."""
+    """Stop scheduling; 'keep' leaves sequences in place, 'abort' ends them with their partial tokens.
+    Answered by PauseState when `qid` is set."""
 
     mode: Literal["keep", "abort"] = "keep"
     qid: str = ""
@@ -174,21 +236,15 @@ class Pause(Message, tag="pause"):
 
 
 class Resume(Message, tag="resume"):
+    """Schedule again; after a 'keep' pause, unpinned sequences move to their adapter's latest version."""
+
     qid: str = ""
     reply_to: bytes = b""
 
 
-class Query(Message, tag="query"):
-    """Ask a stage for state (`what`: stats, adapters, policy, models, ...); the answer is a QueryReply."""
-
-    qid: str
-    reply_to: bytes
-    what: str
-    args: dict[str, Any] = {}
-
-
 class AdapterPublish(Message, tag="adapter_publish"):
-    """A new adapter version: weights inline (safetensors bytes) or a path readable by the engine."""
+    """A new adapter version: weights inline (safetensors bytes) or a path readable by the engine.
+    Answered by AdapterLoaded when `qid` is set (trainers publishing on the PUB socket set none)."""
 
     name: str
     version: int = 0
@@ -196,14 +252,24 @@ class AdapterPublish(Message, tag="adapter_publish"):
     weights: bytes = b""
     path: str = ""
     format: Literal["auto", "mlx", "peft"] = "auto"
+    make_default: bool = False  # requests that name no adapter run under this one from now on
     qid: str = ""
     reply_to: bytes = b""
 
 
 class AdapterUnload(Message, tag="adapter_unload"):
+    """Forget every version of an adapter; answered by AdapterUnloaded when `qid` is set."""
+
     name: str
     qid: str = ""
     reply_to: bytes = b""
+
+
+class ListAdapters(Message, tag="list_adapters"):
+    """Every loaded adapter and the policy (latest version per name); answered by AdapterList."""
+
+    qid: str
+    reply_to: bytes
 
 
 # --------------------------------------------------------------------------- to the detokenizer
@@ -213,15 +279,8 @@ class Track(Message, tag="track"):
 
     rid: str
     reply_to: bytes
-    n: int
     prompt_ids: bytes
-    detok: DetokSpec | None = None
-    stream: bool = True
-    adapter: str = ""
-    stop_token_ids: list[int] = []
-    min_tokens: int = 0
-    metadata: dict[str, Any] = {}
-    submitted_at: float = 0.0
+    spec: RequestSpec
 
 
 class SeqDelta(Struct, kw_only=True, omit_defaults=True):
@@ -253,7 +312,8 @@ class StepOutputs(Message, tag="step_outputs"):
 
 
 class RequestError(Message, tag="error"):
-    """A request failed. `status` follows HTTP; `retryable` means the same request may succeed later."""
+    """A request failed (`rid`), or a control request did (`rid` = its qid). `status` follows HTTP;
+    `retryable` means the same request may succeed later."""
 
     rid: str
     reply_to: bytes = b""
@@ -264,13 +324,175 @@ class RequestError(Message, tag="error"):
     retryable: bool = False
 
 
-class QueryReply(Message, tag="query_reply"):
+# --------------------------------------------------------------------------- replies (routed to `reply_to`)
+
+class Reply(Message, kw_only=True):
+    """A stage's answer to one control request, routed by the detokenizer to `reply_to`. A request
+    that fails is answered by RequestError instead, with its qid as `rid`."""
+
     qid: str
     reply_to: bytes = b""
-    ok: bool = True
-    result: Any = None
-    error: str = ""
-    status: int = 200
+
+
+class TokenizeReply(Reply, tag="tokenize_reply"):
+    ids: bytes
+
+
+class DetokenizeReply(Reply, tag="detokenize_reply"):
+    text: str
+
+
+class ScoreReply(Reply, tag="score_reply"):
+    """Per scored position: the logprob of the given token, and top-k alternatives when asked
+    (flattened row-major, `unpack_top`)."""
+
+    logprobs: bytes
+    top_ids: bytes = b""
+    top_logprobs: bytes = b""
+
+
+class PauseState(Reply, tag="pause_state"):
+    paused: bool
+    mode: Literal["keep", "abort"] = "keep"
+    moved_to_latest: int = 0    # sequences moved to their adapter's latest version by a resume
+
+
+class AdapterVersion(Struct, kw_only=True):
+    version: int
+    kind: str                   # "lora" or "dora"
+    format: str                 # "mlx" or "peft"
+    rank: int
+    modules: int
+    bytes: int
+    merged: bool = False
+    source: str = "inline"
+    loaded_at: float = 0.0
+
+
+class AdapterInfo(Struct, kw_only=True):
+    name: str
+    latest: int
+    bytes: int
+    versions: list[AdapterVersion] = []
+
+
+class AdapterLoaded(Reply, tag="adapter_loaded"):
+    name: str
+    version: int
+    bytes: int = 0
+    load_ms: float = 0.0
+    merged: bool = False
+    default: bool = False       # it became the server's default policy (see docs/rl.md)
+
+
+class AdapterUnloaded(Reply, tag="adapter_unloaded"):
+    name: str
+    versions_removed: int
+
+
+class AdapterList(Reply, tag="adapter_list"):
+    adapters: list[AdapterInfo] = []
+    policy: dict[str, int] = {}  # latest version per adapter name; "" (the base model) is 0
+    adapter_bytes: int = 0
+    default_adapter: str = ""    # what requests naming no adapter run under ("" = the base model)
+
+
+# --------------------------------------------------------------------------- stats
+
+class AdapterStats(Struct, kw_only=True):
+    loaded: int = 0                     # adapter names with a version
+    versions_kept: int = 0
+    bytes: int = 0
+    stack_bytes: int = 0                # stacked weights of mixed-adapter passes
+    publishes: int = 0                  # versions loaded while serving
+    rejected: int = 0
+    latest: dict[str, int] = {}         # latest version per name
+    passes: dict[str, int] = {}         # passes by kind (merged, factored, mixed, ...)
+    load_to_first_token_ms: float | None = None  # median over the last 64 versions
+
+
+class LoopStats(Struct, kw_only=True):
+    """Where a stage's loop spends its working iterations."""
+
+    steps: int = 0
+    ms_mean: dict[str, float] = {}
+
+
+class BlasStats(Struct, kw_only=True):
+    threads: int
+    others_busy_cores: float
+    thread_changes: int
+
+
+class EngineStats(Struct, tag="engine", kw_only=True):
+    """The engine's state and counters since it started (GetStats; ingress polls it for /metrics)."""
+
+    running: int = 0
+    waiting: int = 0
+    prefilling: int = 0
+    kv_blocks_total: int = 0
+    kv_blocks_used: int = 0
+    kv_blocks_free: int = 0
+    kv_blocks_cached: int = 0
+    kv_budget_bytes: int = 0
+    live_token_slots: int = 0
+    prefix_queried_tokens: int = 0
+    prefix_hit_tokens: int = 0
+    prefix_evictions: int = 0
+    preemptions: int = 0
+    priority_preemptions: int = 0       # of those, made room for a request of better priority
+    steps: int = 0
+    mixed_passes: int = 0
+    decode_batch_hist: dict[int, int] = {}
+    max_decode_batch: int = 0
+    prompt_tokens_computed: int = 0
+    generated_tokens: int = 0
+    scored_tokens: int = 0
+    step_ms_mean: dict[str, float] = {}
+    live_rows: int = 0
+    live_capacity: int = 0
+    live_bytes: int = 0
+    pool_bytes: int = 0
+    bytes_per_token: int = 0
+    penalty_state: bool = False
+    adapters: AdapterStats = msgspec.field(default_factory=AdapterStats)
+    settings: EngineConfig | None = None  # the engine settings, with every unset one resolved
+    # the engine stage's own
+    paused: bool = False
+    held_for_version: int = 0
+    received: int = 0
+    dropped_frames: int = 0
+    loop: LoopStats = msgspec.field(default_factory=LoopStats)
+    blas: BlasStats | None = None
+
+
+class TokenizerStats(Struct, tag="tokenizer", kw_only=True):
+    handled: int = 0
+    rejected: int = 0
+    failed: int = 0
+    dropped_frames: int = 0
+
+
+class DetokenizerStats(Struct, tag="detokenizer", kw_only=True):
+    in_flight: int = 0
+    batch_size: int = 0
+    outputs: int = 0
+    errors: int = 0
+    unroutable: int = 0
+    unreachable: int = 0
+    dropped_frames: int = 0
+    failed_messages: int = 0
+    stop_string_aborts: int = 0
+    client_gone_aborts: int = 0
+    rollouts_published: int = 0
+    rollouts_dropped: int = 0
+
+
+StageStats = Union[EngineStats, TokenizerStats, DetokenizerStats]
+
+
+class StatsReply(Reply, tag="stats_reply"):
+    stats: StageStats
 
 
 # --------------------------------------------------------------------------- to clients
@@ -285,7 +507,6 @@ class Welcome(Message, tag="welcome"):
     model: str
     protocol: int = PROTOCOL_VERSION
     addresses: dict[str, str] = {}
-    policy: dict[str, int] = {}
 
 
 class Output(Struct, kw_only=True, omit_defaults=True):
@@ -366,10 +587,14 @@ class Ready(Message, tag="ready"):
 
 
 class Heartbeat(Message, tag="heartbeat"):
+    """A stage is alive; `loop_age_s` is how long its loop has been in one iteration (a stuck loop
+    is restarted) and `in_flight` what it still holds (the supervisor drains until it is 0)."""
+
     stage: str
     replica: int = 0
     pid: int = 0
-    stats: dict[str, Any] = {}
+    loop_age_s: float = 0.0
+    in_flight: int = 0
 
 
 class Fatal(Message, tag="fatal"):
@@ -402,17 +627,22 @@ class Shutdown(Message, tag="shutdown"):
 
 # --------------------------------------------------------------------------- unions per receiver
 
-TokenizerInbound = Union[TextSubmit, Tokenize, Detokenize, Query]
-EngineInbound = Union[Submit, Score, Abort, Pause, Resume, Query, AdapterPublish, AdapterUnload]
-DetokInbound = Union[Track, StepOutputs, RequestError, QueryReply]
-ClientInbound = Union[Outputs, RequestError, QueryReply, Welcome]
-RouterInbound = Union[Hello, Query]  # a client may ask the detokenizer for its stats
+REPLIES = (TokenizeReply, DetokenizeReply, ScoreReply, PauseState, AdapterLoaded, AdapterUnloaded, AdapterList,
+           StatsReply)
+AnyReply = Union[TokenizeReply, DetokenizeReply, ScoreReply, PauseState, AdapterLoaded, AdapterUnloaded, AdapterList,
+                 StatsReply]
+
+TokenizerInbound = Union[TextSubmit, Tokenize, Detokenize, GetStats]
+EngineInbound = Union[Submit, Score, Abort, Pause, Resume, GetStats, AdapterPublish, AdapterUnload, ListAdapters]
+DetokInbound = Union[Track, StepOutputs, RequestError, AnyReply]
+ClientInbound = Union[Outputs, RequestError, Welcome, AnyReply]
+RouterInbound = Union[Hello, GetStats]  # a client may ask the detokenizer for its stats
 SupervisorInbound = Union[Ready, Heartbeat, Fatal]
 ControlMessage = Union[StageDown, StageUp, Drain, Shutdown]
-AnyMessage = Union[TextSubmit, Tokenize, Detokenize, Submit, Score, Abort, Pause, Resume, Query,
-                   AdapterPublish, AdapterUnload, Track, StepOutputs, RequestError, QueryReply,
-                   Hello, Welcome, Outputs, Rollout, TrainingStatus, Ready, Heartbeat, Fatal, StageDown, StageUp,
-                   Drain, Shutdown]
+AnyMessage = Union[TextSubmit, Tokenize, Detokenize, GetStats, Submit, Score, Abort, Pause, Resume, AdapterPublish,
+                   AdapterUnload, ListAdapters, Track, StepOutputs, RequestError, TokenizeReply, DetokenizeReply,
+                   ScoreReply, PauseState, AdapterLoaded, AdapterUnloaded, AdapterList, StatsReply, Hello, Welcome,
+                   Outputs, Rollout, TrainingStatus, Ready, Heartbeat, Fatal, StageDown, StageUp, Drain, Shutdown]
 
 
 class ProtocolError(ValueError):

@@ -74,7 +74,7 @@ class StageRuntime:
         self.control = Receiver(sub, protocol.ControlMessage, name="control")
         self._interval = config.supervisor.heartbeat_s
         self._next_beat = 0.0
-        self._stats: dict[str, Any] = {}
+        self._in_flight = 0
         self._progress = time.monotonic()
         self._beating = threading.Event()
         self.draining = False
@@ -89,16 +89,16 @@ class StageRuntime:
         self._to_supervisor.send(protocol.Fatal(stage=self.stage, replica=self.replica, message=message))
         time.sleep(0.2)  # let the frame leave before the process exits
 
-    def heartbeat(self, stats: Callable[[], dict[str, Any]] | None = None, *, force: bool = False) -> None:
-        """Called from the stage's loop: marks progress and, once per interval, refreshes the stats
-        snapshot. The beat itself is sent by a thread (see `_beat`), so that a long MLX step
-        (which releases the GIL) never reads as a dead stage; `loop_age_s` tells a stuck loop."""
+    def heartbeat(self, in_flight: Callable[[], int] | None = None, *, force: bool = False) -> None:
+        """Called from the stage's loop: marks progress and, once per interval, refreshes what the
+        stage holds in flight. The beat itself is sent by a thread (see `_beat`), so that a long MLX
+        step (which releases the GIL) never reads as a dead stage; `loop_age_s` tells a stuck loop."""
         now = time.monotonic()
         self._progress = now
         if not force and now < self._next_beat:
             return
         self._next_beat = now + self._interval
-        self._stats = stats() if stats else {}
+        self._in_flight = in_flight() if in_flight else 0
         if not self._beating.is_set():
             self._beating.set()
             threading.Thread(target=self._beat, name="heartbeat", daemon=True).start()
@@ -106,9 +106,9 @@ class StageRuntime:
             self._send_beat(self._to_supervisor)
 
     def _send_beat(self, sender: Sender) -> None:
-        stats = {**self._stats, "loop_age_s": round(time.monotonic() - self._progress, 3)}
-        sender.send(protocol.Heartbeat(stage=self.stage, replica=self.replica, pid=os.getpid(), stats=stats),
-                    block=False)
+        sender.send(protocol.Heartbeat(stage=self.stage, replica=self.replica, pid=os.getpid(),
+                                       loop_age_s=round(time.monotonic() - self._progress, 3),
+                                       in_flight=self._in_flight), block=False)
 
     def _beat(self) -> None:
         sender = Sender(open_socket(self.ctx, zmq.PUSH, self.addrs.supervisor, bind=False))

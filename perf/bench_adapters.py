@@ -33,10 +33,11 @@ import time
 from pathlib import Path
 
 import mlx.core as mx
+import msgspec
 
 from parallm.adapters import save_bytes
 from parallm.config import EngineConfig, ModelConfig
-from parallm.engine import Engine, Request
+from parallm.engine import Engine, make_request
 from parallm.models import load_model
 from parallm.protocol import SamplingParams
 
@@ -68,16 +69,16 @@ def drain(engine: Engine) -> None:
 def throughput(engine: Engine, adapters: list[str], rows: int, tokens: int, tag: str) -> float:
     prompts = [[1, 504 + i, 3458, 282, 2 + i] for i in range(rows)]
     for i, p in enumerate(prompts):  # warm-up with the same mix
-        engine.add_request(Request(rid=f"w{tag}{i}", prompt_ids=p, params=greedy(4), adapter=adapters[i % len(adapters)]))
+        engine.add_request(make_request(rid=f"w{tag}{i}", prompt_ids=p, params=greedy(4), adapter=adapters[i % len(adapters)]))
     drain(engine)
     for i, p in enumerate(prompts):
-        engine.add_request(Request(rid=f"{tag}{i}", prompt_ids=p, params=greedy(tokens),
+        engine.add_request(make_request(rid=f"{tag}{i}", prompt_ids=p, params=greedy(tokens),
                                    adapter=adapters[i % len(adapters)]))
-    while engine.stats()["running"] < rows:  # prefill everything first: time decode only
+    while engine.stats().running < rows:  # prefill everything first: time decode only
         engine.step()
-    g0, t0 = engine.stats()["generated_tokens"], time.perf_counter()
+    g0, t0 = engine.stats().generated_tokens, time.perf_counter()
     drain(engine)
-    return (engine.stats()["generated_tokens"] - g0) / (time.perf_counter() - t0)
+    return (engine.stats().generated_tokens - g0) / (time.perf_counter() - t0)
 
 
 def publish_latency(engine: Engine, model, publishes: int, follow: bool) -> list[float]:
@@ -86,7 +87,7 @@ def publish_latency(engine: Engine, model, publishes: int, follow: bool) -> list
     lat = []
     if follow:
         for i in range(8):
-            engine.add_request(Request(rid=f"f{i}", prompt_ids=[1, 600 + i, 30], params=greedy(400),
+            engine.add_request(make_request(rid=f"f{i}", prompt_ids=[1, 600 + i, 30], params=greedy(400),
                                        adapter="pol"))
         for _ in range(4):
             engine.step()
@@ -97,7 +98,7 @@ def publish_latency(engine: Engine, model, publishes: int, follow: bool) -> list
         if follow:
             engine.follow_latest()
         else:
-            engine.add_request(Request(rid=f"n{k}", prompt_ids=NEW_REQUEST_PROMPT[:-1] + [77 + k], params=greedy(2),
+            engine.add_request(make_request(rid=f"n{k}", prompt_ids=NEW_REQUEST_PROMPT[:-1] + [77 + k], params=greedy(2),
                                        adapter="pol"))
         seen: list[float] = []
 
@@ -151,7 +152,7 @@ def served_publish_latency(model_dir: Path, publishes: int, streams: int = 8) ->
                 await first_token(client, k + 1, f"n{k}")
                 lat.append(1000 * (time.perf_counter() - t0))
                 await asyncio.sleep(0.02)
-            engine_side.update(await client.query("stats"))
+            engine_side.update(msgspec.to_builtins(await client.stats()))
             await client.abort(all=True)
             for task in busy:
                 task.cancel()
@@ -176,8 +177,9 @@ def served_publish_latency(model_dir: Path, publishes: int, streams: int = 8) ->
         lat = asyncio.run(run())
     finally:
         server.stop()
-    keep = ("adapter_load_to_first_token_ms", "step_ms_mean", "stage_ms_mean", "decode_batch_hist")
-    return lat, {k: engine_side.get(k) for k in keep}
+    return lat, {"adapter_load_to_first_token_ms": engine_side.get("adapters", {}).get("load_to_first_token_ms"),
+                 "step_ms_mean": engine_side.get("step_ms_mean"), "stage_ms_mean": engine_side.get("loop", {}).get("ms_mean"),
+                 "decode_batch_hist": engine_side.get("decode_batch_hist")}
 
 
 def lora_blob_for_dir(model_dir: Path, seed: int) -> tuple[dict, bytes]:
@@ -313,7 +315,7 @@ def main() -> int:
             e2.load_adapter("loadonly", config=c, weights=b)
             loads.append(1000 * (time.perf_counter() - t1))
         res[f"load_adapter_only{label}"] = summary(loads)
-        res[f"step_ms_mean{label}"] = e2.stats()["step_ms_mean"]
+        res[f"step_ms_mean{label}"] = e2.stats().step_ms_mean
         del e2
     res["blob_bytes"] = len(lora_blob(model, 16, 0)[1])
     if args.served and args.shape:

@@ -107,7 +107,7 @@ def _throughput(t0: float, first: dict[Any, float], t_end: float, total: int, ba
 
 def run_engine(lm, prompts: list[list[int]], max_tokens: int, *, engine=None, sampled: bool = False,
                **overrides) -> dict[str, float]:
-    from parallm.engine import Request
+    from parallm.engine import make_request
     from parallm.protocol import SamplingParams
 
     engine = engine or make_engine(lm, **overrides)
@@ -115,7 +115,7 @@ def run_engine(lm, prompts: list[list[int]], max_tokens: int, *, engine=None, sa
     for i, ids in enumerate(prompts):
         params = (SamplingParams(temperature=0.8, seed=1000 + i, max_tokens=max_tokens, ignore_eos=True) if sampled
                   else SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True))
-        engine.add_request(Request(f"r{i}", list(ids), params=params))
+        engine.add_request(make_request(f"r{i}", list(ids), params=params))
     first: dict[str, float] = {}
     total = 0
     while engine.has_work():
@@ -128,7 +128,7 @@ def run_engine(lm, prompts: list[list[int]], max_tokens: int, *, engine=None, sa
     t_end = time.perf_counter()
     assert total == len(prompts) * max_tokens, (total, len(prompts), max_tokens)
     out = _throughput(t0, first, t_end, total, len(prompts))
-    out["max_decode_batch"] = float(engine.stats()["max_decode_batch"])
+    out["max_decode_batch"] = float(engine.stats().max_decode_batch)
     return out
 
 
@@ -227,12 +227,12 @@ def section_b(lm, P: Prompts, args) -> dict[str, Any]:
 
 
 def _ttft(engine, rid: str, ids: list[int], max_tokens: int = 4) -> tuple[float, dict]:
-    from parallm.engine import Request
+    from parallm.engine import make_request
     from parallm.protocol import SamplingParams
 
     before = engine.stats()
     t0 = time.perf_counter()
-    engine.add_request(Request(rid, ids, params=SamplingParams(temperature=0.0, max_tokens=max_tokens,
+    engine.add_request(make_request(rid, ids, params=SamplingParams(temperature=0.0, max_tokens=max_tokens,
                                                                  ignore_eos=True)))
     ttft = None
     while engine.has_work():

@@ -34,6 +34,7 @@ from pathlib import Path
 from typing import Any
 
 import mlx.core as mx
+import msgspec
 import mlx.nn as nn
 from mlx.utils import tree_flatten
 
@@ -141,7 +142,7 @@ KV_BUDGET_MB = 24_000
 
 def run_engine(model: nn.Module, batch: list[list[int]], max_tokens: int, max_len: int) -> dict[str, float]:
     from parallm.config import EngineConfig
-    from parallm.engine import Engine, Request
+    from parallm.engine import Engine, make_request
     from parallm.protocol import SamplingParams
 
     engine = Engine(model, EngineConfig(max_num_seqs=max(len(batch), 1), max_prefill_tokens=8192,
@@ -149,7 +150,7 @@ def run_engine(model: nn.Module, batch: list[list[int]], max_tokens: int, max_le
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
     start = time.perf_counter()
     for i, ids in enumerate(batch):
-        engine.add_request(Request(rid=str(i), prompt_ids=ids, params=params))
+        engine.add_request(make_request(rid=str(i), prompt_ids=ids, params=params))
     tokens = decode_tokens = 0
     decode_start = None
     while engine.has_work():
@@ -207,7 +208,16 @@ async def engine_stats(router: str) -> dict[str, Any]:
     from parallm.client import AsyncClient
 
     async with AsyncClient(router, timeout=60) as client:
-        return await client.query("stats")
+        return msgspec.to_builtins(await client.stats())
+
+
+def delta_of(before: dict[str, Any], after: dict[str, Any], key: str, steps_key: str) -> dict[str, float]:
+    """Per-step means of `key` over the steps between two snapshots."""
+    n0, n1 = before.get(steps_key, 0), after.get(steps_key, 0)
+    if n1 <= n0:
+        return {}
+    return {k: round((v * n1 - before.get(key, {}).get(k, 0.0) * n0) / (n1 - n0), 4)
+            for k, v in after.get(key, {}).items()}
 
 
 def stats_delta(before: dict[str, Any], after: dict[str, Any]) -> dict[str, Any]:
@@ -215,15 +225,11 @@ def stats_delta(before: dict[str, Any], after: dict[str, Any]) -> dict[str, Any]
     phases (`step_ms_mean`, as the in-process engine reports them) and the stage loop's split
     (`stage_ms_mean`: inbox, step, send, beat)."""
     def delta(key: str, steps_key: str) -> dict[str, float]:
-        n0, n1 = before.get(steps_key, 0), after.get(steps_key, 0)
-        if n1 <= n0:
-            return {}
-        return {k: round((v * n1 - before.get(key, {}).get(k, 0.0) * n0) / (n1 - n0), 4)
-                for k, v in after.get(key, {}).items()}
+        return delta_of(before, after, key, steps_key)
 
     return {"steps": after.get("steps", 0) - before.get("steps", 0),
             "step_ms_mean": delta("step_ms_mean", "steps"),
-            "stage_ms_mean": delta("stage_ms_mean", "stage_loop_steps")}
+            "stage_ms_mean": delta_of(before.get("loop", {}), after.get("loop", {}), "ms_mean", "steps")}
 
 
 class Served:

@@ -37,7 +37,7 @@ def summary(ms: list[float]) -> dict[str, float]:
 
 def in_process(iters: int, warmup: int, group_tokens: int, groups: int) -> dict:
     from parallm.config import Config
-    from parallm.engine import Engine, Request
+    from parallm.engine import Engine, make_request
     from parallm.models import load_model
     from parallm.protocol import SamplingParams
 
@@ -49,7 +49,7 @@ def in_process(iters: int, warmup: int, group_tokens: int, groups: int) -> dict:
     times = []
     for i in range(warmup + iters):
         t0 = time.perf_counter()
-        engine.add_request(Request(rid=uuid.uuid4().hex, prompt_ids=PROMPTS[0], params=one))
+        engine.add_request(make_request(rid=uuid.uuid4().hex, prompt_ids=PROMPTS[0], params=one))
         while not any(o.finish_reason for o in engine.step()):
             pass
         if i >= warmup:
@@ -59,7 +59,7 @@ def in_process(iters: int, warmup: int, group_tokens: int, groups: int) -> dict:
     for g in range(groups + 1):
         t0 = time.perf_counter()
         for p in PROMPTS:
-            engine.add_request(Request(rid=uuid.uuid4().hex, prompt_ids=p, params=params, n=8))
+            engine.add_request(make_request(rid=uuid.uuid4().hex, prompt_ids=p, params=params, n=8))
         tokens = 0
         while engine.has_work():
             tokens += sum(len(o.token_ids) for o in engine.step())

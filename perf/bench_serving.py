@@ -87,7 +87,7 @@ WARM_SEED = 99_999
 def run_inprocess(engine: Any, prompt_ids: list[list[int]], workload: Workload, concurrency: int,
                   eos_ids: list[int], seed: int = 0) -> dict[str, Any]:
     """Closed loop: `concurrency` requests open at a time, a new one as soon as one finishes."""
-    from parallm.engine import Request
+    from parallm.engine import make_request
     from parallm.protocol import SamplingParams
 
     pending = deque(enumerate(prompt_ids))
@@ -117,7 +117,7 @@ def run_inprocess(engine: Any, prompt_ids: list[list[int]], workload: Workload, 
             params = SamplingParams(max_tokens=workload.max_tokens, temperature=0.0, seed=seed + i,
                                     logit_bias={t: -100.0 for t in eos_ids})
             rid = f"bench-{i}"
-            engine.add_request(Request(rid=rid, prompt_ids=ids, params=params, n=workload.n))
+            engine.add_request(make_request(rid=rid, prompt_ids=ids, params=params, n=workload.n))
             now = time.perf_counter()
             open_[rid] = (RequestRecord(ok=False), [now, now, 1.0])  # start, last, first-pending
         handle(engine.step(emit=handle))  # first tokens as the prefill pass hands them out, then the rest

@@ -62,7 +62,7 @@ def engine_steps(rounds: int = 20) -> dict[str, dict[str, float]]:
     engine (this VM's speed drifts by 10 % over minutes, so sequential runs mislead): a prefill
     pass of five 45-token prompts (max_tokens 1: the pass alone), then batch-16 decode steps."""
     from parallm.config import EngineConfig, ModelConfig
-    from parallm.engine import Engine, Request
+    from parallm.engine import Engine, make_request
     from parallm.models import load_model
     from parallm.protocol import SamplingParams
 
@@ -86,13 +86,13 @@ def engine_steps(rounds: int = 20) -> dict[str, dict[str, float]]:
 
     for r in range(2 * rounds):
         for i in range(5):
-            engine.add_request(Request(rid=f"p{r}-{i}", prompt_ids=prompt(),
+            engine.add_request(make_request(rid=f"p{r}-{i}", prompt_ids=prompt(),
                                        params=SamplingParams(max_tokens=1, temperature=0.0)))
         timed("prefill", r % 2 == 0)
     params = SamplingParams(max_tokens=4 * rounds + 8, temperature=0.0, ignore_eos=True)
     for i in range(16):
-        engine.add_request(Request(rid=f"d{i}", prompt_ids=prompt(), params=params))
-    while engine.stats()["running"] < 16:
+        engine.add_request(make_request(rid=f"d{i}", prompt_ids=prompt(), params=params))
+    while engine.stats().running < 16:
         engine.step()
     for r in range(4 * rounds):
         timed("decode", r % 2 == 0)

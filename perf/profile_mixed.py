@@ -98,7 +98,7 @@ def rope_kernel(repeats: int) -> dict[str, float]:
 
 
 def rope_steps(engine, rounds: int) -> dict[str, float]:
-    from parallm.engine import Request
+    from parallm.engine import make_request
     from parallm.protocol import SamplingParams
 
     fm = engine.runner.fast_math
@@ -106,9 +106,9 @@ def rope_steps(engine, rounds: int) -> dict[str, float]:
     rng = random.Random(1)
     params = SamplingParams(max_tokens=2 * rounds + 8, temperature=0.0, ignore_eos=True)
     for i in range(16):
-        engine.add_request(Request(rid=f"d{i}", prompt_ids=[rng.randrange(100, 40000) for _ in range(100)],
+        engine.add_request(make_request(rid=f"d{i}", prompt_ids=[rng.randrange(100, 40000) for _ in range(100)],
                                    params=params))
-    while engine.stats()["running"] < 16:
+    while engine.stats().running < 16:
         engine.step()
     times: dict[bool, list[float]] = {True: [], False: []}
     for r in range(2 * rounds):

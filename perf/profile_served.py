@@ -35,7 +35,7 @@ def engine_run(model, max_tokens: int, *, seed: int, max_num_seqs: int = 1, eos:
                emulate_stage: bool = False, overlap: bool = True, profile: cProfile.Profile | None = None) -> dict:
     from parallm import protocol
     from parallm.config import EngineConfig
-    from parallm.engine import Engine, Request
+    from parallm.engine import Engine, make_request
     from parallm.protocol import SamplingParams
     from parallm.transport import Sender, open_socket
     from parallm.stages.engine import to_delta
@@ -50,7 +50,7 @@ def engine_run(model, max_tokens: int, *, seed: int, max_num_seqs: int = 1, eos:
         sender = Sender(open_socket(ctx, zmq.PUSH, "ipc:///tmp/profile-served-sink.sock", bind=False))
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
     start = time.perf_counter()
-    engine.add_request(Request(rid="r", prompt_ids=prompts(1, 128, seed)[0], params=params))
+    engine.add_request(make_request(rid="r", prompt_ids=prompts(1, 128, seed)[0], params=params))
     tokens = 0
     first = None
     if profile is not None:
@@ -74,7 +74,7 @@ def engine_run(model, max_tokens: int, *, seed: int, max_num_seqs: int = 1, eos:
         sender.close()
     return {"tok_s": tokens / (end - start), "ttft_s": first - start,
             "decode_ms_per_token": 1000 * (end - first) / max(1, tokens - 1),
-            "step_ms_mean": stats["step_ms_mean"], "steps": stats["steps"]}
+            "step_ms_mean": stats.step_ms_mean, "steps": stats.steps}
 
 
 def served_variant(model_dir: Path, max_tokens: int, max_num_seqs: int) -> dict[str, Any]:

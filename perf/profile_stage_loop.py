@@ -21,6 +21,7 @@ import zmq
 
 from parallm.config import build_config
 from parallm.engine.request import SeqOutput
+from parallm.protocol import EngineStats
 from parallm.runtime import StageRuntime
 from parallm.transport import open_socket
 
@@ -39,7 +40,7 @@ class FakeEngine:
     def owes_outputs(self) -> bool:
         return False
 
-    def step(self) -> list[SeqOutput]:
+    def step(self, emit: object = None) -> list[SeqOutput]:
         self.n += 1
         if self.n >= self.steps:
             self.rt.shutting_down = True
@@ -48,8 +49,8 @@ class FakeEngine:
     def request_ids(self) -> list[str]:
         return []
 
-    def stats(self) -> dict:
-        return {}
+    def stats(self) -> EngineStats:
+        return EngineStats()
 
 
 def measure(batch: int, steps: int) -> dict:
@@ -73,7 +74,7 @@ def measure(batch: int, steps: int) -> dict:
     stage.run()
     wall = time.perf_counter() - t0
     thread.join(10)
-    split = {k: round(1000 * v, 4) for k, v in stage.stats()["stage_ms_mean"].items()}  # ms -> us
+    split = {k: round(1000 * v, 4) for k, v in stage.stats().loop.ms_mean.items()}  # ms -> us
     # the context stays open: the runtime's heartbeat thread still holds a socket of it
     return {"batch": batch, "steps": steps, "us_per_iteration": round(1e6 * wall / steps, 2),
             "stage_us_mean": split, "received": received[0]}

@@ -93,7 +93,7 @@ def measure(rounds: int) -> dict[str, float]:
 
     from parallm import blas
     from parallm.config import EngineConfig, ModelConfig
-    from parallm.engine import Engine, Request
+    from parallm.engine import Engine, make_request
     from parallm.engine.cache import LiveKV, PassContext
     from parallm.models import load_model
     from parallm.protocol import SamplingParams
@@ -121,9 +121,9 @@ def measure(rounds: int) -> dict[str, float]:
 
     params = SamplingParams(max_tokens=2 * rounds + 40, temperature=0.0, ignore_eos=True)
     for i in range(ROWS):
-        engine.add_request(Request(rid=f"r{i}", prompt_ids=[rng.randrange(100, 40000) for _ in range(100)],
+        engine.add_request(make_request(rid=f"r{i}", prompt_ids=[rng.randrange(100, 40000) for _ in range(100)],
                                    params=params))
-    while engine.stats()["running"] < ROWS:
+    while engine.stats().running < ROWS:
         engine.step()
     for _ in range(3):
         engine.step()

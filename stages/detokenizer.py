@@ -21,6 +21,7 @@ from collections import defaultdict
 from dataclasses import dataclass
 from typing import Any
 
+import msgspec
 import zmq
 
 from parallm import protocol
@@ -55,14 +56,14 @@ class DetokenizerStage:
         self.rollouts.setsockopt(zmq.XPUB_NODROP, 1)
         self.to_engine = Sender(open_socket(ctx, zmq.PUSH, addrs.engine, bind=False, hwm=hwm))
         self.requests: dict[str, _Request] = {}
-        self.stats_counters = defaultdict(int)
+        self.counts = protocol.DetokenizerStats()  # the counters; stats() adds the gauges
         self.last_batch_size = 0
 
     # ------------------------------------------------------------------ inbound
     def on_track(self, track: protocol.Track) -> None:
-        states = [DetokState.from_track(self.tok, track, index, stop_token_ids=track.stop_token_ids,
-                                        min_tokens=track.min_tokens) for index in range(track.n)]
-        self.requests[track.rid] = _Request(track.reply_to, states, track.n)
+        n = track.spec.n
+        self.requests[track.rid] = _Request(track.reply_to, [DetokState.from_track(self.tok, track, i) for i in range(n)],
+                                            n)
 
     def on_step(self, step: protocol.StepOutputs) -> None:
         now = time.time()
@@ -90,33 +91,29 @@ class DetokenizerStage:
             self.router.send(reply_to, protocol.Outputs(items=items, batch_size=step.batch_size))
         if aborts:
             self.to_engine.send(protocol.Abort(sequences=aborts, reason="stop"))
-            self.stats_counters["stop_string_aborts"] += len(aborts)
-        self.stats_counters["outputs"] += len(step.outputs)
+            self.counts.stop_string_aborts += len(aborts)
+        self.counts.outputs += len(step.outputs)
 
     def on_error(self, error: protocol.RequestError) -> None:
         request = self.requests.pop(error.rid, None)
         reply_to = error.reply_to or (request.reply_to if request else b"")
         if reply_to:
             self.router.send(reply_to, error)
-        self.stats_counters["errors"] += 1
+        self.counts.errors += 1
 
     def publish(self, state: DetokState) -> None:
         rollout = state.rollout()
         try:
             self.rollouts.send_multipart([rollout.adapter.encode(), protocol.encode(rollout)], zmq.NOBLOCK)
-            self.stats_counters["rollouts_published"] += 1
+            self.counts.rollouts_published += 1
         except zmq.Again:
-            self.stats_counters["rollouts_dropped"] += 1
+            self.counts.rollouts_dropped += 1
 
     def on_client(self, identity: bytes, message: Any) -> None:
         if isinstance(message, protocol.Hello):
             self.router.send(identity, protocol.Welcome(model=self.model_name, addresses=self.rt.addrs.public()))
-        elif isinstance(message, protocol.Query):
-            if message.what == "stats":
-                self.router.send(identity, protocol.QueryReply(qid=message.qid, result=self.stats()))
-            else:
-                self.router.send(identity, protocol.QueryReply(qid=message.qid, ok=False, status=404,
-                                                               error=f"unknown query {message.what!r}"))
+        elif isinstance(message, protocol.GetStats):
+            self.router.send(identity, protocol.StatsReply(qid=message.qid, stats=self.stats()))
 
     def on_client_gone(self, identity: bytes) -> None:
         """`identity` has no connection any more: abort its requests so the engine frees their KV."""
@@ -125,7 +122,7 @@ class DetokenizerStage:
             del self.requests[rid]
         if rids:
             self.to_engine.send(protocol.Abort(rids=rids, reason="abort"), block=False)
-            self.stats_counters["client_gone_aborts"] += len(rids)
+            self.counts.client_gone_aborts += len(rids)
             log.info("client %r went away: aborted %d request(s)", identity[:32], len(rids))
 
     def on_engine_down(self) -> None:
@@ -144,22 +141,21 @@ class DetokenizerStage:
             self.on_track(message)
         elif isinstance(message, protocol.RequestError):
             self.on_error(message)
-        elif isinstance(message, protocol.QueryReply):
+        elif isinstance(message, protocol.REPLIES):
             if message.reply_to:
                 self.router.send(message.reply_to, message)
 
-    def stats(self) -> dict[str, Any]:
-        return {"in_flight": len(self.requests), "unroutable": self.router.unroutable,
-                "unreachable": self.router.unreachable,
-                "dropped_frames": self.inbox.dropped, "batch_size": self.last_batch_size,
-                **self.stats_counters}
+    def stats(self) -> protocol.DetokenizerStats:
+        return msgspec.structs.replace(self.counts, in_flight=len(self.requests), unroutable=self.router.unroutable,
+                                       unreachable=self.router.unreachable, dropped_frames=self.inbox.dropped,
+                                       batch_size=self.last_batch_size)
 
     def safely(self, handler: Any, *args: Any) -> None:
         """Run one message's handler; a message that breaks it is logged and dropped, never fatal."""
         try:
             handler(*args)
         except Exception:  # noqa: BLE001 - one bad message must not take every client down
-            self.stats_counters["failed_messages"] += 1
+            self.counts.failed_messages += 1
             log.exception("dropped a message the detokenizer could not handle: %s", type(args[-1]).__name__)
 
     # ------------------------------------------------------------------ loop
@@ -185,7 +181,7 @@ class DetokenizerStage:
                 for message in self.rt.poll_control():
                     if isinstance(message, protocol.StageDown) and message.stage == "engine":
                         self.on_engine_down()
-            self.rt.heartbeat(self.stats)
+            self.rt.heartbeat(lambda: len(self.requests))
         return 0
 
 

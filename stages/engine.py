@@ -34,61 +34,43 @@ def to_delta(out: SeqOutput) -> protocol.SeqDelta:
     if out.logprobs is not None:
         delta.logprobs = protocol.pack_floats(out.logprobs)
     if out.top_logprobs:
-        delta.top_ids = protocol.pack_ids([tid for row in out.top_logprobs for tid, _ in row])
-        delta.top_logprobs = protocol.pack_floats([lp for row in out.top_logprobs for _, lp in row])
+        delta.top_ids, delta.top_logprobs = protocol.pack_top(out.top_logprobs)
     if out.prompt_logprobs is not None:
         delta.prompt_logprobs = protocol.pack_floats([float("nan") if lp is None else lp
                                                       for lp in out.prompt_logprobs])
         if out.prompt_top_logprobs:
-            delta.prompt_top_ids = protocol.pack_ids([tid for row in out.prompt_top_logprobs if row
-                                                            for tid, _ in row])
-            delta.prompt_top_logprobs = protocol.pack_floats([lp for row in out.prompt_top_logprobs if row
-                                                              for _, lp in row])
+            delta.prompt_top_ids, delta.prompt_top_logprobs = protocol.pack_top(
+                [row for row in out.prompt_top_logprobs if row])
     return delta
 
 
-def rejection_code(exc: RequestRejected) -> str:
-    """OpenAI's error code for a refused request: the engine's own (e.g. context_length_exceeded)."""
-    return exc.code or "invalid_request_error"
+def rejection(rid: str, reply_to: bytes, exc: RequestRejected | AdapterError) -> protocol.RequestError:
+    """The error a refused request (or control request: `rid` is its qid) gets, with the engine's own
+    status and OpenAI code (e.g. context_length_exceeded, adapter_not_found)."""
+    return protocol.RequestError(rid=rid, reply_to=reply_to, status=exc.status, code=exc.code or "invalid_request_error",
+                                 message=exc.message, param=getattr(exc, "param", None))
 
 
-ADAPTER_QUERIES = ("policy", "adapters", "adapter_load", "adapter_unload")
-
-
-def load_adapter(engine: Engine, name: str, *, config: dict | None = None, weights: bytes | None = None,
-                 path: str = "", format: str = "auto", version: int = 0) -> dict[str, Any]:
-    """Load a version (raises AdapterError); answered in the MLX RL Inference Server's shape plus ours."""
+def load_adapter(engine: Engine, message: protocol.AdapterPublish) -> protocol.AdapterLoaded:
+    """Load a published version (raises AdapterError, changing nothing)."""
     t0 = time.perf_counter()
-    adapter = engine.load_adapter(name, config=config, weights=weights, path=path, format=format, version=version)
+    adapter = engine.load_adapter(message.name, config=message.config, weights=message.weights or None,
+                                  path=message.path, format=message.format, version=message.version)
+    if message.make_default:
+        engine.adapters.set_default(message.name)
     ms = 1000 * (time.perf_counter() - t0)
-    log.info("adapter %s version %d loaded (%s, rank %d, %d modules, %.1f ms)", name, adapter.version,
-             adapter.kind, adapter.rank, len(adapter.modules), ms)
-    return {"status": "success", "policy_version": adapter.version, "name": name, "version": adapter.version,
-            "bytes": adapter.nbytes, "load_ms": ms,
-            "message": f"adapter {name!r} version {adapter.version} loaded; new requests use it from the next step"}
+    log.info("adapter %s version %d loaded (%s, rank %d, %d modules, %.1f ms)%s", message.name, adapter.version,
+             adapter.kind, adapter.rank, len(adapter.modules), ms, "; it is the default policy now"
+             if message.make_default else "")
+    return protocol.AdapterLoaded(qid=message.qid, reply_to=message.reply_to, name=message.name,
+                                  version=adapter.version, bytes=adapter.nbytes, load_ms=ms, merged=adapter.merged,
+                                  default=engine.adapters.default_name == message.name)
 
 
-def adapter_query(engine: Engine, what: str, args: dict[str, Any]) -> Any:
-    """The engine's answer to an adapter Query (`what` in ADAPTER_QUERIES); AdapterError on failure."""
-    if what == "policy":
-        return engine.policy()
-    if what == "adapters":
-        return {"adapters": engine.adapters.describe(), "policy": engine.policy(), **engine.adapters.stats()}
-    try:
-        name = str(args.get("name", ""))
-        if what == "adapter_unload":
-            return {"status": "success", "name": name, "versions_removed": engine.unload_adapter(name)}
-        weights = args.get("weights")
-        config = args.get("config") or None
-        if config is not None and not isinstance(config, dict):
-            raise AdapterError("config must be a map")
-        return load_adapter(engine, name, config=config, weights=bytes(weights) if weights else None,
-                            path=str(args.get("path", "")), format=str(args.get("format", "auto")),
-                            version=int(args.get("version", 0)))
-    except (TypeError, ValueError) as exc:
-        if isinstance(exc, AdapterError):
-            raise
-        raise AdapterError(f"bad adapter arguments: {exc}") from None
+def adapter_list(engine: Engine, qid: str = "", reply_to: bytes = b"") -> protocol.AdapterList:
+    return protocol.AdapterList(qid=qid, reply_to=reply_to, adapters=engine.adapters.describe(),
+                                policy=engine.policy(), adapter_bytes=engine.adapters.nbytes,
+                                default_adapter=engine.adapters.default_name)
 
 
 class EngineStage:
@@ -124,86 +106,83 @@ class EngineStage:
         if isinstance(message, protocol.Submit):
             self.on_submit(message)
         elif isinstance(message, protocol.Abort):
-            rids = list(self.engine.request_ids()) if message.all else message.rids
-            for rid in (list(self.held) if message.all else rids):
-                held = self.held.pop(rid, None)
-                if held is not None:
-                    self.out.send(protocol.RequestError(rid=rid, reply_to=held[1].reply_to, status=409,
-                                                        code="aborted", message="aborted while waiting for its "
-                                                        "policy version"))
-            for rid in rids:
-                self.engine.abort(rid, message.reason)
-            for rid, index in message.sequences:
-                self.engine.abort(rid, message.reason, index=index)
-        elif isinstance(message, protocol.Query):
-            self.on_query(message)
+            self.on_abort(message)
+        elif isinstance(message, protocol.GetStats):
+            self.reply(protocol.StatsReply(qid=message.qid, reply_to=message.reply_to, stats=self.stats()))
         elif isinstance(message, protocol.Score):
             self.on_score(message)
         elif isinstance(message, protocol.AdapterPublish):
             self.on_publish(message)
         elif isinstance(message, protocol.AdapterUnload):
             self.on_unload(message)
+        elif isinstance(message, protocol.ListAdapters):
+            self.reply(adapter_list(self.engine, message.qid, message.reply_to))
         elif isinstance(message, protocol.Pause):
             self.paused = True
             self.pause_mode = message.mode
             if message.mode == "abort":
                 for rid in list(self.engine.request_ids()):
                     self.engine.abort(rid, "abort")
-            self._ack(message.qid, message.reply_to, {"paused": True, "mode": message.mode})
+            self.reply(protocol.PauseState(qid=message.qid, reply_to=message.reply_to, paused=True, mode=message.mode))
         elif isinstance(message, protocol.Resume):
             moved = self.engine.follow_latest() if self.paused and self.pause_mode == "keep" else 0
             self.paused = False
-            self._ack(message.qid, message.reply_to, {"paused": False, "moved_to_latest": moved})
-        else:
-            self._ack(getattr(message, "qid", ""), getattr(message, "reply_to", b""), None,
-                      error=f"{type(message).__name__} is not supported by this engine", status=501)
+            self.reply(protocol.PauseState(qid=message.qid, reply_to=message.reply_to, paused=False,
+                                           mode=self.pause_mode, moved_to_latest=moved))
 
-    def _ack(self, qid: str, reply_to: bytes, result: Any, *, error: str = "", status: int = 200) -> None:
-        if qid and reply_to:
-            self.out.send(protocol.QueryReply(qid=qid, reply_to=reply_to, ok=not error, result=result,
-                                              error=error, status=status))
+    def on_abort(self, message: protocol.Abort) -> None:
+        rids = list(self.engine.request_ids()) if message.all else message.rids
+        for rid in (list(self.held) if message.all else rids):
+            held = self.held.pop(rid, None)
+            if held is not None:
+                self.out.send(protocol.RequestError(rid=rid, reply_to=held[1].reply_to, status=409,
+                                                    code="aborted", message="aborted while waiting for its "
+                                                    "policy version"))
+        for rid in rids:
+            self.engine.abort(rid, message.reason)
+        for rid, index in message.sequences:
+            self.engine.abort(rid, message.reason, index=index)
+
+    def reply(self, message: protocol.Reply) -> None:
+        """Send a control reply to whoever asked (nothing when the request named no qid: a trainer's
+        publish on the PUB socket)."""
+        if message.qid and message.reply_to:
+            self.out.send(message)
 
     # ------------------------------------------------------------------ adapters
     def on_publish(self, message: protocol.AdapterPublish) -> None:
         try:
-            result = load_adapter(self.engine, message.name, config=message.config, weights=message.weights or None,
-                                  path=message.path, format=message.format, version=message.version)
+            self.reply(load_adapter(self.engine, message))
         except AdapterError as exc:
             log.warning("adapter %r version %d rejected: %s", message.name, message.version, exc.message)
-            self._ack(message.qid, message.reply_to, None, error=exc.message, status=exc.status)
-            return
-        self._ack(message.qid, message.reply_to, result)
+            if message.qid and message.reply_to:
+                self.out.send(rejection(message.qid, message.reply_to, exc))
 
     def on_unload(self, message: protocol.AdapterUnload) -> None:
         try:
-            result = adapter_query(self.engine, "adapter_unload", {"name": message.name})
+            removed = self.engine.unload_adapter(message.name)
         except AdapterError as exc:
-            self._ack(message.qid, message.reply_to, None, error=exc.message, status=exc.status)
+            if message.qid and message.reply_to:
+                self.out.send(rejection(message.qid, message.reply_to, exc))
             return
-        self._ack(message.qid, message.reply_to, result)
+        self.reply(protocol.AdapterUnloaded(qid=message.qid, reply_to=message.reply_to, name=message.name,
+                                            versions_removed=removed))
 
     def on_submit(self, message: protocol.Submit, *, held_since: float | None = None) -> None:
-        request = Request(rid=message.rid, prompt_ids=protocol.unpack_ids(message.prompt_ids),
-                          params=message.params, n=message.n, adapter=message.adapter,
-                          adapter_version=message.adapter_version, min_version=message.min_version,
-                          max_staleness=message.max_staleness, arrival=message.submitted_at or time.time())
+        spec = message.spec
         try:
-            self.engine.add_request(request)
+            self.engine.add_request(Request(message.rid, protocol.unpack_ids(message.prompt_ids), spec))
         except RequestRejected as exc:
             now = time.monotonic()
-            waiting_for_version = exc.status == 409 and message.min_version > 0 and \
+            waiting_for_version = exc.status == 409 and spec.min_version > 0 and \
                 self.config.adapters.staleness_policy == "hold"
             if waiting_for_version and now - (held_since or now) < self.config.adapters.hold_timeout_s:
                 self.held[message.rid] = (held_since or now, message)
                 return
-            self.out.send(protocol.RequestError(rid=message.rid, reply_to=message.reply_to, status=exc.status,
-                                                code=rejection_code(exc), message=str(exc), param=exc.param))
+            self.out.send(rejection(message.rid, message.reply_to, exc))
             return
-        self.out.send(protocol.Track(rid=message.rid, reply_to=message.reply_to, n=message.n,
-                                     prompt_ids=message.prompt_ids, detok=message.detok, stream=message.stream,
-                                     adapter=message.adapter, stop_token_ids=message.params.stop_token_ids,
-                                     min_tokens=message.params.min_tokens, metadata=message.metadata,
-                                     submitted_at=message.submitted_at))
+        self.out.send(protocol.Track(rid=message.rid, reply_to=message.reply_to, prompt_ids=message.prompt_ids,
+                                     spec=spec))
 
     def send(self, outputs: list[SeqOutput]) -> None:
         self.out.send(protocol.StepOutputs(step=self.step_count, time=time.time(),
@@ -223,38 +202,25 @@ class EngineStage:
             result = self.engine.score(ids, start=message.start, top_logprobs=message.top_logprobs,
                                        adapter=message.adapter, adapter_version=message.adapter_version)
         except RequestRejected as exc:
-            self.out.send(protocol.RequestError(rid=message.rid, reply_to=message.reply_to, status=exc.status,
-                                                code=rejection_code(exc), message=str(exc), param=exc.param))
+            self.out.send(rejection(message.qid, message.reply_to, exc))
             return
-        payload = {"logprobs": protocol.pack_floats(result.logprobs)}
+        reply = protocol.ScoreReply(qid=message.qid, reply_to=message.reply_to,
+                                    logprobs=protocol.pack_floats(result.logprobs))
         if result.top_logprobs:
-            payload["top_ids"] = protocol.pack_ids([t for row in result.top_logprobs for t, _ in row])
-            payload["top_logprobs"] = protocol.pack_floats([lp for row in result.top_logprobs for _, lp in row])
-        self.out.send(protocol.QueryReply(qid=message.rid, reply_to=message.reply_to, result=payload))
+            reply.top_ids, reply.top_logprobs = protocol.pack_top(result.top_logprobs)
+        self.out.send(reply)
 
-    def on_query(self, message: protocol.Query) -> None:
-        if message.what == "stats":
-            self._ack(message.qid, message.reply_to, self.stats())
-        elif message.what == "model":
-            self._ack(message.qid, message.reply_to, self.model_info)
-        elif message.what in ADAPTER_QUERIES:
-            try:
-                result = adapter_query(self.engine, message.what, message.args or {})
-            except AdapterError as exc:
-                self._ack(message.qid, message.reply_to, None, error=exc.message, status=exc.status)
-                return
-            self._ack(message.qid, message.reply_to, result)
-        else:
-            self._ack(message.qid, message.reply_to, None, error=f"unknown query {message.what!r}", status=404)
+    def in_flight(self) -> int:
+        return len(self.engine.request_ids()) + len(self.held)
 
-    def stats(self) -> dict[str, Any]:
+    def stats(self) -> protocol.EngineStats:
         stats = self.engine.stats()
-        stats.update(held_for_version=len(self.held), paused=self.paused, received=self.received,
-                     dropped_frames=self.inbox.dropped,
-                     stage_loop_steps=self.loop_steps,
-                     stage_ms_mean={k[:-2]: 1000 * v / max(1, self.loop_steps) for k, v in self.loop_time.items()})
+        stats.paused, stats.held_for_version, stats.received = self.paused, len(self.held), self.received
+        stats.dropped_frames = self.inbox.dropped
+        stats.loop = protocol.LoopStats(steps=self.loop_steps, ms_mean={
+            k[:-2]: 1000 * v / max(1, self.loop_steps) for k, v in self.loop_time.items()})
         if self.blas is not None:
-            stats.update(self.blas.stats())
+            stats.blas = self.blas.stats()
         return stats
 
     # ------------------------------------------------------------------ faults
@@ -265,7 +231,8 @@ class EngineStage:
             self.handle(message)
         except Exception as exc:  # noqa: BLE001 - a bad message must not take the engine down
             log.exception("could not handle a %s", type(message).__name__)
-            rid, reply_to = getattr(message, "rid", ""), getattr(message, "reply_to", b"")
+            rid = getattr(message, "rid", "") or getattr(message, "qid", "")
+            reply_to = getattr(message, "reply_to", b"")
             if rid and reply_to:
                 self.out.send(protocol.RequestError(rid=rid, reply_to=reply_to, status=400,
                                                     message=f"the engine could not handle this request: {exc}"))
@@ -312,7 +279,7 @@ class EngineStage:
             paused_owing = self.paused and self.engine.owes_outputs()
             if not (paused_owing or (self.engine.has_work() and not self.paused)):
                 timeout = beat_ms  # idle: the next poll waits for a message
-                self.rt.heartbeat(self.stats)
+                self.rt.heartbeat(self.in_flight)
                 continue
             timeout = 0
             t1 = clock()
@@ -326,7 +293,7 @@ class EngineStage:
             if outputs:
                 self.send(outputs)
             t3 = clock()
-            self.rt.heartbeat(self.stats)
+            self.rt.heartbeat(self.in_flight)
             self.loop_steps += 1
             spent["inbox_s"] += t1 - t0
             spent["step_s"] += t2 - t1

@@ -54,6 +54,7 @@ class ZmqBackend:
         self.model_name = config.model.served_name
         self.max_model_len = int(model_info.get("max_model_len", 0))
         self.default_max_tokens = config.engine.default_max_tokens
+        self.max_n = config.engine.max_num_seqs
         self.model_info = model_info
         self.identity = f"ingress-{os.getpid()}".encode()
         addrs = runtime.addrs
@@ -107,8 +108,13 @@ class ZmqBackend:
                 for item in message.items:
                     self._deliver(item.rid, item)
             elif isinstance(message, protocol.RequestError):
-                self._deliver(message.rid, message)
-            elif isinstance(message, protocol.QueryReply):
+                future = self.replies.pop(message.rid, None)
+                if future is not None:
+                    if not future.done():
+                        future.set_result(message)
+                else:
+                    self._deliver(message.rid, message)
+            elif isinstance(message, protocol.REPLIES):
                 future = self.replies.pop(message.qid, None)
                 if future is not None and not future.done():
                     future.set_result(message)
@@ -151,7 +157,7 @@ class ZmqBackend:
                 elif isinstance(message, protocol.StageUp):
                     self.stages_down.discard(f"{message.stage}-{message.replica}")
                 self.metrics.stages_down.set(len(self.stages_down))
-            self.rt.heartbeat(self.stats)
+            self.rt.heartbeat(lambda: len(self.pending))
             await asyncio.sleep(0.05)
 
     def _fail_in_flight(self, stage: str) -> None:
@@ -168,19 +174,19 @@ class ZmqBackend:
     async def _poll_stats(self) -> None:
         """Engine and detokenizer stats for /metrics, /health and the queue bound, every STATS_PERIOD_S."""
         while True:
-            for stage, store in (("engine", self.metrics.set_engine_stats),
-                                 ("detokenizer", self.metrics.set_detok_stats)):
+            for stage in ("engine", "detokenizer"):
                 if any(down.startswith(stage) for down in self.stages_down):
                     continue
                 try:
-                    store(await self._ask(stage, protocol.Query, what="stats", args={}, timeout=STATS_TIMEOUT_S))
+                    reply = await self._ask(stage, protocol.GetStats(qid="", reply_to=b""), timeout=STATS_TIMEOUT_S)
                 except BackendError:
-                    pass
+                    continue
+                self.metrics.set_stats(reply.stats)
             await asyncio.sleep(STATS_PERIOD_S)
 
     @property
     def engine_waiting(self) -> int:
-        return int(self.metrics.engine_stats.get("waiting", 0) or 0)
+        return self.metrics.engine_stats.waiting
 
     def _queue_full(self) -> bool:
         bound = self.config.server.max_queued_requests
@@ -198,11 +204,11 @@ class ZmqBackend:
             raise BackendError(503, "queue_full", f"{self.engine_waiting} requests are already waiting for the "
                                "engine (server.max_queued_requests); retry shortly", retryable=True)
         submit.reply_to = self.identity
-        submit.submitted_at = submit.submitted_at or time.time()
+        submit.spec.submitted_at = submit.spec.submitted_at or time.time()
         pending = _Pending(asyncio.Queue())
         self.pending[submit.rid] = pending
         self.requests_total += 1
-        remaining = submit.n
+        remaining = submit.spec.n
         last_token_at: dict[int, float] = {}
         try:
             if not self.to_tokenizers.send(submit, block=False):
@@ -223,7 +229,7 @@ class ZmqBackend:
 
     def _time_tokens(self, pending: _Pending, item: protocol.Output, last_token_at: dict[int, float]) -> None:
         """TTFT per request, inter-token latency per sequence (a step's tokens share its gap)."""
-        tokens = len(item.token_ids) // 4
+        tokens = protocol.count_ids(item.token_ids)
         if not tokens:
             return
         now = time.monotonic()
@@ -239,11 +245,11 @@ class ZmqBackend:
         if item.finish_reason is not None:
             self.metrics.e2e.observe(now - pending.submitted_at)
 
-    async def _ask(self, target: str, message_type: type, timeout: float = QUERY_TIMEOUT_S, **fields: Any) -> Any:
-        qid = uuid.uuid4().hex
+    async def _ask(self, target: str, message: Any, timeout: float = QUERY_TIMEOUT_S) -> Any:
+        """Send a control request to `target` and await its reply (a RequestError answer raises)."""
+        message.qid, message.reply_to = uuid.uuid4().hex, self.identity
         future = asyncio.get_running_loop().create_future()
-        self.replies[qid] = future
-        message = message_type(qid=qid, reply_to=self.identity, **fields)
+        self.replies[message.qid] = future
         if target == "detokenizer":
             await self.dealer.send(protocol.encode(message))
         else:
@@ -252,28 +258,39 @@ class ZmqBackend:
         try:
             reply = await asyncio.wait_for(future, timeout)
         except asyncio.TimeoutError:
-            self.replies.pop(qid, None)
+            self.replies.pop(message.qid, None)
             raise BackendError(503, "timeout", f"the {target} did not answer", retryable=True) from None
-        if not reply.ok:
-            raise BackendError(reply.status if reply.status >= 400 else 400, "invalid_request_error", reply.error)
-        return reply.result
+        if isinstance(reply, protocol.RequestError):
+            raise BackendError(reply.status if reply.status >= 400 else 400, reply.code, reply.message,
+                               param=reply.param, retryable=reply.retryable)
+        return reply
 
-    async def query(self, stage: str, what: str, args: dict) -> Any:
-        return await self._ask(stage, protocol.Query, what=what, args=args)
+    async def engine_stats(self) -> protocol.EngineStats:
+        return (await self._ask("engine", protocol.GetStats(qid="", reply_to=b""))).stats
 
-    async def control(self, message: protocol.Pause | protocol.Resume | protocol.Abort) -> Any:
-        """A trainer's Pause/Resume (the engine's answer) or Abort (sent, no answer) for the RL routes."""
-        if isinstance(message, protocol.Abort):
-            self.to_engine.send(message, block=False)
-            return None
-        fields = {"mode": message.mode} if isinstance(message, protocol.Pause) else {}
-        return await self._ask("engine", type(message), **fields)
+    async def pause(self, mode: str) -> protocol.PauseState:
+        return await self._ask("engine", protocol.Pause(mode=mode))
 
-    async def tokenize(self, **fields: Any) -> Any:
-        return await self._ask("tokenizer", protocol.Tokenize, **fields)
+    async def resume(self) -> protocol.PauseState:
+        return await self._ask("engine", protocol.Resume())
 
-    async def detokenize(self, **fields: Any) -> Any:
-        return await self._ask("tokenizer", protocol.Detokenize, **fields)
+    async def abort(self, rids: list[str], *, all: bool = False) -> None:
+        self.to_engine.send(protocol.Abort(rids=list(rids), all=all, reason="abort"), block=False)
+
+    async def load_adapter(self, request: protocol.AdapterPublish) -> protocol.AdapterLoaded:
+        return await self._ask("engine", request)
+
+    async def unload_adapter(self, name: str) -> protocol.AdapterUnloaded:
+        return await self._ask("engine", protocol.AdapterUnload(name=name))
+
+    async def list_adapters(self) -> protocol.AdapterList:
+        return await self._ask("engine", protocol.ListAdapters(qid="", reply_to=b""))
+
+    async def tokenize(self, request: protocol.Tokenize) -> list[int]:
+        return protocol.unpack_ids((await self._ask("tokenizer", request)).ids)
+
+    async def detokenize(self, request: protocol.Detokenize) -> str:
+        return (await self._ask("tokenizer", request)).text
 
     def health(self) -> dict[str, Any]:
         limit = self.config.server.max_concurrent_requests
@@ -287,11 +304,7 @@ class ZmqBackend:
             status = "ok"
         return {"status": status, "ready": status in ("ok", "overloaded"), "stages_down": sorted(self.stages_down),
                 "in_flight": len(self.pending), "waiting": self.engine_waiting,
-                "running": int(self.metrics.engine_stats.get("running", 0) or 0)}
-
-    def stats(self) -> dict[str, Any]:
-        return {"in_flight": len(self.pending), "requests_total": self.requests_total,
-                "stages_down": sorted(self.stages_down)}
+                "running": self.metrics.engine_stats.running}
 
 
 def main(config: Config, replica: int = 0) -> int:

@@ -8,7 +8,7 @@ detokenizer, like every other reply; everything else goes on to the engine as a 
 from __future__ import annotations
 
 import logging
-from typing import Any
+from typing import Any, Callable
 
 import zmq
 
@@ -40,20 +40,23 @@ class TokenizerStage:
         if isinstance(message, protocol.TextSubmit):
             self.on_text_submit(message)
         elif isinstance(message, protocol.Tokenize):
-            self._reply(message.qid, message.reply_to, lambda: self.templater.tokenize(message))
+            self._answer(message, lambda: protocol.TokenizeReply(
+                qid=message.qid, reply_to=message.reply_to, ids=protocol.pack_ids(self.templater.tokenize(message))))
         elif isinstance(message, protocol.Detokenize):
-            self._reply(message.qid, message.reply_to, lambda: self.templater.detokenize(message))
-        elif isinstance(message, protocol.Query):
-            self._reply(message.qid, message.reply_to, lambda: self.stats())
+            self._answer(message, lambda: protocol.DetokenizeReply(
+                qid=message.qid, reply_to=message.reply_to, text=self.templater.detokenize(message)))
+        elif isinstance(message, protocol.GetStats):
+            self._answer(message, lambda: protocol.StatsReply(qid=message.qid, reply_to=message.reply_to,
+                                                              stats=self.stats()))
 
-    def _reply(self, qid: str, reply_to: bytes, compute) -> None:
+    def _answer(self, request: Any, compute: Callable[[], protocol.Reply]) -> None:
+        """Send the reply `compute` builds for a control request, or the template error as its RequestError."""
         try:
-            result = compute()
+            reply = compute()
         except TemplateError as exc:
-            self.to_detok.send(protocol.QueryReply(qid=qid, reply_to=reply_to, ok=False, error=str(exc),
-                                                   status=exc.status))
+            self.to_detok.send(exc.to_error(request.qid, request.reply_to))
             return
-        self.to_detok.send(protocol.QueryReply(qid=qid, reply_to=reply_to, result=result))
+        self.to_detok.send(reply)
 
     def on_text_submit(self, message: protocol.TextSubmit) -> None:
         try:
@@ -62,11 +65,8 @@ class TokenizerStage:
             self.rejected += 1
             self.to_detok.send(exc.to_error(message.rid, message.reply_to))
             return
-        self.to_engine.send(protocol.Submit(
-            rid=message.rid, reply_to=message.reply_to, prompt_ids=protocol.pack_ids(ids), params=message.params,
-            n=message.n, detok=message.detok, stream=message.stream, adapter=message.adapter,
-            adapter_version=message.adapter_version, min_version=message.min_version,
-            max_staleness=message.max_staleness, metadata=message.metadata, submitted_at=message.submitted_at))
+        self.to_engine.send(protocol.Submit(rid=message.rid, reply_to=message.reply_to,
+                                            prompt_ids=protocol.pack_ids(ids), spec=message.spec))
 
     def safely(self, message: Any) -> None:
         """Handle one message; one that breaks the templater is logged and answered if it can be."""
@@ -75,14 +75,15 @@ class TokenizerStage:
         except Exception as exc:  # noqa: BLE001 - a bad message must not take the stage down
             self.failed += 1
             log.exception("could not handle a %s", type(message).__name__)
-            rid, reply_to = getattr(message, "rid", ""), getattr(message, "reply_to", b"")
+            rid = getattr(message, "rid", "") or getattr(message, "qid", "")
+            reply_to = getattr(message, "reply_to", b"")
             if rid and reply_to:
                 self.to_detok.send(protocol.RequestError(rid=rid, reply_to=reply_to, status=400,
                                                          message=f"the tokenizer could not handle this request: {exc}"))
 
-    def stats(self) -> dict[str, Any]:
-        return {"handled": self.handled, "rejected": self.rejected, "failed": self.failed,
-                "dropped_frames": self.inbox.dropped}
+    def stats(self) -> protocol.TokenizerStats:
+        return protocol.TokenizerStats(handled=self.handled, rejected=self.rejected, failed=self.failed,
+                                       dropped_frames=self.inbox.dropped)
 
     def run(self) -> int:
         beat_ms = max(1, int(self.config.supervisor.heartbeat_s * 1000))
@@ -93,7 +94,7 @@ class TokenizerStage:
                 for queued in self.inbox.drain(256):
                     self.safely(queued)
             self.rt.poll_control()
-            self.rt.heartbeat(self.stats)
+            self.rt.heartbeat()
         return 0
 
 

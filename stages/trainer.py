@@ -29,15 +29,9 @@ def main(config: Config, replica: int = 0) -> int:
                         cache_dir=config.model.cache_dir, max_model_len=config.model.max_model_len)
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
-    trainer: Trainer | None = None
-
-    def stats() -> dict:
-        if trainer is None:
-            return {}
-        return {"step": trainer.step, "version": trainer.version, **trainer.totals}
 
     def progress() -> None:
-        runtime.heartbeat(stats)
+        runtime.heartbeat()
 
     def watch_control() -> None:
         while not stop.is_set():

@@ -9,6 +9,7 @@ from mlx_lm.models import gemma, gemma2, gemma3_text, llama, phi3, qwen2, qwen3
 
 from parallm.config import EngineConfig
 from parallm.engine import Engine, Request
+from parallm.engine import make_request as req  # noqa: F401 - the tests' short name for it
 from parallm.protocol import SamplingParams
 
 TINY_VOCAB = 101

@@ -29,5 +29,5 @@ def engines():
         engine.check_integrity()
         if not engine.has_work():
             stats = engine.stats()
-            assert stats["kv_blocks_used"] == 0, "idle engine still holds prefix-cache blocks"
-            assert stats["running"] == stats["prefilling"] == stats["waiting"] == 0
+            assert stats.kv_blocks_used == 0, "idle engine still holds prefix-cache blocks"
+            assert stats.running == stats.prefilling == stats.waiting == 0

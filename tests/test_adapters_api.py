@@ -12,20 +12,32 @@ from parallm.adapters import AdapterError, save_bytes
 from parallm.api.app import build_app
 from parallm.api.backend import BackendError
 from parallm.config import ServerConfig
-from parallm.stages.engine import adapter_query
+from parallm.protocol import AdapterPublish, AdapterUnloaded
+from parallm.stages.engine import adapter_list, load_adapter
 from test_api_fakes import MODEL, FakeBackend
 from tests._adapter_helpers import adapter_tensors, lora_model, save_mlx, to_peft
 from tests._engine_helpers import make_engine, tiny_model
 
 
 class EngineBackend(FakeBackend):
+    """The adapter messages answered as the engine stage answers them, by an in-process engine."""
+
     engine = None
 
-    async def query(self, stage, what, args):
+    async def load_adapter(self, request: AdapterPublish):
         try:
-            return adapter_query(self.engine, what, args)
+            return load_adapter(self.engine, request)
         except AdapterError as exc:
             raise BackendError(exc.status, exc.code, exc.message) from None
+
+    async def unload_adapter(self, name: str):
+        try:
+            return AdapterUnloaded(qid="", name=name, versions_removed=self.engine.unload_adapter(name))
+        except AdapterError as exc:
+            raise BackendError(exc.status, exc.code, exc.message) from None
+
+    async def list_adapters(self):
+        return adapter_list(self.engine)
 
 
 @pytest.fixture
@@ -159,7 +171,7 @@ def test_adapter_chosen_by_model_suffix_or_field():
     assert client.post("/v1/completions", json={**body, "model": MODEL, "adapter": "b"}).status_code == 200
     chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "model": f"{MODEL}:c"}
     assert client.post("/v1/chat/completions", json=chat).status_code == 200
-    assert [s.adapter for s in backend.submits] == ["pol", "b", "c"]
+    assert [s.spec.adapter for s in backend.submits] == ["pol", "b", "c"]
     r = client.post("/v1/completions", json={**body, "model": f"{MODEL}:pol", "adapter": "other"})
     assert r.status_code == 400 and r.json()["error"]["param"] == "adapter"
     assert client.post("/v1/completions", json={**body, "model": "elsewhere:pol"}).status_code == 404

@@ -9,16 +9,16 @@ import mlx.nn as nn
 import pytest
 
 from parallm.adapters import AdapterError, save_bytes
-from parallm.engine import Request, RequestRejected
+from parallm.engine import RequestRejected
 from tests._adapter_helpers import adapter_tensors, lora_model, save_mlx, to_peft
-from tests._engine_helpers import greedy, make_engine, reference_greedy, run_all, tiny_model
+from tests._engine_helpers import greedy, make_engine, reference_greedy, run_all, tiny_model, req
 
 PROMPT = [5, 6, 7, 8, 9, 10, 11]
 
 
 def _tokens(engine, prompt=PROMPT, n=12, adapter="", **kw):
-    rid = f"r{id(kw)}{adapter}{engine.stats()['steps']}"
-    out = run_all(engine, [Request(rid=rid, prompt_ids=prompt, params=greedy(n), adapter=adapter, **kw)])
+    rid = f"r{id(kw)}{adapter}{engine.stats().steps}"
+    out = run_all(engine, [req(rid=rid, prompt_ids=prompt, params=greedy(n), adapter=adapter, **kw)])
     return out[(rid, 0)]["tokens"]
 
 
@@ -61,11 +61,11 @@ def test_mixed_batch_rows_match_alone(arch):
     for name in refs:
         assert _tokens(engine, prompts[name], 10, adapter=name) == alone[name], name
     mix = ["", "a", "b", "a", "", "d", "b"]
-    reqs = [Request(rid=f"m{i}", prompt_ids=prompts[n], params=greedy(10), adapter=n) for i, n in enumerate(mix)]
+    reqs = [req(rid=f"m{i}", prompt_ids=prompts[n], params=greedy(10), adapter=n) for i, n in enumerate(mix)]
     out = run_all(engine, reqs)
     for i, name in enumerate(mix):
         assert out[(f"m{i}", 0)]["tokens"] == alone[name], (i, name)
-    passes = engine.stats()["adapter_passes"]
+    passes = engine.stats().adapters.passes
     assert passes["mixed"] > 0 and passes["single"] > 0 and passes["base"] > 0
 
 
@@ -82,11 +82,11 @@ def test_merged_weights_give_the_factored_update(arch, dora):
     merged = merged_engine.load_adapter("pol", config=config, weights=blob)
     factored = factored_engine.load_adapter("pol", config=config, weights=blob)
     assert merged.merged and not factored.merged
-    assert merged.describe()["merged"] and not factored.describe()["merged"]
+    assert merged.describe().merged and not factored.describe().merged
     targets = [m for p, m in merged_engine.model.named_modules() if p in merged.modules]
     copies = sum(m.merged.nbytes for m in merged.modules.values())
     assert merged.nbytes - factored.nbytes == copies == sum(t.linear.weight.nbytes for t in targets)
-    assert merged_engine.stats()["adapter_bytes"] == merged.nbytes
+    assert merged_engine.stats().adapters.bytes == merged.nbytes
 
     x = mx.array([PROMPT])
     outs = []
@@ -99,11 +99,11 @@ def test_merged_weights_give_the_factored_update(arch, dora):
     want = reference_greedy(ref, PROMPT, 12)
     assert _tokens(merged_engine, adapter="pol") == _tokens(factored_engine, adapter="pol") == want
     base = reference_greedy(tiny_model(arch), [3, 4, 5], 12)
-    reqs = [Request(rid="m0", prompt_ids=PROMPT, params=greedy(12), adapter="pol"),
-            Request(rid="m1", prompt_ids=[3, 4, 5], params=greedy(12))]
+    reqs = [req(rid="m0", prompt_ids=PROMPT, params=greedy(12), adapter="pol"),
+            req(rid="m1", prompt_ids=[3, 4, 5], params=greedy(12))]
     out = run_all(merged_engine, reqs)
     assert out[("m0", 0)]["tokens"] == want and out[("m1", 0)]["tokens"] == base
-    assert merged_engine.stats()["adapter_passes"]["mixed"] > 0
+    assert merged_engine.stats().adapters.passes["mixed"] > 0
 
 
 def test_merging_needs_dense_layers_within_the_budget():
@@ -148,7 +148,7 @@ def test_bad_adapters_are_rejected_and_serving_continues():
     before = _tokens(engine, adapter="pol")
     base = _tokens(engine)
     rid = "running"
-    engine.add_request(Request(rid=rid, prompt_ids=PROMPT, params=greedy(12), adapter="pol"))
+    engine.add_request(req(rid=rid, prompt_ids=PROMPT, params=greedy(12), adapter="pol"))
     first = [t for o in engine.step() for t in o.token_ids]
 
     def rejected(match, **kw):
@@ -179,7 +179,7 @@ def test_bad_adapters_are_rejected_and_serving_continues():
     with pytest.raises(AdapterError, match="does not exist"):
         engine.load_adapter("pol", path="/nonexistent/adapter")
     assert engine.policy() == {"": 0, "pol": 1}
-    assert engine.stats()["adapter_rejected"] == 11
+    assert engine.stats().adapters.rejected == 11
     out = run_all(engine)
     assert first + out[(rid, 0)]["tokens"] == before  # the sequence running through all this is unchanged
     assert _tokens(engine, adapter="pol") == before and _tokens(engine) == base
@@ -189,19 +189,19 @@ def test_unknown_adapter_and_versions_are_refused_per_request():
     model = tiny_model("llama")
     engine = make_engine(model)
     with pytest.raises(RequestRejected) as info:
-        engine.add_request(Request(rid="x", prompt_ids=PROMPT, adapter="nope"))
+        engine.add_request(req(rid="x", prompt_ids=PROMPT, adapter="nope"))
     assert (info.value.status, info.value.code) == (404, "adapter_not_found")
     config, w = _random_adapter(model)
     engine.load_adapter("pol", config=config, weights=save_bytes(w))
     with pytest.raises(RequestRejected) as info:
-        engine.add_request(Request(rid="x", prompt_ids=PROMPT, adapter="pol", min_version=2))
+        engine.add_request(req(rid="x", prompt_ids=PROMPT, adapter="pol", min_version=2))
     assert (info.value.status, info.value.code) == (409, "version_unavailable")
     with pytest.raises(RequestRejected) as info:
-        engine.add_request(Request(rid="x", prompt_ids=PROMPT, adapter="pol", adapter_version=5))
+        engine.add_request(req(rid="x", prompt_ids=PROMPT, adapter="pol", adapter_version=5))
     assert info.value.status == 404
     assert engine.unload_adapter("pol") == 1
     with pytest.raises(RequestRejected):
-        engine.add_request(Request(rid="x", prompt_ids=PROMPT, adapter="pol"))
+        engine.add_request(req(rid="x", prompt_ids=PROMPT, adapter="pol"))
     assert not engine.has_work()
 
 
@@ -241,7 +241,7 @@ def test_many_versions_while_streams_run(follow):
 
     publish(1)
     for i in range(16):
-        engine.add_request(Request(rid=f"s{i}", prompt_ids=prompts[i % 4], params=greedy(60), adapter="pol"))
+        engine.add_request(req(rid=f"s{i}", prompt_ids=prompts[i % 4], params=greedy(60), adapter="pol"))
     seq_n = 16
     version = 1
     while engine.has_work() or version < 50:
@@ -249,7 +249,7 @@ def test_many_versions_while_streams_run(follow):
             version += 1
             publish(version)
             if version % 5 == 0:  # new streams keep arriving
-                engine.add_request(Request(rid=f"s{seq_n}", prompt_ids=prompts[seq_n % 4], params=greedy(30),
+                engine.add_request(req(rid=f"s{seq_n}", prompt_ids=prompts[seq_n % 4], params=greedy(30),
                                            adapter="pol"))
                 seq_n += 1
         for o in engine.step():
@@ -272,7 +272,7 @@ def test_many_versions_while_streams_run(follow):
         assert max(len(vs) for vs in pol_passes) > 1  # sequences started under different versions shared passes
         # every sequence's tokens are exactly its version's tokens alone (no pass tore a version)
         want_keys = {(tuple(prompts[int(rid[1:]) % 4]), toks[0][1], len(toks)) for (rid, _), toks in tokens.items()}
-        refs = run_all(engine, [Request(rid=f"ref{j}", prompt_ids=list(p), params=greedy(n), adapter="pol",
+        refs = run_all(engine, [req(rid=f"ref{j}", prompt_ids=list(p), params=greedy(n), adapter="pol",
                                         adapter_version=v) for j, (p, v, n) in enumerate(sorted(want_keys))])
         ref_of = {key: refs[(f"ref{j}", 0)]["tokens"] for j, key in enumerate(sorted(want_keys))}
         for (rid, _), toks in tokens.items():
@@ -287,15 +287,15 @@ def test_history_keeps_last_k_versions_and_running_sequences_keep_theirs():
         config, w = _random_adapter(model, seed=v)
         engine.load_adapter("pol", config=config, weights=save_bytes(w))
         if v == 1:
-            engine.add_request(Request(rid="old", prompt_ids=PROMPT, params=greedy(20), adapter="pol"))
+            engine.add_request(req(rid="old", prompt_ids=PROMPT, params=greedy(20), adapter="pol"))
             first = sum(len(o.token_ids) for o in engine.step())
-    assert [a["version"] for a in engine.adapters.describe()[0]["versions"]] == [2, 3]
+    assert [a.version for a in engine.adapters.describe()[0].versions] == [2, 3]
     with pytest.raises(RequestRejected, match="no version 1"):
-        engine.add_request(Request(rid="x", prompt_ids=PROMPT, adapter="pol", adapter_version=1))
+        engine.add_request(req(rid="x", prompt_ids=PROMPT, adapter="pol", adapter_version=1))
     out = run_all(engine)
     assert first + len(out[("old", 0)]["tokens"]) == 20  # finished under the evicted version 1
     st = engine.stats()
-    assert st["adapter_versions_kept"] == 2 and st["adapter_bytes"] > 0
+    assert st.adapters.versions_kept == 2 and st.adapters.bytes > 0
 
 
 def test_first_token_of_a_new_version_is_read_in_the_step_that_samples_it():
@@ -304,8 +304,8 @@ def test_first_token_of_a_new_version_is_read_in_the_step_that_samples_it():
     model, engine, _ = _versions_engine(overlap=True)  # auto would turn it off on the CPU
     config, w = _random_adapter(model, seed=1)
     engine.load_adapter("pol", config=config, weights=save_bytes(w))
-    engine.add_request(Request(rid="base", prompt_ids=[3, 4, 5], params=greedy(40)))
-    engine.add_request(Request(rid="old", prompt_ids=[3, 4, 5], params=greedy(40), adapter="pol"))
+    engine.add_request(req(rid="base", prompt_ids=[3, 4, 5], params=greedy(40)))
+    engine.add_request(req(rid="old", prompt_ids=[3, 4, 5], params=greedy(40), adapter="pol"))
     for _ in range(4):
         engine.step()
     assert engine.owes_outputs()  # steady decode: one pass in flight between steps
@@ -317,6 +317,6 @@ def test_first_token_of_a_new_version_is_read_in_the_step_that_samples_it():
     assert not engine.owes_outputs()  # that pass was read, not left in flight
     engine.step()
     assert engine.owes_outputs()  # and overlap resumes
-    assert engine.stats()["adapter_load_to_first_token_ms"] is not None
+    assert engine.stats().adapters.load_to_first_token_ms is not None
     run_all(engine)
     engine.check_integrity()

@@ -16,10 +16,10 @@ from mlx_lm.tuner.trainer import TrainingArgs, train
 from mlx_lm.tuner.utils import linear_to_lora_layers
 
 from parallm.config import ModelConfig
-from parallm.engine import Request
+
 from parallm.models import load_model, materialize, resolve_model
 from tests._adapter_helpers import to_peft
-from tests._engine_helpers import greedy, make_engine, reference_greedy, run_all
+from tests._engine_helpers import greedy, make_engine, reference_greedy, run_all, req
 
 TEXTS = ["The capital of France is Paris. The capital of Spain is Madrid.",
          "Two plus two is four. Three plus three is six.",
@@ -64,8 +64,8 @@ def test_mlx_lm_trained_adapter_matches_mlx_lm_generate(trained):
     engine = _engine()
     a = engine.load_adapter("trained", path=str(out))
     assert (a.format, a.rank, len(a.modules)) == ("mlx", 8, 8)
-    reqs = [Request(rid=f"t{i}", prompt_ids=p, params=greedy(16), adapter="trained") for i, p in enumerate(PROMPTS)]
-    reqs.append(Request(rid="base", prompt_ids=PROMPTS[0], params=greedy(16)))
+    reqs = [req(rid=f"t{i}", prompt_ids=p, params=greedy(16), adapter="trained") for i, p in enumerate(PROMPTS)]
+    reqs.append(req(rid="base", prompt_ids=PROMPTS[0], params=greedy(16)))
     res = run_all(engine, reqs)
     assert [res[(f"t{i}", 0)]["tokens"] for i in range(len(PROMPTS))] == want
     assert res[("base", 0)]["tokens"] == base[0]
@@ -78,6 +78,6 @@ def test_same_adapter_as_peft_matches(trained):
     peft_config, blob = to_peft(tensors, config)
     engine = _engine()
     engine.load_adapter("peft", config=peft_config, weights=blob)
-    res = run_all(engine, [Request(rid=f"p{i}", prompt_ids=p, params=greedy(16), adapter="peft")
+    res = run_all(engine, [req(rid=f"p{i}", prompt_ids=p, params=greedy(16), adapter="peft")
                            for i, p in enumerate(PROMPTS)])
     assert [res[(f"p{i}", 0)]["tokens"] for i in range(len(PROMPTS))] == want

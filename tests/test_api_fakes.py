@@ -7,7 +7,8 @@ from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Callable
 
 from parallm.api.backend import BackendError
-from parallm.protocol import Output, TextSubmit, Usage, pack_floats, pack_ids
+from parallm.protocol import (AdapterList, AdapterLoaded, AdapterPublish, AdapterUnloaded, Detokenize, EngineStats, Output,
+                              PauseState, TextSubmit, Tokenize, Usage, pack_floats, pack_ids, unpack_ids)
 
 MODEL = "test-model"
 
@@ -18,23 +19,24 @@ def words_script(words: list[str], prompt_tokens: int = 5, finish: str = "length
 
     def script(submit: TextSubmit) -> list[Output]:
         outs = []
-        for j in range(submit.n):
-            suffix = str(j) if submit.n > 1 else ""
+        spec = submit.spec
+        for j in range(spec.n):
+            suffix = str(j) if spec.n > 1 else ""
             for k, word in enumerate(words):
                 last = k == len(words) - 1
                 out = Output(rid=submit.rid, index=j, token_ids=pack_ids([base_id + k]), text=word + suffix)
-                if submit.params.logprobs:
+                if spec.params.logprobs:
                     out.logprobs = pack_floats([-0.5 - k])
                     out.tokens = [word + suffix]
-                    top = submit.params.top_logprobs
+                    top = spec.params.top_logprobs
                     if top:
                         out.top_ids = pack_ids([base_id + k + t for t in range(top)])
                         out.top_logprobs = pack_floats([-0.5 - k - t for t in range(top)])
                         out.top_tokens = [(word + suffix) if t == 0 else f"alt{t}" for t in range(top)]
-                if k == 0 and submit.detok is not None and submit.detok.echo:
+                if k == 0 and spec.detok is not None and spec.detok.echo:
                     out.prompt_text = submit.prompt if submit.prompt is not None else "<ids>"
                     out.prompt_ids = pack_ids(list(range(1, prompt_tokens + 1)))
-                    if submit.params.prompt_logprobs is not None:
+                    if spec.params.prompt_logprobs is not None:
                         out.prompt_logprobs = pack_floats([float("nan")] + [-1.0] * (prompt_tokens - 1))
                         out.prompt_tokens = [f"p{i}" for i in range(prompt_tokens)]
                 if last:
@@ -48,8 +50,6 @@ def words_script(words: list[str], prompt_tokens: int = 5, finish: str = "length
 
 
 def unpack_first(out: Output) -> int:
-    from parallm.protocol import unpack_ids
-
     return unpack_ids(out.token_ids)[0]
 
 
@@ -100,6 +100,11 @@ class FakeBackend:
     iterators: list[ScriptedIterator] = field(default_factory=list)
     closed: list[ScriptedIterator] = field(default_factory=list)
     tokenize_calls: list[dict[str, Any]] = field(default_factory=list)
+    controls: list[tuple[str, Any]] = field(default_factory=list)
+    policy: dict[str, int] = field(default_factory=dict)
+    default_max_tokens: int = 256
+    max_n: int = 128
+    last_batch_size: int = 0
     hanging: asyncio.Event = field(default_factory=asyncio.Event)
 
     def generate(self, submit: TextSubmit) -> AsyncIterator[Output]:
@@ -109,18 +114,41 @@ class FakeBackend:
         self.iterators.append(it)
         return it
 
-    async def query(self, stage: str, what: str, args: dict[str, Any]) -> Any:
-        return {}
-
-    async def tokenize(self, **fields: Any) -> list[int]:
+    async def tokenize(self, request: Tokenize) -> list[int]:
+        fields = {name: getattr(request, name) for name in ("prompt", "messages", "add_generation_prompt",
+                                                             "add_special_tokens", "chat_template_kwargs")}
         self.tokenize_calls.append(fields)
         text = fields.get("prompt") or "".join(m["content"] for m in fields["messages"])
         return [ord(c) for c in text]
 
-    async def detokenize(self, *, ids: bytes, skip_special_tokens: bool = False) -> str:
-        from parallm.protocol import unpack_ids
+    async def detokenize(self, request: Detokenize) -> str:
+        return "".join(chr(i) for i in unpack_ids(request.ids))
 
-        return "".join(chr(i) for i in unpack_ids(ids))
+    async def engine_stats(self) -> EngineStats:
+        return EngineStats()
+
+    async def pause(self, mode: str) -> PauseState:
+        self.controls.append(("pause", mode))
+        return PauseState(qid="", paused=True, mode=mode)  # type: ignore[arg-type]
+
+    async def resume(self) -> PauseState:
+        self.controls.append(("resume", None))
+        return PauseState(qid="", paused=False)
+
+    async def abort(self, rids: list[str], *, all: bool = False) -> None:
+        self.controls.append(("abort", (list(rids), all)))
+
+    async def load_adapter(self, request: AdapterPublish) -> AdapterLoaded:
+        raise BackendError(501, "not_implemented", "no adapters in the fake backend")
+
+    async def unload_adapter(self, name: str) -> AdapterUnloaded:
+        raise BackendError(404, "adapter_not_found", f"adapter {name!r} is not loaded")
+
+    async def list_adapters(self) -> AdapterList:
+        return AdapterList(qid="", policy=dict(self.policy))
+
+    def training_status(self) -> dict[str, Any]:
+        return {"object": "training.status", "active": False, "trainers": []}
 
     def health(self) -> dict[str, Any]:
         return {"status": self.status, "in_flight": 0}

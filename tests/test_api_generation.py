@@ -44,10 +44,10 @@ def test_completion_body_shape_and_exact_usage():
     assert body["usage"]["prompt_tokens"] == 5 and body["usage"]["completion_tokens"] == 2
     assert body["usage"]["total_tokens"] == 7
     (submit,) = backend.submits
-    p = submit.params
+    p = submit.spec.params
     assert (submit.prompt, p.max_tokens, p.temperature, p.top_p, p.seed) == ("Say", 7, 0.0, 0.5, 3)
     assert (p.presence_penalty, p.frequency_penalty, p.logit_bias) == (0.5, -0.5, {5: -100.0})
-    assert submit.detok.stop == ["x"] and submit.n == 1
+    assert submit.spec.detok.stop == ["x"] and submit.spec.n == 1
 
 
 def test_vllm_extensions_reach_the_sampling_params():
@@ -56,10 +56,10 @@ def test_vllm_extensions_reach_the_sampling_params():
                                              "min_tokens": 2, "ignore_eos": True, "stop_token_ids": [7],
                                              "stop": ["a", "b"], "return_token_ids": True})
     assert r.status_code == 200, r.text
-    p = backend.submits[0].params
+    p = backend.submits[0].spec.params
     assert (p.top_k, p.min_p, p.repetition_penalty, p.min_tokens, p.ignore_eos, p.stop_token_ids) == \
         (5, pytest.approx(0.1), pytest.approx(1.2), 2, True, [7])
-    assert backend.submits[0].detok.stop == ["a", "b"]
+    assert backend.submits[0].spec.detok.stop == ["a", "b"]
     choice = r.json()["choices"][0]
     assert choice["token_ids"] == [100, 101] and choice["prompt_token_ids"] == [1, 2, 3, 4, 5]
 
@@ -76,7 +76,7 @@ def test_chat_body_shape_and_max_completion_tokens():
     assert choice["finish_reason"] == "length" and choice["logprobs"] is None
     assert body["usage"]["total_tokens"] == 7
     submit = backend.submits[0]
-    assert submit.params.max_tokens == 9
+    assert submit.spec.params.max_tokens == 9
     assert submit.messages == [{"role": "user", "content": "hi"}] and submit.add_special_tokens is False
 
 
@@ -114,7 +114,7 @@ def test_completion_logprobs_shape():
     assert lp["token_logprobs"] == [-0.5, -1.5]
     assert lp["top_logprobs"] == [{"Hello": -0.5, "alt1": -1.5}, {" world": -1.5, "alt1": -2.5}]
     assert lp["text_offset"] == [0, 5]
-    assert backend.submits[0].params.top_logprobs == 2 and backend.submits[0].params.logprobs
+    assert backend.submits[0].spec.params.top_logprobs == 2 and backend.submits[0].spec.params.logprobs
 
 
 def test_completion_echo_with_logprobs_puts_the_prompt_first():
@@ -133,7 +133,7 @@ def test_echo_with_max_tokens_zero_returns_only_the_prompt():
     body = client.post("/v1/completions", json={"prompt": "Hi", "echo": True, "max_tokens": 0}).json()
     assert body["choices"][0]["text"] == "Hi" and body["choices"][0]["finish_reason"] == "length"
     assert body["usage"]["completion_tokens"] == 0
-    assert backend.submits[0].params.max_tokens == 1
+    assert backend.submits[0].spec.params.max_tokens == 1
 
 
 def test_chat_logprobs_shape():
@@ -143,7 +143,7 @@ def test_chat_logprobs_shape():
     assert [c["token"] for c in content] == ["Hello", " world"]
     assert content[0]["logprob"] == -0.5 and content[0]["bytes"] == list(b"Hello")
     assert [t["token"] for t in content[0]["top_logprobs"]] == ["Hello", "alt1"]
-    assert backend.submits[0].params.top_logprobs == 2
+    assert backend.submits[0].spec.params.top_logprobs == 2
 
 
 def test_streamed_completion_chunks_and_usage():
@@ -212,7 +212,7 @@ def test_streamed_text_held_back_is_not_sent_as_empty_chunks():
 def test_default_max_tokens_is_capped_by_the_context():
     client, backend = make(FakeBackend(max_model_len=100))
     client.post("/v1/completions", json={"prompt": "x"})
-    assert backend.submits[0].params.max_tokens == 99
+    assert backend.submits[0].spec.params.max_tokens == 99
 
 
 def test_finish_reason_stop_from_the_script():

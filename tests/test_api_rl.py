@@ -15,7 +15,7 @@ from starlette.testclient import TestClient
 from parallm.api.app import build_app
 from parallm.api.backend import BackendError
 from parallm.config import ServerConfig
-from parallm.protocol import Abort, Output, Pause, Resume, TextSubmit, Usage, pack_floats, pack_ids
+from parallm.protocol import AdapterList, Output, TextSubmit, Usage, pack_floats, pack_ids
 from test_api_fakes import FakeBackend
 
 PROMPT_IDS = [1, 504, 3458, 282, 2]
@@ -27,18 +27,18 @@ def rl_script(tokens: int = 3, finish: str = "length"):
 
     def script(submit: TextSubmit) -> list[Output]:
         outs = []
-        for j in range(submit.n):
+        for j in range(submit.spec.n):
             for k in range(tokens):
                 tid, lp = 100 * (j + 1) + k, -(k + 1) / 10 - j
                 out = Output(rid=submit.rid, index=j, token_ids=pack_ids([tid]), text=f" w{j}{k}",
-                             version=3 if k == 0 else 4, adapter=submit.adapter)
-                if submit.params.logprobs:
+                             version=3 if k == 0 else 4, adapter=submit.spec.adapter)
+                if submit.spec.params.logprobs:
                     out.logprobs = pack_floats([lp])
-                    top = submit.params.top_logprobs
+                    top = submit.spec.params.top_logprobs
                     if top:
                         out.top_ids = pack_ids([tid + t for t in range(top)])
                         out.top_logprobs = pack_floats([lp - t for t in range(top)])
-                if k == 0 and submit.detok is not None and submit.detok.echo:
+                if k == 0 and submit.spec.detok is not None and submit.spec.detok.echo:
                     out.prompt_text = submit.prompt if submit.prompt is not None else "<ids>"
                     out.prompt_ids = submit.prompt_ids or pack_ids([7, 8, 9])
                 if k == tokens - 1:
@@ -52,24 +52,15 @@ def rl_script(tokens: int = 3, finish: str = "length"):
 
 @dataclass
 class RLFake(FakeBackend):
-    """FakeBackend plus the trainer controls and the engine's policy query."""
+    """FakeBackend with a policy (or the error asking for it raises) and a batch size."""
 
-    policy: Any = field(default_factory=lambda: {"": 0, "lora-a": 3})
-    controls: list[Any] = field(default_factory=list)
+    policy: Any = field(default_factory=lambda: {"lora-a": 3})
     last_batch_size: int = 6
 
-    async def query(self, stage: str, what: str, args: dict[str, Any]) -> Any:
+    async def list_adapters(self) -> AdapterList:
         if isinstance(self.policy, BaseException):
             raise self.policy
-        return self.policy
-
-    async def control(self, message: Any) -> Any:
-        self.controls.append(message)
-        if isinstance(message, Pause):
-            return {"paused": True, "mode": message.mode}
-        if isinstance(message, Resume):
-            return {"paused": False}
-        return None
+        return AdapterList(qid="", policy=self.policy)
 
 
 def make(backend: FakeBackend | None = None, **server) -> tuple[TestClient, Any]:
@@ -97,8 +88,8 @@ def test_atropos_vllm_body_returns_token_logprob_dicts_and_finish_reasons():
     assert r.status_code == 200, r.text
     results = r.json()
     [submit] = backend.submits
-    assert submit.prompt_ids == pack_ids(PROMPT_IDS) and submit.n == 2 and submit.params.max_tokens == 3
-    assert submit.params.logprobs and submit.params.top_logprobs == 0 and submit.detok.stop == ["User:", "Human:"]
+    assert submit.prompt_ids == pack_ids(PROMPT_IDS) and submit.spec.n == 2 and submit.spec.params.max_tokens == 3
+    assert submit.spec.params.logprobs and submit.spec.params.top_logprobs == 0 and submit.spec.detok.stop == ["User:", "Human:"]
     # Atropos: ids and logprobs from [{id: logprob}] per token, one list per sample
     ids = [[int(list(item[0].keys())[0]) for item in sample] for sample in results["logprobs"]]
     lps = [[list(item[0].values())[0] for item in sample] for sample in results["logprobs"]]
@@ -116,11 +107,11 @@ def test_vllm_text_prompt_without_logprobs_and_top_k_alternatives():
     body = r.json()
     assert r.status_code == 200 and "logprobs" not in body
     assert body["text"] == ["The capital of France is w00 w01 w02"] and body["prompt_token_ids"] == [7, 8, 9]
-    assert backend.submits[0].prompt == "The capital of France is" and not backend.submits[0].params.logprobs
+    assert backend.submits[0].prompt == "The capital of France is" and not backend.submits[0].spec.params.logprobs
     r = client.post("/generate/", json={"prompt": {"prompt_token_ids": PROMPT_IDS}, "logprobs": 2, "max_tokens": 3})
     [sample] = r.json()["logprobs"]
     assert [list(item[0]) for item in sample] == [["100", "101"], ["101", "102"], ["102", "103"]]
-    assert backend.submits[1].params.top_logprobs == 2
+    assert backend.submits[1].spec.params.top_logprobs == 2
 
 
 def test_vllm_batched_token_prompts_and_vllm_defaults():
@@ -131,7 +122,7 @@ def test_vllm_batched_token_prompts_and_vllm_defaults():
     assert r.status_code == 200, r.text
     assert body["prompt_token_ids"] == [[1, 2], [3, 4, 5]] and len(body["token_ids"]) == 4
     assert [s.rid for s in backend.submits] == [backend.submits[0].rid[:-2] + "-0", backend.submits[0].rid[:-2] + "-1"]
-    assert backend.submits[0].params.max_tokens == 16 and backend.submits[0].params.top_k == 0
+    assert backend.submits[0].spec.params.max_tokens == 16 and backend.submits[0].spec.params.top_k == 0
 
 
 # --------------------------------------------------------------------------- TRL
@@ -148,7 +139,7 @@ def test_trl_vllm_client_body():
     assert out["prompt_ids"] == [[7, 8, 9], [7, 8, 9]]
     assert out["completion_ids"] == [[100, 101, 102], [200, 201, 202]] * 2  # prompt-major, n per prompt
     assert out["logprobs"][1] == pytest.approx([-1.1, -1.2, -1.3]) and len(out["logprobs"]) == 4
-    p = backend.submits[0].params
+    p = backend.submits[0].spec.params
     assert (p.repetition_penalty, p.temperature, p.top_p, p.top_k, p.min_p, p.seed) == \
         (pytest.approx(1.1), pytest.approx(0.9), pytest.approx(0.95), 0, pytest.approx(0.05), 11)
     assert [s.prompt for s in backend.submits] == ["Hello, AI!", "Tell me a joke"]
@@ -178,8 +169,8 @@ def test_mlx_rl_server_example_body_is_echoed_with_metadata():
     meta = out["metadata"]
     assert meta["batch_size"] == 6 and meta["current_policy_version"] == 4 and meta["latency_ms"] >= 0
     submit = backend.submits[0]
-    assert submit.metadata["policy_version"] == 42 and submit.metadata["step_id"] == 1000
-    assert submit.metadata["client_request_id"] == "unique-request-id"
+    assert submit.spec.metadata["policy_version"] == 42 and submit.spec.metadata["step_id"] == 1000
+    assert submit.spec.metadata["client_request_id"] == "unique-request-id"
 
 
 def test_mlx_rl_token_prompt_without_logprobs():
@@ -199,7 +190,7 @@ def test_policy_requirements_pass_through_on_every_route():
                                     "adapter": "lora-a"})
         assert r.status_code == 200, (path, r.text)
         s = backend.submits[-1]
-        assert (s.min_version, s.max_staleness, s.adapter) == (3, 1, "lora-a"), path
+        assert (s.spec.min_version, s.spec.max_staleness, s.spec.adapter) == (3, 1, "lora-a"), path
 
 
 # --------------------------------------------------------------------------- errors
@@ -254,16 +245,13 @@ def test_policy_versions():
     client, _ = make()
     r = client.get("/v1/policy")
     assert r.status_code == 200 and r.json() == {"object": "policy", "versions": {"": 0, "lora-a": 3},
-                                                  "current_policy_version": 0}
+                                                  "current_policy_version": 0, "default_adapter": ""}
 
 
-@pytest.mark.parametrize("exc,status", [(BackendError(404, "invalid_request_error", "unknown query 'policy'"), 501),
-                                        (BackendError(503, "timeout", "the engine did not answer", retryable=True),
-                                         503)])
-def test_policy_unavailable_is_a_clear_error(exc, status):
+def test_policy_unavailable_is_a_clear_error():
     client, backend = make()
-    backend.policy = exc
-    error = error_of(client.get("/v1/policy"), status)
+    backend.policy = BackendError(503, "timeout", "the engine did not answer", retryable=True)
+    error = error_of(client.get("/v1/policy"), 503)
     assert error["type"] == "server_error"
 
 
@@ -271,21 +259,17 @@ def test_pause_resume_abort_forward_protocol_messages():
     client, backend = make()
     assert client.post("/v1/pause").json() == {"paused": True, "mode": "keep"}
     assert client.post("/v1/pause", json={"mode": "abort"}).json()["mode"] == "abort"
-    assert client.post("/v1/resume").json() == {"paused": False}
+    assert client.post("/v1/resume").json() == {"paused": False, "moved_to_latest": 0}
     assert client.post("/v1/abort", json={"request_ids": ["cmpl-1"]}).json() == {"aborted": ["cmpl-1"], "all": False}
     assert client.post("/v1/abort", json={"all": True}).status_code == 200
-    kinds = [(type(m).__name__, getattr(m, "mode", None)) for m in backend.controls]
-    assert kinds == [("Pause", "keep"), ("Pause", "abort"), ("Resume", None), ("Abort", None), ("Abort", None)]
-    assert backend.controls[3].rids == ["cmpl-1"] and backend.controls[4].all
+    assert backend.controls == [("pause", "keep"), ("pause", "abort"), ("resume", None), ("abort", (["cmpl-1"], False)),
+                                ("abort", ([], True))]
 
 
 def test_control_errors():
     client, _ = make()
     error_of(client.post("/v1/pause", json={"mode": "later"}), 400, "mode")
     error_of(client.post("/v1/abort", json={}), 400, "request_ids")
-    plain, _ = make(FakeBackend())
-    error_of(plain.post("/v1/pause"), 501)
-    error_of(plain.post("/v1/abort", json={"all": True}), 501)
 
 
 class AbortableFake(RLFake):
@@ -297,7 +281,7 @@ class AbortableFake(RLFake):
 
     async def _run(self, submit: TextSubmit):
         for k in range(1000):
-            aborted = any(isinstance(m, Abort) and (m.all or submit.rid in m.rids) for m in self.controls)
+            aborted = any(kind == "abort" and (args[1] or submit.rid in args[0]) for kind, args in self.controls)
             out = Output(rid=submit.rid, token_ids=pack_ids([100 + k]), logprobs=pack_floats([-0.5]), text="w")
             if k == 0:
                 out.prompt_ids = submit.prompt_ids or pack_ids([7])
@@ -332,4 +316,4 @@ def test_abort_over_http_returns_partial_tokens(how):
     assert out["finish_reason"] == "abort" and 0 < len(out["completion_ids"]) < 2000
     assert len(out["logprobs"]) == len(out["completion_ids"])
     if how != "all":
-        assert backend.controls[0].rids == [backend.submits[0].rid]
+        assert backend.controls[0] == ("abort", ([backend.submits[0].rid], False))

@@ -44,7 +44,7 @@ def test_drops_to_one_thread_when_another_process_keeps_a_core_busy_and_comes_ba
     samples.advance(others=0.05)
     g.tick()
     assert calls == [1, 2] and g.threads == 2
-    assert g.stats()["blas_thread_changes"] == 2
+    assert g.stats().thread_changes == 2
 
 
 def test_light_load_from_the_other_stages_keeps_every_core() -> None:

@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 from mlx_lm.models import llama
 
-from _engine_helpers import COMMON, TINY_VOCAB, greedy, make_engine, reference_greedy, run_all, tiny_model
-from parallm.engine import Request, RequestRejected
+from _engine_helpers import COMMON, TINY_VOCAB, greedy, make_engine, reference_greedy, run_all, tiny_model, req
+from parallm.engine import RequestRejected
 from parallm.protocol import SamplingParams
 
 
@@ -32,31 +32,31 @@ def prompt(n, seed=0):
 def test_rejects_bad_requests(engines, model):
     e = new(engines, model, max_model_len=64)
     bad = [
-        (Request("a", [], greedy(4)), "prompt"),
-        (Request("a", [1, TINY_VOCAB], greedy(4)), "prompt"),
-        (Request("a", [1, -1], greedy(4)), "prompt"),
-        (Request("a", [1] * 60, greedy(10)), "max_tokens"),
-        (Request("a", [1], SamplingParams(temperature=-1)), "temperature"),
-        (Request("a", [1], SamplingParams(top_p=0)), "top_p"),
-        (Request("a", [1], SamplingParams(max_tokens=0)), "max_tokens"),
-        (Request("a", [1], SamplingParams(min_tokens=5, max_tokens=4)), "min_tokens"),
-        (Request("a", [1], SamplingParams(logit_bias={TINY_VOCAB: 1.0})), "logit_bias"),
-        (Request("a", [1], SamplingParams(stop_token_ids=[TINY_VOCAB])), "stop_token_ids"),
-        (Request("a", [1], SamplingParams(top_logprobs=21)), "top_logprobs"),
-        (Request("a", [1], SamplingParams(temperature=float("nan"))), "temperature"),
-        (Request("a", [1], greedy(4), n=0), "n"),
+        (req("a", [], greedy(4)), "prompt"),
+        (req("a", [1, TINY_VOCAB], greedy(4)), "prompt"),
+        (req("a", [1, -1], greedy(4)), "prompt"),
+        (req("a", [1] * 60, greedy(10)), "max_tokens"),
+        (req("a", [1], SamplingParams(temperature=-1)), "temperature"),
+        (req("a", [1], SamplingParams(top_p=0)), "top_p"),
+        (req("a", [1], SamplingParams(max_tokens=0)), "max_tokens"),
+        (req("a", [1], SamplingParams(min_tokens=5, max_tokens=4)), "min_tokens"),
+        (req("a", [1], SamplingParams(logit_bias={TINY_VOCAB: 1.0})), "logit_bias"),
+        (req("a", [1], SamplingParams(stop_token_ids=[TINY_VOCAB])), "stop_token_ids"),
+        (req("a", [1], SamplingParams(top_logprobs=21)), "top_logprobs"),
+        (req("a", [1], SamplingParams(temperature=float("nan"))), "temperature"),
+        (req("a", [1], greedy(4), n=0), "n"),
     ]
-    for req, param in bad:
+    for request, param in bad:
         with pytest.raises(RequestRejected) as info:
-            e.add_request(req)
-        assert info.value.param == param, req
-    e.add_request(Request("dup", [1, 2], greedy(2)))
+            e.add_request(request)
+        assert info.value.param == param, request
+    e.add_request(req("dup", [1, 2], greedy(2)))
     with pytest.raises(RequestRejected, match="already in use"):
-        e.add_request(Request("dup", [1, 2], greedy(2)))
+        e.add_request(req("dup", [1, 2], greedy(2)))
     run_all(e)
     small = new(engines, model, kv_budget_bytes=4096 * 16, max_model_len=10_000)
     with pytest.raises(RequestRejected, match="KV memory"):
-        small.add_request(Request("big", [1] * 500, greedy(500)))
+        small.add_request(req("big", [1] * 500, greedy(500)))
 
 
 def test_stop_tokens_eos_min_tokens_and_ignore_eos(engines, model):
@@ -67,11 +67,11 @@ def test_stop_tokens_eos_min_tokens_and_ignore_eos(engines, model):
     assert tok not in ref[:stop_at], "pick a prompt whose stop token does not occur earlier"
     e = new(engines, model, eos=[tok])
     res = run_all(e, [
-        Request("eos", p, SamplingParams(temperature=0, max_tokens=12)),
-        Request("ignore", p, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)),
-        Request("stopid", p, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, stop_token_ids=[tok])),
-        Request("len", p, SamplingParams(temperature=0, max_tokens=3)),
-        Request("min", p, SamplingParams(temperature=0, max_tokens=12, min_tokens=stop_at + 2)),
+        req("eos", p, SamplingParams(temperature=0, max_tokens=12)),
+        req("ignore", p, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)),
+        req("stopid", p, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, stop_token_ids=[tok])),
+        req("len", p, SamplingParams(temperature=0, max_tokens=3)),
+        req("min", p, SamplingParams(temperature=0, max_tokens=12, min_tokens=stop_at + 2)),
     ])
     assert res[("eos", 0)]["tokens"] == ref[:stop_at + 1] and res[("eos", 0)]["finish"] == "stop"
     assert res[("ignore", 0)]["tokens"] == ref and res[("ignore", 0)]["finish"] == "length"
@@ -89,9 +89,9 @@ def test_logprobs_are_the_sampled_distribution_on_a_tiny_vocab(engines):
     mx.eval(small.parameters())
     e = new(engines, small)
     reqs = [
-        Request("full", [1, 2, 3], SamplingParams(temperature=0.7, top_logprobs=16, logprobs=True, max_tokens=6, seed=1)),
-        Request("topk", [1, 2, 3], SamplingParams(temperature=1.3, top_k=5, top_logprobs=16, max_tokens=6, seed=2)),
-        Request("greedy", [4, 5], SamplingParams(temperature=0, top_logprobs=16, max_tokens=6)),
+        req("full", [1, 2, 3], SamplingParams(temperature=0.7, top_logprobs=16, logprobs=True, max_tokens=6, seed=1)),
+        req("topk", [1, 2, 3], SamplingParams(temperature=1.3, top_k=5, top_logprobs=16, max_tokens=6, seed=2)),
+        req("greedy", [4, 5], SamplingParams(temperature=0, top_logprobs=16, max_tokens=6)),
     ]
     res = run_all(e, reqs)
     for rid, support in (("full", 16), ("topk", 5), ("greedy", 16)):
@@ -109,14 +109,14 @@ def test_logprobs_are_the_sampled_distribution_on_a_tiny_vocab(engines):
 def test_abort_frees_row_and_blocks_at_once(engines, model):
     e = new(engines, model)
     for i in range(3):
-        e.add_request(Request(f"r{i}", prompt(40, i), greedy(50)))
+        e.add_request(req(f"r{i}", prompt(40, i), greedy(50)))
     for _ in range(4):
         e.step()
     s = e.stats()
-    assert s["running"] == 3 and s["kv_blocks_used"] > 0
+    assert s.running == 3 and s.kv_blocks_used > 0
     assert e.abort("r1")
     s = e.stats()
-    assert s["running"] == 2
+    assert s.running == 2
     e.check_integrity()
     assert not e.abort("r1") and not e.abort("nope")
     outs = e.step()
@@ -126,7 +126,7 @@ def test_abort_frees_row_and_blocks_at_once(engines, model):
     assert all(res[(f"r{i}", 0)]["finish"] == "length" for i in (0, 2))
     assert ("r1", 0) not in res
     # a waiting request aborts too
-    e.add_request(Request("w", prompt(5), greedy(5)))
+    e.add_request(req("w", prompt(5), greedy(5)))
     assert e.abort("w")
     assert [o.finish_reason for o in e.step()] == ["abort"]
 
@@ -135,20 +135,20 @@ def test_n_greater_than_one_prefills_once_and_forks(engines, model):
     p = prompt(30, 5)
     e = new(engines, model)
     params = SamplingParams(temperature=1.0, max_tokens=10, seed=77, ignore_eos=True)
-    res = run_all(e, [Request("n3", p, params, n=3)])
-    assert e.stats()["prompt_tokens_computed"] == len(p)  # one prefill for three sequences
+    res = run_all(e, [req("n3", p, params, n=3)])
+    assert e.stats().prompt_tokens_computed == len(p)  # one prefill for three sequences
     outs = [res[("n3", i)]["tokens"] for i in range(3)]
     assert len({tuple(o) for o in outs}) == 3
     # each fork samples its own seed stream: seed + index, like a separate request with that seed
     for i in range(3):
         single = new(engines, model, prefix_cache=False)
-        r = run_all(single, [Request("one", p, SamplingParams(temperature=1.0, max_tokens=10, seed=77 + i,
+        r = run_all(single, [req("one", p, SamplingParams(temperature=1.0, max_tokens=10, seed=77 + i,
                                                                 ignore_eos=True))])
         assert r[("one", 0)]["tokens"] == outs[i]
 
 
 def test_overlap_and_compile_do_not_change_outputs(engines, model):
-    reqs = lambda: [Request(f"r{i}", prompt(5 + 9 * i, i), SamplingParams(  # noqa: E731
+    reqs = lambda: [req(f"r{i}", prompt(5 + 9 * i, i), SamplingParams(  # noqa: E731
         temperature=0 if i % 2 else 0.9, top_p=0.9, max_tokens=15, seed=i, ignore_eos=True)) for i in range(5)]
     def tokens(results):  # how the tokens are split over step outputs depends on the passes
         return {k: {f: v for f, v in r.items() if f != "outputs"} for k, r in results.items()}
@@ -167,7 +167,7 @@ def direct_logprobs(model, ids):
 def test_prompt_logprobs_logprobs_and_score_match_a_direct_forward(engines, model):
     p = prompt(25, 9)
     e = new(engines, model, max_prefill_tokens=8)
-    res = run_all(e, [Request("x", p, SamplingParams(temperature=1.0, logprobs=True, top_logprobs=3,
+    res = run_all(e, [req("x", p, SamplingParams(temperature=1.0, logprobs=True, top_logprobs=3,
                                                      prompt_logprobs=2, max_tokens=10, seed=4, ignore_eos=True))])
     d = res[("x", 0)]
     ids = p + d["tokens"]
@@ -192,9 +192,9 @@ def test_first_tokens_come_from_the_prefill_pass_before_its_decode(engines, mode
     before the step's decode pass (which then samples the second); a request whose first token
     ends it never reaches a decode pass and leaves nothing behind."""
     e = new(engines, model)
-    e.add_request(Request("a", prompt(12, 1), greedy(5, logprobs=True, top_logprobs=2)))
-    e.add_request(Request("n2", prompt(9, 2), SamplingParams(temperature=1.0, seed=5, max_tokens=4), n=2))
-    e.add_request(Request("one", prompt(7, 3), greedy(1)))
+    e.add_request(req("a", prompt(12, 1), greedy(5, logprobs=True, top_logprobs=2)))
+    e.add_request(req("n2", prompt(9, 2), SamplingParams(temperature=1.0, seed=5, max_tokens=4), n=2))
+    e.add_request(req("one", prompt(7, 3), greedy(1)))
     emitted = []
     returned = e.step(emit=emitted.append)
     assert len(emitted) == 1
@@ -205,16 +205,16 @@ def test_first_tokens_come_from_the_prefill_pass_before_its_decode(engines, mode
     assert len(first[("a", 0)].logprobs) == 1 and len(first[("a", 0)].top_logprobs[0]) == 2
     second = {(o.rid, o.index): o for o in returned}
     assert set(second) == {("a", 0), ("n2", 0), ("n2", 1)}  # the decode pass of the same step
-    assert e.stats()["decode_batch_hist"] == {3: 1}
+    assert e.stats().decode_batch_hist == {3: 1}
     e.check_integrity()
     rest = run_all(e)
     tokens = {k: first[k].token_ids + second[k].token_ids + rest[k]["tokens"] for k in second}
     ref = new(engines, model)
-    ref.add_request(Request("a", prompt(12, 1), greedy(5, logprobs=True, top_logprobs=2)))
-    ref.add_request(Request("n2", prompt(9, 2), SamplingParams(temperature=1.0, seed=5, max_tokens=4), n=2))
+    ref.add_request(req("a", prompt(12, 1), greedy(5, logprobs=True, top_logprobs=2)))
+    ref.add_request(req("n2", prompt(9, 2), SamplingParams(temperature=1.0, seed=5, max_tokens=4), n=2))
     whole = run_all(ref)  # without emit: the first tokens come back with the step's other outputs
     assert tokens == {k: whole[k]["tokens"] for k in tokens}
-    assert e.stats()["kv_blocks_used"] == 0 and not e.has_work()
+    assert e.stats().kv_blocks_used == 0 and not e.has_work()
 
 
 def test_output_head_projects_only_the_chosen_positions():

@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 
 from _default_model import EOS_TOKEN_ID, default_model
-from _engine_helpers import greedy, make_engine, reference_greedy, run_all
-from parallm.engine import Request
+from _engine_helpers import greedy, make_engine, reference_greedy, run_all, req
+
 from parallm.protocol import SamplingParams
 
 
@@ -42,25 +42,25 @@ def greedy_refs(model):
 
 def test_greedy_batched_equals_mlx_lm_with_staggered_arrivals(engines, model, greedy_refs):
     e = new(engines, model)
-    reqs = [Request(f"r{i}", text_like(n, i), greedy(16)) for i, n in enumerate(PROMPT_LENS)]
+    reqs = [req(f"r{i}", text_like(n, i), greedy(16)) for i, n in enumerate(PROMPT_LENS)]
     res = run_all(e, reqs[:4], arrivals={2: reqs[4:6], 5: reqs[6:]})
     for i, ref in enumerate(greedy_refs):
         assert res[(f"r{i}", 0)]["tokens"] == ref, f"prompt {i} ({PROMPT_LENS[i]} tokens)"
-    assert max(e.stats()["decode_batch_hist"]) >= 6  # they really decoded together
+    assert max(e.stats().decode_batch_hist) >= 6  # they really decoded together
 
 
 def test_seeded_request_same_alone_and_in_a_batch_of_16(engines, model):
-    target = Request("t", text_like(30, 100), SamplingParams(temperature=0.8, top_p=0.95, seed=1234, max_tokens=20,
+    target = req("t", text_like(30, 100), SamplingParams(temperature=0.8, top_p=0.95, seed=1234, max_tokens=20,
                                                              ignore_eos=True))
     alone = run_all(new(engines, model), [target])[("t", 0)]["tokens"]
-    others = [Request(f"o{i}", text_like(10 + 7 * i, 200 + i),
+    others = [req(f"o{i}", text_like(10 + 7 * i, 200 + i),
                       SamplingParams(temperature=[0.0, 0.7, 1.0][i % 3], top_k=[0, 40][i % 2], seed=i if i % 4 else None,
                                      max_tokens=20 + i % 5, ignore_eos=True)) for i in range(15)]
-    target2 = Request("t", target.prompt_ids, target.params)
+    target2 = req("t", target.prompt_ids, target.params)
     batch = new(engines, model)
     res = run_all(batch, others[:8] + [target2], arrivals={1: others[8:]})
     assert res[("t", 0)]["tokens"] == alone
-    assert max(batch.stats()["decode_batch_hist"]) == 16
+    assert max(batch.stats().decode_batch_hist) == 16
 
 
 def test_shared_200_token_prefix_prefills_only_the_remainder(engines, model):
@@ -69,19 +69,19 @@ def test_shared_200_token_prefix_prefills_only_the_remainder(engines, model):
     b = prefix + text_like(30, 302)[1:]
     cold_b = reference_greedy(model, b, 12)
     e = new(engines, model)
-    run_all(e, [Request("a", a, greedy(4))])
-    before = e.stats()["prompt_tokens_computed"]
-    res = run_all(e, [Request("b", b, greedy(12))])
+    run_all(e, [req("a", a, greedy(4))])
+    before = e.stats().prompt_tokens_computed
+    res = run_all(e, [req("b", b, greedy(12))])
     s = e.stats()
     cached = 192  # the 12 full 16-token blocks inside the 200-token prefix
-    assert s["prefix_hit_tokens"] == cached
-    assert s["prompt_tokens_computed"] - before == len(b) - cached  # the last token too: it gives the first logits
+    assert s.prefix_hit_tokens == cached
+    assert s.prompt_tokens_computed - before == len(b) - cached  # the last token too: it gives the first logits
     assert res[("b", 0)]["usage"].cached_tokens == cached
     assert res[("b", 0)]["tokens"] == cold_b
 
 
 def test_tiny_kv_budget_preempts_and_outputs_match(engines, model):
-    reqs = lambda: [Request(f"r{i}", text_like(20 + 9 * i, 400 + i),  # noqa: E731
+    reqs = lambda: [req(f"r{i}", text_like(20 + 9 * i, 400 + i),  # noqa: E731
                             SamplingParams(temperature=0 if i % 2 else 0.9, seed=i, max_tokens=40, ignore_eos=True))
                     for i in range(6)]
     roomy = run_all(new(engines, model), reqs())
@@ -89,7 +89,7 @@ def test_tiny_kv_budget_preempts_and_outputs_match(engines, model):
     tight = new(engines, model, kv_budget_bytes=bpt * 200, prefix_pool_fraction=0.25)
     assert tight.budget.budget_tokens == 152  # two rows of ~60 tokens fit, but not once they grow
     res = run_all(tight, reqs())
-    assert tight.stats()["preemptions"] > 0
+    assert tight.stats().preemptions > 0
     for key, d in roomy.items():
         assert res[key]["tokens"] == d["tokens"], key
         assert res[key]["finish"] == "length"
@@ -98,7 +98,7 @@ def test_tiny_kv_budget_preempts_and_outputs_match(engines, model):
 def test_logprobs_and_score_match_a_direct_forward(engines, model):
     p = text_like(40, 500)
     e = new(engines, model)
-    res = run_all(e, [Request("x", p, SamplingParams(temperature=1.0, logprobs=True, top_logprobs=2, prompt_logprobs=0,
+    res = run_all(e, [req("x", p, SamplingParams(temperature=1.0, logprobs=True, top_logprobs=2, prompt_logprobs=0,
                                                      max_tokens=12, seed=5, ignore_eos=True))])
     d = res[("x", 0)]
     ids = p + d["tokens"]
@@ -110,7 +110,7 @@ def test_logprobs_and_score_match_a_direct_forward(engines, model):
     s = e.score(ids, start=len(p))
     assert np.allclose(s.logprobs, d["logprobs"], atol=1e-4)
     # temperature 0: the chosen token's logprob is the maximum of the processed distribution
-    g = run_all(e, [Request("g", p, SamplingParams(temperature=0, logprobs=True, top_logprobs=3, max_tokens=5,
+    g = run_all(e, [req("g", p, SamplingParams(temperature=0, logprobs=True, top_logprobs=3, max_tokens=5,
                                                    ignore_eos=True))])[("g", 0)]
     for lp, top in zip(g["logprobs"], g["top"]):
         assert lp == max(v for _, v in top)

@@ -7,8 +7,8 @@ import pytest
 from mlx_lm.models import activations, base, llama, qwen3
 from mlx_lm.models.rope_utils import Llama3RoPE
 
-from _engine_helpers import greedy, make_engine, run_all, tiny_model
-from parallm.engine import Request
+from _engine_helpers import greedy, make_engine, run_all, tiny_model, req
+
 from parallm.engine.cache import TokenPositions
 from parallm.engine.fastmath import FastMath, FastRoPE, RopeTables, exp, scaled_dot_product_attention, swiglu
 from parallm.protocol import SamplingParams
@@ -173,7 +173,7 @@ def test_engine_tokens_and_logprobs_agree_with_and_without_fast_math(name):
     def run(fast):
         engine = make_engine(model, fast_math=fast)
         for i, p in enumerate(prompts):
-            engine.add_request(Request(rid=str(i), prompt_ids=p, params=greedy(12, logprobs=True)))
+            engine.add_request(req(rid=str(i), prompt_ids=p, params=greedy(12, logprobs=True)))
         return run_all(engine)
 
     fast, slow = run(True), run(False)
@@ -188,22 +188,22 @@ def test_warm_up_leaves_nothing_behind():
     warmed, fresh = make_engine(model), make_engine(model)
     assert warmed.warm_up() > 0
     stats = warmed.stats()
-    assert stats["steps"] == 0 and stats["generated_tokens"] == 0 and stats["kv_blocks_cached"] == 0
-    assert stats["kv_blocks_used"] == 0 and warmed.request_ids() == [] and not warmed.has_work()
+    assert stats.steps == 0 and stats.generated_tokens == 0 and stats.kv_blocks_cached == 0
+    assert stats.kv_blocks_used == 0 and warmed.request_ids() == [] and not warmed.has_work()
     sampled = SamplingParams(max_tokens=10, temperature=1.0)  # unseeded: the engine's seed sequence
     outs = []
     for engine in (warmed, fresh):
-        engine.add_request(Request(rid="a", prompt_ids=[5, 6, 7, 8], params=sampled))
+        engine.add_request(req(rid="a", prompt_ids=[5, 6, 7, 8], params=sampled))
         outs.append(run_all(engine))
     assert outs[0] == outs[1]
     with pytest.raises(RuntimeError):
-        fresh.add_request(Request(rid="b", prompt_ids=[5, 6], params=sampled))
+        fresh.add_request(req(rid="b", prompt_ids=[5, 6], params=sampled))
         fresh.warm_up()
 
 
 def test_warm_up_fits_a_tiny_context():
     engine = make_engine(tiny_model("llama"), max_model_len=3)
     engine.warm_up()  # requests shrunk to fit (one 1-token prompt generating 2), none refused
-    assert not engine.has_work() and engine.stats()["steps"] == 0
-    engine.add_request(Request(rid="a", prompt_ids=[5], params=greedy(2)))
+    assert not engine.has_work() and engine.stats().steps == 0
+    engine.add_request(req(rid="a", prompt_ids=[5], params=greedy(2)))
     assert len(run_all(engine)[("a", 0)]["tokens"]) == 2

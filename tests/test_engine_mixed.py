@@ -5,7 +5,7 @@ import random
 import numpy as np
 import pytest
 
-from _engine_helpers import TINY_VOCAB, greedy, make_engine, reference_greedy, run_all, tiny_model
+from _engine_helpers import TINY_VOCAB, greedy, make_engine, reference_greedy, run_all, tiny_model, req
 from parallm.engine import Request
 from parallm.engine.cache import PackedContext
 from parallm.protocol import SamplingParams
@@ -20,18 +20,18 @@ def workload() -> tuple[list[Request], dict[int, list[Request]]]:
     """Three requests decoding, then arrivals while they run: prompts of different lengths
     prefilled together (a packed pass with unequal chunks), a long prompt taking several chunks,
     and every sampling feature the decode rows and the first tokens use."""
-    first = [Request("a", prompt(6, 1), greedy(14, logprobs=True, top_logprobs=3)),
-             Request("b", prompt(9, 2), SamplingParams(temperature=0.8, top_p=0.9, max_tokens=9, seed=5,
+    first = [req("a", prompt(6, 1), greedy(14, logprobs=True, top_logprobs=3)),
+             req("b", prompt(9, 2), SamplingParams(temperature=0.8, top_p=0.9, max_tokens=9, seed=5,
                                                        ignore_eos=True, logprobs=True)),
-             Request("c", prompt(4, 3), greedy(3))]  # finishes while later prompts are prefilled
+             req("c", prompt(4, 3), greedy(3))]  # finishes while later prompts are prefilled
     arrivals = {
-        2: [Request("d", prompt(3, 4), greedy(8, logprobs=True)),
-            Request("e", prompt(11, 5), SamplingParams(temperature=1.0, top_k=20, max_tokens=6, seed=9,
+        2: [req("d", prompt(3, 4), greedy(8, logprobs=True)),
+            req("e", prompt(11, 5), SamplingParams(temperature=1.0, top_k=20, max_tokens=6, seed=9,
                                                        ignore_eos=True)),
-            Request("f", prompt(7, 6), greedy(1))],  # done by its first token
-        4: [Request("g", prompt(40, 7), greedy(6, presence_penalty=0.7, repetition_penalty=1.3,
+            req("f", prompt(7, 6), greedy(1))],  # done by its first token
+        4: [req("g", prompt(40, 7), greedy(6, presence_penalty=0.7, repetition_penalty=1.3,
                                               logit_bias={"5": 3.0, "17": -100.0})),
-            Request("h", prompt(5, 8), SamplingParams(temperature=0.7, max_tokens=7, seed=3, ignore_eos=True),
+            req("h", prompt(5, 8), SamplingParams(temperature=0.7, max_tokens=7, seed=3, ignore_eos=True),
                     n=2)],
     }
     return first, arrivals
@@ -45,8 +45,8 @@ def test_mixed_passes_give_the_tokens_and_logprobs_of_separate_passes(name):
         engine = make_engine(model, mixed_passes=on, max_prefill_tokens=24)
         first, arrivals = workload()
         results[on] = run_all(engine, first, arrivals=arrivals)
-        mixed[on] = engine.stats()["mixed_passes"]
-        assert engine.stats()["kv_blocks_used"] == 0
+        mixed[on] = engine.stats().mixed_passes
+        assert engine.stats().kv_blocks_used == 0
     assert mixed[True] >= 3 and mixed[False] == 0
     assert results[True].keys() == results[False].keys()
     for key, want in results[False].items():
@@ -61,9 +61,9 @@ def test_mixed_passes_keep_mlx_lm_greedy_tokens():
     model = tiny_model("llama")
     prompts = [prompt(n, 10 + n) for n in (5, 2, 13, 8, 21)]
     engine = make_engine(model, max_prefill_tokens=10)
-    reqs = [Request(f"r{i}", p, greedy(10)) for i, p in enumerate(prompts)]
+    reqs = [req(f"r{i}", p, greedy(10)) for i, p in enumerate(prompts)]
     res = run_all(engine, reqs[:2], arrivals={1: reqs[2:4], 3: reqs[4:]})
-    assert engine.stats()["mixed_passes"] >= 3
+    assert engine.stats().mixed_passes >= 3
     for i, p in enumerate(prompts):
         assert res[(f"r{i}", 0)]["tokens"] == reference_greedy(model, p, 10), i
 
@@ -71,10 +71,10 @@ def test_mixed_passes_keep_mlx_lm_greedy_tokens():
 def test_prompt_logprobs_take_a_separate_prefill_pass():
     model = tiny_model("llama")
     engine = make_engine(model)
-    late = Request("late", prompt(9, 2), greedy(4, prompt_logprobs=2))
-    res = run_all(engine, [Request("early", prompt(5, 1), greedy(8))], arrivals={2: [late]})
-    assert engine.stats()["mixed_passes"] == 0
-    alone = run_all(make_engine(model), [Request("late", prompt(9, 2), greedy(4, prompt_logprobs=2))])
+    late = req("late", prompt(9, 2), greedy(4, prompt_logprobs=2))
+    res = run_all(engine, [req("early", prompt(5, 1), greedy(8))], arrivals={2: [late]})
+    assert engine.stats().mixed_passes == 0
+    alone = run_all(make_engine(model), [req("late", prompt(9, 2), greedy(4, prompt_logprobs=2))])
     assert res[("late", 0)]["tokens"] == alone[("late", 0)]["tokens"]
     got, want = res[("late", 0)]["prompt_logprobs"], alone[("late", 0)]["prompt_logprobs"]
     assert len(got[0]) == len(want[0]) == 9 and got[0][0] is None and want[0][0] is None  # the first has no logprob
@@ -95,8 +95,8 @@ def test_a_packed_layout_the_model_does_not_follow_turns_mixing_off(monkeypatch)
     engine = make_engine(model)
     assert not engine.runner.can_pack
     p, q = prompt(6, 1), prompt(10, 2)
-    res = run_all(engine, [Request("p", p, greedy(6))], arrivals={2: [Request("q", q, greedy(6))]})
-    assert engine.stats()["mixed_passes"] == 0
+    res = run_all(engine, [req("p", p, greedy(6))], arrivals={2: [req("q", q, greedy(6))]})
+    assert engine.stats().mixed_passes == 0
     assert res[("p", 0)]["tokens"] == reference_greedy(model, p, 6)
     assert res[("q", 0)]["tokens"] == reference_greedy(model, q, 6)
 
@@ -104,5 +104,5 @@ def test_a_packed_layout_the_model_does_not_follow_turns_mixing_off(monkeypatch)
 def test_mixing_needs_fast_math():
     engine = make_engine(tiny_model("llama"), fast_math=False)
     assert not engine.runner.can_pack
-    run_all(engine, [Request("p", prompt(6, 1), greedy(5))], arrivals={2: [Request("q", prompt(4, 2), greedy(5))]})
-    assert engine.stats()["mixed_passes"] == 0
+    run_all(engine, [req("p", prompt(6, 1), greedy(5))], arrivals={2: [req("q", prompt(4, 2), greedy(5))]})
+    assert engine.stats().mixed_passes == 0

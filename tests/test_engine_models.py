@@ -6,8 +6,8 @@ import mlx.core as mx
 import mlx.nn as nn
 import pytest
 
-from _engine_helpers import TINY_MODELS, TINY_VOCAB, greedy, make_engine, reference_greedy, run_all, tiny_model
-from parallm.engine import Request, SUPPORTED_MODEL_TYPES, UnsupportedModel
+from _engine_helpers import TINY_MODELS, TINY_VOCAB, greedy, make_engine, reference_greedy, run_all, tiny_model, req
+from parallm.engine import SUPPORTED_MODEL_TYPES, UnsupportedModel
 
 
 @pytest.mark.parametrize("name", sorted(TINY_MODELS))
@@ -18,7 +18,7 @@ def test_greedy_matches_mlx_lm(name):
     refs = [reference_greedy(model, p, 12) for p in prompts]
     # small chunk budget: several prefill chunks and padded multi-row passes
     engine = make_engine(model, max_prefill_tokens=16)
-    reqs = [Request(f"r{i}", p, greedy(12)) for i, p in enumerate(prompts)]
+    reqs = [req(f"r{i}", p, greedy(12)) for i, p in enumerate(prompts)]
     res = run_all(engine, reqs[:3], arrivals={4: reqs[3:]})
     for i, ref in enumerate(refs):
         assert res[(f"r{i}", 0)]["tokens"] == ref, f"{name} prompt {i}"
@@ -26,7 +26,7 @@ def test_greedy_matches_mlx_lm(name):
     engine.check_integrity()
     # the late prompts were prefilled in the running rows' decode passes, except where the
     # architecture's attention is its own (gemma2 soft-caps its scores) rather than mlx-lm's
-    assert (engine.stats()["mixed_passes"] > 0) == engine.runner.can_pack
+    assert (engine.stats().mixed_passes > 0) == engine.runner.can_pack
     assert engine.runner.can_pack or name == "gemma2"
 
 

@@ -11,6 +11,7 @@ from parallm.api.auth import BearerAuth
 from parallm.api.backend import BackendError
 from parallm.config import ServerConfig, build_config
 from parallm.metrics import ServerMetrics, route_label
+from parallm.protocol import DetokenizerStats, EngineStats
 from test_api_fakes import MODEL, FakeBackend
 
 BODY = {"model": MODEL, "prompt": "hi", "max_tokens": 2}
@@ -78,10 +79,9 @@ def test_metrics_count_requests_by_route_and_status():
     client.post("/v1/completions", json=BODY, headers={"Authorization": "Bearer k"})
     client.post("/v1/completions", json=BODY)
     client.get("/no/such/route/12345", headers={"Authorization": "Bearer k"})
-    metrics.set_engine_stats({"waiting": 3, "running": 2, "kv_blocks_used": 5, "kv_blocks_free": 7,
-                              "prefix_queried_tokens": 10, "prefix_hit_tokens": 4, "preemptions": 1,
-                              "decode_batch_hist": {1: 2, 3: 1}})
-    metrics.set_detok_stats({"rollouts_dropped": 6})
+    metrics.set_stats(EngineStats(waiting=3, running=2, kv_blocks_used=5, kv_blocks_free=7, prefix_queried_tokens=10,
+                                  prefix_hit_tokens=4, preemptions=1, decode_batch_hist={1: 2, 3: 1}))
+    metrics.set_stats(DetokenizerStats(rollouts_dropped=6))
     r = client.get("/metrics")
     assert r.status_code == 200 and r.headers["content-type"].startswith("text/plain")
     text = r.text

@@ -104,7 +104,7 @@ def test_detokenizer_aborts_requests_of_a_client_that_went_away(config):
     assert stage.router.send(b"alive", protocol.Outputs(items=[]))
     [abort] = collect(engine, 1)
     assert sorted(abort.rids) == ["a", "b"]
-    assert list(stage.requests) == ["c"] and stage.stats()["client_gone_aborts"] == 2
+    assert list(stage.requests) == ["c"] and stage.stats().client_gone_aborts == 2
     ctx.destroy(0)
 
 
@@ -112,7 +112,7 @@ def test_detokenizer_answers_a_stats_query_on_its_router(config):
     ctx = zmq.Context()
     stage, _, _ = _detok_stage(config, ctx)
     client = open_socket(ctx, zmq.DEALER, stage.rt.addrs.router, bind=False, identity=b"me")
-    client.send(protocol.encode(protocol.Query(qid="q1", reply_to=b"me", what="stats")))
+    client.send(protocol.encode(protocol.GetStats(qid="q1", reply_to=b"me")))
     deadline = time.monotonic() + 5
     while time.monotonic() < deadline:
         for identity, message in stage.router.drain():
@@ -120,7 +120,8 @@ def test_detokenizer_answers_a_stats_query_on_its_router(config):
         if client.poll(50):
             break
     reply = protocol.decode(client.recv())
-    assert isinstance(reply, protocol.QueryReply) and reply.qid == "q1" and "in_flight" in reply.result
+    assert isinstance(reply, protocol.StatsReply) and reply.qid == "q1"
+    assert isinstance(reply.stats, protocol.DetokenizerStats) and reply.stats.in_flight == 0
     ctx.destroy(0)
 
 

@@ -6,7 +6,7 @@ from parallm import protocol as p
 
 def test_messages_are_msgpack_maps_with_type_and_version():
     message = p.Submit(rid="r1", reply_to=b"c", prompt_ids=p.pack_ids([1, 2, 70000]),
-                       params=p.SamplingParams(max_tokens=4, logit_bias={7: -5.0}))
+                       spec=p.RequestSpec(params=p.SamplingParams(max_tokens=4, logit_bias={7: -5.0}), priority=-3))
     raw = msgpack.unpackb(p.encode(message), strict_map_key=False)
     assert raw["type"] == "submit" and raw["v"] == p.PROTOCOL_VERSION
     assert raw["prompt_ids"] == (1).to_bytes(4, "little") + (2).to_bytes(4, "little") + (70000).to_bytes(4, "little")
@@ -14,21 +14,54 @@ def test_messages_are_msgpack_maps_with_type_and_version():
 
 
 def test_plain_msgpack_client_message_decodes():
-    frame = msgpack.packb({"type": "submit", "v": 1, "rid": "x", "reply_to": b"me",
-                           "prompt_ids": p.pack_ids([5, 6]), "params": {"max_tokens": 3, "temperature": 0.0}})
+    frame = msgpack.packb({"type": "submit", "v": 2, "rid": "x", "reply_to": b"me", "prompt_ids": p.pack_ids([5, 6]),
+                           "spec": {"params": {"max_tokens": 3, "temperature": 0.0}, "priority": 1}})
     message = p.decode(frame, p.EngineInbound)
     assert isinstance(message, p.Submit)
     assert p.unpack_ids(message.prompt_ids) == [5, 6]
-    assert message.params.max_tokens == 3 and message.n == 1
+    assert message.spec.params.max_tokens == 3 and message.spec.n == 1 and message.spec.priority == 1
+
+
+def test_version_1_frames_are_refused_with_the_version_named():
+    frame = msgpack.packb({"type": "submit", "v": 1, "rid": "x", "reply_to": b"me", "prompt_ids": p.pack_ids([5])})
+    with pytest.raises(p.ProtocolError, match="protocol version 1"):
+        p.decode(frame, p.EngineInbound)
+
+
+def test_one_request_spec_travels_whole():
+    """TextSubmit, Submit and Track embed the same RequestSpec, and nothing else re-declares its fields."""
+    spec_fields = set(p.RequestSpec.__struct_fields__) | set(p.SamplingParams.__struct_fields__)
+    for message in (p.TextSubmit, p.Submit, p.Track):
+        assert "spec" in message.__struct_fields__
+        assert not spec_fields & (set(message.__struct_fields__) - {"v"}), message
+
+
+def test_top_rows_and_version_spans_round_trip():
+    rows = [[(3, -0.5), (9, -1.5)], [(4, -0.25), (1, -2.0)]]
+    ids, lps = p.pack_top(rows)
+    assert p.unpack_top(ids, lps, 2) == rows and p.unpack_top(b"", b"", 2) == []
+    spans: p.VersionSpans = []
+    for first, version in ((0, 1), (3, 1), (5, 2)):
+        p.extend_spans(spans, first, version)
+    assert spans == [(0, 1), (5, 2)]
+    assert [p.version_at(spans, i) for i in (0, 4, 5, 9)] == [1, 1, 2, 2]
+
+
+def test_every_reply_routes_back_and_stats_are_typed():
+    for reply in p.REPLIES:
+        assert {"qid", "reply_to"} <= set(reply.__struct_fields__)
+    frame = p.encode(p.StatsReply(qid="q", stats=p.TokenizerStats(handled=3)))
+    got = p.decode(frame, p.ClientInbound)
+    assert isinstance(got.stats, p.TokenizerStats) and got.stats.handled == 3
 
 
 @pytest.mark.parametrize("frame", [
     b"\x00garbage",
-    msgpack.packb({"type": "submit", "v": 1}),                       # missing fields
-    msgpack.packb({"type": "nope", "v": 1}),                         # unknown type
+    msgpack.packb({"type": "submit", "v": 2}),                       # missing fields
+    msgpack.packb({"type": "nope", "v": 2}),                         # unknown type
     msgpack.packb({"type": "abort", "v": 99}),                       # future version
-    msgpack.packb({"type": "abort", "v": 1, "rids": "notalist"}),   # wrong type
-    msgpack.packb({"type": "track", "v": 1, "rid": "x", "reply_to": b"", "n": 1, "prompt_ids": b""}),  # wrong socket
+    msgpack.packb({"type": "abort", "v": 2, "rids": "notalist"}),   # wrong type
+    msgpack.packb({"type": "track", "v": 2, "rid": "x", "reply_to": b"", "prompt_ids": b"", "spec": {}}),  # wrong socket
 ])
 def test_bad_frames_raise_protocol_error(frame):
     with pytest.raises(p.ProtocolError):

@@ -7,7 +7,7 @@ import random
 import pytest
 from text_tokenizers import byte_bpe, byte_token, random_text
 
-from parallm.protocol import (DetokSpec, Output, SeqDelta, Track, Usage, pack_floats, pack_ids, unpack_floats,
+from parallm.protocol import (DetokSpec, Output, RequestSpec, SeqDelta, Track, Usage, pack_floats, pack_ids, unpack_floats,
                               unpack_ids)
 from parallm.text.sequence import DetokState
 from parallm.text.vocab import TokenizerView
@@ -202,8 +202,8 @@ def test_without_a_spec_ids_pass_through(view):
 
 def test_echo_and_prompt_logprob_tokens_from_track(tok, view):
     prompt = ids_of(tok, "Say hi")
-    track = Track(rid="r", reply_to=b"c", n=1, prompt_ids=pack_ids(prompt),
-                  detok=DetokSpec(echo=True, token_strings=True), adapter="a")
+    track = Track(rid="r", reply_to=b"c", prompt_ids=pack_ids(prompt),
+                  spec=RequestSpec(detok=DetokSpec(echo=True, token_strings=True), adapter="a"))
     st = DetokState.from_track(view, track, 0)
     first = SeqDelta(rid="r", token_ids=pack_ids(ids_of(tok, "!")), prompt_logprobs=pack_floats([-1.0] * (len(prompt) - 1)),
                      prompt_top_ids=pack_ids(prompt[1:]))

@@ -5,13 +5,13 @@ from __future__ import annotations
 import pytest
 from text_tokenizers import byte_bpe, raw_byte_bpe
 
-from parallm.protocol import Detokenize, RequestError, SamplingParams, TextSubmit, Tokenize, pack_ids
+from parallm.protocol import Detokenize, RequestError, RequestSpec, SamplingParams, TextSubmit, Tokenize, pack_ids
 from parallm.text.templating import Templater, TemplateError
 
 
 def submit(**kw):
     max_tokens = kw.pop("max_tokens", 16)
-    return TextSubmit(rid="r", reply_to=b"c", params=SamplingParams(max_tokens=max_tokens), **kw)
+    return TextSubmit(rid="r", reply_to=b"c", spec=RequestSpec(params=SamplingParams(max_tokens=max_tokens)), **kw)
 
 
 @pytest.fixture(scope="module")

@@ -24,7 +24,7 @@ def test_malformed_frames_are_dropped_not_raised(tmp_path):
     raw = open_socket(ctx, zmq.PUSH, address, bind=False)
     sender = Sender(raw)
     raw.send(b"not msgpack at all")
-    raw.send(p.encode(p.Track(rid="x", reply_to=b"", n=1, prompt_ids=b"")))  # valid message, wrong socket
+    raw.send(p.encode(p.Track(rid="x", reply_to=b"", prompt_ids=b"", spec=p.RequestSpec())))  # valid message, wrong socket
     sender.send(p.Abort(rids=["a"]))  # same socket, so it arrives after the two bad frames
     got = receiver.recv(timeout_ms=2000)
     assert isinstance(got, p.Abort) and got.rids == ["a"]

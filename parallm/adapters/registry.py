@@ -22,6 +22,8 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_unflatten
 
+from parallm.protocol import AdapterInfo, AdapterStats, AdapterVersion
+
 from .errors import AdapterError
 from .formats import Format, ParsedAdapter, nonfinite_names, parse, read_dir
 from .lora import LoRARouter, MultiLoRALinear, PreparedLoRA, compute_dtype, dense_weight, linear_dims
@@ -56,10 +58,10 @@ class LoadedAdapter:
         """Whether its updates are folded into copies of the base weights (see lora.py)."""
         return any(m.merged is not None for m in self.modules.values())
 
-    def describe(self) -> dict[str, Any]:
-        return {"version": self.version, "kind": self.kind, "format": self.format, "rank": self.rank,
-                "modules": len(self.modules), "bytes": self.nbytes, "merged": self.merged, "source": self.source,
-                "loaded_at": self.loaded_at}
+    def describe(self) -> AdapterVersion:
+        return AdapterVersion(version=self.version, kind=self.kind, format=self.format, rank=self.rank,
+                              modules=len(self.modules), bytes=self.nbytes, merged=self.merged, source=self.source,
+                              loaded_at=self.loaded_at)
 
 
 class AdapterManager:
@@ -95,6 +97,7 @@ class AdapterManager:
         self.num_layers = len(layers) if layers is not None else 0
         self.published = 0
         self.rejected = 0
+        self.default_name = ""  # what requests naming no adapter run under ("": the base model)
         # Adapters are parsed, checked and cast on their own stream: an evaluation on the default
         # stream would first wait for the decode pass the engine keeps in flight (a whole step on
         # a busy GPU; ~1 ms loads took ~7 ms in the served engine on a CPU). MLX streams belong to
@@ -112,7 +115,9 @@ class AdapterManager:
 
     def resolve(self, name: str, version: int = 0, min_version: int = 0,
                 max_staleness: int = -1) -> LoadedAdapter | None:
-        """The adapter a new request runs under (None = the base model), or AdapterError 404/409."""
+        """The adapter a new request runs under (None = the base model), or AdapterError 404/409.
+        A request naming no adapter runs under the default policy when one is set."""
+        name = name or self.default_name
         if not name:
             if version or min_version:
                 raise AdapterError("the base model has only version 0", status=409, code="version_unavailable")
@@ -140,20 +145,20 @@ class AdapterManager:
         raise AdapterError(f"adapter {name!r} has no version {version} (kept: {kept})", status=404,
                            code="adapter_not_found")
 
-    def describe(self) -> list[dict[str, Any]]:
-        return [{"name": name, "latest": vs[-1].version, "versions": [a.describe() for a in vs],
-                 "bytes": sum(a.nbytes for a in vs)} for name, vs in sorted(self.versions.items()) if vs]
+    def describe(self) -> list[AdapterInfo]:
+        return [AdapterInfo(name=name, latest=vs[-1].version, versions=[a.describe() for a in vs],
+                            bytes=sum(a.nbytes for a in vs)) for name, vs in sorted(self.versions.items()) if vs]
 
-    def stats(self) -> dict[str, Any]:
-        return {"adapters_loaded": sum(1 for vs in self.versions.values() if vs),
-                "adapter_versions_kept": sum(len(vs) for vs in self.versions.values()),
-                "adapter_bytes": sum(a.nbytes for vs in self.versions.values() for a in vs),
-                "adapter_stack_bytes": self.router.stack_bytes,
-                "adapter_publishes": self.published, "adapter_rejected": self.rejected,
-                # the names /metrics reads (parallm/metrics.py): latest version per adapter, versions loaded
-                "adapter_versions": {name: vs[-1].version for name, vs in self.versions.items() if vs},
-                "adapter_swaps": self.published,
-                "adapter_passes": dict(self.router.passes)}
+    @property
+    def nbytes(self) -> int:
+        return sum(a.nbytes for vs in self.versions.values() for a in vs)
+
+    def stats(self) -> AdapterStats:
+        return AdapterStats(loaded=sum(1 for vs in self.versions.values() if vs),
+                            versions_kept=sum(len(vs) for vs in self.versions.values()), bytes=self.nbytes,
+                            stack_bytes=self.router.stack_bytes, publishes=self.published, rejected=self.rejected,
+                            latest={name: vs[-1].version for name, vs in self.versions.items() if vs},
+                            passes=dict(self.router.passes))
 
     # ------------------------------------------------------------------ changes
     def load(self, name: str, *, config: dict[str, Any] | None = None, weights: bytes | dict | None = None,
@@ -174,11 +179,21 @@ class AdapterManager:
             stream = self._local.stream = mx.new_stream(mx.default_device())
         return stream
 
+    def set_default(self, name: str) -> None:
+        """Requests that name no adapter run under `name`'s latest version from now on ("" = the base
+        model): what a client of the MLX RL Inference Server shape expects after /load_adapter."""
+        if name and not self.latest(name):
+            raise AdapterError(f"adapter {name!r} is not loaded", status=404, code="adapter_not_found")
+        self.default_name = name
+
     def unload(self, name: str) -> int:
-        """Forget every version of `name` (running sequences finish under theirs); returns how many."""
+        """Forget every version of `name` (running sequences finish under theirs); returns how many.
+        Unloading the default policy makes the base model the default again."""
         got = self.versions.pop(name, None)
         if not got:
             raise AdapterError(f"adapter {name!r} is not loaded", status=404, code="adapter_not_found")
+        if name == self.default_name:
+            self.default_name = ""
         for a in got:
             self.router.forget(a.uid)
         return len(got)

@@ -12,8 +12,11 @@ Routes (registered by `routes(backend, server)` in build_app):
                                {status, policy_version, message}
 - POST   /upload_adapter       as /v1/adapters/upload (the MLX RL Inference Server sends multipart
                                adapter_weights + adapter_config), answered like /load_adapter
-The engine does the work (Query what="adapter_load" / "adapter_unload" / "adapters"); errors keep
-the engine's status: 400 bad adapter, 404 unknown adapter or path, 409 version conflict.
+The engine does the work, on the same typed messages a trainer sends (AdapterPublish, AdapterUnload,
+ListAdapters); errors keep the engine's status: 400 bad adapter, 404 unknown adapter or path, 409
+version conflict. The two MLX RL Inference Server routes also make the adapter they load the
+default policy: requests that name no adapter run under its latest version from then on, as that
+server's /generate does (docs/rl.md).
 """
 
 from __future__ import annotations
@@ -35,6 +38,7 @@ from parallm.api.backend import Backend
 from parallm.api.errors import APIError, invalid
 from parallm.api.http import json_response, read_body
 from parallm.config import ServerConfig
+from parallm.protocol import AdapterLoaded, AdapterPublish
 
 DEFAULT_NAME = "default"  # the adapter /load_adapter loads when no name is given
 WEIGHTS_FIELDS = ("adapter_weights", "weights", "file")
@@ -100,18 +104,18 @@ class AdapterRoutes:
         self.backend = backend
         self.limit = server.max_body_bytes
 
-    async def _load(self, args: dict[str, Any]) -> dict[str, Any]:
-        return await self.backend.query("engine", "adapter_load", args)
+    async def _load(self, args: dict[str, Any], *, make_default: bool = False) -> AdapterLoaded:
+        return await self.backend.load_adapter(AdapterPublish(qid="", reply_to=b"", make_default=make_default, **args))
 
     async def load(self, request: Request) -> Response:
         req = _decode(await read_body(request, self.limit), _Load)
-        result = await self._load({"name": req.name, "path": req.path, "version": req.version,
+        loaded = await self._load({"name": req.name, "path": req.path, "version": req.version,
                                    "format": _format(req.format), "config": req.config})
-        return json_response(result)
+        return json_response(_loaded(loaded))
 
-    async def _upload(self, request: Request) -> dict[str, Any]:
+    async def _upload(self, request: Request, *, make_default: bool = False) -> AdapterLoaded:
         if request.headers.get("content-type", "").lower().startswith(FORM_TYPES):
-            return await self._load(await self._multipart(request))
+            return await self._load(await self._multipart(request), make_default=make_default)
         # the weights are base64: allow a third more than the body limit for them
         req = _decode(await read_body(request, self.limit * 4 // 3 + 4096), _Upload)
         try:
@@ -119,7 +123,7 @@ class AdapterRoutes:
         except (binascii.Error, ValueError):
             raise invalid("weights must be base64-encoded safetensors bytes", "weights") from None
         return await self._load({"name": req.name, "weights": weights, "config": req.config, "version": req.version,
-                                 "format": _format(req.format)})
+                                 "format": _format(req.format)}, make_default=make_default)
 
     async def _multipart(self, request: Request) -> dict[str, Any]:
         """The load arguments of a multipart upload (the body read within the limit first)."""
@@ -146,27 +150,27 @@ class AdapterRoutes:
             await form.close()
 
     async def upload(self, request: Request) -> Response:
-        return json_response(await self._upload(request))
+        return json_response(_loaded(await self._upload(request)))
 
     async def list(self, request: Request) -> Response:
-        info = await self.backend.query("engine", "adapters", {})
-        data = [{"id": a["name"], "object": "adapter", "latest_version": a["latest"], "bytes": a["bytes"],
-                 "versions": a["versions"]} for a in info.get("adapters", [])]
-        return json_response({"object": "list", "data": data, "policy": info.get("policy", {}),
-                              "adapter_bytes": info.get("adapter_bytes", 0)})
+        info = await self.backend.list_adapters()
+        data = [{"id": a.name, "object": "adapter", "latest_version": a.latest, "bytes": a.bytes,
+                 "versions": a.versions} for a in info.adapters]
+        return json_response({"object": "list", "data": data, "policy": info.policy, "adapter_bytes": info.adapter_bytes,
+                              "default_adapter": info.default_adapter})
 
     async def delete(self, request: Request) -> Response:
         name = request.path_params["name"]
-        result = await self.backend.query("engine", "adapter_unload", {"name": name})
+        result = await self.backend.unload_adapter(name)
         return json_response({"id": name, "object": "adapter", "deleted": True,
-                              "versions_removed": result.get("versions_removed", 0)})
+                              "versions_removed": result.versions_removed})
 
     async def load_compat(self, request: Request) -> Response:
         req = _decode(await read_body(request, self.limit), _LoadCompat)
-        return _compat(await self._load({"name": req.name, "path": req.adapter_path}))
+        return _compat(await self._load({"name": req.name, "path": req.adapter_path}, make_default=True))
 
     async def upload_compat(self, request: Request) -> Response:
-        return _compat(await self._upload(request))
+        return _compat(await self._upload(request, make_default=True))
 
 
 async def _upload_args(form) -> dict[str, Any]:
@@ -211,9 +215,17 @@ async def _upload_args(form) -> dict[str, Any]:
             "version": int(version), "format": _format(text_fields["format"] or "auto")}
 
 
-def _compat(result: dict[str, Any]) -> Response:
-    return json_response({"status": result.get("status", "success"), "policy_version": result["policy_version"],
-                          "message": result.get("message", "")})
+def _loaded(loaded: AdapterLoaded) -> dict[str, Any]:
+    return {"status": "success", "policy_version": loaded.version, "name": loaded.name, "version": loaded.version,
+            "bytes": loaded.bytes, "load_ms": loaded.load_ms, "merged": loaded.merged, "default": loaded.default,
+            "message": f"adapter {loaded.name!r} version {loaded.version} loaded; new requests"
+                       f"{'' if loaded.default else ' naming it'} use it from the next step"}
+
+
+def _compat(loaded: AdapterLoaded) -> Response:
+    """The MLX RL Inference Server's answer to /load_adapter and /upload_adapter."""
+    body = _loaded(loaded)
+    return json_response({"status": body["status"], "policy_version": loaded.version, "message": body["message"]})
 
 
 def routes(backend: Backend, server: ServerConfig, wrap) -> list[Route]:

@@ -35,7 +35,7 @@ from parallm.api.translate import message_dict
 from parallm.api.validate import Limits, check_model, check_token_ids, check_tokenize, decode
 from parallm.config import ServerConfig
 from parallm.metrics import ServerMetrics
-from parallm.protocol import pack_ids
+from parallm.protocol import Detokenize, Tokenize, pack_ids
 
 log = logging.getLogger("parallm.api")
 
@@ -101,12 +101,14 @@ class Routes:
         req = decode(await read_body(request, self.server.max_body_bytes), TokenizeRequest)
         check_tokenize(req, _limits_model(self.backend))
         if req.messages is not None:
-            ids = await self.backend.tokenize(
-                messages=[message_dict(m) for m in req.messages], add_generation_prompt=req.add_generation_prompt,
-                add_special_tokens=bool(req.add_special_tokens), chat_template_kwargs=dict(req.chat_template_kwargs or {}))
+            message = Tokenize(qid="", reply_to=b"", messages=[message_dict(m) for m in req.messages],
+                               add_generation_prompt=req.add_generation_prompt,
+                               add_special_tokens=bool(req.add_special_tokens),
+                               chat_template_kwargs=dict(req.chat_template_kwargs or {}))
         else:
-            ids = await self.backend.tokenize(
-                prompt=req.prompt, add_special_tokens=req.add_special_tokens is not False)
+            message = Tokenize(qid="", reply_to=b"", prompt=req.prompt,
+                               add_special_tokens=req.add_special_tokens is not False)
+        ids = await self.backend.tokenize(message)
         tokens = [int(t) for t in ids]
         return json_response(TokenizeResponse(count=len(tokens), max_model_len=int(self.backend.max_model_len or 0),
                                               tokens=tokens))
@@ -115,7 +117,7 @@ class Routes:
         req = decode(await read_body(request, self.server.max_body_bytes), DetokenizeRequest)
         check_model(req.model, _limits_model(self.backend))
         check_token_ids(req.tokens)
-        text = await self.backend.detokenize(ids=pack_ids(req.tokens))
+        text = await self.backend.detokenize(Detokenize(qid="", reply_to=b"", ids=pack_ids(req.tokens)))
         return json_response(DetokenizeResponse(prompt=text))
 
     async def openapi_json(self, request: Request) -> Response:

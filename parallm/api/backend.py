@@ -6,9 +6,10 @@ scripted object. Nothing in parallm.api imports ZeroMQ or MLX.
 
 from __future__ import annotations
 
-from typing import Any, AsyncIterator, Protocol, runtime_checkable
+from typing import Any, AsyncIterator, Literal, Protocol, runtime_checkable
 
-from parallm.protocol import Output, TextSubmit
+from parallm.protocol import (AdapterList, AdapterLoaded, AdapterPublish, AdapterUnloaded, Detokenize, EngineStats,
+                              Output, PauseState, TextSubmit, Tokenize)
 
 
 class BackendError(Exception):
@@ -28,31 +29,55 @@ class BackendError(Exception):
 
 @runtime_checkable
 class Backend(Protocol):
-    """The server behind the HTTP API. Every method may raise BackendError."""
+    """The server behind the HTTP API: every member the routes use. Every method may raise
+    BackendError. The ingress stage implements it over the pipeline (stages/ingress.py); the API
+    tests implement it with a scripted object."""
 
     model_name: str          # the served model id: the only accepted `model` value
     max_model_len: int       # context length in tokens (0: unknown)
-    # Optional: `default_max_tokens: int`, max_tokens for requests that give none (default 256).
+    default_max_tokens: int  # max_tokens for requests that give none
+    max_n: int               # samples per prompt the engine decodes together (engine.max_num_seqs)
+    last_batch_size: int     # the engine's decode batch size in the latest outputs (RL /generate metadata)
 
     def generate(self, submit: TextSubmit) -> AsyncIterator[Output]:
-        """Outputs for all `submit.n` sequences (interleaved, each with its `.index`), ending when
+        """Outputs for all `submit.spec.n` sequences (interleaved, each with its `.index`), ending when
         every sequence has a finish_reason. `submit.reply_to` is b"": the backend fills it in.
         Closing the iterator before the end (the client went away) must abort the request."""
         ...
 
-    async def query(self, stage: str, what: str, args: dict[str, Any]) -> Any:
-        """Ask a stage for state, e.g. ("engine", "stats", {}) -> dict."""
+    async def tokenize(self, request: Tokenize) -> list[int]:
+        """Token ids of a prompt or of chat messages rendered by the chat template."""
         ...
 
-    async def tokenize(self, *, prompt: str | None = None, messages: list[dict[str, Any]] | None = None,
-                       add_generation_prompt: bool = True, add_special_tokens: bool = True,
-                       chat_template_kwargs: dict[str, Any] | None = None) -> list[int]:
-        """Token ids of a prompt or of chat messages rendered by the chat template
-        (the fields of protocol.Tokenize)."""
+    async def detokenize(self, request: Detokenize) -> str:
+        """Text of packed int32 token ids."""
         ...
 
-    async def detokenize(self, *, ids: bytes, skip_special_tokens: bool = False) -> str:
-        """Text of packed int32 token ids (the fields of protocol.Detokenize)."""
+    async def engine_stats(self) -> EngineStats:
+        ...
+
+    async def pause(self, mode: Literal["keep", "abort"]) -> PauseState:
+        ...
+
+    async def resume(self) -> PauseState:
+        ...
+
+    async def abort(self, rids: list[str], *, all: bool = False) -> None:
+        """End requests by engine request id (or every request); nothing is awaited."""
+        ...
+
+    async def load_adapter(self, request: AdapterPublish) -> AdapterLoaded:
+        """The same message a trainer publishes, answered by the engine once it is loaded."""
+        ...
+
+    async def unload_adapter(self, name: str) -> AdapterUnloaded:
+        ...
+
+    async def list_adapters(self) -> AdapterList:
+        ...
+
+    def training_status(self) -> dict[str, Any]:
+        """What each trainer last reported (GET /v1/training/status)."""
         ...
 
     def health(self) -> dict[str, Any]:

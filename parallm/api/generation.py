@@ -45,6 +45,13 @@ class Gate:
         self.in_flight -= 1
 
 
+def backend_limits(backend: Backend, server: ServerConfig) -> Limits:
+    """What request validation needs to know about this server."""
+    return Limits(model_name=backend.model_name, max_model_len=int(backend.max_model_len or 0),
+                  max_output_tokens=server.max_output_tokens, default_max_tokens=backend.default_max_tokens,
+                  max_n=backend.max_n)
+
+
 class GenerationRoutes:
     """The two generation endpoints over one backend."""
 
@@ -56,9 +63,7 @@ class GenerationRoutes:
             metrics.in_flight.set_function(lambda: self.gate.in_flight)
 
     def limits(self) -> Limits:
-        return Limits(model_name=self.backend.model_name, max_model_len=int(self.backend.max_model_len or 0),
-                      max_output_tokens=self.server.max_output_tokens,
-                      default_max_tokens=int(getattr(self.backend, "default_max_tokens", 0) or 256))
+        return backend_limits(self.backend, self.server)
 
     async def completions(self, request: Request) -> Response:
         return await self._serve(request, lambda body: completion_plan(decode(body, CompletionRequest),

@@ -23,7 +23,7 @@ from parallm.api.schemas import (AssistantMessage, ChatChoice, ChatCompletionRes
                                  CompletionChoice, CompletionLogprobs, CompletionResponse, PromptLogprob,
                                  PromptLogprobs, PromptTokensDetails, TokenLogprob, TopLogprob, UsageInfo)
 from parallm.api.translate import Plan
-from parallm.protocol import Output, Usage, unpack_floats, unpack_ids
+from parallm.protocol import Output, Usage, unpack_floats, unpack_ids, unpack_top
 from parallm.text.vocab import token_string_bytes
 
 MIN_LOGPROB = -9999.0
@@ -42,12 +42,11 @@ def _strings(given: list[str], ids: list[int]) -> list[str]:
 
 def _rows(ids: bytes, lps: bytes, strings: list[str], rows: int) -> list[list[Alt]]:
     """Row-major top-k (ids, logprobs, strings) as `rows` lists of alternatives."""
-    top_ids, top_lps = unpack_ids(ids), unpack_floats(lps)
-    if not rows or not top_ids:
+    top = unpack_top(ids, lps, rows)
+    if not top:
         return [[] for _ in range(rows)]
-    k = len(top_ids) // rows
-    names = _strings(strings, top_ids)
-    return [[(top_ids[j], names[j], top_lps[j]) for j in range(r * k, (r + 1) * k)] for r in range(rows)]
+    names = iter(_strings(strings, [t for row in top for t, _ in row]))
+    return [[(t, next(names), lp) for t, lp in row] for row in top]
 
 
 @dataclass
@@ -205,7 +204,7 @@ class Collector:
         self.keep = keep
         self.choices: dict[int, ChoiceState] = {}
         self.prompts: dict[int, PromptInfo] = {}
-        self.prompt_top_k = plan.submits[0].params.prompt_logprobs or 0 if plan.submits else 0
+        self.prompt_top_k = plan.submits[0].spec.params.prompt_logprobs or 0 if plan.submits else 0
 
     def choice(self, prompt: int, index: int) -> ChoiceState:
         key = prompt * self.plan.n + index

@@ -4,7 +4,7 @@
 - GET /v1/policy: the current policy version of every adapter (the engine's "policy" query);
 - GET /v1/training/status: what each trainer (parallm-train) last reported;
 - POST /v1/pause {mode: keep|abort}, POST /v1/resume, POST /v1/abort {request_ids | all}: protocol
-  Pause / Resume / Abort forwarded to the engine through the backend's optional `control()`.
+  Pause / Resume / Abort sent to the engine through the backend.
 
 A /generate request is abortable by its client-visible id: the MLX RL `request_id`, else the
 `X-Request-Id` header, else the generated `gen-...` id; /v1/abort maps that id to the engine
@@ -14,14 +14,15 @@ request ids it stands for. Any other id (a `cmpl-...`, a raw client's rid) is pa
 from __future__ import annotations
 
 import logging
-from typing import Any, Protocol
+from typing import Any
 
 from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
-from parallm.api.backend import Backend, BackendError
-from parallm.api.errors import APIError, invalid
+from parallm.api.backend import Backend
+from parallm.api.errors import invalid
+from parallm.api.generation import backend_limits
 from parallm.api.http import ClientGone, DisconnectWatch, json_response, read_body
 from parallm.api.merge import Deadlines, merged
 from parallm.api.rl_plan import Job, build, parse
@@ -29,22 +30,8 @@ from parallm.api.rl_render import Gathered, render
 from parallm.api.rl_schemas import AbortRequest, PauseRequest, shape_of
 from parallm.api.validate import Limits, decode
 from parallm.config import ServerConfig
-from parallm.protocol import Abort, Pause, Resume
 
 log = logging.getLogger("parallm.api")
-
-
-class Controls(Protocol):
-    """What a Backend offers for trainers, besides api.Backend (optional: without it these routes 501).
-
-    `control(Pause | Resume)` returns the engine's answer; `control(Abort)` sends and returns None.
-    `last_batch_size` (optional attribute): the engine batch size of the latest outputs seen."""
-
-    async def control(self, message: Pause | Resume | Abort) -> Any: ...
-
-
-def _not_implemented(what: str) -> APIError:
-    return APIError(501, f"{what} is not available from this server's engine yet.", code="not_implemented")
 
 
 class RLRoutes:
@@ -55,9 +42,7 @@ class RLRoutes:
         self.live: dict[str, list[str]] = {}   # client-visible id -> engine request ids in flight
 
     def limits(self) -> Limits:
-        return Limits(model_name=self.backend.model_name, max_model_len=int(self.backend.max_model_len or 0),
-                      max_output_tokens=self.server.max_output_tokens,
-                      default_max_tokens=int(getattr(self.backend, "default_max_tokens", 0) or 256))
+        return backend_limits(self.backend, self.server)
 
     # ------------------------------------------------------------------ /generate
     async def generate(self, request: Request) -> Response:
@@ -89,56 +74,38 @@ class RLRoutes:
                          Deadlines(self.server.first_token_timeout_s, self.server.request_timeout_s))
         try:
             async for i, out in outputs:
-                gathered.add(i, out, int(getattr(self.backend, "last_batch_size", 0) or 0))
+                gathered.add(i, out, self.backend.last_batch_size)
         finally:
             await outputs.aclose()
         return gathered
 
     # ------------------------------------------------------------------ policy, pause, resume, abort
     async def policy(self, request: Request) -> Response:
-        try:
-            versions = await self.backend.query("engine", "policy", {})
-        except BackendError as exc:
-            if exc.status in (404, 501):
-                raise _not_implemented("Policy versions") from None
-            raise
-        versions = {str(k): int(v) for k, v in dict(versions or {}).items()}
-        versions.setdefault("", 0)
-        return json_response({"object": "policy", "versions": versions, "current_policy_version": versions[""]})
+        adapters = await self.backend.list_adapters()
+        versions = {"": 0, **adapters.policy}
+        return json_response({"object": "policy", "versions": versions, "current_policy_version": versions.get(adapters.default_adapter, 0),
+                              "default_adapter": adapters.default_adapter})
 
     async def training_status(self, request: Request) -> Response:
         """Every trainer that reported to this server: its state, step, version, latest metrics."""
-        status = getattr(self.backend, "training_status", None)
-        body = status() if status is not None else {"object": "training.status", "active": False, "trainers": []}
-        return json_response(body)
-
-    async def _control(self, message: Pause | Resume | Abort) -> Any:
-        control = getattr(self.backend, "control", None)
-        if control is None:
-            raise _not_implemented(f"{type(message).__name__.lower()}")
-        try:
-            return await control(message)
-        except BackendError as exc:
-            if exc.status == 501:
-                raise _not_implemented(type(message).__name__.lower()) from None
-            raise
+        return json_response(self.backend.training_status())
 
     async def pause(self, request: Request) -> Response:
         req = _optional_body(await read_body(request, self.server.max_body_bytes), PauseRequest)
-        answer = await self._control(Pause(mode=req.mode))
-        return json_response({"paused": True, "mode": req.mode, **dict(answer or {})})
+        state = await self.backend.pause(req.mode)
+        return json_response({"paused": state.paused, "mode": state.mode})
 
     async def resume(self, request: Request) -> Response:
         await read_body(request, self.server.max_body_bytes)
-        answer = await self._control(Resume())
-        return json_response({"paused": False, **dict(answer or {})})
+        state = await self.backend.resume()
+        return json_response({"paused": state.paused, "moved_to_latest": state.moved_to_latest})
 
     async def abort(self, request: Request) -> Response:
         req = decode(await read_body(request, self.server.max_body_bytes), AbortRequest)
         if not req.all and not req.request_ids:
             raise invalid("Give request_ids (a non-empty list) or all: true.", "request_ids")
         rids = [rid for name in req.request_ids for rid in self.live.get(name, [name])]
-        await self._control(Abort(rids=rids, all=req.all, reason="abort"))
+        await self.backend.abort(rids, all=req.all)
         return json_response({"aborted": req.request_ids, "all": req.all})
 
 

@@ -16,7 +16,8 @@ import msgspec
 from parallm.api.errors import APIError, from_validation, invalid
 from parallm.api.rl_schemas import (MlxRlGenerateRequest, RLSampling, Shape, TokensPrompt, TrlGenerateRequest,
                                     VllmGenerateRequest)
-from parallm.api.validate import MAX_CHOICES, Limits, max_tokens, stop_strings, unsupported
+from parallm.api.translate import request_spec
+from parallm.api.validate import Limits, check_n, check_not_supported, max_tokens, stop_strings, unsupported
 from parallm.protocol import DetokSpec, SamplingParams, TextSubmit, pack_ids
 
 Prompt = str | list[int]
@@ -99,17 +100,20 @@ def prompts_of(shape: Shape, req: Any) -> list[Prompt]:
     return [p if isinstance(p, str) else _tokens_prompt(p, f"prompt[{i}]") for i, p in enumerate(req.prompt)]
 
 
-def _check(shape: Shape, req: Any, n_prompts: int) -> None:
+def _check(shape: Shape, req: Any, n_prompts: int, limits: Limits) -> None:
+    check_not_supported(req)
     if req.stream:
         raise unsupported("stream is not supported on /generate; use /v1/completions with stream=true.", "stream")
-    if req.n * n_prompts > MAX_CHOICES:
-        raise invalid(f"n ({req.n}) times the number of prompts ({n_prompts}) is more than the {MAX_CHOICES} "
-                      "samples one request may ask for.", "n")
+    check_n(req.n, n_prompts, limits)
+    if shape == "vllm" and req.prompt_logprobs is not None:
+        raise unsupported("prompt_logprobs is not supported on /generate yet; use /v1/completions with "
+                          "prompt_logprobs (and echo).", "prompt_logprobs")
     if shape == "trl":
         if req.images:
             raise unsupported("images are not supported by this server (text models only).", "images")
-        if req.guided_decoding_regex:
-            raise unsupported("guided decoding is not supported by this server.", "guided_decoding_regex")
+        for name in ("guided_decoding_regex", "structured_outputs_regex"):
+            if getattr(req, name):
+                raise unsupported(f"{name} (guided decoding) is not supported by this server yet.", name)
     if shape == "mlx_rl" and req.n != 1:
         raise invalid("the MLX RL shape returns one completion; send n=1 (or use the vLLM/TRL shapes).", "n")
 
@@ -125,7 +129,7 @@ def _logprobs(shape: Shape, req: Any) -> int | None:
 def build(shape: Shape, req: Any, limits: Limits) -> Job:
     """Check a parsed request and build its Job (raises APIError)."""
     prompts = prompts_of(shape, req)
-    _check(shape, req, len(prompts))
+    _check(shape, req, len(prompts), limits)
     if shape == "trl" and req.truncate_prompt_tokens:
         prompts = [p[-req.truncate_prompt_tokens:] if isinstance(p, list) else p for p in prompts]
     resolved = max_tokens(req.max_tokens, "max_tokens", limits)
@@ -138,14 +142,11 @@ def build(shape: Shape, req: Any, limits: Limits) -> Job:
         frequency_penalty=req.frequency_penalty, seed=req.seed, max_tokens=resolved, min_tokens=req.min_tokens,
         stop_token_ids=list(req.stop_token_ids or []), ignore_eos=req.ignore_eos,
         logprobs=job.logprobs is not None, top_logprobs=job.logprobs or 0)
-    spec = DetokSpec(stop=stop_strings(req.stop), include_stop_str=req.include_stop_str_in_output,
-                     skip_special_tokens=req.skip_special_tokens, echo=True)
-    meta = job.metadata
+    detok = DetokSpec(stop=stop_strings(req.stop), include_stop_str=req.include_stop_str_in_output,
+                      skip_special_tokens=req.skip_special_tokens, echo=True)
+    spec = request_spec(req, params, detok, adapter=req.adapter, metadata=job.metadata)
     for i, prompt in enumerate(prompts):
         text, ids = (prompt, None) if isinstance(prompt, str) else (None, pack_ids(prompt))
-        job.submits.append(TextSubmit(
-            rid=job.rid if len(prompts) == 1 else f"{job.rid}-{i}", reply_to=b"", prompt=text, prompt_ids=ids,
-            params=params, n=req.n, detok=spec, stream=True, adapter=req.adapter,
-            min_version=req.min_policy_version, max_staleness=req.max_staleness, metadata=meta,
-            submitted_at=time.time()))
+        job.submits.append(TextSubmit(rid=job.rid if len(prompts) == 1 else f"{job.rid}-{i}", reply_to=b"", spec=spec,
+                                      prompt=text, prompt_ids=ids))
     return job

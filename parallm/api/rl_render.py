@@ -19,7 +19,7 @@ from typing import Any
 from parallm.api.errors import APIError
 from parallm.api.outputs import logprob
 from parallm.api.rl_plan import Job
-from parallm.protocol import Output, unpack_floats, unpack_ids
+from parallm.protocol import Output, VersionSpans, extend_spans, unpack_floats, unpack_ids, unpack_top
 
 
 @dataclass
@@ -29,20 +29,17 @@ class Sample:
     top: list[list[tuple[int, float]]] = field(default_factory=list)
     text: str = ""
     finish_reason: str | None = None
-    versions: list[list[int]] = field(default_factory=list)
+    versions: VersionSpans = field(default_factory=list)
 
     def add(self, out: Output) -> None:
         if out.finish_reason == "error":
             raise APIError(500, "The generation failed inside the server.", code="internal_error")
         ids = unpack_ids(out.token_ids)
-        if ids and (not self.versions or self.versions[-1][1] != out.version):
-            self.versions.append([len(self.ids), out.version])
+        if ids:
+            extend_spans(self.versions, len(self.ids), out.version)
         self.ids += ids
         self.logprobs += unpack_floats(out.logprobs)
-        if out.top_ids and ids:
-            top_ids, top_lps = unpack_ids(out.top_ids), unpack_floats(out.top_logprobs)
-            k = len(top_ids) // len(ids)
-            self.top += [list(zip(top_ids[i * k:(i + 1) * k], top_lps[i * k:(i + 1) * k])) for i in range(len(ids))]
+        self.top += unpack_top(out.top_ids, out.top_logprobs, len(ids))
         self.text += out.text
         if out.finish_reason is not None:
             self.finish_reason = out.finish_reason

@@ -15,7 +15,7 @@ from typing import Annotated, Any, Literal
 
 from msgspec import Meta, Struct
 
-from parallm.api.schemas import MAX_LOGPROBS, MAX_N, NonNegInt
+from parallm.api.schemas import INT32, MAX_LOGPROBS, PRIORITY_DOC, NonNegInt, NotYetSupported
 
 Shape = Literal["vllm", "trl", "mlx_rl"]
 
@@ -33,10 +33,10 @@ def shape_of(body: dict[str, Any]) -> Shape:
     return "vllm"
 
 
-class RLSampling(Struct, kw_only=True):
+class RLSampling(NotYetSupported, kw_only=True):
     """Sampling fields shared by every /generate shape (vLLM's SamplingParams names and defaults)."""
 
-    n: Annotated[int, Meta(ge=1, le=MAX_N)] = 1
+    n: Annotated[int, Meta(ge=1)] = 1
     temperature: Annotated[float, Meta(ge=0.0, le=2.0)] = 1.0
     top_p: Annotated[float, Meta(gt=0.0, le=1.0)] = 1.0
     top_k: Annotated[int, Meta(ge=-1)] = -1
@@ -53,10 +53,12 @@ class RLSampling(Struct, kw_only=True):
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     stream: bool = False
+    priority: Annotated[int, Meta(ge=-INT32, lt=INT32, description=PRIORITY_DOC)] = 0
     # parallm extensions
     adapter: str = ""
-    min_policy_version: NonNegInt = 0
-    max_staleness: Annotated[int, Meta(ge=-1)] = -1
+    adapter_version: Annotated[int, Meta(ge=0, lt=INT32)] = 0
+    min_policy_version: Annotated[int, Meta(ge=0, lt=INT32)] = 0
+    max_staleness: Annotated[int, Meta(ge=-1, lt=INT32)] = -1
 
 
 class TokensPrompt(Struct, kw_only=True):
@@ -73,6 +75,7 @@ class VllmGenerateRequest(RLSampling, kw_only=True):
     prompt_token_ids: list[int] | None = None
     logprobs: Annotated[int, Meta(ge=0, le=MAX_LOGPROBS)] | None = None
     max_tokens: Annotated[int, Meta(ge=1)] | None = 16
+    prompt_logprobs: Any = None  # Atropos' get_logprobs asks for it; not served on /generate yet (a 400)
 
 
 class TrlGenerateRequest(RLSampling, kw_only=True):
@@ -83,6 +86,7 @@ class TrlGenerateRequest(RLSampling, kw_only=True):
     max_tokens: Annotated[int, Meta(ge=1)] | None = 16
     truncate_prompt_tokens: Annotated[int, Meta(ge=1)] | None = None
     guided_decoding_regex: str | None = None
+    structured_outputs_regex: str | None = None  # TRL >= 0.20's name for guided_decoding_regex
     generation_kwargs: dict[str, Any] | None = None
 
 

@@ -19,8 +19,9 @@ def _d(text: str, **constraints: Any) -> Meta:
     return Meta(description=text, **constraints)
 
 
-MAX_N = 128
 MAX_LOGPROBS = 20
+INT32 = 2**31
+PRIORITY_DOC = "lower is served first (vLLM's convention); a waiting request ages toward 0, see docs/scheduling.md"
 
 # --------------------------------------------------------------------------- requests
 
@@ -56,14 +57,37 @@ Bias = Annotated[float, Meta(ge=-100.0, le=100.0)]
 NonNegInt = Annotated[int, Meta(ge=0)]
 
 
-class SamplingRequest(Struct, kw_only=True):
+class NotYetSupported(Struct, kw_only=True):
+    """Fields that known clients send to change what is generated and that this server does not do
+    yet: declared so that a request giving one gets a 400 naming it (validate.check_not_supported)
+    instead of having it silently ignored like an unknown field."""
+
+    structured_outputs: Any = None          # vLLM >= 0.10 (json / regex / choice / grammar)
+    guided_json: Any = None                 # vLLM < 0.10
+    guided_regex: Any = None
+    guided_choice: Any = None
+    guided_grammar: Any = None
+    guided_decoding_backend: Any = None
+    return_tokens_as_token_ids: Any = None  # vLLM; TRL's VLLMClient and prime-rl send it
+    adapters: Any = None                    # mlx_lm.server: an adapter path per request
+    draft_model: Any = None                 # mlx_lm.server: speculative decoding
+    num_draft_tokens: Any = None
+    xtc_probability: Any = None             # mlx_lm.server: XTC sampling
+    xtc_threshold: Any = None
+    repetition_context_size: Any = None     # mlx_lm.server: penalties over a window (parallm's cover every token)
+    presence_context_size: Any = None
+    frequency_context_size: Any = None
+    role_mapping: Any = None                # mlx_lm.server: a prompt format for models without a chat template
+
+
+class SamplingRequest(NotYetSupported, kw_only=True):
     """Fields shared by /v1/completions and /v1/chat/completions."""
 
     model: Annotated[str | None, _d("the served model id (GET /v1/models); omitted: the served model")] = None
     max_tokens: Annotated[int, _d("tokens to generate at most; omitted: the server default", ge=0)] | None = None
     temperature: Annotated[float, _d("0 = greedy", ge=0.0, le=2.0)] | None = None
     top_p: Annotated[float, Meta(gt=0.0, le=1.0)] | None = None
-    n: Annotated[int, _d("choices to generate per prompt", ge=1, le=MAX_N)] = 1
+    n: Annotated[int, _d("choices to generate per prompt, at most the engine's max_num_seqs", ge=1)] = 1
     stream: bool = False
     stream_options: StreamOptions | None = None
     stop: Annotated[str | list[str] | None, _d("stop strings (any number); not included in the output")] = None
@@ -86,10 +110,14 @@ class SamplingRequest(Struct, kw_only=True):
     return_token_ids: Annotated[bool, _d("add prompt_token_ids and token_ids to the response")] = False
     prompt_logprobs: Annotated[int, _d("logprobs of the prompt tokens, with this many alternatives",
                                        ge=0, le=MAX_LOGPROBS)] | None = None
+    priority: Annotated[int, _d(PRIORITY_DOC, ge=-INT32, lt=INT32)] = 0
     # parallm extension
-    adapter: Annotated[str, _d("LoRA adapter to generate with ('' = the base model)")] = ""
-    min_policy_version: Annotated[int, _d("the adapter version must be at least this (0: any)", ge=0)] = 0
-    max_staleness: Annotated[int, _d("versions the adapter may lag its latest (-1: any)", ge=-1)] = -1
+    adapter: Annotated[str, _d("LoRA adapter to generate with ('' = the server's default policy: the base model "
+                               "unless an adapter was loaded through /load_adapter or /upload_adapter)")] = ""
+    adapter_version: Annotated[int, _d("pin the adapter version (0: the latest when admitted)", ge=0, lt=INT32)] = 0
+    min_policy_version: Annotated[int, _d("the adapter version must be at least this (0: any)", ge=0, lt=INT32)] = 0
+    max_staleness: Annotated[int, _d("a pinned version may lag the latest by at most this many versions (-1: any)",
+                                     ge=-1, lt=INT32)] = -1
 
 
 PromptItem = str | int | list[int]

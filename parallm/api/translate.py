@@ -15,7 +15,7 @@ from typing import Any, Literal
 from parallm.api.adapters import adapter_of
 from parallm.api.schemas import ChatCompletionRequest, ChatMessage, CompletionRequest, SamplingRequest
 from parallm.api.validate import Limits, check_chat, check_completion, stop_strings
-from parallm.protocol import DetokSpec, SamplingParams, TextSubmit, pack_ids
+from parallm.protocol import DetokSpec, RequestSpec, SamplingParams, TextSubmit, pack_ids
 
 SYSTEM_FINGERPRINT = "fp_parallm"
 
@@ -79,6 +79,15 @@ def _metadata(request_id: str, user: str | None) -> dict[str, Any]:
     return meta
 
 
+def request_spec(req: Any, params: SamplingParams, detok: DetokSpec, *, adapter: str,
+                 metadata: dict[str, Any]) -> RequestSpec:
+    """The RequestSpec of a checked HTTP request (any route): the one place that reads the request
+    fields every route shares (n, priority, the adapter version requirements)."""
+    return RequestSpec(params=params, n=req.n, detok=detok, adapter=adapter, adapter_version=req.adapter_version,
+                       min_version=req.min_policy_version, max_staleness=req.max_staleness, priority=req.priority,
+                       metadata=metadata, submitted_at=time.time())
+
+
 def completion_plan(req: CompletionRequest, limits: Limits, request_id: str = "") -> Plan:
     """Check a completion request and build its Plan (raises errors.APIError)."""
     prompts, max_tokens = check_completion(req, limits)
@@ -88,18 +97,16 @@ def completion_plan(req: CompletionRequest, limits: Limits, request_id: str = ""
     if req.echo and req.logprobs is not None:
         prompt_lp = max(prompt_lp or 0, req.logprobs)
     params = sampling_params(req, max(1, max_tokens), req.logprobs, prompt_lp)
-    spec = detok_spec(req, token_strings=req.logprobs is not None or prompt_lp is not None,
-                      prompt_info=req.echo or req.return_token_ids or prompt_lp is not None)
-    meta = _metadata(request_id or rid, req.user)
+    detok = detok_spec(req, token_strings=req.logprobs is not None or prompt_lp is not None,
+                       prompt_info=req.echo or req.return_token_ids or prompt_lp is not None)
+    spec = request_spec(req, params, detok, adapter=adapter_of(req.model, req.adapter, limits.model_name),
+                        metadata=_metadata(request_id or rid, req.user))
     submits = []
     for i, prompt in enumerate(prompts):
         text, ids = (prompt, None) if isinstance(prompt, str) else (None, pack_ids(prompt))
         submits.append(TextSubmit(
-            rid=rid if len(prompts) == 1 else f"{rid}-{i}", reply_to=b"", prompt=text, prompt_ids=ids,
-            add_special_tokens=True if req.add_special_tokens is None else req.add_special_tokens,
-            params=params, n=req.n, detok=spec, stream=req.stream,
-            adapter=adapter_of(req.model, req.adapter, limits.model_name), metadata=meta,
-            min_version=req.min_policy_version, max_staleness=req.max_staleness, submitted_at=time.time()))
+            rid=rid if len(prompts) == 1 else f"{rid}-{i}", reply_to=b"", spec=spec, prompt=text, prompt_ids=ids,
+            add_special_tokens=True if req.add_special_tokens is None else req.add_special_tokens))
     return Plan("completion", rid, limits.model_name, submits, n=req.n, stream=req.stream,
                 include_usage=bool(req.stream_options and req.stream_options.include_usage),
                 logprobs=req.logprobs, prompt_logprobs=req.prompt_logprobs, echo=req.echo,
@@ -125,16 +132,14 @@ def chat_plan(req: ChatCompletionRequest, limits: Limits, request_id: str = "") 
     rid = new_id("chat")
     top = (req.top_logprobs or 0) if req.logprobs else None
     params = sampling_params(req, max_tokens, top, req.prompt_logprobs)
-    spec = detok_spec(req, token_strings=top is not None or req.prompt_logprobs is not None,
-                      prompt_info=req.return_token_ids or req.prompt_logprobs is not None)
+    detok = detok_spec(req, token_strings=top is not None or req.prompt_logprobs is not None,
+                       prompt_info=req.return_token_ids or req.prompt_logprobs is not None)
+    spec = request_spec(req, params, detok, adapter=adapter_of(req.model, req.adapter, limits.model_name),
+                        metadata=_metadata(request_id or rid, req.user))
     submit = TextSubmit(
-        rid=rid, reply_to=b"", messages=[message_dict(m) for m in req.messages],
+        rid=rid, reply_to=b"", spec=spec, messages=[message_dict(m) for m in req.messages],
         add_generation_prompt=req.add_generation_prompt, continue_final_message=req.continue_final_message,
-        chat_template_kwargs=dict(req.chat_template_kwargs or {}),
-        add_special_tokens=bool(req.add_special_tokens), params=params, n=req.n, detok=spec,
-        stream=req.stream, adapter=adapter_of(req.model, req.adapter, limits.model_name),
-        metadata=_metadata(request_id or rid, req.user), min_version=req.min_policy_version,
-        max_staleness=req.max_staleness, submitted_at=time.time())
+        chat_template_kwargs=dict(req.chat_template_kwargs or {}), add_special_tokens=bool(req.add_special_tokens))
     return Plan("chat", rid, limits.model_name, [submit], n=req.n, stream=req.stream,
                 include_usage=bool(req.stream_options and req.stream_options.include_usage),
                 logprobs=top, prompt_logprobs=req.prompt_logprobs, return_token_ids=req.return_token_ids)

@@ -13,7 +13,8 @@ from typing import Any, TypeVar
 import msgspec
 
 from parallm.api.errors import APIError, from_decode, from_validation, invalid, model_not_found
-from parallm.api.schemas import ChatCompletionRequest, CompletionRequest, SamplingRequest, TokenizeRequest
+from parallm.api.schemas import (ChatCompletionRequest, CompletionRequest, NotYetSupported, SamplingRequest,
+                                 TokenizeRequest)
 
 T = TypeVar("T")
 
@@ -30,6 +31,7 @@ class Limits:
     max_model_len: int = 0          # 0: unknown (the tokenizer still checks the real one)
     max_output_tokens: int = 0      # largest max_tokens accepted; 0: the context length
     default_max_tokens: int = 256   # max_tokens when a request gives none
+    max_n: int = 64                 # samples per prompt: the engine's max_num_seqs (its rows)
 
     @property
     def output_cap(self) -> int:
@@ -57,6 +59,23 @@ def decode(body: bytes, kind: type[T]) -> T:
 
 def unsupported(message: str, param: str) -> APIError:
     return invalid(message, param, code="unsupported_parameter")
+
+
+def check_not_supported(req: NotYetSupported) -> None:
+    """A 400 naming the first field a known client sends to change generation that is not supported yet."""
+    for name in NotYetSupported.__struct_fields__:
+        value = getattr(req, name)
+        if value is not None and value is not False:
+            raise unsupported(f"{name} is not supported by this server yet; leave it out (or null).", name)
+
+
+def check_n(n: int, n_prompts: int, limits: Limits) -> None:
+    if n > limits.max_n:
+        raise invalid(f"n ({n}) is more than the {limits.max_n} samples this server decodes together "
+                      "(engine.max_num_seqs).", "n")
+    if n * n_prompts > MAX_CHOICES:
+        raise invalid(f"n ({n}) times the number of prompts ({n_prompts}) is more than the "
+                      f"{MAX_CHOICES} choices one request may ask for.", "n")
 
 
 def check_model(model: str | None, limits: Limits) -> None:
@@ -91,11 +110,10 @@ def max_tokens(given: int | None, param: str, limits: Limits, *, zero_ok: bool =
 
 def _check_sampling(req: SamplingRequest, limits: Limits, n_prompts: int, resolved_max: int) -> None:
     check_model(req.model, limits)
+    check_not_supported(req)
     if req.stream_options is not None and not req.stream:
         raise invalid("Stream options can only be defined when `stream=True`.", "stream_options")
-    if req.n * n_prompts > MAX_CHOICES:
-        raise invalid(f"n ({req.n}) times the number of prompts ({n_prompts}) is more than the "
-                      f"{MAX_CHOICES} choices one request may ask for.", "n")
+    check_n(req.n, n_prompts, limits)
     if req.min_tokens > resolved_max:
         raise invalid(f"min_tokens ({req.min_tokens}) must be at most max_tokens ({resolved_max}).", "min_tokens")
     bad = next((k for k in (req.logit_bias or {}) if not 0 <= k <= MAX_TOKEN_ID), None)

@@ -5,7 +5,7 @@ Usable in-process without any socket; the engine stage drives exactly this API.
 
 from .compat import SUPPORTED_MODEL_TYPES, UnsupportedModel
 from .engine import Engine
-from .request import Request, RequestRejected, ScoreResult, SeqOutput
+from .request import Request, RequestRejected, ScoreResult, SeqOutput, make_request
 
-__all__ = ["Engine", "Request", "RequestRejected", "ScoreResult", "SeqOutput", "SUPPORTED_MODEL_TYPES",
+__all__ = ["Engine", "Request", "RequestRejected", "make_request", "ScoreResult", "SeqOutput", "SUPPORTED_MODEL_TYPES",
            "UnsupportedModel"]

@@ -18,7 +18,7 @@ import msgspec
 
 from parallm.adapters import AdapterError, AdapterManager, LoadedAdapter
 from parallm.config import EngineConfig, auto_adapter_merge_mb, auto_prefill_tokens, resolve_engine_config
-from parallm.protocol import SamplingParams, Usage
+from parallm.protocol import EngineStats, RequestSpec, SamplingParams, Usage
 
 from .blocks import BlockManager
 from .compat import check_model
@@ -125,14 +125,14 @@ class Engine:
             raise RequestRejected(f"request id {request.rid!r} is already in use", "rid")
         validate(request, vocab_size=self.vocab_size, max_model_len=self.max_model_len,
                  max_num_seqs=self.config.max_num_seqs)
-        p, n, P = request.params, request.n, len(request.prompt_ids)
+        spec = request.spec
+        p, n, P = spec.params, spec.n, len(request.prompt_ids)
         if not self.budget.fits(1, P + p.max_tokens + 1) or not self.budget.fits(n, P + self.scheduler.headroom):
             raise RequestRejected(
                 f"the request needs more KV memory than the engine has ({self.budget.budget_tokens} token slots "
                 f"for live rows); shorten the prompt, max_tokens or n", "max_tokens")
         try:
-            lora = self.adapters.resolve(request.adapter, request.adapter_version, request.min_version,
-                                         request.max_staleness)
+            lora = self.adapters.resolve(spec.adapter, spec.adapter_version, spec.min_version, spec.max_staleness)
         except AdapterError as exc:
             raise RequestRejected(exc.message, "adapter", status=exc.status, code=exc.code) from None
         if p.seed is not None:
@@ -145,9 +145,9 @@ class Engine:
             self._seq_counter += 1
             seqs.append(Sequence(seq_id=self._seq_counter, rid=request.rid, index=i,
                                  prompt_ids=list(request.prompt_ids), params=p, seed=base + i,
-                                 adapter=lora.identity if lora else "", arrival=request.arrival,
-                                 adapter_name=request.adapter, adapter_version=lora.version if lora else 0,
-                                 lora=lora, pinned=bool(request.adapter_version)))
+                                 adapter=lora.identity if lora else "", adapter_name=lora.name if lora else "",
+                                 adapter_version=lora.version if lora else 0, lora=lora,
+                                 pinned=bool(spec.adapter_version)))
         self._requests[request.rid] = seqs
         self.scheduler.add(seqs)
 
@@ -426,7 +426,7 @@ class Engine:
                 params = SamplingParams(max_tokens=max(1, min(3, self.max_model_len - n)), temperature=0.0,
                                         ignore_eos=True)
                 try:
-                    self.add_request(Request(rid=f"__warm_up_{w}_{i}", prompt_ids=ids, params=params))
+                    self.add_request(Request(f"__warm_up_{w}_{i}", ids, RequestSpec(params=params)))
                 except RequestRejected:  # a context or KV budget too small for it: warm up less
                     continue
                 if w == 1 and i == 0:
@@ -526,28 +526,27 @@ class Engine:
         return ScoreResult(ids=ids, start=start, logprobs=lps, top_logprobs=tops)
 
     # ------------------------------------------------------------------ introspection
-    def stats(self) -> dict:
+    def stats(self) -> EngineStats:
         s = self.scheduler
         b = self.blocks
         t = self._timing
         n = max(1, self._steps)
-        return {
-            "running": len(s.running), "waiting": len(s.waiting), "prefilling": len(s.prefilling),
-            "kv_blocks_total": b.num_blocks if b else 0, "kv_blocks_used": b.num_used if b else 0,
-            "kv_blocks_free": b.num_free if b else 0, "kv_blocks_cached": b.num_cached if b else 0,
-            "kv_budget_bytes": self.kv_budget_bytes, "live_token_slots": self.budget.budget_tokens,
-            "prefix_queried_tokens": s.prefix_queried_tokens, "prefix_hit_tokens": s.prefix_hit_tokens,
-            "prefix_evictions": b.evictions if b else 0,
-            "preemptions": s.preemptions, "steps": self._steps, "mixed_passes": self._mixed_passes,
-            "decode_batch_hist": dict(sorted(self._hist.items())),
-            "max_decode_batch": max(self._hist, default=0),
-            "prompt_tokens_computed": self._prompt_computed, "prompt_tokens_cached": s.prefix_hit_tokens,
-            "generated_tokens": self._generated,
-            "step_ms_mean": {k[:-2]: 1000 * v / n for k, v in t.items()},
-            "adapter_load_to_first_token_ms": sorted(self._swap_ms)[len(self._swap_ms) // 2] if self._swap_ms else None,
-            **self.runner.stats(),
-            **self.adapters.stats(),
-        }
+        r = self.runner
+        adapters = self.adapters.stats()
+        adapters.load_to_first_token_ms = sorted(self._swap_ms)[len(self._swap_ms) // 2] if self._swap_ms else None
+        return EngineStats(
+            running=len(s.running), waiting=len(s.waiting), prefilling=len(s.prefilling),
+            kv_blocks_total=b.num_blocks if b else 0, kv_blocks_used=b.num_used if b else 0,
+            kv_blocks_free=b.num_free if b else 0, kv_blocks_cached=b.num_cached if b else 0,
+            kv_budget_bytes=self.kv_budget_bytes, live_token_slots=self.budget.budget_tokens,
+            prefix_queried_tokens=s.prefix_queried_tokens, prefix_hit_tokens=s.prefix_hit_tokens,
+            prefix_evictions=b.evictions if b else 0, preemptions=s.preemptions, steps=self._steps,
+            mixed_passes=self._mixed_passes, decode_batch_hist=dict(sorted(self._hist.items())),
+            max_decode_batch=max(self._hist, default=0), prompt_tokens_computed=self._prompt_computed,
+            generated_tokens=self._generated, step_ms_mean={k[:-2]: 1000 * v / n for k, v in t.items()},
+            live_rows=r.live.rows, live_capacity=r.live.capacity, live_bytes=r.live.nbytes, pool_bytes=r.pool.nbytes,
+            bytes_per_token=r.live.bytes_per_token, penalty_state=r.penalties.active, adapters=adapters,
+            settings=self.config)
 
     def check_integrity(self) -> None:
         self.scheduler.check_integrity()

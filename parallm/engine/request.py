@@ -3,13 +3,11 @@
 from __future__ import annotations
 
 import math
-import time
-from dataclasses import dataclass, field
-from typing import Literal, Sequence
+from dataclasses import dataclass
+from typing import Any, Sequence
 
-from parallm.protocol import SamplingParams, Usage
+from parallm.protocol import FinishReason, RequestSpec, SamplingParams, Usage
 
-FinishReason = Literal["stop", "length", "abort"]
 TopLogprobs = list[list[tuple[int, float]]]
 
 
@@ -26,17 +24,26 @@ class RequestRejected(ValueError):
 
 @dataclass(slots=True)
 class Request:
-    """A tokenized generation request. `n` sequences share the prompt (prefilled once)."""
+    """A tokenized generation request: its id and prompt, and what the client asked for (the
+    protocol's RequestSpec, whole). The `n` sequences of a request share the prompt (prefilled once)."""
 
     rid: str
     prompt_ids: list[int]
-    params: SamplingParams = field(default_factory=SamplingParams)
-    n: int = 1
-    adapter: str = ""  # adapter name ("" = the base model)
-    adapter_version: int = 0  # pin a version (0 = the latest when admitted)
-    min_version: int = 0
-    max_staleness: int = -1
-    arrival: float = field(default_factory=time.monotonic)
+    spec: RequestSpec
+
+    @property
+    def params(self) -> SamplingParams:
+        return self.spec.params
+
+    @property
+    def n(self) -> int:
+        return self.spec.n
+
+
+def make_request(rid: str, prompt_ids: Sequence[int], params: SamplingParams | None = None, **spec: Any) -> Request:
+    """A Request from its parts, for in-process callers (tests, benchmarks): `spec` holds the
+    RequestSpec fields other than params (n, adapter, priority, ...)."""
+    return Request(rid, list(prompt_ids), RequestSpec(params=params or SamplingParams(), **spec))
 
 
 @dataclass(slots=True)

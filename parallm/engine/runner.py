@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass, field
 
 import mlx.core as mx
@@ -47,18 +46,15 @@ class Launch:
 
     seqs: list[Sequence]
     epochs: list[int]
-    positions: list[int]  # output index each row sampled
     out: SampleOut
     row_of: dict[int, int] = field(default_factory=dict)  # seq_id -> row in this pass
-    launched_at: float = 0.0
     versions: list[int] = field(default_factory=list)  # adapter version each row ran under
     fresh: list = field(default_factory=list)  # adapter versions sampling their first token in this pass
 
 
-def _launch_of(seqs: list[Sequence], positions: list[int], out: SampleOut) -> Launch:
-    return Launch(seqs=list(seqs), epochs=[s.epoch for s in seqs], positions=list(positions), out=out,
-                  row_of={s.seq_id: i for i, s in enumerate(seqs)}, launched_at=time.perf_counter(),
-                  versions=[s.adapter_version for s in seqs])
+def _launch_of(seqs: list[Sequence], out: SampleOut) -> Launch:
+    return Launch(seqs=list(seqs), epochs=[s.epoch for s in seqs], out=out,
+                  row_of={s.seq_id: i for i, s in enumerate(seqs)}, versions=[s.adapter_version for s in seqs])
 
 
 class ModelRunner:
@@ -215,7 +211,7 @@ class ModelRunner:
         logits = self._forward(seqs, inputs[:, None], self.live.views(ctx))[:, -1, :]
         out = self._sample_rows(seqs, logits, positions)
         mx.async_eval(out.arrays(), self.penalties.arrays())
-        return _launch_of(seqs, positions, out)
+        return _launch_of(seqs, out)
 
     def _sample_rows(self, seqs: list[Sequence], logits: mx.array, positions: list[int]) -> SampleOut:
         """The next token of running rows [0, len(seqs)) from their logits; counts it for penalties."""
@@ -266,7 +262,7 @@ class ModelRunner:
         out = self._sample_rows(seqs, logits[:n], positions)
         first = self._sample_first(finishing, logits[n:]) if finishing else None
         mx.eval(out.arrays(), self.penalties.arrays(), self.live.arrays(), first.arrays() if first else [])
-        return _launch_of(seqs, positions, out), FirstTokens(first_seqs(finishing), first.read()) if first else None
+        return _launch_of(seqs, out), FirstTokens(first_seqs(finishing), first.read()) if first else None
 
     def _check_packing(self) -> bool:
         """Logits of a packed pass (two decode rows, two prompts of different lengths) against
@@ -299,7 +295,3 @@ class ModelRunner:
         except Exception:  # noqa: BLE001 - an architecture whose layers do not fit packed passes
             return False
 
-    def stats(self) -> dict:
-        return {"live_rows": self.live.rows, "live_capacity": self.live.capacity,
-                "live_bytes": self.live.nbytes, "pool_bytes": self.pool.nbytes,
-                "bytes_per_token": self.live.bytes_per_token, "penalty_state": self.penalties.active}

@@ -35,7 +35,6 @@ class Sequence:
     params: SamplingParams
     seed: int  # base of this sequence's noise stream; token i uses (seed, i)
     adapter: str = ""  # prefix-cache identity: "" (base) or "name@version" (see follow())
-    arrival: float = 0.0
     adapter_name: str = ""
     adapter_version: int = 0
     lora: object | None = None  # the parallm.adapters.LoadedAdapter this sequence runs under
@@ -54,7 +53,6 @@ class Sequence:
     finish_reason: str | None = None
     prompt_logprobs: list | None = None  # [(logprob, top) per prompt position], filled by prefill
     prompt_logprobs_sent: bool = False
-    logprobs_out: list[float] = field(default_factory=list)  # pending for the next SeqOutput
 
     # ------------------------------------------------------------------ derived
     @property

@@ -15,7 +15,8 @@ from __future__ import annotations
 import time
 from typing import Any, Sequence
 
-from parallm.protocol import DetokSpec, Output, Rollout, SeqDelta, Track, Usage, pack_ids, unpack_ids
+from parallm.protocol import (DetokSpec, Output, Rollout, SeqDelta, Track, Usage, VersionSpans, extend_spans, pack_ids,
+                              unpack_ids)
 from parallm.text.detokenize import IncrementalDetokenizer
 from parallm.text.stop import StopStringMatcher
 from parallm.text.vocab import TokenizerLike, TokenizerView
@@ -47,7 +48,7 @@ class DetokState:
         self.stop_reason: str | int | None = None
         self.needs_abort = False
         self.num_tokens = 0                      # tokens kept (sent to the client)
-        self.versions: list[tuple[int, int]] = []
+        self.versions: VersionSpans = []
         self.first_token_at = 0.0
         self.finished_at = 0.0
         self._ids = bytearray()
@@ -57,9 +58,11 @@ class DetokState:
         self._sent_prompt = False
 
     @classmethod
-    def from_track(cls, tokenizer: TokenizerLike, track: Track, index: int = 0, **kwargs: Any) -> "DetokState":
-        return cls(tokenizer, track.rid, index, unpack_ids(track.prompt_ids), track.detok,
-                   adapter=track.adapter, submitted_at=track.submitted_at, metadata=track.metadata, **kwargs)
+    def from_track(cls, tokenizer: TokenizerLike, track: Track, index: int = 0) -> "DetokState":
+        spec = track.spec
+        return cls(tokenizer, track.rid, index, unpack_ids(track.prompt_ids), spec.detok, adapter=spec.adapter,
+                   submitted_at=spec.submitted_at, metadata=spec.metadata, stop_token_ids=spec.params.stop_token_ids,
+                   min_tokens=spec.params.min_tokens)
 
     @property
     def finished(self) -> bool:
@@ -144,8 +147,7 @@ class DetokState:
 
     def _record(self, out: Output, keep: int, now: float) -> None:
         if keep:
-            if not self.versions or self.versions[-1][1] != out.version:
-                self.versions.append((self.num_tokens, out.version))
+            extend_spans(self.versions, self.num_tokens, out.version)
             if not self.first_token_at:
                 self.first_token_at = now
         self.num_tokens += keep

@@ -115,7 +115,7 @@ class Templater:
             ids = self.check_ids(unpack_ids(req.prompt_ids or b""), param)
         if not ids:
             raise TemplateError("The decoder prompt cannot be empty", param)
-        self.check_length(len(ids), req.params.max_tokens, param)
+        self.check_length(len(ids), req.spec.params.max_tokens, param)
         return ids
 
     def tokenize(self, req: Tokenize) -> list[int]:

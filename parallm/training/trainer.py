@@ -100,7 +100,7 @@ class Trainer:
         self.metrics_path = Path(self.cfg.checkpointing.metrics_file or self.ckpt_dir / "metrics.jsonl")
         self.metrics_path.parent.mkdir(parents=True, exist_ok=True)
         self._resume()
-        served = int(self.client.query("policy").get(self.adapter, 0))
+        served = int(self.client.policy().get(self.adapter, 0))
         self.version = max(self.version, served) + 1
         self._publish()
         if self.rl.rollout_source == "generate":
@@ -153,8 +153,8 @@ class Trainer:
 
     def _encode(self, messages: list[dict[str, Any]]) -> list[int]:
         """The prompt ids exactly as the server's tokenizer stage would make them."""
-        submit = protocol.TextSubmit(rid="trainer", reply_to=b"", messages=messages,
-                                     params=protocol.SamplingParams(max_tokens=self.rl.max_tokens))
+        submit = protocol.TextSubmit(rid="trainer", reply_to=b"", messages=messages, spec=protocol.RequestSpec(
+            params=protocol.SamplingParams(max_tokens=self.rl.max_tokens)))
         return self.templater.encode(submit)
 
     def _decode(self, ids: Any) -> str:
@@ -185,7 +185,7 @@ class Trainer:
                                self.policy.adapter_config)
         deadline = time.monotonic() + VERSION_WAIT_S
         while True:
-            served = int(self.client.query("policy").get(self.adapter, 0))
+            served = int(self.client.policy().get(self.adapter, 0))
             if served >= self.version:
                 break
             if time.monotonic() > deadline:

@@ -34,7 +34,7 @@ CONFIG = {"fine_tune_type": "lora", "num_layers": LAYERS, "lora_parameters": {"r
 
 def wait_for(client: Client, name: str, version: int, timeout: float = 60.0) -> None:
     deadline = time.monotonic() + timeout
-    while client.query("policy").get(name, 0) < version:
+    while client.policy().get(name, 0) < version:
         assert time.monotonic() < deadline, f"{name} version {version} never arrived"
         time.sleep(0.05)
 
@@ -63,7 +63,7 @@ def _run(client, publisher, name, versions, streams, max_tokens):
 
 
 def test_versions_published_while_streams_run(server, client):
-    rejected = client.stats()["adapter_rejected"]  # the session's server: other tests' bad versions count too
+    rejected = client.stats().adapters.rejected  # the session's server: other tests' bad versions count too
     publisher = AdapterPublisher(client.welcome.addresses["adapters"])
     try:
         results = _run(client, publisher, "e2e-pol", versions=10, streams=8, max_tokens=24)
@@ -75,7 +75,7 @@ def test_versions_published_while_streams_run(server, client):
         assert len(r.versions) == 1  # a sequence keeps the version it started with
     assert max(r.versions[0][1] for r in results) > 1  # later requests got later versions
     stats = client.stats()
-    assert stats["adapter_rejected"] == rejected and stats["adapter_versions_kept"] >= 1
+    assert stats.adapters.rejected == rejected and stats.adapters.versions_kept >= 1
     # a bad version is refused and serving continues
     publisher = AdapterPublisher(client.welcome.addresses["adapters"])
     bad = weights(99)
@@ -83,10 +83,10 @@ def test_versions_published_while_streams_run(server, client):
     publisher.publish("e2e-pol", 11, bad, CONFIG)
     publisher.close()
     deadline = time.monotonic() + 30
-    while client.stats()["adapter_rejected"] < rejected + 1:
+    while client.stats().adapters.rejected < rejected + 1:
         assert time.monotonic() < deadline
         time.sleep(0.05)
-    assert client.query("policy")["e2e-pol"] == 10
+    assert client.policy()["e2e-pol"] == 10
     [ok] = client.generate(PROMPTS[0], SamplingParams(max_tokens=4, temperature=0), adapter="e2e-pol")
     assert ok.versions == [(0, 10)]
     # operators see the served version on /metrics (ingress polls the engine's stats)
@@ -107,14 +107,14 @@ def test_unknown_adapter_is_404_and_min_version_409(client):
 
 @pytest.mark.slow
 def test_fifty_versions_sixteen_streams(client):
-    rejected = client.stats()["adapter_rejected"]  # the session's server: other tests' bad versions count too
+    rejected = client.stats().adapters.rejected  # the session's server: other tests' bad versions count too
     publisher = AdapterPublisher(client.welcome.addresses["adapters"])
     try:
         results = _run(client, publisher, "e2e-fifty", versions=50, streams=16, max_tokens=64)
     finally:
         publisher.close()
     assert [(r.finish_reason, len(r.versions)) for r in results] == [("length", 1)] * len(results)
-    assert client.stats()["adapter_rejected"] == rejected
+    assert client.stats().adapters.rejected == rejected
 
 
 def test_hold_policy_waits_for_the_version():
@@ -139,14 +139,14 @@ def test_hold_policy_waits_for_the_version():
             thread = threading.Thread(target=ask)
             thread.start()
             deadline = time.monotonic() + 30
-            while c.stats()["held_for_version"] < 1:
+            while c.stats().held_for_version < 1:
                 assert time.monotonic() < deadline, "the request was not held"
                 time.sleep(0.05)
             assert not got
             publisher.publish("held", 2, weights(2), CONFIG)
             thread.join(60)
             assert len(got) == 1 and got[0].versions == [(0, 2)] and got[0].finish_reason == "length"
-            assert c.stats()["held_for_version"] == 0
+            assert c.stats().held_for_version == 0
         finally:
             publisher.close()
 

@@ -17,6 +17,7 @@ import zmq
 
 from parallm import protocol
 from parallm.client import Client
+from parallm.protocol import EngineStats
 
 from .server import Server
 
@@ -38,17 +39,17 @@ def completion(url: str, *, max_tokens: int = 8, stream: bool = False, timeout: 
     return httpx.post(f"{url}/v1/completions", json=body, timeout=timeout)
 
 
-def engine_stats(srv: Server) -> dict:
+def engine_stats(srv: Server) -> EngineStats:
     with Client(srv.router, timeout=60) as client:
         return client.stats()
 
 
-def wait_engine_idle(srv: Server, timeout: float = 60.0) -> dict:
+def wait_engine_idle(srv: Server, timeout: float = 60.0) -> EngineStats:
     """Engine stats once nothing runs and no KV block is referenced (cached-but-free blocks may stay)."""
     deadline = time.monotonic() + timeout
     while True:
         stats = engine_stats(srv)
-        idle = stats["running"] == stats["waiting"] == stats["prefilling"] == 0 and stats["kv_blocks_used"] == 0
+        idle = stats.running == stats.waiting == stats.prefilling == 0 and stats.kv_blocks_used == 0
         if idle or time.monotonic() > deadline:
             return stats
         time.sleep(0.5)
@@ -159,10 +160,10 @@ def test_zmq_client_that_disconnects_has_its_requests_aborted(fault_server):
     client.close()  # the DEALER goes away with three requests in the engine
     deadline = time.monotonic() + BOUND_S
     stats = engine_stats(srv)
-    while stats["running"] and time.monotonic() < deadline:
+    while stats.running and time.monotonic() < deadline:
         time.sleep(0.5)
         stats = engine_stats(srv)
-    assert stats["running"] == 0 and stats["kv_blocks_used"] == 0, stats
+    assert stats.running == 0 and stats.kv_blocks_used == 0, stats
     # /metrics shows the detokenizer's counters as ingress last polled them (every 0.5 s): when the
     # engine had already processed the aborts at the first stats query above, that poll may not
     # have happened yet
@@ -208,7 +209,7 @@ def test_malformed_and_oversized_frames_on_every_socket_are_dropped(fault_server
     time.sleep(2)
     assert srv.stage_pids() == pids, "a stage died from a malformed frame"
     assert completion(srv.url, max_tokens=2).status_code == 200
-    assert engine_stats(srv)["dropped_frames"] >= len(junk) - 1
+    assert engine_stats(srv).dropped_frames >= len(junk) - 1
 
 
 # --------------------------------------------------------------------------- soak with disconnects
@@ -263,9 +264,9 @@ def _soak_test(srv: Server, total: int) -> None:
     after = vm_rss_mb(engine)
     assert counts["other"] == [], counts
     assert counts["ok"] + counts["disconnected"] == total
-    assert stats["running"] == stats["waiting"] == stats["prefilling"] == 0, stats
-    assert stats["kv_blocks_used"] == 0, stats
-    assert stats["kv_blocks_free"] + stats["kv_blocks_cached"] == stats["kv_blocks_total"], stats
+    assert stats.running == stats.waiting == stats.prefilling == 0, stats
+    assert stats.kv_blocks_used == 0, stats
+    assert stats.kv_blocks_free + stats.kv_blocks_cached == stats.kv_blocks_total, stats
     assert after - before < RSS_BOUND_MB, f"engine RSS grew {before:.0f} -> {after:.0f} MiB"
     assert srv.stage_pids()["engine"] == engine
     assert httpx.get(f"{srv.url}/health").json()["status"] == "ok"
@@ -296,7 +297,7 @@ def test_far_more_clients_than_the_limit_get_only_200_or_429():
         metrics = httpx.get(f"{srv.url}/metrics").text
         assert 'parallm_requests_rejected_total{reason="concurrency"}' in metrics
         stats = wait_engine_idle(srv)
-        assert stats["kv_blocks_used"] == 0, stats
+        assert stats.kv_blocks_used == 0, stats
 
 
 # --------------------------------------------------------------------------- auth, queue bound, timeouts
@@ -371,7 +372,7 @@ def test_sigterm_under_concurrent_streams_finishes_them_then_exits_zero():
         for t in threads:
             t.start()
         deadline = time.monotonic() + 120
-        while engine_stats(srv)["running"] < 1 and time.monotonic() < deadline:
+        while engine_stats(srv).running < 1 and time.monotonic() < deadline:
             time.sleep(0.2)
         srv.proc.send_signal(signal.SIGTERM)
         time.sleep(1.0)

@@ -77,7 +77,7 @@ def test_abort_returns_partial_tokens(client):
             break
     tokens = result[0]
     assert 0 < len(tokens) < 2000
-    assert client.stats()["running"] == 0
+    assert client.stats().running == 0
 
 
 def test_rollout_subscriber_sees_every_finished_sequence(server, client):
@@ -121,16 +121,16 @@ def test_msgpack_only_client(server):
     dealer = ctx.socket(zmq.DEALER)
     dealer.setsockopt(zmq.IDENTITY, identity)
     dealer.connect(server.router)
-    dealer.send(msgpack.packb({"type": "hello", "v": 1, "client": "raw test"}))
+    dealer.send(msgpack.packb({"type": "hello", "v": 2, "client": "raw test"}))
     assert dealer.poll(10_000)
     welcome = msgpack.unpackb(dealer.recv())
     assert welcome["type"] == "welcome" and welcome["model"]
     push = ctx.socket(zmq.PUSH)
     push.connect(welcome["addresses"]["engine"])
     rid = uuid.uuid4().hex
-    push.send(msgpack.packb({"type": "submit", "v": 1, "rid": rid, "reply_to": identity,
-                             "prompt_ids": _ids(PROMPTS[0]), "n": 2,
-                             "params": {"max_tokens": 7, "temperature": 0, "logprobs": True}}))
+    push.send(msgpack.packb({"type": "submit", "v": 2, "rid": rid, "reply_to": identity,
+                             "prompt_ids": _ids(PROMPTS[0]),
+                             "spec": {"n": 2, "params": {"max_tokens": 7, "temperature": 0, "logprobs": True}}}))
     tokens: dict[int, list[int]] = {0: [], 1: []}
     logprobs: dict[int, list[float]] = {0: [], 1: []}
     finished = {}
@@ -156,10 +156,10 @@ def test_msgpack_only_client(server):
     assert finished[0]["usage"]["prompt_tokens"] == len(PROMPTS[0])
     # a malformed message is dropped; the server still answers
     push.send(b"\x93not a map")
-    push.send(msgpack.packb({"type": "submit", "v": 1, "rid": "bad", "reply_to": identity, "prompt_ids": 5}))
+    push.send(msgpack.packb({"type": "submit", "v": 2, "rid": "bad", "reply_to": identity, "prompt_ids": 5}))
     rid2 = uuid.uuid4().hex
-    push.send(msgpack.packb({"type": "submit", "v": 1, "rid": rid2, "reply_to": identity,
-                             "prompt_ids": _ids([1, 2, 3]), "params": {"max_tokens": 2}}))
+    push.send(msgpack.packb({"type": "submit", "v": 2, "rid": rid2, "reply_to": identity,
+                             "prompt_ids": _ids([1, 2, 3]), "spec": {"params": {"max_tokens": 2}}}))
     done = False
     deadline = time.monotonic() + 30
     while not done and time.monotonic() < deadline:
@@ -190,4 +190,4 @@ def test_concurrent_clients_share_batches(server):
         t.join(120)
     assert not errors
     with Client(server.router) as c:
-        assert c.stats()["max_decode_batch"] > 1
+        assert c.stats().max_decode_batch > 1
