@@ -14,7 +14,7 @@ import msgspec
 import numpy as np
 from msgspec import Struct
 
-from .config import EngineConfig
+from .config import AdaptersConfig, EngineConfig
 
 PROTOCOL_VERSION = 2
 
@@ -457,6 +457,7 @@ class EngineStats(Struct, tag="engine", kw_only=True):
     penalty_state: bool = False
     adapters: AdapterStats = msgspec.field(default_factory=AdapterStats)
     settings: EngineConfig | None = None  # the engine settings, with every unset one resolved
+    adapter_settings: AdaptersConfig | None = None
     # the engine stage's own
     paused: bool = False
     held_for_version: int = 0

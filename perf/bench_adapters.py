@@ -36,8 +36,8 @@ import mlx.core as mx
 import msgspec
 
 from parallm.adapters import save_bytes
-from parallm.config import EngineConfig, ModelConfig
-from parallm.engine import Engine, make_request
+from parallm.config import AdaptersConfig, Config, EngineConfig, ModelConfig
+from parallm.engine import Engine, EngineModel, make_request
 from parallm.models import load_model
 from parallm.protocol import SamplingParams
 
@@ -277,9 +277,7 @@ def main() -> int:
             f"decode_{args.rows}_rows": bare_pass_ms(model, [[1]] * args.rows)}
 
     def engine(merge_mb: int | None = None) -> Engine:
-        return Engine(model, EngineConfig(max_num_seqs=32, prefix_cache=False), eos_token_ids=loaded.eos_token_ids,
-                      max_model_len=2048, vocab_size=loaded.vocab_size, kv_budget_bytes=2 << 30,
-                      adapter_merge_mb=merge_mb)
+        return Engine(EngineModel(model, tuple(loaded.eos_token_ids), 2048, loaded.vocab_size), Config(engine=EngineConfig(max_num_seqs=32, prefix_cache=False, kv_budget_mb=2048), adapters=AdaptersConfig(merge_mb=merge_mb)))
 
     res: dict = {"command": "PYTHONPATH=$PWD python -m perf.bench_adapters " + " ".join(sys.argv[1:]),
                  "machine": f"{platform.machine()} {os.cpu_count()} cores, {platform.platform()}",

@@ -83,12 +83,11 @@ class Prompts:
 def make_engine(lm, **overrides):
     import msgspec
 
-    from parallm.config import EngineConfig
-    from parallm.engine import Engine
+    from parallm.config import Config, EngineConfig
+    from parallm.engine import Engine, EngineModel
 
     config = msgspec.structs.replace(EngineConfig(), **overrides)
-    return Engine(lm.model, config, eos_token_ids=lm.eos_token_ids, max_model_len=min(lm.max_model_len, MAX_MODEL_LEN),
-                  vocab_size=lm.vocab_size, kv_budget_bytes=KV_BUDGET)
+    return Engine(EngineModel(lm.model, tuple(lm.eos_token_ids), min(lm.max_model_len, MAX_MODEL_LEN), lm.vocab_size), Config(engine=msgspec.structs.replace(config, kv_budget_mb=KV_BUDGET / (1 << 20))))
 
 
 def _throughput(t0: float, first: dict[Any, float], t_end: float, total: int, batch: int) -> dict[str, float]:

@@ -21,7 +21,6 @@ import asyncio
 import gc
 import importlib
 import json
-import os
 import platform
 import random
 import shutil
@@ -141,12 +140,11 @@ KV_BUDGET_MB = 24_000
 
 
 def run_engine(model: nn.Module, batch: list[list[int]], max_tokens: int, max_len: int) -> dict[str, float]:
-    from parallm.config import EngineConfig
-    from parallm.engine import Engine, make_request
+    from parallm.config import Config, EngineConfig
+    from parallm.engine import Engine, EngineModel, make_request
     from parallm.protocol import SamplingParams
 
-    engine = Engine(model, EngineConfig(max_num_seqs=max(len(batch), 1), max_prefill_tokens=8192,
-                                        max_prefill_rows=64, kv_budget_mb=KV_BUDGET_MB), eos_token_ids=[], max_model_len=max_len)
+    engine = Engine(EngineModel(model, (), max_len), Config(engine=EngineConfig(max_num_seqs=max(len(batch), 1), max_prefill_tokens=8192, max_prefill_rows=64, kv_budget_mb=KV_BUDGET_MB)))
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
     start = time.perf_counter()
     for i, ids in enumerate(batch):
@@ -330,7 +328,6 @@ def main(argv: list[str] | None = None) -> int:
                         **stats_delta(before, asyncio.run(engine_stats(server.router)))})
         finally:
             server.stop()
-    from mlx_lm.utils import load_model
 
     model, _ = load_model(model_dir)
     mx.eval(model.parameters())

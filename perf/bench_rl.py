@@ -37,14 +37,13 @@ def summary(ms: list[float]) -> dict[str, float]:
 
 def in_process(iters: int, warmup: int, group_tokens: int, groups: int) -> dict:
     from parallm.config import Config
-    from parallm.engine import Engine, make_request
+    from parallm.engine import Engine, EngineModel, make_request
     from parallm.models import load_model
     from parallm.protocol import SamplingParams
 
     config = Config()
     loaded = load_model(config.model)
-    engine = Engine(loaded.model, config.engine, eos_token_ids=loaded.eos_token_ids,
-                    max_model_len=loaded.max_model_len, vocab_size=loaded.vocab_size)
+    engine = Engine(EngineModel.of(loaded), config)
     one = SamplingParams(max_tokens=1, temperature=0.0, logprobs=True)
     times = []
     for i in range(warmup + iters):

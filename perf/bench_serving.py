@@ -279,8 +279,8 @@ def main(argv: list[str] | None = None) -> int:
     from parallm import blas
 
     blas.reexec_with_openblas()
-    from parallm.config import EngineConfig, ModelConfig
-    from parallm.engine import Engine
+    from parallm.config import Config, EngineConfig, ModelConfig
+    from parallm.engine import Engine, EngineModel
     from parallm.models import load_model, load_tokenizer, materialize
 
     levels = [int(c) for c in args.concurrency.split(",")]
@@ -297,8 +297,7 @@ def main(argv: list[str] | None = None) -> int:
                            "requests": max(8, c * args.requests_per_client)})
 
     if "inprocess" in targets:
-        engine = Engine(loaded.model, EngineConfig(max_num_seqs=max_seqs), eos_token_ids=loaded.eos_token_ids,
-                        max_model_len=loaded.max_model_len, vocab_size=loaded.vocab_size)
+        engine = Engine(EngineModel.of(loaded), Config(engine=EngineConfig(max_num_seqs=max_seqs)))
         warm = workload_for(1)
         run_inprocess(engine, chat_ids(tokenizer, make_prompts(warm, WARM_SEED))[:2], warm, 2, eos)
         for c in levels:

@@ -97,7 +97,7 @@ def main() -> None:
                                                     "config": Path(args.config).read_text(), **info,
                                                     "summary": summary, "steps": rows}, indent=1) + "\n")
     plot(rows, out.with_suffix(".png"), f"GRPO, length task, default model ({machine})")
-    lines = [f"# RL loop on the CPU: GRPO + LoRA on the length task\n", f"Command: `{command}`  ",
+    lines = ["# RL loop on the CPU: GRPO + LoRA on the length task\n", f"Command: `{command}`  ",
              f"Machine: {machine}; wall time {info['wall_s']} s for {len(rows)} steps.\n",
              f"Mean reward, first 5 steps: {summary['reward_first5']:.3f}; last 5: {summary['reward_last5']:.3f}.  ",
              f"Per step: {summary['step_s_mean']:.1f} s ({summary['rollout_wait_s_mean']:.1f} s waiting for rollouts, "

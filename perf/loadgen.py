@@ -14,7 +14,6 @@ import argparse
 import asyncio
 import json
 import random
-import statistics
 import sys
 import time
 from dataclasses import asdict, dataclass, field

@@ -25,12 +25,12 @@ from perf.bench_gpu import SHAPES, build_model_dir, prompts
 
 
 def decode_steps(model, batch: int, steps: int, prompt_len: int, **engine_options) -> tuple[object, float]:
-    from parallm.config import EngineConfig
-    from parallm.engine import Engine, make_request
+    from parallm.config import Config, EngineConfig
+    from parallm.engine import Engine, EngineModel, make_request
     from parallm.protocol import SamplingParams
 
     config = msgspec.structs.replace(EngineConfig(max_num_seqs=batch, max_prefill_tokens=8192), **engine_options)
-    engine = Engine(model, config, eos_token_ids=[], max_model_len=prompt_len + steps + 64)
+    engine = Engine(EngineModel(model, (), prompt_len + steps + 64), Config(engine=config))
     params = SamplingParams(max_tokens=steps + 40, temperature=0.0, ignore_eos=True)
     for i, ids in enumerate(prompts(batch, prompt_len, 1)):
         engine.add_request(make_request(rid=str(i), prompt_ids=ids, params=params))

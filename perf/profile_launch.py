@@ -69,12 +69,11 @@ def adapter_load(model, model_dir: Path) -> dict[str, Any]:
     import io
     import pstats
 
-    from parallm.config import EngineConfig
-    from parallm.engine import Engine
+    from parallm.config import Config, EngineConfig
+    from parallm.engine import Engine, EngineModel
     from perf.bench_adapters import lora_blob_for_dir
 
-    engine = Engine(model, EngineConfig(max_num_seqs=16, prefix_cache=False), eos_token_ids=[], max_model_len=2048,
-                    kv_budget_bytes=1 << 30)
+    engine = Engine(EngineModel(model, (), 2048), Config(engine=EngineConfig(max_num_seqs=16, prefix_cache=False, kv_budget_mb=1024)))
     blobs = [lora_blob_for_dir(model_dir, k) for k in range(12)]
     times = []
     profile = cProfile.Profile()

@@ -127,16 +127,14 @@ def rope_steps(engine, rounds: int) -> dict[str, float]:
 def closed_loop(loaded, runs: int) -> dict[str, Any]:
     import msgspec
 
-    from parallm.config import EngineConfig
-    from parallm.engine import Engine
+    from parallm.config import Config, EngineConfig
+    from parallm.engine import Engine, EngineModel
     from parallm.models import load_tokenizer
     from perf.bench_serving import chat_ids, run_inprocess
     from perf.loadgen import WORKLOADS, Workload, make_prompts
 
     tokenizer = load_tokenizer(loaded.source)
-    engine = Engine(loaded.model, EngineConfig(max_num_seqs=16, prefix_cache=False),
-                    eos_token_ids=loaded.eos_token_ids, max_model_len=loaded.max_model_len,
-                    vocab_size=loaded.vocab_size)
+    engine = Engine(EngineModel.of(loaded), Config(engine=EngineConfig(max_num_seqs=16, prefix_cache=False)))
     engine.warm_up()
     workload = Workload(**{**WORKLOADS["short"].__dict__, "max_tokens": 64, "requests": 32})
     got: dict[str, dict[str, list[float]]] = {"mixed": {"tok_s": [], "ttft_p50_s": []},
@@ -162,14 +160,13 @@ def main(argv: list[str] | None = None) -> int:
     from parallm import blas
 
     blas.reexec_with_openblas()
-    from parallm.config import EngineConfig, ModelConfig
-    from parallm.engine import Engine
+    from parallm.config import Config, EngineConfig, ModelConfig
+    from parallm.engine import Engine, EngineModel
     from parallm.models import load_model
     from perf.bench_serving import machine
 
     loaded = load_model(ModelConfig())
-    engine = Engine(loaded.model, EngineConfig(max_num_seqs=16, prefix_cache=False), eos_token_ids=[],
-                    max_model_len=loaded.max_model_len, vocab_size=loaded.vocab_size)
+    engine = Engine(EngineModel(loaded.model, (), loaded.max_model_len, loaded.vocab_size), Config(engine=EngineConfig(max_num_seqs=16, prefix_cache=False)))
     engine.warm_up()
     result = {"machine": machine(), "command": "python -m perf.profile_mixed " + " ".join(argv or sys.argv[1:]),
               "passes": passes(engine, args.repeats), "rope_kernel": rope_kernel(args.repeats),

@@ -34,15 +34,13 @@ from perf.bench_gpu import SHAPES, Served, build_model_dir, device_name, engine_
 def engine_run(model, max_tokens: int, *, seed: int, max_num_seqs: int = 1, eos: list[int] | None = None,
                emulate_stage: bool = False, overlap: bool = True, profile: cProfile.Profile | None = None) -> dict:
     from parallm import protocol
-    from parallm.config import EngineConfig
-    from parallm.engine import Engine, make_request
+    from parallm.config import Config, EngineConfig
+    from parallm.engine import Engine, EngineModel, make_request
     from parallm.protocol import SamplingParams
     from parallm.transport import Sender, open_socket
     from parallm.stages.engine import to_delta
 
-    engine = Engine(model, EngineConfig(max_num_seqs=max_num_seqs, max_prefill_tokens=8192, max_prefill_rows=64,
-                                        kv_budget_mb=24_000, overlap=overlap),
-                    eos_token_ids=eos or [], max_model_len=4096)
+    engine = Engine(EngineModel(model, tuple(eos or ()), 4096), Config(engine=EngineConfig(max_num_seqs=max_num_seqs, max_prefill_tokens=8192, max_prefill_rows=64, kv_budget_mb=24_000, overlap=overlap)))
     sender = sink = None
     if emulate_stage:
         ctx = zmq.Context.instance()

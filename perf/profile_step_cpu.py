@@ -92,15 +92,14 @@ def measure(rounds: int) -> dict[str, float]:
     import mlx.core as mx
 
     from parallm import blas
-    from parallm.config import EngineConfig, ModelConfig
-    from parallm.engine import Engine, make_request
+    from parallm.config import Config, EngineConfig, ModelConfig
+    from parallm.engine import Engine, EngineModel, make_request
     from parallm.engine.cache import LiveKV, PassContext
     from parallm.models import load_model
     from parallm.protocol import SamplingParams
 
     loaded = load_model(ModelConfig())
-    engine = Engine(loaded.model, EngineConfig(max_num_seqs=ROWS, prefix_cache=False), eos_token_ids=[],
-                    max_model_len=loaded.max_model_len, vocab_size=loaded.vocab_size)
+    engine = Engine(EngineModel(loaded.model, (), loaded.max_model_len, loaded.vocab_size), Config(engine=EngineConfig(max_num_seqs=ROWS, prefix_cache=False)))
     engine.warm_up()
     runner = engine.runner
     live = LiveKV(runner.info.shapes, runner.info.dtype)

@@ -20,7 +20,7 @@ import zmq
 from parallm import blas, protocol
 from parallm.adapters import AdapterError
 from parallm.config import Config
-from parallm.engine import Engine, Request, RequestRejected, SeqOutput
+from parallm.engine import Engine, EngineModel, Request, RequestRejected, SeqOutput
 from parallm.runtime import StageRuntime
 from parallm.transport import Receiver, Sender, open_socket
 
@@ -311,9 +311,7 @@ def main(config: Config, replica: int = 0) -> int:
     except ModelLoadError as exc:
         runtime.fatal(f"cannot load model {config.model.path!r}: {exc}")
         return 2
-    engine = Engine(loaded.model, config.engine, eos_token_ids=loaded.eos_token_ids,
-                    max_model_len=loaded.max_model_len, vocab_size=loaded.vocab_size,
-                    adapter_history=config.adapters.history, adapter_merge_mb=config.adapters.merge_mb)
+    engine = Engine(EngineModel.of(loaded), config)
     log.info("warm-up took %.2f s", engine.warm_up())
     info = {"model": config.model.served_name, "path": str(loaded.source.path), "dtype": loaded.dtype,
             "max_model_len": loaded.max_model_len, "vocab_size": loaded.vocab_size}

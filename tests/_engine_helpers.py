@@ -7,8 +7,8 @@ import mlx.nn as nn
 from mlx_lm.generate import generate_step
 from mlx_lm.models import gemma, gemma2, gemma3_text, llama, phi3, qwen2, qwen3
 
-from parallm.config import EngineConfig
-from parallm.engine import Engine, Request
+from parallm.config import AdaptersConfig, Config, EngineConfig
+from parallm.engine import Engine, EngineModel, Request
 from parallm.engine import make_request as req  # noqa: F401 - the tests' short name for it
 from parallm.protocol import SamplingParams
 
@@ -92,8 +92,9 @@ def run_all(engine: Engine, requests: list[Request] | None = None, *, arrivals: 
     return results
 
 
-def make_engine(model: nn.Module, *, eos: list[int] | None = None, max_model_len: int = 512, **config) -> Engine:
-    kv_budget_bytes = config.pop("kv_budget_bytes", 64 << 20)
-    extra = {k: config.pop(k) for k in ("prefix_pool_fraction", "max_prefill_rows", "writeback_interval", "adapter_merge_mb") if k in config}
-    return Engine(model, EngineConfig(**config), eos_token_ids=eos if eos is not None else [],
-                  max_model_len=max_model_len, kv_budget_bytes=kv_budget_bytes, **extra)
+def make_engine(model: nn.Module, *, eos: list[int] | None = None, max_model_len: int = 512,
+                kv_budget_bytes: int = 64 << 20, adapter_merge_mb: int | None = None, **engine) -> Engine:
+    """An Engine on `model` with these engine settings (a 64 MiB KV budget unless given)."""
+    config = Config(engine=EngineConfig(kv_budget_mb=kv_budget_bytes / (1 << 20), **engine),
+                    adapters=AdaptersConfig(merge_mb=adapter_merge_mb))
+    return Engine(EngineModel(model, tuple(eos or ()), max_model_len), config)

@@ -2,7 +2,6 @@
 
 import random
 
-import mlx.core as mx
 import mlx.nn as nn
 import pytest
 

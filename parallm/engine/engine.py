@@ -13,20 +13,20 @@ from typing import Callable
 from typing import Sequence as Seq
 
 import mlx.core as mx
-import mlx.nn as nn
 import msgspec
 
 from parallm.adapters import AdapterError, AdapterManager, LoadedAdapter
-from parallm.config import EngineConfig, auto_adapter_merge_mb, auto_prefill_tokens, resolve_engine_config
+from parallm.config import Config, auto_adapter_merge_mb, auto_prefill_tokens, resolve_engine_config
 from parallm.protocol import EngineStats, RequestSpec, SamplingParams, Usage
 
 from .blocks import BlockManager
 from .compat import check_model
+from .model import EngineModel
 from .request import Request, RequestRejected, ScoreResult, SeqOutput, validate, validate_score
 from .runner import FirstTokens, Launch, ModelRunner
 from .sampling import SampledLists, log_softmax, splitmix64, top_of
 from .scheduler import KVBudget, PrefillWork, Scheduler
-from .sequence import Sequence, Status
+from .sequence import Sequence
 
 AUTO_BUDGET_FRACTION = 0.35
 AUTO_BUDGET_CAP = 8 << 30
@@ -57,48 +57,41 @@ def auto_kv_budget_bytes() -> int:
 
 
 class Engine:
-    def __init__(self, model: nn.Module, config: EngineConfig, *, eos_token_ids: Seq[int], max_model_len: int,
-                 vocab_size: int | None = None, kv_budget_bytes: int | None = None,
-                 prefix_pool_fraction: float = 0.25, max_prefill_rows: int | None = None,
-                 writeback_interval: int = 16, adapter_history: int = 4,
-                 adapter_merge_mb: int | None = None) -> None:
-        """`kv_budget_bytes` overrides config.kv_budget_mb (finer grain, for tests);
-        `prefix_pool_fraction` of the budget holds the prefix cache, the rest the live rows;
-        `adapter_history` versions of each adapter name are kept (config.adapters.history);
-        `adapter_merge_mb` caps an adapter version's merged weights (config.adapters.merge_mb;
-        None: `auto_adapter_merge_mb`)."""
-        self.model = model
+    def __init__(self, model: EngineModel, config: Config) -> None:
+        """The engine over `model`, with the `engine` and `adapters` sections of `config`. Every
+        setting left unset is resolved here, once, and reported in stats (`settings`)."""
+        self.model = model.module
         on_cpu = mx.default_device() == mx.cpu
-        config = resolve_engine_config(config, on_cpu)
-        info = check_model(model)
+        settings = resolve_engine_config(config.engine, on_cpu)
+        info = check_model(self.model)
         self.model_type = info.model_type
-        self.vocab_size = int(vocab_size or _vocab_size(model))
-        self.eos_token_ids = [int(t) for t in eos_token_ids]
-        self.max_model_len = int(max_model_len)
-        if kv_budget_bytes is None:
-            kv_budget_bytes = int(config.kv_budget_mb * (1 << 20)) if config.kv_budget_mb else auto_kv_budget_bytes()
-        self.kv_budget_bytes = int(kv_budget_bytes)
+        self.vocab_size = model.resolved_vocab_size()
+        self.eos_token_ids = [int(t) for t in model.eos_token_ids]
+        self.max_model_len = int(model.max_model_len)
+        self.kv_budget_bytes = int(settings.kv_budget_mb * (1 << 20)) if settings.kv_budget_mb else auto_kv_budget_bytes()
         bytes_per_token = sum(s.elems_per_token for s in info.shapes) * info.dtype.size
         total_tokens = self.kv_budget_bytes // bytes_per_token
-        bs = config.block_size
-        pool_blocks = int(total_tokens * prefix_pool_fraction) // bs if config.prefix_cache else 0
+        bs = settings.block_size
+        pool_blocks = int(total_tokens * settings.prefix_pool_fraction) // bs if settings.prefix_cache else 0
         live_tokens = total_tokens - pool_blocks * bs
-        self.runner = ModelRunner(model, info, vocab_size=self.vocab_size, pool_blocks=pool_blocks,
-                                  block_size=bs, compile=config.compile, fast_math=bool(config.fast_math))
-        if config.max_prefill_tokens is None:
-            mixed = config.mixed_passes and self.runner.can_pack
-            config = msgspec.structs.replace(config, max_prefill_tokens=auto_prefill_tokens(on_cpu, mixed))
-        self.config = config
-        self.budget = KVBudget(budget_tokens=live_tokens, max_rows=config.max_num_seqs,
-                               max_len=self.max_model_len + config.max_prefill_tokens + 1)
-        self.blocks = BlockManager(pool_blocks, bs) if config.prefix_cache else None
-        self.scheduler = Scheduler(budget=self.budget, max_prefill_tokens=config.max_prefill_tokens,
-                                   blocks=self.blocks, block_size=bs,
-                                   max_prefill_rows=max_prefill_rows or config.max_prefill_rows,
-                                   writeback_interval=writeback_interval)
+        self.runner = ModelRunner(self.model, info, vocab_size=self.vocab_size, pool_blocks=pool_blocks,
+                                  block_size=bs, compile=settings.compile, fast_math=bool(settings.fast_math))
+        resolved: dict = {"kv_budget_mb": self.kv_budget_bytes / (1 << 20)}
+        if settings.max_prefill_tokens is None:
+            resolved["max_prefill_tokens"] = auto_prefill_tokens(on_cpu, settings.mixed_passes and self.runner.can_pack)
+        self.config = settings = msgspec.structs.replace(settings, **resolved)
+        merge_mb = config.adapters.merge_mb
+        self.adapter_settings = msgspec.structs.replace(
+            config.adapters, merge_mb=auto_adapter_merge_mb(on_cpu) if merge_mb is None else merge_mb)
+        self.budget = KVBudget(budget_tokens=live_tokens, max_rows=settings.max_num_seqs,
+                               max_len=self.max_model_len + settings.max_prefill_tokens + 1)
+        self.blocks = BlockManager(pool_blocks, bs) if settings.prefix_cache else None
+        self.scheduler = Scheduler(budget=self.budget, max_prefill_tokens=settings.max_prefill_tokens,
+                                   blocks=self.blocks, block_size=bs, max_prefill_rows=settings.max_prefill_rows,
+                                   writeback_interval=settings.writeback_interval)
         self.runner.eos_ids = self.eos_token_ids
-        self.adapters = AdapterManager(model, history=adapter_history, merge_mb=auto_adapter_merge_mb(on_cpu)
-                                       if adapter_merge_mb is None else adapter_merge_mb)
+        self.adapters = AdapterManager(self.model, history=self.adapter_settings.history,
+                                       merge_mb=self.adapter_settings.merge_mb)
         self.runner.lora = self.adapters.router
         self.runner.pool.allocate()
         self._requests: dict[str, list[Sequence]] = {}
@@ -546,7 +539,7 @@ class Engine:
             generated_tokens=self._generated, step_ms_mean={k[:-2]: 1000 * v / n for k, v in t.items()},
             live_rows=r.live.rows, live_capacity=r.live.capacity, live_bytes=r.live.nbytes, pool_bytes=r.pool.nbytes,
             bytes_per_token=r.live.bytes_per_token, penalty_state=r.penalties.active, adapters=adapters,
-            settings=self.config)
+            settings=self.config, adapter_settings=self.adapter_settings)
 
     def check_integrity(self) -> None:
         self.scheduler.check_integrity()
@@ -560,16 +553,6 @@ class Engine:
             assert not seq.is_finished
             assert seq.inflight <= 2
             assert seq.num_computed <= seq.num_tokens + seq.inflight
-
-
-def _vocab_size(model: nn.Module) -> int:
-    args = getattr(model, "args", None)
-    v = getattr(args, "vocab_size", None)
-    if v:
-        return int(v)
-    logits = model(mx.array([[0]]))
-    return int(logits.shape[-1])
-
 
 
 def _unseen_versions(seqs: list[Sequence]) -> list[LoadedAdapter]:

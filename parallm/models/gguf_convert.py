@@ -15,7 +15,6 @@ from typing import Any
 
 import mlx.core as mx
 
-from .errors import ModelLoadError
 from .gguf_arch import build_config, get_arch, map_tensors
 from .gguf_read import load_tensors, open_gguf
 from .gguf_tokenizer import write_tokenizer_files

@@ -186,3 +186,52 @@ def test_multipart_upload_then_openai_requests_use_it(server, client, openai_cli
     again = openai_client.completions.create(model=f"{base}:{name}", prompt=PROMPTS[0], max_tokens=8, temperature=0,
                                              extra_body={"ignore_eos": True})
     assert again.choices[0].text == want
+
+
+def test_load_adapter_makes_it_the_policy_of_the_next_generate(server, client, tmp_path):
+    """An MLX RL Inference Server client: /upload_adapter, then /generate naming no adapter, is served
+    by the adapter it just loaded (the default policy), and greedy output differs from the base."""
+    from parallm.adapters import save_bytes
+
+    body = {"prompt": PROMPTS[0], "max_tokens": 12, "temperature": 0, "ignore_eos": True, "logprobs": True}
+    base = httpx.post(f"{server.url}/generate", json=body, timeout=120).json()
+    files = {"adapter_weights": ("adapters.safetensors", save_bytes(weights(41)), "application/octet-stream"),
+             "adapter_config": ("adapter_config.json", json.dumps(CONFIG), "application/json")}
+    try:
+        r = httpx.post(f"{server.url}/upload_adapter", files=files, timeout=120)
+        assert r.status_code == 200, r.text
+        version = r.json()["policy_version"]
+        assert httpx.get(f"{server.url}/v1/policy").json()["default_adapter"] == "default"
+        tuned = httpx.post(f"{server.url}/generate", json=body, timeout=120).json()
+        assert tuned["versions"] == [[0, version]]
+        assert tuned["completion_ids"] != base["completion_ids"]
+        explicit = client.generate(PROMPTS[0], SamplingParams(max_tokens=12, temperature=0, ignore_eos=True),
+                                   adapter="default")[0]
+        assert explicit.token_ids == tuned["completion_ids"]
+    finally:
+        httpx.delete(f"{server.url}/v1/adapters/default", timeout=60)
+    assert httpx.get(f"{server.url}/v1/policy").json()["default_adapter"] == ""
+    again = httpx.post(f"{server.url}/generate", json=body, timeout=120).json()
+    assert again["completion_ids"] == base["completion_ids"] and again["versions"] == [[0, 0]]
+
+
+def test_adapter_version_pinned_over_http_and_max_staleness_applies(server, client):
+    publisher = AdapterPublisher(client.welcome.addresses["adapters"])
+    try:
+        for v in (1, 2, 3):
+            publisher.publish("e2e-pin", v, weights(50 + v), CONFIG)
+        wait_for(client, "e2e-pin", 3)
+    finally:
+        publisher.close()
+    body = {"model": client.model, "prompt": "Hello", "max_tokens": 3, "temperature": 0, "adapter": "e2e-pin",
+            "logprobs": 0}
+    r = httpx.post(f"{server.url}/v1/completions", json={**body, "adapter_version": 2}, timeout=120)
+    assert r.status_code == 200, r.text
+    gen = httpx.post(f"{server.url}/generate", json={"prompt": [1, 2, 3], "max_tokens": 3, "adapter": "e2e-pin",
+                                                     "adapter_version": 2}, timeout=120).json()
+    assert gen["versions"] == [[0, 2]]
+    r = httpx.post(f"{server.url}/v1/completions", json={**body, "adapter_version": 1, "max_staleness": 1}, timeout=120)
+    assert r.status_code == 409 and r.json()["error"]["code"] == "version_unavailable", r.text
+    r = httpx.post(f"{server.url}/v1/completions", json={**body, "adapter_version": 2, "max_staleness": 1}, timeout=120)
+    assert r.status_code == 200, r.text
+    httpx.delete(f"{server.url}/v1/adapters/e2e-pin", timeout=60)

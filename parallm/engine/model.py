@@ -1,0 +1,34 @@
+"""The model the engine serves, with what the engine must know about it."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import mlx.core as mx
+import mlx.nn as nn
+
+
+@dataclass(frozen=True, slots=True)
+class EngineModel:
+    """An unmodified mlx-lm model and the facts the engine needs that the module does not carry:
+    which tokens end a sequence and the context length. `vocab_size` 0 reads it from the model."""
+
+    module: nn.Module
+    eos_token_ids: tuple[int, ...] = ()
+    max_model_len: int = 2048
+    vocab_size: int = 0
+
+    @classmethod
+    def of(cls, loaded: Any) -> "EngineModel":
+        """From a parallm.models.LoadedModel."""
+        return cls(loaded.model, tuple(int(t) for t in loaded.eos_token_ids), int(loaded.max_model_len),
+                   int(loaded.vocab_size or 0))
+
+    def resolved_vocab_size(self) -> int:
+        if self.vocab_size:
+            return int(self.vocab_size)
+        v = getattr(getattr(self.module, "args", None), "vocab_size", None)
+        if v:
+            return int(v)
+        return int(self.module(mx.array([[0]])).shape[-1])
