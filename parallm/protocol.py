@@ -668,6 +668,8 @@ class Decoder:
             message = self._decoder.decode(data)
         except (msgspec.DecodeError, msgspec.ValidationError) as exc:
             raise ProtocolError(str(exc)) from None
+        except RecursionError:
+            raise ProtocolError("the frame nests maps or arrays too deeply") from None
         if message.v != PROTOCOL_VERSION:
             raise ProtocolError(f"protocol version {message.v} is not supported (this server speaks "
                                 f"{PROTOCOL_VERSION})")

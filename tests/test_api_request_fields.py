@@ -93,3 +93,57 @@ def test_n_is_limited_by_the_engines_rows(route):
     assert client.post(route, json={**ROUTES[route], "n": 4}).status_code == 200
     r = client.post(route, json={**ROUTES[route], "n": 5})
     assert r.status_code == 400 and r.json()["error"]["param"] == "n" and "max_num_seqs" in r.json()["error"]["message"]
+
+
+# --------------------------------------------------------------------------- hostile bodies: a 400, never a 500
+
+def test_invalid_utf8_is_a_400():
+    client, _ = make()
+    r = client.post("/v1/completions", content=b'{"prompt": "\xff\xfe", "max_tokens": 2}',
+                    headers={"content-type": "application/json"})
+    assert r.status_code == 400 and "UTF-8" in r.json()["error"]["message"], r.text
+
+
+@pytest.mark.parametrize("route", ROUTES)
+def test_json_nested_100k_deep_even_in_an_ignored_field_is_a_400(route):
+    client, _ = make()
+    body = b'{"max_tokens": 2, "ignored": ' + b"[" * 100_000 + b"]" * 100_000 + b"}"
+    r = client.post(route, content=body, headers={"content-type": "application/json"})
+    assert r.status_code == 400 and "deeply" in r.json()["error"]["message"], r.text
+
+
+@pytest.mark.parametrize("route, field, value", [
+    ("/v1/completions", "seed", 2**63), ("/v1/completions", "seed", -2**63 - 1), ("/v1/completions", "top_k", 2**31),
+    ("/v1/completions", "stop_token_ids", [2**40]), ("/v1/completions", "n", 2**70),
+    ("/v1/completions", "max_tokens", 2**70), ("/v1/completions", "min_tokens", 2**70),
+    ("/v1/completions", "prompt", [1, 2**40]),
+    ("/v1/chat/completions", "chat_template_kwargs", {"a": [2**70]}),
+    ("/v1/chat/completions", "max_completion_tokens", 2**70),
+    ("/generate", "seed", 2**63), ("/generate", "policy_version", 2**70), ("/generate", "step_id", 2**70),
+    ("/generate", "request_id", -2**70), ("/generate", "prompt_token_ids", [2**40]),
+    ("/generate/", "prompts", [[1, 2**40]]), ("/generate/", "truncate_prompt_tokens", 2**70),
+])
+def test_integers_past_their_real_range_are_400_naming_the_field(route, field, value):
+    client, backend = make()
+    base = {"/generate": {"prompt": [1, 2], "max_tokens": 2}}.get(route, ROUTES[route])
+    if field == "prompt_token_ids":
+        base = {"max_tokens": 2}
+    r = client.post(route, json={**base, field: value})
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"].split("[")[0].split(".")[0] == field, r.text
+    assert not backend.submits
+
+
+def test_seed_takes_every_signed_64_bit_value():
+    client, backend = make()
+    for seed in (-2**63, 2**63 - 1):
+        assert client.post("/v1/completions", json={**ROUTES["/v1/completions"], "seed": seed}).status_code == 200
+    assert backend.submits[-1].spec.params.seed == 2**63 - 1
+
+
+def test_tool_call_arguments_past_64_bits_are_a_400():
+    client, _ = make()
+    messages = [{"role": "assistant", "content": None, "tool_calls": [{"id": "c", "type": "function",
+                 "function": {"name": "f", "arguments": "{}"}, "extra": 2**70}]}, {"role": "user", "content": "x"}]
+    r = client.post("/v1/chat/completions", json={"messages": messages, "max_tokens": 2})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "messages[0].tool_calls", r.text

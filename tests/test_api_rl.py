@@ -196,7 +196,7 @@ def test_policy_requirements_pass_through_on_every_route():
 # --------------------------------------------------------------------------- errors
 
 @pytest.mark.parametrize("body,param", [
-    ({"prompt": {"prompt_token_ids": [1, -2]}}, "prompt.prompt_token_ids"),
+    ({"prompt": {"prompt_token_ids": [1, -2]}}, "prompt.prompt_token_ids[1]"),
     ({"prompt": {"prompt_token_ids": [1, "a"]}}, "prompt.prompt_token_ids[1]"),
     ({"prompt": {"prompt_token_ids": []}}, "prompt.prompt_token_ids"),
     ({"prompt": {"prompt_token_ids": [1], "prompt": "x"}}, "prompt"),
@@ -209,12 +209,12 @@ def test_policy_requirements_pass_through_on_every_route():
     ({"prompt": "x", "temperature": -1}, "temperature"),
     ({"prompt": "x", "max_tokens": 0}, "max_tokens"),
     ({"prompt": "x", "stream": True}, "stream"),
-    ({"prompts": [[1, -5]]}, "prompts[0]"),
+    ({"prompts": [[1, -5]]}, "prompts[0][1]"),
     ({"prompts": []}, "prompts"),
     ({"prompts": ["x"], "guided_decoding_regex": "a+"}, "guided_decoding_regex"),
     ({"prompts": ["x"], "images": ["data"]}, "images"),
     ({"prompts": ["x"], "generation_kwargs": {"beam_width": 2}}, "generation_kwargs"),
-    ({"prompt": [1, -1], "request_id": "a"}, "prompt"),
+    ({"prompt": [1, -1], "request_id": "a"}, "prompt[1]"),
     ({"prompt": "x", "policy_version": 1, "n": 2}, "n"),
     ({"prompt": "x", "step_id": 1, "min_tokens": 50, "max_tokens": 3}, "min_tokens"),
 ])

@@ -117,9 +117,9 @@ def test_token_ids_past_int32_are_a_400_not_a_500():
     # found by tests/e2e/test_fuzz.py: pack_ids overflowed on {"tokens": [2147483648]}
     client, backend = make()
     r = client.post("/v1/detokenize", json={"tokens": [2**31]})
-    assert r.status_code == 400 and r.json()["error"]["param"] == "tokens"
+    assert r.status_code == 400 and r.json()["error"]["param"] == "tokens[0]"
     r = client.post("/v1/completions", json={"model": MODEL, "prompt": [1, 2**31], "max_tokens": 2})
-    assert r.status_code == 400 and r.json()["error"]["param"] == "prompt"
+    assert r.status_code == 400 and r.json()["error"]["param"].startswith("prompt")
     r = client.post("/v1/completions", json={**BODY, "logit_bias": {str(2**40): 1}})
     assert r.status_code == 400 and r.json()["error"]["param"] == "logit_bias"
     assert not backend.submits

@@ -77,3 +77,15 @@ def test_per_sequence_items_omit_defaults():
     raw = msgpack.unpackb(p.encode(p.StepOutputs(step=1, time=0.0, batch_size=1,
                                                  outputs=[p.SeqDelta(rid="a", token_ids=p.pack_ids([3]))])))
     assert raw["outputs"] == [{"rid": "a", "token_ids": p.pack_ids([3])}]
+
+
+@pytest.mark.parametrize("accepted", [p.EngineInbound, p.TokenizerInbound, p.DetokInbound, p.ClientInbound,
+                                      p.RouterInbound, p.SupervisorInbound, p.ControlMessage])
+def test_a_frame_nested_100k_deep_is_a_protocol_error(accepted):
+    """One valid msgpack frame (300 KB, a map nested 100,000 deep) must not escape the decoder."""
+    deep = b"\x81\xa1a" * 100_000 + b"\xc0"
+    frame = msgpack.packb({"type": "submit", "v": 2, "rid": "x", "reply_to": b"x", "prompt_ids": b"",
+                           "spec": {"metadata": {}}})[:-1] + deep
+    for data in (deep, frame):
+        with pytest.raises(p.ProtocolError):
+            p.Decoder(accepted).decode(data)

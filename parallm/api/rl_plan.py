@@ -17,7 +17,7 @@ from parallm.api.errors import APIError, from_validation, invalid
 from parallm.api.rl_schemas import (MlxRlGenerateRequest, RLSampling, Shape, TokensPrompt, TrlGenerateRequest,
                                     VllmGenerateRequest)
 from parallm.api.translate import request_spec
-from parallm.api.validate import Limits, check_n, check_not_supported, max_tokens, stop_strings, unsupported
+from parallm.api.validate import MAX_TOKEN_ID, Limits, check_n, check_not_supported, max_tokens, stop_strings, unsupported
 from parallm.protocol import DetokSpec, SamplingParams, TextSubmit, pack_ids
 
 Prompt = str | list[int]
@@ -68,9 +68,9 @@ def parse(shape: Shape, body: dict[str, Any]) -> Any:
 def _ids(value: list[int], param: str) -> list[int]:
     if not value:
         raise invalid(f"{param} must not be an empty list of token ids.", param)
-    bad = next((t for t in value if t < 0), None)
+    bad = next((t for t in value if not 0 <= t <= MAX_TOKEN_ID), None)
     if bad is not None:
-        raise invalid(f"{param} has a negative token id ({bad}).", param)
+        raise invalid(f"{param} has a token id that is negative or past {MAX_TOKEN_ID} ({bad}).", param)
     return list(value)
 
 

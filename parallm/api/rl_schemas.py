@@ -15,7 +15,7 @@ from typing import Annotated, Any, Literal
 
 from msgspec import Meta, Struct
 
-from parallm.api.schemas import INT32, MAX_LOGPROBS, PRIORITY_DOC, NonNegInt, NotYetSupported
+from parallm.api.schemas import INT32, MAX_LOGPROBS, PRIORITY_DOC, Int64, NonNegInt, NotYetSupported, TokenId
 
 Shape = Literal["vllm", "trl", "mlx_rl"]
 
@@ -36,16 +36,16 @@ def shape_of(body: dict[str, Any]) -> Shape:
 class RLSampling(NotYetSupported, kw_only=True):
     """Sampling fields shared by every /generate shape (vLLM's SamplingParams names and defaults)."""
 
-    n: Annotated[int, Meta(ge=1)] = 1
+    n: Annotated[int, Meta(ge=1, lt=INT32)] = 1
     temperature: Annotated[float, Meta(ge=0.0, le=2.0)] = 1.0
     top_p: Annotated[float, Meta(gt=0.0, le=1.0)] = 1.0
-    top_k: Annotated[int, Meta(ge=-1)] = -1
+    top_k: Annotated[int, Meta(ge=-1, lt=INT32)] = -1
     min_p: Annotated[float, Meta(ge=0.0, le=1.0)] = 0.0
     repetition_penalty: Annotated[float, Meta(gt=0.0)] = 1.0
     presence_penalty: Annotated[float, Meta(ge=-2.0, le=2.0)] = 0.0
     frequency_penalty: Annotated[float, Meta(ge=-2.0, le=2.0)] = 0.0
-    seed: int | None = None
-    max_tokens: Annotated[int, Meta(ge=1)] | None = None
+    seed: Int64 | None = None
+    max_tokens: Annotated[int, Meta(ge=1, lt=INT32)] | None = None
     min_tokens: NonNegInt = 0
     stop: str | list[str] | None = None
     stop_token_ids: list[NonNegInt] | None = None
@@ -64,7 +64,7 @@ class RLSampling(NotYetSupported, kw_only=True):
 class TokensPrompt(Struct, kw_only=True):
     """vLLM's TokensPrompt / TextPrompt: `{"prompt_token_ids": [...]}` or `{"prompt": "text"}`."""
 
-    prompt_token_ids: list[int] | None = None
+    prompt_token_ids: list[TokenId] | None = None
     prompt: str | None = None
 
 
@@ -72,19 +72,19 @@ class VllmGenerateRequest(RLSampling, kw_only=True):
     """vLLM's /generate (vllm/entrypoints/api_server.py), as Atropos posts it."""
 
     prompt: str | TokensPrompt | list[str | TokensPrompt] | None = None
-    prompt_token_ids: list[int] | None = None
+    prompt_token_ids: list[TokenId] | None = None
     logprobs: Annotated[int, Meta(ge=0, le=MAX_LOGPROBS)] | None = None
-    max_tokens: Annotated[int, Meta(ge=1)] | None = 16
+    max_tokens: Annotated[int, Meta(ge=1, lt=INT32)] | None = 16
     prompt_logprobs: Any = None  # Atropos' get_logprobs asks for it; not served on /generate yet (a 400)
 
 
 class TrlGenerateRequest(RLSampling, kw_only=True):
     """TRL's VLLMClient.generate body (`trl vllm-serve` POST /generate/)."""
 
-    prompts: Annotated[list[str | list[int]], Meta(min_length=1)]
+    prompts: Annotated[list[str | list[TokenId]], Meta(min_length=1)]
     images: list[Any] | None = None
-    max_tokens: Annotated[int, Meta(ge=1)] | None = 16
-    truncate_prompt_tokens: Annotated[int, Meta(ge=1)] | None = None
+    max_tokens: Annotated[int, Meta(ge=1, lt=INT32)] | None = 16
+    truncate_prompt_tokens: Annotated[int, Meta(ge=1, lt=INT32)] | None = None
     guided_decoding_regex: str | None = None
     structured_outputs_regex: str | None = None  # TRL >= 0.20's name for guided_decoding_regex
     generation_kwargs: dict[str, Any] | None = None
@@ -93,11 +93,11 @@ class TrlGenerateRequest(RLSampling, kw_only=True):
 class MlxRlGenerateRequest(RLSampling, kw_only=True):
     """The MLX RL Inference Server's /generate: one prompt, metadata echoed back."""
 
-    prompt: str | list[int]
-    logprobs: int | bool | None = None
-    policy_version: int | None = None
-    step_id: int | str | None = None
-    request_id: str | int | None = None
+    prompt: str | list[TokenId]
+    logprobs: bool | Annotated[int, Meta(ge=0, le=MAX_LOGPROBS)] | None = None
+    policy_version: Int64 | None = None
+    step_id: Int64 | str | None = None
+    request_id: str | Int64 | None = None
 
 
 class PauseRequest(Struct, kw_only=True):

@@ -21,6 +21,12 @@ def _d(text: str, **constraints: Any) -> Meta:
 
 MAX_LOGPROBS = 20
 INT32 = 2**31
+# Every integer field has its real range: int32 for what the engine takes as int32 (counts, token
+# ids), int64 for seeds and client metadata (msgspec's bounds stop at int64).
+Int32 = Annotated[int, Meta(ge=-INT32, lt=INT32)]
+Count = Annotated[int, Meta(ge=0, lt=INT32)]
+TokenId = Count
+Int64 = Annotated[int, Meta(ge=-2**63, le=2**63 - 1)]
 PRIORITY_DOC = "lower is served first (vLLM's convention); a waiting request ages toward 0, see docs/scheduling.md"
 
 # --------------------------------------------------------------------------- requests
@@ -54,7 +60,7 @@ class ResponseFormat(Struct, kw_only=True):
 
 Penalty = Annotated[float, _d("in [-2, 2]", ge=-2.0, le=2.0)]
 Bias = Annotated[float, Meta(ge=-100.0, le=100.0)]
-NonNegInt = Annotated[int, Meta(ge=0)]
+NonNegInt = Count
 
 
 class NotYetSupported(Struct, kw_only=True):
@@ -84,24 +90,24 @@ class SamplingRequest(NotYetSupported, kw_only=True):
     """Fields shared by /v1/completions and /v1/chat/completions."""
 
     model: Annotated[str | None, _d("the served model id (GET /v1/models); omitted: the served model")] = None
-    max_tokens: Annotated[int, _d("tokens to generate at most; omitted: the server default", ge=0)] | None = None
+    max_tokens: Annotated[int, _d("tokens to generate at most; omitted: the server default", ge=0, lt=INT32)] | None = None
     temperature: Annotated[float, _d("0 = greedy", ge=0.0, le=2.0)] | None = None
     top_p: Annotated[float, Meta(gt=0.0, le=1.0)] | None = None
-    n: Annotated[int, _d("choices to generate per prompt, at most the engine's max_num_seqs", ge=1)] = 1
+    n: Annotated[int, _d("choices to generate per prompt, at most the engine's max_num_seqs", ge=1, lt=INT32)] = 1
     stream: bool = False
     stream_options: StreamOptions | None = None
     stop: Annotated[str | list[str] | None, _d("stop strings (any number); not included in the output")] = None
-    seed: int | None = None
+    seed: Annotated[int, _d("a signed 64-bit integer", ge=-2**63, le=2**63 - 1)] | None = None
     presence_penalty: Penalty | None = None
     frequency_penalty: Penalty | None = None
     logit_bias: Annotated[dict[int, Bias] | None, _d("token id -> bias in [-100, 100]")] = None
     user: str | None = None
     response_format: ResponseFormat | None = None
     # vLLM extensions
-    top_k: Annotated[int, _d("keep the k most likely tokens; 0 or -1: off", ge=-1)] | None = None
+    top_k: Annotated[int, _d("keep the k most likely tokens; 0 or -1: off", ge=-1, lt=INT32)] | None = None
     min_p: Annotated[float, Meta(ge=0.0, le=1.0)] | None = None
     repetition_penalty: Annotated[float, Meta(gt=0.0)] | None = None
-    min_tokens: Annotated[int, _d("tokens generated before eos or a stop may end the sequence", ge=0)] = 0
+    min_tokens: Annotated[int, _d("tokens generated before eos or a stop may end the sequence", ge=0, lt=INT32)] = 0
     ignore_eos: bool = False
     stop_token_ids: list[NonNegInt] | None = None
     skip_special_tokens: bool = True
@@ -120,7 +126,7 @@ class SamplingRequest(NotYetSupported, kw_only=True):
                                      ge=-1, lt=INT32)] = -1
 
 
-PromptItem = str | int | list[int]
+PromptItem = str | TokenId | list[TokenId]
 
 
 class CompletionRequest(SamplingRequest, kw_only=True):
@@ -131,12 +137,12 @@ class CompletionRequest(SamplingRequest, kw_only=True):
     logprobs: Annotated[int, _d("logprobs of the sampled tokens and this many alternatives",
                                 ge=0, le=MAX_LOGPROBS)] | None = None
     suffix: Annotated[str | None, _d("not supported")] = None
-    best_of: Annotated[int, _d("only best_of == n is supported", ge=1)] | None = None
+    best_of: Annotated[int, _d("only best_of == n is supported", ge=1, lt=INT32)] | None = None
 
 
 class ChatCompletionRequest(SamplingRequest, kw_only=True):
     messages: Annotated[list[ChatMessage], Meta(min_length=1)]
-    max_completion_tokens: Annotated[int, _d("OpenAI's newer name for max_tokens", ge=0)] | None = None
+    max_completion_tokens: Annotated[int, _d("OpenAI's newer name for max_tokens", ge=0, lt=INT32)] | None = None
     logprobs: bool | None = None
     top_logprobs: Annotated[int, Meta(ge=0, le=MAX_LOGPROBS)] | None = None
     tools: Annotated[list[dict[str, Any]] | None, _d("not supported")] = None

@@ -43,7 +43,8 @@ _decoders: dict[type, msgspec.json.Decoder] = {}
 
 
 def decode(body: bytes, kind: type[T]) -> T:
-    """Decode a JSON body into `kind` (unknown fields are ignored); malformed or mistyped -> 400."""
+    """Decode a JSON body into `kind` (unknown fields are ignored); malformed, mistyped, not UTF-8
+    or nested past what the decoder allows -> 400."""
     if not body.strip():
         raise invalid("The request body is empty; expected a JSON object.", code="invalid_json")
     decoder = _decoders.get(kind)
@@ -55,6 +56,27 @@ def decode(body: bytes, kind: type[T]) -> T:
         raise from_validation(exc) from None
     except msgspec.DecodeError as exc:
         raise from_decode(exc) from None
+    except UnicodeDecodeError:
+        raise invalid("The request body is not valid UTF-8.", code="invalid_json") from None
+    except RecursionError:
+        raise invalid("The request body nests arrays or objects too deeply.", code="invalid_json") from None
+
+
+def check_free_form(value: Any, param: str) -> None:
+    """Client JSON that travels on as it is (chat_template_kwargs, tool calls): every integer must
+    fit MessagePack's 64 bits, which carry it between the stages."""
+    stack = [value]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, bool):
+            continue
+        if isinstance(item, int):
+            if not -2**63 <= item < 2**64:
+                raise invalid(f"{param} holds an integer outside 64 bits ({item}).", param, code="invalid_value")
+        elif isinstance(item, dict):
+            stack.extend(item.values())
+        elif isinstance(item, list):
+            stack.extend(item)
 
 
 def unsupported(message: str, param: str) -> APIError:
@@ -176,6 +198,7 @@ def check_chat(req: ChatCompletionRequest, limits: Limits) -> int:
         raise unsupported("audio output is not supported.", "audio")
     if req.top_logprobs and not req.logprobs:
         raise invalid("when using `top_logprobs`, `logprobs` must be set to true.", "top_logprobs")
+    check_free_form(req.chat_template_kwargs, "chat_template_kwargs")
     check_messages(req.messages, req.add_generation_prompt, req.continue_final_message)
     return resolved
 
@@ -185,6 +208,8 @@ def check_messages(messages: list[Any], add_generation_prompt: bool, continue_fi
         raise invalid("Cannot set both `continue_final_message` and `add_generation_prompt` to True.",
                       "continue_final_message")
     for i, msg in enumerate(messages):
+        if msg.tool_calls is not None:
+            check_free_form(msg.tool_calls, f"messages[{i}].tool_calls")
         if not isinstance(msg.content, list):
             continue
         for j, part in enumerate(msg.content):
@@ -209,5 +234,6 @@ def check_tokenize(req: TokenizeRequest, limits: Limits) -> None:
         raise invalid("Give exactly one of prompt or messages.", "prompt")
     if req.continue_final_message:
         raise unsupported("continue_final_message is not supported by /v1/tokenize.", "continue_final_message")
+    check_free_form(req.chat_template_kwargs, "chat_template_kwargs")
     if req.messages is not None:
         check_messages(req.messages, req.add_generation_prompt, False)
