@@ -22,6 +22,16 @@ class StageSpec:
         return self.name if self.name != "tokenizer" else f"tokenizer-{self.replica}"
 
 
+def _write_all(fd: int, data: bytes) -> None:
+    """Write `data` to a pipe and close it (a thread: a config larger than the pipe buffer must not
+    block the supervisor until the stage reads it)."""
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+    except OSError:  # the stage died before reading it: its exit is handled like any other
+        pass
+
+
 def _pump(stream: IO[bytes], prefix: str, out: IO[str]) -> None:
     for raw in iter(stream.readline, b""):
         line = raw.decode("utf-8", "replace").rstrip("\n")
@@ -47,13 +57,23 @@ class StageProcess:
     backoff: float = 0.0
     finished: bool = False          # an off-path stage (the trainer) that exited 0: done, not restarted
 
-    def start(self, config_file: str, parent_read_fd: int, log_out: IO[str]) -> None:
+    def start(self, config: bytes, parent_read_fd: int, log_out: IO[str]) -> None:
+        """Start the stage; its configuration (API keys included) goes through a pipe, never a file."""
+        config_read, config_write = os.pipe()
         cmd = [sys.executable, "-m", "parallm.stages", self.spec.name, "--replica", str(self.spec.replica),
-               "--config-file", config_file, "--parent-fd", str(parent_read_fd)]
+               "--config-fd", str(config_read), "--parent-fd", str(parent_read_fd)]
         env = dict(self.spec.env or os.environ)
         env["PYTHONUNBUFFERED"] = "1"
-        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env,
-                                     pass_fds=(parent_read_fd,), start_new_session=True)
+        try:
+            self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env,
+                                         pass_fds=(parent_read_fd, config_read), start_new_session=True)
+        except OSError:
+            os.close(config_write)
+            raise
+        finally:
+            os.close(config_read)
+        threading.Thread(target=_write_all, args=(config_write, config), daemon=True,
+                         name=f"config-{self.spec.label}").start()
         self.pid = self.proc.pid
         self.started_at = self.last_beat = time.monotonic()
         self.ready = False

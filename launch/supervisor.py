@@ -12,12 +12,9 @@ from __future__ import annotations
 
 import logging
 import os
-import shutil
 import signal
 import sys
-import tempfile
 import time
-from pathlib import Path
 from typing import IO
 
 import msgspec
@@ -28,6 +25,7 @@ from parallm.config import Config
 from parallm.transport import Receiver, Sender, addresses, open_socket
 
 from .process import StageProcess, StageSpec
+from .rundir import RunDir
 
 log = logging.getLogger("parallm.supervisor")
 
@@ -79,27 +77,25 @@ class Supervisor:
         self.config = config
         self.log_out = log_out or sys.stderr
         self.stages: list[StageProcess] = []
-        self._own_run_dir: str | None = None
+        self._run_dir: RunDir | None = None
         self._stop_requested = 0
         self._draining_until: float | None = None
 
     # ------------------------------------------------------------------ setup
     def _prepare(self) -> None:
         transport = self.config.transport
-        run_dir = transport.run_dir
-        if not run_dir:
-            run_dir = tempfile.mkdtemp(prefix="parallm-")
-            self._own_run_dir = run_dir
-        Path(run_dir).mkdir(parents=True, exist_ok=True)
+        try:
+            self._run_dir = RunDir(transport.run_dir)
+        except OSError as exc:
+            raise StartupError(f"cannot use run dir {transport.run_dir!r}: {exc}") from None
         model = self._resolve_model()
         self.config = msgspec.structs.replace(
             self.config,
-            transport=msgspec.structs.replace(transport, run_dir=run_dir),
+            transport=msgspec.structs.replace(transport, run_dir=self._run_dir.path),
             model=model,
         )
-        self.run_dir = run_dir
-        self.config_file = os.path.join(run_dir, "config.msgpack")
-        Path(self.config_file).write_bytes(self.config.encode())
+        self.run_dir = self._run_dir.path
+        self.config_bytes = self.config.encode()  # handed to each stage through a pipe: no secret on disk
         self.addrs = addresses(self.config)
 
     def _resolve_model(self):
@@ -130,6 +126,8 @@ class Supervisor:
             self._prepare()
         except StartupError as exc:
             print(f"parallm-launch: {exc}", file=sys.stderr)
+            if self._run_dir is not None:
+                self._run_dir.close()
             return 2
         self.ctx = zmq.Context()
         self.inbox = Receiver(open_socket(self.ctx, zmq.PULL, self.addrs.supervisor, bind=True),
@@ -163,7 +161,7 @@ class Supervisor:
         self._stop_requested += 1
 
     def _start_and_wait(self, stage: StageProcess) -> None:
-        stage.start(self.config_file, self._parent_read, self.log_out)
+        stage.start(self.config_bytes, self._parent_read, self.log_out)
         deadline = time.monotonic() + self.config.supervisor.ready_timeout_s
         while time.monotonic() < deadline:
             if self._stop_requested:
@@ -183,9 +181,11 @@ class Supervisor:
         return next((s for s in self.stages if s.spec.name == name and s.spec.replica == replica), None)
 
     def _handle(self, message) -> None:
+        """A message from a stage: believed only from the process the supervisor started for it."""
         stage = self._find(message.stage, message.replica)
-        pid = getattr(message, "pid", 0)
-        if stage is None or pid and pid != stage.pid:
+        if stage is None or stage.proc is None or message.pid != stage.pid:
+            log.warning("ignored a %s claiming to be %s %d from pid %d", type(message).__name__, message.stage,
+                        message.replica, message.pid)
             return
         now = time.monotonic()
         stage.last_beat = now
@@ -215,8 +215,8 @@ class Supervisor:
             while message is not None:
                 try:
                     self._handle(message)
-                except StartupError as exc:
-                    log.error("%s", exc)
+                except Exception:  # noqa: BLE001 - no message may stop the supervisor
+                    log.exception("could not handle a %s", type(message).__name__)
                 message = next(self.inbox.drain(1), None)
             now = time.monotonic()
             for stage in self.stages:
@@ -260,7 +260,7 @@ class Supervisor:
 
     def _restart(self, stage: StageProcess) -> None:
         log.info("starting %s again (restart %d)", stage.spec.label, stage.restarts)
-        stage.start(self.config_file, self._parent_read, self.log_out)
+        stage.start(self.config_bytes, self._parent_read, self.log_out)
 
     # ------------------------------------------------------------------ drain / stop
     def _begin_drain(self) -> None:
@@ -294,5 +294,5 @@ class Supervisor:
         self.inbox.close()
         self.control.close()
         self.ctx.term()
-        if self._own_run_dir:
-            shutil.rmtree(self._own_run_dir, ignore_errors=True)
+        if self._run_dir is not None:
+            self._run_dir.close()

@@ -603,6 +603,7 @@ class Fatal(Message, tag="fatal"):
 
     stage: str
     replica: int = 0
+    pid: int = 0
     message: str = ""
 
 

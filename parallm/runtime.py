@@ -86,7 +86,8 @@ class StageRuntime:
         log.info("%s %d ready", self.stage, self.replica)
 
     def fatal(self, message: str) -> None:
-        self._to_supervisor.send(protocol.Fatal(stage=self.stage, replica=self.replica, message=message))
+        self._to_supervisor.send(protocol.Fatal(stage=self.stage, replica=self.replica, pid=os.getpid(),
+                                                message=message))
         time.sleep(0.2)  # let the frame leave before the process exits
 
     def heartbeat(self, in_flight: Callable[[], int] | None = None, *, force: bool = False) -> None:

@@ -102,7 +102,10 @@ def open_socket(ctx: zmq.Context, kind: int, address: str | list[str] | tuple[st
                 path = target[len("ipc://"):]
                 if os.path.exists(path):
                     os.unlink(path)
-            sock.bind(target)
+                sock.bind(target)
+                os.chmod(path, 0o600)  # only this user may connect (the run dir is 0700 too)
+            else:
+                sock.bind(target)
         else:
             sock.connect(target)
     return sock

@@ -1,9 +1,14 @@
-"""Entry point of every stage process: `python -m parallm.stages <name> --config-file F [--replica N]`."""
+"""Entry point of every stage process: `python -m parallm.stages <name> --config-fd N [--replica N]`.
+
+The supervisor writes the encoded configuration into the pipe `--config-fd` (it holds the API keys,
+so it is never written to a file); `--config-file F` reads one from a file instead, for running a
+stage by hand."""
 
 from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
 from pathlib import Path
 
@@ -17,11 +22,17 @@ def main() -> int:
     parser = argparse.ArgumentParser(prog="python -m parallm.stages")
     parser.add_argument("stage", choices=STAGES)
     parser.add_argument("--replica", type=int, default=0)
-    parser.add_argument("--config-file", required=True)
+    source = parser.add_mutually_exclusive_group(required=True)
+    source.add_argument("--config-fd", type=int)
+    source.add_argument("--config-file")
     parser.add_argument("--parent-fd", type=int, default=None)
     args = parser.parse_args()
     die_with_parent(args.parent_fd)
-    config = Config.decode(Path(args.config_file).read_bytes())
+    if args.config_fd is not None:
+        with os.fdopen(args.config_fd, "rb") as pipe:
+            config = Config.decode(pipe.read())
+    else:
+        config = Config.decode(Path(args.config_file).read_bytes())
     setup_logging(config.log_level, args.stage)
     module = importlib.import_module(f"parallm.stages.{args.stage}")
     return module.main(config, args.replica)

@@ -1,0 +1,93 @@
+"""A local attacker's tries at the control plane of a real server (issue 22's regression tests)."""
+
+from __future__ import annotations
+
+import os
+import stat
+import time
+
+import httpx
+import msgpack
+import pytest
+import zmq
+
+from parallm import protocol
+
+from .server import Server
+
+pytestmark = pytest.mark.e2e
+
+KEY = "sk-e2e-secret-0123456789"
+
+
+@pytest.fixture(scope="module")
+def keyed():
+    with Server("--api-key", KEY, "--supervisor.restart-backoff-s", "0.2") as srv:
+        yield srv
+
+
+def test_the_run_dir_is_private_holds_no_secret_and_is_cleaned_at_exit():
+    srv = Server("--api-key", KEY)
+    srv.start()
+    try:
+        run = srv.run_dir
+        assert stat.S_IMODE(os.stat(run).st_mode) == 0o700
+        names = sorted(os.listdir(run))
+        assert "config.msgpack" not in names and "supervisor.pid" in names
+        for name in names:
+            path = os.path.join(run, name)
+            assert stat.S_IMODE(os.stat(path).st_mode) == 0o600, name
+            if not name.endswith(".sock"):
+                assert KEY not in open(path, errors="ignore").read()
+        assert httpx.get(f"{srv.url}/v1/models", headers={"Authorization": f"Bearer {KEY}"}).status_code == 200
+    finally:
+        srv.proc.terminate()
+        srv.proc.wait(60)
+    assert not [n for n in os.listdir(srv.run_dir) if n.endswith(".sock") or n == "supervisor.pid"]
+    srv.stop()
+
+
+def _deep_frame(kind: str) -> bytes:
+    deep = b"\x81\xa1a" * 100_000 + b"\xc0"
+    return msgpack.packb({"type": kind, "v": 2, "stage": "engine", "pid": 0, "stats": {}})[:-1] + deep
+
+
+def test_a_frame_nested_100k_deep_on_every_socket_stops_nothing(keyed):
+    pids = keyed.stage_pids()
+    run = keyed.run_dir
+    ctx = zmq.Context()
+    try:
+        for name, kind in (("engine", zmq.PUSH), ("tokenizer-0", zmq.PUSH), ("detok", zmq.PUSH),
+                           ("supervisor", zmq.PUSH), ("training", zmq.PUSH), ("router", zmq.DEALER),
+                           ("adapters", zmq.PUB)):
+            sock = ctx.socket(kind)
+            sock.setsockopt(zmq.LINGER, 2000)
+            sock.connect(f"ipc://{run}/{name}.sock")
+            if kind == zmq.PUB:
+                time.sleep(0.3)  # the SUB side learns of the new publisher
+            for frame in (_deep_frame("heartbeat"), _deep_frame("submit"), b"\x81\xa1a" * 100_000 + b"\xc0"):
+                sock.send(frame)
+            sock.close()
+    finally:
+        ctx.term()
+    time.sleep(2)
+    assert keyed.proc.poll() is None, "the supervisor stopped"
+    assert keyed.stage_pids() == pids, "a stage died or was restarted"
+    r = httpx.post(f"{keyed.url}/v1/completions", headers={"Authorization": f"Bearer {KEY}"},
+                   json={"prompt": "Hi", "max_tokens": 2}, timeout=120)
+    assert r.status_code == 200, r.text
+
+
+def test_a_forged_heartbeat_restarts_no_stage(keyed):
+    pids = keyed.stage_pids()
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.PUSH)
+    sock.setsockopt(zmq.LINGER, 2000)
+    sock.connect(f"ipc://{keyed.run_dir}/supervisor.sock")
+    for pid in (0, 1, pids["engine"] + 1):
+        sock.send(protocol.encode(protocol.Heartbeat(stage="engine", pid=pid, loop_age_s=1e9)))
+        sock.send(protocol.encode(protocol.Fatal(stage="engine", pid=pid, message="forged")))
+    sock.close()
+    ctx.term()
+    time.sleep(3)
+    assert keyed.stage_pids() == pids and keyed.proc.poll() is None
