@@ -26,21 +26,9 @@ from parallm.protocol import DetokenizerStats, EngineStats
 PREFIX = "parallm"
 CONTENT_TYPE = CONTENT_TYPE_LATEST
 
-# routes are labelled by their template; anything else is "other" (a fuzzer must not mint labels)
-KNOWN_ROUTES = ("/v1/completions", "/v1/chat/completions", "/v1/models", "/v1/tokenize", "/v1/detokenize",
-                "/health", "/livez", "/readyz", "/metrics", "/openapi.json", "/v1/training/status")
-
 TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
 ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5)
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
-
-
-def route_label(path: str) -> str:
-    if path in KNOWN_ROUTES:
-        return path
-    if path.startswith("/v1/models/"):
-        return "/v1/models/{model}"
-    return "other"
 
 
 class _Snapshots:

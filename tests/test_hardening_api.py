@@ -10,7 +10,7 @@ from parallm.api.app import build_app
 from parallm.api.auth import BearerAuth
 from parallm.api.backend import BackendError
 from parallm.config import ServerConfig, build_config
-from parallm.metrics import ServerMetrics, route_label
+from parallm.metrics import ServerMetrics
 from parallm.protocol import DetokenizerStats, EngineStats
 from test_api_fakes import MODEL, FakeBackend
 
@@ -100,8 +100,52 @@ def test_metrics_count_requests_by_route_and_status():
 
 
 def test_route_labels_do_not_grow_with_paths():
-    assert route_label("/v1/models/some/model") == "/v1/models/{model}"
-    assert route_label("/x" * 50) == "other"
+    metrics = ServerMetrics()
+    client, _ = make(metrics=metrics)
+    client.get("/v1/models/some/model")
+    client.get("/x" * 50)
+    client.delete("/v1/adapters/a/b")
+    client.post("/v1/pause")
+    text = client.get("/metrics").text
+    for label in ('route="/v1/models/{model}"', 'route="other"', 'route="/v1/adapters/{name}"', 'route="/v1/pause"'):
+        assert label in text, label
+    assert "/x/x" not in text and "some/model" not in text
+
+
+def test_an_abandoned_stream_counts_as_499():
+    import asyncio
+
+    from parallm.api.http import DisconnectWatch, EventStream
+
+    metrics = ServerMetrics()
+
+    async def main() -> None:
+        queue: asyncio.Queue = asyncio.Queue()
+        await queue.put({"type": "http.request", "body": b"", "more_body": False})
+
+        async def events():
+            yield b"data: 1\n\n"
+            await queue.put({"type": "http.disconnect"})
+            await asyncio.sleep(10)
+            yield b"data: never\n\n"
+
+        from parallm.api.metrics import CountRequests
+
+        async def app(scope, receive, send):
+            await receive()
+            await EventStream(events(), DisconnectWatch(receive))(scope, receive, send)
+
+        sent = []
+
+        async def send(message):
+            sent.append(message)
+
+        scope = {"type": "http", "path": "/v1/completions", "method": "POST", "headers": []}
+        await asyncio.wait_for(CountRequests(app, metrics)(scope, queue.get, send), 5)
+        assert sent[0]["status"] == 200
+
+    asyncio.run(main())
+    assert 'parallm_http_requests_total{method="POST",route="other",status="499"} 1.0' in metrics.render().decode()
 
 
 def test_queue_full_is_a_retryable_503():

@@ -136,31 +136,28 @@ def build_app(backend: Backend, server: ServerConfig, metrics: ServerMetrics | N
     """
     metrics = metrics or ServerMetrics()
     gen = GenerationRoutes(backend, server, metrics)
-    routes = Routes(backend, server)
+    misc = Routes(backend, server)
     health = HealthRoutes(backend)
     keys = api_keys(server)
-    middleware = [Middleware(CountRequests, metrics=metrics)]
+    routes = [
+        Route("/v1/completions", endpoint(gen.completions), methods=["POST"]),
+        Route("/v1/chat/completions", endpoint(gen.chat), methods=["POST"]),
+        Route("/v1/models", endpoint(misc.models), methods=["GET"]),
+        Route("/v1/models/{model:path}", endpoint(misc.model), methods=["GET"]),
+        Route("/v1/tokenize", endpoint(misc.tokenize), methods=["POST"]),
+        Route("/v1/detokenize", endpoint(misc.detokenize), methods=["POST"]),
+        Route("/health", endpoint(health.health), methods=["GET"]),
+        Route("/livez", endpoint(health.livez), methods=["GET"]),
+        Route("/readyz", endpoint(health.readyz), methods=["GET"]),
+        Route("/metrics", endpoint(MetricsRoute(metrics).metrics_text), methods=["GET"]),
+        Route("/openapi.json", endpoint(misc.openapi_json), methods=["GET"]),
+        *rl_routes(backend, server, gen.gate, endpoint),
+        *adapters.routes(backend, server, endpoint),
+    ]
+    middleware = [Middleware(CountRequests, metrics=metrics, routes=routes)]
     if keys:
         middleware.append(Middleware(BearerAuth, keys=keys, exempt=tuple(server.auth_exempt_paths)))
-    app = Starlette(
-        routes=[
-            Route("/v1/completions", endpoint(gen.completions), methods=["POST"]),
-            Route("/v1/chat/completions", endpoint(gen.chat), methods=["POST"]),
-            Route("/v1/models", endpoint(routes.models), methods=["GET"]),
-            Route("/v1/models/{model:path}", endpoint(routes.model), methods=["GET"]),
-            Route("/v1/tokenize", endpoint(routes.tokenize), methods=["POST"]),
-            Route("/v1/detokenize", endpoint(routes.detokenize), methods=["POST"]),
-            Route("/health", endpoint(health.health), methods=["GET"]),
-            Route("/livez", endpoint(health.livez), methods=["GET"]),
-            Route("/readyz", endpoint(health.readyz), methods=["GET"]),
-            Route("/metrics", endpoint(MetricsRoute(metrics).metrics_text), methods=["GET"]),
-            Route("/openapi.json", endpoint(routes.openapi_json), methods=["GET"]),
-            *rl_routes(backend, server, gen.gate, endpoint),
-            *adapters.routes(backend, server, endpoint),
-        ],
-        middleware=middleware,
-        exception_handlers={HTTPException: _http_error},
-    )
+    app = Starlette(routes=routes, middleware=middleware, exception_handlers={HTTPException: _http_error})
     app.state.backend = backend
     app.state.generator = gen
     app.state.metrics = metrics

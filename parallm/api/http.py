@@ -24,6 +24,7 @@ log = logging.getLogger("parallm.api")
 T = TypeVar("T")
 
 _encoder = msgspec.json.Encoder()
+CLIENT_GONE = "parallm.client_gone"  # ASGI scope key: the client left before the answer was complete
 
 
 def json_response(body: Any, status: int = 200, headers: dict[str, str] | None = None) -> Response:
@@ -121,6 +122,7 @@ class EventStream(Response):
             await self.watch.race(self._pump(send))
         except (ClientGone, OSError):
             log.debug("client disconnected mid-stream")
+            scope[CLIENT_GONE] = True  # counted as 499, not as the 200 already sent (api/metrics.py)
         finally:
             aclose = getattr(self.events, "aclose", None)
             if aclose is not None:

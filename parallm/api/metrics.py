@@ -1,24 +1,37 @@
 """GET /metrics (Prometheus text format) and the middleware that counts every HTTP answer.
 
 The counting middleware sits outside authentication, so 401s are counted too; routes are
-labelled by template (unknown paths as "other"), never by the raw path.
+labelled by their template (a path no route matches as "other"), never by the raw path; a stream
+the client abandoned counts as 499, not as the 200 its first bytes carried.
 """
 
 from __future__ import annotations
 
+import re
+
 from starlette.requests import Request
 from starlette.responses import Response
+from starlette.routing import BaseRoute, Match
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from parallm.metrics import CONTENT_TYPE, ServerMetrics, route_label
+from parallm.api.http import CLIENT_GONE
+from parallm.metrics import CONTENT_TYPE, ServerMetrics
 
 
 class CountRequests:
     """ASGI middleware: parallm_http_requests_total{route, method, status} for every response."""
 
-    def __init__(self, app: ASGIApp, metrics: ServerMetrics) -> None:
+    def __init__(self, app: ASGIApp, metrics: ServerMetrics, routes: list[BaseRoute] | None = None) -> None:
         self.app = app
         self.metrics = metrics
+        self.routes = routes or []
+
+    def label(self, scope: Scope) -> str:
+        """The template of the route that serves `scope` (`{name:path}` written `{name}`), else "other"."""
+        for route in self.routes:
+            if route.matches(scope)[0] is not Match.NONE:
+                return re.sub(r"\{(\w+):\w+\}", r"{\1}", getattr(route, "path", "other"))
+        return "other"
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -35,8 +48,9 @@ class CountRequests:
         try:
             await self.app(scope, receive, counted)
         finally:
-            self.metrics.http_requests.labels(route_label(scope["path"]), scope["method"],
-                                              str(status or 499)).inc()
+            if scope.get(CLIENT_GONE):
+                status = 499
+            self.metrics.http_requests.labels(self.label(scope), scope["method"], str(status or 499)).inc()
 
 
 class MetricsRoute:
