@@ -14,7 +14,7 @@ from .server import Server
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
-CONFIG = Path(__file__).resolve().parents[2] / "perf" / "configs" / "train_length_cpu.toml"
+CONFIG = Path(__file__).resolve().parents[2] / "examples" / "train_length_cpu.toml"
 STEPS = 24
 
 
