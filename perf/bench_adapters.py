@@ -1,12 +1,12 @@
 """Adapter benchmark: publish -> first token under the new version, and mixed-batch throughput.
 
     PYTHONPATH=$PWD python -m perf.bench_adapters [--rows 16] [--tokens 48] [--publishes 30]
-    python -m perf.bench_adapters --shape smollm2-135m --tokenizer-dir DIR --name adapters-gpu   # on a GPU
+    python -m perf.bench_adapters --shape smollm2-135m --tokenizer-dir DIR --served   # on a GPU
 
 In-process engine on the default model (float32 on CPU), rank-16 LoRA on q_proj and v_proj of
-all layers (what the issue's goal names). Writes perf/results/adapters-cpu.{json,md}. With
-`--shape`, a random-weight model of that shape (perf.bench_gpu; the GPU machine has no model
-files) in its stored dtype instead, written to perf/results/<name>.{json,md}.
+all layers (what the issue's goal names). With `--shape`, a random-weight model of that shape
+(perf.bench_gpu; the GPU machine has no model files) in its stored dtype instead. Writes
+perf/results/adapters[-EXPERIMENT]-DEVICE.{json,md} (adapters-cpu, adapters-h100).
 
 - publish latency: safetensors bytes of a new version in hand -> `load_adapter` (parse, validate,
   cast, merge) -> the first token sampled under that version, (a) by a new request arriving with
@@ -26,7 +26,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import statistics
 import sys
 import time
@@ -40,8 +39,7 @@ from parallm.config import AdaptersConfig, Config, EngineConfig, ModelConfig
 from parallm.engine import Engine, EngineModel, make_request
 from parallm.models import load_model
 from parallm.protocol import SamplingParams
-
-OUT = Path(__file__).parent / "results"
+from perf.harness import Results, add_results_options, describe
 
 
 def lora_blob(model, rank: int, seed: int) -> tuple[dict, bytes]:
@@ -126,9 +124,9 @@ def served_publish_latency(model_dir: Path, publishes: int, streams: int = 8) ->
 
     from parallm.client import AsyncClient, ClientError
     from parallm.training.publisher import AdapterPublisher
-    from perf.bench_gpu import Served
+    from perf.bench_gpu import served
 
-    server = Served(model_dir, 32, ["--adapters.staleness-policy", "hold"], kv_budget_mb=2048)
+    server = served(model_dir, 32, ["--adapters.staleness-policy", "hold"], kv_budget_mb=2048)
     blobs = [lora_blob_for_dir(model_dir, k) for k in range(publishes + 1)]
 
     engine_side: dict = {}
@@ -225,9 +223,10 @@ def summary(xs: list[float]) -> dict:
             "min_ms": round(xs[0], 2), "max_ms": round(xs[-1], 2)}
 
 
-def report(r: dict) -> str:
-    lines = [f"# Adapters on {r.get('device', 'CPU')}", "", f"Command: `{r['command']}`  ", f"Machine: {r['machine']}; OpenBLAS preloaded: "
-             f"{r['openblas_preloaded']}; load average at start {tuple(round(x, 1) for x in r['loadavg_at_start'])}, "
+def report(r: dict, results: Results) -> str:
+    m = results.machine
+    lines = [f"# Adapters on {m['gpu'] or 'the CPU'}", "", f"Command: `{results.command}`  ",
+             f"Machine: {describe(m)}; load average at start {tuple(round(x, 1) for x in r['loadavg_at_start'])}, "
              f"at end {tuple(round(x, 1) for x in r['loadavg_at_end'])}.  ",
              f"Model: {r['model']}; adapter: {r['adapter']} ({r['blob_bytes']} bytes of safetensors).", "",
              f"## Decode throughput, {r['rows']} rows x {r['decode_tokens']} tokens", "",
@@ -258,16 +257,16 @@ def main() -> int:
     ap.add_argument("--shape", default="", help="a perf.bench_gpu shape with random weights instead of the default model")
     ap.add_argument("--tokenizer-dir", type=Path, help="with --shape: a directory with tokenizer.json etc.")
     ap.add_argument("--work-dir", type=Path, default=Path("/tmp/parallm-bench-gpu"))
-    ap.add_argument("--name", default="adapters-cpu", help="results file name (NAME.json, NAME.md)")
-    ap.add_argument("--out-dir", type=Path, default=OUT)
     ap.add_argument("--served", action="store_true", help="with --shape: also publish through parallm-launch")
+    add_results_options(ap)
     args = ap.parse_args()
+    results = Results.from_args("adapters", args)
     if args.shape:
-        from perf.bench_gpu import build_model_dir, device_name
+        from perf.bench_gpu import build_model_dir
 
         model_dir = build_model_dir(args.shape, args.work_dir / args.shape, args.tokenizer_dir)
         loaded = load_model(ModelConfig(path=str(model_dir)))
-        described = f"random weights of the {args.shape} shape, {loaded.dtype}, {device_name()}"
+        described = f"random weights of the {args.shape} shape, {loaded.dtype}"
     else:
         loaded = load_model(ModelConfig(dtype="float32"))
         described = "SmolLM2-135M (default), float32, CPU"
@@ -279,11 +278,7 @@ def main() -> int:
     def engine(merge_mb: int | None = None) -> Engine:
         return Engine(EngineModel(model, tuple(loaded.eos_token_ids), 2048, loaded.vocab_size), Config(engine=EngineConfig(max_num_seqs=32, prefix_cache=False, kv_budget_mb=2048), adapters=AdaptersConfig(merge_mb=merge_mb)))
 
-    res: dict = {"command": "PYTHONPATH=$PWD python -m perf.bench_adapters " + " ".join(sys.argv[1:]),
-                 "machine": f"{platform.machine()} {os.cpu_count()} cores, {platform.platform()}",
-                 "openblas_preloaded": blas.is_preloaded(),
-                 "loadavg_at_start": os.getloadavg(), "model": described, "mlx": mx.__version__,
-                 "device": str(mx.default_device()),
+    res: dict = {"loadavg_at_start": os.getloadavg(), "model": described,
                  "adapter": f"LoRA rank 16 on q_proj+v_proj of all {len(model.layers)} layers", "rows": args.rows,
                  "decode_tokens": args.tokens, "bare_pass_ms": bare}
     e = engine()
@@ -325,9 +320,7 @@ def main() -> int:
         res["served_publish_to_first_token_idle_engine"] = summary(lat)
         res["served_engine_idle"] = engine_side
     res["loadavg_at_end"] = os.getloadavg()
-    args.out_dir.mkdir(parents=True, exist_ok=True)
-    (args.out_dir / f"{args.name}.json").write_text(json.dumps(res, indent=2))
-    (args.out_dir / f"{args.name}.md").write_text(report(res))
+    results.write(res, report(res, results))
     print(json.dumps(res, indent=2))
     return 0
 

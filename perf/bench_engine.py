@@ -10,7 +10,7 @@ Measures, in one run and on the same loaded model object:
 Every workload is greedy or fixed-seed, EOS suppressed (ignore_eos / no stop tokens), so all
 runs do equal work. Each point is the median of repeats (the machine may be shared).
 
-    python -m perf.bench_engine [--quick] [--out perf/results/engine-cpu.json]
+    python -m perf.bench_engine [--quick] [--only a]   # -> perf/results/engine-cpu.{json,md,png}
     python -m perf.bench_engine --no-openblas --only refblas   # what the child runs
 """
 
@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import random
 import shlex
 import statistics
@@ -30,9 +29,9 @@ from pathlib import Path
 from typing import Any, Callable
 
 from parallm import blas
+from perf.harness import Results, add_results_options, describe
 from perf.loadgen import WORDS
 
-DEFAULT_OUT = "perf/results/engine-cpu.json"
 KV_BUDGET = 1536 << 20  # 1.5 GiB: live rows + prefix pool, fixed so runs are comparable
 MAX_MODEL_LEN = 4096
 
@@ -339,31 +338,6 @@ def _run_child(cmd: list[str], env: dict[str, str]) -> dict[str, Any]:
 
 # ---------------------------------------------------------------------------- reporting
 
-def machine() -> dict[str, Any]:
-    import mlx.core as mx
-    import mlx_lm
-
-    cpu_model = ""
-    try:
-        with open("/proc/cpuinfo") as f:
-            cpu_model = next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")), "")
-    except OSError:  # pragma: no cover
-        pass
-    mem = 0
-    try:
-        mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    except (ValueError, OSError):  # pragma: no cover
-        pass
-    return {
-        "platform": platform.platform(), "machine": platform.machine(), "cpu_model": cpu_model,
-        "cpu_count": os.cpu_count(), "affinity_cpus": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,
-        "memory_gib": round(mem / 2**30, 1), "python": platform.python_version(),
-        "mlx": mx.__version__, "mlx_lm": mlx_lm.__version__, "device": str(mx.default_device()),
-        "blas": blas_description(),
-        "openblas_num_threads": os.environ.get("OPENBLAS_NUM_THREADS", "unset"),
-    }
-
-
 def blas_description() -> str:
     if blas.is_preloaded():
         return f"OpenBLAS preloaded ({os.environ[blas.MARK]})"
@@ -386,15 +360,17 @@ def fmt(x: float, digits: int = 1) -> str:
     return f"{x:.{digits}f}"
 
 
+def openblas_threads(machine: dict[str, Any]) -> str:
+    return machine["env"].get("OPENBLAS_NUM_THREADS", "unset")
+
+
 def markdown(res: dict[str, Any]) -> str:
     m = res["machine"]
     p = res["params"]
     lines = [
         "# Engine benchmark (CPU)",
         "",
-        f"Machine: {m['cpu_model']}, {m['cpu_count']} CPUs, {m['memory_gib']} GiB, {m['platform']}; "
-        f"MLX {m['mlx']} ({m['device']}), mlx-lm {m['mlx_lm']}; {m['blas']}, "
-        f"OPENBLAS_NUM_THREADS={m.get('openblas_num_threads')}.  ",
+        f"Machine: {describe(m)}.  ",
         f"Model: {res['model']['name']} ({res['model']['dtype']} unless stated), the same model object for parallm "
         f"and BatchGenerator; prompts of {p['prompt_tokens']} text tokens, fixed seeds, EOS suppressed.",
         "",
@@ -408,7 +384,7 @@ def markdown(res: dict[str, Any]) -> str:
     lines += [
         "",
         f"**The machine is shared with other work** (test suites and e2e servers of other engineers ran throughout: "
-        f"the load averages above are on {m['cpu_count']} CPUs), so absolute figures are far below what an idle "
+        f"the load averages above are on {m['cpus']} CPUs), so absolute figures are far below what an idle "
         "machine gives and single runs are noisy. Every figure is the median over repeats "
         f"({section_repeats(res)}); "
         "parallm and BatchGenerator runs (and the variants of b and d) are interleaved so they see the same load; "
@@ -460,7 +436,7 @@ def markdown(res: dict[str, Any]) -> str:
         w = t["workload"]
         lines += ["", f"float32, batch {w['batch']}, {w['prompt_tokens']}-token prompts, {w['max_tokens']} output tokens:", "",
                   "| BLAS | e2e tok/s | decode tok/s | wall s |", "|---|---:|---:|---:|",
-                  f"| OpenBLAS, OPENBLAS_NUM_THREADS={res['machine'].get('openblas_num_threads')} | {fmt(t['e2e_tok_s'], 2)} | {fmt(t['decode_tok_s'], 2)} | {fmt(t['wall_s'], 2)} |"]
+                  f"| OpenBLAS, OPENBLAS_NUM_THREADS={openblas_threads(m)} | {fmt(t['e2e_tok_s'], 2)} | {fmt(t['decode_tok_s'], 2)} | {fmt(t['wall_s'], 2)} |"]
         dt = d.get("tiny_openblas_default_threads", {})
         if "decode_tok_s" in dt:
             lines.append(f"| OpenBLAS, one thread per core (its default; child) | {fmt(dt['e2e_tok_s'], 2)} | "
@@ -496,7 +472,7 @@ def plot(res: dict[str, Any], path: Path) -> None:
            label="mlx-lm BatchGenerator")
     ax.set_xticks(list(x), [f"batch {b}" for b in batches])
     ax.set_ylabel("decode tok/s (median)")
-    ax.set_title(f"SmolLM2-135M float32, {res['machine']['cpu_count']} CPU cores, OpenBLAS")
+    ax.set_title(f"SmolLM2-135M float32, {res['machine']['cpus']} CPU cores, OpenBLAS")
     ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=110)
@@ -508,7 +484,7 @@ def plot(res: dict[str, Any], path: Path) -> None:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="short workloads, one repeat (a smoke test)")
-    parser.add_argument("--out", default=DEFAULT_OUT, help="JSON results; the .md (and .png) go next to it")
+    add_results_options(parser)
     parser.add_argument("--no-openblas", action="store_true",
                         help="do not preload OpenBLAS (MLX's reference BLAS; ~50x slower matmuls)")
     parser.add_argument("--only", choices=["a", "b", "c", "d", "refblas"], action="append",
@@ -557,22 +533,20 @@ def main(argv: list[str] | None = None) -> int:
         json.dump(res, sys.stdout)
         return 0
 
-    command = shlex.join(["python", *sys.orig_argv[1:]]) if hasattr(sys, "orig_argv") else shlex.join(sys.argv)
-    out = Path(args.out)
-    previous: dict[str, Any] = {}
-    if args.only and out.is_file():  # a partial run updates its sections of an earlier results file
-        previous = json.loads(out.read_text())
+    files = Results.from_args("engine", args, argv)
+    command = files.command
+    previous = files.previous() if args.only else {}  # a partial run updates its sections of the last file
     results: dict[str, Any] = {
         **previous,
         "command": command,
-        "machine": machine(),
+        "machine": files.machine,
         "model": {"spec": "default", "name": lm.source.name, "dtype": lm.dtype, "path": str(lm.source.path)},
         "params": {k: v for k, v in vars(args).items() if k not in ("out", "only", "no_openblas")},
         "kv_budget_bytes": KV_BUDGET,
         "loadavg_start": loadavg(),
         "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
     }
-    log(f"{results['machine']['blas']}; sections {sections}")
+    log(f"{blas_description()}; sections {sections}")
     if "a" in sections:
         results["a_throughput"] = section_a(lm, P, args)
     if "b" in sections:
@@ -592,12 +566,10 @@ def main(argv: list[str] | None = None) -> int:
                  "loadavg_end": results["loadavg_end"], "params": results["params"]})
     results["runs"] = runs
 
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(results, indent=2) + "\n")
+    files.write(results, None if "d_no_openblas_tiny" in results else markdown(results))
     if "d_no_openblas_tiny" not in results:
-        out.with_suffix(".md").write_text(markdown(results))
-        plot(results, out.with_suffix(".png"))
-    log(f"wrote {out}")
+        plot(results, files.png)
+    log(f"wrote {files.json}")
     return 0
 
 

@@ -10,8 +10,10 @@ tokenizer, and measured four ways on the same weights in one run:
   is larger than the borrowed tokenizer's, so no text is decoded);
 - the memory-bandwidth limit for one decode stream (weight bytes / HBM bandwidth).
 
-    python -m perf.bench_gpu --shape llama-3.2-3b --concurrency 1,16,64,256 --out perf/results/gpu-llama-3.2-3b.json
-    python -m perf.bench_gpu --shape tiny --concurrency 1,4 --out /tmp/tiny.json   # a smoke run on CPU
+    python -m perf.bench_gpu --shape llama-3.2-3b --concurrency 1,256 --tokenizer-dir DIR   # -> perf/results/gpu-llama-3.2-3b-h100.json
+    python -m perf.bench_gpu --shape tiny --concurrency 1,4 --tokenizer-dir DIR --out-dir /tmp   # a smoke run on CPU
+
+The results file is named after the shape unless --experiment names the run otherwise.
 """
 
 from __future__ import annotations
@@ -21,11 +23,8 @@ import asyncio
 import gc
 import importlib
 import json
-import platform
 import random
 import shutil
-import socket
-import subprocess
 import sys
 import tempfile
 import time
@@ -33,11 +32,11 @@ from pathlib import Path
 from typing import Any
 
 import mlx.core as mx
-import msgspec
 import mlx.nn as nn
+import msgspec
 from mlx.utils import tree_flatten
 
-ROOT = Path(__file__).resolve().parent.parent
+from perf.harness import Results, Server, add_results_options
 
 SHAPES: dict[str, dict[str, Any]] = {
     "llama-3.2-3b": dict(model_type="llama", hidden_size=3072, num_hidden_layers=28, intermediate_size=8192,
@@ -168,12 +167,6 @@ def run_engine(model: nn.Module, batch: list[list[int]], max_tokens: int, max_le
 
 # ---------------------------------------------------------------------------- served
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 async def served_run(router: str, batch: list[list[int]], max_tokens: int, concurrency: int) -> dict[str, float]:
     from parallm.client import AsyncClient
     from parallm.protocol import SamplingParams
@@ -230,50 +223,15 @@ def stats_delta(before: dict[str, Any], after: dict[str, Any]) -> dict[str, Any]
             "stage_ms_mean": delta_of(before.get("loop", {}), after.get("loop", {}), "ms_mean", "steps")}
 
 
-class Served:
-    def __init__(self, model_dir: Path, max_seqs: int, extra: list[str] | None = None,
-                 kv_budget_mb: int = KV_BUDGET_MB) -> None:
-        self.run_dir = tempfile.mkdtemp(prefix="bench-gpu-")
-        self.log = open(Path(self.run_dir) / "launch.log", "w+")
-        argv = [sys.executable, "-m", "parallm.launch", "--model", str(model_dir), "--port", str(free_port()),
-                "--transport.run-dir", self.run_dir, "--engine.max-num-seqs", str(max_seqs),
-                "--engine.max-prefill-tokens", "8192", "--engine.max-prefill-rows", "64",
-                "--engine.kv-budget-mb", str(kv_budget_mb),
-                "--supervisor.stall-after-s", "0", *(extra or [])]
-        self.proc = subprocess.Popen(argv, stdout=self.log, stderr=subprocess.STDOUT, cwd=ROOT,
-                                     start_new_session=True)
-        deadline = time.monotonic() + 900
-        while time.monotonic() < deadline:
-            text = Path(self.log.name).read_text(errors="replace")
-            if "parallm-launch: ready" in text:
-                return
-            if self.proc.poll() is not None:
-                raise RuntimeError(text[-4000:])
-            time.sleep(0.5)
-        raise TimeoutError(Path(self.log.name).read_text(errors="replace")[-4000:])
-
-    @property
-    def router(self) -> str:
-        return f"ipc://{self.run_dir}/router.sock"
-
-    def stop(self) -> None:
-        self.proc.terminate()
-        try:
-            self.proc.wait(60)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
+def served(model_dir: Path, max_seqs: int, extra: list[str] | None = None, kv_budget_mb: int = KV_BUDGET_MB) -> Server:
+    """parallm-launch on `model_dir` with the in-process engine's settings, started."""
+    return Server("--model", str(model_dir), "--engine.max-num-seqs", str(max_seqs),
+                  "--engine.max-prefill-tokens", "8192", "--engine.max-prefill-rows", "64",
+                  "--engine.kv-budget-mb", str(kv_budget_mb), "--supervisor.stall-after-s", "0", *(extra or []),
+                  ready_timeout=900).start()
 
 
 # ---------------------------------------------------------------------------- main
-
-def device_name() -> str:
-    try:
-        out = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"], capture_output=True,
-                             text=True, timeout=10).stdout.strip()
-        return out or str(mx.default_device())
-    except (OSError, subprocess.SubprocessError):
-        return str(mx.default_device())
-
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -287,7 +245,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--warm-tokens", type=int, default=0,
                         help="output tokens of each level's warm-up run (0: --max-tokens); fewer fit a long "
                              "level into one call")
-    parser.add_argument("--out", type=Path, required=True)
+    add_results_options(parser, default_help="the shape")
     args = parser.parse_args(argv)
     levels = [int(c) for c in args.concurrency.split(",")]
     warm_tokens = args.warm_tokens or args.max_tokens
@@ -300,23 +258,20 @@ def main(argv: list[str] | None = None) -> int:
     build_s = time.perf_counter() - t0
     gc.collect()
     mx.clear_cache()
-    device = device_name()
-    bandwidth = next((v for k, v in HBM_BYTES_PER_S.items() if k in device), 0.0)
+    results = Results("gpu", args.experiment or args.shape, args.out_dir, argv)
+    bandwidth = next((v for k, v in HBM_BYTES_PER_S.items() if k in results.machine["gpu"]), 0.0)
     result: dict[str, Any] = {
-        "device": device, "platform": platform.platform(), "mlx": mx.__version__, "shape": args.shape,
-        "spec": SHAPES[args.shape], "prompt_len": args.prompt_len, "max_tokens": args.max_tokens,
-        "model_build_s": build_s, "command": "python -m perf.bench_gpu " + " ".join(argv or sys.argv[1:]),
-        "runs": []}
+        "shape": args.shape, "spec": SHAPES[args.shape], "prompt_len": args.prompt_len,
+        "max_tokens": args.max_tokens, "model_build_s": build_s, "runs": []}
     max_len = args.prompt_len + args.max_tokens + 16
 
     def record(entry: dict[str, Any]) -> None:
         result["runs"].append(entry)
         print(json.dumps(entry), flush=True)
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(result, indent=2) + "\n")
+        results.write(result)
 
     if "served" in targets:  # first, while this process holds no device memory
-        server = Served(model_dir, max(levels))
+        server = served(model_dir, max(levels))
         try:
             asyncio.run(served_run(server.router, prompts(2, 16, 99), 4, 2))
             for c in levels:
@@ -353,7 +308,7 @@ def main(argv: list[str] | None = None) -> int:
         if base:
             ratios[str(c)] = {t: by[(t, c)] / base for t in ("engine", "served") if (t, c) in by}
     result["ratios_vs_batchgen"] = ratios
-    args.out.write_text(json.dumps(result, indent=2) + "\n")
+    results.write(result)
     print(json.dumps(ratios, indent=2))
     return 0
 

@@ -7,23 +7,18 @@
 3. Rollout throughput for groups of 8 prompts x 8 samples (temperature 1, ignore_eos): in-process,
    raw client (generate_group) and HTTP /generate (TRL shape, one request per group).
 
-    PYTHONPATH=$PWD python -m perf.bench_rl --out perf/results/rl-cpu
+    PYTHONPATH=$PWD python -m perf.bench_rl   # -> perf/results/rl-cpu.{json,md}
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import platform
 import statistics
-import sys
 import time
 import uuid
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "tests"))  # tests/e2e/server.py starts parallm-launch
+from perf.harness import Results, Server, add_results_options, describe
 
 PROMPTS = [[1, 504, 3458, 282, 2], [1, 9690, 30], [1, 422, 5248, 314, 253, 1694, 28], [1, 19, 2], [1, 1812],
            [1, 7306, 253, 2096, 282, 260, 2361], [1, 3120, 314, 11], [1, 532, 1178, 4120, 30, 216]]
@@ -70,7 +65,6 @@ def in_process(iters: int, warmup: int, group_tokens: int, groups: int) -> dict:
 def served(iters: int, warmup: int, group_tokens: int, groups: int) -> dict:
     import httpx
 
-    from e2e.server import Server
     from parallm.client import Client
     from parallm.protocol import SamplingParams
 
@@ -112,28 +106,19 @@ def served(iters: int, warmup: int, group_tokens: int, groups: int) -> dict:
     return out
 
 
-def machine() -> dict:
-    cpu = ""
-    try:
-        cpu = next(line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name"))
-    except (OSError, StopIteration):
-        pass
-    return {"cpu": cpu or platform.processor(), "cores": os.cpu_count(), "platform": platform.platform(),
-            "python": platform.python_version(), "loadavg": os.getloadavg()}
-
-
-def report_md(result: dict) -> str:
+def report_md(result: dict, results: Results) -> str:
     ip, sv = result["in_process"], result["served"]
     added = sv["raw_one_token"]["p50_ms"] - ip["one_token"]["p50_ms"]
     med = statistics.median
+    m = results.machine
     lines = [
-        "# RL path on CPU: 1-token round trip and 8x8 group rollouts", "",
-        f"Command: `{result['command']}`  ",
-        f"Machine: {result['machine']['cpu']}, {result['machine']['cores']} cores, {result['machine']['platform']}; "
-        f"load average at start {result['machine']['loadavg']} and at end {result['loadavg_end']}.", "",
+        f"# RL path on {m['gpu'] or 'the CPU'}: 1-token round trip and 8x8 group rollouts", "",
+        f"Command: `{results.command}`  ",
+        f"Machine: {describe(m)}; load average at start {result['loadavg_start']} and at end "
+        f"{result['loadavg_end']}.", "",
         *(["**Noise:** the load average exceeded the core count while this ran (other work shared the "
            "machine); absolute numbers are inflated. Compare the rows with each other.", ""]
-          if max(result["machine"]["loadavg"][0], result["loadavg_end"][0]) > result["machine"]["cores"] else []),
+          if max(result["loadavg_start"][0], result["loadavg_end"][0]) > m["cpus"] else []),
         "| 1-token generation (default model, greedy) | p50 ms | p10 ms | p90 ms |", "|---|---|---|---|",
     ]
     for name, s in [("in-process Engine (add_request + step)", ip["one_token"]),
@@ -156,21 +141,18 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=5)
     ap.add_argument("--group-tokens", type=int, default=32)
     ap.add_argument("--groups", type=int, default=3)
-    ap.add_argument("--out", default="perf/results/rl-cpu")
+    add_results_options(ap)
     args = ap.parse_args()
     from parallm import blas
 
     blas.reexec_with_openblas()  # the in-process engine gets the BLAS the served engine gets
-    result = {"command": "python -m perf.bench_rl " + " ".join(sys.argv[1:]), "machine": machine(),
-              "group_tokens": args.group_tokens}
+    result = {"group_tokens": args.group_tokens, "loadavg_start": os.getloadavg()}
     result["in_process"] = in_process(args.iters, args.warmup, args.group_tokens, args.groups)
     result["served"] = served(args.iters, args.warmup, args.group_tokens, args.groups)
     result["loadavg_end"] = os.getloadavg()
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.with_suffix(".json").write_text(json.dumps(result, indent=2) + "\n")
-    out.with_suffix(".md").write_text(report_md(result))
-    print(report_md(result))
+    results = Results.from_args("rl", args)
+    results.write(result, report_md(result, results))
+    print(report_md(result, results))
 
 
 if __name__ == "__main__":

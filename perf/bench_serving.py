@@ -18,7 +18,7 @@ This process preloads OpenBLAS and mimalloc like parallm's engine (the in-proces
 here); `parallm-launch` is started without them, so its supervisor chooses what each of its
 processes gets, as it does for a user.
 
-    python -m perf.bench_serving --concurrency 1,8,16,32 --out perf/results/serving-cpu.json
+    python -m perf.bench_serving --concurrency 1,16,32 --mlx-lm-server   # -> perf/results/serving-cpu.*
 
 Every run has prompts of its own, so none is served from a prefix (or prompt) cache warmed by an
 earlier one: each level's prompts are seeded by the level, shared by the in-process engine, HTTP
@@ -27,7 +27,8 @@ server with HTTP, gets a seed of its own. (Before, every level reused the same f
 the ZeroMQ run repeated the HTTP run's prompts on a warm cache: its TTFT read 0.99 s against a
 cold 1.69 s on the same server.)
 
-Writes JSON (every number, the machine and the command), a markdown table and PNG plots.
+Writes perf/results/serving[-EXPERIMENT]-DEVICE.json (every number, the machine and the command),
+a markdown table (.md) and plots (.png).
 """
 
 from __future__ import annotations
@@ -36,36 +37,13 @@ import argparse
 import asyncio
 import json
 import os
-import platform
-import socket
-import subprocess
 import sys
-import tempfile
 import time
 from collections import deque
-from pathlib import Path
 from typing import Any
 
+from perf.harness import Process, Results, Server, add_results_options, describe, free_port
 from perf.loadgen import WORKLOADS, RequestRecord, Workload, make_prompts, run_http, run_zmq, summarize
-
-ROOT = Path(__file__).resolve().parent.parent
-
-
-def machine() -> dict[str, Any]:
-    import mlx.core as mx
-
-    from parallm import blas
-
-    return {"platform": platform.platform(), "processor": platform.processor() or platform.machine(),
-            "cpus": os.cpu_count(), "mlx": mx.__version__, "device": str(mx.default_device()),
-            "openblas_preloaded": blas.is_preloaded(),
-            "allocator": blas.preloaded_allocator()}
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 # ---------------------------------------------------------------------------- in-process
@@ -172,37 +150,6 @@ def run_batchgen(model: Any, prompt_ids: list[list[int]], workload: Workload, co
 
 # ---------------------------------------------------------------------------- servers
 
-class Launched:
-    """A server subprocess started for the benchmark and stopped afterwards."""
-
-    def __init__(self, argv: list[str], ready: str, env: dict[str, str], timeout: float = 600.0) -> None:
-        """Start `argv` with exactly the environment `env`."""
-        self.log = tempfile.NamedTemporaryFile("w+", prefix="bench-serving-", suffix=".log", delete=False)
-        self.proc = subprocess.Popen(argv, stdout=self.log, stderr=subprocess.STDOUT, cwd=ROOT,
-                                     env=env, start_new_session=True)
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"{argv[0]} exited with {self.proc.returncode}: {self.tail()}")
-            if ready in Path(self.log.name).read_text(errors="replace"):
-                return
-            time.sleep(0.3)
-        self.stop()
-        raise RuntimeError(f"{argv} not ready in {timeout} s: {self.tail()}")
-
-    def tail(self) -> str:
-        return Path(self.log.name).read_text(errors="replace")[-3000:]
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(60)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-
-
 def wait_http(url: str, timeout: float = 300.0) -> None:
     import httpx
 
@@ -219,9 +166,7 @@ def wait_http(url: str, timeout: float = 300.0) -> None:
 
 # ---------------------------------------------------------------------------- report
 
-def write_report(result: dict[str, Any], out: Path) -> None:
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=2) + "\n")
+def write_report(result: dict[str, Any], results: Results) -> None:
     rows = ["| target | c | tok/s | TTFT p50 s | TTFT p99 s | ITL p50 ms | ITL p99 ms | ok |",
             "|---|---|---|---|---|---|---|---|"]
     for r in result["runs"]:
@@ -233,8 +178,9 @@ def write_report(result: dict[str, Any], out: Path) -> None:
     ratios = [f"- c={c}: " + ", ".join(f"{names[k]} = {v[k]:.2f}" for k in names if k in v)
               for c, v in result["ratios"].items() if v]
     md = [f"# Served vs in-process ({result['workload']}, {result['max_tokens']} output tokens)", "",
-          f"Machine: {result['machine']}", "", f"Command: `{result['command']}`", "", *rows, "", "Ratios:", *ratios]
-    out.with_suffix(".md").write_text("\n".join(md) + "\n")
+          f"Machine: {describe(results.machine)}", "", f"Command: `{results.command}`", "", *rows, "", "Ratios:",
+          *ratios]
+    results.write(result, "\n".join(md))
     try:
         import matplotlib
 
@@ -254,7 +200,7 @@ def write_report(result: dict[str, Any], out: Path) -> None:
         ax.legend()
         ax.grid(alpha=0.3)
     fig.tight_layout()
-    fig.savefig(out.with_suffix(".png"), dpi=100)
+    fig.savefig(results.png, dpi=100)
 
 
 # ---------------------------------------------------------------------------- main
@@ -273,7 +219,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--mlx-lm-allocator", action="store_true",
                         help="preload parallm's allocator (mimalloc) for mlx_lm.server too")
     parser.add_argument("--server-args", default="", help="extra parallm-launch arguments")
-    parser.add_argument("--out", type=Path, default=ROOT / "perf/results/serving-cpu.json")
+    add_results_options(parser)
     args = parser.parse_args(argv)
 
     from parallm import blas
@@ -317,15 +263,10 @@ def main(argv: list[str] | None = None) -> int:
             print(json.dumps(runs[-1]), flush=True)
 
     if "http" in targets or "zmq" in targets:
-        port = free_port()
-        run_dir = tempfile.mkdtemp(prefix="bench-serving-")
-        launch = [sys.executable, "-m", "parallm.launch", "--port", str(port), "--transport.run-dir", run_dir,
-                  "--engine.max-num-seqs", str(max_seqs), "--model.served-name", "bench",
-                  *args.server_args.split()]
-        server = Launched(launch, "parallm-launch: ready",
-                          env={**blas.without_preloads(dict(os.environ)), "PYTHONPATH": str(ROOT)})
+        server = Server("--engine.max-num-seqs", str(max_seqs), "--model.served-name", "bench",
+                        *args.server_args.split(), ready_timeout=600).start()
         try:
-            url, router = f"http://127.0.0.1:{port}", f"ipc://{run_dir}/router.sock"
+            url, router = server.url, server.router
             asyncio.run(run_http(url, "bench", workload_for(1), 2, eos, WARM_SEED))  # warm-up
             for c in levels:
                 w = workload_for(c)
@@ -351,8 +292,8 @@ def main(argv: list[str] | None = None) -> int:
     for label, dtype, env in baselines:
         path = materialize(loaded.source, dtype)
         port = free_port()
-        server = Launched([sys.executable, "-m", "mlx_lm", "server", "--model", str(path), "--port", str(port),
-                           "--host", "127.0.0.1"], "Starting httpd", env={**env, "PYTHONPATH": str(ROOT)})
+        server = Process([sys.executable, "-m", "mlx_lm", "server", "--model", str(path), "--port", str(port),
+                          "--host", "127.0.0.1"], ready="Starting httpd", env=env, ready_timeout=600).start()
         try:
             url = f"http://127.0.0.1:{port}"
             wait_http(f"{url}/v1/models")
@@ -378,11 +319,10 @@ def main(argv: list[str] | None = None) -> int:
             if (baseline, c) in by and ("http", c) in by:
                 entry[key] = by[("http", c)] / by[(baseline, c)]
         ratios[str(c)] = entry
-    result = {"machine": machine(), "command": "python -m perf.bench_serving " + " ".join(argv or sys.argv[1:]),
-              "workload": args.workload, "max_tokens": args.max_tokens,
+    result = {"workload": args.workload, "max_tokens": args.max_tokens,
               "mlx_lm_server_allocator": "mimalloc" if args.mlx_lm_allocator else "system",
               "runs": runs, "ratios": ratios}
-    write_report(result, args.out)
+    write_report(result, Results.from_args("serving", args, argv))
     print(json.dumps(ratios, indent=2))
     return 0
 

@@ -1,31 +1,24 @@
 """The RL loop end to end: parallm-launch serving the default model with its supervised trainer
 (GRPO, LoRA) on a built-in task; reports the reward curve and the step timings.
 
-    PYTHONPATH=$PWD python -m perf.bench_train --config perf/configs/train_length_cpu.toml \
-        --out perf/results/train-cpu
+    PYTHONPATH=$PWD python -m perf.bench_train --config examples/train_length_cpu.toml
 
-Writes OUT.json (every step's metrics line, the config, the machine), OUT.md and OUT.png (reward
-mean ± std and completion length against the step).
+Writes perf/results/train[-EXPERIMENT]-DEVICE.json (every step's metrics line, the config, the
+machine), .md and .png (reward mean ± std and completion length against the step).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import os
-import platform
-import sys
 import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "tests"))  # tests/e2e/server.py starts parallm-launch
+from perf.harness import ROOT, Results, Server, add_results_options, describe
 
 
 def run(config: str, steps: int | None, timeout_s: float) -> tuple[list[dict], dict]:
-    from e2e.server import Server
-
     from parallm.config import build_config
 
     work = Path(tempfile.mkdtemp(prefix="parallm-train-bench-"))
@@ -73,10 +66,10 @@ def plot(rows: list[dict], path: Path, title: str) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--config", default=str(ROOT / "perf/configs/train_length_cpu.toml"))
+    parser.add_argument("--config", default=str(ROOT / "examples/train_length_cpu.toml"))
     parser.add_argument("--steps", type=int, default=None, help="override rl_training.steps")
     parser.add_argument("--timeout", type=float, default=3600)
-    parser.add_argument("--out", default=str(ROOT / "perf/results/train-cpu"))
+    add_results_options(parser)
     args = parser.parse_args()
     rows, info = run(args.config, args.steps, args.timeout)
     first, last = rows[:5], rows[-5:]
@@ -89,16 +82,12 @@ def main() -> None:
         "publish_ms_mean": 1000 * sum(r["publish_s"] for r in rows) / len(rows),
         "rollouts_dropped_stale": rows[-1]["rollouts_dropped_stale"],
     }
-    machine = f"{platform.machine()} {platform.system()}, {os.cpu_count()} cores"
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    command = "PYTHONPATH=$PWD python -m perf.bench_train " + " ".join(sys.argv[1:])
-    out.with_suffix(".json").write_text(json.dumps({"command": command, "machine": machine,
-                                                    "config": Path(args.config).read_text(), **info,
-                                                    "summary": summary, "steps": rows}, indent=1) + "\n")
-    plot(rows, out.with_suffix(".png"), f"GRPO, length task, default model ({machine})")
-    lines = ["# RL loop on the CPU: GRPO + LoRA on the length task\n", f"Command: `{command}`  ",
-             f"Machine: {machine}; wall time {info['wall_s']} s for {len(rows)} steps.\n",
+    results = Results.from_args("train", args)
+    m = results.machine
+    plot(rows, results.png, f"GRPO, length task, default model ({m['gpu'] or m['processor']}, {m['cpus']} CPUs)")
+    lines = [f"# RL loop on {m['gpu'] or 'the CPU'}: GRPO + LoRA on the length task\n",
+             f"Command: `{results.command}`  ",
+             f"Machine: {describe(m)}; wall time {info['wall_s']} s for {len(rows)} steps.\n",
              f"Mean reward, first 5 steps: {summary['reward_first5']:.3f}; last 5: {summary['reward_last5']:.3f}.  ",
              f"Per step: {summary['step_s_mean']:.1f} s ({summary['rollout_wait_s_mean']:.1f} s waiting for rollouts, "
              f"{summary['train_s_mean']:.1f} s GRPO update, {summary['publish_ms_mean']:.1f} ms publish → served).\n",
@@ -107,8 +96,9 @@ def main() -> None:
     for r in rows:
         lines.append(f"| {r['step']} | {r['version']} | {r['reward_mean']:.3f} | {r['reward_std']:.3f} | "
                      f"{r['completion_len_mean']:.1f} | {r['loss']:.4f} | {r['step_s'] + r['rollout_wait_s']:.1f} |")
-    lines.append(f"\n![reward curve]({out.with_suffix('.png').name})")
-    out.with_suffix(".md").write_text("\n".join(lines) + "\n")
+    lines.append(f"\n![reward curve]({results.png.name})")
+    results.write({"config": Path(args.config).read_text(), **info, "summary": summary, "steps": rows},
+                  "\n".join(lines))
     print(json.dumps(summary, indent=1))
 
 

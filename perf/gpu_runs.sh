@@ -2,7 +2,8 @@
 # The GPU measurements of issues 5 and 8, one `run` call each (../shared/GPU.md says how MLX gets
 # there). Call 1 of a fresh machine: carry [".gpu/a"], `mkdir -p /tmp/gpu && cp .gpu/a/* /tmp/gpu/`;
 # the next call carries [".gpu/b", ".gpu-tok"] (install) and later ones only [".gpu-tok"] while the
-# machine stays warm:   bash perf/gpu_runs.sh <what>     (results and logs land in $OUT)
+# machine stays warm:   bash perf/gpu_runs.sh <what>     (results land in $OUT, named as in perf/results:
+# <benchmark>[-<experiment>]-<device>.json; copy them there)
 #   diag      served vs in-process single-stream decode, llama-3.2-3b (perf/profile_served.py), ~3 min
 #   llama     perf/bench_gpu.py llama-3.2-3b at 1 and 256, ~4 min
 #   adapters  perf/bench_adapters.py on the smollm2-135m shape, in-process and served, ~2 min
@@ -10,7 +11,7 @@
 #   qwen-b    qwen3-8b 4-bit at 256, 64 tokens (warm-up 8), ~6 min
 #   launch    MLX CUDA command-buffer settings vs per-step launch cost (perf/profile_launch.py), ~5 min
 set -uo pipefail
-case "${1:-}" in diag|llama|adapters|qwen-a|qwen-b|launch) ;; *) sed -n 2,11p "$0"; exit 2 ;; esac
+case "${1:-}" in diag|llama|adapters|qwen-a|qwen-b|launch) ;; *) sed -n 2,12p "$0"; exit 2 ;; esac
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
 if [ -d /tmp/site/mlx ] && [ ! -f .gpu/b/install.sh ]; then
@@ -25,15 +26,15 @@ WORK=/tmp/bg
 nvidia-smi --query-gpu=name,memory.used --format=csv,noheader
 case "${1:-}" in
   diag)     python3 -m perf.profile_served --shape llama-3.2-3b --tokenizer-dir $TOK --work-dir $WORK \
-              --out "$OUT/gpu-profile-served-llama-3.2-3b.json" ;;
+              --out-dir "$OUT" ;;
   llama)    python3 -m perf.bench_gpu --shape llama-3.2-3b --concurrency 1,256 --max-tokens 128 --prompt-len 128 \
-              --tokenizer-dir $TOK --work-dir $WORK --out "$OUT/gpu-llama-3.2-3b-c1-c256.json" ;;
+              --tokenizer-dir $TOK --work-dir $WORK --out-dir "$OUT" ;;
   adapters) python3 -m perf.bench_adapters --shape smollm2-135m --tokenizer-dir $TOK --work-dir $WORK \
-              --rows 16 --tokens 48 --publishes 30 --served --name adapters-gpu --out-dir "$OUT" ;;
+              --rows 16 --tokens 48 --publishes 30 --served --out-dir "$OUT" ;;
   qwen-a)   python3 -m perf.bench_gpu --shape qwen3-8b --concurrency 1,64 --max-tokens 128 --prompt-len 128 \
-              --tokenizer-dir $TOK --work-dir $WORK --out "$OUT/gpu-qwen3-8b-4bit-c1-c64.json" ;;
+              --tokenizer-dir $TOK --work-dir $WORK --experiment qwen3-8b-4bit-c1-c64 --out-dir "$OUT" ;;
   qwen-b)   python3 -m perf.bench_gpu --shape qwen3-8b --concurrency 256 --max-tokens 64 --warm-tokens 8 \
-              --prompt-len 128 --tokenizer-dir $TOK --work-dir $WORK --out "$OUT/gpu-qwen3-8b-4bit-c256.json" ;;
+              --prompt-len 128 --tokenizer-dir $TOK --work-dir $WORK --experiment qwen3-8b-4bit-c256 --out-dir "$OUT" ;;
   launch)   python3 -m perf.profile_launch --tokenizer-dir $TOK --work-dir $WORK --served \
-              --out "$OUT/gpu-launch-settings.json" ;;
+              --out-dir "$OUT" ;;
 esac

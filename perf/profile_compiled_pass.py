@@ -12,14 +12,13 @@ Python and launching ~500 kernels. This script measures, on random weights of a 
 - each with a rank-16 LoRA on q/v (the adapter benchmark's), the LoRA weights passed as inputs
   of the compiled function (a new version must not need a retrace).
 
-    python -m perf.profile_compiled_pass --shape smollm2-135m --tokenizer-dir DIR --out FILE
+    python -m perf.profile_compiled_pass --shape smollm2-135m --tokenizer-dir DIR   # -> perf/results/compiled-pass-h100.json
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import platform
 import statistics
 import time
 from pathlib import Path
@@ -138,7 +137,8 @@ def run(fn: Callable, model: nn.Module, rows: int, cap: int, steps: int, lora: l
 def main() -> None:
     from mlx_lm.utils import load_model
 
-    from perf.bench_gpu import build_model_dir, device_name
+    from perf.bench_gpu import build_model_dir
+    from perf.harness import Results, add_results_options
 
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--shape", default="smollm2-135m")
@@ -147,7 +147,7 @@ def main() -> None:
     p.add_argument("--rows", default="1,16")
     p.add_argument("--capacity", type=int, default=256)
     p.add_argument("--steps", type=int, default=64)
-    p.add_argument("--out", type=Path)
+    add_results_options(p)
     a = p.parse_args()
 
     model, _ = load_model(build_model_dir(a.shape, a.work_dir / a.shape, a.tokenizer_dir))
@@ -157,10 +157,8 @@ def main() -> None:
     lora2 = lora_weights(model, 16, 1)
     forward = make_pass(model, slots)
     compiled = mx.compile(forward)
-    result: dict[str, Any] = {"device": str(mx.default_device()), "gpu": device_name(), "shape": a.shape,
-                              "capacity": a.capacity, "machine": platform.platform(),
-                              "command": "python -m perf.profile_compiled_pass "
-                              f"--shape {a.shape} --rows {a.rows} --capacity {a.capacity} --steps {a.steps}"}
+    results = Results.from_args("compiled-pass", a)
+    result: dict[str, Any] = {"shape": a.shape, "capacity": a.capacity}
     for rows in [int(r) for r in a.rows.split(",")]:
         for label, weights in (("base", []), ("lora_qv_r16", lora)):
             eager = run(forward, model, rows, a.capacity, a.steps, weights)
@@ -174,8 +172,7 @@ def main() -> None:
                 entry["compiled_new_weights_first_ms"] = swap["first_ms"]
             result[f"rows{rows}_{label}"] = entry
             print(rows, label, json.dumps(entry), flush=True)
-    if a.out:
-        a.out.write_text(json.dumps(result, indent=1))
+    results.write(result)
 
 
 if __name__ == "__main__":

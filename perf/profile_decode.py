@@ -5,6 +5,7 @@ sequences, then profiles `--steps` pure decode steps and prints the engine's own
 the step time with and without overlap, and the top functions by own time.
 
     python -m perf.profile_decode --shape llama-3.2-3b --batch 256 --tokenizer-dir DIR
+        # -> perf/results/decode-profile-llama-3.2-3b-b256-h100.json
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import mlx.core as mx
 import msgspec
 
 from perf.bench_gpu import SHAPES, build_model_dir, prompts
+from perf.harness import Results, add_results_options
 
 
 def decode_steps(model, batch: int, steps: int, prompt_len: int, **engine_options) -> tuple[object, float]:
@@ -54,12 +56,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--prompt-len", type=int, default=128)
     parser.add_argument("--tokenizer-dir", type=Path, required=True)
     parser.add_argument("--work-dir", type=Path, default=Path("/tmp/parallm-bench-gpu"))
-    parser.add_argument("--out", type=Path)
+    add_results_options(parser, default_help="SHAPE-bBATCH")
     args = parser.parse_args(argv)
     from mlx_lm.utils import load_model
 
     model, _ = load_model(build_model_dir(args.shape, args.work_dir / args.shape, args.tokenizer_dir))
-    report = {"shape": args.shape, "batch": args.batch, "device": str(mx.default_device())}
+    results = Results("decode-profile", args.experiment or f"{args.shape}-b{args.batch}", args.out_dir, argv)
+    report = {"shape": args.shape, "batch": args.batch}
     for name, opts in (("default", {}), ("no_overlap", {"overlap": False}), ("no_compile", {"compile": False})):
         engine, per_step = decode_steps(model, args.batch, args.steps, args.prompt_len, **opts)
         phases = {k: 1000 * v / args.steps for k, v in engine._timing.items()}
@@ -77,9 +80,7 @@ def main(argv: list[str] | None = None) -> int:
     pstats.Stats(profiler, stream=text).sort_stats("tottime").print_stats(30)
     report["profile_top"] = text.getvalue()
     print(text.getvalue())
-    if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(report, indent=2) + "\n")
+    results.write(report)
     return 0
 
 

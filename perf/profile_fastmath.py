@@ -4,21 +4,18 @@ Times mlx-lm's stock SwiGLU and attention against the libm-free ones at the defa
 prefill (5 prompts x 45 tokens) and decode (16 rows) shapes, then the engine's prefill pass and
 batch-16 decode step on the default model with `engine.fast_math` off and on, alternating.
 
-    python -m perf.profile_fastmath --out perf/results/fastmath-cpu.json
+    python -m perf.profile_fastmath   # -> perf/results/fastmath-cpu.json
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import random
 import statistics
-import sys
 import time
-from pathlib import Path
 from typing import Any, Callable
 
-ROOT = Path(__file__).resolve().parent.parent
+from perf.harness import Results, add_results_options
 
 
 def median_ms(fn: Callable[[], Any], repeats: int = 15) -> float:
@@ -101,22 +98,18 @@ def engine_steps(rounds: int = 20) -> dict[str, dict[str, float]]:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--out", type=Path, default=ROOT / "perf/results/fastmath-cpu.json")
+    add_results_options(parser)
     args = parser.parse_args(argv)
     from parallm import blas
 
     blas.reexec_with_openblas()
-    from perf.bench_serving import machine
-
-    result = {"machine": machine(), "command": "python -m perf.profile_fastmath " + " ".join(argv or sys.argv[1:]),
-              "kernels": kernels(), "engine": engine_steps()}
+    result = {"kernels": kernels(), "engine": engine_steps()}
     for row in result["kernels"]:
         print(f"{row['kernel']:9} {row['shape']:28} stock {row['stock_ms']:7.3f} ms  fast {row['fast_ms']:7.3f} ms")
     for name, r in result["engine"].items():
         print(f"engine {name:9}: prefill step {r['prefill_step_ms']:6.1f} ms, decode step (16 rows) "
               f"{r['decode_step_ms']:6.1f} ms")
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=2) + "\n")
+    Results.from_args("fastmath", args, argv).write(result)
     return 0
 
 

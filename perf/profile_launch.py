@@ -14,7 +14,7 @@ a fresh process (MLX reads them once) and reports, on the same random-weight mod
 - with `--served`: the served single stream (parallm-launch, raw ZeroMQ client) under the best
   setting and the default.
 
-    python -m perf.profile_launch --tokenizer-dir DIR --out perf/results/gpu-launch-settings.json
+    python -m perf.profile_launch --tokenizer-dir DIR --served   # -> perf/results/launch-settings-h100.json
 """
 
 from __future__ import annotations
@@ -27,6 +27,8 @@ import sys
 import time
 from pathlib import Path
 from typing import Any
+
+from perf.harness import Results, add_results_options
 
 SETTINGS: dict[str, dict[str, str]] = {
     "default": {},
@@ -92,7 +94,7 @@ def adapter_load(model, model_dir: Path) -> dict[str, Any]:
 def run_child(env_extra: dict[str, str], args: argparse.Namespace) -> dict[str, Any]:
     env = {**os.environ, **env_extra}
     cmd = [sys.executable, "-m", "perf.profile_launch", "--child", "--tokenizer-dir", str(args.tokenizer_dir),
-           "--work-dir", str(args.work_dir), "--max-tokens", str(args.max_tokens), "--out", str(args.out)]
+           "--work-dir", str(args.work_dir), "--max-tokens", str(args.max_tokens)]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
     for line in proc.stdout.splitlines():
         if line.startswith("RESULT "):
@@ -123,19 +125,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--settings", default=",".join(SETTINGS))
     parser.add_argument("--served", action="store_true")
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
-    parser.add_argument("--out", type=Path, required=True)
+    add_results_options(parser)
     args = parser.parse_args(argv)
     if args.child:
         print("RESULT " + json.dumps(child(args.work_dir, args.tokenizer_dir, args.max_tokens)), flush=True)
         return 0
-    from perf.bench_gpu import device_name
-
-    report: dict[str, Any] = {"device": device_name(), "command": "python -m perf.profile_launch " +
-                              " ".join(argv or sys.argv[1:]), "settings": {}, "served_c1": {}}
+    results = Results.from_args("launch-settings", args, argv)
+    report: dict[str, Any] = {"settings": {}, "served_c1": {}}
 
     def save() -> None:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(report, indent=2) + "\n")
+        results.write(report)
 
     for name in args.settings.split(","):
         report["settings"][name] = r = {"env": SETTINGS[name], **run_child(SETTINGS[name], args)}

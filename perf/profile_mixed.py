@@ -9,7 +9,7 @@
    cache off so repeated prompts stay cold), `--runs` runs with `mixed_passes` on and off,
    alternating which goes first.
 
-    python -m perf.profile_mixed --out perf/results/mixed-passes-cpu.json
+    python -m perf.profile_mixed   # -> perf/results/mixed-passes-cpu.json
 """
 
 from __future__ import annotations
@@ -18,24 +18,11 @@ import argparse
 import json
 import random
 import statistics
-import sys
 import time
-from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
-ROOT = Path(__file__).resolve().parent.parent
-
-
-def median_ms(fn: Callable[[], Any], repeats: int) -> float:
-    import mlx.core as mx
-
-    mx.eval(fn())
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        mx.eval(fn())
-        times.append(time.perf_counter() - t0)
-    return 1000 * statistics.median(times)
+from perf.harness import Results, add_results_options
+from perf.profile_fastmath import median_ms
 
 
 def passes(engine, repeats: int) -> dict[str, float]:
@@ -155,7 +142,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=15)
     parser.add_argument("--rounds", type=int, default=40, help="decode steps each way, alternating")
     parser.add_argument("--runs", type=int, default=6, help="closed-loop runs each way")
-    parser.add_argument("--out", type=Path, default=ROOT / "perf/results/mixed-passes-cpu.json")
+    add_results_options(parser)
     args = parser.parse_args(argv)
     from parallm import blas
 
@@ -163,20 +150,16 @@ def main(argv: list[str] | None = None) -> int:
     from parallm.config import Config, EngineConfig, ModelConfig
     from parallm.engine import Engine, EngineModel
     from parallm.models import load_model
-    from perf.bench_serving import machine
-
     loaded = load_model(ModelConfig())
     engine = Engine(EngineModel(loaded.model, (), loaded.max_model_len, loaded.vocab_size), Config(engine=EngineConfig(max_num_seqs=16, prefix_cache=False)))
     engine.warm_up()
-    result = {"machine": machine(), "command": "python -m perf.profile_mixed " + " ".join(argv or sys.argv[1:]),
-              "passes": passes(engine, args.repeats), "rope_kernel": rope_kernel(args.repeats),
+    result = {"passes": passes(engine, args.repeats), "rope_kernel": rope_kernel(args.repeats),
               "rope_steps": rope_steps(engine, args.rounds)}
     del engine
     print(json.dumps({k: result[k] for k in ("passes", "rope_kernel", "rope_steps")}, indent=1), flush=True)
     result["closed_loop_c16"] = closed_loop(loaded, args.runs)
     print(json.dumps(result["closed_loop_c16"], indent=1))
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=2) + "\n")
+    Results.from_args("mixed-passes", args, argv).write(result)
     return 0
 
 

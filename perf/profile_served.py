@@ -7,7 +7,8 @@ served engine, the stage loop's split of each step (inbox, step, send, beat). In
 variants isolate the suspects: the served engine's row limit (max_num_seqs), its EOS ids, the
 per-step protocol work of the stage, and a second process holding the GPU.
 
-    python -m perf.profile_served --shape llama-3.2-3b --tokenizer-dir DIR --out perf/results/x.json
+    python -m perf.profile_served --shape llama-3.2-3b --tokenizer-dir DIR
+        # -> perf/results/served-profile-llama-3.2-3b-h100.json
 """
 
 from __future__ import annotations
@@ -28,7 +29,8 @@ from typing import Any
 import mlx.core as mx
 import zmq
 
-from perf.bench_gpu import SHAPES, Served, build_model_dir, device_name, engine_stats, prompts, served_run, stats_delta
+from perf.bench_gpu import SHAPES, build_model_dir, engine_stats, prompts, served, served_run, stats_delta
+from perf.harness import Results, add_results_options
 
 
 def engine_run(model, max_tokens: int, *, seed: int, max_num_seqs: int = 1, eos: list[int] | None = None,
@@ -76,7 +78,7 @@ def engine_run(model, max_tokens: int, *, seed: int, max_num_seqs: int = 1, eos:
 
 
 def served_variant(model_dir: Path, max_tokens: int, max_num_seqs: int) -> dict[str, Any]:
-    server = Served(model_dir, max_num_seqs)
+    server = served(model_dir, max_num_seqs)
     try:
         asyncio.run(served_run(server.router, prompts(1, 128, 1), max_tokens, 1))
         before = asyncio.run(engine_stats(server.router))
@@ -107,18 +109,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--served-max-seqs", default="256,1")
     parser.add_argument("--tokenizer-dir", type=Path, required=True)
     parser.add_argument("--work-dir", type=Path, default=Path("/tmp/parallm-bench-gpu"))
-    parser.add_argument("--out", type=Path, required=True)
+    add_results_options(parser, default_help="the shape")
     args = parser.parse_args(argv)
     model_dir = build_model_dir(args.shape, args.work_dir / args.shape, args.tokenizer_dir)
-    report: dict[str, Any] = {"device": device_name(), "mlx": mx.__version__, "shape": args.shape,
-                              "cpus": len(os.sched_getaffinity(0)), "topology": topology(),
-                              "max_tokens": args.max_tokens,
-                              "command": "python -m perf.profile_served " + " ".join(argv or sys.argv[1:]),
+    results = Results("served-profile", args.experiment or args.shape, args.out_dir, argv)
+    report: dict[str, Any] = {"shape": args.shape, "topology": topology(), "max_tokens": args.max_tokens,
                               "served": {}, "engine": {}}
 
     def save() -> None:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(report, indent=2) + "\n")
+        results.write(report)
 
     for m in [int(x) for x in args.served_max_seqs.split(",") if x]:
         report["served"][f"max_num_seqs={m}"] = r = served_variant(model_dir, args.max_tokens, m)

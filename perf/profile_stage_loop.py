@@ -2,7 +2,7 @@
 outputs per step drives `EngineStage.run()`; a thread drains the detokenizer socket. What is
 left per loop iteration is the stage's polling, encoding, sending and heartbeat work.
 
-    PYTHONPATH=$PWD python -m perf.profile_stage_loop --batch 1,256 --steps 5000 --out perf/results/stage-loop-cpu.json
+    PYTHONPATH=$PWD python -m perf.profile_stage_loop --batch 1,256 --steps 5000   # -> perf/results/stage-loop-cpu.json
 """
 
 from __future__ import annotations
@@ -10,12 +10,10 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import sys
 import tempfile
 import threading
 import time
-from pathlib import Path
 
 import zmq
 
@@ -24,6 +22,7 @@ from parallm.engine.request import SeqOutput
 from parallm.protocol import EngineStats
 from parallm.runtime import StageRuntime
 from parallm.transport import open_socket
+from perf.harness import Results, add_results_options
 
 
 class FakeEngine:
@@ -84,18 +83,14 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--batch", default="1,256")
     parser.add_argument("--steps", type=int, default=5000)
-    parser.add_argument("--out", type=Path)
+    add_results_options(parser)
     args = parser.parse_args(argv)
-    result = {"command": "PYTHONPATH=$PWD python -m perf.profile_stage_loop " + " ".join(argv or sys.argv[1:]),
-              "machine": f"{platform.machine()} {os.cpu_count()} cores, {platform.platform()}",
-              "loadavg_at_start": os.getloadavg(), "runs": []}
+    result = {"loadavg_at_start": os.getloadavg(), "runs": []}
     for b in [int(x) for x in args.batch.split(",")]:
         result["runs"].append(measure(b, args.steps))
         print(json.dumps(result["runs"][-1]), flush=True)
     result["loadavg_at_end"] = os.getloadavg()
-    if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(result, indent=2) + "\n")
+    Results.from_args("stage-loop", args, argv).write(result)
     return 0
 
 

@@ -19,7 +19,7 @@ and mimalloc preloaded), `system_malloc` (glibc's malloc instead, `PARALLM_NO_MI
 malloc with transparent huge pages for MLX's buffers, `GLIBC_TUNABLES=glibc.malloc.hugetlb=1`,
 glibc >= 2.35).
 
-    python -m perf.profile_step_cpu --variants --out perf/results/step-cpu.json
+    python -m perf.profile_step_cpu --variants   # -> perf/results/step-cpu.json
 
 For the per-symbol split, attach `perf` to a running copy (its third thread, MLX's stream
 thread, runs the kernels; the second is OpenBLAS's worker):
@@ -41,7 +41,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parent.parent
+from perf.harness import ROOT, Results, add_results_options
 
 VARIANTS: dict[str, dict[str, str]] = {
     "default": {},
@@ -179,19 +179,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=30, help="measurements of each kind, interleaved")
     parser.add_argument("--variants", action="store_true", help="compare the environment variants")
     parser.add_argument("--runs", type=int, default=2, help="processes per variant (with --variants)")
-    parser.add_argument("--out", type=Path, default=None)
+    add_results_options(parser)
     args = parser.parse_args(argv)
     if args.variants:
-        from perf.bench_serving import machine
-
-        result = {"machine": machine(), "command": "python -m perf.profile_step_cpu " + " ".join(argv or sys.argv[1:]),
-                  "note": "machine describes the parent; each variant runs in a child re-executed with OpenBLAS "
+        result = {"note": "machine describes the parent; each variant runs in a child re-executed with OpenBLAS "
                           "(and mimalloc unless PARALLM_NO_MIMALLOC), see each run's allocator",
                   **run_variants(args.runs, args.rounds)}
         print(json.dumps(result["median"], indent=1))
-        if args.out is not None:
-            args.out.parent.mkdir(parents=True, exist_ok=True)
-            args.out.write_text(json.dumps(result, indent=2) + "\n")
+        Results.from_args("step", args, argv).write(result)
         return 0
     from parallm import blas
 

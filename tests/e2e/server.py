@@ -1,75 +1,20 @@
-"""Start and stop a real `parallm-launch` for end-to-end tests."""
+"""The end-to-end tests' server: the benchmarks' `perf.harness.Server` (parallm-launch with its own
+run dir and port, output kept) plus what the fault tests watch: health and stage restarts."""
 
 from __future__ import annotations
 
-import os
-import shutil
-import signal
-import socket
 import subprocess
-import sys
-import tempfile
-import threading
 import time
-from pathlib import Path
 
 import httpx
 
+from perf.harness import Server as LaunchedServer
+from perf.harness import free_port
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def launch_command() -> list[str]:
-    script = Path(sys.executable).with_name("parallm-launch")
-    return [str(script)] if script.exists() else [sys.executable, "-m", "parallm.launch"]
+__all__ = ["Server", "free_port"]
 
 
-class Server:
-    """A parallm-launch process with its own run dir and port; output kept for assertions."""
-
-    def __init__(self, *args: str, env: dict[str, str] | None = None, ready_timeout: float = 300.0) -> None:
-        self.port = free_port()
-        self.run_dir = tempfile.mkdtemp(prefix="parallm-e2e-")
-        self.args = ["--port", str(self.port), "--transport.run-dir", self.run_dir, *args]
-        self.env = {**os.environ, **(env or {})}
-        self.ready_timeout = ready_timeout
-        self.lines: list[str] = []
-        self.proc: subprocess.Popen | None = None
-
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
-
-    @property
-    def router(self) -> str:
-        return f"ipc://{self.run_dir}/router.sock"
-
-    def start(self) -> "Server":
-        self.proc = subprocess.Popen([*launch_command(), *self.args], stdout=subprocess.PIPE,
-                                     stderr=subprocess.STDOUT, env=self.env, text=True, bufsize=1)
-        threading.Thread(target=self._collect, daemon=True).start()
-        deadline = time.monotonic() + self.ready_timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"parallm-launch exited with {self.proc.returncode}:\n{self.output()}")
-            if any("parallm-launch: ready" in line for line in self.lines):
-                return self
-            time.sleep(0.2)
-        self.stop()
-        raise RuntimeError(f"parallm-launch not ready in {self.ready_timeout} s:\n{self.output()}")
-
-    def _collect(self) -> None:
-        for line in self.proc.stdout:
-            self.lines.append(line.rstrip("\n"))
-            if os.environ.get("PARALLM_E2E_ECHO"):
-                print(line, end="", file=sys.stderr)
-
-    def output(self) -> str:
-        return "\n".join(self.lines[-200:])
-
+class Server(LaunchedServer):
     def wait_ready(self, timeout: float = 120.0) -> None:
         """Until /health says every stage is up (after a restart)."""
         deadline = time.monotonic() + timeout
@@ -104,22 +49,3 @@ class Server:
                 replica = parts[parts.index("--replica") + 1] if "--replica" in parts else "0"
                 pids[name if name != "tokenizer" else f"tokenizer-{replica}"] = int(pid)
         return pids
-
-    def stop(self, sig: int = signal.SIGTERM, timeout: float = 60.0) -> int:
-        if self.proc is None:
-            return 0
-        if self.proc.poll() is None:
-            self.proc.send_signal(sig)
-            try:
-                self.proc.wait(timeout=timeout)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        shutil.rmtree(self.run_dir, ignore_errors=True)
-        return self.proc.returncode
-
-    def __enter__(self) -> "Server":
-        return self.start()
-
-    def __exit__(self, *exc) -> None:
-        self.stop()

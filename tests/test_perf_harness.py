@@ -1,0 +1,87 @@
+"""perf/ stands on its own (nothing there imports tests/), every benchmark script parses its
+arguments, and the harness names results files by benchmark, experiment and device."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from perf import harness
+
+PERF = Path(__file__).resolve().parents[1] / "perf"
+SCRIPTS = sorted(p.stem for p in PERF.glob("*.py") if p.stem not in ("__init__", "harness"))
+DEVICE = r"(cpu|g?[abhl]\d+s?|rtx-\d+|apple-m\d+(-pro|-max|-ultra)?)"  # what harness.device_slug names
+RESULT_NAME = re.compile(rf"^[a-z0-9.]+(-[a-z0-9.]+)*-{DEVICE}\.(json|md|png|log)$")
+
+
+def test_nothing_in_perf_imports_tests():
+    pattern = re.compile(r"^\s*(from|import)\s+(tests|e2e)\b|sys\.path\.\w+\(.*tests", re.M)
+    offenders = [p.name for p in PERF.rglob("*.py") if pattern.search(p.read_text())]
+    assert offenders == []
+
+
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_script_parses_help(script):
+    proc = subprocess.run([sys.executable, "-m", f"perf.{script}", "--help"], cwd=PERF.parent,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "usage:" in proc.stdout
+
+
+def test_results_files_follow_the_naming_rule():
+    names = [p.name for p in (PERF / "results").iterdir() if p.is_file()]
+    assert names and [n for n in names if not RESULT_NAME.match(n)] == []
+    assert [n for n in names if re.search(r"-(run|host)\d|-[0-9a-f]{7}-", n)] == []
+
+
+@pytest.mark.parametrize("gpu, slug", [("", "cpu"), ("NVIDIA H100 80GB HBM3", "h100"), ("NVIDIA H200", "h200"),
+                                       ("NVIDIA A100-SXM4-80GB", "a100"), ("NVIDIA GeForce RTX 4090", "rtx-4090"),
+                                       ("Apple M2 Max", "apple-m2-max")])
+def test_device_slug(gpu, slug):
+    assert harness.device_slug({"gpu": gpu}) == slug
+
+
+def test_results_path_and_record(tmp_path, monkeypatch):
+    monkeypatch.setattr(harness, "machine", lambda: {"gpu": "NVIDIA H100 80GB HBM3", "cpus": 16})
+    results = harness.Results("gpu", "llama-3.2-3b", tmp_path, argv=["--shape", "llama-3.2-3b"])
+    assert results.json == tmp_path / "gpu-llama-3.2-3b-h100.json"  # the shape's dots are no suffix
+    assert results.png == tmp_path / "gpu-llama-3.2-3b-h100.png"
+    assert results.previous() == {}
+    results.write({"runs": [1], "command": "stale"}, "# table")
+    record = results.previous()
+    assert list(record)[:2] == ["command", "machine"] and record["runs"] == [1]
+    assert record["command"].endswith("--shape llama-3.2-3b") and record["machine"]["cpus"] == 16
+    assert results.md.read_text() == "# table\n"
+    assert harness.Results("serving", "", tmp_path).json.name == "serving-h100.json"
+
+
+def test_server_env_puts_the_checkout_first_and_drops_preloads(monkeypatch):
+    from parallm import blas
+
+    monkeypatch.setenv("PYTHONPATH", "/elsewhere")
+    monkeypatch.setenv(blas.MARK, "/x/libopenblas.so")
+    monkeypatch.setenv("LD_PRELOAD", "/x/libopenblas.so")
+    env = harness.server_env()
+    assert env["PYTHONPATH"].split(":") == [str(harness.ROOT), "/elsewhere"]
+    assert "LD_PRELOAD" not in env and blas.MARK not in env
+    given = harness.server_env({"LD_PRELOAD": "/x/libopenblas.so"})
+    assert given["LD_PRELOAD"] == "/x/libopenblas.so"  # an environment given is kept as it is
+
+
+def test_process_reports_a_server_that_exits_before_ready():
+    proc = harness.Process([sys.executable, "-c", "print('starting'); raise SystemExit(3)"], ready="never",
+                           ready_timeout=30)
+    with pytest.raises(RuntimeError, match="exited with 3") as info:
+        proc.start()
+    assert "starting" in str(info.value)
+
+
+def test_process_is_ready_on_its_line_and_stops(tmp_path):
+    script = "import time; print('warming'); print('ready now', flush=True); time.sleep(60)"
+    with harness.Process([sys.executable, "-c", script], ready="ready now", ready_timeout=30) as proc:
+        assert proc.proc.poll() is None and proc.lines[:2] == ["warming", "ready now"]
+    assert proc.proc.returncode is not None
