@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-import logging
 import sys
 from typing import Sequence
 
 from parallm.config import parse_args
+from parallm.logs import setup_logging
 
 from .supervisor import Supervisor
 
@@ -18,8 +18,7 @@ the command line wins over the environment, which wins over the file."""
 
 def main(argv: Sequence[str] | None = None) -> int:
     config, _ = parse_args(argv, prog="parallm-launch", description=DESCRIPTION)
-    logging.basicConfig(level=getattr(logging, config.log_level.upper()), stream=sys.stderr,
-                        format="[supervisor] %(asctime)s %(levelname)s %(message)s")
+    setup_logging(config.log_level, "supervisor", config.log_format)
     return Supervisor(config).run()
 
 

@@ -1,7 +1,9 @@
-"""One supervised child process: started with a parent-death pipe, its output prefixed."""
+"""One supervised child process: started with a parent-death pipe and its config through a pipe,
+its output prefixed."""
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -32,10 +34,17 @@ def _write_all(fd: int, data: bytes) -> None:
         pass
 
 
-def _pump(stream: IO[bytes], prefix: str, out: IO[str]) -> None:
+def _pump(stream: IO[bytes], label: str, out: IO[str], json_lines: bool) -> None:
+    """Copy a stage's output to ours: each line prefixed `[label]`, or with JSON logs, the stage's
+    JSON lines as they are and anything else (a traceback C code printed) wrapped in one."""
     for raw in iter(stream.readline, b""):
         line = raw.decode("utf-8", "replace").rstrip("\n")
-        out.write(f"{prefix} {line}\n")
+        if not json_lines:
+            out.write(f"[{label}] {line}\n")
+        elif line.startswith("{") and line.endswith("}"):
+            out.write(line + "\n")
+        else:
+            out.write(json.dumps({"level": "info", "stage": label, "logger": "output", "message": line}) + "\n")
         out.flush()
     stream.close()
 
@@ -57,7 +66,7 @@ class StageProcess:
     backoff: float = 0.0
     finished: bool = False          # an off-path stage (the trainer) that exited 0: done, not restarted
 
-    def start(self, config: bytes, parent_read_fd: int, log_out: IO[str]) -> None:
+    def start(self, config: bytes, parent_read_fd: int, log_out: IO[str], json_logs: bool = False) -> None:
         """Start the stage; its configuration (API keys included) goes through a pipe, never a file."""
         config_read, config_write = os.pipe()
         cmd = [sys.executable, "-m", "parallm.stages", self.spec.name, "--replica", str(self.spec.replica),
@@ -79,7 +88,7 @@ class StageProcess:
         self.ready = False
         self.loop_age_s = 0.0
         self.in_flight = 0
-        threading.Thread(target=_pump, args=(self.proc.stdout, f"[{self.spec.label}]", log_out),
+        threading.Thread(target=_pump, args=(self.proc.stdout, self.spec.label, log_out, json_logs),
                          daemon=True, name=f"log-{self.spec.label}").start()
 
     def alive(self) -> bool:

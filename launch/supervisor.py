@@ -10,6 +10,7 @@ backoff and announced again when READY (StageUp).
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import signal
@@ -152,16 +153,21 @@ class Supervisor:
             self._stop_all()
 
     def _print_ready(self) -> None:
+        """The line that tells a person (or a script waiting for it) that the server serves; with JSON
+        logs, a JSON line holding the same text."""
         server = self.config.server
-        print(f"parallm-launch: ready: model {self.config.model.served_name} at "
-              f"http://{server.host}:{server.port}/v1 (zmq engine {self.addrs.engine}, "
-              f"router {self.addrs.router})", file=self.log_out, flush=True)
+        line = (f"parallm-launch: ready: model {self.config.model.served_name} at "
+                f"http://{server.host}:{server.port}/v1 (zmq engine {self.addrs.engine}, router {self.addrs.router})")
+        if self.config.log_format == "json":
+            line = json.dumps({"level": "info", "stage": "supervisor", "logger": "parallm.supervisor", "message": line,
+                               "url": f"http://{server.host}:{server.port}/v1", "router": self.addrs.router})
+        print(line, file=self.log_out, flush=True)
 
     def _on_signal(self, signum: int, frame) -> None:
         self._stop_requested += 1
 
     def _start_and_wait(self, stage: StageProcess) -> None:
-        stage.start(self.config_bytes, self._parent_read, self.log_out)
+        stage.start(self.config_bytes, self._parent_read, self.log_out, self.config.log_format == "json")
         deadline = time.monotonic() + self.config.supervisor.ready_timeout_s
         while time.monotonic() < deadline:
             if self._stop_requested:
@@ -260,7 +266,7 @@ class Supervisor:
 
     def _restart(self, stage: StageProcess) -> None:
         log.info("starting %s again (restart %d)", stage.spec.label, stage.restarts)
-        stage.start(self.config_bytes, self._parent_read, self.log_out)
+        stage.start(self.config_bytes, self._parent_read, self.log_out, self.config.log_format == "json")
 
     # ------------------------------------------------------------------ drain / stop
     def _begin_drain(self) -> None:

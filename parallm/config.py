@@ -131,6 +131,7 @@ class ServerConfig(Struct, frozen=True, kw_only=True, forbid_unknown_fields=True
     max_queued_requests: Annotated[int, _d("sequences waiting in the engine (for a row or KV memory) past "
                                            "which new requests get 503; 0 = no bound")] = 1024
     max_body_bytes: Annotated[int, _d("largest request body accepted (413 past it)")] = 8 << 20
+    access_log: Annotated[bool, _d("log one line per HTTP request (method, route, status, duration, request id)")] = True
     max_output_tokens: Annotated[int, _d("largest max_tokens accepted; 0 = context length")] = 0
     first_token_timeout_s: Annotated[float, _d("seconds to the first token before 504; 0 = none")] = 0.0
     request_timeout_s: Annotated[float, _d("seconds for a whole request before 504; 0 = none")] = 0.0
@@ -266,6 +267,8 @@ class Config(Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     adapters: AdaptersConfig = AdaptersConfig()
     trainer: TrainerConfig = TrainerConfig()
     log_level: Annotated[Literal["debug", "info", "warning", "error"], _d("log level of every stage")] = "info"
+    log_format: Annotated[Literal["text", "json"], _d("log lines as text or one JSON object per line; lines about a "
+                                                       "request carry its id either way")] = "text"
 
     def encode(self) -> bytes:
         return msgspec.msgpack.encode(self)

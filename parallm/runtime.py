@@ -27,11 +27,6 @@ from .transport import Addresses, Receiver, Sender, addresses, open_socket, set_
 log = logging.getLogger(__name__)
 
 
-def setup_logging(level: str, stage: str) -> None:
-    logging.basicConfig(level=getattr(logging, level.upper(), logging.INFO), stream=sys.stderr,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s", force=True)
-
-
 def die_with_parent(parent_fd: int | None) -> None:
     """Exit at once when the supervisor goes away, however it died."""
     parent = os.getppid()

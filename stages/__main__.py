@@ -13,7 +13,8 @@ import sys
 from pathlib import Path
 
 from parallm.config import Config
-from parallm.runtime import die_with_parent, setup_logging
+from parallm.logs import setup_logging
+from parallm.runtime import die_with_parent
 
 STAGES = ("ingress", "tokenizer", "engine", "detokenizer", "trainer")
 
@@ -33,7 +34,7 @@ def main() -> int:
             config = Config.decode(pipe.read())
     else:
         config = Config.decode(Path(args.config_file).read_bytes())
-    setup_logging(config.log_level, args.stage)
+    setup_logging(config.log_level, args.stage, config.log_format)
     module = importlib.import_module(f"parallm.stages.{args.stage}")
     return module.main(config, args.replica)
 

@@ -26,6 +26,7 @@ import zmq
 
 from parallm import protocol
 from parallm.config import Config
+from parallm.logs import request_extra
 from parallm.runtime import StageRuntime
 from parallm.text.sequence import DetokState
 from parallm.text.vocab import TokenizerView
@@ -95,6 +96,7 @@ class DetokenizerStage:
         self.counts.outputs += len(step.outputs)
 
     def on_error(self, error: protocol.RequestError) -> None:
+        log.info("%d %s: %s", error.status, error.code, error.message, extra=request_extra(error.rid))
         request = self.requests.pop(error.rid, None)
         reply_to = error.reply_to or (request.reply_to if request else b"")
         if reply_to:
@@ -123,7 +125,8 @@ class DetokenizerStage:
         if rids:
             self.to_engine.send(protocol.Abort(rids=rids, reason="abort"), block=False)
             self.counts.client_gone_aborts += len(rids)
-            log.info("client %r went away: aborted %d request(s)", identity[:32], len(rids))
+            for rid in rids:
+                log.info("client %r went away: aborted", identity[:32], extra=request_extra(rid))
 
     def on_engine_down(self) -> None:
         """The engine died: every request it held is lost; tell each client, retryably."""

@@ -14,6 +14,7 @@ import zmq
 
 from parallm import protocol
 from parallm.config import Config
+from parallm.logs import request_extra
 from parallm.runtime import StageRuntime
 from parallm.text.templating import Templater, TemplateError
 from parallm.transport import Receiver, Sender, open_socket
@@ -63,6 +64,7 @@ class TokenizerStage:
             ids = self.templater.encode(message)
         except TemplateError as exc:
             self.rejected += 1
+            log.info("refused: %s", exc.message, extra=request_extra(message.rid, status=exc.status, param=exc.param))
             self.to_detok.send(exc.to_error(message.rid, message.reply_to))
             return
         self.to_engine.send(protocol.Submit(rid=message.rid, reply_to=message.reply_to,
@@ -74,8 +76,8 @@ class TokenizerStage:
             self.handle(message)
         except Exception as exc:  # noqa: BLE001 - a bad message must not take the stage down
             self.failed += 1
-            log.exception("could not handle a %s", type(message).__name__)
             rid = getattr(message, "rid", "") or getattr(message, "qid", "")
+            log.exception("could not handle a %s", type(message).__name__, extra=request_extra(rid))
             reply_to = getattr(message, "reply_to", b"")
             if rid and reply_to:
                 self.to_detok.send(protocol.RequestError(rid=rid, reply_to=reply_to, status=400,

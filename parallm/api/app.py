@@ -26,7 +26,7 @@ from parallm.api.errors import APIError, error_response, model_not_found
 from parallm.api.generation import GenerationRoutes
 from parallm.api.health import HealthRoutes
 from parallm.api.http import json_response, read_body
-from parallm.api.metrics import CountRequests, MetricsRoute
+from parallm.api.metrics import AccessLog, CountRequests, MetricsRoute
 from parallm.api.openapi import openapi_document
 from parallm.api.rl import rl_routes
 from parallm.api.schemas import (DetokenizeRequest, DetokenizeResponse, ModelCard, ModelList, TokenizeRequest,
@@ -155,6 +155,8 @@ def build_app(backend: Backend, server: ServerConfig, metrics: ServerMetrics | N
         *adapters.routes(backend, server, endpoint),
     ]
     middleware = [Middleware(CountRequests, metrics=metrics, routes=routes)]
+    if server.access_log:
+        middleware.insert(0, Middleware(AccessLog, routes=routes))
     if keys:
         middleware.append(Middleware(BearerAuth, keys=keys, exempt=tuple(server.auth_exempt_paths)))
     app = Starlette(routes=routes, middleware=middleware, exception_handlers={HTTPException: _http_error})

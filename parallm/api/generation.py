@@ -14,7 +14,7 @@ from starlette.responses import Response
 
 from parallm.api.backend import Backend
 from parallm.api.errors import APIError
-from parallm.api.http import ClientGone, DisconnectWatch, EventStream, json_response, read_body
+from parallm.api.http import REQUEST_ID, ClientGone, DisconnectWatch, EventStream, json_response, read_body
 from parallm.api.merge import Deadlines, merged
 from parallm.api.outputs import Collector
 from parallm.api.schemas import ChatCompletionRequest, CompletionRequest
@@ -75,6 +75,7 @@ class GenerationRoutes:
 
     async def _serve(self, request: Request, make_plan: Callable[[bytes], Plan]) -> Response:
         plan = make_plan(await read_body(request, self.server.max_body_bytes))
+        request.scope[REQUEST_ID] = plan.id
         self.gate.enter()
         handed_off = False
         watch = DisconnectWatch(request.receive)

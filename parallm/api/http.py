@@ -25,6 +25,7 @@ T = TypeVar("T")
 
 _encoder = msgspec.json.Encoder()
 CLIENT_GONE = "parallm.client_gone"  # ASGI scope key: the client left before the answer was complete
+REQUEST_ID = "parallm.request_id"    # ASGI scope key: the id a generation route gave the request (access log)
 
 
 def json_response(body: Any, status: int = 200, headers: dict[str, str] | None = None) -> Response:

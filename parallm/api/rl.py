@@ -23,7 +23,7 @@ from starlette.routing import Route
 from parallm.api.backend import Backend
 from parallm.api.errors import invalid
 from parallm.api.generation import backend_limits
-from parallm.api.http import ClientGone, DisconnectWatch, json_response, read_body
+from parallm.api.http import REQUEST_ID, ClientGone, DisconnectWatch, json_response, read_body
 from parallm.api.merge import Deadlines, merged
 from parallm.api.rl_plan import Job, build, parse
 from parallm.api.rl_render import Gathered, render
@@ -55,6 +55,7 @@ class RLRoutes:
         name = str(raw.get("request_id") or request.headers.get("x-request-id") or job.rid)
         if name in self.live:
             raise invalid(f"request_id {name!r} is already in flight.", "request_id")
+        request.scope[REQUEST_ID] = job.rid
         self.gate.enter()
         self.live[name] = [s.rid for s in job.submits]
         watch = DisconnectWatch(request.receive)

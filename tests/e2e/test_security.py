@@ -91,3 +91,22 @@ def test_a_forged_heartbeat_restarts_no_stage(keyed):
     ctx.term()
     time.sleep(3)
     assert keyed.stage_pids() == pids and keyed.proc.poll() is None
+
+
+def test_json_logs_follow_one_request_id_through_the_stages():
+    """With --log-format json every output line is JSON, and a request's id is on the lines about it
+    in ingress (the access log), the tokenizer (which refused it) and the detokenizer (which routed
+    the error)."""
+    import json
+
+    with Server("--log-format", "json") as srv:
+        r = httpx.post(f"{srv.url}/v1/completions", json={"prompt": "word " * 9000, "max_tokens": 4}, timeout=120)
+        assert r.status_code == 400, r.text
+        ok = httpx.post(f"{srv.url}/v1/completions", json={"prompt": "Hi", "max_tokens": 2}, timeout=120)
+        time.sleep(1.0)
+        lines = [json.loads(line) for line in srv.lines if line.strip()]
+    refused = [line for line in lines if line.get("request_id", "").startswith("cmpl-")
+               and line["request_id"] not in (ok.json()["id"],)]
+    assert {line["stage"] for line in refused} >= {"ingress", "tokenizer", "detokenizer"}, refused
+    access = [line for line in lines if line.get("logger") == "parallm.access"]
+    assert {(line["status"], line["route"]) for line in access} >= {(400, "/v1/completions"), (200, "/v1/completions")}
