@@ -14,7 +14,7 @@ from perf import harness
 
 PERF = Path(__file__).resolve().parents[1] / "perf"
 SCRIPTS = sorted(p.stem for p in PERF.glob("*.py") if p.stem not in ("__init__", "harness"))
-DEVICE = r"(cpu|g?[abhl]\d+s?|rtx-\d+|apple-m\d+(-pro|-max|-ultra)?)"  # what harness.device_slug names
+DEVICE = r"(?:cpu|g?[ah]\d{2,3}|l4\d?s?|g?b\d00|rtx-\d+|apple-m\d+(?:-pro|-max|-ultra)?)"  # harness.device_slug's
 RESULT_NAME = re.compile(rf"^[a-z0-9.]+(-[a-z0-9.]+)*-{DEVICE}\.(json|md|png|log)$")
 
 
@@ -36,6 +36,36 @@ def test_results_files_follow_the_naming_rule():
     names = [p.name for p in (PERF / "results").iterdir() if p.is_file()]
     assert names and [n for n in names if not RESULT_NAME.match(n)] == []
     assert [n for n in names if re.search(r"-(run|host)\d|-[0-9a-f]{7}-", n)] == []
+
+
+BENCHMARKS = ("serving", "engine", "rl", "train", "adapters", "gpu", "served-profile", "decode-profile",
+              "launch-settings", "compiled-pass", "fastmath", "mixed-passes", "step", "stage-loop")
+
+
+def cited_results(text: str) -> set[str]:
+    """Results file names (globs allowed, `name.{json,md}` expanded) cited in `text`, except older
+    runs cited as `git show COMMIT:perf/results/NAME`."""
+    cited = re.compile(rf"(?<![:\w-])((?:{'|'.join(BENCHMARKS)})[-*][\w.*-]*?)"
+                       r"\.(\{[a-z,]+\}|json|md|png|log|\*)(?![\w-])")
+    text = re.sub(r"git show \w+:perf/results/\S+", "", text)
+    return {f"{m.group(1)}.{ext}" for m in cited.finditer(text) for ext in m.group(2).strip("{}").split(",")}
+
+
+def test_docs_cite_results_files_that_exist():
+    """Every results file the docs name is in perf/results (older runs are cited as `git show C:path`)."""
+    root = PERF.parent
+    texts = {doc.name: doc.read_text() for doc in [root / "README.md", *sorted((root / "docs").glob("*.md"))]}
+    texts["perf/README.md"] = (PERF / "README.md").read_text().split("## Where the files merged")[0]
+    missing = sorted(f"{doc}: {name}" for doc, text in texts.items() for name in cited_results(text)
+                     if not any((PERF / "results").glob(name)))
+    assert missing == []
+
+
+def test_cited_results_reads_the_forms_the_docs_use():
+    text = ("`serving-cpu.{md,json}` and `perf/results/step-cpu.json`, `compiled-pass*-h100.json`, older "
+            "`git show a1449bc:perf/results/serving-cpu-run2.md`; perf/bench_serving.py; `gpu-llama-3.2-3b-h100.json`")
+    assert cited_results(text) == {"serving-cpu.md", "serving-cpu.json", "step-cpu.json", "compiled-pass*-h100.json",
+                                   "gpu-llama-3.2-3b-h100.json"}
 
 
 @pytest.mark.parametrize("gpu, slug", [("", "cpu"), ("NVIDIA H100 80GB HBM3", "h100"), ("NVIDIA H200", "h200"),
