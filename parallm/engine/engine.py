@@ -74,25 +74,24 @@ class Engine:
         bs = settings.block_size
         pool_blocks = int(total_tokens * settings.prefix_pool_fraction) // bs if settings.prefix_cache else 0
         live_tokens = total_tokens - pool_blocks * bs
-        self.runner = ModelRunner(self.model, info, vocab_size=self.vocab_size, pool_blocks=pool_blocks,
-                                  block_size=bs, compile=settings.compile, fast_math=bool(settings.fast_math))
+        merge_mb = config.adapters.merge_mb
+        self.adapter_settings = msgspec.structs.replace(
+            config.adapters, merge_mb=auto_adapter_merge_mb(on_cpu) if merge_mb is None else merge_mb)
+        self.adapters = AdapterManager(self.model, history=self.adapter_settings.history,
+                                       merge_mb=self.adapter_settings.merge_mb)
+        self.runner = ModelRunner(self.model, info, vocab_size=self.vocab_size, pool_blocks=pool_blocks, block_size=bs,
+                                  eos_ids=self.eos_token_ids, lora=self.adapters.router, compile=settings.compile,
+                                  fast_math=bool(settings.fast_math))
         resolved: dict = {"kv_budget_mb": self.kv_budget_bytes / (1 << 20)}
         if settings.max_prefill_tokens is None:
             resolved["max_prefill_tokens"] = auto_prefill_tokens(on_cpu, settings.mixed_passes and self.runner.can_pack)
         self.config = settings = msgspec.structs.replace(settings, **resolved)
-        merge_mb = config.adapters.merge_mb
-        self.adapter_settings = msgspec.structs.replace(
-            config.adapters, merge_mb=auto_adapter_merge_mb(on_cpu) if merge_mb is None else merge_mb)
         self.budget = KVBudget(budget_tokens=live_tokens, max_rows=settings.max_num_seqs,
                                max_len=self.max_model_len + settings.max_prefill_tokens + 1)
         self.blocks = BlockManager(pool_blocks, bs) if settings.prefix_cache else None
         self.scheduler = Scheduler(budget=self.budget, max_prefill_tokens=settings.max_prefill_tokens,
                                    blocks=self.blocks, block_size=bs, max_prefill_rows=settings.max_prefill_rows,
                                    writeback_interval=settings.writeback_interval)
-        self.runner.eos_ids = self.eos_token_ids
-        self.adapters = AdapterManager(self.model, history=self.adapter_settings.history,
-                                       merge_mb=self.adapter_settings.merge_mb)
-        self.runner.lora = self.adapters.router
         self.runner.pool.allocate()
         self._requests: dict[str, list[Sequence]] = {}
         self._unreported: list[Sequence] = []  # aborted: reported by the next step()

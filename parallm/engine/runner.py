@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Iterable
 
 import mlx.core as mx
 import mlx.nn as nn
+
+from parallm.adapters.lora import LoRARouter
 
 from .cache import KVPool, LiveKV, PackedContext, PassContext
 from .fastmath import FastMath
@@ -58,8 +61,11 @@ def _launch_of(seqs: list[Sequence], out: SampleOut) -> Launch:
 
 
 class ModelRunner:
-    def __init__(self, model: nn.Module, info: ModelInfo, *, vocab_size: int, pool_blocks: int,
-                 block_size: int, compile: bool = True, fast_math: bool = False) -> None:
+    def __init__(self, model: nn.Module, info: ModelInfo, *, vocab_size: int, pool_blocks: int, block_size: int,
+                 eos_ids: Iterable[int] = (), lora: LoRARouter | None = None, compile: bool = True,
+                 fast_math: bool = False) -> None:
+        """`eos_ids`: the tokens `min_tokens` masks until reached (with each request's stop ids);
+        `lora`: the router that tells the adapted layers which adapter each row of a pass uses."""
         self.model = model
         self.info = info
         self.vocab_size = vocab_size
@@ -70,8 +76,8 @@ class ModelRunner:
         self.sampler = Sampler(vocab_size, compiled=compile)
         self._params_key: tuple | None = None
         self._params: BatchParams | None = None
-        self.eos_ids: list[int] = []
-        self.lora = None  # parallm.adapters.LoRARouter: which adapter each row of a pass uses
+        self.eos_ids = [int(t) for t in eos_ids]
+        self.lora = lora
         self.fast_math = FastMath(model) if fast_math else None
         self.head = OutputHead(model)
         self._packing: bool | None = None
