@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import os
 import time
-from collections import Counter, deque
+from collections import Counter
 from typing import Callable
 from typing import Sequence as Seq
 
@@ -17,14 +17,15 @@ import msgspec
 
 from parallm.adapters import AdapterError, AdapterManager, LoadedAdapter
 from parallm.config import Config, auto_adapter_merge_mb, auto_prefill_tokens, resolve_engine_config
-from parallm.protocol import EngineStats, RequestSpec, SamplingParams, Usage
+from parallm.protocol import EngineStats, RequestSpec, SamplingParams
 
 from .blocks import BlockManager
 from .compat import check_model
 from .model import EngineModel
+from .output import OutputProcessor, StepOutputs, unseen_versions
 from .request import Request, RequestRejected, ScoreResult, SeqOutput, validate, validate_score
-from .runner import FirstTokens, Launch, ModelRunner
-from .sampling import SampledLists, log_softmax, splitmix64, top_of
+from .runner import Launch, ModelRunner
+from .sampling import log_softmax, splitmix64, top_of
 from .scheduler import KVBudget, PrefillWork, Scheduler
 from .sequence import Sequence
 
@@ -94,18 +95,15 @@ class Engine:
                                    writeback_interval=settings.writeback_interval)
         self.runner.pool.allocate()
         self._requests: dict[str, list[Sequence]] = {}
-        self._unreported: list[Sequence] = []  # aborted: reported by the next step()
+        self.output = OutputProcessor(self.scheduler, self.eos_token_ids, self._requests, self.runner.execute)
         self._launches: list[Launch] = []
         self._seq_counter = 0
         self._seed_counter = 0
         self._steps = 0
         self._hist: Counter[int] = Counter()
         self._timing = Counter()
-        self._prompt_computed = 0
-        self._generated = 0
         self._last_batch = 0
         self._mixed_passes = 0  # steps whose prompt chunks rode in the decode pass
-        self._swap_ms: deque[float] = deque(maxlen=64)  # adapter load -> its first token read, ms
 
     # ------------------------------------------------------------------ requests
     def add_request(self, request: Request) -> None:
@@ -154,8 +152,7 @@ class Engine:
             return False
         self.scheduler.abort(live)
         self.runner.execute(self.scheduler.take_ops())
-        self._unreported.extend(live)
-        self._forget_if_done(rid)
+        self.output.defer_abort(live)
         return True
 
     def request_ids(self) -> list[str]:
@@ -168,21 +165,19 @@ class Engine:
 
     def owes_outputs(self) -> bool:
         """Outputs are decided but not yet returned (aborted sequences, launched steps)."""
-        return bool(self._unreported or self._launches)
+        return bool(self.output.aborted or self._launches)
 
     def flush(self) -> list[SeqOutput]:
         """What is owed without starting new work: a paused engine still reports its aborts and
         the tokens of steps it had launched."""
-        outputs: dict[int, SeqOutput] = {}
-        for seq in self._unreported:
-            outputs[seq.seq_id] = self._output(seq, finish="abort")
-        self._unreported.clear()
+        out = StepOutputs()
+        self.output.report_aborts(out)
         while self._launches:
-            self._read(self._launches.pop(0), outputs)
-        return list(outputs.values())
+            self.output.read(self._launches.pop(0), out)
+        return out.items()
 
     def has_work(self) -> bool:
-        return bool(self.scheduler.has_work() or self._launches or self._unreported)
+        return bool(self.scheduler.has_work() or self._launches or self.output.aborted)
 
     # ------------------------------------------------------------------ the loop
     def step(self, emit: Callable[[list[SeqOutput]], None] | None = None) -> list[SeqOutput]:
@@ -193,26 +188,19 @@ class Engine:
         them (`engine.mixed_passes`), the prompt chunks and the decode rows share one pass."""
         t0 = time.perf_counter()
         self._steps += 1
-        outputs: dict = {}  # seq_id -> its output this step ((seq_id, version) for an earlier version's)
-        for seq in self._unreported:
-            outputs[seq.seq_id] = self._output(seq, finish="abort")
-        self._unreported.clear()
-
-        sched = self.scheduler
-        plan = sched.schedule()
+        out = StepOutputs()
+        self.output.report_aborts(out)
+        plan = self.scheduler.schedule()
         self.runner.execute(plan.ops)
         t1 = time.perf_counter()
         self._timing["schedule_s"] += t1 - t0
         if plan.prefill is not None and self._can_mix(plan.prefill):
-            self._mixed(plan.prefill, outputs, emit)
+            self._mixed(plan.prefill, out, emit)
             self._timing["mixed_s"] += time.perf_counter() - t1
-            return list(outputs.values())
+            return out.items()
         if plan.prefill is not None:
-            first = self._prefill(plan.prefill, {} if emit is not None else outputs)
-            if emit is not None and first:
-                emit(list(first.values()))
+            self._prefill(plan.prefill, out, emit)
         t2 = time.perf_counter()
-
         launched = self._launch()
         t3 = time.perf_counter()
         # overlap keeps the pass just launched in flight and reads it next step, after launching
@@ -220,12 +208,12 @@ class Engine:
         # read now instead, so that token (what a trainer waits for) is not held back by a launch
         keep = 1 if (launched and self.config.overlap and not self._launches[-1].fresh) else 0
         while len(self._launches) > keep:
-            self._read(self._launches.pop(0), outputs)
+            self.output.read(self._launches.pop(0), out)
         t4 = time.perf_counter()
         self._timing["prefill_s"] += t2 - t1
         self._timing["launch_s"] += t3 - t2
         self._timing["read_s"] += t4 - t3
-        return list(outputs.values())
+        return out.items()
 
     def _wants_decode(self) -> bool:
         seqs = self.scheduler.running
@@ -257,7 +245,7 @@ class Engine:
 
     def _launched(self, seqs: list[Sequence], launch: Launch) -> None:
         if self.adapters.published:
-            launch.fresh = _unseen_versions(seqs)
+            launch.fresh = unseen_versions(seqs)
         for s in seqs:
             s.num_computed += 1
             s.inflight += 1
@@ -277,126 +265,28 @@ class Engine:
         lora = rows[0].lora
         return all(s.lora is lora for s in rows) and self.runner.can_pack
 
-    def _mixed(self, work: PrefillWork, outputs: dict, emit: Callable[[list[SeqOutput]], None] | None) -> None:
+    def _mixed(self, work: PrefillWork, out: StepOutputs, emit: Callable[[list[SeqOutput]], None] | None) -> None:
         """Decode every running row and prefill this step's chunks in one pass, then account
-        both as `_prefill` and `_read` would (the prompts first: a finish read from the decode
-        rows moves rows, and those moves copy what the prompts' rows have computed)."""
+        both as a prefill pass and a decode pass would be (the prompts first: a finish read from
+        the decode rows moves rows, and those moves copy what the prompts' rows have computed)."""
         seqs = self.scheduler.running
         launch, first = self.runner.mixed(seqs, self._decode_inputs(seqs), [s.scheduled_outputs for s in seqs], work)
         self._launched(seqs, launch)
         self._mixed_passes += 1
-        firsts = self._complete_prefill(work, {}, first, {} if emit is not None else outputs)
-        if emit is not None and firsts:
-            emit(list(firsts.values()))
+        firsts = StepOutputs() if emit is not None else out
+        self.output.prefill_done(work, {}, first, firsts)
+        if emit is not None and firsts.seqs:
+            emit(firsts.items())
         while self._launches:
-            self._read(self._launches.pop(0), outputs)
+            self.output.read(self._launches.pop(0), out)
 
-    def _prefill(self, work: PrefillWork, outputs: dict) -> dict:
-        """Run a prefill pass; the first tokens it samples go into `outputs` (returned)."""
+    def _prefill(self, work: PrefillWork, out: StepOutputs, emit: Callable[[list[SeqOutput]], None] | None) -> None:
+        """Run a prefill pass; the first tokens it samples go to `emit`, else into `out`."""
         prompt_lps, first = self.runner.prefill(work)
-        return self._complete_prefill(work, prompt_lps, first, outputs)
-
-    def _complete_prefill(self, work: PrefillWork, prompt_lps: dict, first: FirstTokens | None,
-                          outputs: dict) -> dict:
-        """Account a pass's prompt chunks: prompt logprobs, finished prompts joining the running
-        rows, their first tokens (into `outputs`, returned)."""
-        self._prompt_computed += sum(work.lengths)
-        for seq in work.seqs:
-            got = prompt_lps.get(seq.seq_id)
-            if got is not None:
-                start, lps, ids, vals = got
-                del seq.prompt_logprobs[start:]
-                for j, lp in enumerate(lps):
-                    top = None if ids is None else sorted(zip(ids[j], vals[j]), key=lambda x: -x[1])
-                    seq.prompt_logprobs.append((lp, top))
-        ops = self.scheduler.complete_prefill(work)  # finished prompts (and their forks) join the running rows
-        stops = []
-        if first is not None:
-            for i, seq in enumerate(first.seqs):
-                stops.append((seq, self._accept(seq, seq.adapter_version, first.sampled, i, outputs)))
-            if self.adapters.published:
-                self._note_first_tokens(_unseen_versions(first.seqs))
-        self.runner.execute(ops)  # InitRow starts penalty state from the prompt and the first token
-        for seq, stop in stops:
-            if stop is not None:
-                self._finish(seq, stop, outputs)
-        self.runner.execute(self.scheduler.take_ops())  # rows freed by those finishes, before the decode
-        return outputs
-
-    def _read(self, launch: Launch, outputs: dict) -> None:
-        sampled = launch.out.read()
-        self._note_first_tokens(launch.fresh)
-        for i, seq in enumerate(launch.seqs):
-            if seq.is_finished or seq.epoch != launch.epochs[i]:
-                continue  # aborted, preempted or finished after this pass was launched
-            seq.inflight -= 1
-            version = launch.versions[i] if launch.versions else seq.adapter_version
-            stop = self._accept(seq, version, sampled, i, outputs)
-            if stop is not None:
-                self._finish(seq, stop, outputs)
-
-    def _note_first_tokens(self, loras: list[LoadedAdapter]) -> None:
-        """These adapter versions' first tokens were just read: record load -> first token."""
-        for lora in loras:
-            if not lora.first_token_at:
-                lora.first_token_at = time.time()
-                self._swap_ms.append(1000 * (lora.first_token_at - lora.loaded_at))
-
-    def _accept(self, seq: Sequence, version: int, sampled: SampledLists, i: int, outputs: dict) -> bool | None:
-        """Append row i of `sampled` to its sequence and its output of this step; returns whether
-        it ends the sequence by a stop token (True) or by length (False), else None."""
-        tok = sampled.tokens[i]
-        seq.output_ids.append(tok)
-        self._generated += 1
-        o = outputs.get(seq.seq_id)
-        if o is not None and o.version != version and o.token_ids:
-            # a Pause(keep)/Resume moved the sequence to a newer version between two passes read
-            # in this step: one output per version, in order
-            outputs[(seq.seq_id, o.version)] = outputs.pop(seq.seq_id)
-            o = None
-        if o is None:
-            o = outputs[seq.seq_id] = self._output(seq)
-            o.version = version
-        o.token_ids.append(tok)
-        p = seq.params
-        if p.logprobs or p.top_logprobs:
-            o.logprobs = (o.logprobs or []) + [sampled.logprobs[i]]
-        if p.top_logprobs:
-            pairs = sorted(zip(sampled.top_ids[i][:], sampled.top_logprobs[i][:]), key=lambda x: -x[1])[:p.top_logprobs]
-            o.top_logprobs = (o.top_logprobs or []) + [pairs]
-        stop = tok in p.stop_token_ids or (not p.ignore_eos and tok in self.eos_token_ids)
-        if stop or seq.num_output >= p.max_tokens:
-            return stop
-        return None
-
-    def _finish(self, seq: Sequence, stop: bool, outputs: dict) -> None:
-        self.scheduler.finish(seq, "stop" if stop else "length")
-        o = outputs[seq.seq_id]
-        o.finish_reason = seq.finish_reason
-        o.usage = self._usage(seq)
-        self._forget_if_done(seq.rid)
-
-    def _output(self, seq: Sequence, finish: str | None = None) -> SeqOutput:
-        o = SeqOutput(rid=seq.rid, index=seq.index, token_ids=[], finish_reason=finish, adapter=seq.adapter_name,
-                      version=seq.adapter_version)
-        if finish is not None:
-            o.usage = self._usage(seq)
-        if seq.index == 0 and seq.params.prompt_logprobs is not None and not seq.prompt_logprobs_sent \
-                and seq.prompt_logprobs is not None and len(seq.prompt_logprobs) == seq.num_prompt - 1:
-            seq.prompt_logprobs_sent = True
-            o.prompt_logprobs = [None] + [lp for lp, _ in seq.prompt_logprobs]
-            if seq.params.prompt_logprobs:
-                o.prompt_top_logprobs = [None] + [top[:seq.params.prompt_logprobs] for _, top in seq.prompt_logprobs]
-        return o
-
-    def _usage(self, seq: Sequence) -> Usage:
-        return Usage(prompt_tokens=seq.num_prompt, completion_tokens=seq.num_output,
-                     cached_tokens=max(0, seq.num_cached_first))
-
-    def _forget_if_done(self, rid: str) -> None:
-        seqs = self._requests.get(rid)
-        if seqs and all(s.is_finished for s in seqs):
-            del self._requests[rid]
+        firsts = StepOutputs() if emit is not None else out
+        self.output.prefill_done(work, prompt_lps, first, firsts)
+        if emit is not None and firsts.seqs:
+            emit(firsts.items())
 
     # ------------------------------------------------------------------ start-up
     def warm_up(self) -> float:
@@ -429,7 +319,7 @@ class Engine:
         return time.perf_counter() - t0
 
     def _reset_counters(self) -> None:
-        self._steps = self._prompt_computed = self._generated = self._last_batch = self._mixed_passes = 0
+        self._steps = self.output.prompt_computed = self.output.generated = self._last_batch = self._mixed_passes = 0
         self._hist.clear()
         self._timing.clear()
         self._seq_counter = self._seed_counter = 0
@@ -525,7 +415,8 @@ class Engine:
         n = max(1, self._steps)
         r = self.runner
         adapters = self.adapters.stats()
-        adapters.load_to_first_token_ms = sorted(self._swap_ms)[len(self._swap_ms) // 2] if self._swap_ms else None
+        swap_ms = self.output.swap_ms
+        adapters.load_to_first_token_ms = sorted(swap_ms)[len(swap_ms) // 2] if swap_ms else None
         return EngineStats(
             running=len(s.running), waiting=len(s.waiting), prefilling=len(s.prefilling),
             kv_blocks_total=b.num_blocks if b else 0, kv_blocks_used=b.num_used if b else 0,
@@ -534,8 +425,8 @@ class Engine:
             prefix_queried_tokens=s.prefix_queried_tokens, prefix_hit_tokens=s.prefix_hit_tokens,
             prefix_evictions=b.evictions if b else 0, preemptions=s.preemptions, steps=self._steps,
             mixed_passes=self._mixed_passes, decode_batch_hist=dict(sorted(self._hist.items())),
-            max_decode_batch=max(self._hist, default=0), prompt_tokens_computed=self._prompt_computed,
-            generated_tokens=self._generated, step_ms_mean={k[:-2]: 1000 * v / n for k, v in t.items()},
+            max_decode_batch=max(self._hist, default=0), prompt_tokens_computed=self.output.prompt_computed,
+            generated_tokens=self.output.generated, step_ms_mean={k[:-2]: 1000 * v / n for k, v in t.items()},
             live_rows=r.live.rows, live_capacity=r.live.capacity, live_bytes=r.live.nbytes, pool_bytes=r.pool.nbytes,
             bytes_per_token=r.live.bytes_per_token, penalty_state=r.penalties.active, adapters=adapters,
             settings=self.config, adapter_settings=self.adapter_settings)
@@ -553,7 +444,3 @@ class Engine:
             assert seq.inflight <= 2
             assert seq.num_computed <= seq.num_tokens + seq.inflight
 
-
-def _unseen_versions(seqs: list[Sequence]) -> list[LoadedAdapter]:
-    """The adapter versions these sequences run under that have not had a first token yet."""
-    return list({id(s.lora): s.lora for s in seqs if s.lora is not None and not s.lora.first_token_at}.values())
