@@ -2,8 +2,13 @@
 
 It needs one address, the detokenizer's ROUTER (`router`); the server's Welcome tells it the
 engine, tokenizer and control addresses. Token-id prompts go straight to the engine; text and
-chat prompts go through a tokenizer. If a stage serving its requests dies, every pending
-request ends with `StageFailure` (retryable) instead of waiting forever.
+chat prompts go through a tokenizer. If a stage serving its requests dies, every request it held
+ends with `StageFailure` (retryable) instead of waiting forever.
+
+`AsyncClient` is the asyncio client, built on the one pipeline connection (parallm/pipeline.py)
+that ingress uses too; `Client` offers the same operations as blocking calls, running an
+AsyncClient on a private event loop in a background thread (so one Client may be shared by
+threads).
 
     with Client("ipc:///tmp/parallm-xyz/router.sock") as client:
         result = client.generate([1, 2, 3], SamplingParams(max_tokens=32, logprobs=True), n=4)
@@ -12,35 +17,25 @@ request ends with `StageFailure` (retryable) instead of waiting forever.
 from __future__ import annotations
 
 import asyncio
-import itertools
 import os
+import threading
 import time
 import uuid
 from dataclasses import dataclass, field
-from typing import Any, AsyncIterator, Iterator, Sequence
-
-import zmq
-import zmq.asyncio
+from pathlib import Path
+from typing import Any, AsyncIterator, Coroutine, Iterator, Literal, Mapping, Sequence, TypeVar
 
 from . import protocol
+from .pipeline import Pipeline
 from .protocol import SamplingParams
-from .transport import open_socket
+from .streams import ClientError, RequestStream, StageFailure
+
+__all__ = ["AsyncClient", "Client", "ClientError", "SequenceResult", "StageFailure"]
 
 Prompt = Sequence[int] | str | list[dict[str, Any]]
-
-
-class ClientError(RuntimeError):
-    """The server refused or failed a request."""
-
-    def __init__(self, message: str, *, status: int = 400, code: str = "", retryable: bool = False) -> None:
-        super().__init__(message)
-        self.status = status
-        self.code = code
-        self.retryable = retryable
-
-
-class StageFailure(ClientError):
-    """A stage died while the request was in flight; the same request may be retried."""
+Stage = Literal["engine", "tokenizer", "detokenizer"]
+RPC_TIMEOUT_S = 120.0
+T = TypeVar("T")
 
 
 @dataclass
@@ -77,235 +72,80 @@ class SequenceResult:
         return protocol.version_at(self.versions, position)
 
 
-def _error(message: protocol.RequestError) -> ClientError:
-    cls = StageFailure if message.retryable and message.status >= 500 else ClientError
-    return cls(message.message, status=message.status, code=message.code, retryable=message.retryable)
-
-
-def _new_rid() -> str:
-    return uuid.uuid4().hex
-
-
-def _submit_message(rid: str, reply_to: bytes, prompt: Prompt, params: SamplingParams | None, n: int,
-                    detok: bool, extra: dict[str, Any]) -> tuple[str, protocol.Message]:
-    """The Submit (token ids, straight to the engine) or TextSubmit (text or chat, through a
-    tokenizer) for a prompt; `extra` holds other RequestSpec fields (adapter, priority, metadata, ...)."""
-    detok_options = extra.pop("detok_options", {})
-    spec = protocol.RequestSpec(params=params or SamplingParams(), n=n,
-                                detok=protocol.DetokSpec(**detok_options) if detok else None,
-                                submitted_at=time.time(), **extra)
-    if isinstance(prompt, str) or (prompt and isinstance(prompt[0], dict)):
+def request_message(rid: str, prompt: Prompt, params: SamplingParams | None, n: int, detok: bool,
+                    spec: Mapping[str, Any]) -> protocol.Submit | protocol.TextSubmit:
+    """The Submit (token ids, straight to the engine) or TextSubmit (text or chat, through a tokenizer)
+    for a prompt; `spec` holds other RequestSpec fields (adapter, priority, metadata, ...) and
+    `detok_options` (DetokSpec fields)."""
+    fields = dict(spec)
+    detok_options = fields.pop("detok_options", {})
+    allowed = [f for f in protocol.RequestSpec.__struct_fields__ if f not in ("params", "n", "detok")]
+    unknown = sorted(set(fields) - set(allowed))
+    if unknown:
+        raise TypeError(f"unknown request field(s) {', '.join(unknown)}; a request also takes {', '.join(allowed)} "
+                        "and detok_options")
+    request = protocol.RequestSpec(params=params or SamplingParams(), n=n,
+                                   detok=protocol.DetokSpec(**detok_options) if detok else None,
+                                   submitted_at=fields.pop("submitted_at", 0.0) or time.time(), **fields)
+    if isinstance(prompt, str) or (isinstance(prompt, (list, tuple)) and prompt and isinstance(prompt[0], dict)):
         text = {"prompt": prompt} if isinstance(prompt, str) else {"messages": list(prompt)}
-        return "tokenizer", protocol.TextSubmit(rid=rid, reply_to=reply_to, spec=spec, **text)
-    return "engine", protocol.Submit(rid=rid, reply_to=reply_to, prompt_ids=protocol.pack_ids(prompt), spec=spec)
+        return protocol.TextSubmit(rid=str(rid), reply_to=b"", spec=request, **text)
+    if not len(prompt):
+        raise ValueError("the prompt is empty")
+    return protocol.Submit(rid=str(rid), reply_to=b"", prompt_ids=protocol.pack_ids(prompt), spec=request)
 
 
-class Client:
-    """Synchronous client. One instance per thread."""
+def adapter_message(name: str, version: int, weights: Any, config: Mapping[str, Any] | None, format: str,
+                    make_default: bool) -> protocol.AdapterPublish:
+    """The AdapterPublish a trainer publishes (see training/publisher.py), for the engine's PULL socket.
+    `weights`: safetensors bytes, a path the engine can read, or tensors by name."""
+    path, blob = "", b""
+    if isinstance(weights, (str, Path)):
+        path = str(weights)
+    elif isinstance(weights, (bytes, bytearray)):
+        blob = bytes(weights)
+    else:
+        from .adapters import save_bytes
 
-    def __init__(self, router: str, *, timeout: float = 600.0, identity: str | None = None) -> None:
-        self.ctx = zmq.Context()
-        self.identity = (identity or f"client-{os.getpid()}-{uuid.uuid4().hex[:8]}").encode()
-        self.timeout = timeout
-        self.dealer = open_socket(self.ctx, zmq.DEALER, router, bind=False, identity=self.identity)
-        self._decoder = protocol.Decoder(protocol.ClientInbound)
-        self._control_decoder = protocol.Decoder(protocol.ControlMessage)
-        self.welcome = self._hello()
-        addrs = self.welcome.addresses
-        self._engine = open_socket(self.ctx, zmq.PUSH, addrs["engine"], bind=False)
-        self._tokenizers = open_socket(self.ctx, zmq.PUSH, addrs["tokenizers"].split(","), bind=False)
-        self._control = open_socket(self.ctx, zmq.SUB, addrs["control"], bind=False)
-        self._control.setsockopt(zmq.SUBSCRIBE, b"")
-        self._poller = zmq.Poller()
-        self._poller.register(self.dealer, zmq.POLLIN)
-        self._poller.register(self._control, zmq.POLLIN)
-        self._inbox: dict[str, list[Any]] = {}
-        self._samples: dict[str, int] = {}
-        self._replies: dict[str, protocol.Reply | protocol.RequestError] = {}
-        self._qids = itertools.count()
+        blob = save_bytes(dict(weights))
+    return protocol.AdapterPublish(name=name, version=int(version), config=dict(config or {}), weights=blob,
+                                   path=path, format=format, make_default=make_default)  # type: ignore[arg-type]
 
-    def _hello(self) -> protocol.Welcome:
-        deadline = time.monotonic() + min(self.timeout, 30.0)
-        while time.monotonic() < deadline:
-            self.dealer.send(protocol.encode(protocol.Hello(client=self.identity.decode())))
-            if self.dealer.poll(500, zmq.POLLIN):
-                message = self._decoder.decode(self.dealer.recv())
-                if isinstance(message, protocol.Welcome):
-                    return message
-        raise ClientError("no Welcome from the server's router (is parallm-launch running?)", status=503,
-                          retryable=True)
 
-    @property
-    def model(self) -> str:
-        return self.welcome.model
-
-    # ------------------------------------------------------------------ plumbing
-    def _send(self, target: str, message: protocol.Message) -> None:
-        sock = self._engine if target == "engine" else self._tokenizers
-        sock.send(protocol.encode(message))
-
-    def _pump(self, timeout_s: float) -> None:
-        for sock, _ in self._poller.poll(int(timeout_s * 1000)):
-            if sock is self._control:
-                message = self._control_decoder.decode(self._control.recv())
-                if isinstance(message, protocol.StageDown):
-                    failure = protocol.RequestError(rid="", status=503, code="stage_restarted", retryable=True,
-                                                    message=f"stage {message.stage} died; retry the request")
-                    for queue in self._inbox.values():
-                        queue.append(failure)
-                continue
-            message = self._decoder.decode(self.dealer.recv())
-            if isinstance(message, protocol.Outputs):
-                for item in message.items:
-                    if item.rid in self._inbox:
-                        self._inbox[item.rid].append(item)
-            elif isinstance(message, protocol.RequestError):
-                if message.rid in self._inbox:
-                    self._inbox[message.rid].append(message)
-                else:
-                    self._replies[message.rid] = message
-            elif isinstance(message, protocol.REPLIES):
-                self._replies[message.qid] = message
-
-    # ------------------------------------------------------------------ requests
-    def submit(self, prompt: Prompt, params: SamplingParams | None = None, *, n: int = 1, detok: bool = False,
-               rid: str | None = None, **extra: Any) -> str:
-        """Send one request; read its outputs with `stream(rid)` or `result(rid)`."""
-        rid = rid or _new_rid()
-        target, message = _submit_message(rid, self.identity, prompt, params, n, detok, extra)
-        self._inbox[rid] = []
-        self._samples[rid] = n
-        self._send(target, message)
-        return rid
-
-    def stream(self, rid: str) -> Iterator[protocol.Output]:
-        """Outputs of a submitted request as they arrive, until every sample finished."""
-        remaining = self._samples.pop(rid)
-        deadline = time.monotonic() + self.timeout
-        try:
-            while remaining:
-                queue = self._inbox[rid]
-                while queue:
-                    item = queue.pop(0)
-                    if isinstance(item, protocol.RequestError):
-                        raise _error(item)
-                    if item.finish_reason is not None:
-                        remaining -= 1
-                    yield item
-                if remaining:
-                    if time.monotonic() > deadline:
-                        raise ClientError(f"request {rid} timed out after {self.timeout:.0f} s", status=504,
-                                          retryable=True)
-                    self._pump(0.05)
-        finally:
-            self._inbox.pop(rid, None)
-            if remaining:
-                self.abort([rid])
-
-    def result(self, rid: str) -> list[SequenceResult]:
-        results: dict[int, SequenceResult] = {}
-        for out in self.stream(rid):
-            results.setdefault(out.index, SequenceResult(rid=rid, index=out.index)).add(out)
-        return [results[i] for i in sorted(results)]
-
-    def generate(self, prompt: Prompt, params: SamplingParams | None = None, *, n: int = 1,
-                 detok: bool = False, **extra: Any) -> list[SequenceResult]:
-        """One prompt, n samples, whole results."""
-        return self.result(self.submit(prompt, params, n=n, detok=detok, **extra))
-
-    def generate_group(self, prompts: Sequence[Prompt], params: SamplingParams | None = None, *, n: int = 1,
-                       detok: bool = False, **extra: Any) -> list[list[SequenceResult]]:
-        """Every prompt x n samples, submitted together so they batch; results in prompt order."""
-        rids = [self.submit(p, params, n=n, detok=detok, **dict(extra)) for p in prompts]
-        return [self.result(rid) for rid in rids]
-
-    def abort(self, rids: Sequence[str] = (), *, all: bool = False) -> None:
-        self._send("engine", protocol.Abort(rids=list(rids), all=all))
-
-    def _call(self, target: str, message: Any) -> Any:
-        message.qid, message.reply_to = f"q{next(self._qids)}-{uuid.uuid4().hex[:6]}", self.identity
-        self._send(target, message)
-        deadline = time.monotonic() + min(self.timeout, 120.0)
-        while message.qid not in self._replies:
-            if time.monotonic() > deadline:
-                raise ClientError(f"no reply to {type(message).__name__}", status=504, retryable=True)
-            self._pump(0.05)
-        reply = self._replies.pop(message.qid)
-        if isinstance(reply, protocol.RequestError):
-            raise _error(reply)
-        return reply
-
-    def stats(self) -> protocol.EngineStats:
-        return self._call("engine", protocol.GetStats(qid="")).stats
-
-    def policy(self) -> dict[str, int]:
-        """The latest version of every adapter ("" = the base model, 0)."""
-        return {"": 0, **self.list_adapters().policy}
-
-    def list_adapters(self) -> protocol.AdapterList:
-        return self._call("engine", protocol.ListAdapters(qid="", reply_to=b""))
-
-    def pause(self, mode: str = "keep") -> protocol.PauseState:
-        return self._call("engine", protocol.Pause(mode=mode))
-
-    def resume(self) -> protocol.PauseState:
-        return self._call("engine", protocol.Resume())
-
-    def score(self, ids: Sequence[int], *, start: int = 1, top_logprobs: int = 0) -> dict[str, Any]:
-        """Teacher-forced logprobs of ids[start:] under the current policy."""
-        reply = self._call("engine", protocol.Score(qid="", reply_to=b"", ids=protocol.pack_ids(ids), start=start,
-                                                     top_logprobs=top_logprobs))
-        out: dict[str, Any] = {"logprobs": protocol.unpack_floats(reply.logprobs)}
-        if reply.top_ids:
-            out["top_ids"] = protocol.unpack_ids(reply.top_ids)
-            out["top_logprobs"] = protocol.unpack_floats(reply.top_logprobs)
-        return out
-
-    def close(self) -> None:
-        for sock in (self.dealer, self._engine, self._tokenizers, self._control):
-            sock.close(0)
-        self.ctx.term()
-
-    def __enter__(self) -> "Client":
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        self.close()
+async def _collect(stream: RequestStream) -> list[SequenceResult]:
+    results: dict[int, SequenceResult] = {}
+    try:
+        async for out in stream:
+            results.setdefault(out.index, SequenceResult(rid=stream.rid, index=out.index)).add(out)
+    finally:
+        stream.close()
+    return [results[i] for i in sorted(results)]
 
 
 class AsyncClient:
-    """asyncio client: many concurrent requests from one event loop."""
+    """asyncio client: many concurrent requests from one event loop (`async with AsyncClient(router)`).
+
+    `timeout` bounds the wait for a request's next output (then it is aborted: StageFailure 504) and,
+    up to RPC_TIMEOUT_S, for a control request's reply."""
 
     def __init__(self, router: str, *, timeout: float = 600.0, identity: str | None = None) -> None:
         self.router = router
         self.timeout = timeout
         self.identity = (identity or f"aclient-{os.getpid()}-{uuid.uuid4().hex[:8]}").encode()
-        self.ctx = zmq.asyncio.Context()
-        self._decoder = protocol.Decoder(protocol.ClientInbound)
-        self._control_decoder = protocol.Decoder(protocol.ControlMessage)
-        self._queues: dict[str, asyncio.Queue] = {}
-        self._replies: dict[str, asyncio.Future] = {}
-        self._tasks: list[asyncio.Task] = []
+        self._pipeline = Pipeline(router, identity=self.identity, hello_timeout_s=min(timeout, 30.0))
         self.welcome: protocol.Welcome | None = None
+        self._submitted: dict[str, RequestStream] = {}
 
     async def connect(self) -> "AsyncClient":
-        self.dealer = open_socket(self.ctx, zmq.DEALER, self.router, bind=False, identity=self.identity)
-        deadline = time.monotonic() + min(self.timeout, 30.0)
-        while self.welcome is None:
-            if time.monotonic() > deadline:
-                raise ClientError("no Welcome from the server's router", status=503, retryable=True)
-            await self.dealer.send(protocol.encode(protocol.Hello(client=self.identity.decode())))
-            if await self.dealer.poll(500, zmq.POLLIN):
-                message = self._decoder.decode(await self.dealer.recv())
-                if isinstance(message, protocol.Welcome):
-                    self.welcome = message
-        addrs = self.welcome.addresses
-        self._engine = open_socket(self.ctx, zmq.PUSH, addrs["engine"], bind=False)
-        self._tokenizers = open_socket(self.ctx, zmq.PUSH, addrs["tokenizers"].split(","), bind=False)
-        self._control = open_socket(self.ctx, zmq.SUB, addrs["control"], bind=False)
-        self._control.setsockopt(zmq.SUBSCRIBE, b"")
-        self._tasks = [asyncio.create_task(self._read()), asyncio.create_task(self._watch())]
+        """Hello until the router's Welcome (StageFailure if none within min(timeout, 30 s))."""
+        if self.welcome is None:
+            self.welcome = await self._pipeline.connect()
         return self
+
+    async def close(self) -> None:
+        """Close the sockets; the server aborts what this client still had running."""
+        self._submitted.clear()
+        await self._pipeline.close()
 
     async def __aenter__(self) -> "AsyncClient":
         return await self.connect()
@@ -313,103 +153,302 @@ class AsyncClient:
     async def __aexit__(self, *exc: Any) -> None:
         await self.close()
 
-    async def _read(self) -> None:
-        while True:
-            message = self._decoder.decode(await self.dealer.recv())
-            if isinstance(message, protocol.Outputs):
-                for item in message.items:
-                    queue = self._queues.get(item.rid)
-                    if queue is not None:
-                        queue.put_nowait(item)
-            elif isinstance(message, protocol.RequestError):
-                queue = self._queues.get(message.rid)
-                if queue is not None:
-                    queue.put_nowait(message)
-                future = self._replies.pop(message.rid, None)
-                if future is not None and not future.done():
-                    future.set_result(message)
-            elif isinstance(message, protocol.REPLIES):
-                future = self._replies.pop(message.qid, None)
-                if future is not None and not future.done():
-                    future.set_result(message)
+    @property
+    def model(self) -> str:
+        return self.welcome.model if self.welcome else ""
 
-    async def _watch(self) -> None:
-        while True:
-            message = self._control_decoder.decode(await self._control.recv())
-            if isinstance(message, protocol.StageDown):
-                failure = protocol.RequestError(rid="", status=503, code="stage_restarted", retryable=True,
-                                                message=f"stage {message.stage} died; retry the request")
-                for queue in self._queues.values():
-                    queue.put_nowait(failure)
+    # ------------------------------------------------------------------ requests
+    async def submit(self, prompt: Prompt, params: SamplingParams | None = None, *, n: int = 1, detok: bool = False,
+                     rid: str | None = None, **spec: Any) -> str:
+        """Send one request; read its outputs with `stream(rid)` or `result(rid)`. `spec`: other
+        RequestSpec fields (adapter, adapter_version, min_version, max_staleness, priority, metadata)."""
+        rid = rid or uuid.uuid4().hex
+        if rid in self._submitted:
+            raise ValueError(f"request id {rid!r} was already submitted")
+        self._submitted[rid] = await self._open(rid, prompt, params, n, detok, spec)
+        return rid
 
-    async def _send(self, target: str, message: protocol.Message) -> None:
-        sock = self._engine if target == "engine" else self._tokenizers
-        await sock.send(protocol.encode(message))
-
-    async def stream(self, prompt: Prompt, params: SamplingParams | None = None, *, n: int = 1,
-                     detok: bool = False, rid: str | None = None, **extra: Any) -> AsyncIterator[protocol.Output]:
-        rid = rid or _new_rid()
-        target, message = _submit_message(rid, self.identity, prompt, params, n, detok, extra)
-        queue: asyncio.Queue = asyncio.Queue()
-        self._queues[rid] = queue
-        remaining = n
+    async def stream(self, request: Prompt, params: SamplingParams | None = None, *, n: int = 1,
+                     detok: bool = False, rid: str | None = None, **spec: Any) -> AsyncIterator[protocol.Output]:
+        """Outputs as they arrive, until every sample finished: of the submitted request whose id
+        `request` is (a str naming a request that is waiting to be read), or of a new request
+        (`request` any other prompt, the other arguments as in `submit`).
+        Leaving the loop early aborts the request once the generator is closed: at once under
+        `contextlib.aclosing`, else on the event loop's next turn after it is dropped."""
+        stream = self._take(request, params, n, detok, rid, spec)
+        if stream is None:
+            stream = await self._open(rid or uuid.uuid4().hex, request, params, n, detok, spec)
         try:
-            await self._send(target, message)
-            while remaining:
-                item = await asyncio.wait_for(queue.get(), self.timeout)
-                if isinstance(item, protocol.RequestError):
-                    raise _error(item)
-                if item.finish_reason is not None:
-                    remaining -= 1
-                yield item
+            async for out in stream:
+                yield out
         finally:
-            self._queues.pop(rid, None)
-            if remaining:
-                await self._send("engine", protocol.Abort(rids=[rid]))
+            stream.close()
+
+    async def result(self, rid: str) -> list[SequenceResult]:
+        """Every sample of a submitted request, whole, in index order."""
+        stream = self._submitted.pop(rid, None)
+        if stream is None:
+            raise ValueError(f"no submitted request {rid!r} to read (already read?)")
+        return await _collect(stream)
 
     async def generate(self, prompt: Prompt, params: SamplingParams | None = None, *, n: int = 1,
-                       detok: bool = False, **extra: Any) -> list[SequenceResult]:
-        results: dict[int, SequenceResult] = {}
-        rid = extra.pop("rid", None) or _new_rid()
-        async for out in self.stream(prompt, params, n=n, detok=detok, rid=rid, **extra):
-            results.setdefault(out.index, SequenceResult(rid=rid, index=out.index)).add(out)
-        return [results[i] for i in sorted(results)]
+                       detok: bool = False, rid: str | None = None, **spec: Any) -> list[SequenceResult]:
+        """One prompt, n samples, whole results."""
+        return await _collect(await self._open(rid or uuid.uuid4().hex, prompt, params, n, detok, spec))
 
     async def generate_group(self, prompts: Sequence[Prompt], params: SamplingParams | None = None, *,
-                             n: int = 1, detok: bool = False, **extra: Any) -> list[list[SequenceResult]]:
-        return list(await asyncio.gather(*(self.generate(p, params, n=n, detok=detok, **dict(extra))
-                                           for p in prompts)))
+                             n: int = 1, detok: bool = False, **spec: Any) -> list[list[SequenceResult]]:
+        """Every prompt x n samples, submitted together so they batch; results in prompt order."""
+        streams: list[RequestStream] = []
+        try:
+            for prompt in prompts:
+                streams.append(await self._open(uuid.uuid4().hex, prompt, params, n, detok, spec))
+            return [await _collect(stream) for stream in streams]
+        finally:
+            for stream in streams:
+                stream.close()
 
     async def abort(self, rids: Sequence[str] = (), *, all: bool = False) -> None:
-        await self._send("engine", protocol.Abort(rids=list(rids), all=all))
+        """End requests (their last output says finish_reason "abort"), or every request of the server."""
+        if isinstance(rids, str):
+            raise TypeError("abort takes a list of request ids")
+        if not self._pipeline.abort(rids, all=all):
+            raise StageFailure("the engine's queue is full (or the client is closed)", status=503,
+                               code="overloaded", retryable=True)
 
-    async def _call(self, target: str, message: Any) -> Any:
-        message.qid, message.reply_to = _new_rid(), self.identity
-        future = asyncio.get_running_loop().create_future()
-        self._replies[message.qid] = future
-        await self._send(target, message)
-        reply = await asyncio.wait_for(future, min(self.timeout, 120.0))
-        if isinstance(reply, protocol.RequestError):
-            raise _error(reply)
-        return reply
+    async def _open(self, rid: str, prompt: Prompt, params: SamplingParams | None, n: int, detok: bool,
+                    spec: Mapping[str, Any]) -> RequestStream:
+        return await self._pipeline.open(request_message(rid, prompt, params, n, detok, spec), timeout=self.timeout)
 
-    async def stats(self) -> protocol.EngineStats:
-        return (await self._call("engine", protocol.GetStats(qid=""))).stats
+    def _take(self, request: Any, params: Any, n: int, detok: bool, rid: Any, spec: Mapping[str, Any]
+              ) -> RequestStream | None:
+        """The submitted request `request` names, taken out of the table (None: `request` is a prompt)."""
+        if not isinstance(request, str) or request not in self._submitted:
+            return None
+        if params is not None or n != 1 or detok or rid is not None or spec:
+            raise TypeError("stream(rid) of a submitted request takes no other arguments")
+        return self._submitted.pop(request)
+
+    # ------------------------------------------------------------------ control
+    async def _call(self, target: Stage, message: Any) -> Any:
+        return await self._pipeline.call(target, message, timeout=min(self.timeout, RPC_TIMEOUT_S))
+
+    async def score(self, ids: Sequence[int], *, start: int = 1, top_logprobs: int = 0, adapter: str = "",
+                    adapter_version: int = 0) -> dict[str, Any]:
+        """Teacher-forced logprobs of ids[start:] (raw model distribution) under the current policy:
+        {"logprobs": [...]} plus flat "top_ids"/"top_logprobs" (k per position) when asked."""
+        reply = await self._call("engine", protocol.Score(qid="", reply_to=b"", ids=protocol.pack_ids(ids), start=start,
+                                                          top_logprobs=top_logprobs, adapter=adapter,
+                                                          adapter_version=adapter_version))
+        out: dict[str, Any] = {"logprobs": protocol.unpack_floats(reply.logprobs)}
+        if reply.top_ids:
+            out["top_ids"] = protocol.unpack_ids(reply.top_ids)
+            out["top_logprobs"] = protocol.unpack_floats(reply.top_logprobs)
+        return out
+
+    async def stats(self, stage: Stage = "engine") -> protocol.StageStats:
+        """A stage's stats: EngineStats, TokenizerStats (one tokenizer) or DetokenizerStats."""
+        if stage not in ("engine", "tokenizer", "detokenizer"):
+            raise ValueError(f"no stage {stage!r}; one of engine, tokenizer, detokenizer")
+        return (await self._call(stage, protocol.GetStats(qid=""))).stats
 
     async def policy(self) -> dict[str, int]:
-        return {"": 0, **(await self._call("engine", protocol.ListAdapters(qid="", reply_to=b""))).policy}
+        """The latest version of every adapter ("" = the base model, 0)."""
+        return {"": 0, **(await self.list_adapters()).policy}
 
-    async def pause(self, mode: str = "keep") -> protocol.PauseState:
+    async def list_adapters(self) -> protocol.AdapterList:
+        return await self._call("engine", protocol.ListAdapters(qid="", reply_to=b""))
+
+    async def load_adapter(self, name: str, version: int = 0, weights: Any = b"",
+                           config: Mapping[str, Any] | None = None, *, format: str = "auto",
+                           make_default: bool = False) -> protocol.AdapterLoaded:
+        """Load an adapter version and wait until the engine has it (the message a trainer publishes,
+        answered). `version` 0: latest + 1. `weights`: safetensors bytes, tensors by name, or a path
+        the engine can read."""
+        return await self._call("engine", adapter_message(name, version, weights, config, format, make_default))
+
+    async def unload_adapter(self, name: str) -> protocol.AdapterUnloaded:
+        return await self._call("engine", protocol.AdapterUnload(name=name))
+
+    async def pause(self, mode: Literal["keep", "abort"] = "keep") -> protocol.PauseState:
         return await self._call("engine", protocol.Pause(mode=mode))
 
     async def resume(self) -> protocol.PauseState:
         return await self._call("engine", protocol.Resume())
 
-    async def close(self) -> None:
-        for task in self._tasks:
-            task.cancel()
-        for name in ("dealer", "_engine", "_tokenizers", "_control"):
-            sock = getattr(self, name, None)
-            if sock is not None:
-                sock.close(0)
-        self.ctx.term()
+    async def tokenize(self, prompt: str | list[dict[str, Any]], *, add_generation_prompt: bool = True,
+                       add_special_tokens: bool = True, chat_template_kwargs: Mapping[str, Any] | None = None
+                       ) -> list[int]:
+        """Token ids of a text prompt, or of chat messages rendered by the model's chat template."""
+        text = {"prompt": prompt} if isinstance(prompt, str) else {"messages": list(prompt)}
+        reply = await self._call("tokenizer", protocol.Tokenize(
+            qid="", reply_to=b"", add_generation_prompt=add_generation_prompt, add_special_tokens=add_special_tokens,
+            chat_template_kwargs=dict(chat_template_kwargs or {}), **text))
+        return protocol.unpack_ids(reply.ids)
+
+    async def detokenize(self, ids: Sequence[int], *, skip_special_tokens: bool = False) -> str:
+        reply = await self._call("tokenizer", protocol.Detokenize(qid="", reply_to=b"", ids=protocol.pack_ids(ids),
+                                                                  skip_special_tokens=skip_special_tokens))
+        return reply.text
+
+
+def _new_loop() -> asyncio.AbstractEventLoop:
+    try:
+        import uvloop
+    except ImportError:
+        return asyncio.new_event_loop()
+    return uvloop.new_event_loop()
+
+
+class Client:
+    """Blocking client: the AsyncClient's operations, each run on a private event loop in a background
+    thread (one hop per call; `stream` hops once per batch of outputs). Thread-safe."""
+
+    def __init__(self, router: str, *, timeout: float = 600.0, identity: str | None = None) -> None:
+        self._client = AsyncClient(router, timeout=timeout,
+                                   identity=identity or f"client-{os.getpid()}-{uuid.uuid4().hex[:8]}")
+        self._loop = _new_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name="parallm-client", daemon=True)
+        self._thread.start()
+        self._closed = False
+        try:
+            self.connect()
+        except BaseException:
+            self._stop()
+            raise
+
+    def _run(self, coro: Coroutine[Any, Any, T]) -> T:
+        if self._closed:
+            coro.close()
+            raise ClientError("the client is closed", status=499, code="client_closed")
+        done, finished = threading.Lock(), []
+        done.acquire()
+
+        def start() -> None:  # on the loop: run it as a task, release the caller when it ends
+            task = self._loop.create_task(coro)
+            task.add_done_callback(lambda t: (finished.append(t), done.release()))
+
+        self._loop.call_soon_threadsafe(start)
+        done.acquire()  # (run_coroutine_threadsafe's future chaining costs ~10 us more per call)
+        return finished[0].result()
+
+    def _stop(self) -> None:
+        self._closed = True
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(10)
+        if not self._thread.is_alive():
+            self._loop.close()
+
+    def connect(self) -> "Client":
+        """Hello until the router's Welcome (done by the constructor)."""
+        self._run(self._client.connect())
+        return self
+
+    def close(self) -> None:
+        """Close the sockets and stop the thread; the server aborts what this client still had running."""
+        if self._closed:
+            return
+        try:
+            self._run(self._client.close())
+            self._run(self._loop.shutdown_asyncgens())
+        finally:
+            self._stop()
+
+    def __enter__(self) -> "Client":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    @property
+    def router(self) -> str:
+        return self._client.router
+
+    @property
+    def timeout(self) -> float:
+        return self._client.timeout
+
+    @property
+    def identity(self) -> bytes:
+        return self._client.identity
+
+    @property
+    def welcome(self) -> protocol.Welcome | None:
+        return self._client.welcome
+
+    @property
+    def model(self) -> str:
+        return self._client.model
+
+    # ------------------------------------------------------------------ requests
+    def submit(self, prompt: Prompt, params: SamplingParams | None = None, *, n: int = 1, detok: bool = False,
+               rid: str | None = None, **spec: Any) -> str:
+        return self._run(self._client.submit(prompt, params, n=n, detok=detok, rid=rid, **spec))
+
+    def stream(self, request: Prompt, params: SamplingParams | None = None, *, n: int = 1,
+               detok: bool = False, rid: str | None = None, **spec: Any) -> Iterator[protocol.Output]:
+        client = self._client
+        stream = client._take(request, params, n, detok, rid, spec)
+        if stream is None:
+            stream = self._run(client._open(rid or uuid.uuid4().hex, request, params, n, detok, spec))
+        try:
+            while batch := self._run(stream.batch()):
+                yield from batch
+        finally:
+            if not self._closed:
+                self._loop.call_soon_threadsafe(stream.close)
+
+    def result(self, rid: str) -> list[SequenceResult]:
+        return self._run(self._client.result(rid))
+
+    def generate(self, prompt: Prompt, params: SamplingParams | None = None, *, n: int = 1,
+                 detok: bool = False, rid: str | None = None, **spec: Any) -> list[SequenceResult]:
+        return self._run(self._client.generate(prompt, params, n=n, detok=detok, rid=rid, **spec))
+
+    def generate_group(self, prompts: Sequence[Prompt], params: SamplingParams | None = None, *,
+                       n: int = 1, detok: bool = False, **spec: Any) -> list[list[SequenceResult]]:
+        return self._run(self._client.generate_group(prompts, params, n=n, detok=detok, **spec))
+
+    def abort(self, rids: Sequence[str] = (), *, all: bool = False) -> None:
+        return self._run(self._client.abort(rids, all=all))
+
+    # ------------------------------------------------------------------ control
+    def score(self, ids: Sequence[int], *, start: int = 1, top_logprobs: int = 0, adapter: str = "",
+              adapter_version: int = 0) -> dict[str, Any]:
+        return self._run(self._client.score(ids, start=start, top_logprobs=top_logprobs, adapter=adapter,
+                                            adapter_version=adapter_version))
+
+    def stats(self, stage: Stage = "engine") -> protocol.StageStats:
+        return self._run(self._client.stats(stage))
+
+    def policy(self) -> dict[str, int]:
+        return self._run(self._client.policy())
+
+    def list_adapters(self) -> protocol.AdapterList:
+        return self._run(self._client.list_adapters())
+
+    def load_adapter(self, name: str, version: int = 0, weights: Any = b"",
+                     config: Mapping[str, Any] | None = None, *, format: str = "auto",
+                     make_default: bool = False) -> protocol.AdapterLoaded:
+        # serialized here: MLX evaluates arrays only on a thread that has its stream
+        return self._run(self._client._call("engine", adapter_message(name, version, weights, config, format,
+                                                                      make_default)))
+
+    def unload_adapter(self, name: str) -> protocol.AdapterUnloaded:
+        return self._run(self._client.unload_adapter(name))
+
+    def pause(self, mode: Literal["keep", "abort"] = "keep") -> protocol.PauseState:
+        return self._run(self._client.pause(mode))
+
+    def resume(self) -> protocol.PauseState:
+        return self._run(self._client.resume())
+
+    def tokenize(self, prompt: str | list[dict[str, Any]], *, add_generation_prompt: bool = True,
+                 add_special_tokens: bool = True, chat_template_kwargs: Mapping[str, Any] | None = None
+                 ) -> list[int]:
+        return self._run(self._client.tokenize(prompt, add_generation_prompt=add_generation_prompt,
+                                               add_special_tokens=add_special_tokens,
+                                               chat_template_kwargs=chat_template_kwargs))
+
+    def detokenize(self, ids: Sequence[int], *, skip_special_tokens: bool = False) -> str:
+        return self._run(self._client.detokenize(ids, skip_special_tokens=skip_special_tokens))

@@ -9,7 +9,7 @@ The weights travel inline as safetensors bytes in one AdapterPublish message (or
 a path to an adapter directory the engine can read). The engine loads each version between two
 steps; new requests use it from the next step (docs/adapters.md). PUB is fire-and-forget: a
 version the engine rejects is logged there and counted in its stats (`adapter_rejected`); to get
-a reply, send the same message with a `qid`/`reply_to` through the raw client instead.
+a reply, use the raw client's `load_adapter` instead (the same message, answered by the engine).
 """
 
 from __future__ import annotations
