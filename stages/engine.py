@@ -18,7 +18,7 @@ import mlx.core as mx
 import zmq
 
 from parallm import blas, protocol
-from parallm.adapters import AdapterError
+from parallm.adapters import AdapterError, HeldRequests
 from parallm.config import Config
 from parallm.engine import Engine, EngineModel, Request, RequestRejected, SeqOutput
 from parallm.runtime import StageRuntime
@@ -94,7 +94,7 @@ class EngineStage:
         self.blas = blas.ThreadGovernor.for_this_process() if mx.default_device() == mx.cpu else None
         self.paused = False
         self.pause_mode = "keep"
-        self.held: dict[str, tuple[float, protocol.Submit]] = {}  # rid -> (since, request) waiting for a version
+        self.held: HeldRequests[protocol.Submit] = HeldRequests(config.adapters)  # waiting for their version
         self.step_count = 0
         self.received = 0
         self.loop_time: Counter[str] = Counter()  # seconds per loop phase, over working iterations
@@ -132,10 +132,10 @@ class EngineStage:
 
     def on_abort(self, message: protocol.Abort) -> None:
         rids = list(self.engine.request_ids()) if message.all else message.rids
-        for rid in (list(self.held) if message.all else rids):
-            held = self.held.pop(rid, None)
+        for rid in (self.held.rids() if message.all else rids):
+            held = self.held.pop(rid)
             if held is not None:
-                self.out.send(protocol.RequestError(rid=rid, reply_to=held[1].reply_to, status=409,
+                self.out.send(protocol.RequestError(rid=rid, reply_to=held.reply_to, status=409,
                                                     code="aborted", message="aborted while waiting for its "
                                                     "policy version"))
         for rid in rids:
@@ -173,13 +173,9 @@ class EngineStage:
         try:
             self.engine.add_request(Request(message.rid, protocol.unpack_ids(message.prompt_ids), spec))
         except RequestRejected as exc:
-            now = time.monotonic()
-            waiting_for_version = exc.status == 409 and spec.min_version > 0 and \
-                self.config.adapters.staleness_policy == "hold"
-            if waiting_for_version and now - (held_since or now) < self.config.adapters.hold_timeout_s:
-                self.held[message.rid] = (held_since or now, message)
-                return
-            self.out.send(rejection(message.rid, message.reply_to, exc))
+            if not self.held.hold(message.rid, message, status=exc.status, min_version=spec.min_version,
+                                  since=held_since):
+                self.out.send(rejection(message.rid, message.reply_to, exc))
             return
         self.out.send(protocol.Track(rid=message.rid, reply_to=message.reply_to, prompt_ids=message.prompt_ids,
                                      spec=spec))
@@ -192,8 +188,7 @@ class EngineStage:
     def retry_held(self) -> None:
         """Requests waiting for a policy version (staleness_policy "hold"): admitted once it is
         published, refused with 409 after adapters.hold_timeout_s."""
-        held, self.held = self.held, {}
-        for since, message in held.values():
+        for since, message in self.held.take():
             self.on_submit(message, held_since=since)
 
     def on_score(self, message: protocol.Score) -> None:

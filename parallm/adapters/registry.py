@@ -110,40 +110,9 @@ class AdapterManager:
         return got[-1] if got else None
 
     def policy(self) -> dict[str, int]:
-        """{name: latest version}; the base model is "" at version 0."""
+        """{name: latest version}; the base model is "" at version 0. (Which version a request runs
+        under is decided by policy.VersionPolicy.)"""
         return {"": 0, **{name: vs[-1].version for name, vs in self.versions.items() if vs}}
-
-    def resolve(self, name: str, version: int = 0, min_version: int = 0,
-                max_staleness: int = -1) -> LoadedAdapter | None:
-        """The adapter a new request runs under (None = the base model), or AdapterError 404/409.
-        A request naming no adapter runs under the default policy when one is set."""
-        name = name or self.default_name
-        if not name:
-            if version or min_version:
-                raise AdapterError("the base model has only version 0", status=409, code="version_unavailable")
-            return None
-        got = self.versions.get(name)
-        if not got:
-            raise AdapterError(f"adapter {name!r} is not loaded", status=404, code="adapter_not_found")
-        latest = got[-1]
-        if min_version > latest.version:
-            raise AdapterError(f"adapter {name!r} is at version {latest.version}, below the requested "
-                               f"min_version {min_version}", status=409, code="version_unavailable")
-        if not version:
-            return latest
-        for a in got:
-            if a.version == version:
-                if max_staleness >= 0 and latest.version - version > max_staleness:
-                    raise AdapterError(f"adapter {name!r} version {version} is {latest.version - version} versions "
-                                       f"behind the latest ({latest.version}); max_staleness is {max_staleness}",
-                                       status=409, code="version_unavailable")
-                if version < min_version:
-                    raise AdapterError(f"pinned version {version} is below min_version {min_version}",
-                                       status=409, code="version_unavailable")
-                return a
-        kept = ", ".join(str(a.version) for a in got)
-        raise AdapterError(f"adapter {name!r} has no version {version} (kept: {kept})", status=404,
-                           code="adapter_not_found")
 
     def describe(self) -> list[AdapterInfo]:
         return [AdapterInfo(name=name, latest=vs[-1].version, versions=[a.describe() for a in vs],

@@ -15,7 +15,7 @@ from typing import Sequence as Seq
 import mlx.core as mx
 import msgspec
 
-from parallm.adapters import AdapterError, AdapterManager, LoadedAdapter
+from parallm.adapters import AdapterError, AdapterManager, LoadedAdapter, VersionPolicy
 from parallm.config import Config, auto_adapter_merge_mb, auto_prefill_tokens, resolve_engine_config
 from parallm.protocol import EngineStats, RequestSpec, SamplingParams
 
@@ -80,6 +80,7 @@ class Engine:
             config.adapters, merge_mb=auto_adapter_merge_mb(on_cpu) if merge_mb is None else merge_mb)
         self.adapters = AdapterManager(self.model, history=self.adapter_settings.history,
                                        merge_mb=self.adapter_settings.merge_mb)
+        self.versions = VersionPolicy(self.adapters)
         self.runner = ModelRunner(self.model, info, vocab_size=self.vocab_size, pool_blocks=pool_blocks, block_size=bs,
                                   eos_ids=self.eos_token_ids, lora=self.adapters.router, compile=settings.compile,
                                   fast_math=bool(settings.fast_math))
@@ -122,7 +123,7 @@ class Engine:
                 f"the request needs more KV memory than the engine has ({self.budget.budget_tokens} token slots "
                 f"for live rows); shorten the prompt, max_tokens or n", "max_tokens")
         try:
-            lora = self.adapters.resolve(spec.adapter, spec.adapter_version, spec.min_version, spec.max_staleness)
+            lora = self.versions.resolve(spec.adapter, spec.adapter_version, spec.min_version, spec.max_staleness)
         except AdapterError as exc:
             raise RequestRejected(exc.message, "adapter", status=exc.status, code=exc.code) from None
         if p.seed is not None:
@@ -342,21 +343,9 @@ class Engine:
 
     def follow_latest(self) -> int:
         """Move every running, unpinned adapter sequence to its adapter's latest version (the
-        Pause(keep)/Resume semantics); returns how many moved. Passes already launched keep the
-        version they were built with, and their tokens report it."""
-        moved = 0
-        for seqs in self._requests.values():
-            for seq in seqs:
-                if seq.is_finished or seq.pinned or not seq.adapter_name:
-                    continue
-                latest = self.adapters.latest(seq.adapter_name)
-                if latest is None or latest is seq.lora:
-                    continue
-                seq.lora, seq.adapter_version = latest, latest.version
-                # KV now mixes versions: an identity no other sequence can match
-                seq.adapter = f"{latest.identity}+seq{seq.seq_id}"
-                moved += 1
-        return moved
+        Pause(keep)/Resume semantics, adapters.VersionPolicy); returns how many moved. Passes
+        already launched keep the version they were built with, and their tokens report it."""
+        return self.versions.follow_latest(s for seqs in self._requests.values() for s in seqs)
 
     # ------------------------------------------------------------------ scoring
     def score(self, ids: Seq[int], start: int = 1, top_logprobs: int = 0, adapter: str = "",
@@ -369,7 +358,7 @@ class Engine:
         ids = [int(t) for t in ids]
         validate_score(ids, start, top_logprobs, vocab_size=self.vocab_size, max_model_len=self.max_model_len)
         try:
-            lora = self.adapters.resolve(adapter, adapter_version)
+            lora = self.versions.resolve(adapter, adapter_version)
         except AdapterError as exc:
             raise RequestRejected(exc.message, "adapter", status=exc.status, code=exc.code) from None
         try:
