@@ -92,6 +92,7 @@ class ZmqBackend:
             open_socket(runtime.ctx, zmq.PULL, runtime.addrs.training, bind=True, hwm=hwm))
         self.training_decoder = protocol.Decoder(protocol.TrainingStatus)
         self.trainers: dict[str, protocol.TrainingStatus] = {}
+        self.in_flight = 0             # generate() calls admitted and not yet ended (what a drain waits for)
         self.tasks: list[asyncio.Task] = []
 
     # ------------------------------------------------------------------ lifecycle
@@ -130,7 +131,7 @@ class ZmqBackend:
         """Drain and shutdown flags from the supervisor, and this stage's heartbeat."""
         while True:
             self.rt.poll_control()
-            self.rt.heartbeat(lambda: self.pipeline.in_flight)
+            self.rt.heartbeat(lambda: self.in_flight)
             await asyncio.sleep(0.05)
 
     async def _read_training(self) -> None:
@@ -190,6 +191,7 @@ class ZmqBackend:
             stream = await self.pipeline.open(submit, block=False)
         except ClientError as exc:
             raise backend_error(exc) from None
+        self.in_flight += 1
         try:
             async for item in stream:
                 timings.observe(item)
@@ -197,6 +199,7 @@ class ZmqBackend:
         except ClientError as exc:
             raise backend_error(exc) from None
         finally:
+            self.in_flight -= 1
             stream.close()
 
     async def _ask(self, target: str, message: Any) -> Any:
@@ -235,7 +238,7 @@ class ZmqBackend:
 
     def health(self) -> dict[str, Any]:
         limit = self.config.server.max_concurrent_requests
-        in_flight = self.pipeline.in_flight
+        in_flight = self.in_flight
         if self.rt.draining:
             status = "shutting_down"
         elif self.stages_down:
