@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import asyncio
 import inspect
+import os
+import signal
 import threading
 import time
 from typing import Any
@@ -331,3 +333,25 @@ def test_pipeline_refuses_work_before_connect():
     with pytest.raises(ClientError, match="not open"):
         run(pipeline.call("engine", protocol.GetStats(qid=""), timeout=1))
     run(pipeline.close())
+
+
+def test_a_blocking_call_interrupted_while_waiting_aborts_its_request(far):
+    far.script = lambda stage, m: [] if isinstance(m, protocol.Submit) else answer(stage, m)
+
+    class Interrupted(Exception):
+        pass
+
+    def interrupt(*_):
+        raise Interrupted
+
+    previous = signal.signal(signal.SIGUSR1, interrupt)  # (SIGALRM is pytest-timeout's)
+    try:
+        with Client(far.addresses["router"], timeout=30) as client:
+            threading.Timer(0.3, os.kill, (os.getpid(), signal.SIGUSR1)).start()
+            with pytest.raises(Interrupted):
+                client.generate([1, 2, 3])
+            rid = far.next(protocol.Submit).rid
+            assert far.next(protocol.Abort).rids == [rid]
+            assert client.stats().running == 3  # the client goes on working
+    finally:
+        signal.signal(signal.SIGUSR1, previous)
