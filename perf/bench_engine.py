@@ -238,7 +238,8 @@ def _ttft(engine, rid: str, ids: list[int], max_tokens: int = 4) -> tuple[float,
         if ttft is None and any(o.rid == rid and o.token_ids for o in outs):
             ttft = time.perf_counter() - t0
     after = engine.stats()
-    delta = {k: after[k] - before[k] for k in ("prefix_hit_tokens", "prefix_queried_tokens", "prompt_tokens_computed")}
+    delta = {k: getattr(after, k) - getattr(before, k)
+             for k in ("prefix_hit_tokens", "prefix_queried_tokens", "prompt_tokens_computed")}
     return ttft, delta
 
 
@@ -541,7 +542,7 @@ def main(argv: list[str] | None = None) -> int:
         "command": command,
         "machine": files.machine,
         "model": {"spec": "default", "name": lm.source.name, "dtype": lm.dtype, "path": str(lm.source.path)},
-        "params": {k: v for k, v in vars(args).items() if k not in ("out", "only", "no_openblas")},
+        "params": {k: v for k, v in vars(args).items() if k not in ("out_dir", "only", "no_openblas")},
         "kv_budget_bytes": KV_BUDGET,
         "loadavg_start": loadavg(),
         "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"),

@@ -162,7 +162,7 @@ def run_engine(model: nn.Module, batch: list[list[int]], max_tokens: int, max_le
     stats = engine.stats()
     return {"tok_s": tokens / (end - start),
             "decode_tok_s": decode_tokens / (end - decode_start) if decode_start and end > decode_start else 0.0,
-            "step_ms_mean": stats.get("step_ms_mean", {}), "steps": stats.get("steps", 0)}
+            "step_ms_mean": stats.step_ms_mean, "steps": stats.steps}
 
 
 # ---------------------------------------------------------------------------- served

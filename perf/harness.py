@@ -91,6 +91,7 @@ class Process:
                 return self
             if self.proc.poll() is not None:
                 time.sleep(0.2)  # the reader thread takes the last lines
+                self.stop()  # cleans up what the server had
                 raise RuntimeError(f"{name} exited with {self.proc.returncode}:\n{self.output()}")
             time.sleep(0.2)
         self.stop()
