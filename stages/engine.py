@@ -20,7 +20,7 @@ import zmq
 from parallm import blas, protocol
 from parallm.adapters import AdapterError, HeldRequests
 from parallm.config import Config
-from parallm.engine import Engine, EngineModel, Request, RequestRejected, SeqOutput
+from parallm.engine import Engine, EngineModel, Request, RequestRejected, ScoreResult, SeqOutput
 from parallm.runtime import StageRuntime
 from parallm.transport import Receiver, Sender, open_socket
 
@@ -42,6 +42,16 @@ def to_delta(out: SeqOutput) -> protocol.SeqDelta:
             delta.prompt_top_ids, delta.prompt_top_logprobs = protocol.pack_top(
                 [row for row in out.prompt_top_logprobs if row])
     return delta
+
+
+def score_reply(result: ScoreResult, reply_to: bytes) -> protocol.ScoreReply | protocol.RequestError:
+    if result.aborted:
+        return protocol.RequestError(rid=result.qid, reply_to=reply_to, status=409, code="aborted",
+                                     message="the score request was aborted before it was done")
+    reply = protocol.ScoreReply(qid=result.qid, reply_to=reply_to, logprobs=protocol.pack_floats(result.logprobs))
+    if result.top_logprobs:
+        reply.top_ids, reply.top_logprobs = protocol.pack_top(result.top_logprobs)
+    return reply
 
 
 def rejection(rid: str, reply_to: bytes, exc: RequestRejected | AdapterError) -> protocol.RequestError:
@@ -95,6 +105,7 @@ class EngineStage:
         self.paused = False
         self.pause_mode = "keep"
         self.held: HeldRequests[protocol.Submit] = HeldRequests(config.adapters)  # waiting for their version
+        self.scores: dict[str, bytes] = {}  # qid -> reply_to of the score requests in the engine
         self.step_count = 0
         self.received = 0
         self.loop_time: Counter[str] = Counter()  # seconds per loop phase, over working iterations
@@ -180,10 +191,17 @@ class EngineStage:
         self.out.send(protocol.Track(rid=message.rid, reply_to=message.reply_to, prompt_ids=message.prompt_ids,
                                      spec=spec))
 
-    def send(self, outputs: list[SeqOutput]) -> None:
-        self.out.send(protocol.StepOutputs(step=self.step_count, time=time.time(),
-                                           batch_size=self.engine.last_batch_size,
-                                           outputs=[to_delta(o) for o in outputs]))
+    def send(self, outputs: list[SeqOutput | ScoreResult]) -> None:
+        """A step's outputs: the sequences' in one StepOutputs, each finished score's reply to its client."""
+        deltas = []
+        for o in outputs:
+            if isinstance(o, ScoreResult):
+                self.out.send(score_reply(o, self.scores.pop(o.qid, b"")))
+            else:
+                deltas.append(to_delta(o))
+        if deltas:
+            self.out.send(protocol.StepOutputs(step=self.step_count, time=time.time(),
+                                               batch_size=self.engine.last_batch_size, outputs=deltas))
 
     def retry_held(self) -> None:
         """Requests waiting for a policy version (staleness_policy "hold"): admitted once it is
@@ -192,18 +210,15 @@ class EngineStage:
             self.on_submit(message, held_since=since)
 
     def on_score(self, message: protocol.Score) -> None:
+        """Queue the score as prefill work of the next steps; `send` answers it when it is done."""
         try:
-            ids = protocol.unpack_ids(message.ids)
-            result = self.engine.score(ids, start=message.start, top_logprobs=message.top_logprobs,
-                                       adapter=message.adapter, adapter_version=message.adapter_version)
+            self.engine.add_score(message.qid, protocol.unpack_ids(message.ids), start=message.start,
+                                  top_logprobs=message.top_logprobs, adapter=message.adapter,
+                                  adapter_version=message.adapter_version)
         except RequestRejected as exc:
             self.out.send(rejection(message.qid, message.reply_to, exc))
             return
-        reply = protocol.ScoreReply(qid=message.qid, reply_to=message.reply_to,
-                                    logprobs=protocol.pack_floats(result.logprobs))
-        if result.top_logprobs:
-            reply.top_ids, reply.top_logprobs = protocol.pack_top(result.top_logprobs)
-        self.out.send(reply)
+        self.scores[message.qid] = message.reply_to
 
     def in_flight(self) -> int:
         return len(self.engine.request_ids()) + len(self.held)
@@ -238,8 +253,9 @@ class EngineStage:
         supervisor restarts it (and announces it, which fails anything this message missed)."""
         log.exception("engine step failed; failing %d request(s) and exiting for a restart",
                       len(self.engine.request_ids()))
-        for rid in self.engine.request_ids():
-            self.out.send(protocol.RequestError(rid=rid, status=503, code="engine_error", retryable=True,
+        for rid in self.engine.request_ids():  # a score's qid among them: it goes to its reply_to
+            self.out.send(protocol.RequestError(rid=rid, reply_to=self.scores.get(rid, b""), status=503,
+                                                code="engine_error", retryable=True,
                                                 message=f"the engine failed ({type(exc).__name__}) while this "
                                                         "request was in flight; retry it"), block=False)
         time.sleep(0.3)  # sockets close with LINGER 0: let the errors leave first

@@ -8,7 +8,7 @@ from mlx_lm.generate import generate_step
 from mlx_lm.models import gemma, gemma2, gemma3_text, llama, phi3, qwen2, qwen3
 
 from parallm.config import AdaptersConfig, Config, EngineConfig
-from parallm.engine import Engine, EngineModel, Request
+from parallm.engine import Engine, EngineModel, Request, ScoreResult
 from parallm.engine import make_request as req  # noqa: F401 - the tests' short name for it
 from parallm.protocol import SamplingParams
 
@@ -61,8 +61,10 @@ def greedy(max_tokens: int, **kw) -> SamplingParams:
 
 
 def run_all(engine: Engine, requests: list[Request] | None = None, *, arrivals: dict[int, list[Request]] | None = None,
-            max_steps: int = 100_000, check_every: bool = True) -> dict[tuple[str, int], dict]:
-    """Drive an engine to completion; collect tokens/logprobs/finish per (rid, index)."""
+            max_steps: int = 100_000, check_every: bool = True,
+            scores: dict[str, ScoreResult] | None = None) -> dict[tuple[str, int], dict]:
+    """Drive an engine to completion; collect tokens/logprobs/finish per (rid, index), and the
+    finished score requests by qid into `scores`."""
     for r in requests or []:
         engine.add_request(r)
     results: dict[tuple[str, int], dict] = {}
@@ -71,6 +73,10 @@ def run_all(engine: Engine, requests: list[Request] | None = None, *, arrivals: 
         for r in (arrivals or {}).get(step, []):
             engine.add_request(r)
         for o in engine.step():
+            if isinstance(o, ScoreResult):
+                assert scores is not None and o.qid not in scores, f"score {o.qid} unexpected or finished twice"
+                scores[o.qid] = o
+                continue
             d = results.setdefault((o.rid, o.index), {"tokens": [], "logprobs": [], "top": [], "finish": None,
                                                      "usage": None, "prompt_logprobs": None, "outputs": 0})
             d["tokens"].extend(o.token_ids)

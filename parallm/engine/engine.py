@@ -25,10 +25,11 @@ from .model import EngineModel
 from .output import OutputProcessor, StepOutputs, unseen_versions
 from .request import Request, RequestRejected, ScoreResult, SeqOutput, validate, validate_score
 from .runner import Launch, ModelRunner
-from .sampling import log_softmax, splitmix64, top_of
+from .sampling import splitmix64
 from .scheduler import KVBudget, PrefillWork, Scheduler
 from .sequence import Sequence
 
+SCORE_PARAMS = SamplingParams(max_tokens=1, temperature=0.0)  # a score samples nothing; its rows never decode
 AUTO_BUDGET_FRACTION = 0.35
 AUTO_BUDGET_CAP = 8 << 30
 
@@ -98,6 +99,8 @@ class Engine:
         self._requests: dict[str, list[Sequence]] = {}
         self.output = OutputProcessor(self.scheduler, self.eos_token_ids, self._requests, self.runner.execute)
         self._launches: list[Launch] = []
+        self._owed: list[SeqOutput | ScoreResult] = []  # outputs of steps that score() ran, for the next step()
+        self._score_counter = 0
         self._seq_counter = 0
         self._seed_counter = 0
         self._steps = 0
@@ -166,27 +169,35 @@ class Engine:
 
     def owes_outputs(self) -> bool:
         """Outputs are decided but not yet returned (aborted sequences, launched steps)."""
-        return bool(self.output.aborted or self._launches)
+        return bool(self.output.aborted or self._launches or self._owed)
 
-    def flush(self) -> list[SeqOutput]:
+    def flush(self) -> list[SeqOutput | ScoreResult]:
         """What is owed without starting new work: a paused engine still reports its aborts and
         the tokens of steps it had launched."""
         out = StepOutputs()
         self.output.report_aborts(out)
         while self._launches:
             self.output.read(self._launches.pop(0), out)
-        return out.items()
+        return self._with_owed(out)
 
     def has_work(self) -> bool:
-        return bool(self.scheduler.has_work() or self._launches or self.output.aborted)
+        return bool(self.scheduler.has_work() or self._launches or self.output.aborted or self._owed)
+
+    def _with_owed(self, out: StepOutputs) -> list[SeqOutput | ScoreResult]:
+        if not self._owed:
+            return out.items()
+        items, self._owed = self._owed + out.items(), []
+        return items
 
     # ------------------------------------------------------------------ the loop
-    def step(self, emit: Callable[[list[SeqOutput]], None] | None = None) -> list[SeqOutput]:
+    def step(self, emit: Callable[[list[SeqOutput | ScoreResult]], None] | None = None) -> list[SeqOutput | ScoreResult]:
         """One scheduling round: admissions, at most one prefill pass, one decode pass, and the
-        tokens read back. The prefill pass samples the first token of every prompt it finishes;
-        with `emit`, those outputs are handed to it as soon as the prefill pass is read (before
-        the decode pass runs) instead of being returned with the rest. Where the runner can pack
-        them (`engine.mixed_passes`), the prompt chunks and the decode rows share one pass."""
+        tokens read back: one SeqOutput per sequence that got tokens or finished, and a
+        ScoreResult per score request finished. The prefill pass samples the first token of every
+        prompt it finishes and finishes the scores it completes; with `emit`, those outputs are
+        handed to it as soon as the prefill pass is read (before the decode pass runs) instead of
+        being returned with the rest. Where the runner can pack them (`engine.mixed_passes`), the
+        prompt chunks and the decode rows share one pass."""
         t0 = time.perf_counter()
         self._steps += 1
         out = StepOutputs()
@@ -198,7 +209,7 @@ class Engine:
         if plan.prefill is not None and self._can_mix(plan.prefill):
             self._mixed(plan.prefill, out, emit)
             self._timing["mixed_s"] += time.perf_counter() - t1
-            return out.items()
+            return self._with_owed(out)
         if plan.prefill is not None:
             self._prefill(plan.prefill, out, emit)
         t2 = time.perf_counter()
@@ -214,7 +225,7 @@ class Engine:
         self._timing["prefill_s"] += t2 - t1
         self._timing["launch_s"] += t3 - t2
         self._timing["read_s"] += t4 - t3
-        return out.items()
+        return self._with_owed(out)
 
     def _wants_decode(self) -> bool:
         seqs = self.scheduler.running
@@ -276,7 +287,7 @@ class Engine:
         self._mixed_passes += 1
         firsts = StepOutputs() if emit is not None else out
         self.output.prefill_done(work, {}, first, firsts)
-        if emit is not None and firsts.seqs:
+        if emit is not None and firsts:
             emit(firsts.items())
         while self._launches:
             self.output.read(self._launches.pop(0), out)
@@ -286,7 +297,7 @@ class Engine:
         prompt_lps, first = self.runner.prefill(work)
         firsts = StepOutputs() if emit is not None else out
         self.output.prefill_done(work, prompt_lps, first, firsts)
-        if emit is not None and firsts.seqs:
+        if emit is not None and firsts:
             emit(firsts.items())
 
     # ------------------------------------------------------------------ start-up
@@ -295,7 +306,7 @@ class Engine:
         lengths prefilled while another row decodes, then decoded under a mask) so that what MLX
         builds on first use is built before the first real request: on the CPU each fused
         elementwise loop is compiled once by the system C++ compiler (cached under /tmp/mlx per
-        machine, ~0.3 s each), and the check that packed passes fit the model runs.
+        machine, ~0.3 s each), and the check that packed passes fit the model runs; then a score.
         Leaves no request, cached block or counter behind; returns the seconds it took."""
         if self.has_work():
             raise RuntimeError("warm_up() must run before any request")
@@ -316,14 +327,19 @@ class Engine:
                     self.step()  # it decodes while the others are prefilled
             while self.has_work():
                 self.step()
+        try:  # a score's pass keeps every position's logprobs and top-k
+            self.score([(7 * j + 3) % vocab for j in range(short + 1)], start=1, top_logprobs=1)
+        except RequestRejected:
+            pass
         self._reset_counters()
         return time.perf_counter() - t0
 
     def _reset_counters(self) -> None:
-        self._steps = self.output.prompt_computed = self.output.generated = self._last_batch = self._mixed_passes = 0
+        self._steps = self._last_batch = self._mixed_passes = 0
+        self.output.prompt_computed = self.output.generated = self.output.scored = 0
         self._hist.clear()
         self._timing.clear()
-        self._seq_counter = self._seed_counter = 0
+        self._seq_counter = self._seed_counter = self._score_counter = 0
         self.scheduler.prefix_queried_tokens = self.scheduler.prefix_hit_tokens = 0
 
     # ------------------------------------------------------------------ adapters
@@ -348,53 +364,50 @@ class Engine:
         return self.versions.follow_latest(s for seqs in self._requests.values() for s in seqs)
 
     # ------------------------------------------------------------------ scoring
-    def score(self, ids: Seq[int], start: int = 1, top_logprobs: int = 0, adapter: str = "",
-              adapter_version: int = 0) -> ScoreResult:
-        """Teacher-forced logprobs of ids[start:] under the raw model distribution.
-
-        Runs in its own cache (mlx-lm's), chunked by max_prefill_tokens; running sequences
-        are not touched (their in-flight pass just completes first on the same stream).
-        """
-        ids = [int(t) for t in ids]
+    def add_score(self, qid: str, ids: Seq[int], start: int = 1, top_logprobs: int = 0, adapter: str = "",
+                  adapter_version: int = 0) -> None:
+        """Queue a teacher-forced score of ids[start:] under the raw model distribution (of
+        `adapter`, a pinned version or the latest): prefill-only work, batched with the prompts in
+        the steps' prefill passes, through the prefix cache for the positions before start-1. The
+        `step()` that finishes it returns a ScoreResult with this `qid` (aborted ones too)."""
+        try:
+            ids = [int(t) for t in ids]
+        except (TypeError, ValueError):
+            raise RequestRejected("token ids must be integers", "ids") from None
+        if not isinstance(qid, str) or not qid:
+            raise RequestRejected("a score needs a non-empty query id", "qid")
+        if qid in self._requests:
+            raise RequestRejected(f"query id {qid!r} is already in use", "qid")
         validate_score(ids, start, top_logprobs, vocab_size=self.vocab_size, max_model_len=self.max_model_len)
+        if not self.budget.fits(1, len(ids) + self.scheduler.headroom):
+            raise RequestRejected(f"scoring {len(ids)} ids needs more KV memory than the engine has "
+                                  f"({self.budget.budget_tokens} token slots for live rows)", "ids")
         try:
             lora = self.versions.resolve(adapter, adapter_version)
         except AdapterError as exc:
             raise RequestRejected(exc.message, "adapter", status=exc.status, code=exc.code) from None
-        try:
-            return self._score(ids, start, top_logprobs, lora)
-        finally:
-            self.adapters.router.unbind()
+        self._seq_counter += 1
+        seq = Sequence(seq_id=self._seq_counter, rid=qid, index=0, prompt_ids=ids, params=SCORE_PARAMS, seed=0,
+                       adapter=lora.identity if lora else "", adapter_name=lora.name if lora else "",
+                       adapter_version=lora.version if lora else 0, lora=lora, pinned=True, score_start=start,
+                       score_top=top_logprobs)
+        self._requests[qid] = [seq]
+        self.scheduler.add([seq])
 
-    def _score(self, ids: list[int], start: int, top_logprobs: int, lora: LoadedAdapter | None) -> ScoreResult:
-        from mlx_lm.models.cache import make_prompt_cache
-
-        cache = make_prompt_cache(self.model)
-        chunk = self.config.max_prefill_tokens
-        lps: list[float] = []
-        tops: list | None = [] if top_logprobs else None
-        last = len(ids) - 1  # positions whose logits predict a token: 0 .. last-1
-        for a in range(0, last, chunk):
-            b = min(a + chunk, last)
-            self.adapters.router.bind([lora])
-            logits = self.runner.call_model(mx.array([ids[a:b]], dtype=mx.int32), cache)[0]
-            self.adapters.router.unbind()
-            lo = max(a, start - 1)
-            if lo >= b:
-                mx.eval([c.state for c in cache])
-                continue
-            lp = log_softmax(logits[lo - a:].astype(mx.float32))
-            targets = mx.array(ids[lo + 1:b + 1], dtype=mx.int32)
-            chosen = mx.take_along_axis(lp, targets[:, None], axis=-1)[:, 0]
-            if top_logprobs:
-                t_ids, t_vals = top_of(lp, top_logprobs)
-                mx.eval(chosen, t_ids, t_vals, [c.state for c in cache])
-                for r_ids, r_vals in zip(t_ids.tolist(), t_vals.tolist()):
-                    tops.append(sorted(zip(r_ids, r_vals), key=lambda x: -x[1]))
-            else:
-                mx.eval(chosen, [c.state for c in cache])
-            lps.extend(chosen.tolist())
-        return ScoreResult(ids=ids, start=start, logprobs=lps, top_logprobs=tops)
+    def score(self, ids: Seq[int], start: int = 1, top_logprobs: int = 0, adapter: str = "",
+              adapter_version: int = 0) -> ScoreResult:
+        """`add_score`, then steps until it is done (in-process convenience): other requests advance
+        in those steps, and their outputs are kept for the next `step()` or `flush()`."""
+        self._score_counter += 1
+        qid = f"__score_{self._score_counter}"
+        self.add_score(qid, ids, start, top_logprobs, adapter, adapter_version)
+        while True:
+            outputs = self.step()
+            for o in outputs:
+                if isinstance(o, ScoreResult) and o.qid == qid:
+                    self._owed.extend(x for x in outputs if x is not o)
+                    return o
+            self._owed.extend(outputs)
 
     # ------------------------------------------------------------------ introspection
     def stats(self) -> EngineStats:
@@ -415,7 +428,7 @@ class Engine:
             prefix_evictions=b.evictions if b else 0, preemptions=s.preemptions, steps=self._steps,
             mixed_passes=self._mixed_passes, decode_batch_hist=dict(sorted(self._hist.items())),
             max_decode_batch=max(self._hist, default=0), prompt_tokens_computed=self.output.prompt_computed,
-            generated_tokens=self.output.generated, step_ms_mean={k[:-2]: 1000 * v / n for k, v in t.items()},
+            generated_tokens=self.output.generated, scored_tokens=self.output.scored, step_ms_mean={k[:-2]: 1000 * v / n for k, v in t.items()},
             live_rows=r.live.rows, live_capacity=r.live.capacity, live_bytes=r.live.nbytes, pool_bytes=r.pool.nbytes,
             bytes_per_token=r.live.bytes_per_token, penalty_state=r.penalties.active, adapters=adapters,
             settings=self.config, adapter_settings=self.adapter_settings)

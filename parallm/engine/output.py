@@ -15,7 +15,7 @@ from typing import Callable, Iterable
 
 from parallm.protocol import Usage
 
-from .request import SeqOutput
+from .request import ScoreResult, SeqOutput
 from .runner import FirstTokens, Launch
 from .sampling import SampledLists
 from .scheduler import PrefillWork, RowOp, Scheduler
@@ -25,13 +25,17 @@ from .sequence import Sequence
 class StepOutputs:
     """What one step hands back, filled in as its passes are read."""
 
-    __slots__ = ("seqs",)
+    __slots__ = ("seqs", "scores")
 
     def __init__(self) -> None:
         self.seqs: dict = {}  # seq_id -> its output ((seq_id, version) for an earlier version's)
+        self.scores: list[ScoreResult] = []
 
-    def items(self) -> list[SeqOutput]:
-        return list(self.seqs.values())
+    def items(self) -> list[SeqOutput | ScoreResult]:
+        return [*self.seqs.values(), *self.scores] if self.scores else list(self.seqs.values())
+
+    def __bool__(self) -> bool:
+        return bool(self.seqs or self.scores)
 
 
 def unseen_versions(seqs: Iterable[Sequence]) -> list:
@@ -51,6 +55,7 @@ class OutputProcessor:
         self.aborted: list[Sequence] = []  # aborted since the last step: reported by the next one
         self.generated = 0
         self.prompt_computed = 0
+        self.scored = 0  # positions scored by finished score requests
         self.swap_ms: deque[float] = deque(maxlen=64)  # adapter load -> its first token read, ms
 
     # ------------------------------------------------------------------ aborts
@@ -61,23 +66,31 @@ class OutputProcessor:
 
     def report_aborts(self, out: StepOutputs) -> None:
         for seq in self.aborted:
-            out.seqs[seq.seq_id] = self.output(seq, finish="abort")
+            if seq.prefill_only:
+                out.scores.append(ScoreResult(qid=seq.rid, ids=seq.prompt_ids, start=seq.score_start, logprobs=[],
+                                              aborted=True))
+            else:
+                out.seqs[seq.seq_id] = self.output(seq, finish="abort")
         self.aborted.clear()
 
     # ------------------------------------------------------------------ passes read back
     def prefill_done(self, work: PrefillWork, prompt_lps: dict, first: FirstTokens | None, out: StepOutputs) -> None:
         """Account a pass's prompt chunks: prompt logprobs, finished prompts joining the running
-        rows, their first tokens."""
+        rows, their first tokens, finished scores."""
         self.prompt_computed += sum(work.lengths)
         for seq in work.seqs:
             got = prompt_lps.get(seq.seq_id)
             if got is not None:
-                start, lps, ids, vals = got
-                del seq.prompt_logprobs[start:]
+                first_position, lps, ids, vals = got
+                del seq.prompt_logprobs[first_position - seq.logprobs_from:]  # recomputed after a preemption
                 for j, lp in enumerate(lps):
                     top = None if ids is None else sorted(zip(ids[j], vals[j]), key=lambda x: -x[1])
                     seq.prompt_logprobs.append((lp, top))
         ops = self.scheduler.complete_prefill(work)  # finished prompts (and their forks) join the running rows
+        for seq in work.seqs:
+            if seq.prefill_only and seq.is_finished:
+                out.scores.append(self.score_result(seq))
+                self.forget_if_done(seq.rid)
         stops = []
         if first is not None:
             for i, seq in enumerate(first.seqs):
@@ -157,6 +170,12 @@ class OutputProcessor:
             if seq.params.prompt_logprobs:
                 o.prompt_top_logprobs = [None] + [top[:seq.params.prompt_logprobs] for _, top in seq.prompt_logprobs]
         return o
+
+    def score_result(self, seq: Sequence) -> ScoreResult:
+        lps = [lp for lp, _ in seq.prompt_logprobs]
+        self.scored += len(lps)
+        tops = [top for _, top in seq.prompt_logprobs] if seq.score_top else None
+        return ScoreResult(qid=seq.rid, ids=seq.prompt_ids, start=seq.score_start, logprobs=lps, top_logprobs=tops)
 
     def forget_if_done(self, rid: str) -> None:
         seqs = self.requests.get(rid)

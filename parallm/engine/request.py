@@ -70,12 +70,16 @@ class SeqOutput:
 
 @dataclass(slots=True)
 class ScoreResult:
-    """Teacher-forced logprobs of ids[start:], each given the ids before it."""
+    """A finished score request (`Engine.add_score`), returned by the `step()` that finished it:
+    teacher-forced logprobs of ids[start:], each given the ids before it, with top-k alternatives
+    (best first) when asked. `aborted`: it was aborted before it was done (no logprobs)."""
 
+    qid: str
     ids: list[int]
     start: int
     logprobs: list[float]
     top_logprobs: TopLogprobs | None = None
+    aborted: bool = False
 
 
 def validate(request: Request, *, vocab_size: int, max_model_len: int, max_num_seqs: int) -> None:

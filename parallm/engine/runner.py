@@ -146,16 +146,22 @@ class ModelRunner:
     # ------------------------------------------------------------------ prefill
     def prefill(self, work: PrefillWork) -> tuple[dict[int, tuple], FirstTokens | None]:
         """Run one padded prefill pass. Returns prompt logprobs for rows that asked for them
-        (seq_id -> (start, logprobs list, top ids, top logprobs)) and the first token of every
-        prompt the pass finishes (for n > 1, one per sample of the request, from the same logits)."""
+        (seq_id -> (first position, logprobs list, top ids, top logprobs): the logprob of each next
+        token given the ones before it) and the first token of every prompt the pass finishes (for
+        n > 1, one per sample of the request, from the same logits; none for prefill-only work)."""
         L = work.length
         rows = []
         finishing: list[tuple[int, Sequence]] = []  # (row in the pass, seq) whose prompt ends here
+        logprob_rows: list[tuple[int, int, int]] = []  # (row, first position, end) whose logprobs are kept
         for i, (seq, start, n) in enumerate(zip(work.seqs, work.starts, work.lengths)):
             rows.append(seq.token_ids[start:start + n] + [0] * (L - n))
-            if n and start + n == seq.prefill_target:
+            if n and start + n == seq.prefill_target and not seq.prefill_only:
                 finishing.append((i, seq))
-        wants_prompt = any(seq.prompt_logprobs is not None and n for seq, n in zip(work.seqs, work.lengths))
+            if seq.prompt_logprobs is not None:
+                lo, hi = max(start, seq.logprobs_from), min(start + n, seq.num_tokens - 1)  # the last predicts none
+                if lo < hi:
+                    logprob_rows.append((i, lo, hi))
+        wants_prompt = bool(logprob_rows)
         ctx = PassContext(work.row0, work.starts, L, max(work.starts) + L, mask5d=self.info.mask5d)
         tokens = mx.array(rows, dtype=mx.int32)
         last = mx.array([i * L + work.lengths[i] - 1 for i, _ in finishing], dtype=mx.int32)
@@ -167,16 +173,14 @@ class ModelRunner:
             logits = self._forward(work.seqs, tokens, self.live.views(ctx))
             last_logits = logits.reshape(-1, logits.shape[-1])[last] if finishing else None
         wanted = []
-        for i, (seq, start, n) in enumerate(zip(work.seqs, work.starts, work.lengths)):
-            m = min(n, seq.num_tokens - 1 - start)  # the last token predicts no prompt token
-            if seq.prompt_logprobs is None or m <= 0:
-                continue
-            targets = mx.array(seq.token_ids[start + 1:start + m + 1], dtype=mx.int32)
-            lp = log_softmax(logits[i, :m].astype(mx.float32))
+        for i, lo, hi in logprob_rows:
+            seq, start = work.seqs[i], work.starts[i]
+            targets = mx.array(seq.token_ids[lo + 1:hi + 1], dtype=mx.int32)
+            lp = log_softmax(logits[i, lo - start:hi - start].astype(mx.float32))
             chosen = mx.take_along_axis(lp, targets[:, None], axis=-1)[:, 0]
-            k = seq.params.prompt_logprobs or 0
+            k = seq.prompt_top_k
             top = top_of(lp, k) if k else (None, None)
-            wanted.append((seq, start, chosen, *top))
+            wanted.append((seq, lo, chosen, *top))
         first = self._sample_first(finishing, last_logits) if finishing else None
         mx.eval(self.live.arrays(), [w[2:] for w in wanted], first.arrays() if first else [])
         del logits

@@ -376,7 +376,7 @@ class Scheduler:
             seq.admitted_at = self._admissions
             if seq.wants_prompt_logprobs and seq.prompt_logprobs is None:
                 seq.prompt_logprobs = []
-            if self.blocks is not None and not seq.wants_prompt_logprobs:
+            if self.blocks is not None and seq.uses_prefix_cache:
                 self.prefix_queried_tokens += seq.prefill_target
                 self.prefix_hit_tokens += cached
                 self.blocks.acquire(hit)
@@ -394,10 +394,9 @@ class Scheduler:
             plan.admitted.append(seq)
 
     def _match(self, seq: Sequence) -> list[int]:
-        if self.blocks is None or seq.wants_prompt_logprobs:
+        if self.blocks is None or not seq.uses_prefix_cache:
             return []
-        max_blocks = (seq.num_tokens - 1) // self.block_size  # the last token is always prefilled
-        return self.blocks.match(seq.token_ids, seq.adapter, max_blocks)
+        return self.blocks.match(seq.token_ids, seq.adapter, seq.cacheable_tokens // self.block_size)
 
     def _prefill_work(self) -> PrefillWork | None:
         if not self.prefilling:
@@ -408,12 +407,16 @@ class Scheduler:
                            lengths=[min(s.prefill_remaining, length) for s in seqs], length=length)
 
     def complete_prefill(self, work: PrefillWork) -> list[RowOp]:
-        """Account the chunks just computed; finished prompts join the running rows (and fork)."""
+        """Account the chunks just computed; finished prompts join the running rows (and fork),
+        finished prefill-only work (scores) is finished: its blocks written back, its row freed."""
         for seq, n in zip(work.seqs, work.lengths):
             if seq.status is Status.PREFILLING:
                 seq.num_computed += n
         for seq in list(self.prefilling):
             if seq.status is Status.PREFILLING and seq.prefill_remaining == 0:
+                if seq.prefill_only:
+                    self.finish(seq, "stop")
+                    continue
                 j = self.prefilling.index(seq)
                 if j != 0:
                     first = self.prefilling[0]

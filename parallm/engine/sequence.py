@@ -9,6 +9,10 @@ Token accounting (P prompt tokens, G tokens generated and read back so far):
   scheduled to, when a decode is in flight).
 - `inflight`: decode passes launched whose sampled token has not been read yet (0..2 with
   overlap). The position of the token a new decode samples is `num_output + inflight`.
+
+A teacher-forced score (`score_start` >= 1) is a prefill-only sequence: its prompt is the ids to
+score, its prefill keeps the logprobs of positions score_start-1 .. (each given the ids before
+it), and it finishes when the prefill is done, without sampling.
 """
 
 from __future__ import annotations
@@ -51,8 +55,10 @@ class Sequence:
     block_ids: list[int] = field(default_factory=list)  # prefix-cache blocks held (refs), in order
     num_cached_first: int = -1  # prefix-cache hit of the first admission (usage.cached_tokens)
     finish_reason: str | None = None
-    prompt_logprobs: list | None = None  # [(logprob, top) per prompt position], filled by prefill
+    prompt_logprobs: list | None = None  # [(logprob, top) per position from logprobs_from], filled by prefill
     prompt_logprobs_sent: bool = False
+    score_start: int = 0  # >= 1: a teacher-forced score of prompt_ids[score_start:] (see the module doc)
+    score_top: int = 0  # top-k alternatives a score keeps per position
 
     # ------------------------------------------------------------------ derived
     @property
@@ -98,8 +104,35 @@ class Sequence:
         return self.params.logprobs or self.params.top_logprobs > 0
 
     @property
+    def prefill_only(self) -> bool:
+        """Finishes when its prefill is done, sampling nothing (a teacher-forced score)."""
+        return self.score_start > 0
+
+    @property
     def wants_prompt_logprobs(self) -> bool:
-        return self.params.prompt_logprobs is not None
+        return self.params.prompt_logprobs is not None or self.score_start > 0
+
+    @property
+    def logprobs_from(self) -> int:
+        """The first position whose logits' logprobs prefill keeps (of the next token)."""
+        return self.score_start - 1 if self.score_start else 0
+
+    @property
+    def prompt_top_k(self) -> int:
+        return self.score_top if self.score_start else (self.params.prompt_logprobs or 0)
+
+    @property
+    def uses_prefix_cache(self) -> bool:
+        """Prompt logprobs need every position's logits, so such requests neither look up nor count."""
+        return self.score_start > 0 or self.params.prompt_logprobs is None
+
+    @property
+    def cacheable_tokens(self) -> int:
+        """How many leading tokens a prefix-cache hit may cover: never the last (its logits give the
+        next token), for a score none from position score_start-1 on (their logits are the scores)."""
+        if not self.uses_prefix_cache:
+            return 0
+        return self.score_start - 1 if self.score_start else self.num_tokens - 1
 
     @property
     def uses_penalties(self) -> bool:
