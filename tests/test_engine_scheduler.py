@@ -75,13 +75,16 @@ def check_rows(sched: Scheduler, runner: FakeRunner, block_size: int):
 
 
 def simulate(seed: int, *, budget_tokens: int, n_requests: int = 30, max_rows: int = 8, prefill_budget: int = 24,
-             pool_blocks: int = 32, block_size: int = 4, abort_rate: float = 0.02, shared_prefix: bool = True):
+             pool_blocks: int = 32, block_size: int = 4, abort_rate: float = 0.02, shared_prefix: bool = True,
+             priorities: tuple[int, ...] = (0,), aging_s: float = 0.0):
     rng = random.Random(seed)
+    clock = [0.0]
     blocks = BlockManager(pool_blocks, block_size) if pool_blocks else None
     budget = KVBudget(budget_tokens=budget_tokens, max_rows=max_rows, max_len=200 + prefill_budget + 1,
                       row_quantum=2, cap_quantum=8)
     sched = Scheduler(budget=budget, max_prefill_tokens=prefill_budget, blocks=blocks, block_size=block_size,
-                      max_prefill_rows=4, writeback_interval=2, headroom=4)
+                      max_prefill_rows=4, writeback_interval=2, headroom=4, priority_aging_s=aging_s,
+                      clock=lambda: clock[0])
     runner = FakeRunner(pool_blocks, block_size)
     base = [rng.randrange(50) for _ in range(40)]
     seqs_by_req = []
@@ -97,11 +100,12 @@ def simulate(seed: int, *, budget_tokens: int, n_requests: int = 30, max_rows: i
             prompt = (base[:rng.randrange(0, 30)] if shared_prefix else []) + [rng.randrange(50) for _ in range(plen)]
             n = rng.choice([1, 1, 1, 2, 3])
             max_tokens = rng.randrange(1, 25)
+            priority = rng.choice(priorities)
             group = []
             for j in range(n):
                 next_id += 1
                 group.append(Sequence(seq_id=next_id, rid=f"r{i}", index=j, prompt_ids=list(prompt),
-                                      params=SamplingParams(max_tokens=max_tokens), seed=0))
+                                      params=SamplingParams(max_tokens=max_tokens), seed=0, priority=priority))
             if len(prompt) + max_tokens + 1 > budget_tokens or n * (len(prompt) + 4) > budget_tokens:
                 continue  # the engine would reject it
             seqs_by_req.append(group)
@@ -145,6 +149,7 @@ def simulate(seed: int, *, budget_tokens: int, n_requests: int = 30, max_rows: i
                 runner.execute(sched.take_ops())
         sched.check_integrity()
         check_rows(sched, runner, block_size)
+        clock[0] += 0.1
         step += 1
         assert step < 5000, "scheduler made no progress"
     for g in seqs_by_req:
@@ -173,6 +178,19 @@ def test_random_workloads_tight_memory_preempt(seed):
 @pytest.mark.parametrize("seed", range(3))
 def test_random_workloads_without_prefix_cache(seed):
     simulate(seed, budget_tokens=200, pool_blocks=0)
+
+
+@pytest.mark.parametrize("aging_s", [0.0, 0.5])
+def test_random_workloads_with_priorities(aging_s):
+    """Admission, preemption and passes by priority keep every row's content and every block
+    reference right, with rows or memory short, with and without aging."""
+    made_room = 0
+    for seed in range(12):
+        for kw in (dict(budget_tokens=4000, n_requests=40, max_rows=4), dict(budget_tokens=120, pool_blocks=8),
+                   dict(budget_tokens=300, pool_blocks=16, max_rows=6)):
+            sched, _ = simulate(seed, priorities=(-1, 0, 3), aging_s=aging_s, **kw)
+            made_room += sched.priority_preemptions
+    assert made_room > 20
 
 
 def test_prefix_hit_counts_and_never_covers_the_last_token():

@@ -9,8 +9,8 @@ import mlx.core as mx
 import numpy as np
 import pytest
 import zmq
-
 from _engine_helpers import TINY_VOCAB, greedy, make_engine, reference_greedy, req, run_all, tiny_model
+
 from parallm import protocol
 from parallm.engine import RequestRejected, ScoreResult, SeqOutput
 from parallm.protocol import SamplingParams
@@ -198,9 +198,10 @@ def test_engine_score_keeps_other_outputs_for_the_next_step(engines, model):
 
 
 def test_the_engine_stage_answers_a_score(engines, model, tmp_path):
+    from parallm.stages.engine import EngineStage
+
     from parallm.config import build_config
     from parallm.runtime import StageRuntime
-    from parallm.stages.engine import EngineStage
     from parallm.transport import Receiver, open_socket
 
     config = build_config(environ={}, overrides={"transport": {"run_dir": str(tmp_path)}})

@@ -6,7 +6,6 @@ No sockets, threads or asyncio: the engine stage (and the tests) call `add_reque
 
 from __future__ import annotations
 
-import os
 import time
 from collections import Counter
 from typing import Callable
@@ -17,45 +16,23 @@ import msgspec
 
 from parallm.adapters import AdapterError, AdapterManager, LoadedAdapter, VersionPolicy
 from parallm.config import Config, auto_adapter_merge_mb, auto_prefill_tokens, resolve_engine_config
-from parallm.protocol import EngineStats, RequestSpec, SamplingParams
+from parallm.protocol import EngineStats, SamplingParams
 
 from .blocks import BlockManager
 from .compat import check_model
+from .memory import auto_kv_budget_bytes
 from .model import EngineModel
 from .output import OutputProcessor, StepOutputs, unseen_versions
+from .plan import KVBudget, PrefillWork
 from .request import Request, RequestRejected, ScoreResult, SeqOutput, validate, validate_score
 from .runner import Launch, ModelRunner
 from .sampling import splitmix64
-from .scheduler import KVBudget, PrefillWork, Scheduler
+from .scheduler import Scheduler
 from .sequence import Sequence
+from .warmup import warm_up
 
+Output = SeqOutput | ScoreResult
 SCORE_PARAMS = SamplingParams(max_tokens=1, temperature=0.0)  # a score samples nothing; its rows never decode
-AUTO_BUDGET_FRACTION = 0.35
-AUTO_BUDGET_CAP = 8 << 30
-
-
-def auto_kv_budget_bytes() -> int:
-    """A share of the memory available now (the model is already loaded), capped."""
-    avail = 0
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    avail = int(line.split()[1]) * 1024
-                    break
-    except OSError:
-        pass
-    if not avail:
-        try:
-            avail = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // 2
-        except (ValueError, OSError):  # pragma: no cover
-            avail = 8 << 30
-    try:
-        if mx.metal.is_available():
-            avail = min(avail, int(mx.metal.device_info()["max_recommended_working_set_size"]))
-    except Exception:  # pragma: no cover - backend specific
-        pass
-    return max(64 << 20, min(int(avail * AUTO_BUDGET_FRACTION), AUTO_BUDGET_CAP))
 
 
 class Engine:
@@ -94,12 +71,13 @@ class Engine:
         self.blocks = BlockManager(pool_blocks, bs) if settings.prefix_cache else None
         self.scheduler = Scheduler(budget=self.budget, max_prefill_tokens=settings.max_prefill_tokens,
                                    blocks=self.blocks, block_size=bs, max_prefill_rows=settings.max_prefill_rows,
-                                   writeback_interval=settings.writeback_interval)
+                                   writeback_interval=settings.writeback_interval,
+                                   priority_aging_s=settings.priority_aging_s)
         self.runner.pool.allocate()
         self._requests: dict[str, list[Sequence]] = {}
         self.output = OutputProcessor(self.scheduler, self.eos_token_ids, self._requests, self.runner.execute)
         self._launches: list[Launch] = []
-        self._owed: list[SeqOutput | ScoreResult] = []  # outputs of steps that score() ran, for the next step()
+        self._owed: list[Output] = []  # outputs of steps that score() ran, for the next step()
         self._score_counter = 0
         self._seq_counter = 0
         self._seed_counter = 0
@@ -141,7 +119,7 @@ class Engine:
                                  prompt_ids=list(request.prompt_ids), params=p, seed=base + i,
                                  adapter=lora.identity if lora else "", adapter_name=lora.name if lora else "",
                                  adapter_version=lora.version if lora else 0, lora=lora,
-                                 pinned=bool(spec.adapter_version)))
+                                 pinned=bool(spec.adapter_version), priority=spec.priority))
         self._requests[request.rid] = seqs
         self.scheduler.add(seqs)
 
@@ -171,7 +149,7 @@ class Engine:
         """Outputs are decided but not yet returned (aborted sequences, launched steps)."""
         return bool(self.output.aborted or self._launches or self._owed)
 
-    def flush(self) -> list[SeqOutput | ScoreResult]:
+    def flush(self) -> list[Output]:
         """What is owed without starting new work: a paused engine still reports its aborts and
         the tokens of steps it had launched."""
         out = StepOutputs()
@@ -183,14 +161,14 @@ class Engine:
     def has_work(self) -> bool:
         return bool(self.scheduler.has_work() or self._launches or self.output.aborted or self._owed)
 
-    def _with_owed(self, out: StepOutputs) -> list[SeqOutput | ScoreResult]:
+    def _with_owed(self, out: StepOutputs) -> list[Output]:
         if not self._owed:
             return out.items()
         items, self._owed = self._owed + out.items(), []
         return items
 
     # ------------------------------------------------------------------ the loop
-    def step(self, emit: Callable[[list[SeqOutput | ScoreResult]], None] | None = None) -> list[SeqOutput | ScoreResult]:
+    def step(self, emit: Callable[[list[Output]], None] | None = None) -> list[Output]:
         """One scheduling round: admissions, at most one prefill pass, one decode pass, and the
         tokens read back: one SeqOutput per sequence that got tokens or finished, and a
         ScoreResult per score request finished. The prefill pass samples the first token of every
@@ -240,20 +218,7 @@ class Engine:
         return True
 
     def _decode_inputs(self, seqs: list[Sequence]) -> mx.array:
-        """Each running row's last token: read back, or still in the pass launched before."""
-        prev = self._launches[-1] if self._launches else None
-        if prev is not None and all(s.inflight for s in seqs) and \
-                all(prev.row_of.get(s.seq_id) == i for i, s in enumerate(seqs)) and len(prev.seqs) == len(seqs):
-            inputs = prev.out.tokens
-        else:
-            src = [prev.row_of[s.seq_id] if s.inflight else 0 for s in seqs] if prev else [0] * len(seqs)
-            known = mx.array([0 if s.inflight else s.last_token for s in seqs], dtype=mx.int32)
-            if prev is not None and any(s.inflight for s in seqs):
-                from_prev = mx.array([bool(s.inflight) for s in seqs])
-                inputs = mx.where(from_prev, prev.out.tokens[mx.array(src, dtype=mx.int32)], known)
-            else:
-                inputs = known
-        return inputs
+        return self.runner.decode_inputs(seqs, self._launches[-1] if self._launches else None)
 
     def _launched(self, seqs: list[Sequence], launch: Launch) -> None:
         if self.adapters.published:
@@ -277,7 +242,7 @@ class Engine:
         lora = rows[0].lora
         return all(s.lora is lora for s in rows) and self.runner.can_pack
 
-    def _mixed(self, work: PrefillWork, out: StepOutputs, emit: Callable[[list[SeqOutput]], None] | None) -> None:
+    def _mixed(self, work: PrefillWork, out: StepOutputs, emit: Callable[[list[Output]], None] | None) -> None:
         """Decode every running row and prefill this step's chunks in one pass, then account
         both as a prefill pass and a decode pass would be (the prompts first: a finish read from
         the decode rows moves rows, and those moves copy what the prompts' rows have computed)."""
@@ -292,7 +257,7 @@ class Engine:
         while self._launches:
             self.output.read(self._launches.pop(0), out)
 
-    def _prefill(self, work: PrefillWork, out: StepOutputs, emit: Callable[[list[SeqOutput]], None] | None) -> None:
+    def _prefill(self, work: PrefillWork, out: StepOutputs, emit: Callable[[list[Output]], None] | None) -> None:
         """Run a prefill pass; the first tokens it samples go to `emit`, else into `out`."""
         prompt_lps, first = self.runner.prefill(work)
         firsts = StepOutputs() if emit is not None else out
@@ -302,37 +267,13 @@ class Engine:
 
     # ------------------------------------------------------------------ start-up
     def warm_up(self) -> float:
-        """Run a few short requests through every kind of pass (one row alone; rows of different
-        lengths prefilled while another row decodes, then decoded under a mask) so that what MLX
-        builds on first use is built before the first real request: on the CPU each fused
-        elementwise loop is compiled once by the system C++ compiler (cached under /tmp/mlx per
-        machine, ~0.3 s each), and the check that packed passes fit the model runs; then a score.
-        Leaves no request, cached block or counter behind; returns the seconds it took."""
+        """Build what MLX builds on first use before the first real request (warmup.py); leaves no
+        request, cached block or counter behind. Returns the seconds it took."""
         if self.has_work():
             raise RuntimeError("warm_up() must run before any request")
-        t0 = time.perf_counter()
-        vocab = max(2, self.vocab_size)
-        short = max(1, min(self.config.block_size - 4, self.max_model_len - 4))  # no full block to cache
-        waves = [[short], [short, max(1, short // 2), max(1, short // 3)]]
-        for w, lengths in enumerate(waves):
-            for i, n in enumerate(lengths):
-                ids = [(7 * (i + j) + 1) % vocab for j in range(n)]
-                params = SamplingParams(max_tokens=max(1, min(3, self.max_model_len - n)), temperature=0.0,
-                                        ignore_eos=True)
-                try:
-                    self.add_request(Request(f"__warm_up_{w}_{i}", ids, RequestSpec(params=params)))
-                except RequestRejected:  # a context or KV budget too small for it: warm up less
-                    continue
-                if w == 1 and i == 0:
-                    self.step()  # it decodes while the others are prefilled
-            while self.has_work():
-                self.step()
-        try:  # a score's pass keeps every position's logprobs and top-k
-            self.score([(7 * j + 3) % vocab for j in range(short + 1)], start=1, top_logprobs=1)
-        except RequestRejected:
-            pass
+        seconds = warm_up(self)
         self._reset_counters()
-        return time.perf_counter() - t0
+        return seconds
 
     def _reset_counters(self) -> None:
         self._steps = self._last_batch = self._mixed_passes = 0
@@ -425,10 +366,12 @@ class Engine:
             kv_blocks_free=b.num_free if b else 0, kv_blocks_cached=b.num_cached if b else 0,
             kv_budget_bytes=self.kv_budget_bytes, live_token_slots=self.budget.budget_tokens,
             prefix_queried_tokens=s.prefix_queried_tokens, prefix_hit_tokens=s.prefix_hit_tokens,
-            prefix_evictions=b.evictions if b else 0, preemptions=s.preemptions, steps=self._steps,
+            prefix_evictions=b.evictions if b else 0, preemptions=s.preemptions,
+            priority_preemptions=s.priority_preemptions, steps=self._steps,
             mixed_passes=self._mixed_passes, decode_batch_hist=dict(sorted(self._hist.items())),
             max_decode_batch=max(self._hist, default=0), prompt_tokens_computed=self.output.prompt_computed,
-            generated_tokens=self.output.generated, scored_tokens=self.output.scored, step_ms_mean={k[:-2]: 1000 * v / n for k, v in t.items()},
+            generated_tokens=self.output.generated, scored_tokens=self.output.scored,
+            step_ms_mean={k[:-2]: 1000 * v / n for k, v in t.items()},
             live_rows=r.live.rows, live_capacity=r.live.capacity, live_bytes=r.live.nbytes, pool_bytes=r.pool.nbytes,
             bytes_per_token=r.live.bytes_per_token, penalty_state=r.penalties.active, adapters=adapters,
             settings=self.config, adapter_settings=self.adapter_settings)

@@ -15,10 +15,11 @@ from typing import Callable, Iterable
 
 from parallm.protocol import Usage
 
+from .plan import PrefillWork, RowOp
 from .request import ScoreResult, SeqOutput
 from .runner import FirstTokens, Launch
 from .sampling import SampledLists
-from .scheduler import PrefillWork, RowOp, Scheduler
+from .scheduler import Scheduler
 from .sequence import Sequence
 
 

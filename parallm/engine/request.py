@@ -134,6 +134,10 @@ def validate(request: Request, *, vocab_size: int, max_model_len: int, max_num_s
         raise RequestRejected("prompt_logprobs must be in [0, 20]", "prompt_logprobs")
     if p.seed is not None and not -(2**63) <= p.seed < 2**64:
         raise RequestRejected("seed must fit in 64 bits", "seed")
+    priority = request.spec.priority
+    if not isinstance(priority, int) or isinstance(priority, bool) or not -(2**31) <= priority < 2**31:
+        raise RequestRejected("priority must be an integer in [-2147483648, 2147483647] (lower is served first)",
+                              "priority")
 
 
 def validate_score(ids: Sequence[int], start: int, top_logprobs: int, *, vocab_size: int,

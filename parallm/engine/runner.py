@@ -11,12 +11,11 @@ import mlx.nn as nn
 from parallm.adapters.lora import LoRARouter
 
 from .cache import KVPool, LiveKV, PackedContext, PassContext
-from .fastmath import FastMath
 from .compat import ModelInfo
+from .fastmath import FastMath
 from .head import OutputHead
-from .sampling import (BatchParams, PenaltyState, SampledLists, Sampler, SampleOut, log_softmax, penalty_rows,
-                       top_of)
-from .scheduler import CopyRow, InitRow, LoadPrefix, PrefillWork, Resize, RowOp, SwapRows, WriteBack
+from .plan import CopyRow, InitRow, LoadPrefix, PrefillWork, Resize, RowOp, SwapRows, WriteBack
+from .sampling import BatchParams, PenaltyState, SampledLists, SampleOut, Sampler, log_softmax, penalty_rows, top_of
 from .sequence import Sequence
 
 
@@ -213,6 +212,18 @@ class ModelRunner:
             self._params = BatchParams(seqs, self.eos_ids, self.vocab_size)
             self._params_key = key
         return self._params
+
+    def decode_inputs(self, seqs: list[Sequence], prev: Launch | None) -> mx.array:
+        """Each running row's last token: read back, or still in `prev`, the pass launched before."""
+        if prev is not None and all(s.inflight for s in seqs) and \
+                all(prev.row_of.get(s.seq_id) == i for i, s in enumerate(seqs)) and len(prev.seqs) == len(seqs):
+            return prev.out.tokens
+        known = mx.array([0 if s.inflight else s.last_token for s in seqs], dtype=mx.int32)
+        if prev is None or not any(s.inflight for s in seqs):
+            return known
+        src = [prev.row_of[s.seq_id] if s.inflight else 0 for s in seqs]
+        from_prev = mx.array([bool(s.inflight) for s in seqs])
+        return mx.where(from_prev, prev.out.tokens[mx.array(src, dtype=mx.int32)], known)
 
     def decode(self, seqs: list[Sequence], inputs: mx.array, positions: list[int]) -> Launch:
         """Build and launch one decode pass over rows [0, len(seqs)); nothing is waited for."""

@@ -10,182 +10,72 @@ aborts).
 
 Per step (docs/scheduling.md has the reasoning and the measurements):
 1. rows released since the last step (finished, aborted) are compacted;
-2. if the live buffer cannot grow to what the next passes need, the newest admitted sequences
-   are preempted (row freed, full blocks written back to the prefix cache, requeued at the
-   front of the waiting queue to recompute prompt + generated tokens);
-3. waiting sequences are admitted in FCFS order while rows, memory and the prefill budget allow;
-   a prefix-cache hit copies the cached blocks into the new row;
-4. one prefill pass: every prefilling row gets the next chunk of its prompt, all padded to one
-   chunk length L with rows x L <= max_prefill_tokens;
+2. if the live buffer cannot grow to what the next passes need, the worst sequences by
+   (effective priority, arrival) are preempted (row freed, full blocks written back to the
+   prefix cache, requeued at their arrival's place to recompute prompt + generated tokens);
+3. waiting sequences are admitted by (effective priority, arrival) (priority.py) while rows,
+   memory and the prefill budget allow; a prefix-cache hit copies the cached blocks into the new
+   row; when the best one lacks rows or memory, a sequence of strictly worse effective priority
+   is preempted for it;
+4. one prefill pass over the leading rows of the prefill region (kept in priority order): the
+   best priority's rows get the next chunk of their prompts, padded to one chunk length L with
+   rows x L <= max_prefill_tokens, and worse rows ride along only where the budget has room;
 5. one decode pass over all running rows (every step, so inter-token latency never waits for
    more than one prefill chunk).
 """
 
 from __future__ import annotations
 
-from collections import deque
-from dataclasses import dataclass, field
-from typing import Iterable
+import time
+from typing import Callable, Iterable
 
+from .admission import AdmissionPolicy, PassShape
 from .blocks import BlockManager
+from .plan import (CopyRow, InitRow, KVBudget, LoadPrefix, Plan, PrefillWork, Resize, RowOp,  # noqa: F401 - re-exported
+                   SwapRows, WriteBack)
+from .priority import PriorityPolicy, WaitingQueue
+from .rows import RowLayout
 from .sequence import SeqGroup, Sequence, Status
 
 
-def round_up(x: int, q: int) -> int:
-    return -(-x // q) * q
-
-
-@dataclass(frozen=True, slots=True)
-class KVBudget:
-    """How large the dense live buffer (rows x capacity token slots) may be."""
-
-    budget_tokens: int
-    max_rows: int
-    max_len: int
-    row_quantum: int = 4
-    cap_quantum: int = 128
-
-    def fits(self, rows: int, cap: int) -> bool:
-        return rows * cap <= self.budget_tokens and rows <= self.max_rows and cap <= self.max_len
-
-    def shape_for(self, rows: int, cap: int, current: tuple[int, int]) -> tuple[int, int] | None:
-        """The allocation to use for `rows` x `cap`: the current one when it is enough,
-        else grown in quanta (capacity by at least a quarter, so copies stay rare), else the
-        tightest that fits the budget; None if even the exact need does not fit."""
-        r0, c0 = current
-        if rows > self.max_rows or cap > self.max_len:
-            return None
-        if rows <= r0 and cap <= c0:
-            return current
-        grown_r = r0 if rows <= r0 else min(self.max_rows, round_up(rows, self.row_quantum))
-        grown_c = c0 if cap <= c0 else min(self.max_len, round_up(max(cap, c0 + c0 // 4), self.cap_quantum))
-        tight_r = min(self.max_rows, round_up(rows, self.row_quantum))
-        for r in dict.fromkeys((grown_r, tight_r, rows)):
-            if r < rows:
-                continue
-            # the grown capacity, or as much of it as the budget allows with r rows
-            c = min(grown_c, self.budget_tokens // r)
-            if c >= cap:
-                return (r, c)
-        return None
-
-
-# ------------------------------------------------------------------ what the runner executes
-
-@dataclass(slots=True)
-class Resize:
-    rows: int
-    capacity: int
-
-
-@dataclass(slots=True)
-class CopyRow:
-    """Copy positions [0, ntokens) of row src into row dst (src keeps its content)."""
-
-    src: int
-    dst: int
-    ntokens: int
-
-
-@dataclass(slots=True)
-class SwapRows:
-    a: int
-    b: int
-    ntokens: int
-
-
-@dataclass(slots=True)
-class LoadPrefix:
-    """Copy cached blocks into positions [0, len(block_ids) * block_size) of a row."""
-
-    row: int
-    block_ids: list[int]
-
-
-@dataclass(slots=True)
-class WriteBack:
-    """Copy full blocks of a row into the prefix pool: (block index in the row, pool block id)."""
-
-    row: int
-    blocks: list[tuple[int, int]]
-
-
-@dataclass(slots=True)
-class InitRow:
-    """A sequence joined the running rows: per-row sampling state (penalties) starts from its tokens."""
-
-    row: int
-    seq: Sequence
-
-
-RowOp = Resize | CopyRow | SwapRows | LoadPrefix | WriteBack | InitRow
-
-
-@dataclass(slots=True)
-class PrefillWork:
-    """One prefill pass: rows [row0, row0 + len(seqs)), chunk i = positions starts[i] .. + lengths[i]."""
-
-    row0: int
-    seqs: list[Sequence]
-    starts: list[int]
-    lengths: list[int]
-    length: int  # L: every row is padded to it
-
-
-@dataclass(slots=True)
-class Plan:
-    ops: list[RowOp] = field(default_factory=list)
-    prefill: PrefillWork | None = None
-    preempted: list[Sequence] = field(default_factory=list)
-    admitted: list[Sequence] = field(default_factory=list)
-
-
-class Scheduler:
+class Scheduler(RowLayout):
     def __init__(self, *, budget: KVBudget, max_prefill_tokens: int, blocks: BlockManager | None,
                  block_size: int, max_prefill_rows: int = 16, writeback_interval: int = 16,
-                 headroom: int = 16) -> None:
+                 headroom: int = 16, priority_aging_s: float = 0.0,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        super().__init__(blocks, block_size)
         self.budget = budget
         self.max_prefill_tokens = max_prefill_tokens
-        self.blocks = blocks
-        self.block_size = block_size
         self.max_prefill_rows = max_prefill_rows
         self.writeback_interval = writeback_interval  # blocks between write-backs of a long sequence
         self.headroom = headroom  # decode steps a new admission must be able to take without a grow
-        self.waiting: deque[Sequence] = deque()
-        self.prefilling: list[Sequence] = []
-        self.running: list[Sequence] = []
-        self.reserved = 0  # rows held for n > 1 followers until their leader's prefill is done
-        self.shape = (0, 0)  # live buffer allocation (rows, capacity) as last emitted
-        self._pending: list[RowOp] = []
+        self.policy = PriorityPolicy(priority_aging_s, clock)
+        self.admission = AdmissionPolicy(budget=budget, max_prefill_tokens=max_prefill_tokens, headroom=headroom,
+                                         priority=self.policy)
+        self.waiting = WaitingQueue(self.policy)
         self._admissions = 0
+        self._arrivals = 0
         self.preemptions = 0
+        self.priority_preemptions = 0
         self.prefix_queried_tokens = 0
         self.prefix_hit_tokens = 0
 
     # ------------------------------------------------------------------ queues
-    @property
-    def nrun(self) -> int:
-        return len(self.running)
-
-    @property
-    def rows_in_use(self) -> int:
-        return len(self.running) + len(self.prefilling) + self.reserved
-
     def add(self, seqs: list[Sequence]) -> None:
         """Queue a request's sequences; n > 1 siblings wait on the leader's prefill."""
         leader = seqs[0]
+        self._arrivals += 1
+        now = self.policy.clock()
+        for s in seqs:
+            s.arrival, s.arrived_at = self._arrivals, now
         if len(seqs) > 1:
             group = SeqGroup(leader, list(seqs[1:]))
             for s in seqs:
                 s.group = group
-        self.waiting.append(leader)
+        self.waiting.push(leader)
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.prefilling or self.running)
-
-    def take_ops(self) -> list[RowOp]:
-        ops, self._pending = self._pending, []
-        return ops
 
     # ------------------------------------------------------------------ releasing rows
     def finish(self, seq: Sequence, reason: str) -> None:
@@ -207,116 +97,45 @@ class Scheduler:
             seq.status = Status.FINISHED
             seq.epoch += 1
 
-    def _release(self, seq: Sequence, *, writeback: bool) -> None:
-        group = seq.group
-        if group is not None and group.leader is seq and seq.status is not Status.WAITING:
-            self.reserved -= len(group.followers)  # the followers never got their rows
-        if writeback and seq.row >= 0:
-            self._write_back(seq)
-        if seq.status is Status.RUNNING:
-            self._remove_running(seq)
-        elif seq.status is Status.PREFILLING:
-            self._remove_prefilling(seq)
-        if self.blocks is not None and seq.block_ids:
-            self.blocks.release(seq.block_ids)
-        seq.block_ids = []
-        seq.row = -1
-        seq.inflight = 0
-
-    def _write_back(self, seq: Sequence) -> None:
-        if self.blocks is None:
-            return
-        valid = min(seq.num_computed, seq.num_tokens)
-        nfull = valid // self.block_size
-        if nfull <= len(seq.block_ids):
-            return
-        got = self.blocks.store(seq.block_ids, seq.token_ids, seq.adapter, nfull)
-        first = len(seq.block_ids)
-        seq.block_ids.extend(bid for bid, _ in got)
-        # blocks already cached under the same key are shared, not copied
-        new = [(first + i, bid) for i, (bid, write) in enumerate(got) if write]
-        if new:
-            self._pending.append(WriteBack(seq.row, new))
-
-    def _remove_running(self, seq: Sequence) -> None:
-        r, last = seq.row, self.nrun - 1
-        assert self.running[r] is seq
-        if r != last:
-            moved = self.running[last]
-            self._pending.append(CopyRow(last, r, moved.num_computed))
-            self.running[r] = moved
-            moved.row = r
-        self.running.pop()
-        if self.prefilling:  # keep the prefill region right after the running rows
-            tail = self.prefilling.pop()
-            self._pending.append(CopyRow(tail.row, self.nrun, tail.num_computed))
-            self.prefilling.insert(0, tail)
-            self._renumber_prefilling()
-
-    def _remove_prefilling(self, seq: Sequence) -> None:
-        j = self.prefilling.index(seq)
-        last = len(self.prefilling) - 1
-        if j != last:
-            moved = self.prefilling[last]
-            self._pending.append(CopyRow(moved.row, seq.row, moved.num_computed))
-            self.prefilling[j] = moved
-        self.prefilling.pop()
-        self._renumber_prefilling()
-
-    def _renumber_prefilling(self) -> None:
-        for j, s in enumerate(self.prefilling):
-            s.row = self.nrun + j
-
-    def _insert_running(self, seq: Sequence, *, copy_from: Sequence) -> None:
-        """Give `seq` the row right after the running ones (moving a prefilling row out of the
-        way), fill it from another row, then start its sampling state."""
-        if self.prefilling:
-            first = self.prefilling.pop(0)
-            self._pending.append(CopyRow(first.row, self.nrun + len(self.prefilling) + 1, first.num_computed))
-            self.prefilling.append(first)
-        seq.row = self.nrun
-        seq.status = Status.RUNNING
-        self.running.append(seq)
-        self._renumber_prefilling()
-        self._pending.append(CopyRow(copy_from.row, seq.row, copy_from.num_computed))
-        self._pending.append(InitRow(seq.row, seq))
-
     # ------------------------------------------------------------------ the step plan
     def chunk_len(self, remaining: list[int]) -> int:
-        """The padded chunk length L of a prefill pass over rows with these remaining tokens."""
-        if not remaining:
-            return 0
-        return min(max(remaining), max(1, self.max_prefill_tokens // len(remaining)))
+        return self.admission.chunk_len(remaining)
 
-    def _capacity(self, prefill_starts: list[int], length: int) -> int:
-        """Token slots per row the next passes write: decode at num_computed; a prefill row
-        writes its whole padded chunk (pad positions are overwritten later, never attended)."""
-        need = max((s.num_computed + 1 for s in self.running), default=0)
-        if prefill_starts:
-            need = max(need, max(prefill_starts) + length + 1)
-        return need
+    def _pass(self, now: float) -> PassShape:
+        return self.admission.pass_shape(self.prefilling, [s.prefill_remaining for s in self.prefilling], now)
 
-    def capacity_needed(self) -> int:
-        length = self.chunk_len([s.prefill_remaining for s in self.prefilling])
-        return self._capacity([s.num_computed for s in self.prefilling], length)
+    def capacity_needed(self, now: float | None = None) -> int:
+        shape = self._pass(self.policy.clock() if now is None else now)
+        return self.admission.capacity(self.running, [s.num_computed for s in self.prefilling], shape)
 
     def schedule(self) -> Plan:
         plan = Plan()
+        now = self.policy.clock()
         self._periodic_write_back()
-        self._preempt_until_fits(plan)
-        admitted_ops_start = len(self._pending)
-        self._admit(plan)
-        rows = self.rows_in_use
-        shape = self.budget.shape_for(rows, self.capacity_needed(), self.shape)
+        self._order_prefilling(now)
+        self._preempt_until_fits(plan, now)
+        self._resize_at = len(self._pending)  # a grow goes before the admissions that write into new rows
+        self._admit(plan, now)
+        self._order_prefilling(now)
+        shape = self.budget.shape_for(self.rows_in_use, self.capacity_needed(now), self.shape)
         assert shape is not None, "admission/preemption left a plan that does not fit"
-        ops = self._pending
-        if shape != self.shape:
-            # grow before the admissions write into rows that do not exist yet
-            ops.insert(admitted_ops_start, Resize(*shape))
-            self.shape = shape
+        self._grow(shape)
         plan.ops = self.take_ops()
-        plan.prefill = self._prefill_work()
+        plan.prefill = self._prefill_work(now)
         return plan
+
+    def _grow(self, shape: tuple[int, int]) -> None:
+        if shape != self.shape:
+            self._pending.insert(self._resize_at, Resize(*shape))
+            self.shape = shape
+
+    def _grow_to_rows_in_use(self) -> None:
+        """Before a preemption moves rows admitted in this step: make the rows they sit in exist."""
+        cap = max(s.num_computed + 1 for s in self.running + self.prefilling)
+        if self.nrun + len(self.prefilling) > self.shape[0] or cap > self.shape[1]:
+            shape = self.budget.shape_for(self.rows_in_use, cap, self.shape)
+            assert shape is not None, "admissions left rows that do not fit"
+            self._grow(shape)
 
     def _periodic_write_back(self) -> None:
         if self.blocks is None or self.writeback_interval <= 0:
@@ -326,85 +145,129 @@ class Scheduler:
             if valid_blocks - len(s.block_ids) >= self.writeback_interval:
                 self._write_back(s)
 
-    def _preempt_until_fits(self, plan: Plan) -> None:
+    def _order_prefilling(self, now: float) -> None:
+        """Put the prefill region in priority order (stable), so that a pass's rows are its first ones."""
+        if not self.policy.mixed(self.prefilling):
+            return
+        want = self.policy.ordered(self.prefilling, now)
+        for i, seq in enumerate(want):
+            j = self.prefilling.index(seq)
+            if j != i:
+                other = self.prefilling[i]
+                self._pending.append(SwapRows(other.row, seq.row, max(other.num_computed, seq.num_computed)))
+                self.prefilling[i], self.prefilling[j] = seq, other
+                self._renumber_prefilling()
+
+    def _preempt_until_fits(self, plan: Plan, now: float) -> None:
         while self.running or self.prefilling:
-            if self.budget.fits(self.rows_in_use, self.capacity_needed()):
+            if self.budget.fits(self.rows_in_use, self.capacity_needed(now)):
                 return
             victims = self.running + self.prefilling
             if len(victims) == 1 and not self.reserved:
                 raise AssertionError("a single sequence does not fit the KV budget (admission should have refused it)")
-            victim = max(victims, key=lambda s: s.admitted_at)
+            victim = max(victims, key=lambda s: self.policy.key(s, now))
             self.preempt(victim)
             plan.preempted.append(victim)
 
     def preempt(self, seq: Sequence) -> None:
-        """Free the row, keep its computed full blocks in the prefix cache, requeue at the front."""
+        """Free the row, keep its computed full blocks in the prefix cache, requeue it at its arrival's place."""
         self._release(seq, writeback=True)
         seq.status = Status.WAITING
         seq.num_computed = 0
         seq.epoch += 1
         self.preemptions += 1
-        self.waiting.appendleft(seq)
+        self.waiting.push(seq)
 
-    def _admit(self, plan: Plan) -> None:
-        while self.waiting:
-            seq = self.waiting[0]
-            group = seq.group if (seq.group is not None and seq.group.leader is seq) else None
-            nrows = 1 + (len(group.followers) if group else 0)
-            if self.rows_in_use + nrows > self.budget.max_rows:
+    def _admit(self, plan: Plan, now: float) -> None:
+        """Admit by (effective priority, arrival) until the best waiting sequence cannot be; if it
+        lacks rows or memory, preempt worse ones for it first (`_preempt_for`)."""
+        order = self.waiting.ordered(now)
+        made_room: list[Sequence] = []  # preempted for a better one: not readmitted in the same step
+        i = 0
+        while i < len(order):
+            seq = order[i]
+            if seq in made_room:
                 return
-            hit = self._match(seq)
-            cached = len(hit) * self.block_size
-            remaining = seq.prefill_target - cached
-            starts = [s.num_computed for s in self.prefilling]
-            rems = [s.prefill_remaining for s in self.prefilling]
-            if len(rems) + 1 > self.max_prefill_rows:
+            blocked = self._try_admit(seq, plan, now)
+            if blocked is None:
+                i += 1
+            elif self._preempt_for(seq, blocked, plan, now):
+                made_room.append(plan.preempted[-1])
+                order, i = self.waiting.ordered(now), 0
+            else:
                 return
-            length = self.chunk_len(rems + [remaining])
-            # join a pass only if this row's chunk fills at least half the padded length, and
-            # only if the pass's chunk stays long enough to take this prompt (or what the
-            # others would get without it): more rows with shorter chunks only delay everyone
-            if rems and (2 * min(remaining, length) < length
-                         or length < min(remaining, self.chunk_len(rems))):
-                return
-            need = self._capacity(starts + [cached], length)
-            need = max(need, seq.num_tokens + self.headroom)
-            if not self.budget.fits(self.rows_in_use + nrows, min(need, self.budget.max_len)):
-                return
-            self.waiting.popleft()
-            self._admissions += 1
-            seq.admitted_at = self._admissions
-            if seq.wants_prompt_logprobs and seq.prompt_logprobs is None:
-                seq.prompt_logprobs = []
-            if self.blocks is not None and seq.uses_prefix_cache:
-                self.prefix_queried_tokens += seq.prefill_target
-                self.prefix_hit_tokens += cached
-                self.blocks.acquire(hit)
-            seq.block_ids = list(hit)
-            seq.num_computed = cached
-            if seq.num_cached_first < 0:
-                seq.num_cached_first = cached
-            if group is not None:
-                self.reserved += len(group.followers)
-            seq.status = Status.PREFILLING
-            seq.row = self.nrun + len(self.prefilling)
-            self.prefilling.append(seq)
-            if hit:
-                self._pending.append(LoadPrefix(seq.row, list(hit)))
-            plan.admitted.append(seq)
+
+    def _try_admit(self, seq: Sequence, plan: Plan, now: float) -> str | None:
+        """Admit `seq`, or say what it lacks: "rows", "prefill_rows", "prefill" (a better prompt is
+        prefilled, or it would not get a fair share of the pass) or "memory"."""
+        group = seq.group if (seq.group is not None and seq.group.leader is seq) else None
+        nrows = 1 + (len(group.followers) if group else 0)
+        if self.rows_in_use + nrows > self.budget.max_rows:
+            return "rows"
+        if len(self.prefilling) + 1 > self.max_prefill_rows:
+            return "prefill_rows"
+        hit = self._match(seq)
+        cached = len(hit) * self.block_size
+        region, rems, starts = self.admission.with_candidate(self.prefilling, seq, seq.prefill_target - cached,
+                                                             cached, now)
+        shape = self.admission.pass_shape(region, rems, now)
+        if self.admission.refuses_pass(region.index(seq), rems, shape):
+            return "prefill"
+        need = max(self.admission.capacity(self.running, starts, shape), seq.num_tokens + self.headroom)
+        if not self.budget.fits(self.rows_in_use + nrows, min(need, self.budget.max_len)):
+            return "memory"
+        self.waiting.remove(seq)
+        self._admissions += 1
+        seq.admitted_at = self._admissions
+        if seq.wants_prompt_logprobs and seq.prompt_logprobs is None:
+            seq.prompt_logprobs = []
+        if self.blocks is not None and seq.uses_prefix_cache:
+            self.prefix_queried_tokens += seq.prefill_target
+            self.prefix_hit_tokens += cached
+            self.blocks.acquire(hit)
+        seq.block_ids = list(hit)
+        seq.num_computed = cached
+        if seq.num_cached_first < 0:
+            seq.num_cached_first = cached
+        if group is not None:
+            self.reserved += len(group.followers)
+        seq.status = Status.PREFILLING
+        seq.row = self.nrun + len(self.prefilling)
+        self.prefilling.append(seq)
+        if hit:
+            self._pending.append(LoadPrefix(seq.row, list(hit)))
+        plan.admitted.append(seq)
+        return None
+
+    def _preempt_for(self, seq: Sequence, lack: str, plan: Plan, now: float) -> bool:
+        """Preempt a sequence of strictly worse effective priority for `seq`, which lacks rows
+        (of the live buffer, or prefilling ones) or memory (AdmissionPolicy.victim)."""
+        if lack == "prefill":
+            return False
+        pool = self.prefilling if lack == "prefill_rows" else self.running + self.prefilling
+        victim = self.admission.victim(seq, pool, self.rows_in_use, self.running + self.prefilling, now,
+                                       check_memory=lack != "prefill_rows")
+        if victim is None:
+            return False
+        self._grow_to_rows_in_use()
+        self.preempt(victim)
+        self._resize_at = len(self._pending)  # a later grow (or shrink) comes after the victim's write-back
+        self.priority_preemptions += 1
+        plan.preempted.append(victim)
+        return True
 
     def _match(self, seq: Sequence) -> list[int]:
         if self.blocks is None or not seq.uses_prefix_cache:
             return []
         return self.blocks.match(seq.token_ids, seq.adapter, seq.cacheable_tokens // self.block_size)
 
-    def _prefill_work(self) -> PrefillWork | None:
+    def _prefill_work(self, now: float) -> PrefillWork | None:
         if not self.prefilling:
             return None
-        length = self.chunk_len([s.prefill_remaining for s in self.prefilling])
-        seqs = list(self.prefilling)
+        shape = self._pass(now)
+        seqs = self.prefilling[:shape.k]
         return PrefillWork(row0=self.nrun, seqs=seqs, starts=[s.num_computed for s in seqs],
-                           lengths=[min(s.prefill_remaining, length) for s in seqs], length=length)
+                           lengths=[min(s.prefill_remaining, shape.length) for s in seqs], length=shape.length)
 
     def complete_prefill(self, work: PrefillWork) -> list[RowOp]:
         """Account the chunks just computed; finished prompts join the running rows (and fork),

@@ -43,6 +43,7 @@ class Sequence:
     adapter_version: int = 0
     lora: object | None = None  # the parallm.adapters.LoadedAdapter this sequence runs under
     pinned: bool = False  # the request pinned its version: it never follows a newer one
+    priority: int = 0  # lower is served first (see priority.py)
     group: "SeqGroup | None" = None  # set while n > 1 siblings still wait for the shared prefill
 
     output_ids: list[int] = field(default_factory=list)
@@ -51,7 +52,9 @@ class Sequence:
     num_computed: int = 0
     inflight: int = 0
     epoch: int = 0  # bumped when the row is lost (preemption/abort): in-flight tokens are dropped
-    admitted_at: int = -1  # admission counter: preemption takes the newest first
+    admitted_at: int = -1  # admission counter
+    arrival: int = -1  # arrival counter (set when queued; n > 1 siblings share it)
+    arrived_at: float = 0.0  # clock time it was queued, for the priority's aging
     block_ids: list[int] = field(default_factory=list)  # prefix-cache blocks held (refs), in order
     num_cached_first: int = -1  # prefix-cache hit of the first admission (usage.cached_tokens)
     finish_reason: str | None = None

@@ -1,0 +1,117 @@
+"""What the scheduler hands the runner: the KV budget it plans within, the row operations the
+runner executes in order, and one step's plan (its prefill pass). Pure data, no policy."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from .sequence import Sequence
+
+
+def round_up(x: int, q: int) -> int:
+    return -(-x // q) * q
+
+
+@dataclass(frozen=True, slots=True)
+class KVBudget:
+    """How large the dense live buffer (rows x capacity token slots) may be."""
+
+    budget_tokens: int
+    max_rows: int
+    max_len: int
+    row_quantum: int = 4
+    cap_quantum: int = 128
+
+    def fits(self, rows: int, cap: int) -> bool:
+        return rows * cap <= self.budget_tokens and rows <= self.max_rows and cap <= self.max_len
+
+    def shape_for(self, rows: int, cap: int, current: tuple[int, int]) -> tuple[int, int] | None:
+        """The allocation to use for `rows` x `cap`: the current one when it is enough,
+        else grown in quanta (capacity by at least a quarter, so copies stay rare), else the
+        tightest that fits the budget; None if even the exact need does not fit."""
+        r0, c0 = current
+        if rows > self.max_rows or cap > self.max_len:
+            return None
+        if rows <= r0 and cap <= c0:
+            return current
+        grown_r = r0 if rows <= r0 else min(self.max_rows, round_up(rows, self.row_quantum))
+        grown_c = c0 if cap <= c0 else min(self.max_len, round_up(max(cap, c0 + c0 // 4), self.cap_quantum))
+        tight_r = min(self.max_rows, round_up(rows, self.row_quantum))
+        for r in dict.fromkeys((grown_r, tight_r, rows)):
+            if r < rows:
+                continue
+            # the grown capacity, or as much of it as the budget allows with r rows
+            c = min(grown_c, self.budget_tokens // r)
+            if c >= cap:
+                return (r, c)
+        return None
+
+
+# ------------------------------------------------------------------ what the runner executes
+
+@dataclass(slots=True)
+class Resize:
+    rows: int
+    capacity: int
+
+
+@dataclass(slots=True)
+class CopyRow:
+    """Copy positions [0, ntokens) of row src into row dst (src keeps its content)."""
+
+    src: int
+    dst: int
+    ntokens: int
+
+
+@dataclass(slots=True)
+class SwapRows:
+    a: int
+    b: int
+    ntokens: int
+
+
+@dataclass(slots=True)
+class LoadPrefix:
+    """Copy cached blocks into positions [0, len(block_ids) * block_size) of a row."""
+
+    row: int
+    block_ids: list[int]
+
+
+@dataclass(slots=True)
+class WriteBack:
+    """Copy full blocks of a row into the prefix pool: (block index in the row, pool block id)."""
+
+    row: int
+    blocks: list[tuple[int, int]]
+
+
+@dataclass(slots=True)
+class InitRow:
+    """A sequence joined the running rows: per-row sampling state (penalties) starts from its tokens."""
+
+    row: int
+    seq: Sequence
+
+
+RowOp = Resize | CopyRow | SwapRows | LoadPrefix | WriteBack | InitRow
+
+
+@dataclass(slots=True)
+class PrefillWork:
+    """One prefill pass: rows [row0, row0 + len(seqs)), chunk i = positions starts[i] .. + lengths[i]."""
+
+    row0: int
+    seqs: list[Sequence]
+    starts: list[int]
+    lengths: list[int]
+    length: int  # L: every row is padded to it
+
+
+@dataclass(slots=True)
+class Plan:
+    ops: list[RowOp] = field(default_factory=list)
+    prefill: PrefillWork | None = None
+    preempted: list[Sequence] = field(default_factory=list)
+    admitted: list[Sequence] = field(default_factory=list)

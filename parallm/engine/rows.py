@@ -1,0 +1,107 @@
+"""The live buffer's row bookkeeping: which sequence holds which row, kept as running rows
+[0, nrun) then prefilling rows [nrun, nrun + npre), and the row ops (plan.py) that keep them so
+when a sequence leaves, joins the running rows or moves; write-backs of full blocks to the prefix
+cache. The Scheduler (the policy) is built on it."""
+
+from __future__ import annotations
+
+from .blocks import BlockManager
+from .plan import CopyRow, InitRow, RowOp, WriteBack
+from .sequence import Sequence, Status
+
+
+class RowLayout:
+    def __init__(self, blocks: BlockManager | None, block_size: int) -> None:
+        self.blocks = blocks
+        self.block_size = block_size
+        self.prefilling: list[Sequence] = []
+        self.running: list[Sequence] = []
+        self.reserved = 0  # rows held for n > 1 followers until their leader's prefill is done
+        self.shape = (0, 0)  # live buffer allocation (rows, capacity) as last emitted
+        self._pending: list[RowOp] = []
+
+    @property
+    def nrun(self) -> int:
+        return len(self.running)
+
+    @property
+    def rows_in_use(self) -> int:
+        return len(self.running) + len(self.prefilling) + self.reserved
+
+    def take_ops(self) -> list[RowOp]:
+        ops, self._pending = self._pending, []
+        return ops
+
+    def _release(self, seq: Sequence, *, writeback: bool) -> None:
+        group = seq.group
+        if group is not None and group.leader is seq and seq.status is not Status.WAITING:
+            self.reserved -= len(group.followers)  # the followers never got their rows
+        if writeback and seq.row >= 0:
+            self._write_back(seq)
+        if seq.status is Status.RUNNING:
+            self._remove_running(seq)
+        elif seq.status is Status.PREFILLING:
+            self._remove_prefilling(seq)
+        if self.blocks is not None and seq.block_ids:
+            self.blocks.release(seq.block_ids)
+        seq.block_ids = []
+        seq.row = -1
+        seq.inflight = 0
+
+    def _write_back(self, seq: Sequence) -> None:
+        if self.blocks is None:
+            return
+        valid = min(seq.num_computed, seq.num_tokens)
+        nfull = valid // self.block_size
+        if nfull <= len(seq.block_ids):
+            return
+        got = self.blocks.store(seq.block_ids, seq.token_ids, seq.adapter, nfull)
+        first = len(seq.block_ids)
+        seq.block_ids.extend(bid for bid, _ in got)
+        # blocks already cached under the same key are shared, not copied
+        new = [(first + i, bid) for i, (bid, write) in enumerate(got) if write]
+        if new:
+            self._pending.append(WriteBack(seq.row, new))
+
+    def _remove_running(self, seq: Sequence) -> None:
+        r, last = seq.row, self.nrun - 1
+        assert self.running[r] is seq
+        if r != last:
+            moved = self.running[last]
+            self._pending.append(CopyRow(last, r, moved.num_computed))
+            self.running[r] = moved
+            moved.row = r
+        self.running.pop()
+        if self.prefilling:  # keep the prefill region right after the running rows
+            tail = self.prefilling.pop()
+            self._pending.append(CopyRow(tail.row, self.nrun, tail.num_computed))
+            self.prefilling.insert(0, tail)
+            self._renumber_prefilling()
+
+    def _remove_prefilling(self, seq: Sequence) -> None:
+        j = self.prefilling.index(seq)
+        last = len(self.prefilling) - 1
+        if j != last:
+            moved = self.prefilling[last]
+            self._pending.append(CopyRow(moved.row, seq.row, moved.num_computed))
+            self.prefilling[j] = moved
+        self.prefilling.pop()
+        self._renumber_prefilling()
+
+    def _renumber_prefilling(self) -> None:
+        for j, s in enumerate(self.prefilling):
+            s.row = self.nrun + j
+
+    def _insert_running(self, seq: Sequence, *, copy_from: Sequence) -> None:
+        """Give `seq` the row right after the running ones (moving a prefilling row out of the
+        way), fill it from another row, then start its sampling state."""
+        if self.prefilling:
+            first = self.prefilling.pop(0)
+            self._pending.append(CopyRow(first.row, self.nrun + len(self.prefilling) + 1, first.num_computed))
+            self.prefilling.append(first)
+        seq.row = self.nrun
+        seq.status = Status.RUNNING
+        self.running.append(seq)
+        self._renumber_prefilling()
+        self._pending.append(CopyRow(copy_from.row, seq.row, copy_from.num_computed))
+        self._pending.append(InitRow(seq.row, seq))
