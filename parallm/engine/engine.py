@@ -23,7 +23,7 @@ from .compat import check_model
 from .memory import auto_kv_budget_bytes
 from .model import EngineModel
 from .output import OutputProcessor, StepOutputs, unseen_versions
-from .plan import KVBudget, PrefillWork
+from .plan import KVBudget, Plan, PrefillWork
 from .request import Request, RequestRejected, ScoreResult, SeqOutput, validate, validate_score
 from .runner import Launch, ModelRunner
 from .sampling import splitmix64
@@ -182,12 +182,16 @@ class Engine:
         self.output.report_aborts(out)
         plan = self.scheduler.schedule()
         self.runner.execute(plan.ops)
+        self._timing["schedule_s"] += time.perf_counter() - t0
+        self._run(plan, out, emit)  # each pass's tokens go through self.output as it is read
+        return self._with_owed(out)
+
+    def _run(self, plan: Plan, out: StepOutputs, emit: Callable[[list[Output]], None] | None) -> None:
         t1 = time.perf_counter()
-        self._timing["schedule_s"] += t1 - t0
         if plan.prefill is not None and self._can_mix(plan.prefill):
             self._mixed(plan.prefill, out, emit)
             self._timing["mixed_s"] += time.perf_counter() - t1
-            return self._with_owed(out)
+            return
         if plan.prefill is not None:
             self._prefill(plan.prefill, out, emit)
         t2 = time.perf_counter()
@@ -203,7 +207,6 @@ class Engine:
         self._timing["prefill_s"] += t2 - t1
         self._timing["launch_s"] += t3 - t2
         self._timing["read_s"] += t4 - t3
-        return self._with_owed(out)
 
     def _wants_decode(self) -> bool:
         seqs = self.scheduler.running
