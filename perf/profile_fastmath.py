@@ -57,14 +57,17 @@ def kernels() -> list[dict[str, Any]]:
 def engine_steps(rounds: int = 20) -> dict[str, dict[str, float]]:
     """Median step times with `engine.fast_math` off and on, alternating step by step on one
     engine (this VM's speed drifts by 10 % over minutes, so sequential runs mislead): a prefill
-    pass of five 45-token prompts (max_tokens 1: the pass alone), then batch-16 decode steps."""
+    pass of five 45-token prompts (max_tokens 1: the pass alone), then batch-16 decode steps.
+    Mixed passes are off: they need fast math (their per-token positions go through its RoPE),
+    and a pass must be either kind to be timed as one."""
     from parallm.config import Config, EngineConfig, ModelConfig
     from parallm.engine import Engine, EngineModel, make_request
     from parallm.models import load_model
     from parallm.protocol import SamplingParams
 
     loaded = load_model(ModelConfig())
-    engine = Engine(EngineModel(loaded.model, (), loaded.max_model_len, loaded.vocab_size), Config(engine=EngineConfig(max_num_seqs=16, prefix_cache=False, fast_math=True, max_prefill_tokens=225)))
+    engine = Engine(EngineModel(loaded.model, (), loaded.max_model_len, loaded.vocab_size), Config(engine=EngineConfig(
+        max_num_seqs=16, prefix_cache=False, fast_math=True, mixed_passes=False, max_prefill_tokens=225)))
     engine.warm_up()
     fast = engine.runner.fast_math
     rng = random.Random(0)

@@ -91,7 +91,7 @@ def rope_steps(engine, rounds: int) -> dict[str, float]:
     fm = engine.runner.fast_math
     ropes = fm.ropes
     rng = random.Random(1)
-    params = SamplingParams(max_tokens=2 * rounds + 8, temperature=0.0, ignore_eos=True)
+    params = SamplingParams(max_tokens=2 * rounds + 40, temperature=0.0, ignore_eos=True)  # outlasts the prefills
     for i in range(16):
         engine.add_request(make_request(rid=f"d{i}", prompt_ids=[rng.randrange(100, 40000) for _ in range(100)],
                                    params=params))
