@@ -258,7 +258,7 @@ def main(argv: list[str] | None = None) -> int:
     build_s = time.perf_counter() - t0
     gc.collect()
     mx.clear_cache()
-    results = Results("gpu", args.experiment or args.shape, args.out_dir, argv)
+    results = Results.from_args("gpu", args, argv, experiment=args.shape)
     bandwidth = next((v for k, v in HBM_BYTES_PER_S.items() if k in results.machine["gpu"]), 0.0)
     result: dict[str, Any] = {
         "shape": args.shape, "spec": SHAPES[args.shape], "prompt_len": args.prompt_len,

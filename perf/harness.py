@@ -240,12 +240,14 @@ def command(argv: list[str] | None = None) -> str:
 # ---------------------------------------------------------------------------- results
 
 def add_results_options(parser: argparse.ArgumentParser, experiment: str = "", default_help: str = "") -> None:
-    """--experiment (the results file's middle name) and --out-dir."""
+    """--experiment (the results file's middle name), --out-dir, and --out for a run outside perf/results."""
     default = default_help or (repr(experiment) if experiment else "none")
     parser.add_argument("--experiment", default=experiment,
                         help="what this run tries when it is not the benchmark's plain run, in the results file's "
                              f"name: <benchmark>-<experiment>-<device>.json (default: {default})")
     parser.add_argument("--out-dir", type=Path, default=RESULTS, help="where the results files go (%(default)s)")
+    parser.add_argument("--out", type=Path, help="write the JSON exactly here instead (.md, .png beside it): for "
+                                                 "numbers that do not belong in perf/results, such as an A/B's runs")
 
 
 class Results:
@@ -253,17 +255,21 @@ class Results:
     (and .md, .png). The machine is described when this is made (MLX is imported)."""
 
     def __init__(self, benchmark: str, experiment: str = "", out_dir: Path | None = None,
-                 argv: list[str] | None = None) -> None:
+                 argv: list[str] | None = None, out: Path | None = None) -> None:
         self.machine = machine()
         self.command = command(argv)
         name = "-".join(part for part in (benchmark, experiment, device_slug(self.machine)) if part)
-        self.out_dir = Path(out_dir or RESULTS)
+        self.stem = Path(out_dir or RESULTS) / name
+        if out is not None:  # an explicit path: its name, less a .json suffix
+            self.stem = Path(out).with_name(Path(out).name.removesuffix(".json"))
+        self.out_dir = self.stem.parent
         self.out_dir.mkdir(parents=True, exist_ok=True)
-        self.stem = self.out_dir / name
 
     @classmethod
-    def from_args(cls, benchmark: str, args: argparse.Namespace, argv: list[str] | None = None) -> "Results":
-        return cls(benchmark, args.experiment, args.out_dir, argv)
+    def from_args(cls, benchmark: str, args: argparse.Namespace, argv: list[str] | None = None,
+                  experiment: str = "") -> "Results":
+        """From add_results_options' arguments; `experiment` names the run when --experiment does not."""
+        return cls(benchmark, args.experiment or experiment, args.out_dir, argv, args.out)
 
     def path(self, suffix: str) -> Path:
         return self.stem.with_name(self.stem.name + suffix)  # not with_suffix: names hold dots ("llama-3.2-3b")

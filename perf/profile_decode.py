@@ -61,7 +61,7 @@ def main(argv: list[str] | None = None) -> int:
     from mlx_lm.utils import load_model
 
     model, _ = load_model(build_model_dir(args.shape, args.work_dir / args.shape, args.tokenizer_dir))
-    results = Results("decode-profile", args.experiment or f"{args.shape}-b{args.batch}", args.out_dir, argv)
+    results = Results.from_args("decode-profile", args, argv, experiment=f"{args.shape}-b{args.batch}")
     report = {"shape": args.shape, "batch": args.batch}
     for name, opts in (("default", {}), ("no_overlap", {"overlap": False}), ("no_compile", {"compile": False})):
         engine, per_step = decode_steps(model, args.batch, args.steps, args.prompt_len, **opts)

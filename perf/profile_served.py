@@ -112,7 +112,7 @@ def main(argv: list[str] | None = None) -> int:
     add_results_options(parser, default_help="the shape")
     args = parser.parse_args(argv)
     model_dir = build_model_dir(args.shape, args.work_dir / args.shape, args.tokenizer_dir)
-    results = Results("served-profile", args.experiment or args.shape, args.out_dir, argv)
+    results = Results.from_args("served-profile", args, argv, experiment=args.shape)
     report: dict[str, Any] = {"shape": args.shape, "topology": topology(), "max_tokens": args.max_tokens,
                               "served": {}, "engine": {}}
 

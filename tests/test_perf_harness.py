@@ -87,6 +87,8 @@ def test_results_path_and_record(tmp_path, monkeypatch):
     assert record["command"].endswith("--shape llama-3.2-3b") and record["machine"]["cpus"] == 16
     assert results.md.read_text() == "# table\n"
     assert harness.Results("serving", "", tmp_path).json.name == "serving-h100.json"
+    ab = harness.Results("serving", "", tmp_path, out=tmp_path / "ab" / "base-1.json")  # --out: exactly there
+    assert (ab.json, ab.md) == (tmp_path / "ab" / "base-1.json", tmp_path / "ab" / "base-1.md")
 
 
 def test_server_env_puts_the_checkout_first_and_drops_preloads(monkeypatch):
