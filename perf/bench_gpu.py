@@ -59,9 +59,12 @@ SHAPES: dict[str, dict[str, Any]] = {
 HBM_BYTES_PER_S = {"H100": 3.35e12, "H200": 4.8e12}
 
 
-def build_model_dir(shape: str, out: Path, tokenizer_dir: Path) -> Path:
-    """Random weights of `shape`, saved as an mlx-lm model directory (reused if present)."""
+def build_model_dir(shape: str, out: Path, tokenizer_dir: Path, vocab_size: int | None = None) -> Path:
+    """Random weights of `shape`, saved as an mlx-lm model directory (reused if present); `vocab_size`
+    replaces the shape's (the tokenizer's size, so that every sampled id decodes to real text)."""
     spec = dict(SHAPES[shape])
+    if vocab_size:
+        spec["vocab_size"] = vocab_size
     dtype = spec.pop("dtype")
     bits = spec.pop("quantize_bits", 0)
     if (out / "config.json").exists():

@@ -20,6 +20,12 @@ processes gets, as it does for a user.
 
     python -m perf.bench_serving --concurrency 1,16,32 --mlx-lm-server   # -> perf/results/serving-cpu.*
 
+With `--shape` (a perf.bench_gpu shape, e.g. llama-3.2-3b on a GPU) every target serves a
+random-weight model of that shape whose vocabulary is the default model's tokenizer, so each sampled
+id decodes to real text and the detokenizer and SSE path do their real work:
+
+    python -m perf.bench_serving --shape llama-3.2-3b --concurrency 1,64,256 --max-tokens 128 --mlx-lm-server
+
 Every run has prompts of its own, so none is served from a prefix (or prompt) cache warmed by an
 earlier one: each level's prompts are seeded by the level, shared by the in-process engine, HTTP
 and mlx_lm.server (separate engines and servers), and the raw ZeroMQ client, which shares parallm's
@@ -38,11 +44,13 @@ import asyncio
 import json
 import os
 import sys
+import tempfile
 import time
 from collections import deque
+from pathlib import Path
 from typing import Any
 
-from perf.harness import Process, Results, Server, add_results_options, describe, free_port
+from perf.harness import Process, Results, Server, add_results_options, cpu_delta, describe, free_port
 from perf.loadgen import WORKLOADS, RequestRecord, Workload, make_prompts, run_http, run_zmq, summarize
 
 
@@ -177,9 +185,12 @@ def write_report(result: dict[str, Any], results: Results) -> None:
              "vs_mlx_lm": "http/mlx_lm.server", "vs_mlx_lm_shipped": "http/mlx_lm.server-shipped"}
     ratios = [f"- c={c}: " + ", ".join(f"{names[k]} = {v[k]:.2f}" for k in names if k in v)
               for c, v in result["ratios"].items() if v]
+    cpu = [f"- {r['target']} c={r['concurrency']}: client {r.get('client_cpu_s', 0):.1f} s, "
+           + ", ".join(f"{k} {v:.1f} s" for k, v in sorted(r["server_cpu_s"].items()))
+           + f" (wall {r['wall_s']:.1f} s)" for r in result["runs"] if r.get("server_cpu_s")]
     md = [f"# Served vs in-process ({result['workload']}, {result['max_tokens']} output tokens)", "",
           f"Machine: {describe(results.machine)}", "", f"Command: `{results.command}`", "", *rows, "", "Ratios:",
-          *ratios]
+          *ratios, *(["", "CPU seconds per process during each served run:", *cpu] if cpu else [])]
     results.write(result, "\n".join(md))
     try:
         import matplotlib
@@ -205,6 +216,24 @@ def write_report(result: dict[str, Any], results: Results) -> None:
 
 # ---------------------------------------------------------------------------- main
 
+def client_procs(args: argparse.Namespace, concurrency: int) -> int:
+    return args.client_procs if concurrency >= 16 else 1
+
+
+def shape_model_dir(args: argparse.Namespace) -> Path:
+    """--shape's model directory: random weights, the default model's tokenizer and vocabulary size."""
+    from parallm.config import ModelConfig
+    from parallm.models import load_model, load_tokenizer, materialize
+    from perf.bench_gpu import build_model_dir
+
+    default = load_model(ModelConfig())
+    tokenizer_dir = Path(args.tokenizer_dir) if args.tokenizer_dir else materialize(default.source, "float32")
+    work = Path(args.work_dir) if args.work_dir else Path(tempfile.gettempdir()) / "parallm-bench-shapes"
+    vocab = len(load_tokenizer(default.source))
+    del default
+    return build_model_dir(args.shape, work / f"{args.shape}-v{vocab}", tokenizer_dir, vocab_size=vocab)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--concurrency", default="1,8,16,32")
@@ -219,6 +248,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--mlx-lm-allocator", action="store_true",
                         help="preload parallm's allocator (mimalloc) for mlx_lm.server too")
     parser.add_argument("--server-args", default="", help="extra parallm-launch arguments")
+    parser.add_argument("--client-procs", type=int, default=1,
+                        help="HTTP client processes at concurrencies of 16 and more (one Python client parses "
+                             "~5,000 events/s)")
+    parser.add_argument("--shape", help="a perf.bench_gpu shape with random weights and the default model's "
+                                        "tokenizer, instead of the default model")
+    parser.add_argument("--work-dir", default="", help="where --shape's model is built (reused if there)")
+    parser.add_argument("--tokenizer-dir", default="",
+                        help="tokenizer files for --shape; default: the converted default model's")
     add_results_options(parser)
     args = parser.parse_args(argv)
 
@@ -232,7 +269,10 @@ def main(argv: list[str] | None = None) -> int:
     levels = [int(c) for c in args.concurrency.split(",")]
     targets = args.targets.split(",") + (["mlx_lm.server"] if args.mlx_lm_server else [])
     eos = [2]
-    loaded = load_model(ModelConfig())
+    model_config = ModelConfig()
+    if args.shape:
+        model_config = ModelConfig(path=str(shape_model_dir(args)))
+    loaded = load_model(model_config)
     tokenizer = load_tokenizer(loaded.source)
     max_seqs = max(levels)
     runs: list[dict[str, Any]] = []
@@ -263,21 +303,25 @@ def main(argv: list[str] | None = None) -> int:
             print(json.dumps(runs[-1]), flush=True)
 
     if "http" in targets or "zmq" in targets:
-        server = Server("--engine.max-num-seqs", str(max_seqs), "--model.served-name", "bench",
+        server = Server("--model.path", model_config.path, "--engine.max-num-seqs", str(max_seqs),
+                        "--model.served-name", "bench",
                         *args.server_args.split(), ready_timeout=600).start()
         try:
             url, router = server.url, server.router
             asyncio.run(run_http(url, "bench", workload_for(1), 2, eos, WARM_SEED))  # warm-up
             for c in levels:
                 w = workload_for(c)
-                if "http" in targets:
-                    r = asyncio.run(run_http(url, "bench", w, c, eos, prompt_seed(c, "http")))
-                    r["target"] = "http"
-                    runs.append(r)
-                    print(json.dumps(r), flush=True)
-                if "zmq" in targets:
-                    r = asyncio.run(run_zmq(router, w, c, eos, prompt_seed(c, "zmq")))
-                    r["target"] = "zmq"
+                for target in ("http", "zmq"):
+                    if target not in targets:
+                        continue
+                    before = server.cpu_seconds()
+                    if target == "http":
+                        r = asyncio.run(run_http(url, "bench", w, c, eos, prompt_seed(c, "http"),
+                                                 procs=client_procs(args, c)))
+                    else:
+                        r = asyncio.run(run_zmq(router, w, c, eos, prompt_seed(c, "zmq")))
+                    r["target"] = target
+                    r["server_cpu_s"] = cpu_delta(before, server.cpu_seconds())
                     runs.append(r)
                     print(json.dumps(r), flush=True)
         finally:
@@ -290,7 +334,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.mlx_lm_shipped:  # the stored 4-bit weights, MLX's own BLAS and glibc's malloc
         baselines.append(("mlx_lm.server-shipped", "quantized", blas.without_preloads(dict(os.environ))))
     for label, dtype, env in baselines:
-        path = materialize(loaded.source, dtype)
+        path = loaded.source.path if args.shape else materialize(loaded.source, dtype)
         port = free_port()
         server = Process([sys.executable, "-m", "mlx_lm", "server", "--model", str(path), "--port", str(port),
                           "--host", "127.0.0.1"], ready="Starting httpd", env=env, ready_timeout=600).start()
@@ -299,7 +343,8 @@ def main(argv: list[str] | None = None) -> int:
             wait_http(f"{url}/v1/models")
             asyncio.run(run_http(url, str(path), workload_for(1), 2, eos, WARM_SEED))
             for c in levels:
-                r = asyncio.run(run_http(url, str(path), workload_for(c), c, eos, prompt_seed(c, "mlx_lm.server")))
+                r = asyncio.run(run_http(url, str(path), workload_for(c), c, eos, prompt_seed(c, "mlx_lm.server"),
+                                         procs=client_procs(args, c)))
                 r["target"] = label
                 runs.append(r)
                 print(json.dumps(r), flush=True)

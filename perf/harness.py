@@ -149,6 +149,42 @@ class Server(Process):
         shutil.rmtree(self.run_dir, ignore_errors=True)
         return code
 
+    def cpu_seconds(self) -> dict[str, float]:
+        """CPU seconds (user + system) each stage process has used so far, by stage name
+        (`tokenizer-1` for a second replica) and `supervisor`; {} where /proc is missing (macOS)."""
+        if self.proc is None or not os.path.isdir("/proc"):
+            return {}
+        tick = os.sysconf("SC_CLK_TCK")
+        out = {"supervisor": _proc_cpu(self.proc.pid, tick)}
+        kids = _run(["ps", "-o", "pid=", "--ppid", str(self.proc.pid)]).split()
+        for pid in kids:
+            try:
+                with open(f"/proc/{pid}/cmdline", "rb") as f:
+                    argv = [a.decode(errors="replace") for a in f.read().split(b"\0") if a]
+            except OSError:
+                continue
+            if "parallm.stages" not in argv or argv.index("parallm.stages") + 1 >= len(argv):
+                continue
+            name = argv[argv.index("parallm.stages") + 1]
+            replica = argv[argv.index("--replica") + 1] if "--replica" in argv[:-1] else "0"
+            key = name if replica == "0" else f"{name}-{replica}"
+            out[key] = _proc_cpu(int(pid), tick)
+        return {k: v for k, v in out.items() if v is not None}
+
+
+def _proc_cpu(pid: int, tick: int) -> float | None:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+    except OSError:
+        return None
+    return (int(fields[11]) + int(fields[12])) / tick
+
+
+def cpu_delta(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
+    """Per-process CPU seconds between two `Server.cpu_seconds()` readings."""
+    return {k: round(after[k] - before[k], 3) for k in after if k in before}
+
 
 # ---------------------------------------------------------------------------- the machine
 

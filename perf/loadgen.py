@@ -146,11 +146,10 @@ async def _http_one(client, url: str, model: str, prompt: str, workload: Workloa
     return record
 
 
-async def run_http(url: str, model: str, workload: Workload, concurrency: int, eos_ids: list[int],
-                   seed: int = 0) -> dict[str, Any]:
+async def _http_closed_loop(url: str, model: str, workload: Workload, items: list[tuple[int, str]],
+                            concurrency: int, eos_ids: list[int], seed: int) -> list[RequestRecord]:
     import httpx
 
-    prompts = make_prompts(workload, seed)
     limits = httpx.Limits(max_connections=concurrency + 4, max_keepalive_connections=concurrency + 4)
     async with httpx.AsyncClient(limits=limits, timeout=3600) as client:
         semaphore = asyncio.Semaphore(concurrency)
@@ -159,10 +158,52 @@ async def run_http(url: str, model: str, workload: Workload, concurrency: int, e
             async with semaphore:
                 return await _http_one(client, url, model, prompt, workload, eos_ids, seed + i)
 
+        return list(await asyncio.gather(*(one(i, p) for i, p in items)))
+
+
+def _http_shard(url: str, model: str, workload: Workload, items: list[tuple[int, str]], concurrency: int,
+                eos_ids: list[int], seed: int, start_at: float) -> tuple[list[RequestRecord], float, float]:
+    """One client process's share, started at the wall-clock `start_at` shared by every shard:
+    its records, when it finished (wall clock) and the CPU seconds it spent."""
+    import httpx  # noqa: F401 - imported before the clock starts
+
+    time.sleep(max(0.0, start_at - time.time()))
+    cpu = time.process_time()
+    records = asyncio.run(_http_closed_loop(url, model, workload, items, concurrency, eos_ids, seed))
+    return records, time.time(), time.process_time() - cpu
+
+
+async def run_http(url: str, model: str, workload: Workload, concurrency: int, eos_ids: list[int],
+                   seed: int = 0, procs: int = 1) -> dict[str, Any]:
+    """A closed loop of `concurrency` streams. With `procs` > 1 the streams (and prompts) are split
+    over that many client processes: one Python process parses ~5,000 SSE events per second
+    (httpx, ~180 µs of CPU per event on a 2-core x86 host), less than a GPU server sends at c=256,
+    so a single client would measure itself."""
+    items = list(enumerate(make_prompts(workload, seed)))
+    procs = max(1, min(procs, concurrency))
+    if procs == 1:
+        cpu = time.process_time()
         start = time.perf_counter()
-        records = await asyncio.gather(*(one(i, p) for i, p in enumerate(prompts)))
-        wall = time.perf_counter() - start
-    return summarize(list(records), wall, workload, concurrency, url)
+        records = await _http_closed_loop(url, model, workload, items, concurrency, eos_ids, seed)
+        result = summarize(records, time.perf_counter() - start, workload, concurrency, url)
+        result["client_cpu_s"] = time.process_time() - cpu
+        return result
+    import concurrent.futures
+    import multiprocessing
+
+    shares = [concurrency // procs + (k < concurrency % procs) for k in range(procs)]
+    loop = asyncio.get_running_loop()
+    with concurrent.futures.ProcessPoolExecutor(procs, mp_context=multiprocessing.get_context("spawn")) as pool:
+        list(pool.map(time.sleep, [0.3] * procs))  # every worker started (one per busy submit)
+        start_at = time.time() + 1.0
+        shards = await asyncio.gather(*(
+            loop.run_in_executor(pool, _http_shard, url, model, workload, items[k::procs], shares[k], eos_ids,
+                                 seed, start_at) for k in range(procs)))
+    records = [r for shard in shards for r in shard[0]]
+    result = summarize(records, max(end for _, end, _ in shards) - start_at, workload, concurrency, url)
+    result["client_procs"] = procs
+    result["client_cpu_s"] = sum(cpu for _, _, cpu in shards)
+    return result
 
 
 # ---------------------------------------------------------------------------- ZeroMQ
@@ -220,6 +261,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-tokens", type=int, help="override the workload's output length")
     parser.add_argument("--eos-ids", default="2", help="token ids to suppress (comma-separated)")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--client-procs", type=int, default=1, help="HTTP client processes sharing the streams")
     args = parser.parse_args(argv)
     workload = WORKLOADS[args.workload]
     if args.requests or args.max_tokens:
@@ -227,7 +269,8 @@ def main(argv: list[str] | None = None) -> int:
                                **({"max_tokens": args.max_tokens} if args.max_tokens else {})})
     eos = [int(x) for x in args.eos_ids.split(",") if x]
     if args.url:
-        result = asyncio.run(run_http(args.url, args.model, workload, args.concurrency, eos, args.seed))
+        result = asyncio.run(run_http(args.url, args.model, workload, args.concurrency, eos, args.seed,
+                                      procs=args.client_procs))
     else:
         result = asyncio.run(run_zmq(args.router, workload, args.concurrency, eos, args.seed))
     json.dump(result, sys.stdout, indent=2)
