@@ -132,6 +132,8 @@ class ServerConfig(Struct, frozen=True, kw_only=True, forbid_unknown_fields=True
                                            "which new requests get 503; 0 = no bound")] = 1024
     max_body_bytes: Annotated[int, _d("largest request body accepted (413 past it)")] = 8 << 20
     access_log: Annotated[bool, _d("log one line per HTTP request (method, route, status, duration, request id)")] = True
+    coalesce_outputs: Annotated[bool, _d("a stream whose client reads slower than the engine produces gets what "
+                                         "is waiting as one event (several tokens) instead of one event per step")] = True
     max_output_tokens: Annotated[int, _d("largest max_tokens accepted; 0 = context length")] = 0
     first_token_timeout_s: Annotated[float, _d("seconds to the first token before 504; 0 = none")] = 0.0
     request_timeout_s: Annotated[float, _d("seconds for a whole request before 504; 0 = none")] = 0.0

@@ -543,6 +543,45 @@ class Outputs(Message, tag="outputs"):
     batch_size: int = 0
 
 
+def coalesce_outputs(items: Sequence[Output]) -> list[Output]:
+    """Consecutive outputs of one sequence merged into one, for a reader that fell behind (several
+    steps' outputs waiting): variable-length fields (token ids, text, logprobs, per-token lists)
+    concatenate; any other field is taken where only one side sets it; outputs that disagree on one
+    (another sample, another policy version) or follow a finished one stay apart."""
+    merged: list[Output] = []
+    for item in items:
+        last = merged[-1] if merged else None
+        combined = _merged(last, item) if last is not None and last.finish_reason is None else None
+        if combined is None:
+            merged.append(item)
+        else:
+            merged[-1] = combined
+    return merged
+
+
+_OUTPUT_IDENTITY = ("rid", "index", "adapter", "version")  # equal in outputs that merge
+
+
+def _merged(a: Output, b: Output) -> Output | None:
+    if any(getattr(a, name) != getattr(b, name) for name in _OUTPUT_IDENTITY):
+        return None
+    values: dict[str, Any] = {}
+    for field in msgspec.structs.fields(Output):
+        x, y = getattr(a, field.name), getattr(b, field.name)
+        default = field.default if field.default is not msgspec.NODEFAULT else None
+        if field.name in _OUTPUT_IDENTITY:
+            values[field.name] = x
+        elif isinstance(x, (bytes, str, list)) and type(x) is type(y):
+            values[field.name] = x + y
+        elif x == y or y == default:
+            values[field.name] = x
+        elif x == default:
+            values[field.name] = y
+        else:
+            return None
+    return Output(**values)
+
+
 class Rollout(Message, tag="rollout"):
     """A finished sequence, published for trainers (topic: adapter name, '' for the base)."""
 

@@ -226,11 +226,16 @@ def shape_model_dir(args: argparse.Namespace) -> Path:
     from parallm.models import load_model, load_tokenizer, materialize
     from perf.bench_gpu import build_model_dir
 
-    default = load_model(ModelConfig())
-    tokenizer_dir = Path(args.tokenizer_dir) if args.tokenizer_dir else materialize(default.source, "float32")
+    if args.tokenizer_dir:  # e.g. on a GPU machine, where the default model's package is not installed
+        from transformers import AutoTokenizer
+
+        tokenizer_dir = Path(args.tokenizer_dir)
+        vocab = len(AutoTokenizer.from_pretrained(str(tokenizer_dir), local_files_only=True))
+    else:
+        default = load_model(ModelConfig())
+        tokenizer_dir = materialize(default.source, "float32")
+        vocab = len(load_tokenizer(default.source))
     work = Path(args.work_dir) if args.work_dir else Path(tempfile.gettempdir()) / "parallm-bench-shapes"
-    vocab = len(load_tokenizer(default.source))
-    del default
     return build_model_dir(args.shape, work / f"{args.shape}-v{vocab}", tokenizer_dir, vocab_size=vocab)
 
 

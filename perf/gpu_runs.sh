@@ -10,8 +10,11 @@
 #   qwen-a    qwen3-8b 4-bit at 1 and 64, 128 tokens, ~5 min
 #   qwen-b    qwen3-8b 4-bit at 256, 64 tokens (warm-up 8), ~6 min
 #   launch    MLX CUDA command-buffer settings vs per-step launch cost (perf/profile_launch.py), ~5 min
+#   serving   llama-3.2-3b with the default tokenizer's vocabulary (real text): in-process engine, BatchGenerator,
+#             HTTP, raw ZeroMQ and mlx_lm.server at c=1,64,256 (perf/bench_serving.py), ~6 min
+#   waves     10 waves of 512 streaming requests at c=256, a fresh server each (perf/stress_waves.py), ~6 min
 set -uo pipefail
-case "${1:-}" in diag|llama|adapters|qwen-a|qwen-b|launch) ;; *) sed -n 2,12p "$0"; exit 2 ;; esac
+case "${1:-}" in diag|llama|adapters|qwen-a|qwen-b|launch|serving|waves) ;; *) sed -n 2,15p "$0"; exit 2 ;; esac
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
 if [ -d /tmp/site/mlx ] && [ ! -f .gpu/b/install.sh ]; then
@@ -35,6 +38,12 @@ case "${1:-}" in
               --tokenizer-dir $TOK --work-dir $WORK --experiment qwen3-8b-4bit-c1-c64 --out-dir "$OUT" ;;
   qwen-b)   python3 -m perf.bench_gpu --shape qwen3-8b --concurrency 256 --max-tokens 64 --warm-tokens 8 \
               --prompt-len 128 --tokenizer-dir $TOK --work-dir $WORK --experiment qwen3-8b-4bit-c256 --out-dir "$OUT" ;;
+  serving)  python3 -m perf.bench_serving --shape llama-3.2-3b --concurrency 1,64,256 --max-tokens 128 \
+              --client-procs 4 --mlx-lm-server --tokenizer-dir $TOK --work-dir $WORK --experiment llama-3.2-3b \
+              --out-dir "$OUT" ;;
+  waves)    python3 -m perf.stress_waves --shape llama-3.2-3b --waves 10 --requests 512 --concurrency 256 \
+              --max-tokens 128 --client-procs 4 --deadline-s 480 --tokenizer-dir $TOK --work-dir $WORK \
+              --out-dir "$OUT" ;;
   launch)   python3 -m perf.profile_launch --tokenizer-dir $TOK --work-dir $WORK --served \
               --out-dir "$OUT" ;;
 esac

@@ -192,10 +192,13 @@ class ZmqBackend:
         except ClientError as exc:
             raise backend_error(exc) from None
         self.in_flight += 1
+        coalesce = self.config.server.coalesce_outputs
         try:
-            async for item in stream:
-                timings.observe(item)
-                yield item
+            while items := await stream.batch():
+                for item in items:
+                    timings.observe(item)
+                for item in protocol.coalesce_outputs(items) if coalesce and len(items) > 1 else items:
+                    yield item
         except ClientError as exc:
             raise backend_error(exc) from None
         finally:
