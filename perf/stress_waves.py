@@ -79,6 +79,8 @@ def main(argv: list[str] | None = None) -> int:
                 "server_cpu_s": r["server_cpu_s"], "client_cpu_s": r.get("client_cpu_s"),
                 "restarts": [ln for ln in lines if "restart" in ln.lower()][:10],
                 "tracebacks": tracebacks(lines)[:5]}
+        if r["ok"] < r["requests"] or wave["tracebacks"]:
+            wave["log_tail"] = lines[-400:]
         waves.append(wave)
         print(json.dumps(wave), flush=True)
     failed = [w["wave"] for w in waves if w["ok"] < w["requests"] or w["tracebacks"]]
