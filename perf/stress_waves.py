@@ -25,13 +25,15 @@ from perf.loadgen import WORKLOADS, Workload, run_http
 
 
 def tracebacks(lines: list[str]) -> list[str]:
-    """Every traceback in a server's output (the line before it, the frames, the exception line)."""
+    """Every traceback in a server's output (the line before it, the frames, the exception line);
+    the supervisor prefixes each stage's lines with `[stage] `."""
+    bare = [ln.split("] ", 1)[1] if ln.startswith("[") and "] " in ln else ln for ln in lines]
     found, i = [], 0
-    while i < len(lines):
-        if "Traceback (most recent call last)" in lines[i]:
+    while i < len(bare):
+        if "Traceback (most recent call last)" in bare[i]:
             j = i + 1
-            while j < len(lines) and (lines[j].startswith((" ", "\t")) or "Traceback" in lines[j]
-                                      or "During handling" in lines[j] or "direct cause" in lines[j] or not lines[j]):
+            while j < len(bare) and (bare[j].startswith((" ", "\t")) or "Traceback" in bare[j]
+                                     or "During handling" in bare[j] or "direct cause" in bare[j] or not bare[j]):
                 j += 1
             found.append("\n".join(lines[max(0, i - 1):j + 1]))
             i = j + 1
@@ -80,7 +82,7 @@ def main(argv: list[str] | None = None) -> int:
                 "restarts": [ln for ln in lines if "restart" in ln.lower()][:10],
                 "tracebacks": tracebacks(lines)[:5]}
         if r["ok"] < r["requests"] or wave["tracebacks"]:
-            wave["log_tail"] = lines[-400:]
+            wave["log_tail"] = [ln for ln in lines if not ln.startswith("[ingress]")][-400:]
         waves.append(wave)
         print(json.dumps(wave), flush=True)
     failed = [w["wave"] for w in waves if w["ok"] < w["requests"] or w["tracebacks"]]
