@@ -258,3 +258,33 @@ def test_429_past_max_concurrent_requests():
 
     r = asyncio.run(run())
     assert error_of(r, 429)["code"] == "rate_limit_exceeded" and r.headers["retry-after"] == "1"
+
+
+def test_a_stream_frees_its_slot_before_its_done_event():
+    """A closed-loop client sends its next request as soon as it reads [DONE]: at that moment its
+    finished request no longer counts against max_concurrent_requests (it was a 429 at c=256)."""
+    async def run():
+        backend = FakeBackend()
+        app = build_app(backend, ServerConfig(max_concurrent_requests=1))
+        in_flight_at_done = []
+        body = json.dumps({"prompt": "x", "stream": True, "max_tokens": 4}).encode()
+        messages = [{"type": "http.request", "body": body, "more_body": False}]
+
+        async def receive():
+            if messages:
+                return messages.pop()
+            await asyncio.sleep(3600)
+
+        async def send(message):
+            if b"[DONE]" in message.get("body", b""):
+                in_flight_at_done.append(app.state.generator.gate.in_flight)
+
+        scope = {"type": "http", "asgi": {"version": "3.0", "spec_version": "2.4"}, "http_version": "1.1",
+                 "method": "POST", "scheme": "http", "path": "/v1/completions", "raw_path": b"",
+                 "query_string": b"", "root_path": "", "headers": [(b"content-type", b"application/json")],
+                 "client": ("t", 1), "server": ("t", 80)}
+        await asyncio.wait_for(app(scope, receive, send), 5)
+        return in_flight_at_done, app.state.generator.gate.in_flight
+
+    at_done, after = asyncio.run(run())
+    assert at_done == [0] and after == 0

@@ -18,7 +18,7 @@ from parallm.api.http import REQUEST_ID, ClientGone, DisconnectWatch, EventStrea
 from parallm.api.merge import Deadlines, merged
 from parallm.api.outputs import Collector
 from parallm.api.schemas import ChatCompletionRequest, CompletionRequest
-from parallm.api.sse import events
+from parallm.api.sse import DONE, events
 from parallm.api.translate import Plan, chat_plan, completion_plan
 from parallm.api.validate import Limits, decode
 from parallm.config import ServerConfig
@@ -101,19 +101,38 @@ class GenerationRoutes:
 
 class _Stream(EventStream):
     """An EventStream that closes the outputs and releases its Gate slot when it ends (the events
-    generator may never have started if the client left at once, so it cannot do this itself)."""
+    generator may never have started if the client left at once, so it cannot do this itself).
+
+    The slot is released before the final `[DONE]` is sent: a closed-loop client that sends its next
+    request as soon as it reads `[DONE]` must not find its finished request still counted (with
+    max_concurrent_requests clients that was a 429)."""
 
     def __init__(self, body: Any, watch: DisconnectWatch, gate: Gate, outputs: Any) -> None:
-        super().__init__(body, watch)
         self.gate = gate
         self.outputs = outputs
+        self.released = False
+        super().__init__(self._release_at_done(body), watch)
+
+    def _release(self) -> None:
+        if not self.released:
+            self.released = True
+            self.gate.leave()
+
+    async def _release_at_done(self, body: Any) -> Any:
+        try:
+            async for event in body:
+                if event is DONE:
+                    self._release()
+                yield event
+        finally:
+            await body.aclose()
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
         try:
             await super().__call__(scope, receive, send)
         finally:
             await self.outputs.aclose()
-            self.gate.leave()
+            self._release()
 
 
 async def _collect(outputs: Any, collector: Collector) -> None:
