@@ -53,6 +53,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--client-procs", type=int, default=1)
     parser.add_argument("--deadline-s", type=float, default=0.0, help="start no wave after this many seconds")
+    parser.add_argument("--stop-on-failure", action="store_true", help="no more waves after a failed one")
     parser.add_argument("--server-args", default="", help="extra parallm-launch arguments")
     add_results_options(parser)
     args = parser.parse_args(argv)
@@ -85,6 +86,8 @@ def main(argv: list[str] | None = None) -> int:
             wave["log_tail"] = [ln for ln in lines if not ln.startswith("[ingress]")][-400:]
         waves.append(wave)
         print(json.dumps(wave), flush=True)
+        if args.stop_on_failure and "log_tail" in wave:
+            break
     failed = [w["wave"] for w in waves if w["ok"] < w["requests"] or w["tracebacks"]]
     result = {"shape": args.shape, "requests": args.requests, "concurrency": args.concurrency,
               "max_tokens": args.max_tokens, "waves": waves, "failed_waves": failed}
