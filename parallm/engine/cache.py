@@ -27,6 +27,10 @@ from typing import Any, Protocol, runtime_checkable
 
 import mlx.core as mx
 
+from .memory import retry_out_of_memory
+
+RETURN_FREED_BYTES = 256 << 20  # a resize that frees this much returns it to the device
+
 
 @runtime_checkable
 class KVCacheProtocol(Protocol):
@@ -249,18 +253,25 @@ class LiveKV:
         if (rows, capacity) == (self.rows, self.capacity):
             return
         keep_r, keep_c = min(rows, self.rows), min(capacity, self.capacity)
-        new_k, new_v = [], []
-        for i, s in enumerate(self.shapes):
-            k = mx.zeros((rows, s.k_heads, capacity, s.k_dim), self.dtype)
-            v = mx.zeros((rows, s.v_heads, capacity, s.v_dim), self.dtype)
-            if keep_r and keep_c:
-                k[:keep_r, :, :keep_c] = self.keys[i][:keep_r, :, :keep_c]
-                v[:keep_r, :, :keep_c] = self.values[i][:keep_r, :, :keep_c]
-            new_k.append(k)
-            new_v.append(v)
-        self.keys, self.values = new_k, new_v
+
+        def allocate() -> tuple[list[mx.array], list[mx.array]]:
+            new_k, new_v = [], []
+            for i, s in enumerate(self.shapes):
+                k = mx.zeros((rows, s.k_heads, capacity, s.k_dim), self.dtype)
+                v = mx.zeros((rows, s.v_heads, capacity, s.v_dim), self.dtype)
+                if keep_r and keep_c:
+                    k[:keep_r, :, :keep_c] = self.keys[i][:keep_r, :, :keep_c]
+                    v[:keep_r, :, :keep_c] = self.values[i][:keep_r, :, :keep_c]
+                new_k.append(k)
+                new_v.append(v)
+            mx.eval(new_k, new_v)
+            return new_k, new_v
+
+        old_bytes = self.nbytes
+        self.keys, self.values = retry_out_of_memory(allocate)  # the old buffers are freed now
         self.rows, self.capacity = rows, capacity
-        mx.eval(self.keys, self.values)  # the old buffers are freed now, not at the next pass
+        if old_bytes >= RETURN_FREED_BYTES:
+            mx.clear_cache()  # to the device, not kept for a later size that rarely matches
 
     def copy_rows(self, pairs: list[tuple[int, int]], ntokens: int) -> None:
         """Row dst := row src (positions [0, ntokens)) for every (src, dst), reading all sources

@@ -20,7 +20,7 @@ from parallm.protocol import EngineStats, SamplingParams
 
 from .blocks import BlockManager
 from .compat import check_model
-from .memory import auto_kv_budget_bytes
+from .memory import auto_kv_budget_bytes, limit_buffer_cache
 from .model import EngineModel
 from .output import OutputProcessor, StepOutputs, unseen_versions
 from .plan import KVBudget, Plan, PrefillWork
@@ -41,6 +41,7 @@ class Engine:
         setting left unset is resolved here, once, and reported in stats (`settings`)."""
         self.model = model.module
         on_cpu = mx.default_device() == mx.cpu
+        limit_buffer_cache(on_cpu)
         settings = resolve_engine_config(config.engine, on_cpu)
         info = check_model(self.model)
         self.model_type = info.model_type
