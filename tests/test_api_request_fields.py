@@ -22,7 +22,7 @@ ROUTES = {
 CLIENT_FIELDS = {
     "structured_outputs": {"regex": "a+"}, "guided_json": {"type": "object"}, "guided_regex": "a+",
     "guided_choice": ["a", "b"], "guided_grammar": "root ::= 'a'", "guided_decoding_backend": "xgrammar",
-    "return_tokens_as_token_ids": True, "adapters": "/path/to/adapter", "draft_model": "small",
+    "adapters": "/path/to/adapter", "draft_model": "small",
     "num_draft_tokens": 3, "xtc_probability": 0.5, "xtc_threshold": 0.1, "repetition_context_size": 20,
     "presence_context_size": 20, "frequency_context_size": 20, "role_mapping": {"user": "U:"},
 }
@@ -60,7 +60,6 @@ def test_null_or_false_means_not_asked(route):
     ({"prompts": [[1, 2]], "structured_outputs_regex": "a+"}, "structured_outputs_regex"),   # TRL >= 0.20
     ({"prompts": [[1, 2]], "guided_decoding_regex": "a+"}, "guided_decoding_regex"),         # TRL < 0.20
     ({"prompts": [[1, 2]], "generation_kwargs": {"guided_json": {}}}, "guided_json"),
-    ({"prompt": {"prompt_token_ids": [1, 2]}, "prompt_logprobs": 1}, "prompt_logprobs"),     # Atropos get_logprobs
 ])
 def test_generate_only_fields(body, field):
     client, _ = make()

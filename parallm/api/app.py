@@ -19,7 +19,7 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response
 from starlette.routing import Route
 
-from parallm.api import adapters
+from parallm.api import adapters, vllm_admin
 from parallm.api.auth import BearerAuth, api_keys
 from parallm.api.backend import Backend, BackendError
 from parallm.api.errors import APIError, error_response, model_not_found
@@ -146,6 +146,8 @@ def build_app(backend: Backend, server: ServerConfig, metrics: ServerMetrics | N
         Route("/v1/models/{model:path}", endpoint(misc.model), methods=["GET"]),
         Route("/v1/tokenize", endpoint(misc.tokenize), methods=["POST"]),
         Route("/v1/detokenize", endpoint(misc.detokenize), methods=["POST"]),
+        Route("/tokenize", endpoint(misc.tokenize), methods=["POST"]),       # vLLM serves them at the root
+        Route("/detokenize", endpoint(misc.detokenize), methods=["POST"]),
         Route("/health", endpoint(health.health), methods=["GET"]),
         Route("/livez", endpoint(health.livez), methods=["GET"]),
         Route("/readyz", endpoint(health.readyz), methods=["GET"]),
@@ -153,6 +155,7 @@ def build_app(backend: Backend, server: ServerConfig, metrics: ServerMetrics | N
         Route("/openapi.json", endpoint(misc.openapi_json), methods=["GET"]),
         *rl_routes(backend, server, gen.gate, endpoint),
         *adapters.routes(backend, server, endpoint),
+        *vllm_admin.routes(backend, server, endpoint),
     ]
     middleware = [Middleware(CountRequests, metrics=metrics, routes=routes)]
     if server.access_log:

@@ -40,6 +40,10 @@ def _strings(given: list[str], ids: list[int]) -> list[str]:
     return given if len(given) == len(ids) else [f"token_id:{i}" for i in ids]
 
 
+def _id_names(row: list[Alt]) -> list[Alt]:
+    return [(t, f"token_id:{t}", lp) for t, _, lp in row]
+
+
 def _rows(ids: bytes, lps: bytes, strings: list[str], rows: int) -> list[list[Alt]]:
     """Row-major top-k (ids, logprobs, strings) as `rows` lists of alternatives."""
     top = unpack_top(ids, lps, rows)
@@ -80,6 +84,13 @@ class PromptInfo:
             info.top[0] = None
         return info
 
+    def as_token_ids(self) -> None:
+        """vLLM's return_tokens_as_token_ids: every token string becomes "token_id:<id>"."""
+        if self.ids is not None and self.tokens is not None:
+            self.tokens = _strings([], self.ids)
+        if self.top is not None:
+            self.top = [None if row is None else _id_names(row) for row in self.top]
+
     def merge(self, other: "PromptInfo") -> None:
         """Fill what this one lacks from another sequence's (sample 0 alone carries logprobs)."""
         for name in ("text", "ids", "logprobs", "tokens", "top"):
@@ -101,7 +112,7 @@ class Piece:
     prompt: PromptInfo | None
 
     @classmethod
-    def of(cls, out: Output, prompt_top_k: int = 0, echo_only: bool = False) -> "Piece":
+    def of(cls, out: Output, prompt_top_k: int = 0, echo_only: bool = False, as_ids: bool = False) -> "Piece":
         if out.finish_reason == "error":
             raise APIError(500, "The generation failed inside the server.", code="internal_error")
         ids = unpack_ids(out.token_ids)
@@ -109,6 +120,11 @@ class Piece:
         piece = cls(out.text, ids, lps, _strings(out.tokens, ids) if lps else [],
                     _rows(out.top_ids, out.top_logprobs, out.top_tokens, len(ids)) if lps else [],
                     out.finish_reason, out.stop_reason, PromptInfo.of(out, prompt_top_k))
+        if as_ids:
+            piece.tokens = _strings([], ids) if lps else []
+            piece.top = [_id_names(row) for row in piece.top]
+            if piece.prompt is not None:
+                piece.prompt.as_token_ids()
         if echo_only:  # max_tokens=0 with echo: one token was generated only to get the prompt's logprobs
             piece.text, piece.ids, piece.logprobs, piece.tokens, piece.top = "", [], [], [], []
             if piece.finish_reason is not None:
@@ -214,7 +230,7 @@ class Collector:
         return state
 
     def add(self, prompt: int, out: Output) -> tuple[ChoiceState, Piece]:
-        piece = Piece.of(out, self.prompt_top_k, self.plan.echo_only)
+        piece = Piece.of(out, self.prompt_top_k, self.plan.echo_only, self.plan.tokens_as_ids)
         state = self.choice(prompt, out.index)
         state.add(piece)
         if out.usage is not None:

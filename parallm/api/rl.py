@@ -1,6 +1,7 @@
 """Token-level HTTP routes for RL trainers (docs/rl.md):
 
-- POST /generate (and /generate/): vLLM's, TRL's and the MLX RL Inference Server's shapes on one route;
+- POST /generate (and /generate/): vLLM's, TRL's, SGLang's and the MLX RL Inference Server's shapes on one route;
+- POST /inference/v1/generate: vLLM's token-in/token-out route (prime-rl, verifiers/renderers, SkyRL);
 - GET /v1/policy: the current policy version of every adapter (the engine's "policy" query);
 - GET /v1/training/status: what each trainer (parallm-train) last reported;
 - POST /v1/pause {mode: keep|abort}, POST /v1/resume, POST /v1/abort {request_ids | all}: protocol
@@ -16,7 +17,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response
 from starlette.routing import Route
 
@@ -25,6 +26,7 @@ from parallm.api.errors import invalid
 from parallm.api.generation import backend_limits
 from parallm.api.http import REQUEST_ID, ClientGone, DisconnectWatch, json_response, read_body
 from parallm.api.merge import Deadlines, merged
+from parallm.api.rl_native import render_sglang, render_tito, sglang_request, tito_request
 from parallm.api.rl_plan import Job, build, parse
 from parallm.api.rl_render import Gathered, render
 from parallm.api.rl_schemas import AbortRequest, PauseRequest, shape_of
@@ -51,8 +53,35 @@ class RLRoutes:
         if not isinstance(raw, dict):
             raise invalid("The request body must be a JSON object.", code="invalid_json")
         shape = shape_of(raw)
+        if shape == "sglang":
+            sglang, req = sglang_request(raw)
+            job = build("vllm", req, self.limits(), answer="sglang")
+            if sglang.return_text_in_logprobs:
+                job.text_in_logprobs = True
+                for submit in job.submits:
+                    if submit.spec.detok is not None:
+                        submit.spec.detok.token_strings = True
+            name = str(sglang.rid or request.headers.get("x-request-id") or job.rid)
+            return json_response(render_sglang(await self._run(job, name, request)))
         job = build(shape, parse(shape, raw), self.limits())
+        job.trl_nested = shape == "trl" and ("logprobs" in raw or "logprobs" in (raw.get("generation_kwargs") or {}))
         name = str(raw.get("request_id") or request.headers.get("x-request-id") or job.rid)
+        return json_response(render(await self._run(job, name, request)))
+
+    async def generate_tokens(self, request: Request) -> Response:
+        """vLLM's POST /inference/v1/generate: token ids in, token ids and logprobs out."""
+        body = await read_body(request, self.server.max_body_bytes)
+        raw = decode(body, Any)
+        if not isinstance(raw, dict):
+            raise invalid("The request body must be a JSON object.", code="invalid_json")
+        tito, req = tito_request(raw, self.backend.model_name)
+        job = build("vllm", req, self.limits(), answer="tito")
+        job.model = tito.model or self.backend.model_name
+        name = str(tito.request_id or request.headers.get("x-request-id") or job.rid)
+        return json_response(render_tito(await self._run(job, name, request), tito))
+
+    async def _run(self, job: Job, name: str, request: Request) -> Any:
+        """Run a Job under its client-visible id (abortable through /v1/abort); a 499 if the client left."""
         if name in self.live:
             raise invalid(f"request_id {name!r} is already in flight.", "request_id")
         request.scope[REQUEST_ID] = job.rid
@@ -60,14 +89,13 @@ class RLRoutes:
         self.live[name] = [s.rid for s in job.submits]
         watch = DisconnectWatch(request.receive)
         try:
-            gathered = await watch.race(self._gather(job))
+            return await watch.race(self._gather(job))
         except ClientGone:
-            return Response(status_code=499)
+            raise ClientDisconnect() from None
         finally:
             watch.stop()
             self.live.pop(name, None)
             self.gate.leave()
-        return json_response(render(gathered))
 
     async def _gather(self, job: Job) -> Gathered:
         gathered = Gathered(job)
@@ -123,6 +151,7 @@ def rl_routes(backend: Backend, server: ServerConfig, gate: Any, endpoint: Any) 
     return [
         Route("/generate", endpoint(rl.generate), methods=["POST"]),
         Route("/generate/", endpoint(rl.generate), methods=["POST"]),
+        Route("/inference/v1/generate", endpoint(rl.generate_tokens), methods=["POST"]),
         Route("/v1/policy", endpoint(rl.policy), methods=["GET"]),
         Route("/v1/pause", endpoint(rl.pause), methods=["POST"]),
         Route("/v1/resume", endpoint(rl.resume), methods=["POST"]),

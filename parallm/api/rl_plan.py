@@ -35,6 +35,10 @@ class Job:
     prompts: list[Prompt]
     n: int
     logprobs: int | None                 # alternatives per token when logprobs are wanted, else None
+    prompt_logprobs: int | None = None   # alternatives per prompt token when prompt logprobs are wanted
+    trl_nested: bool = False             # TRL >= 0.29 (it sends `logprobs`): nested logprobs + logprob_token_ids
+    text_in_logprobs: bool = False       # SGLang's return_text_in_logprobs
+    model: str = ""                      # the `model` the request named (echoed by /inference/v1/generate)
     rid: str = field(default_factory=lambda: "gen-" + uuid.uuid4().hex)
     submits: list[TextSubmit] = field(default_factory=list)
     started: float = field(default_factory=time.monotonic)
@@ -105,9 +109,6 @@ def _check(shape: Shape, req: Any, n_prompts: int, limits: Limits) -> None:
     if req.stream:
         raise unsupported("stream is not supported on /generate; use /v1/completions with stream=true.", "stream")
     check_n(req.n, n_prompts, limits)
-    if shape == "vllm" and req.prompt_logprobs is not None:
-        raise unsupported("prompt_logprobs is not supported on /generate yet; use /v1/completions with "
-                          "prompt_logprobs (and echo).", "prompt_logprobs")
     if shape == "trl":
         if req.images:
             raise unsupported("images are not supported by this server (text models only).", "images")
@@ -120,14 +121,16 @@ def _check(shape: Shape, req: Any, n_prompts: int, limits: Limits) -> None:
 
 def _logprobs(shape: Shape, req: Any) -> int | None:
     if shape == "trl":
-        return 0                      # TRL reads the sampled token's logprob of every completion token
+        return req.logprobs           # TRL reads the sampled token's logprob (>= 0.29: and k alternatives)
     if shape == "mlx_rl":
         return 0 if req.logprobs else None
     return req.logprobs               # vLLM: None = no logprobs; k = the sampled token and k alternatives
 
 
-def build(shape: Shape, req: Any, limits: Limits) -> Job:
-    """Check a parsed request and build its Job (raises APIError)."""
+def build(shape: Shape, req: Any, limits: Limits, answer: Shape | None = None) -> Job:
+    """Check a parsed request and build its Job (raises APIError); `answer`: the shape to answer in
+    when the request was translated to `shape` (SGLang's and /inference/v1/generate's bodies are
+    checked as vLLM ones)."""
     prompts = prompts_of(shape, req)
     _check(shape, req, len(prompts), limits)
     if shape == "trl" and req.truncate_prompt_tokens:
@@ -135,13 +138,14 @@ def build(shape: Shape, req: Any, limits: Limits) -> Job:
     resolved = max_tokens(req.max_tokens, "max_tokens", limits)
     if req.min_tokens > resolved:
         raise invalid(f"min_tokens ({req.min_tokens}) must be at most max_tokens ({resolved}).", "min_tokens")
-    job = Job(shape, req, prompts, req.n, _logprobs(shape, req))
+    job = Job(answer or shape, req, prompts, req.n, _logprobs(shape, req),
+              prompt_logprobs=getattr(req, "prompt_logprobs", None))
     params = SamplingParams(
         temperature=req.temperature, top_p=req.top_p, top_k=max(0, req.top_k), min_p=req.min_p,
         repetition_penalty=req.repetition_penalty, presence_penalty=req.presence_penalty,
         frequency_penalty=req.frequency_penalty, seed=req.seed, max_tokens=resolved, min_tokens=req.min_tokens,
         stop_token_ids=list(req.stop_token_ids or []), ignore_eos=req.ignore_eos,
-        logprobs=job.logprobs is not None, top_logprobs=job.logprobs or 0)
+        logprobs=job.logprobs is not None, top_logprobs=job.logprobs or 0, prompt_logprobs=job.prompt_logprobs)
     detok = DetokSpec(stop=stop_strings(req.stop), include_stop_str=req.include_stop_str_in_output,
                       skip_special_tokens=req.skip_special_tokens, echo=True)
     spec = request_spec(req, params, detok, adapter=req.adapter, metadata=job.metadata)

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from parallm.api.errors import APIError
-from parallm.api.outputs import logprob
+from parallm.api.outputs import PromptInfo, logprob, prompt_logprobs
 from parallm.api.rl_plan import Job
 from parallm.protocol import Output, VersionSpans, extend_spans, unpack_floats, unpack_ids, unpack_top
 
@@ -28,7 +28,10 @@ class Sample:
     logprobs: list[float] = field(default_factory=list)
     top: list[list[tuple[int, float]]] = field(default_factory=list)
     text: str = ""
+    token_texts: list[str] = field(default_factory=list)
     finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    cached_tokens: int = 0
     versions: VersionSpans = field(default_factory=list)
 
     def add(self, out: Output) -> None:
@@ -41,14 +44,18 @@ class Sample:
         self.logprobs += unpack_floats(out.logprobs)
         self.top += unpack_top(out.top_ids, out.top_logprobs, len(ids))
         self.text += out.text
+        self.token_texts += out.tokens
         if out.finish_reason is not None:
-            self.finish_reason = out.finish_reason
+            self.finish_reason, self.stop_reason = out.finish_reason, out.stop_reason
+        if out.usage is not None:
+            self.cached_tokens = out.usage.cached_tokens
 
 
 @dataclass
 class PromptSide:
     ids: list[int] | None = None
     text: str | None = None
+    info: PromptInfo | None = None   # prompt logprobs, when asked
 
 
 class Gathered:
@@ -68,6 +75,10 @@ class Gathered:
             side.ids = unpack_ids(out.prompt_ids)
         if side.text is None and out.prompt_text is not None:
             side.text = out.prompt_text
+        if side.info is None and out.prompt_logprobs and self.job.prompt_logprobs is not None:
+            side.info = PromptInfo.of(out, self.job.prompt_logprobs)
+            if side.info is not None and side.info.ids is None:
+                side.info.ids = side.ids
         self.batch_size = max(self.batch_size, batch_size)
         self.version = max(self.version, out.version)
 
@@ -75,9 +86,38 @@ class Gathered:
         return [s for group in self.samples for s in group]
 
 
-def _lp(value: float) -> float:
+def lp_or_floor(value: float) -> float:
+    """A logprob for JSON where a number is required: NaN and -inf are -9999.0 (vLLM's floor)."""
     v = logprob(value)
     return -9999.0 if v is None else v
+
+
+_lp = lp_or_floor
+
+
+def _ranked(sample: Sample, i: int, k: int) -> list[tuple[int, float]]:
+    """The sampled token and up to k alternatives at position i, most likely first (vLLM's rank order)."""
+    entries = {sample.ids[i]: sample.logprobs[i]}
+    for alt, alt_lp in (sample.top[i] if i < len(sample.top) else [])[:k]:
+        entries.setdefault(alt, alt_lp)
+    return sorted(entries.items(), key=lambda e: -_lp(e[1]))
+
+
+def _trl_nested(samples: list[Sample], k: int | None) -> dict[str, Any]:
+    """TRL >= 0.29's answer: per sample, per token, the logprobs and token ids of the sampled token
+    and k alternatives in rank order (null for both when logprobs was null)."""
+    if k is None:
+        return {"logprobs": None, "logprob_token_ids": None}
+    ranked = [[_ranked(s, i, k) for i in range(len(s.logprobs))] for s in samples]
+    return {"logprobs": [[[_lp(v) for _, v in row] for row in rows] for rows in ranked],
+            "logprob_token_ids": [[[t for t, _ in row] for row in rows] for rows in ranked]}
+
+
+def _atropos_prompt_logprobs(side: PromptSide, k: int) -> list[dict[str, float] | None]:
+    """Per prompt position None (the first) or {token id: logprob} for the prompt's token and k
+    alternatives: what Atropos' get_logprobs reads from /generate."""
+    return [None if entry is None else {tid: (-9999.0 if v.logprob is None else v.logprob) for tid, v in entry.items()}
+            for entry in prompt_logprobs(side.info, k)] if side.info is not None else []
 
 
 def _vllm_logprobs(sample: Sample, k: int) -> list[list[dict[str, float]]]:
@@ -95,9 +135,12 @@ def render(g: Gathered) -> dict[str, Any]:
     samples = g.flat()
     versions = [s.versions for s in samples]
     if job.shape == "trl":
-        return {"prompt_ids": [p.ids or [] for p in g.prompts], "completion_ids": [s.ids for s in samples],
+        body = {"prompt_ids": [p.ids or [] for p in g.prompts], "completion_ids": [s.ids for s in samples],
                 "logprobs": [[_lp(v) for v in s.logprobs] for s in samples],
                 "finish_reasons": [s.finish_reason for s in samples], "versions": versions}
+        if job.trl_nested:
+            body.update(_trl_nested(samples, job.logprobs))
+        return body
     if job.shape == "mlx_rl":
         req, [sample], [side] = job.req, samples, g.prompts
         return {"request_id": req.request_id, "policy_version": req.policy_version, "step_id": req.step_id,
@@ -119,4 +162,7 @@ def render(g: Gathered) -> dict[str, Any]:
     }
     if job.logprobs is not None:
         body["logprobs"] = [_vllm_logprobs(s, job.logprobs) for s in samples]
+    if job.prompt_logprobs is not None:
+        per_prompt = [_atropos_prompt_logprobs(p, job.prompt_logprobs) for p in g.prompts]
+        body["prompt_logprobs"] = per_prompt[0] if single else per_prompt
     return body

@@ -74,7 +74,6 @@ class NotYetSupported(Struct, kw_only=True):
     guided_choice: Any = None
     guided_grammar: Any = None
     guided_decoding_backend: Any = None
-    return_tokens_as_token_ids: Any = None  # vLLM; TRL's VLLMClient and prime-rl send it
     adapters: Any = None                    # mlx_lm.server: an adapter path per request
     draft_model: Any = None                 # mlx_lm.server: speculative decoding
     num_draft_tokens: Any = None
@@ -114,6 +113,8 @@ class SamplingRequest(NotYetSupported, kw_only=True):
     include_stop_str_in_output: bool = False
     add_special_tokens: Annotated[bool | None, _d("omitted: true for completions, false for chat")] = None
     return_token_ids: Annotated[bool, _d("add prompt_token_ids and token_ids to the response")] = False
+    return_tokens_as_token_ids: Annotated[bool, _d("write every logprob token (and top_logprobs key) as "
+                                                   "'token_id:<id>'")] = False
     prompt_logprobs: Annotated[int, _d("logprobs of the prompt tokens, with this many alternatives",
                                        ge=0, le=MAX_LOGPROBS)] | None = None
     priority: Annotated[int, _d(PRIORITY_DOC, ge=-INT32, lt=INT32)] = 0

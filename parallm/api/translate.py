@@ -40,6 +40,7 @@ class Plan:
     echo: bool = False                  # completions: prepend the prompt (and its logprobs)
     echo_only: bool = False             # echo with max_tokens=0: the one generated token is dropped
     return_token_ids: bool = False
+    tokens_as_ids: bool = False         # vLLM's return_tokens_as_token_ids: logprob tokens as "token_id:<id>"
     created: int = field(default_factory=lambda: int(time.time()))
     fingerprint: str = SYSTEM_FINGERPRINT
 
@@ -110,7 +111,8 @@ def completion_plan(req: CompletionRequest, limits: Limits, request_id: str = ""
     return Plan("completion", rid, limits.model_name, submits, n=req.n, stream=req.stream,
                 include_usage=bool(req.stream_options and req.stream_options.include_usage),
                 logprobs=req.logprobs, prompt_logprobs=req.prompt_logprobs, echo=req.echo,
-                echo_only=echo_only, return_token_ids=req.return_token_ids)
+                echo_only=echo_only, return_token_ids=req.return_token_ids,
+                tokens_as_ids=req.return_tokens_as_token_ids)
 
 
 def message_dict(msg: ChatMessage) -> dict[str, Any]:
@@ -142,4 +144,5 @@ def chat_plan(req: ChatCompletionRequest, limits: Limits, request_id: str = "") 
         chat_template_kwargs=dict(req.chat_template_kwargs or {}), add_special_tokens=bool(req.add_special_tokens))
     return Plan("chat", rid, limits.model_name, [submit], n=req.n, stream=req.stream,
                 include_usage=bool(req.stream_options and req.stream_options.include_usage),
-                logprobs=top, prompt_logprobs=req.prompt_logprobs, return_token_ids=req.return_token_ids)
+                logprobs=top, prompt_logprobs=req.prompt_logprobs, return_token_ids=req.return_token_ids,
+                tokens_as_ids=req.return_tokens_as_token_ids)

@@ -1,0 +1,161 @@
+"""The control routes RL frameworks call on a vLLM (or SGLang) server, on parallm's engine.
+
+vLLM 0.31 (`VLLM_SERVER_DEV_MODE=1`, `VLLM_ALLOW_RUNTIME_LORA_UPDATING=1`), as TRL >= 1.11,
+prime-rl 0.8, verifiers and SkyRL call them:
+- POST /pause?mode=abort|keep (query; default abort, as vLLM) -> {"status": "paused"};
+  POST /resume -> {"status": "resumed"}; GET /is_paused -> {"is_paused": bool}
+- GET /server_info -> {"vllm_config": {model_config, lora_config, parallel_config,
+  weight_transfer_config: null}}: TRL reads these to choose its sync path (null = no NCCL engine,
+  so TRL's GRPO server mode stops with its own message; lora_config set, so AsyncGRPO syncs LoRA)
+- GET /get_world_size -> {"world_size": 1}
+- POST /v1/load_lora_adapter {lora_name, lora_path, load_inplace} -> text "Success: ..." (vLLM);
+  POST /load_lora_adapter (prime-rl) and /skyrl/v1/load_lora_adapter (SkyRL) reload the same name
+  in place -> {"status": "ok"}; POST /v1/unload_lora_adapter {lora_name}
+- NCCL weight transfer (/init_weight_transfer_engine, /start_weight_update, /update_weights with
+  update_info, /finish_weight_update; TRL <= 1.10's /init_communicator/, /update_named_param/,
+  /close_communicator/) -> 501 naming what parallm offers instead (adapter publishing).
+A loaded adapter is a new policy version of its name in parallm's registry: `load_inplace` (or the
+prime-rl/SkyRL routes) adds the next version, and sequences move to it at a step boundary.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+import msgspec
+from starlette.requests import Request
+from starlette.responses import PlainTextResponse, Response
+from starlette.routing import Route
+
+from parallm.api.backend import Backend
+from parallm.api.errors import APIError, invalid
+from parallm.api.http import json_response, read_body
+from parallm.config import ServerConfig
+from parallm.protocol import AdapterPublish
+
+PAUSE_MODES = ("abort", "keep")
+MAX_LORA_RANK = 1024
+NO_NCCL = ("{route} is vLLM's NCCL weight transfer, which needs CUDA on both sides; parallm runs on Apple "
+           "silicon. Update the policy with parallm's adapter publishing instead: POST /v1/load_lora_adapter "
+           "{{lora_name, lora_path}} (or /v1/adapters), or a trainer's AdapterPublish over ZeroMQ "
+           "(docs/rl.md, docs/training.md).")
+NCCL_ROUTES = ("/init_weight_transfer_engine", "/start_weight_update", "/finish_weight_update",
+               "/init_communicator/", "/update_named_param/", "/close_communicator/", "/update_weights")
+
+
+class LoadLora(msgspec.Struct, kw_only=True):
+    lora_name: str
+    lora_path: str
+    load_inplace: bool = False
+    is_3d_lora_weight: bool = False
+
+
+class UnloadLora(msgspec.Struct, kw_only=True):
+    lora_name: str
+    lora_int_id: int | None = None
+
+
+def _body(raw: bytes, kind: type) -> Any:
+    try:
+        return msgspec.json.decode(raw or b"{}", type=kind)
+    except msgspec.ValidationError as exc:
+        raise invalid(f"invalid request body: {exc}") from None
+    except msgspec.DecodeError as exc:
+        raise invalid(f"the request body is not valid JSON: {exc}") from None
+
+
+class VllmAdmin:
+    def __init__(self, backend: Backend, server: ServerConfig) -> None:
+        self.backend = backend
+        self.limit = server.max_body_bytes
+        self.paused = False
+
+    # ------------------------------------------------------------------ pause / resume
+    async def pause(self, request: Request) -> Response:
+        await read_body(request, self.limit)
+        mode = request.query_params.get("mode", "abort")
+        if mode not in PAUSE_MODES:
+            raise invalid(f"mode must be abort or keep (got {mode!r}); parallm does not drain ('wait').", "mode")
+        mode_: Literal["keep", "abort"] = "keep" if mode == "keep" else "abort"
+        state = await self.backend.pause(mode_)
+        self.paused = state.paused
+        return json_response({"status": "paused"})
+
+    async def resume(self, request: Request) -> Response:
+        await read_body(request, self.limit)
+        state = await self.backend.resume()
+        self.paused = state.paused
+        return json_response({"status": "resumed"})
+
+    async def is_paused(self, request: Request) -> Response:
+        return json_response({"is_paused": self.paused})
+
+    # ------------------------------------------------------------------ server description
+    async def server_info(self, request: Request) -> Response:
+        adapters = await self.backend.list_adapters()
+        return json_response({"vllm_config": {
+            "model_config": {"model": self.backend.model_name, "served_model_name": self.backend.model_name,
+                             "max_model_len": int(self.backend.max_model_len or 0), "dtype": "auto"},
+            # parallm takes adapters of any rank and keeps every loaded one until it is unloaded
+            "lora_config": {"max_lora_rank": MAX_LORA_RANK, "max_loras": max(64, len(adapters.adapters) + 2)},
+            "parallel_config": {"tensor_parallel_size": 1, "pipeline_parallel_size": 1, "data_parallel_size": 1},
+            "weight_transfer_config": None},
+            "server": "parallm"})
+
+    async def world_size(self, request: Request) -> Response:
+        return json_response({"world_size": 1})
+
+    # ------------------------------------------------------------------ LoRA
+    async def _load(self, name: str, path: str, *, inplace: bool) -> None:
+        if not name or not path:
+            raise invalid("Both 'lora_name' and 'lora_path' must be provided.", "lora_name" if not name else "lora_path")
+        if name == self.backend.model_name:
+            raise invalid(f"The lora adapter name {name!r} is the served model's name.", "lora_name")
+        if not inplace:
+            listed = await self.backend.list_adapters()
+            if any(a.name == name for a in listed.adapters):
+                raise invalid(f"The lora adapter {name!r} has already been loaded (load_inplace: true reloads it).",
+                              "lora_name")
+        await self.backend.load_adapter(AdapterPublish(qid="", reply_to=b"", name=name, path=path))
+
+    async def load_lora(self, request: Request) -> Response:
+        req = _body(await read_body(request, self.limit), LoadLora)
+        await self._load(req.lora_name, req.lora_path, inplace=req.load_inplace)
+        return PlainTextResponse(f"Success: LoRA adapter '{req.lora_name}' added successfully.")
+
+    async def load_lora_inplace(self, request: Request) -> Response:
+        """prime-rl's /load_lora_adapter and SkyRL's /skyrl/v1/load_lora_adapter: the same name reloaded."""
+        req = _body(await read_body(request, self.limit), LoadLora)
+        await self._load(req.lora_name, req.lora_path, inplace=True)
+        return json_response({"status": "ok"})
+
+    async def unload_lora(self, request: Request) -> Response:
+        req = _body(await read_body(request, self.limit), UnloadLora)
+        if not req.lora_name:
+            raise invalid("'lora_name' must be provided.", "lora_name")
+        await self.backend.unload_adapter(req.lora_name)
+        return PlainTextResponse(f"Success: LoRA adapter '{req.lora_name}' removed successfully.")
+
+    # ------------------------------------------------------------------ NCCL weight transfer
+    def no_nccl(self, route: str):
+        async def answer(request: Request) -> Response:
+            await read_body(request, self.limit)
+            raise APIError(501, NO_NCCL.format(route=route), code="not_implemented")
+        return answer
+
+
+def routes(backend: Backend, server: ServerConfig, wrap: Any) -> list[Route]:
+    a = VllmAdmin(backend, server)
+    return [
+        Route("/pause", wrap(a.pause), methods=["POST"]),
+        Route("/resume", wrap(a.resume), methods=["POST"]),
+        Route("/is_paused", wrap(a.is_paused), methods=["GET"]),
+        Route("/server_info", wrap(a.server_info), methods=["GET"]),
+        Route("/get_world_size", wrap(a.world_size), methods=["GET"]),
+        Route("/get_world_size/", wrap(a.world_size), methods=["GET"]),
+        Route("/v1/load_lora_adapter", wrap(a.load_lora), methods=["POST"]),
+        Route("/v1/unload_lora_adapter", wrap(a.unload_lora), methods=["POST"]),
+        Route("/load_lora_adapter", wrap(a.load_lora_inplace), methods=["POST"]),
+        Route("/skyrl/v1/load_lora_adapter", wrap(a.load_lora_inplace), methods=["POST"]),
+        *[Route(path, wrap(a.no_nccl(path)), methods=["POST"]) for path in NCCL_ROUTES],
+    ]
