@@ -268,3 +268,21 @@ def test_atropos_get_logprobs_prompt_logprobs_on_generate():
     assert plp[0] is None
     assert all(isinstance(k, str) and isinstance(v, float) for entry in plp[1:] for k, v in entry.items())
     assert backend.submits[0].spec.params.prompt_logprobs == 2
+
+
+# --------------------------------------------------------------------------- vLLM's LoRA naming on /v1
+
+def test_model_names_a_loaded_adapter_on_the_openai_routes_and_v1_models_lists_it():
+    client, backend = make()
+    assert client.post("/v1/load_lora_adapter", json={"lora_name": "pol-v2", "lora_path": "/ckpt/pol-v2"}).status_code == 200
+    cards = client.get("/v1/models").json()["data"]
+    assert [c["id"] for c in cards] == [MODEL, "pol-v2"] and cards[1]["parent"] == MODEL
+    # TRL AsyncGRPO's rollout worker: model "<lora>-v<N>"
+    r = client.post("/v1/completions", json={"model": "pol-v2", "prompt": [1, 2], "max_tokens": 2,
+                                             "return_token_ids": True, "logprobs": 0})
+    assert r.status_code == 200, r.text
+    assert backend.submits[-1].spec.adapter == "pol-v2"
+    r = client.post("/v1/chat/completions", json={"model": "pol-v2", "messages": [{"role": "user", "content": "x"}]})
+    assert r.status_code == 200 and backend.submits[-1].spec.adapter == "pol-v2"
+    r = client.post("/v1/completions", json={"model": "never-loaded", "prompt": "x"})
+    assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"

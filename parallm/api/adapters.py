@@ -55,9 +55,12 @@ def split_model(model: str | None, base: str) -> tuple[str | None, str]:
 
 
 def adapter_of(model: str | None, adapter: str, base: str) -> str:
-    """The adapter a completion/chat request asks for, from `model: "<base>:<adapter>"` and/or its
-    `adapter` field (they must agree when both are given)."""
+    """The adapter a completion/chat request asks for, from `model: "<base>:<adapter>"` or `model:
+    "<adapter>"` (vLLM's LoRA naming; validation has checked it is loaded) and/or its `adapter` field
+    (they must agree when both are given)."""
     _, from_model = split_model(model, base)
+    if model and model != base and not from_model:
+        from_model = model
     if from_model and adapter and from_model != adapter:
         raise invalid(f"model names adapter {from_model!r} but the adapter field says {adapter!r}", "adapter")
     return adapter or from_model

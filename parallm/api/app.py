@@ -89,7 +89,16 @@ class Routes:
                          max_model_len=int(self.backend.max_model_len or 0) or None)
 
     async def models(self, request: Request) -> Response:
-        return json_response(ModelList(data=[self.card()]))
+        """The served model, then one card per loaded adapter as vLLM lists LoRA adapters: `root` where
+        its latest version was loaded from, `parent` the served model. An engine that cannot answer (down,
+        restarting) leaves the adapters out rather than failing the listing."""
+        try:
+            adapters = (await self.backend.list_adapters()).adapters
+        except BackendError:
+            adapters = []
+        cards = [ModelCard(id=a.name, created=self.created, owned_by="parallm", parent=self.backend.model_name,
+                           root=a.versions[-1].source if a.versions else a.name) for a in adapters]
+        return json_response(ModelList(data=[self.card(), *cards]))
 
     async def model(self, request: Request) -> Response:
         name = request.path_params["model"]

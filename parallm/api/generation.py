@@ -7,6 +7,7 @@ long, a stage down) gets its real HTTP status rather than a 200 stream holding a
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any, Callable
 
 from starlette.requests import Request
@@ -66,15 +67,24 @@ class GenerationRoutes:
         return backend_limits(self.backend, self.server)
 
     async def completions(self, request: Request) -> Response:
-        return await self._serve(request, lambda body: completion_plan(decode(body, CompletionRequest),
-                                                                       self.limits()))
+        return await self._serve(request, lambda body, limits: completion_plan(decode(body, CompletionRequest), limits))
 
     async def chat(self, request: Request) -> Response:
-        return await self._serve(request, lambda body: chat_plan(decode(body, ChatCompletionRequest),
-                                                                 self.limits()))
+        return await self._serve(request, lambda body, limits: chat_plan(decode(body, ChatCompletionRequest), limits))
 
-    async def _serve(self, request: Request, make_plan: Callable[[bytes], Plan]) -> Response:
-        plan = make_plan(await read_body(request, self.server.max_body_bytes))
+    async def _plan(self, body: bytes, make_plan: Callable[[bytes, Limits], Plan]) -> Plan:
+        """The request's Plan; a `model` that is not the served one may name a loaded adapter (vLLM's
+        LoRA convention), so the adapters are listed before it is refused."""
+        try:
+            return make_plan(body, self.limits())
+        except APIError as exc:
+            if exc.code != "model_not_found":
+                raise
+        names = frozenset(a.name for a in (await self.backend.list_adapters()).adapters)
+        return make_plan(body, replace(self.limits(), adapters=names))
+
+    async def _serve(self, request: Request, make_plan: Callable[[bytes, Limits], Plan]) -> Response:
+        plan = await self._plan(await read_body(request, self.server.max_body_bytes), make_plan)
         request.scope[REQUEST_ID] = plan.id
         self.gate.enter()
         handed_off = False

@@ -32,6 +32,7 @@ class Limits:
     max_output_tokens: int = 0      # largest max_tokens accepted; 0: the context length
     default_max_tokens: int = 256   # max_tokens when a request gives none
     max_n: int = 64                 # samples per prompt: the engine's max_num_seqs (its rows)
+    adapters: frozenset[str] = frozenset()  # loaded adapter names, also accepted as `model` (vLLM's LoRA naming)
 
     @property
     def output_cap(self) -> int:
@@ -101,7 +102,8 @@ def check_n(n: int, n_prompts: int, limits: Limits) -> None:
 
 
 def check_model(model: str | None, limits: Limits) -> None:
-    if model is not None and model != limits.model_name and not model.startswith(limits.model_name + ":"):
+    if model is not None and model != limits.model_name and not model.startswith(limits.model_name + ":") \
+            and model not in limits.adapters:
         raise model_not_found(model)
 
 

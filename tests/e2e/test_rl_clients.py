@@ -107,6 +107,12 @@ def test_vllm_lora_api_selects_the_adapter_by_model(http, raw, tmp_path):
         assert c["versions"] and c["versions"][0][1] >= 1
         [ref] = raw.generate(PROMPT, _greedy(6), adapter=name)
         assert c["token_ids"] == ref.token_ids
+        cards = {m["id"]: m for m in http.get("/v1/models").json()["data"]}
+        assert cards[name]["parent"] == http.get("/v1/models").json()["data"][0]["id"]
+        # TRL AsyncGRPO's rollout worker names the adapter as its model on /v1/completions
+        r = http.post("/v1/completions", json={"model": name, "prompt": PROMPT, "max_tokens": 6, "temperature": 0.0,
+                                               "ignore_eos": True, "return_token_ids": True})
+        assert r.status_code == 200 and r.json()["choices"][0]["token_ids"] == ref.token_ids, r.text
     finally:
         assert http.post("/v1/unload_lora_adapter", json={"lora_name": name}).status_code == 200
     r = http.post("/inference/v1/generate", json={"model": name, "token_ids": PROMPT})
