@@ -1,0 +1,288 @@
+"""Tensor parallelism: one engine as a group of ranks over MLX's own distributed layer.
+
+Every rank loads the model, shards it with mlx-lm's `model.shard(group)` (each rank keeps a slice
+of the attention heads and MLP columns; the layers' `sharded-to-all` projections all-sum their
+outputs) and builds the same `Engine`. Rank 0 serves: the engine stage wraps its engine in a
+`Leader`, which records every call that changes the engine's state (a request added, an abort,
+an adapter loaded, a step, ...) and, before each step, broadcasts the calls since the last one
+with `mx.distributed.all_sum` (the other ranks contribute zeros). The other ranks run `follow`:
+they replay the same calls on their own engine, so every rank schedules the same plan and runs the
+same passes in lockstep. The scheduler's clock (priority aging) is rank 0's, sent with each call.
+
+Sampling runs on every rank, on the same logits: the all-sum leaves identical logits on every
+rank, and a row's sampler is seeded by its request, so each rank draws the same tokens without a
+per-step broadcast of them (what mlx-lm's server does too); only rank 0's outputs leave the
+process. Each broadcast carries a digest of rank 0's state after its previous step, which a
+follower compares with its own: a rank that diverged exits, and the supervisor restarts the group.
+
+Nothing here waits forever on its own: a dead rank ends the group's collectives with an error or
+leaves them blocked, and the supervisor, which watches every rank's process and rank 0's
+heartbeats, kills and restarts the whole group (docs/operations.md, "More than one device").
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import struct
+import time
+from typing import Any, Callable
+
+import mlx.core as mx
+import mlx.nn as nn
+import msgspec
+
+from parallm.protocol import RequestSpec
+
+from .request import Request
+
+log = logging.getLogger("parallm.engine.distributed")
+
+HEADER_BYTES = 4096  # the first all-sum of a broadcast: 8 bytes of length, then the payload if it fits
+
+
+class TensorParallelError(RuntimeError):
+    """The group cannot be formed, the model cannot be sharded, or the ranks diverged."""
+
+
+# ------------------------------------------------------------------ the group
+
+def rank_from_env() -> int:
+    """This process's rank as MLX's launchers set it (MLX_RANK; 0 when unset)."""
+    try:
+        return int(os.environ.get("MLX_RANK", "0"))
+    except ValueError:
+        raise TensorParallelError(f"MLX_RANK={os.environ['MLX_RANK']!r} is not an integer") from None
+
+
+def join(size: int, backend: str = "any") -> mx.distributed.Group:
+    """Join the group of `size` ranks that the launcher (parallm's supervisor or `mlx.launch`) set up
+    in this process's environment; raises TensorParallelError when it is not that group."""
+    try:
+        group = mx.distributed.init(strict=True, backend=backend)
+    except RuntimeError as exc:
+        raise TensorParallelError(f"cannot join the {backend} group of {size} ranks: {exc}") from None
+    if group.size() != size:
+        raise TensorParallelError(f"engine.tensor_parallel is {size} but MLX's {backend} group has "
+                                  f"{group.size()} rank(s)")
+    return group
+
+
+def broadcast(group: mx.distributed.Group, payload: bytes | None = None) -> bytes:
+    """Rank 0's `payload` on every rank (the others pass None): an all-sum to which only rank 0
+    contributes, one collective for a payload under HEADER_BYTES, two past it."""
+    head = bytearray(HEADER_BYTES)
+    if group.rank() == 0:
+        data = payload or b""
+        head[:8] = struct.pack("<Q", len(data))
+        inline = data[:HEADER_BYTES - 8]
+        head[8:8 + len(inline)] = inline
+    got = mx.distributed.all_sum(mx.array(memoryview(head), dtype=mx.uint8), group=group)
+    got_bytes = bytes(memoryview(got))
+    n = struct.unpack("<Q", got_bytes[:8])[0]
+    if n <= HEADER_BYTES - 8:
+        return got_bytes[8:8 + n]
+    rest = n - (HEADER_BYTES - 8)
+    tail = mx.zeros((rest,), dtype=mx.uint8)
+    if group.rank() == 0:
+        tail = mx.array(memoryview(payload[HEADER_BYTES - 8:]), dtype=mx.uint8)
+    tail = mx.distributed.all_sum(tail, group=group)
+    return got_bytes[8:] + bytes(memoryview(tail))
+
+
+def agree_min(group: mx.distributed.Group, value: float) -> float:
+    """The smallest of every rank's `value` (e.g. the KV budget each rank's free memory allows)."""
+    gathered = mx.distributed.all_gather(mx.array([value], dtype=mx.float32), group=group)
+    return float(mx.min(gathered).item())
+
+
+# ------------------------------------------------------------------ sharding
+
+def shard_refusal(model: nn.Module, size: int) -> str | None:
+    """Why mlx-lm cannot shard `model` over `size` ranks, or None when it can."""
+    model_type = getattr(getattr(model, "args", None), "model_type", type(model).__module__.rsplit(".", 1)[-1])
+    if not callable(getattr(model, "shard", None)):
+        return (f"mlx-lm's {model_type!r} model has no shard() method, so it cannot run tensor-parallel; "
+                "serve it with engine.tensor_parallel=1 (or engine replicas)")
+    args = getattr(model, "args", None)
+    for field in ("num_attention_heads", "num_key_value_heads", "intermediate_size"):
+        value = getattr(args, field, None)
+        if isinstance(value, int) and value % size:
+            return (f"the {model_type!r} model's {field} ({value}) is not divisible by engine.tensor_parallel "
+                    f"({size}); choose a tensor-parallel size that divides it")
+    return None
+
+
+def shard_model(model: nn.Module, group: mx.distributed.Group) -> None:
+    """Shard `model` in place over `group` with mlx-lm's own `shard` (refused with TensorParallelError
+    where the model has none or its heads do not split evenly)."""
+    reason = shard_refusal(model, group.size())
+    if reason is not None:
+        raise TensorParallelError(reason)
+    model.shard(group)
+    mx.eval(model.parameters())
+
+
+# ------------------------------------------------------------------ the calls rank 0 broadcasts
+
+class Call(msgspec.Struct, array_like=True):
+    """One engine call: its name, rank 0's clock when it was made, and its arguments."""
+
+    method: str
+    now: float
+    args: list[Any] = []
+    kwargs: dict[str, Any] = {}
+
+
+class Batch(msgspec.Struct, array_like=True):
+    """What rank 0 broadcasts before a step: the calls since the last broadcast (the step last) and
+    the digest of its state after the previous step."""
+
+    calls: list[Call]
+    digest: int
+
+
+_encoder = msgspec.msgpack.Encoder()
+_decoder = msgspec.msgpack.Decoder(Batch)
+
+
+def state_digest(engine) -> int:
+    """A cheap fingerprint of what the scheduler decided so far: equal on ranks that agree."""
+    s = engine.scheduler
+    key = (engine._steps, len(s.waiting), tuple((q.seq_id, q.num_computed, q.num_tokens) for q in s.running),
+           tuple((q.seq_id, q.num_computed) for q in s.prefilling))
+    return hash(key) & 0x7FFFFFFFFFFFFFFF
+
+
+class Leader:
+    """Rank 0's engine: the real `Engine`, with every state-changing call recorded and broadcast to
+    the other ranks before each step (module docstring). Reads (stats, has_work, ...) pass through."""
+
+    def __init__(self, engine, group: mx.distributed.Group) -> None:
+        self._engine = engine
+        self._group = group
+        self._pending: list[Call] = []
+        self._now = time.monotonic()
+        self._digest = state_digest(engine)
+        engine.scheduler.policy.clock = lambda: self._now
+        self.adapters = _RecordingAdapters(engine.adapters, self._record)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._engine, name)
+
+    @property
+    def group(self) -> mx.distributed.Group:
+        return self._group
+
+    def _record(self, method: str, *args: Any, run: Callable[[], Any] | None = None, **kwargs: Any) -> Any:
+        """Run the call here (`run`, else the engine's method of that name); if it raised nothing,
+        queue it for the others."""
+        self._now = time.monotonic()
+        result = run() if run is not None else getattr(self._engine, method)(*args, **kwargs)
+        self._pending.append(Call(method, self._now, list(args), kwargs))
+        return result
+
+    def _sync(self, method: str, *args: Any, **kwargs: Any) -> Any:
+        """Broadcast the pending calls and this one, then run it here (the others do the same)."""
+        self._now = time.monotonic()
+        self._pending.append(Call(method, self._now))
+        batch, self._pending = Batch(self._pending, self._digest), []
+        broadcast(self._group, _encoder.encode(batch))
+        result = getattr(self._engine, method)(*args, **kwargs)
+        self._digest = state_digest(self._engine)
+        return result
+
+    # the calls that change the engine's state
+    def add_request(self, request: Request) -> None:
+        self._record("add_request", request.rid, list(request.prompt_ids), _encoder.encode(request.spec),
+                     run=lambda: self._engine.add_request(request))
+
+    def abort(self, rid: str, reason: str = "abort", index: int | None = None) -> bool:
+        return self._record("abort", rid, reason, index)
+
+    def add_score(self, qid: str, ids, start: int = 1, top_logprobs: int = 0, adapter: str = "",
+                  adapter_version: int = 0) -> None:
+        self._record("add_score", qid, [int(t) for t in ids], start, top_logprobs, adapter, adapter_version)
+
+    def load_adapter(self, name: str, *, config: dict | None = None, weights: bytes | dict | None = None,
+                     path: str = "", format: str = "auto", version: int = 0):
+        if isinstance(weights, dict):
+            raise TensorParallelError("a tensor-parallel engine takes adapter weights as safetensors bytes or a "
+                                      "path (every rank loads the same), not a dict of arrays")
+        return self._record("load_adapter", name, config=config, weights=weights, path=path, format=format,
+                            version=version)
+
+    def unload_adapter(self, name: str) -> int:
+        return self._record("unload_adapter", name)
+
+    def follow_latest(self) -> int:
+        return self._record("follow_latest")
+
+    def step(self, emit: Callable | None = None) -> list:
+        return self._sync("step", emit=emit)
+
+    def flush(self) -> list:
+        return self._sync("flush")
+
+    def score(self, *args: Any, **kwargs: Any):
+        raise TensorParallelError("Engine.score steps on its own; a tensor-parallel engine takes add_score "
+                                  "and step()")
+
+    def close(self) -> None:
+        """Tell the other ranks to return from `follow` (the stage is shutting down)."""
+        self._pending.append(Call("stop", time.monotonic()))
+        batch, self._pending = Batch(self._pending, self._digest), []
+        broadcast(self._group, _encoder.encode(batch))
+
+
+class _RecordingAdapters:
+    """`engine.adapters` on rank 0: `set_default` is recorded like the engine's calls."""
+
+    def __init__(self, adapters, record: Callable[..., Any]) -> None:
+        self._adapters = adapters
+        self._record = record
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._adapters, name)
+
+    def set_default(self, name: str) -> None:
+        self._record("set_default", name, run=lambda: self._adapters.set_default(name))
+
+
+def _replay(engine, call: Call) -> None:
+    if call.method == "add_request":
+        rid, prompt_ids, spec = call.args
+        engine.add_request(Request(rid, prompt_ids, msgspec.msgpack.decode(spec, type=RequestSpec)))
+    elif call.method == "set_default":
+        engine.adapters.set_default(*call.args)
+    elif call.method in ("abort", "add_score", "load_adapter", "unload_adapter", "follow_latest", "step", "flush"):
+        getattr(engine, call.method)(*call.args, **call.kwargs)
+    else:
+        raise TensorParallelError(f"rank 0 sent an unknown call {call.method!r}")
+
+
+def freeze_clock(engine) -> None:
+    """A clock that stands still, for the warm-up every rank runs on its own before serving: its
+    passes (and their collectives) must have the same shapes on every rank."""
+    engine.scheduler.policy.clock = lambda: 0.0
+
+
+def follow(engine, group: mx.distributed.Group) -> int:
+    """A rank other than 0: replay rank 0's calls on this rank's engine until it says stop. Returns
+    0 then; raises TensorParallelError when this rank's state no longer matches rank 0's."""
+    now = time.monotonic()
+    engine.scheduler.policy.clock = lambda: now
+    digest = state_digest(engine)
+    log.info("rank %d of %d follows rank 0", group.rank(), group.size())
+    while True:
+        batch = _decoder.decode(broadcast(group))
+        if batch.digest != digest:
+            raise TensorParallelError(f"rank {group.rank()} diverged from rank 0 (state digest {digest} vs "
+                                      f"{batch.digest}); the group must restart")
+        for call in batch.calls:
+            if call.method == "stop":
+                return 0
+            now = call.now
+            _replay(engine, call)
+            if call.method in ("step", "flush"):
+                digest = state_digest(engine)

@@ -1,0 +1,118 @@
+"""Tensor parallelism (parallm/engine/distributed.py): a 2-rank group on MLX's ring backend, on this
+CPU, against the single-rank engine. The ranks are real processes (this file run as a script) that
+join through the same environment the supervisor gives them (launch/group.py)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import mlx.core as mx
+import pytest
+from mlx_lm.models import llama
+
+from parallm.launch.group import rank_env, write_ring_hostfile
+from parallm.engine.distributed import Batch, Call, TensorParallelError, broadcast, shard_model, shard_refusal
+from parallm.protocol import SamplingParams
+from tests._engine_helpers import greedy, make_engine, req, run_all, tiny_model
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def workload() -> list:
+    """A batch of greedy prompts of different lengths (one past a prefix-cache block, one n=2), and a
+    seeded sampled one: every rank must draw the same tokens."""
+    prompts = [[(7 * i + 3 * j) % 97 + 1 for j in range(n)] for i, n in enumerate((5, 19, 40, 3))]
+    requests = [req(f"g{i}", p, greedy(12)) for i, p in enumerate(prompts)]
+    requests.append(req("n2", prompts[1], greedy(6), n=2))
+    requests.append(req("s", prompts[2], SamplingParams(temperature=0.8, top_p=0.9, max_tokens=10, seed=5)))
+    return requests
+
+
+def tokens(results: dict) -> dict[str, list[int]]:
+    return {f"{rid}/{index}": d["tokens"] for (rid, index), d in sorted(results.items())}
+
+
+def rank_main(out: str) -> int:
+    """One rank: shard the tiny model, build the engine, warm up, then serve (rank 0, through the
+    Leader, writing what it produced to `out`) or follow."""
+    from parallm.engine import distributed
+
+    group = distributed.join(int(os.environ["TP_SIZE"]), backend="ring")
+    model = tiny_model("llama")
+    shard_model(model, group)
+    engine = make_engine(model)
+    distributed.freeze_clock(engine)
+    engine.warm_up()
+    if group.rank() > 0:
+        return distributed.follow(engine, group)
+    leader = distributed.Leader(engine, group)
+    results = run_all(leader, workload())
+    leader.close()
+    Path(out).write_text(json.dumps(tokens(results)))
+    return 0
+
+
+def launch_group(tmp_path: Path, ranks: int, out: Path) -> list[subprocess.Popen]:
+    hostfile = write_ring_hostfile(tmp_path / "ring.json", ranks)
+    env = {**os.environ, "TP_SIZE": str(ranks), "PYTHONPATH": str(ROOT)}
+    return [subprocess.Popen([sys.executable, __file__, str(out)], env=rank_env(env, r, hostfile), cwd=ROOT)
+            for r in range(ranks)]
+
+
+def test_two_ring_ranks_match_the_single_rank_engine(tmp_path):
+    out = tmp_path / "tokens.json"
+    procs = launch_group(tmp_path, 2, out)
+    try:
+        codes = [p.wait(timeout=240) for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    assert codes == [0, 0]
+    engine = make_engine(tiny_model("llama"))
+    want = tokens(run_all(engine, workload()))
+    got = json.loads(out.read_text())
+    assert got == want
+    assert len(got) == 7 and all(len(t) >= 6 for t in got.values())
+
+
+def test_a_model_whose_heads_do_not_split_is_refused():
+    args = dict(model_type="llama", hidden_size=72, num_hidden_layers=1, intermediate_size=96,
+                num_attention_heads=9, num_key_value_heads=3, rms_norm_eps=1e-5, vocab_size=50)
+    model = llama.Model(llama.ModelArgs(**args))  # the default model's 9 query / 3 KV heads
+    reason = shard_refusal(model, 2)
+    assert reason is not None and "num_attention_heads (9)" in reason and "not divisible" in reason
+    assert shard_refusal(model, 3) is None
+
+
+def test_a_model_without_shard_is_refused():
+    class NoShard(llama.Model):
+        shard = None
+
+    model = NoShard(llama.ModelArgs(model_type="llama", hidden_size=16, num_hidden_layers=1, intermediate_size=32,
+                                    num_attention_heads=2, num_key_value_heads=2, rms_norm_eps=1e-5, vocab_size=10))
+    with pytest.raises(TensorParallelError, match="no shard\\(\\) method"):
+        shard_model(model, mx.distributed.init())
+
+
+def test_broadcast_on_a_single_rank_returns_the_payload():
+    group = mx.distributed.init()
+    big = bytes(range(256)) * 40  # past the inline header: two collectives
+    assert broadcast(group, b"hello") == b"hello"
+    assert broadcast(group, big) == big
+    assert broadcast(group, b"") == b""
+
+
+def test_calls_round_trip():
+    import msgspec
+
+    batch = Batch([Call("add_request", 1.5, ["r", [1, 2], b"\x80"]), Call("step", 2.0)], digest=7)
+    assert msgspec.msgpack.decode(msgspec.msgpack.encode(batch), type=Batch) == batch
+
+
+if __name__ == "__main__":
+    sys.exit(rank_main(sys.argv[1]))
