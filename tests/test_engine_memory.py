@@ -1,13 +1,13 @@
 """Device memory: a resize that runs out of memory is retried with MLX's buffer cache freed (the
-H100 c=256 engine failure of issue 24 was cudaMallocAsync failing in LiveKV.resize), and the buffer
-cache is bounded on a GPU."""
+H100 c=256 engine failure of issue 24 was cudaMallocAsync failing in LiveKV.resize), and
+engine.buffer_cache_mb bounds MLX's buffer cache."""
 
 import mlx.core as mx
 import pytest
 
 from parallm.engine import make_request
 from parallm.engine.cache import LayerShape, LiveKV
-from parallm.engine.memory import GPU_BUFFER_CACHE_BYTES, is_out_of_memory, limit_buffer_cache, retry_out_of_memory
+from parallm.engine.memory import is_out_of_memory, limit_buffer_cache, retry_out_of_memory
 
 from _engine_helpers import greedy, make_engine, reference_greedy, run_all, tiny_model
 
@@ -79,12 +79,12 @@ def test_an_engine_whose_resize_runs_out_of_memory_once_serves_every_request(eng
     assert {rid: r["tokens"] for (rid, _), r in results.items()} == expected
 
 
-def test_the_buffer_cache_is_bounded_on_a_gpu_only():
+def test_engine_buffer_cache_mb_bounds_mlx_buffer_cache():
     previous = mx.set_cache_limit(123 << 20)
     try:
-        limit_buffer_cache(on_cpu=True)
+        limit_buffer_cache(None)
         assert mx.set_cache_limit(123 << 20) == 123 << 20
-        limit_buffer_cache(on_cpu=False)
-        assert mx.set_cache_limit(123 << 20) == GPU_BUFFER_CACHE_BYTES
+        make_engine(tiny_model("llama"), buffer_cache_mb=64)
+        assert mx.set_cache_limit(123 << 20) == 64 << 20
     finally:
         mx.set_cache_limit(previous)

@@ -29,8 +29,6 @@ import mlx.core as mx
 
 from .memory import retry_out_of_memory
 
-RETURN_FREED_BYTES = 256 << 20  # a resize that frees this much returns it to the device
-
 
 @runtime_checkable
 class KVCacheProtocol(Protocol):
@@ -267,11 +265,8 @@ class LiveKV:
             mx.eval(new_k, new_v)
             return new_k, new_v
 
-        old_bytes = self.nbytes
         self.keys, self.values = retry_out_of_memory(allocate)  # the old buffers are freed now
         self.rows, self.capacity = rows, capacity
-        if old_bytes >= RETURN_FREED_BYTES:
-            mx.clear_cache()  # to the device, not kept for a later size that rarely matches
 
     def copy_rows(self, pairs: list[tuple[int, int]], ntokens: int) -> None:
         """Row dst := row src (positions [0, ntokens)) for every (src, dst), reading all sources

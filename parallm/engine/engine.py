@@ -41,8 +41,8 @@ class Engine:
         setting left unset is resolved here, once, and reported in stats (`settings`)."""
         self.model = model.module
         on_cpu = mx.default_device() == mx.cpu
-        limit_buffer_cache(on_cpu)
         settings = resolve_engine_config(config.engine, on_cpu)
+        limit_buffer_cache(settings.buffer_cache_mb)
         info = check_model(self.model)
         self.model_type = info.model_type
         self.vocab_size = model.resolved_vocab_size()

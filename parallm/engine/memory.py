@@ -11,7 +11,6 @@ import mlx.core as mx
 
 log = logging.getLogger("parallm.engine")
 T = TypeVar("T")
-GPU_BUFFER_CACHE_BYTES = 2 << 30
 OUT_OF_MEMORY = ("out of memory", "Insufficient Memory", "OutOfMemory")
 
 AUTO_BUDGET_FRACTION = 0.35
@@ -42,15 +41,14 @@ def auto_kv_budget_bytes() -> int:
     return max(64 << 20, min(int(avail * AUTO_BUDGET_FRACTION), AUTO_BUDGET_CAP))
 
 
-def limit_buffer_cache(on_cpu: bool) -> None:
-    """On a GPU, cap the memory MLX keeps in its cache of freed buffers (GPU_BUFFER_CACHE_BYTES).
-
-    Unbounded, the cache kept every KV buffer a resize left behind (GBs at 256 rows, rarely reused at
-    another size) beside the live ones; with other processes on the device, a resize at c=256 then
-    failed in cudaMallocAsync and took the engine down with 256 requests (issue 24). A step's
-    transient buffers (activations, logits) fit well within the cap, so they are still reused."""
-    if not on_cpu:
-        mx.set_cache_limit(GPU_BUFFER_CACHE_BYTES)
+def limit_buffer_cache(limit_mb: float | None) -> None:
+    """Cap the memory MLX keeps in its cache of freed buffers (engine.buffer_cache_mb); unset keeps
+    MLX's own limit, which on a GPU is most of its memory: alone on the device that costs nothing,
+    beside other processes it can run the device out (a resize that does is retried with the cache
+    freed, see retry_out_of_memory). The H100 c=256 runs ran at half the throughput with a 2 GiB cap
+    (perf/results/stress-waves-llama-3.2-3b-h100.json), so none is set by default."""
+    if limit_mb is not None:
+        mx.set_cache_limit(int(limit_mb * (1 << 20)))
 
 
 def is_out_of_memory(exc: BaseException) -> bool:
