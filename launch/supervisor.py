@@ -25,6 +25,7 @@ from parallm import protocol
 from parallm.config import Config
 from parallm.transport import Receiver, Sender, addresses, open_socket
 
+from .group import Followers
 from .process import StageProcess, StageSpec
 from .rundir import RunDir
 
@@ -81,6 +82,7 @@ class Supervisor:
         self._run_dir: RunDir | None = None
         self._stop_requested = 0
         self._draining_until: float | None = None
+        self.groups: dict[int, Followers] = {}  # engine replica -> its ranks > 0 (engine.tensor_parallel > 1)
 
     # ------------------------------------------------------------------ setup
     def _prepare(self) -> None:
@@ -113,6 +115,8 @@ class Supervisor:
     def _specs(self) -> list[StageSpec]:
         engine_env = engine_environment(self.config)
         specs = [StageSpec("detokenizer"), StageSpec("engine", env=engine_env)]
+        if self.config.engine.tensor_parallel > 1:
+            self.groups[0] = Followers(self.config.engine.tensor_parallel, 0, engine_env, self.run_dir)
         specs += [StageSpec("tokenizer", replica=i) for i in range(self.config.tokenizer.replicas)]
         specs.append(StageSpec("ingress"))
         if self.config.trainer.enabled:
@@ -166,8 +170,28 @@ class Supervisor:
     def _on_signal(self, signum: int, frame) -> None:
         self._stop_requested += 1
 
+    def _launch(self, stage: StageProcess) -> None:
+        """Start a stage; an engine that is a tensor-parallel group starts as all of its ranks."""
+        group = self.groups.get(stage.spec.replica) if stage.spec.name == "engine" else None
+        if group is not None:
+            stage.spec.env = group.prepare()
+        json_logs = self.config.log_format == "json"
+        stage.start(self.config_bytes, self._parent_read, self.log_out, json_logs)
+        if group is not None:
+            group.start(self.config_bytes, self._parent_read, self.log_out, json_logs)
+
+    def _alive(self, stage: StageProcess) -> bool:
+        """The stage's process runs (for a tensor-parallel engine: every rank's)."""
+        group = self.groups.get(stage.spec.replica) if stage.spec.name == "engine" else None
+        rank = group.dead() if group is not None else None
+        if rank is not None:
+            log.error("%s rank %d exited with code %s: the group restarts", stage.spec.label, rank,
+                      group.exit_code(rank))
+            return False
+        return stage.alive()
+
     def _start_and_wait(self, stage: StageProcess) -> None:
-        stage.start(self.config_bytes, self._parent_read, self.log_out, self.config.log_format == "json")
+        self._launch(stage)
         deadline = time.monotonic() + self.config.supervisor.ready_timeout_s
         while time.monotonic() < deadline:
             if self._stop_requested:
@@ -177,7 +201,7 @@ class Supervisor:
                 self._handle(message)
                 if stage.ready:
                     return
-            if not stage.alive():
+            if not self._alive(stage):
                 raise StartupError(f"stage {stage.spec.label} exited with code {stage.exit_code()} during "
                                    "startup (its log is above)")
         raise StartupError(f"stage {stage.spec.label} did not report READY within "
@@ -232,7 +256,7 @@ class Supervisor:
                     if now >= stage.next_restart_at and self._draining_until is None:
                         self._restart(stage)
                     continue
-                dead = not stage.alive()
+                dead = not self._alive(stage)
                 if dead and stage.spec.name in OFF_PATH and stage.exit_code() == 0:
                     log.info("%s finished", stage.spec.label)
                     stage.finished = True
@@ -250,6 +274,8 @@ class Supervisor:
     def _declare_dead(self, stage: StageProcess, why: str) -> None:
         log.error("%s %s; restarting", stage.spec.label, why)
         stage.kill()
+        if stage.spec.name == "engine" and stage.spec.replica in self.groups:
+            self.groups[stage.spec.replica].kill()
         stage.proc = None
         stage.ready = False
         now = time.monotonic()
@@ -266,7 +292,7 @@ class Supervisor:
 
     def _restart(self, stage: StageProcess) -> None:
         log.info("starting %s again (restart %d)", stage.spec.label, stage.restarts)
-        stage.start(self.config_bytes, self._parent_read, self.log_out, self.config.log_format == "json")
+        self._launch(stage)
 
     # ------------------------------------------------------------------ drain / stop
     def _begin_drain(self) -> None:
@@ -295,6 +321,8 @@ class Supervisor:
         deadline = time.monotonic() + 5.0
         for stage in reversed(self.stages):
             stage.terminate(max(0.1, deadline - time.monotonic()))
+        for group in self.groups.values():  # rank 0 told them to stop as it exited
+            group.terminate(max(0.1, deadline - time.monotonic()))
         os.close(self._parent_write)
         os.close(self._parent_read)
         self.inbox.close()

@@ -76,6 +76,9 @@ class EngineConfig(Struct, frozen=True, kw_only=True, forbid_unknown_fields=True
     priority_aging_s: Annotated[float, _d("a waiting request's priority improves by one level per this many seconds "
                                           "of waiting, so low-priority work is never starved; 0 = strict "
                                           "priority")] = 10.0
+    tensor_parallel: Annotated[int, _d("ranks the engine runs as, each holding a shard of the model (mx.distributed: "
+                                       "the ring backend on CPUs, NCCL on CUDA GPUs, one GPU per rank); 1 = one "
+                                       "process")] = 1
 
 
 def auto_prefill_tokens(on_cpu: bool, mixed: bool) -> int:
@@ -486,6 +489,8 @@ def _check(config: Config) -> None:
         problems.append("adapters.history must be >= 1")
     if config.engine.block_size < 1:
         problems.append("engine.block_size must be >= 1")
+    if config.engine.tensor_parallel < 1:
+        problems.append("engine.tensor_parallel must be >= 1")
     if config.tokenizer.replicas < 1:
         problems.append("tokenizer.replicas must be >= 1")
     if config.transport.max_message_mb < 1:

@@ -55,6 +55,13 @@ def rank_from_env() -> int:
         raise TensorParallelError(f"MLX_RANK={os.environ['MLX_RANK']!r} is not an integer") from None
 
 
+def default_backend() -> str:
+    """NCCL where MLX computes on CUDA GPUs and has it, else the ring backend (CPUs, Thunderbolt)."""
+    if mx.cuda.is_available() and mx.distributed.is_available("nccl"):
+        return "nccl"
+    return "ring"
+
+
 def join(size: int, backend: str = "any") -> mx.distributed.Group:
     """Join the group of `size` ranks that the launcher (parallm's supervisor or `mlx.launch`) set up
     in this process's environment; raises TensorParallelError when it is not that group."""
@@ -259,6 +266,35 @@ def _replay(engine, call: Call) -> None:
         getattr(engine, call.method)(*call.args, **call.kwargs)
     else:
         raise TensorParallelError(f"rank 0 sent an unknown call {call.method!r}")
+
+
+def agreed_config(config, group: mx.distributed.Group):
+    """`config` with the KV budget every rank can hold (the smallest of theirs), so that every rank
+    plans with the same number of token slots."""
+    import msgspec.structs
+
+    from .memory import auto_kv_budget_bytes
+
+    mb = config.engine.kv_budget_mb or auto_kv_budget_bytes() / (1 << 20)
+    engine = msgspec.structs.replace(config.engine, kv_budget_mb=agree_min(group, mb))
+    return msgspec.structs.replace(config, engine=engine)
+
+
+def follower_main(config) -> int:
+    """Rank > 0 of the engine stage: join the group, load and shard the model, build the engine as
+    rank 0 does, and follow it. A failure exits non-zero, which makes the supervisor restart the group."""
+    from parallm.models import load_model
+
+    from .engine import Engine
+    from .model import EngineModel
+
+    group = join(config.engine.tensor_parallel, default_backend())
+    loaded = load_model(config.model)
+    shard_model(loaded.model, group)
+    engine = Engine(EngineModel.of(loaded), agreed_config(config, group))
+    freeze_clock(engine)
+    engine.warm_up()
+    return follow(engine, group)
 
 
 def freeze_clock(engine) -> None:
