@@ -32,6 +32,7 @@ import mlx.core as mx
 import mlx.nn as nn
 import msgspec
 
+from parallm.adapters import AdapterError
 from parallm.protocol import RequestSpec
 
 from .request import Request
@@ -213,6 +214,13 @@ class Leader:
 
     def load_adapter(self, name: str, *, config: dict | None = None, weights: bytes | dict | None = None,
                      path: str = "", format: str = "auto", version: int = 0):
+        """Refused for now: mlx-lm's sharded layers (AllToShardedLinear, ShardedToAllLinear) take no
+        LoRA, and a LoRA's B (or A) must be sliced like the layer it adapts on every rank. The call
+        is recorded like the others, so the replay path is ready for when they do."""
+        if self._group.size() > 1:
+            raise AdapterError(f"adapters are not supported on a tensor-parallel engine yet (engine.tensor_parallel="
+                               f"{self._group.size()}): mlx-lm's sharded layers take no LoRA; serve adapters with "
+                               "engine.tensor_parallel=1 or engine replicas", status=400, code="unsupported_adapter")
         if isinstance(weights, dict):
             raise TensorParallelError("a tensor-parallel engine takes adapter weights as safetensors bytes or a "
                                       "path (every rank loads the same), not a dict of arrays")
@@ -224,6 +232,11 @@ class Leader:
 
     def follow_latest(self) -> int:
         return self._record("follow_latest")
+
+    def update_weights(self, *args: Any, **kwargs: Any):
+        """Refused: new base weights would have to be sliced for each rank's shard (mlx-lm's shard()
+        slices at load time only), and rank 0 alone must not change its weights."""
+        raise TensorParallelError("full-weight updates are not supported on a tensor-parallel engine yet")
 
     def step(self, emit: Callable | None = None) -> list:
         return self._sync("step", emit=emit)
