@@ -116,7 +116,10 @@ class Supervisor:
         engine_env = engine_environment(self.config)
         specs = [StageSpec("detokenizer"), StageSpec("engine", env=engine_env)]
         if self.config.engine.tensor_parallel > 1:
-            self.groups[0] = Followers(self.config.engine.tensor_parallel, 0, engine_env, self.run_dir)
+            from parallm.engine.distributed import default_backend
+
+            self.groups[0] = Followers(self.config.engine.tensor_parallel, 0, engine_env, self.run_dir,
+                                       default_backend())
         specs += [StageSpec("tokenizer", replica=i) for i in range(self.config.tokenizer.replicas)]
         specs.append(StageSpec("ingress"))
         if self.config.trainer.enabled:

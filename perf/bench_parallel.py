@@ -1,0 +1,104 @@
+"""Tensor-parallel serving against one engine process, over HTTP (parallm-launch, perf/harness.py).
+
+For each `--tp` size, a fresh server (`--engine.tensor-parallel N`) on a random-weight model of a
+perf.bench_gpu shape with the default model's tokenizer, then a closed loop of streaming requests
+at each `--concurrency` (perf/loadgen.py: every request runs its full length). Reports output
+tokens/s, TTFT and ITL percentiles per (tp, concurrency), and each size's speed-up over the first.
+
+On the 2-core CPU (ring backend, two local ranks; a smoke run, the CPU has no spare cores for a
+second rank to speed anything up):
+
+    python -m perf.bench_parallel --shape tiny --tp 1,2 --concurrency 1,8 --max-tokens 32 --requests 16
+
+On two H100s (`nvidia-h100-x2`, NCCL, one GPU per rank; NCCL_NVLS_ENABLE=0 is set for every rank),
+after the wheels of /work/shared/GPU.md (mlx, mlx-cuda-13, mlx-lm, starlette, uvicorn, pyzmq, msgspec,
+python-multipart, gguf):
+
+    source .gpu/b/install.sh && python3 -m perf.bench_parallel --shape llama-3.2-3b --tp 1,2 \\
+        --concurrency 1,64 --max-tokens 128 --requests 128 --tokenizer-dir TOKDIR --client-procs 4 && \\
+    python3 -m perf.bench_parallel --shape qwen3-8b --tp 1,2 \\
+        --concurrency 1,64 --max-tokens 128 --requests 128 --tokenizer-dir TOKDIR --client-procs 4
+
+(TOKDIR: the default model's tokenizer files, carried over as perf/bench_serving.py's --shape runs do.)
+Measured on the 2-core CPU (tiny shape, 32 tokens, ring): tp=1 70 / 317 tok/s at c=1 / 8, tp=2 9.5 / 43
+tok/s: two ranks share two cores with the other stages, and each layer's two all-sums cross TCP.
+
+Data-parallel replicas (`--engine.replicas`) are not built yet (docs/operations.md, "More than one
+device"), so the DP=2 vs 1 comparison at c=256 has no command here.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import sys
+from pathlib import Path
+from typing import Any
+
+from perf.harness import Results, Server, add_results_options
+from perf.loadgen import WORKLOADS, Workload, run_http
+
+
+def workload_for(max_tokens: int, requests: int) -> Workload:
+    base = WORKLOADS["short"]
+    return Workload("parallel", prompt_words=base.prompt_words, max_tokens=max_tokens, requests=requests)
+
+
+def serve_and_measure(model_dir: Path, tp: int, concurrency: list[int], workload: Workload, max_seqs: int,
+                      client_procs: int) -> list[dict[str, Any]]:
+    rows = []
+    with Server("--model.path", str(model_dir), "--model.served-name", "bench", "--engine.max-num-seqs",
+                str(max_seqs), "--engine.tensor-parallel", str(tp), ready_timeout=900) as server:
+        asyncio.run(run_http(server.url, "bench", workload_for(4, 2), 2, [], 1))  # warm-up
+        for c in concurrency:
+            w = Workload(workload.name, workload.prompt_words, workload.max_tokens, max(workload.requests, c))
+            r = asyncio.run(run_http(server.url, "bench", w, c, [], seed=c, procs=client_procs if c >= 16 else 1))
+            r.update(tp=tp, concurrency=c)
+            print(f"tp={tp} c={c}: {r['throughput_tok_s']:.1f} tok/s, TTFT p50 {1000 * r['ttft_p50_s']:.0f} ms, "
+                  f"ITL p50 {1000 * r['itl_p50_s']:.1f} ms", flush=True)
+            rows.append(r)
+    return rows
+
+
+def report(rows: list[dict[str, Any]]) -> str:
+    base = {r["concurrency"]: r["throughput_tok_s"] for r in rows if r["tp"] == rows[0]["tp"]}
+    lines = ["| tp | concurrency | output tok/s | vs first tp | TTFT p50 ms | ITL p50 ms |", "|---|---|---|---|---|---|"]
+    for r in rows:
+        ratio = r["throughput_tok_s"] / base[r["concurrency"]] if base.get(r["concurrency"]) else float("nan")
+        lines.append(f"| {r['tp']} | {r['concurrency']} | {r['throughput_tok_s']:.1f} | {ratio:.2f}x | "
+                     f"{1000 * r['ttft_p50_s']:.0f} | {1000 * r['itl_p50_s']:.1f} |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--shape", default="tiny", help="a perf.bench_gpu shape (random weights)")
+    parser.add_argument("--tp", default="1,2", help="tensor-parallel sizes, comma-separated")
+    parser.add_argument("--concurrency", default="1,8")
+    parser.add_argument("--max-tokens", type=int, default=32)
+    parser.add_argument("--requests", type=int, default=16, help="requests per concurrency level (at least c)")
+    parser.add_argument("--max-num-seqs", type=int, default=256)
+    parser.add_argument("--client-procs", type=int, default=1, help="HTTP client processes at c >= 16")
+    parser.add_argument("--work-dir", default="", help="where --shape's model is built (reused if there)")
+    parser.add_argument("--tokenizer-dir", default="", help="tokenizer files for --shape; default: the converted "
+                        "default model's")
+    add_results_options(parser, "", "the shape")
+    args = parser.parse_args(argv)
+    from perf.bench_serving import shape_model_dir
+
+    results = Results.from_args("bench_parallel", args, argv, experiment=args.shape)
+    model_dir = shape_model_dir(args)
+    concurrency = [int(c) for c in args.concurrency.split(",")]
+    workload = workload_for(args.max_tokens, args.requests)
+    rows: list[dict[str, Any]] = []
+    for tp in (int(t) for t in args.tp.split(",")):
+        rows += serve_and_measure(model_dir, tp, concurrency, workload, args.max_num_seqs, args.client_procs)
+        results.write({"shape": args.shape, "rows": rows})
+    md = report(rows)
+    results.write({"shape": args.shape, "rows": rows}, f"# bench_parallel ({args.shape})\n\n{md}\n")
+    print(md)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
