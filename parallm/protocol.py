@@ -88,6 +88,15 @@ def version_at(spans: VersionSpans, position: int) -> int:
 
 # --------------------------------------------------------------------------- shared parts
 
+class Constraint(Struct, kw_only=True, forbid_unknown_fields=True):
+    """A grammar the generated tokens must follow; each step samples only tokens that keep the
+    text inside it (llguidance). `kind`: json_schema (`value` the schema as JSON text), json_object
+    (any JSON object; `value` empty), regex, choice (`value` a JSON list of strings), lark or gbnf."""
+
+    kind: str
+    value: str = ""
+
+
 class SamplingParams(Struct, kw_only=True, forbid_unknown_fields=True):
     """How one request samples. Defaults sample from the model's own distribution."""
 
@@ -107,6 +116,7 @@ class SamplingParams(Struct, kw_only=True, forbid_unknown_fields=True):
     logprobs: bool = False
     top_logprobs: int = 0
     prompt_logprobs: int | None = None
+    constraint: Constraint | None = None    # a grammar the generated tokens must follow (structured output)
 
 
 class DetokSpec(Struct, kw_only=True, forbid_unknown_fields=True):

@@ -19,6 +19,7 @@ from parallm.config import Config, auto_adapter_merge_mb, auto_prefill_tokens, r
 from parallm.protocol import EngineStats, SamplingParams
 
 from .blocks import BlockManager
+from .constraints import Constraints, GrammarError, tokenizer_from_file
 from .compat import check_model
 from .memory import auto_kv_budget_bytes, limit_buffer_cache
 from .model import EngineModel
@@ -33,6 +34,13 @@ from .warmup import warm_up
 
 Output = SeqOutput | ScoreResult
 SCORE_PARAMS = SamplingParams(max_tokens=1, temperature=0.0)  # a score samples nothing; its rows never decode
+
+
+def _model_dir(config: Config):
+    """The served model's directory (its tokenizer.json compiles grammar constraints)."""
+    from parallm.models import resolve_model
+
+    return resolve_model(config.model).path
 
 
 class Engine:
@@ -75,6 +83,9 @@ class Engine:
                                    writeback_interval=settings.writeback_interval,
                                    priority_aging_s=settings.priority_aging_s)
         self.runner.pool.allocate()
+        self.constraints = Constraints(self.vocab_size, self.eos_token_ids, lambda: tokenizer_from_file(
+            _model_dir(config) / "tokenizer.json", self.vocab_size, self.eos_token_ids))
+        self.runner.constraints = self.constraints
         self._requests: dict[str, list[Sequence]] = {}
         self.output = OutputProcessor(self.scheduler, self.eos_token_ids, self._requests, self.runner.execute)
         self._launches: list[Launch] = []
@@ -121,6 +132,11 @@ class Engine:
                                  adapter=lora.identity if lora else "", adapter_name=lora.name if lora else "",
                                  adapter_version=lora.version if lora else 0, lora=lora,
                                  pinned=bool(spec.adapter_version), priority=spec.priority))
+        if p.constraint is not None:
+            try:
+                self.constraints.attach(seqs, p.constraint)
+            except GrammarError as exc:
+                raise RequestRejected(f"constraint: {exc}", "constraint") from None
         self._requests[request.rid] = seqs
         self.scheduler.add(seqs)
 
@@ -201,7 +217,9 @@ class Engine:
         # overlap keeps the pass just launched in flight and reads it next step, after launching
         # the following one; a pass sampling the first token of a newly loaded adapter version is
         # read now instead, so that token (what a trainer waits for) is not held back by a launch
-        keep = 1 if (launched and self.config.overlap and not self._launches[-1].fresh) else 0
+        # a grammar-constrained row's next mask needs the token just sampled: no overlap then
+        keep = 1 if (launched and self.config.overlap and not self._launches[-1].fresh
+                     and not self.constraints.constrained(self._launches[-1].seqs)) else 0
         while len(self._launches) > keep:
             self.output.read(self._launches.pop(0), out)
         t4 = time.perf_counter()

@@ -128,6 +128,13 @@ def validate(request: Request, *, vocab_size: int, max_model_len: int, max_num_s
         raise RequestRejected("stop_token_ids must be inside the vocabulary", "stop_token_ids")
     if p.min_tokens < 0 or p.min_tokens > p.max_tokens:
         raise RequestRejected("min_tokens must be in [0, max_tokens]", "min_tokens")
+    if p.constraint is not None:
+        if p.min_tokens:
+            raise RequestRejected("min_tokens cannot be combined with a grammar constraint (the grammar "
+                                  "decides where the output ends)", "min_tokens")
+        if p.ignore_eos:
+            raise RequestRejected("ignore_eos cannot be combined with a grammar constraint (the grammar "
+                                  "ends the output with EOS)", "ignore_eos")
     if not 0 <= p.top_logprobs <= 20:
         raise RequestRejected("top_logprobs must be in [0, 20]", "top_logprobs")
     if p.prompt_logprobs is not None and not 0 <= p.prompt_logprobs <= 20:

@@ -80,6 +80,12 @@ class ModelRunner:
         self.fast_math = FastMath(model) if fast_math else None
         self.head = OutputHead(model)
         self._packing: bool | None = None
+        self.constraints = None  # constraints.Constraints: the grammar masks of constrained rows
+
+    def _mask_job(self, seqs: list[Sequence]):
+        """The grammar masks of `seqs`, started on the worker thread; None when no row is constrained."""
+        c = self.constraints
+        return c.submit(seqs) if c is not None and c.constrained(seqs) else None
 
     def _forward(self, seqs: list[Sequence], tokens: mx.array, cache) -> mx.array:
         """The model over `tokens`, row i under seqs[i]'s adapter; the graph is fixed on return."""
@@ -200,10 +206,12 @@ class ModelRunner:
         logits = last_logits if len(source) == len(finishing) else last_logits[mx.array(source, dtype=mx.int32)]
         bp = BatchParams(seqs, self.eos_ids, self.vocab_size)
         positions = [s.num_output for s in seqs]
+        job = self._mask_job(seqs)
+        bitmask = None if job is None else mx.array(job.result())
         if bp.any_penalty:
             counts, seen = penalty_rows(seqs, self.vocab_size)
-            return self.sampler.sample(logits, bp, positions, counts, seen)
-        return self.sampler.sample(logits, bp, positions)
+            return self.sampler.sample(logits, bp, positions, counts, seen, bitmask)
+        return self.sampler.sample(logits, bp, positions, bitmask=bitmask)
 
     # ------------------------------------------------------------------ decode
     def batch_params(self, seqs: list[Sequence]) -> BatchParams:
@@ -229,22 +237,29 @@ class ModelRunner:
         """Build and launch one decode pass over rows [0, len(seqs)); nothing is waited for."""
         offsets = [s.num_computed for s in seqs]
         ctx = PassContext(0, offsets, 1, max(offsets) + 1, mask5d=self.info.mask5d)
+        job = self._mask_job(seqs)  # filled on the worker thread while the pass runs
         logits = self._forward(seqs, inputs[:, None], self.live.views(ctx))[:, -1, :]
-        out = self._sample_rows(seqs, logits, positions)
+        bitmask = None
+        if job is not None:
+            mx.async_eval(logits)
+            bitmask = mx.array(job.result())
+        out = self._sample_rows(seqs, logits, positions, bitmask)
         mx.async_eval(out.arrays(), self.penalties.arrays())
         return _launch_of(seqs, out)
 
-    def _sample_rows(self, seqs: list[Sequence], logits: mx.array, positions: list[int]) -> SampleOut:
-        """The next token of running rows [0, len(seqs)) from their logits; counts it for penalties."""
+    def _sample_rows(self, seqs: list[Sequence], logits: mx.array, positions: list[int],
+                     bitmask: mx.array | None = None) -> SampleOut:
+        """The next token of running rows [0, len(seqs)) from their logits (grammar `bitmask` applied
+        where given); counts it for penalties."""
         bp = self.batch_params(seqs)
         pen = self.penalties
         if bp.any_penalty:
             B = len(seqs)
-            out = self.sampler.sample(logits, bp, positions, pen.counts[:B], pen.seen[:B])
+            out = self.sampler.sample(logits, bp, positions, pen.counts[:B], pen.seen[:B], bitmask)
         else:
             if pen.active:
                 pen.deactivate()
-            out = self.sampler.sample(logits, bp, positions)
+            out = self.sampler.sample(logits, bp, positions, bitmask=bitmask)
         if pen.active:
             pen.update(out.tokens)
         return out
@@ -278,9 +293,10 @@ class ModelRunner:
             if k and start + k == seq.prefill_target:
                 finishing.append((i, seq))
                 picked.append(end - 1)
+        job = self._mask_job(seqs)
         with self.head.select(mx.array(picked, dtype=mx.int32)):
             logits = self._forward(seqs[:1], tokens, self.live.views(ctx))[0]
-        out = self._sample_rows(seqs, logits[:n], positions)
+        out = self._sample_rows(seqs, logits[:n], positions, None if job is None else mx.array(job.result()))
         first = self._sample_first(finishing, logits[n:]) if finishing else None
         mx.eval(out.arrays(), self.penalties.arrays(), self.live.arrays(), first.arrays() if first else [])
         return _launch_of(seqs, out), FirstTokens(first_seqs(finishing), first.read()) if first else None

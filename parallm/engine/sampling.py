@@ -15,6 +15,11 @@ the filtered tokens at -inf, normalized. At temperature 0, z = processed logits 
 so the chosen token's logprob is the maximum.
 
 Filter order: top-k, then top-p on what top-k kept, then min-p.
+
+Grammar constraints (constraints.py) arrive as a [B, ceil(V/32)] int32 bitmask applied after
+penalties, logit bias and min_tokens and before temperature and the filters: a disallowed token
+is -inf, so the reported logprobs are those of the masked, temperature-scaled distribution. A
+step without a mask does none of it.
 """
 
 from __future__ import annotations
@@ -89,6 +94,23 @@ def _penalize(logits: mx.array, counts: mx.array, seen: mx.array, rep: mx.array,
 
 
 _penalize_compiled = mx.compile(_penalize)
+
+
+_SHIFTS = mx.arange(32, dtype=mx.uint32)
+
+
+def _apply_bitmask(logits: mx.array, bitmask: mx.array) -> mx.array:
+    bits = (bitmask.astype(mx.uint32)[:, :, None] >> _SHIFTS) & 1
+    allowed = bits.reshape(bitmask.shape[0], -1)[:, : logits.shape[-1]] != 0
+    return mx.where(allowed, logits, NEG_INF)
+
+
+_apply_bitmask_compiled = mx.compile(_apply_bitmask)
+
+
+def apply_bitmask(logits: mx.array, bitmask: mx.array, *, compiled: bool = True) -> mx.array:
+    """`logits` [B, V] with every token whose bit is clear in `bitmask` [B, ceil(V/32)] at -inf."""
+    return (_apply_bitmask_compiled if compiled else _apply_bitmask)(logits, bitmask)
 
 
 def log_softmax(x: mx.array) -> mx.array:
@@ -176,10 +198,12 @@ class Sampler:
         self.compiled = compiled
 
     def sample(self, logits: mx.array, bp: BatchParams, positions: list[int],
-               counts: mx.array | None = None, seen: mx.array | None = None) -> SampleOut:
-        """Sample one token per row. `positions[i]` is the output index row i is sampling."""
+               counts: mx.array | None = None, seen: mx.array | None = None,
+               bitmask: mx.array | None = None) -> SampleOut:
+        """Sample one token per row. `positions[i]` is the output index row i is sampling;
+        `bitmask`: the grammar constraints' allowed tokens (None: no row is constrained)."""
         l = logits.astype(mx.float32)
-        if bp.plain_greedy:
+        if bp.plain_greedy and bitmask is None:
             return SampleOut(mx.argmax(l, axis=-1).astype(mx.int32))
         if bp.any_penalty:
             pen = _penalize_compiled if self.compiled else _penalize
@@ -192,6 +216,8 @@ class Sampler:
             rows = mx.array([i for i, _ in masked], dtype=mx.int32)
             toks = mx.array([t for _, t in masked], dtype=mx.int32)
             l = l.at[rows, toks].add(mx.full((len(masked),), NEG_INF))
+        if bitmask is not None:
+            l = apply_bitmask(l, bitmask, compiled=self.compiled)
         z = l
         if bp.any_sampled:
             z = z * bp.inv_temp

@@ -1,0 +1,176 @@
+"""Grammar constraints in the engine: compiled grammars cached, one matcher per sequence, and
+the worker thread that fills the token masks while the model pass runs.
+
+A constrained sequence owns an llguidance matcher that has consumed its output tokens. Before
+each pass the worker brings every matcher up to date with its sequence's `output_ids` (so
+preemption by recompute, which keeps the outputs, and n > 1 siblings, each with its own copy of
+the compiled matcher, need nothing else) and fills an int32 bitmask row per constrained row
+(bit t of row b: token t allowed); unconstrained rows are all ones. llguidance releases the GIL
+while it fills, so the engine loop builds and launches the pass meanwhile. The sampler applies
+the mask before temperature and filters (sampling.apply_bitmask).
+
+A matcher that reached its end allows only EOS, so a finished structure ends with "stop"; one
+that runs out of max_tokens first ends with "length" and the partial text, as any request does.
+"""
+
+from __future__ import annotations
+
+import json
+from collections import OrderedDict
+from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
+from typing import Any, Callable, Sequence as Seq
+
+import numpy as np
+
+from parallm.protocol import Constraint
+from parallm.text.grammar import GrammarError, compile_text
+
+from .sequence import Sequence
+
+TokenizerSource = Callable[[], Any]
+
+
+def mask_words(vocab_size: int) -> int:
+    return (vocab_size + 31) // 32
+
+
+def tokenizer_from_file(path: str | Path, vocab_size: int, eos_ids: Seq[int]) -> Any:
+    """An llguidance tokenizer from a model's tokenizer.json, as wide as the model's logits."""
+    import llguidance
+
+    text = Path(path).read_text()
+    json.loads(text)  # a clear error for a broken file before llguidance reads it
+    return llguidance.LLTokenizer(text, n_vocab=vocab_size, eos_token=list(eos_ids) or None)
+
+
+class RowMatcher:
+    """One sequence's matcher and how many of its output tokens it has consumed."""
+
+    __slots__ = ("matcher", "consumed")
+
+    def __init__(self, matcher: Any) -> None:
+        self.matcher = matcher
+        self.consumed = 0
+
+    def sync(self, output_ids: list[int]) -> None:
+        if len(output_ids) < self.consumed:  # never expected: outputs only grow; replay from the start
+            self.matcher.reset()
+            self.consumed = 0
+        if len(output_ids) > self.consumed:
+            self.matcher.consume_tokens(output_ids[self.consumed:])
+            self.consumed = len(output_ids)
+
+
+class Constraints:
+    """Every constrained sequence of one engine. Empty (and free) while no request has a constraint."""
+
+    def __init__(self, vocab_size: int, eos_ids: Seq[int], tokenizer: TokenizerSource | None = None,
+                 cache_size: int = 256) -> None:
+        self.vocab_size = vocab_size
+        self.eos_ids = [int(t) for t in eos_ids]
+        self._tokenizer_source = tokenizer
+        self._tokenizer: Any = None
+        self._templates: OrderedDict[str, Any] = OrderedDict()  # grammar text -> compiled matcher (LRU)
+        self.cache_size = cache_size
+        self.rows: dict[int, tuple[Sequence, RowMatcher]] = {}
+        self._buf = np.zeros((0, mask_words(vocab_size)), dtype=np.int32)
+        self._pool: ThreadPoolExecutor | None = None
+        self._executor: Any = None
+        self.compiled = 0
+        self.cache_hits = 0
+
+    # ------------------------------------------------------------------ set-up
+    def use_tokenizer(self, tokenizer: Any) -> None:
+        """Use this llguidance LLTokenizer (tests, or a tokenizer already built)."""
+        self._tokenizer = tokenizer
+
+    @property
+    def tokenizer(self) -> Any:
+        if self._tokenizer is None:
+            if self._tokenizer_source is None:
+                raise GrammarError("this engine has no tokenizer for grammar constraints")
+            self._tokenizer = self._tokenizer_source()
+        return self._tokenizer
+
+    def _template(self, c: Constraint) -> Any:
+        import llguidance
+
+        text = compile_text(c)
+        m = self._templates.get(text)
+        if m is not None:
+            self._templates.move_to_end(text)
+            self.cache_hits += 1
+            return m
+        m = llguidance.LLMatcher(self.tokenizer, text, log_level=0)
+        if m.is_error():
+            raise GrammarError(m.get_error())
+        self.compiled += 1
+        self._templates[text] = m
+        if len(self._templates) > self.cache_size:
+            self._templates.popitem(last=False)
+        return m
+
+    def check(self, c: Constraint) -> None:
+        """Compile (or find) the grammar; raises GrammarError naming what is wrong."""
+        self._template(c)
+
+    # ------------------------------------------------------------------ sequences
+    def attach(self, seqs: Seq[Sequence], c: Constraint) -> None:
+        """Give each sequence (n > 1 siblings included) its own matcher of the compiled grammar."""
+        template = self._template(c)
+        for s in seqs:
+            self.rows[s.seq_id] = (s, RowMatcher(template.deep_copy()))
+
+    def constrained(self, seqs: Seq[Sequence]) -> bool:
+        rows = self.rows
+        return bool(rows) and any(s.seq_id in rows for s in seqs)
+
+    def prune(self) -> None:
+        """Forget the matchers of finished sequences."""
+        done = [sid for sid, (s, _) in self.rows.items() if s.finish_reason is not None]
+        for sid in done:
+            del self.rows[sid]
+
+    # ------------------------------------------------------------------ masks
+    def masks(self, seqs: Seq[Sequence]) -> np.ndarray:
+        """[len(seqs), ceil(V/32)] int32 bitmasks: each constrained row's matcher brought up to
+        date with its outputs, then its allowed next tokens; other rows all allowed."""
+        import llguidance
+        from llguidance.numpy import fill_next_token_bitmask_par
+
+        self.prune()
+        B = len(seqs)
+        if self._buf.shape[0] < B:
+            self._buf = np.zeros((max(B, 2 * self._buf.shape[0]), self._buf.shape[1]), dtype=np.int32)
+        buf = self._buf[:B]
+        buf.fill(-1)
+        work = []
+        for i, s in enumerate(seqs):
+            entry = self.rows.get(s.seq_id)
+            if entry is None:
+                continue
+            row = entry[1]
+            row.sync(s.output_ids)
+            if row.matcher.is_error():
+                buf[i] = 0
+                for t in self.eos_ids:  # a matcher in error (never expected) lets the row end
+                    buf[i, t >> 5] |= np.int32(np.uint32(1 << (t & 31)).view(np.int32))
+                continue
+            work.append((row.matcher, i))
+        if work:
+            if self._executor is None:
+                self._executor = llguidance.LLExecutor()
+            fill_next_token_bitmask_par(self._executor, work, buf)
+        return buf.copy()
+
+    def submit(self, seqs: Seq[Sequence]) -> Future:
+        """Compute `masks(seqs)` on the worker thread (llguidance drops the GIL while it fills)."""
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(1, thread_name_prefix="parallm-masks")
+        return self._pool.submit(self.masks, list(seqs))
+
+    def stats(self) -> dict[str, int]:
+        self.prune()
+        return {"constrained_rows": len(self.rows), "grammars_cached": len(self._templates),
+                "grammars_compiled": self.compiled, "grammar_cache_hits": self.cache_hits}

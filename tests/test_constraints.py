@@ -1,0 +1,187 @@
+"""Grammar constraints in the engine (parallm/engine/constraints.py, sampling.apply_bitmask) on a
+tiny model whose 101 tokens are single characters, with the real llguidance matcher."""
+
+from __future__ import annotations
+
+import json
+
+import llguidance
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from parallm.engine import RequestRejected
+from parallm.engine.sampling import BatchParams, Sampler
+from parallm.protocol import Constraint, SamplingParams
+from parallm.text.grammar import GrammarError, grammar_text
+from tests._engine_helpers import TINY_VOCAB, make_engine, req, run_all, tiny_model
+
+EOS = 0
+CHARS = '{}[]",:. -_0123456789abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ\n!?()+*/=<>@#$%&;\'^`|~'
+TOKENS = [b"<eos>"] + [c.encode() for c in CHARS] + [b"\t", b"\\", b"ab", b"true", b"null"]
+assert len(TOKENS) == TINY_VOCAB
+
+
+class _CharTokenizer:
+    """One character per token (id 0 is EOS): what llguidance needs to know of a vocabulary."""
+
+    eos_token_id = EOS
+    bos_token_id = None
+    tokens = TOKENS
+    special_token_ids = [EOS]
+
+    def __call__(self, s: bytes) -> list[int]:
+        return [TOKENS.index(bytes([b])) for b in s]  # multi-character tokens are only sampled
+
+
+def char_tokenizer():
+    return llguidance.LLTokenizer(llguidance.TokenizerWrapper(_CharTokenizer()))
+
+
+def text_of(ids: list[int]) -> str:
+    return "".join(TOKENS[t].decode() for t in ids if t != EOS)
+
+
+SCHEMA = {"type": "object", "properties": {"a": {"type": "integer", "minimum": 0, "maximum": 99}, "b": {"enum": ["x", "yz"]}},
+          "required": ["a", "b"], "additionalProperties": False}
+
+
+@pytest.fixture(scope="module")
+def model():
+    return tiny_model("llama")
+
+
+def engine_on(model, **kw):
+    engine = make_engine(model, eos=[EOS], **kw)
+    engine.constraints.use_tokenizer(char_tokenizer())
+    return engine
+
+
+def c_schema(schema=SCHEMA) -> Constraint:
+    return Constraint(kind="json_schema", value=json.dumps(schema))
+
+
+def _allowed(matcher) -> np.ndarray:
+    bm = np.zeros((1, (TINY_VOCAB + 31) // 32), dtype=np.int32)
+    llguidance.numpy.fill_next_token_bitmask(matcher, bm, 0)
+    bits = np.unpackbits(bm.view(np.uint8), bitorder="little")[:TINY_VOCAB]
+    return bits.astype(bool)
+
+
+def test_logprobs_are_those_of_the_masked_temperature_scaled_distribution(model):
+    """Each constrained token's reported logprob = log softmax(masked logits / T) at that token."""
+    import llguidance.numpy  # noqa: F401
+
+    engine = engine_on(model)
+    T = 0.7
+    p = SamplingParams(temperature=T, max_tokens=60, seed=3, logprobs=True, constraint=c_schema())
+    r = run_all(engine, [req("a", [5, 6, 7], p)])[("a", 0)]
+    ids, lps = r["tokens"], r["logprobs"]
+    assert r["finish"] == "stop" and ids[-1] == EOS
+    doc = json.loads(text_of(ids))
+    assert isinstance(doc["a"], int) and doc["b"] in ("x", "yz")
+    m = llguidance.LLMatcher(char_tokenizer(), grammar_text("json_schema", json.dumps(SCHEMA)))
+    prompt = [5, 6, 7]
+    for i, tok in enumerate(ids):
+        logits = model(mx.array([prompt + ids[:i]]))[0, -1].astype(mx.float32)
+        allowed = _allowed(m)
+        assert allowed[tok]
+        z = np.where(allowed, np.array(logits) / T, -np.inf)
+        ref = z[tok] - np.log(np.sum(np.exp(z - z.max()))) - z.max()
+        assert abs(lps[i] - ref) < 1e-5, (i, lps[i], ref)
+        assert m.consume_token(tok)
+
+
+def test_sampler_applies_the_mask_before_temperature_and_filters():
+    V = TINY_VOCAB
+    rng = np.random.default_rng(0)
+    logits = mx.array(rng.normal(size=(3, V)).astype(np.float32))
+    allowed = np.zeros((3, V), dtype=bool)
+    allowed[0, [4, 9, 60]] = True
+    allowed[1, :] = True  # an unconstrained row
+    allowed[2, [100]] = True
+    bm = np.packbits(np.pad(allowed, ((0, 0), (0, 128 - V))), axis=1, bitorder="little").view(np.int32)
+
+    class S:
+        def __init__(self, p):
+            self.params, self.seed, self.uses_penalties = p, 1, False
+            self.wants_logprobs = True
+
+    seqs = [S(SamplingParams(temperature=0.5, top_k=2, logprobs=True)), S(SamplingParams(temperature=0.0, logprobs=True)),
+            S(SamplingParams(temperature=2.0, logprobs=True))]
+    out = Sampler(V).sample(logits, BatchParams(seqs, [0], V), [0, 0, 0], bitmask=mx.array(bm))
+    toks, lps = out.tokens.tolist(), out.logprobs.tolist()
+    raw = np.array(logits)
+    for row, (tok, T, k) in enumerate(zip(toks, (0.5, 1.0, 2.0), (2, 0, 0))):
+        assert allowed[row, tok]
+        z = np.where(allowed[row], raw[row] / T, -np.inf)
+        if k:
+            z = np.where(z >= np.sort(z)[-k], z, -np.inf)
+        ref = z[tok] - (np.log(np.sum(np.exp(z - z.max()))) + z.max())
+        assert abs(lps[row] - ref) < 1e-5
+    assert toks[1] == int(np.argmax(raw[1])) and toks[2] == 100 and abs(lps[2]) < 1e-6
+
+
+def test_constrained_output_follows_the_grammar_batched_with_free_rows_and_n_siblings(model):
+    engine = engine_on(model, max_num_seqs=8)
+    free = SamplingParams(temperature=1.0, max_tokens=12, seed=1)
+    rx = SamplingParams(temperature=1.0, max_tokens=30, seed=2, constraint=Constraint(kind="regex", value="(ab|cd)+!"))
+    ch = SamplingParams(temperature=1.0, max_tokens=30, seed=4, constraint=Constraint(kind="choice", value='["yes", "no"]'))
+    js = SamplingParams(temperature=1.0, max_tokens=60, seed=5, constraint=c_schema())
+    res = run_all(engine, [req("free", [1, 2], free), req("rx", [3, 4], rx, n=3), req("ch", [5], ch),
+                           req("js", [9, 9, 9], js, n=2)])
+    assert len(res[("free", 0)]["tokens"]) == 12
+    for i in range(3):
+        r = res[("rx", i)]
+        text = text_of(r["tokens"])
+        assert r["finish"] == "stop" and text.endswith("!") and set(text[:-1]) <= set("abcd"), text
+    assert text_of(res[("ch", 0)]["tokens"]) in ("yes", "no")
+    for i in range(2):
+        doc = json.loads(text_of(res[("js", i)]["tokens"]))
+        assert set(doc) == {"a", "b"}
+    stats = engine.constraints.stats()
+    assert stats["constrained_rows"] == 0 and stats["grammars_compiled"] == 3  # finished rows are forgotten
+
+
+def test_same_seed_gives_the_same_constrained_tokens_alone_and_in_a_batch(model):
+    p = SamplingParams(temperature=1.0, max_tokens=50, seed=11, constraint=c_schema())
+    alone = run_all(engine_on(model), [req("a", [4, 4], p)])[("a", 0)]["tokens"]
+    others = [req(f"o{i}", [i + 1], SamplingParams(temperature=1.0, max_tokens=20, seed=i)) for i in range(5)]
+    batched = run_all(engine_on(model), others + [req("a", [4, 4], p)])[("a", 0)]["tokens"]
+    assert alone == batched
+
+
+def test_max_tokens_mid_json_ends_with_length_and_the_partial_text(model):
+    p = SamplingParams(temperature=1.0, max_tokens=4, seed=0, constraint=c_schema())
+    r = run_all(engine_on(model), [req("a", [1], p)])[("a", 0)]
+    assert r["finish"] == "length" and len(r["tokens"]) == 4 and text_of(r["tokens"]).startswith('{')
+
+
+def test_preemption_by_recompute_keeps_the_constraint(model):
+    """A KV budget too small for every row preempts some; the matchers replay the kept outputs,
+    so every output is the one a roomy engine gives (same seeds) and follows the grammar."""
+    rx = Constraint(kind="regex", value="[a-z]{30,40}!")
+    reqs = lambda: [req(f"r{i}", [1, 2, 3 + i], SamplingParams(temperature=1.0, max_tokens=45, seed=i,  # noqa: E731
+                                                              constraint=rx)) for i in range(6)]
+    roomy = run_all(engine_on(model), reqs())
+    tight = engine_on(model, kv_budget_bytes=512 * 110, prefix_pool_fraction=0.0, prefix_cache=False)
+    res = run_all(tight, reqs())
+    assert tight.stats().preemptions > 0
+    for key, d in roomy.items():
+        assert res[key]["tokens"] == d["tokens"] and res[key]["finish"] == d["finish"], key
+        text = text_of(d["tokens"])
+        assert d["finish"] == "stop" and text.endswith("!") and 30 <= len(text) - 1 <= 40 and text[:-1].isalpha()
+
+
+def test_bad_constraints_are_rejected_naming_the_problem(model):
+    engine = engine_on(model)
+    bad = SamplingParams(constraint=Constraint(kind="json_schema", value='{"if": {}, "then": {}}'))
+    with pytest.raises(RequestRejected, match="if, then"):
+        engine.add_request(req("a", [1], bad))
+    with pytest.raises(RequestRejected, match="min_tokens"):
+        engine.add_request(req("b", [1], SamplingParams(min_tokens=2, constraint=c_schema())))
+    with pytest.raises(RequestRejected, match="unknown constraint kind"):
+        engine.add_request(req("c", [1], SamplingParams(constraint=Constraint(kind="xml", value="x"))))
+    assert not engine.has_work()
+    with pytest.raises(GrammarError, match="look-around"):
+        grammar_text("regex", "(?=a)b")
