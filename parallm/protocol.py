@@ -267,6 +267,24 @@ class AdapterPublish(Message, tag="adapter_publish"):
     reply_to: bytes = b""
 
 
+class WeightsUpdate(Message, tag="weights_update"):
+    """A full-weight policy update of the base model (docs/rl.md): a directory of safetensors files
+    readable by the engine (`path`, HF or mlx-lm tensor names), or chunk `chunk` of `chunks` of inline
+    safetensors bytes (`weights`, about a layer each) sent by a trainer on the PUB socket under one
+    `update_id`. Applied at a step boundary, one layer at a time; generation is held from the first
+    chunk to the last. The update becomes policy version `version` (0: the current + 1) of the base
+    model; the prefix cache is invalidated. Answered by WeightsUpdated when `qid` is set."""
+
+    path: str = ""
+    weights: bytes = b""
+    update_id: str = ""
+    chunk: int = 0
+    chunks: int = 1
+    version: int = 0
+    qid: str = ""
+    reply_to: bytes = b""
+
+
 class AdapterUnload(Message, tag="adapter_unload"):
     """Forget every version of an adapter; answered by AdapterUnloaded when `qid` is set."""
 
@@ -400,6 +418,13 @@ class AdapterUnloaded(Reply, tag="adapter_unloaded"):
     versions_removed: int
 
 
+class WeightsUpdated(Reply, tag="weights_updated"):
+    version: int                # the base model's policy version now (the previous one until `complete`)
+    tensors: int = 0            # tensors applied by this message
+    load_ms: float = 0.0
+    complete: bool = True       # false: a chunk of an update still waiting for its later chunks
+
+
 class AdapterList(Reply, tag="adapter_list"):
     adapters: list[AdapterInfo] = []
     policy: dict[str, int] = {}  # latest version per adapter name; "" (the base model) is 0
@@ -469,6 +494,8 @@ class EngineStats(Struct, tag="engine", kw_only=True):
     settings: EngineConfig | None = None  # the engine settings, with every unset one resolved
     adapter_settings: AdaptersConfig | None = None
     # the engine stage's own
+    weights_version: int = 0      # the base model's policy version (full-weight updates applied)
+    weights_updates: int = 0
     paused: bool = False
     held_for_version: int = 0
     received: int = 0
@@ -679,12 +706,13 @@ class Shutdown(Message, tag="shutdown"):
 # --------------------------------------------------------------------------- unions per receiver
 
 REPLIES = (TokenizeReply, DetokenizeReply, ScoreReply, PauseState, AdapterLoaded, AdapterUnloaded, AdapterList,
-           StatsReply)
+           StatsReply, WeightsUpdated)
 AnyReply = Union[TokenizeReply, DetokenizeReply, ScoreReply, PauseState, AdapterLoaded, AdapterUnloaded, AdapterList,
-                 StatsReply]
+                 StatsReply, WeightsUpdated]
 
 TokenizerInbound = Union[TextSubmit, Tokenize, Detokenize, GetStats]
-EngineInbound = Union[Submit, Score, Abort, Pause, Resume, GetStats, AdapterPublish, AdapterUnload, ListAdapters]
+EngineInbound = Union[Submit, Score, Abort, Pause, Resume, GetStats, AdapterPublish, AdapterUnload, ListAdapters,
+                      WeightsUpdate]
 DetokInbound = Union[Track, StepOutputs, RequestError, AnyReply]
 ClientInbound = Union[Outputs, RequestError, Welcome, AnyReply]
 RouterInbound = Union[Hello, GetStats]  # a client may ask the detokenizer for its stats
@@ -693,7 +721,8 @@ ControlMessage = Union[StageDown, StageUp, Drain, Shutdown]
 AnyMessage = Union[TextSubmit, Tokenize, Detokenize, GetStats, Submit, Score, Abort, Pause, Resume, AdapterPublish,
                    AdapterUnload, ListAdapters, Track, StepOutputs, RequestError, TokenizeReply, DetokenizeReply,
                    ScoreReply, PauseState, AdapterLoaded, AdapterUnloaded, AdapterList, StatsReply, Hello, Welcome,
-                   Outputs, Rollout, TrainingStatus, Ready, Heartbeat, Fatal, StageDown, StageUp, Drain, Shutdown]
+                   Outputs, Rollout, TrainingStatus, Ready, Heartbeat, Fatal, StageDown, StageUp, Drain, Shutdown,
+                   WeightsUpdate, WeightsUpdated]
 
 
 class ProtocolError(ValueError):

@@ -18,7 +18,8 @@ import mlx.core as mx
 import zmq
 
 from parallm import blas, protocol
-from parallm.adapters import AdapterError, HeldRequests
+from parallm.adapters import AdapterError, HeldRequests, load_bytes
+from parallm.engine.weights import WeightsError
 from parallm.config import Config
 from parallm.engine import Engine, EngineModel, Request, RequestRejected, ScoreResult, SeqOutput, distributed
 from parallm.runtime import StageRuntime
@@ -79,7 +80,8 @@ def load_adapter(engine: Engine, message: protocol.AdapterPublish) -> protocol.A
 
 def adapter_list(engine: Engine, qid: str = "", reply_to: bytes = b"") -> protocol.AdapterList:
     return protocol.AdapterList(qid=qid, reply_to=reply_to, adapters=engine.adapters.describe(),
-                                policy=engine.policy(), adapter_bytes=engine.adapters.nbytes,
+                                policy={**engine.policy(), "": engine.weights_version},
+                                adapter_bytes=engine.adapters.nbytes,
                                 default_adapter=engine.adapters.default_name)
 
 
@@ -111,6 +113,7 @@ class EngineStage:
         self.loop_time: Counter[str] = Counter()  # seconds per loop phase, over working iterations
         self.loop_steps = 0
 
+        self.weights_open: tuple[str, int] | None = None  # a chunked weight update in progress: (id, next chunk)
     # ------------------------------------------------------------------ messages
     def handle(self, message: Any) -> None:
         self.received += 1
@@ -138,6 +141,8 @@ class EngineStage:
         elif isinstance(message, protocol.Resume):
             moved = self.engine.follow_latest() if self.paused and self.pause_mode == "keep" else 0
             self.paused = False
+        elif isinstance(message, protocol.WeightsUpdate):
+            self.on_weights(message)
             self.reply(protocol.PauseState(qid=message.qid, reply_to=message.reply_to, paused=False,
                                            mode=self.pause_mode, moved_to_latest=moved))
 
@@ -181,6 +186,39 @@ class EngineStage:
 
     def on_submit(self, message: protocol.Submit, *, held_since: float | None = None) -> None:
         spec = message.spec
+    # ------------------------------------------------------------------ full-weight updates
+    def on_weights(self, message: protocol.WeightsUpdate) -> None:
+        """Apply new base weights now (between two steps). Chunks of one update must come in order;
+        generation is held from the first chunk to the last (`weights_open`), a chunk 0 starts over."""
+        try:
+            if message.path:
+                applied, complete = self.engine.update_weights(path=message.path, version=message.version), True
+            else:
+                if message.chunk == 0:
+                    self.weights_open = (message.update_id, 0)
+                if not 0 <= message.chunk < message.chunks or self.weights_open != (message.update_id, message.chunk):
+                    raise WeightsError(f"weights chunk {message.chunk} of update {message.update_id!r} is out of "
+                                       f"order (expected {self.weights_open})", status=409, code="chunk_out_of_order")
+                try:
+                    tensors = load_bytes(message.weights)
+                except AdapterError as exc:
+                    raise WeightsError(exc.message) from None
+                complete = message.chunk == message.chunks - 1
+                applied = self.engine.update_weights(tensors=tensors, version=message.version, complete=complete)
+                self.weights_open = None if complete else (message.update_id, message.chunk + 1)
+        except WeightsError as exc:
+            log.warning("weight update rejected: %s", exc.message)
+            if message.qid and message.reply_to:
+                self.out.send(protocol.RequestError(rid=message.qid, reply_to=message.reply_to, status=exc.status,
+                                                    code=exc.code, message=exc.message))
+            return
+        if complete:
+            log.info("full-weight update: base model version %d (%d tensors, %d layers, %.1f ms)",
+                     self.engine.weights_version, applied.tensors, applied.layers, applied.load_ms)
+        self.reply(protocol.WeightsUpdated(qid=message.qid, reply_to=message.reply_to,
+                                           version=self.engine.weights_version, tensors=applied.tensors,
+                                           load_ms=applied.load_ms, complete=complete))
+
         try:
             self.engine.add_request(Request(message.rid, protocol.unpack_ids(message.prompt_ids), spec))
         except RequestRejected as exc:
@@ -288,7 +326,7 @@ class EngineStage:
             if self.held:
                 self.retry_held()
             paused_owing = self.paused and self.engine.owes_outputs()
-            if not (paused_owing or (self.engine.has_work() and not self.paused)):
+            if not (paused_owing or (self.engine.has_work() and not self.paused and self.weights_open is None)):
                 timeout = beat_ms  # idle: the next poll waits for a message
                 self.rt.heartbeat(self.in_flight)
                 continue

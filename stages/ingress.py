@@ -34,6 +34,7 @@ log = logging.getLogger("parallm.ingress")
 
 HELLO_TIMEOUT_S = 60.0
 QUERY_TIMEOUT_S = 30.0
+WEIGHTS_TIMEOUT_S = 600.0  # a full-weight update from a checkpoint directory
 STATS_PERIOD_S = 0.5      # how often ingress asks the engine and detokenizer for their stats
 STATS_TIMEOUT_S = 5.0
 
@@ -226,6 +227,12 @@ class ZmqBackend:
 
     async def load_adapter(self, request: protocol.AdapterPublish) -> protocol.AdapterLoaded:
         return await self._ask("engine", request)
+
+    async def update_weights(self, request: protocol.WeightsUpdate) -> protocol.WeightsUpdated:
+        try:  # reading a checkpoint from disk takes longer than a control query
+            return await self.pipeline.call("engine", request, timeout=WEIGHTS_TIMEOUT_S)  # type: ignore[arg-type]
+        except ClientError as exc:
+            raise backend_error(exc) from None
 
     async def unload_adapter(self, name: str) -> protocol.AdapterUnloaded:
         return await self._ask("engine", protocol.AdapterUnload(name=name))

@@ -9,7 +9,7 @@ from __future__ import annotations
 from typing import Any, AsyncIterator, Literal, Protocol, runtime_checkable
 
 from parallm.protocol import (AdapterList, AdapterLoaded, AdapterPublish, AdapterUnloaded, Detokenize, EngineStats,
-                              Output, PauseState, TextSubmit, Tokenize)
+                              Output, PauseState, TextSubmit, Tokenize, WeightsUpdate, WeightsUpdated)
 
 
 class BackendError(Exception):
@@ -71,6 +71,10 @@ class Backend(Protocol):
         ...
 
     async def unload_adapter(self, name: str) -> AdapterUnloaded:
+        ...
+
+    async def update_weights(self, request: WeightsUpdate) -> WeightsUpdated:
+        """A full-weight update of the base model (a checkpoint directory), answered once applied."""
         ...
 
     async def list_adapters(self) -> AdapterList:

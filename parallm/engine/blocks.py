@@ -159,6 +159,19 @@ class BlockManager:
             return bid
         return None
 
+    def drop_cached(self) -> int:
+        """Forget every free cached block (new model weights: requests admitted from now on use a new
+        key, so these can never be hit again); blocks still held keep their key. Returns how many."""
+        dropped = list(self.free_cached)
+        for bid in dropped:
+            block = self.blocks[bid]
+            if self.hash_to_block.get(block.hash) == bid:
+                del self.hash_to_block[block.hash]
+            block.hash, block.token_ids = NO_HASH, ()
+        self.free_unhashed.extend(dropped)
+        self.free_cached.clear()
+        return len(dropped)
+
     def reset(self) -> None:
         """Forget every cached block (only valid when no sequence holds any)."""
         if self.num_used:

@@ -15,6 +15,7 @@ import mlx.core as mx
 import msgspec
 
 from parallm.adapters import AdapterError, AdapterManager, LoadedAdapter, VersionPolicy
+from parallm.engine.weights import Applied, WeightsError, WeightSwapper
 from parallm.config import Config, auto_adapter_merge_mb, auto_prefill_tokens, resolve_engine_config
 from parallm.protocol import EngineStats, SamplingParams
 
@@ -68,6 +69,9 @@ class Engine:
         self.adapters = AdapterManager(self.model, history=self.adapter_settings.history,
                                        merge_mb=self.adapter_settings.merge_mb)
         self.versions = VersionPolicy(self.adapters)
+        self.weights = WeightSwapper(self.model)
+        self.weights_version = 0   # the base model's policy version: full-weight updates applied (weights.py)
+        self.weights_updates = 0
         self.runner = ModelRunner(self.model, info, vocab_size=self.vocab_size, pool_blocks=pool_blocks, block_size=bs,
                                   eos_ids=self.eos_token_ids, lora=self.adapters.router, compile=settings.compile,
                                   fast_math=bool(settings.fast_math))
@@ -129,8 +133,8 @@ class Engine:
             self._seq_counter += 1
             seqs.append(Sequence(seq_id=self._seq_counter, rid=request.rid, index=i,
                                  prompt_ids=list(request.prompt_ids), params=p, seed=base + i,
-                                 adapter=lora.identity if lora else "", adapter_name=lora.name if lora else "",
-                                 adapter_version=lora.version if lora else 0, lora=lora,
+                                 adapter=self._cache_key(lora), adapter_name=lora.name if lora else "",
+                                 adapter_version=lora.version if lora else self.weights_version, lora=lora,
                                  pinned=bool(spec.adapter_version), priority=spec.priority))
         if p.constraint is not None:
             try:
@@ -320,6 +324,40 @@ class Engine:
     def policy(self) -> dict[str, int]:
         return self.adapters.policy()
 
+    # ------------------------------------------------------------------ full-weight updates
+    def _cache_key(self, lora: LoadedAdapter | None) -> str:
+        """A sequence's prefix-cache key: its adapter version and, after a full-weight update, the base
+        weights' version (so KV computed under other weights is never hit)."""
+        key = lora.identity if lora else ""
+        return f"{key}#w{self.weights_version}" if self.weights_version else key
+
+    def update_weights(self, *, path: str = "", tensors: dict | None = None, version: int = 0,
+                       complete: bool = True) -> Applied:
+        """New base-model weights from a safetensors directory or tensors, applied now (call it between
+        steps), one layer at a time (weights.py). With `complete` (the last chunk of an update) the base
+        model becomes policy version `version` (0: current + 1): running base-model sequences carry it
+        from their next token, and requests admitted from then on use a new prefix-cache key (the
+        blocks cached under the old weights are dropped). Raises WeightsError, which leaves
+        the weights as they were (a directory or a chunk is checked whole before any is applied)."""
+        if version and version <= self.weights_version:
+            raise WeightsError(f"version {version} is not newer than the base model's {self.weights_version}",
+                               status=409, code="version_conflict")
+        if any(a.merged for adapters in self.adapters.versions.values() for a in adapters):
+            raise WeightsError("an adapter version is loaded merged into a copy of base weights; unload it (or "
+                               "run with adapters.merge_mb 0) before a full-weight update", status=409,
+                               code="merged_adapter_loaded")
+        applied = self.weights.apply_dir(path) if path else self.weights.apply(tensors or {})
+        if complete:
+            self.weights_version = version or self.weights_version + 1
+            self.weights_updates += 1
+            if self.blocks is not None:
+                self.blocks.drop_cached()
+            for seqs in self._requests.values():
+                for seq in seqs:
+                    if seq.lora is None:
+                        seq.adapter_version = self.weights_version
+        return applied
+
     def follow_latest(self) -> int:
         """Move every running, unpinned adapter sequence to its adapter's latest version (the
         Pause(keep)/Resume semantics, adapters.VersionPolicy); returns how many moved. Passes
@@ -351,7 +389,7 @@ class Engine:
             raise RequestRejected(exc.message, "adapter", status=exc.status, code=exc.code) from None
         self._seq_counter += 1
         seq = Sequence(seq_id=self._seq_counter, rid=qid, index=0, prompt_ids=ids, params=SCORE_PARAMS, seed=0,
-                       adapter=lora.identity if lora else "", adapter_name=lora.name if lora else "",
+                       adapter=self._cache_key(lora), adapter_name=lora.name if lora else "",
                        adapter_version=lora.version if lora else 0, lora=lora, pinned=True, score_start=start,
                        score_top=top_logprobs)
         self._requests[qid] = [seq]
@@ -396,7 +434,8 @@ class Engine:
             step_ms_mean={k[:-2]: 1000 * v / n for k, v in t.items()},
             live_rows=r.live.rows, live_capacity=r.live.capacity, live_bytes=r.live.nbytes, pool_bytes=r.pool.nbytes,
             bytes_per_token=r.live.bytes_per_token, penalty_state=r.penalties.active, adapters=adapters,
-            settings=self.config, adapter_settings=self.adapter_settings)
+            settings=self.config, adapter_settings=self.adapter_settings,
+            weights_version=self.weights_version, weights_updates=self.weights_updates)
 
     def check_integrity(self) -> None:
         self.scheduler.check_integrity()

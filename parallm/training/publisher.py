@@ -10,17 +10,20 @@ a path to an adapter directory the engine can read). The engine loads each versi
 steps; new requests use it from the next step (docs/adapters.md). PUB is fire-and-forget: a
 version the engine rejects is logged there and counted in its stats (`adapter_rejected`); to get
 a reply, use the raw client's `load_adapter` instead (the same message, answered by the engine).
+`publish_weights` sends a full-weight update of the base model instead, one layer per message.
 """
 
 from __future__ import annotations
 
 import time
+import uuid
 from pathlib import Path
 from typing import Any, Mapping
 
 import mlx.core as mx
 import zmq
 
+from parallm.engine.weights import by_layer
 from parallm import protocol
 from parallm.adapters import save_bytes
 from parallm.transport import Sender, open_socket
@@ -60,6 +63,22 @@ class AdapterPublisher:
         self.sender.sock.close(linger=linger_ms)
         if self._own_ctx:
             self.ctx.term()
+
+    def publish_weights(self, weights: Mapping[str, mx.array], version: int = 0) -> str:
+        """Send new base-model weights (a full-weight policy update) in chunks of one layer each:
+        the engine checks and applies each chunk as it comes, holding generation from the first to the
+        last, so it never holds more than one layer's new copy. `version` 0 lets the engine number it.
+        Returns the update id (the engine logs it, and counts the update in `weights_updates`)."""
+        wait = self._ready_at - time.monotonic()
+        if wait > 0:
+            time.sleep(wait)
+        update_id = uuid.uuid4().hex
+        groups = by_layer(weights)
+        for i, group in enumerate(groups):
+            self.sender.send(protocol.WeightsUpdate(weights=save_bytes(group), update_id=update_id, chunk=i,
+                                                    chunks=len(groups), version=int(version)))
+        self.published += 1
+        return update_id
 
     def __enter__(self) -> "AdapterPublisher":
         return self
