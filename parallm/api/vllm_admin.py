@@ -11,9 +11,13 @@ prime-rl 0.8, verifiers and SkyRL call them:
 - POST /v1/load_lora_adapter {lora_name, lora_path, load_inplace} -> text "Success: ..." (vLLM);
   POST /load_lora_adapter (prime-rl) and /skyrl/v1/load_lora_adapter (SkyRL) reload the same name
   in place -> {"status": "ok"}; POST /v1/unload_lora_adapter {lora_name}
+- full-weight updates from a checkpoint directory (parallm/engine/weights.py): prime-rl's
+  POST /update_weights {weight_dir} -> {"status": "ok"}; SGLang's POST /update_weights_from_disk
+  {model_path, weight_version?, abort_all_requests?} -> {success, message, num_paused_requests};
+  parallm's POST /v1/weights {path, version?} -> {version, tensors, load_ms}
 - NCCL weight transfer (/init_weight_transfer_engine, /start_weight_update, /update_weights with
   update_info, /finish_weight_update; TRL <= 1.10's /init_communicator/, /update_named_param/,
-  /close_communicator/) -> 501 naming what parallm offers instead (adapter publishing).
+  /close_communicator/) -> 501 naming what parallm offers instead (adapter and weight publishing).
 A loaded adapter is a new policy version of its name in parallm's registry: `load_inplace` (or the
 prime-rl/SkyRL routes) adds the next version, and sequences move to it at a step boundary.
 """
@@ -27,20 +31,45 @@ from starlette.requests import Request
 from starlette.responses import PlainTextResponse, Response
 from starlette.routing import Route
 
-from parallm.api.backend import Backend
+from parallm.api.backend import Backend, BackendError
 from parallm.api.errors import APIError, invalid
 from parallm.api.http import json_response, read_body
 from parallm.config import ServerConfig
-from parallm.protocol import AdapterPublish
+from parallm.protocol import AdapterPublish, WeightsUpdate, WeightsUpdated
 
 PAUSE_MODES = ("abort", "keep")
 MAX_LORA_RANK = 1024
 NO_NCCL = ("{route} is vLLM's NCCL weight transfer, which needs CUDA on both sides; parallm runs on Apple "
            "silicon. Update the policy with parallm's adapter publishing instead: POST /v1/load_lora_adapter "
-           "{{lora_name, lora_path}} (or /v1/adapters), or a trainer's AdapterPublish over ZeroMQ "
-           "(docs/rl.md, docs/training.md).")
+           "{{lora_name, lora_path}} (or /v1/adapters); full weights from a checkpoint directory: POST "
+           "/update_weights {{weight_dir}} or /update_weights_from_disk {{model_path}}; or a trainer's "
+           "AdapterPublish / WeightsUpdate over ZeroMQ (docs/rl.md, docs/training.md).")
 NCCL_ROUTES = ("/init_weight_transfer_engine", "/start_weight_update", "/finish_weight_update",
-               "/init_communicator/", "/update_named_param/", "/close_communicator/", "/update_weights")
+               "/init_communicator/", "/update_named_param/", "/close_communicator/")
+
+
+class UpdateWeights(msgspec.Struct, kw_only=True):
+    """prime-rl's /update_weights {weight_dir} (TRL's NCCL one sends update_info instead)."""
+
+    weight_dir: str | None = None
+    update_info: Any = None
+
+
+class UpdateFromDisk(msgspec.Struct, kw_only=True):
+    """SGLang's /update_weights_from_disk (io_struct.UpdateWeightFromDiskReqInput)."""
+
+    model_path: str
+    load_format: str | None = None
+    weight_version: str | None = None
+    abort_all_requests: bool = False
+    flush_cache: bool = True
+
+
+class WeightsRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """parallm's POST /v1/weights."""
+
+    path: str
+    version: int = 0
 
 
 class LoadLora(msgspec.Struct, kw_only=True):
@@ -136,6 +165,41 @@ class VllmAdmin:
         await self.backend.unload_adapter(req.lora_name)
         return PlainTextResponse(f"Success: LoRA adapter '{req.lora_name}' removed successfully.")
 
+    # ------------------------------------------------------------------ full-weight updates
+    async def _update(self, path: str, version: int = 0) -> WeightsUpdated:
+        if not path:
+            raise invalid("Give the directory of the new weights (safetensors files).", "weight_dir")
+        return await self.backend.update_weights(WeightsUpdate(qid="", reply_to=b"", path=path, version=version))
+
+    async def update_weights(self, request: Request) -> Response:
+        req = _body(await read_body(request, self.limit), UpdateWeights)
+        if req.update_info is not None and req.weight_dir is None:
+            raise APIError(501, NO_NCCL.format(route="/update_weights with update_info"), code="not_implemented")
+        await self._update(req.weight_dir or "")
+        return json_response({"status": "ok"})
+
+    async def update_from_disk(self, request: Request) -> Response:
+        req = _body(await read_body(request, self.limit), UpdateFromDisk)
+        version = int(req.weight_version) if req.weight_version and req.weight_version.isdigit() else 0
+        if req.abort_all_requests:
+            await self.backend.pause("abort")
+        try:
+            done = await self._update(req.model_path, version)
+        except (APIError, BackendError) as exc:
+            message = exc.message
+            return json_response({"success": False, "message": message, "num_paused_requests": 0}, status=400)
+        finally:
+            if req.abort_all_requests:
+                await self.backend.resume()
+        return json_response({"success": True, "num_paused_requests": 0,
+                              "message": f"Succeeded to update model weights (version {done.version})."})
+
+    async def weights(self, request: Request) -> Response:
+        req = _body(await read_body(request, self.limit), WeightsRequest)
+        done = await self._update(req.path, req.version)
+        return json_response({"object": "weights", "version": done.version, "tensors": done.tensors,
+                              "load_ms": done.load_ms})
+
     # ------------------------------------------------------------------ NCCL weight transfer
     def no_nccl(self, route: str):
         async def answer(request: Request) -> Response:
@@ -157,5 +221,8 @@ def routes(backend: Backend, server: ServerConfig, wrap: Any) -> list[Route]:
         Route("/v1/unload_lora_adapter", wrap(a.unload_lora), methods=["POST"]),
         Route("/load_lora_adapter", wrap(a.load_lora_inplace), methods=["POST"]),
         Route("/skyrl/v1/load_lora_adapter", wrap(a.load_lora_inplace), methods=["POST"]),
+        Route("/update_weights", wrap(a.update_weights), methods=["POST"]),
+        Route("/update_weights_from_disk", wrap(a.update_from_disk), methods=["POST"]),
+        Route("/v1/weights", wrap(a.weights), methods=["POST"]),
         *[Route(path, wrap(a.no_nccl(path)), methods=["POST"]) for path in NCCL_ROUTES],
     ]
