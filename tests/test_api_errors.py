@@ -48,7 +48,12 @@ def error_of(response, status: int) -> dict:
     ("/v1/completions", {"prompt": "x", "presence_penalty": 3}, "presence_penalty", "invalid_value"),
     ("/v1/chat/completions", {"messages": []}, "messages", "invalid_value"),
     ("/v1/chat/completions", {"messages": [{"role": "robot", "content": "x"}]}, "messages[0].role", "invalid_value"),
-    ("/v1/chat/completions", {"messages": CHAT, "tools": [{"type": "function"}]}, "tools", "unsupported_parameter"),
+    ("/v1/chat/completions", {"messages": CHAT, "tools": [{"type": "function"}]}, "tools[0]", None),
+    ("/v1/chat/completions", {"messages": CHAT, "tool_choice": "required"}, "tool_choice", None),
+    ("/v1/chat/completions", {"messages": CHAT, "response_format": {"type": "json_schema", "json_schema": {
+        "name": "x", "schema": {"type": "object", "not": {}}}}}, "response_format", "unsupported_parameter"),
+    ("/v1/chat/completions", {"messages": CHAT, "response_format": {"type": "xml"}}, "response_format.type",
+     "unsupported_parameter"),
     ("/v1/chat/completions", {"messages": CHAT, "top_logprobs": 2}, "top_logprobs", None),
     ("/v1/chat/completions", {"messages": CHAT, "max_completion_tokens": -5}, "max_completion_tokens",
      "invalid_value"),

@@ -20,8 +20,6 @@ ROUTES = {
 }
 # what each known client sends (the value that asks for the behaviour)
 CLIENT_FIELDS = {
-    "structured_outputs": {"regex": "a+"}, "guided_json": {"type": "object"}, "guided_regex": "a+",
-    "guided_choice": ["a", "b"], "guided_grammar": "root ::= 'a'", "guided_decoding_backend": "xgrammar",
     "adapters": "/path/to/adapter", "draft_model": "small",
     "num_draft_tokens": 3, "xtc_probability": 0.5, "xtc_threshold": 0.1, "repetition_context_size": 20,
     "presence_context_size": 20, "frequency_context_size": 20, "role_mapping": {"user": "U:"},
@@ -56,15 +54,53 @@ def test_null_or_false_means_not_asked(route):
     assert r.status_code == 200, r.text
 
 
-@pytest.mark.parametrize("body, field", [
-    ({"prompts": [[1, 2]], "structured_outputs_regex": "a+"}, "structured_outputs_regex"),   # TRL >= 0.20
-    ({"prompts": [[1, 2]], "guided_decoding_regex": "a+"}, "guided_decoding_regex"),         # TRL < 0.20
-    ({"prompts": [[1, 2]], "generation_kwargs": {"guided_json": {}}}, "guided_json"),
+# fields that constrain the output (parallm/api/structured.py): supported on every route
+CONSTRAINT_FIELDS = {
+    "structured_outputs": ({"regex": "a+"}, ("regex", "a+")),
+    "guided_json": ({"type": "object"}, ("json_schema", '{"type": "object"}')),
+    "guided_regex": ("a+", ("regex", "a+")),
+    "guided_choice": (["a", "b"], ("choice", '["a", "b"]')),
+    "guided_grammar": ("root ::= \"a\"", ("gbnf", 'root ::= "a"')),
+}
+
+
+@pytest.mark.parametrize("route", ROUTES)
+@pytest.mark.parametrize("field", CONSTRAINT_FIELDS)
+def test_constraint_fields_reach_the_request_spec(route, field):
+    client, backend = make()
+    value, (kind, text) = CONSTRAINT_FIELDS[field]
+    r = client.post(route, json={**ROUTES[route], field: value, "guided_decoding_backend": "xgrammar"})
+    assert r.status_code == 200, r.text
+    c = backend.submits[0].spec.params.constraint
+    assert (c.kind, c.value) == (kind, text)
+
+
+@pytest.mark.parametrize("route", ROUTES)
+def test_an_unsupported_schema_keyword_is_a_400_naming_it(route):
+    client, backend = make()
+    r = client.post(route, json={**ROUTES[route], "guided_json": {"type": "array", "uniqueItems": True}})
+    assert r.status_code == 400 and "uniqueItems" in r.json()["error"]["message"], r.text
+    assert r.json()["error"]["param"] == "guided_json" and not backend.submits
+
+
+@pytest.mark.parametrize("route", ROUTES)
+def test_two_constraints_are_a_400(route):
+    client, backend = make()
+    r = client.post(route, json={**ROUTES[route], "guided_regex": "a", "structured_outputs": {"choice": ["b"]}})
+    assert r.status_code == 400 and "structured_outputs" in r.json()["error"]["message"], r.text
+
+
+@pytest.mark.parametrize("body", [
+    {"prompts": [[1, 2]], "structured_outputs_regex": "a+"},   # TRL >= 0.20
+    {"prompts": [[1, 2]], "guided_decoding_regex": "a+"},       # TRL < 0.20
+    {"prompts": [[1, 2]], "generation_kwargs": {"guided_regex": "a+"}},
 ])
-def test_generate_only_fields(body, field):
-    client, _ = make()
+def test_trl_regex_fields_reach_the_request_spec(body):
+    client, backend = make()
     r = client.post("/generate", json=body)
-    assert r.status_code == 400 and r.json()["error"]["param"] == field, r.text
+    assert r.status_code == 200, r.text
+    c = backend.submits[0].spec.params.constraint
+    assert (c.kind, c.value) == ("regex", "a+")
 
 
 @pytest.mark.parametrize("route", ROUTES)

@@ -22,6 +22,7 @@ from parallm.api.errors import APIError
 from parallm.api.schemas import (AssistantMessage, ChatChoice, ChatCompletionResponse, ChatLogprobs,
                                  CompletionChoice, CompletionLogprobs, CompletionResponse, PromptLogprob,
                                  PromptLogprobs, PromptTokensDetails, TokenLogprob, TopLogprob, UsageInfo)
+from parallm.api.structured import tool_message
 from parallm.api.translate import Plan
 from parallm.protocol import Output, Usage, unpack_floats, unpack_ids, unpack_top
 from parallm.text.vocab import token_string_bytes
@@ -303,8 +304,12 @@ class Collector:
             lp = None
             if plan.logprobs is not None:
                 lp = ChatLogprobs(content=chat_logprobs(s.tokens, s.logprobs, s.top, plan.logprobs))
-            choice = ChatChoice(index=s.index, message=AssistantMessage(content="".join(s.texts)), logprobs=lp,
-                                finish_reason=s.finish_reason, stop_reason=s.stop_reason)  # type: ignore[arg-type]
+            content, calls, finish = tool_message(plan.tools, "".join(s.texts), s.finish_reason)
+            message = AssistantMessage(content=content)
+            if calls is not None:
+                message.tool_calls = calls
+            choice = ChatChoice(index=s.index, message=message, logprobs=lp,
+                                finish_reason=finish, stop_reason=s.stop_reason)  # type: ignore[arg-type]
             if plan.return_token_ids:
                 choice.token_ids = s.ids
             choices.append(choice)

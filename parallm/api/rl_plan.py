@@ -16,6 +16,7 @@ import msgspec
 from parallm.api.errors import APIError, from_validation, invalid
 from parallm.api.rl_schemas import (MlxRlGenerateRequest, RLSampling, Shape, TokensPrompt, TrlGenerateRequest,
                                     VllmGenerateRequest)
+from parallm.api.structured import constraint_of
 from parallm.api.translate import request_spec
 from parallm.api.validate import MAX_TOKEN_ID, Limits, check_n, check_not_supported, max_tokens, stop_strings, unsupported
 from parallm.protocol import DetokSpec, SamplingParams, TextSubmit, pack_ids
@@ -112,9 +113,6 @@ def _check(shape: Shape, req: Any, n_prompts: int, limits: Limits) -> None:
     if shape == "trl":
         if req.images:
             raise unsupported("images are not supported by this server (text models only).", "images")
-        for name in ("guided_decoding_regex", "structured_outputs_regex"):
-            if getattr(req, name):
-                raise unsupported(f"{name} (guided decoding) is not supported by this server yet.", name)
     if shape == "mlx_rl" and req.n != 1:
         raise invalid("the MLX RL shape returns one completion; send n=1 (or use the vLLM/TRL shapes).", "n")
 
@@ -145,7 +143,8 @@ def build(shape: Shape, req: Any, limits: Limits, answer: Shape | None = None) -
         repetition_penalty=req.repetition_penalty, presence_penalty=req.presence_penalty,
         frequency_penalty=req.frequency_penalty, seed=req.seed, max_tokens=resolved, min_tokens=req.min_tokens,
         stop_token_ids=list(req.stop_token_ids or []), ignore_eos=req.ignore_eos,
-        logprobs=job.logprobs is not None, top_logprobs=job.logprobs or 0, prompt_logprobs=job.prompt_logprobs)
+        logprobs=job.logprobs is not None, top_logprobs=job.logprobs or 0, prompt_logprobs=job.prompt_logprobs,
+        constraint=constraint_of(req))
     detok = DetokSpec(stop=stop_strings(req.stop), include_stop_str=req.include_stop_str_in_output,
                       skip_special_tokens=req.skip_special_tokens, echo=True)
     spec = request_spec(req, params, detok, adapter=req.adapter, metadata=job.metadata)

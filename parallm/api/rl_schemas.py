@@ -59,6 +59,13 @@ class RLSampling(NotYetSupported, kw_only=True):
     include_stop_str_in_output: bool = False
     stream: bool = False
     priority: Annotated[int, Meta(ge=-INT32, lt=INT32, description=PRIORITY_DOC)] = 0
+    # constrained output, as on the OpenAI routes (parallm/api/structured.py)
+    structured_outputs: dict[str, Any] | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    guided_decoding_backend: str | None = None
     # parallm extensions
     adapter: str = ""
     adapter_version: Annotated[int, Meta(ge=0, lt=INT32)] = 0

@@ -54,7 +54,7 @@ class StreamOptions(Struct, kw_only=True):
 
 
 class ResponseFormat(Struct, kw_only=True):
-    type: Annotated[str, _d("only 'text' is supported")]
+    type: Annotated[str, _d("text, json_object or json_schema (the output then follows json_schema.schema)")]
     json_schema: dict[str, Any] | None = None
 
 
@@ -68,12 +68,6 @@ class NotYetSupported(Struct, kw_only=True):
     yet: declared so that a request giving one gets a 400 naming it (validate.check_not_supported)
     instead of having it silently ignored like an unknown field."""
 
-    structured_outputs: Any = None          # vLLM >= 0.10 (json / regex / choice / grammar)
-    guided_json: Any = None                 # vLLM < 0.10
-    guided_regex: Any = None
-    guided_choice: Any = None
-    guided_grammar: Any = None
-    guided_decoding_backend: Any = None
     adapters: Any = None                    # mlx_lm.server: an adapter path per request
     draft_model: Any = None                 # mlx_lm.server: speculative decoding
     num_draft_tokens: Any = None
@@ -103,6 +97,14 @@ class SamplingRequest(NotYetSupported, kw_only=True):
     user: str | None = None
     response_format: ResponseFormat | None = None
     # vLLM extensions
+    structured_outputs: Annotated[dict[str, Any] | None, _d(
+        "constrain the output: one of json (a JSON schema), regex, choice (strings), grammar (Lark or GBNF), "
+        "json_object")] = None
+    guided_json: Annotated[dict[str, Any] | str | None, _d("vLLM < 0.10: structured_outputs.json")] = None
+    guided_regex: Annotated[str | None, _d("vLLM < 0.10: structured_outputs.regex")] = None
+    guided_choice: Annotated[list[str] | None, _d("vLLM < 0.10: structured_outputs.choice")] = None
+    guided_grammar: Annotated[str | None, _d("vLLM < 0.10: structured_outputs.grammar")] = None
+    guided_decoding_backend: Annotated[str | None, _d("accepted and ignored (the engine is llguidance)")] = None
     top_k: Annotated[int, _d("keep the k most likely tokens; 0 or -1: off", ge=-1, lt=INT32)] | None = None
     min_p: Annotated[float, Meta(ge=0.0, le=1.0)] | None = None
     repetition_penalty: Annotated[float, Meta(gt=0.0)] | None = None
@@ -146,7 +148,8 @@ class ChatCompletionRequest(SamplingRequest, kw_only=True):
     max_completion_tokens: Annotated[int, _d("OpenAI's newer name for max_tokens", ge=0, lt=INT32)] | None = None
     logprobs: bool | None = None
     top_logprobs: Annotated[int, Meta(ge=0, le=MAX_LOGPROBS)] | None = None
-    tools: Annotated[list[dict[str, Any]] | None, _d("not supported")] = None
+    tools: Annotated[list[dict[str, Any]] | None, _d("functions the model may call (rendered by the chat template); "
+                                                     "tool_choice required or named is enforced by the grammar")] = None
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None
     functions: Annotated[list[dict[str, Any]] | None, _d("not supported")] = None
@@ -178,7 +181,7 @@ class DetokenizeRequest(Struct, kw_only=True):
 
 # --------------------------------------------------------------------------- responses
 
-FinishReason = Literal["stop", "length", "abort"]
+FinishReason = Literal["stop", "length", "abort", "tool_calls"]
 
 
 class PromptTokensDetails(Struct):
@@ -264,6 +267,7 @@ class AssistantMessage(Struct, kw_only=True):
     role: Literal["assistant"] = "assistant"
     content: str | None = None
     refusal: str | None = None
+    tool_calls: list[dict[str, Any]] | UnsetType = UNSET
 
 
 class ChatChoice(Struct, kw_only=True):
@@ -290,6 +294,7 @@ class ChatCompletionResponse(Struct, kw_only=True):
 class ChatDelta(Struct, kw_only=True, omit_defaults=True):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None
 
 
 class ChatChunkChoice(Struct, kw_only=True):

@@ -21,6 +21,7 @@ from parallm.api.outputs import (ChoiceState, Collector, Piece, add_completion_l
                                  prompt_logprobs)
 from parallm.api.schemas import (ChatChunkChoice, ChatCompletionChunk, ChatDelta, ChatLogprobs, CompletionChoice,
                                  CompletionChunk, CompletionLogprobs)
+from parallm.api.structured import ToolStream
 from parallm.api.translate import Plan
 from parallm.protocol import Output
 
@@ -46,6 +47,7 @@ class ChunkBuilder:
         self.collector = Collector(plan, keep=False)
         self.usage_field: Any = None if plan.include_usage else UNSET
         self.sent_prompt_ids = False
+        self.tool_streams: dict[int, ToolStream] = {}
 
     def opening(self) -> list[Any]:
         """Chunks sent before any output: the assistant role of every chat choice."""
@@ -115,8 +117,15 @@ class ChunkBuilder:
         lp = None
         if plan.logprobs is not None and piece.ids:
             lp = ChatLogprobs(content=chat_logprobs(piece.tokens, piece.logprobs, piece.top, plan.logprobs))
-        choice = ChatChunkChoice(index=state.index, delta=ChatDelta(content=piece.text or None), logprobs=lp,
-                                 finish_reason=piece.finish_reason)  # type: ignore[arg-type]
+        delta, finish = ChatDelta(content=piece.text or None), piece.finish_reason
+        if plan.tools is not None and plan.tools.constrained:
+            stream = self.tool_streams.get(state.index)
+            if stream is None:
+                stream = self.tool_streams[state.index] = ToolStream(plan.tools)
+            content, calls, finish = stream.feed(piece.text, piece.finish_reason)
+            delta = ChatDelta(content=content, tool_calls=calls)
+        choice = ChatChunkChoice(index=state.index, delta=delta, logprobs=lp,
+                                 finish_reason=finish)  # type: ignore[arg-type]
         if piece.finish_reason is not None:
             choice.stop_reason = piece.stop_reason
         if plan.return_token_ids:

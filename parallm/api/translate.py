@@ -14,8 +14,9 @@ from typing import Any, Literal
 
 from parallm.api.adapters import adapter_of
 from parallm.api.schemas import ChatCompletionRequest, ChatMessage, CompletionRequest, SamplingRequest
+from parallm.api.structured import ToolPlan, constraint_of, tool_plan
 from parallm.api.validate import Limits, check_chat, check_completion, stop_strings
-from parallm.protocol import DetokSpec, RequestSpec, SamplingParams, TextSubmit, pack_ids
+from parallm.protocol import Constraint, DetokSpec, RequestSpec, SamplingParams, TextSubmit, pack_ids
 
 SYSTEM_FINGERPRINT = "fp_parallm"
 
@@ -41,6 +42,7 @@ class Plan:
     echo_only: bool = False             # echo with max_tokens=0: the one generated token is dropped
     return_token_ids: bool = False
     tokens_as_ids: bool = False         # vLLM's return_tokens_as_token_ids: logprob tokens as "token_id:<id>"
+    tools: ToolPlan | None = None       # chat: how the output becomes tool calls
     created: int = field(default_factory=lambda: int(time.time()))
     fingerprint: str = SYSTEM_FINGERPRINT
 
@@ -50,11 +52,11 @@ class Plan:
 
 
 def sampling_params(req: SamplingRequest, max_tokens: int, top_logprobs: int | None,
-                    prompt_logprobs: int | None) -> SamplingParams:
+                    prompt_logprobs: int | None, tool_constraint: Constraint | None = None) -> SamplingParams:
     """OpenAI/vLLM sampling fields to SamplingParams; omitted fields keep the protocol's defaults."""
     p = SamplingParams(max_tokens=max_tokens, min_tokens=req.min_tokens, ignore_eos=req.ignore_eos,
                        seed=req.seed, logprobs=top_logprobs is not None, top_logprobs=top_logprobs or 0,
-                       prompt_logprobs=prompt_logprobs)
+                       prompt_logprobs=prompt_logprobs, constraint=constraint_of(req, tool_constraint))
     for name in ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty"):
         value = getattr(req, name)
         if value is not None:
@@ -133,7 +135,8 @@ def chat_plan(req: ChatCompletionRequest, limits: Limits, request_id: str = "") 
     max_tokens = check_chat(req, limits)
     rid = new_id("chat")
     top = (req.top_logprobs or 0) if req.logprobs else None
-    params = sampling_params(req, max_tokens, top, req.prompt_logprobs)
+    tools, tool_constraint = tool_plan(req)
+    params = sampling_params(req, max_tokens, top, req.prompt_logprobs, tool_constraint)
     detok = detok_spec(req, token_strings=top is not None or req.prompt_logprobs is not None,
                        prompt_info=req.return_token_ids or req.prompt_logprobs is not None)
     spec = request_spec(req, params, detok, adapter=adapter_of(req.model, req.adapter, limits.model_name),
@@ -141,8 +144,16 @@ def chat_plan(req: ChatCompletionRequest, limits: Limits, request_id: str = "") 
     submit = TextSubmit(
         rid=rid, reply_to=b"", spec=spec, messages=[message_dict(m) for m in req.messages],
         add_generation_prompt=req.add_generation_prompt, continue_final_message=req.continue_final_message,
-        chat_template_kwargs=dict(req.chat_template_kwargs or {}), add_special_tokens=bool(req.add_special_tokens))
+        chat_template_kwargs=_template_kwargs(req), add_special_tokens=bool(req.add_special_tokens))
     return Plan("chat", rid, limits.model_name, [submit], n=req.n, stream=req.stream,
                 include_usage=bool(req.stream_options and req.stream_options.include_usage),
                 logprobs=top, prompt_logprobs=req.prompt_logprobs, return_token_ids=req.return_token_ids,
-                tokens_as_ids=req.return_tokens_as_token_ids)
+                tokens_as_ids=req.return_tokens_as_token_ids, tools=tools)
+
+
+def _template_kwargs(req: ChatCompletionRequest) -> dict[str, Any]:
+    """chat_template_kwargs, with the request's tools for templates that render them."""
+    kwargs = dict(req.chat_template_kwargs or {})
+    if req.tools:
+        kwargs["tools"] = req.tools
+    return kwargs

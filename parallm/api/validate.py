@@ -143,9 +143,6 @@ def _check_sampling(req: SamplingRequest, limits: Limits, n_prompts: int, resolv
     bad = next((k for k in (req.logit_bias or {}) if not 0 <= k <= MAX_TOKEN_ID), None)
     if bad is not None:
         raise invalid(f"logit_bias key {bad} is not a token id.", "logit_bias")
-    if req.response_format is not None and req.response_format.type != "text":
-        raise unsupported(f"response_format type {req.response_format.type!r} is not supported; "
-                          "only 'text' is.", "response_format.type")
     stop_strings(req.stop)
 
 
@@ -187,13 +184,7 @@ def check_chat(req: ChatCompletionRequest, limits: Limits) -> int:
     else:
         resolved = max_tokens(req.max_tokens, "max_tokens", limits)
     _check_sampling(req, limits, 1, resolved)
-    if req.tools:
-        raise unsupported("tools are not supported by this server.", "tools")
-    if req.functions:
-        raise unsupported("functions are not supported by this server.", "functions")
-    for name in ("tool_choice", "function_call"):
-        if getattr(req, name) not in (None, "none", "auto"):
-            raise unsupported(f"{name} is not supported by this server (no tools).", name)
+    check_free_form(req.tools, "tools")
     if req.modalities is not None and any(m != "text" for m in req.modalities):
         raise unsupported("only the 'text' modality is supported.", "modalities")
     if req.audio is not None:
