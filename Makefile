@@ -21,6 +21,10 @@ $(VENV)/.test: $(VENV)/.serve
 	$(BIN)/python -m pip install -q -e '.[cpu,test]'
 	touch $@
 
+$(VENV)/.rl-clients: $(VENV)/.test
+	$(BIN)/python -m pip install -q -e '.[cpu,test,rl-clients]'
+	touch $@
+
 $(VENV)/.perf: $(VENV)/.test
 	$(BIN)/python -m pip install -q -e '.[cpu,test,perf]'
 	touch $@
@@ -35,7 +39,7 @@ serve: install
 test: install-test
 	$(BIN)/python -m pytest $(ARGS)
 
-test-slow: install-test
+test-slow: install-test $(VENV)/.rl-clients
 	$(BIN)/python -m pytest -m slow $(ARGS)
 
 test-all: install-test

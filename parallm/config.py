@@ -79,8 +79,6 @@ class EngineConfig(Struct, frozen=True, kw_only=True, forbid_unknown_fields=True
     tensor_parallel: Annotated[int, _d("ranks the engine runs as, each holding a shard of the model (mx.distributed: "
                                        "the ring backend on CPUs, NCCL on CUDA GPUs, one GPU per rank); 1 = one "
                                        "process")] = 1
-    replicas: Annotated[int, _d("engine replicas behind the tokenizers (data parallel; one per GPU on a CUDA "
-                                "host): each request goes to one, chosen by load and prefix-cache affinity")] = 1
 
 
 def auto_prefill_tokens(on_cpu: bool, mixed: bool) -> int:
@@ -232,9 +230,13 @@ class RLTrainingConfig(Struct, frozen=True, kw_only=True, forbid_unknown_fields=
     scale_rewards: Annotated[bool, _d("divide group-centred rewards by the group's std (GRPO); off = Dr. GRPO")] = True
     updates_per_batch: Annotated[int, _d("optimizer steps on each batch of rollouts (PPO epochs)")] = 1
     micro_batch: Annotated[int, _d("sequences per forward/backward pass (gradients accumulate)")] = 8
-    rollout_source: Annotated[Literal["generate", "subscribe"],
+    rollout_source: Annotated[Literal["generate", "subscribe", "atropos"],
                               _d("'generate': the trainer requests its rollouts; 'subscribe': it trains on "
-                                 "rollouts other clients produce, from the rollout PUB stream")] = "generate"
+                                 "rollouts other clients produce, from the rollout PUB stream; 'atropos': it "
+                                 "registers with an Atropos run-api and trains on the scored batches its "
+                                 "environments post (rewards are theirs)")] = "generate"
+    atropos_url: Annotated[str, _d("atropos mode: the run-api's base URL")] = "http://127.0.0.1:8000"
+    atropos_poll_s: Annotated[float, _d("atropos mode: wait between GET /batch polls while none is ready")] = 0.5
     prefetch: Annotated[int, _d("rollout batches generated ahead while training (each adds one version of "
                                 "staleness); 0 = strictly on-policy")] = 0
     max_staleness: Annotated[int, _d("rollouts whose oldest token is more versions behind are not trained on "
@@ -493,8 +495,6 @@ def _check(config: Config) -> None:
         problems.append("engine.block_size must be >= 1")
     if config.engine.tensor_parallel < 1:
         problems.append("engine.tensor_parallel must be >= 1")
-    if config.engine.replicas < 1:
-        problems.append("engine.replicas must be >= 1")
     if config.tokenizer.replicas < 1:
         problems.append("tokenizer.replicas must be >= 1")
     if config.transport.max_message_mb < 1:

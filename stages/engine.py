@@ -15,10 +15,9 @@ from collections import Counter
 from typing import Any
 
 import mlx.core as mx
-import msgspec
 import zmq
 
-from parallm import blas, protocol, routing
+from parallm import blas, protocol
 from parallm.adapters import AdapterError, HeldRequests, load_bytes
 from parallm.engine.weights import WeightsError
 from parallm.config import Config
@@ -27,7 +26,6 @@ from parallm.runtime import StageRuntime
 from parallm.transport import Receiver, Sender, open_socket
 
 log = logging.getLogger("parallm.engine.stage")
-FANNED_OUT = (protocol.Abort, protocol.AdapterPublish, protocol.AdapterUnload, protocol.Pause, protocol.Resume)
 
 
 def to_delta(out: SeqOutput) -> protocol.SeqDelta:
@@ -95,14 +93,10 @@ class EngineStage:
         self.model_info = model_info
         ctx = runtime.ctx
         hwm = config.transport.hwm
-        replica = runtime.replica
-        self.inbox: Receiver = Receiver(open_socket(ctx, zmq.PULL, routing.engine_address(runtime.addrs, replica),
-                                                    bind=True, hwm=hwm), protocol.EngineInbound, name="engine")
+        self.inbox: Receiver = Receiver(open_socket(ctx, zmq.PULL, runtime.addrs.engine, bind=True, hwm=hwm),
+                                        protocol.EngineInbound, name="engine")
         self.out = Sender(open_socket(ctx, zmq.PUSH, runtime.addrs.detok, bind=False, hwm=hwm))
-        # replica 0 hands aborts, adapter versions and pauses on to the other replicas (parallm/routing.py)
-        self.peers = [Sender(open_socket(ctx, zmq.PUSH, routing.engine_address(runtime.addrs, i), bind=False, hwm=hwm))
-                      for i in range(1, config.engine.replicas)] if replica == 0 else []
-        sub = open_socket(ctx, zmq.SUB, routing.adapters_address(runtime.addrs, replica), bind=True, hwm=hwm)
+        sub = open_socket(ctx, zmq.SUB, runtime.addrs.adapters, bind=True, hwm=hwm)
         sub.setsockopt(zmq.SUBSCRIBE, b"")
         self.adapter_sub: Receiver = Receiver(sub, protocol.EngineInbound, name="adapters")
         self.poller = zmq.Poller()
@@ -123,11 +117,6 @@ class EngineStage:
     # ------------------------------------------------------------------ messages
     def handle(self, message: Any) -> None:
         self.received += 1
-        if self.peers and isinstance(message, FANNED_OUT):
-            copy = message if isinstance(message, protocol.Abort) else \
-                msgspec.structs.replace(message, qid="", reply_to=b"")  # only replica 0 answers
-            for peer in self.peers:
-                peer.send(copy, block=False)
         if isinstance(message, protocol.Submit):
             self.on_submit(message)
         elif isinstance(message, protocol.Abort):
@@ -275,7 +264,6 @@ class EngineStage:
     def stats(self) -> protocol.EngineStats:
         stats = self.engine.stats()
         stats.paused, stats.held_for_version, stats.received = self.paused, len(self.held), self.received
-        stats.replica = self.rt.replica
         stats.dropped_frames = self.inbox.dropped
         stats.loop = protocol.LoopStats(steps=self.loop_steps, ms_mean={
             k[:-2]: 1000 * v / max(1, self.loop_steps) for k, v in self.loop_time.items()})

@@ -58,6 +58,7 @@ class Group:
     completions: list[Completion]
     rid: str = ""
     sampled_s: float = 0.0                 # wall time the batch it came in took to sample
+    scores: list[float] | None = None      # rewards given with the rollouts (Atropos); None: the task scores them
     tokens: int = field(init=False, default=0)
 
     def __post_init__(self) -> None:

@@ -38,6 +38,7 @@ from . import checkpoint
 from .grpo import GRPOUpdater, LossConfig, Sample, StepStats, group_advantages
 from .policy import Policy, load_policy
 from .publisher import AdapterPublisher
+from .atropos import AtroposRollouts
 from .rollouts import GeneratedRollouts, Group, SubscribedRollouts
 from .tasks import Task, load_task, score_group
 
@@ -104,12 +105,18 @@ class Trainer:
         self.version = max(self.version, served) + 1
         self._publish()
         if self.rl.rollout_source == "generate":
-            self.source: GeneratedRollouts | SubscribedRollouts = GeneratedRollouts(
+            self.source: GeneratedRollouts | SubscribedRollouts | AtroposRollouts = GeneratedRollouts(
                 self.router, task=self.task, encode=self._encode, decode=self._decode, adapter=self.adapter,
                 cfg=self.rl, timeout_s=self.cfg.server.timeout_s, rng=self.rng)
             self.source.start()
             for _ in range(self.rl.prefetch + 1):
                 self.source.request()
+        elif self.rl.rollout_source == "atropos":
+            self.source = AtroposRollouts(self.rl.atropos_url, cfg=self.rl, decode=self._decode,
+                                          score=self._score, version=lambda: self.version,
+                                          checkpoint_dir=str(self.ckpt_dir), starting_step=self.step,
+                                          timeout_s=self.cfg.server.timeout_s)
+            self.source.register()
         else:
             self.source = SubscribedRollouts(addrs["rollouts"], adapter=self.adapter, decode=self._decode,
                                              group_size=self.rl.group_size,
@@ -258,7 +265,7 @@ class Trainer:
         for group in groups:
             conversations = [group.messages + [{"role": "assistant", "content": c.text}] for c in group.completions]
             infos = [{**group.info, "finish_reason": c.finish_reason} for c in group.completions]
-            group_rewards = score_group(self.task, conversations, infos)
+            group_rewards = group.scores if group.scores is not None else score_group(self.task, conversations, infos)
             advantages = group_advantages(group_rewards, scale=self.rl.scale_rewards)
             if max(group_rewards) == min(group_rewards):
                 flat += 1
@@ -269,6 +276,10 @@ class Trainer:
                                       version=c.oldest_version, text=c.text, finish_reason=c.finish_reason))
                 rewards.append(r)
         return samples, rewards, flat
+
+    def _score(self, ids: list[int], start: int) -> list[float]:
+        """The server's teacher-forced logprobs of ids[start:] under the adapter being trained."""
+        return self.client.score(ids, start=start, adapter=self.adapter)["logprobs"]
 
     def _reference_logprobs(self, samples: list[Sample]) -> None:
         for s in samples:
