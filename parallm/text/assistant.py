@@ -1,0 +1,215 @@
+"""An assistant's generated text split into reasoning, content and tool calls.
+
+Thinking segments (`<think>…</think>` and the other markers mlx-lm knows) become reasoning; the
+model's tool-call syntax becomes calls, parsed by mlx-lm's own parsers (`mlx_lm.tool_parsers`,
+loaded without importing mlx) plus parallm's Llama-3 JSON parser, which mlx-lm lacks. The parser
+and the thinking markers are chosen from the chat template and the vocabulary the way mlx-lm's
+tokenizer_utils chooses them (tables copied: that module imports mlx). A call is emitted whole
+once its end marker (or the end of the text) arrives, as mlx_lm.server streams it.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import json
+import sys
+import types
+import uuid
+from dataclasses import dataclass, field
+from typing import Any, Callable, Container
+
+from parallm.text.segments import MarkerSplitter
+
+# mlx-lm's _infer_tool_parser order: (parser, test on the chat template)
+_TEMPLATE_RULES: list[tuple[str, Callable[[str], bool]]] = [
+    ("minimax_m2", lambda t: "<minimax:tool_call>" in t),
+    ("gemma4", lambda t: "<|tool_call>" in t and "<tool_call|>" in t),
+    ("function_gemma", lambda t: "<start_function_call>" in t),
+    ("longcat", lambda t: "<longcat_tool_call>" in t),
+    ("glm47", lambda t: "<arg_key>" in t),
+    ("pythonic", lambda t: "<|tool_call_start|>" in t),
+    ("qwen3_coder", lambda t: "<tool_call>\n<function=" in t),
+    ("kimi_k2", lambda t: "<|tool_calls_section_begin|>" in t),
+    ("minicpm5", lambda t: '<function name="' in t and '<param name="' in t),
+    ("mistral", lambda t: "[TOOL_CALLS]" in t),
+    ("muse_spark", lambda t: "<atem:function_calls>" in t),
+    ("json_tools", lambda t: "<tool_call>" in t and "tool_call.name" in t),
+    ("llama3_json", lambda t: "<|python_tag|>" in t or ("tools_in_user_message" in t and "parameters" in t)),
+]
+THINK_PAIRS = [("<think>", "</think>"), ("<longcat_think>", "</longcat_think>"), ("<|think:start|>", "<|think:end|>")]
+PARSERS = tuple(name for name, _ in _TEMPLATE_RULES) + ("glm47", "laguna", "kimi_k3")
+
+
+def infer_tool_parser(chat_template: str | None, vocab: Container[str] = ()) -> str | None:
+    """The tool-call parser for a model (mlx-lm's choice, plus Llama-3 JSON); None: no tool syntax."""
+    t = chat_template or ""
+    for name, test in _TEMPLATE_RULES:
+        if test(t):
+            return name
+    if "<|open|>" in vocab and "<|sep|>" in vocab:
+        return "kimi_k3"
+    if "<|tool_call_start|>" in vocab and "<|tool_call_end|>" in vocab:
+        return "pythonic"
+    return None
+
+
+def infer_thinking(vocab: Container[str]) -> tuple[str, str] | None:
+    """The thinking markers a vocabulary has (mlx-lm's single-token pairs, then Gemma-4's)."""
+    for start, end in THINK_PAIRS:
+        if start in vocab and end in vocab:
+            return start, end
+    if "<|channel>" in vocab and "<channel|>" in vocab:
+        return "<|channel>thought", "<channel|>"
+    return None
+
+
+# --------------------------------------------------------------------------- parsers
+
+@dataclass(frozen=True)
+class ToolParser:
+    name: str
+    start: str
+    end: str                                       # "" = the call runs to the end of the text
+    parse: Callable[[str, Any], Any]               # the text between the markers -> dict or list of dicts
+
+
+def _mlx_lm_parser_module(name: str) -> Any:
+    """mlx_lm.tool_parsers.<name> without running mlx_lm/__init__ (which imports mlx)."""
+    pkg_name = "_parallm_mlx_lm_tool_parsers"
+    pkg = sys.modules.get(pkg_name)
+    if pkg is None:
+        spec = importlib.util.find_spec("mlx_lm")
+        if spec is None or not spec.submodule_search_locations:
+            raise ValueError("mlx-lm is not installed, so its tool parsers are not available")
+        pkg = types.ModuleType(pkg_name)
+        pkg.__path__ = [spec.submodule_search_locations[0] + "/tool_parsers"]
+        sys.modules[pkg_name] = pkg
+    return importlib.import_module(f"{pkg_name}.{name}")
+
+
+def _llama3_parse(text: str, tools: Any = None) -> Any:
+    """Llama 3.x: `{"name": ..., "parameters": {...}}` (or `arguments`), one per line or `;`-joined."""
+    calls = []
+    for part in (p.strip() for p in text.replace(";", "\n").splitlines()):
+        if not part:
+            continue
+        obj = json.loads(part)
+        if not isinstance(obj, dict) or "name" not in obj:
+            raise ValueError(f"not a tool call: {part}")
+        calls.append({"name": obj["name"], "arguments": obj.get("parameters", obj.get("arguments", {}))})
+    if not calls:
+        raise ValueError("no tool call")
+    return calls
+
+
+def tool_parser(name: str) -> ToolParser:
+    if name == "llama3_json":
+        return ToolParser(name, "<|python_tag|>", "", _llama3_parse)
+    if name not in PARSERS:
+        raise ValueError(f"unknown tool parser {name!r}; known: {', '.join(sorted(set(PARSERS)))}")
+    mod = _mlx_lm_parser_module(name)
+    return ToolParser(name, mod.tool_call_start, mod.tool_call_end or "", mod.parse_tool_call)
+
+
+def new_call_id() -> str:
+    return "chatcmpl-tool-" + uuid.uuid4().hex
+
+
+def _as_calls(parsed: Any) -> list[dict[str, Any]]:
+    items = parsed if isinstance(parsed, list) else [parsed]
+    calls = []
+    for item in items:
+        args = item.get("arguments", {})
+        calls.append({"id": item.get("id") or new_call_id(), "type": "function",
+                      "function": {"name": item["name"],
+                                   "arguments": args if isinstance(args, str) else json.dumps(args)}})
+    return calls
+
+
+# --------------------------------------------------------------------------- the split
+
+@dataclass
+class Split:
+    content: str = ""
+    reasoning: str = ""
+    tool_calls: list[dict[str, Any]] = field(default_factory=list)
+
+    def __bool__(self) -> bool:
+        return bool(self.content or self.reasoning or self.tool_calls)
+
+
+class AssistantSplitter:
+    """Streamed assistant text -> content, reasoning and complete tool calls.
+
+    `thinking`: the (start, end) markers, or None; `in_reasoning`: the prompt opened a thinking
+    segment (the template ended with the start marker). `parser`: the tool syntax, or None. A tool
+    call's text that does not parse is given back as content, markers included."""
+
+    def __init__(self, thinking: tuple[str, str] | None = None, parser: ToolParser | None = None, *,
+                 in_reasoning: bool = False, tools: Any = None) -> None:
+        tr: dict[str, list[tuple[str, str]]] = {"content": [], "reasoning": [], "tool": []}
+        if thinking is not None:
+            tr["content"].append((thinking[0], "reasoning"))
+            tr["reasoning"].append((thinking[1], "content"))
+        if parser is not None:
+            tr["content"].append((parser.start, "tool"))
+            if parser.end:
+                tr["tool"].append((parser.end, "content"))
+        self.parser, self.tools = parser, tools
+        self._sm = MarkerSplitter(tr, "reasoning" if in_reasoning and thinking else "content")
+        self._call = ""
+        self._llama_bare = parser is not None and parser.name == "llama3_json"
+        self._seen_text = False
+        self._bare: list[str] | None = None  # llama3_json: output that began with "{", held as a possible call
+
+    def feed(self, text: str) -> Split:
+        out = Split()
+        if self._llama_bare and not self._seen_text and self._sm.state == "content":
+            stripped = text.lstrip()
+            if stripped:
+                self._seen_text = True
+                if stripped.startswith("{"):
+                    self._bare = []
+        if self._bare is not None:
+            self._bare.append(text)
+            return out
+        for state, piece in self._sm.feed(text):
+            self._route(out, state, piece)
+        return out
+
+    def _route(self, out: Split, state: str, piece: str) -> None:
+        if state == "reasoning":
+            out.reasoning += piece
+        elif state == "tool":
+            self._call += piece
+        else:
+            if self._call:
+                self._end_call(out)
+            out.content += piece
+
+    def _end_call(self, out: Split) -> None:
+        text, self._call = self._call, ""
+        assert self.parser is not None
+        try:
+            out.tool_calls += _as_calls(self.parser.parse(text, self.tools))
+        except Exception:  # noqa: BLE001 - a malformed call stays visible as text
+            out.content += self.parser.start + text + self.parser.end
+
+    def finish(self) -> Split:
+        """What the end of the text completes: held-back text, an open call (Mistral, Llama-3)."""
+        out = Split()
+        if self._bare is not None:
+            text, self._bare = "".join(self._bare), None
+            try:
+                out.tool_calls = _as_calls(_llama3_parse(text))
+            except Exception:  # noqa: BLE001 - plain JSON content, not a call
+                out.content = text
+            return out
+        for state, piece in self._sm.flush():
+            self._route(out, state, piece)
+        if self._sm.state == "tool" or self._call:
+            if self._call.strip():
+                self._end_call(out)
+            self._call = ""
+        return out

@@ -1,0 +1,122 @@
+"""Tool-call parsing and reasoning split of assistant text (parallm/text/assistant.py), on the
+output formats real models emit (fixtures from mlx-lm's parsers and their tests), whole and
+streamed in small pieces: the streamed split always equals the whole one."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import pytest
+
+from parallm.text.assistant import AssistantSplitter, Split, infer_thinking, infer_tool_parser, tool_parser
+from parallm.text.segments import MarkerSplitter
+
+TOOLS = [{"type": "function", "function": {"name": "multiply", "parameters": {
+    "type": "object", "required": ["a", "b"], "properties": {"a": {"type": "number"}, "b": {"type": "number"}}}}}]
+A, B = 12234585, 48838483920
+WANT = [("multiply", {"a": A, "b": B})]
+
+# parser -> what the model emits for multiply(a, b)
+SAMPLES = {
+    "json_tools": f'<tool_call>\n{{"name": "multiply", "arguments": {{"a": {A}, "b": {B}}}}}\n</tool_call>',
+    "qwen3_coder": f"<tool_call>\n<function=multiply>\n<parameter=a>\n{A}\n</parameter>\n<parameter=b>\n{B}\n"
+                   f"</parameter>\n</function>\n</tool_call>",
+    "mistral": f'[TOOL_CALLS]multiply[ARGS]{{"a": {A}, "b": {B}}}',
+    "llama3_json": f'<|python_tag|>{{"name": "multiply", "parameters": {{"a": {A}, "b": {B}}}}}',
+    "glm47": f"<tool_call>multiply<arg_key>a</arg_key><arg_value>{A}</arg_value><arg_key>b</arg_key>"
+             f"<arg_value>{B}</arg_value></tool_call>",
+    "minimax_m2": f'<minimax:tool_call>\n<invoke name="multiply">\n<parameter name="a">{A}</parameter>\n'
+                  f'<parameter name="b">{B}</parameter>\n</invoke>\n</minimax:tool_call>',
+    "pythonic": f"<|tool_call_start|>[multiply(a={A}, b={B})]<|tool_call_end|>",
+    "gemma4": f"<|tool_call>call:multiply{{a:{A},b:{B}}}<tool_call|>",
+    "kimi_k2": f'<|tool_calls_section_begin|><|tool_call_begin|>functions.multiply:0<|tool_call_argument_begin|>'
+               f'{{"a": {A}, "b": {B}}}<|tool_call_end|><|tool_calls_section_end|>',
+}
+
+
+def run(splitter: AssistantSplitter, text: str, step: int | None) -> Split:
+    total = Split()
+    pieces = [text] if step is None else [text[i:i + step] for i in range(0, len(text), step)]
+    for part in [*(splitter.feed(p) for p in pieces), splitter.finish()]:
+        total.content += part.content
+        total.reasoning += part.reasoning
+        total.tool_calls += part.tool_calls
+    return total
+
+
+def calls(split: Split) -> list[tuple[str, dict]]:
+    return [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in split.tool_calls]
+
+
+@pytest.mark.parametrize("step", [None, 1, 3, 7])
+@pytest.mark.parametrize("name", SAMPLES)
+def test_each_family_parses_whole_and_streamed(name, step):
+    text = "<think>the user wants a product</think>" + SAMPLES[name]
+    split = run(AssistantSplitter(("<think>", "</think>"), tool_parser(name), tools=TOOLS), text, step)
+    assert calls(split) == WANT, split
+    assert split.reasoning == "the user wants a product"
+    assert split.content.strip() == "", split.content
+    assert all(c["type"] == "function" and c["id"] for c in split.tool_calls)
+
+
+def test_parsers_load_without_importing_mlx_lm():
+    import subprocess
+
+    code = ("import sys; from parallm.text.assistant import tool_parser; tool_parser('qwen3_coder'); "
+            "assert 'mlx_lm' not in sys.modules and 'mlx.core' not in sys.modules")
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
+@pytest.mark.parametrize("step", [None, 1, 4])
+def test_several_calls_with_text_around(step):
+    text = ('I will call two tools.<tool_call>\n{"name": "multiply", "arguments": {"a": 1, "b": 2}}\n</tool_call>\n'
+            '<tool_call>\n{"name": "multiply", "arguments": {"a": 3, "b": 4}}\n</tool_call>')
+    split = run(AssistantSplitter(None, tool_parser("json_tools")), text, step)
+    assert calls(split) == [("multiply", {"a": 1, "b": 2}), ("multiply", {"a": 3, "b": 4})]
+    assert split.content.strip() == "I will call two tools."
+
+
+def test_llama3_bare_json_and_plain_json_content():
+    bare = '{"name": "multiply", "parameters": {"a": 1, "b": 2}}'
+    assert calls(run(AssistantSplitter(None, tool_parser("llama3_json")), bare, 5)) == [("multiply", {"a": 1, "b": 2})]
+    plain = '{"answer": 42}'
+    split = run(AssistantSplitter(None, tool_parser("llama3_json")), plain, 3)
+    assert split.content == plain and not split.tool_calls
+
+
+def test_a_malformed_call_stays_text():
+    text = "<tool_call>{not json</tool_call> done"
+    split = run(AssistantSplitter(None, tool_parser("json_tools")), text, 2)
+    assert not split.tool_calls and split.content == text
+
+
+@pytest.mark.parametrize("step", [None, 1, 2, 5])
+def test_reasoning_split_streamed_and_not(step):
+    split = run(AssistantSplitter(("<think>", "</think>")), "<think>a < b, so </thin k</think>The answer is 4.", step)
+    assert (split.reasoning, split.content) == ("a < b, so </thin k", "The answer is 4.")
+    # the template opened the thinking segment (Qwen3 with enable_thinking): no start marker in the output
+    split = run(AssistantSplitter(("<think>", "</think>"), in_reasoning=True), "hmm</think>\n\n4", step)
+    assert (split.reasoning, split.content) == ("hmm", "\n\n4")
+    # an unclosed thinking segment (max_tokens) is all reasoning
+    split = run(AssistantSplitter(("<think>", "</think>")), "<think>still thinking <", step)
+    assert (split.reasoning, split.content) == ("still thinking <", "")
+
+
+def test_marker_splitter_holds_back_only_possible_markers():
+    m = MarkerSplitter({"a": [("<think>", "b")], "b": []}, "a")
+    assert m.feed("x <th") == [("a", "x ")]
+    assert m.feed("ink>y") == [("b", ""), ("b", "y")]
+    assert m.flush() == []
+
+
+def test_inference_from_template_and_vocab():
+    assert infer_tool_parser("{% for tool in tools %}<tool_call>{{ tool_call.name }}") == "json_tools"
+    assert infer_tool_parser("<tool_call>\n<function={{ name }}>") == "qwen3_coder"
+    assert infer_tool_parser("[TOOL_CALLS] [AVAILABLE_TOOLS]") == "mistral"
+    assert infer_tool_parser("<|python_tag|>{{ x }}") == "llama3_json"
+    assert infer_tool_parser("{{ messages }}", {"hello"}) is None
+    assert infer_thinking({"<think>", "</think>"}) == ("<think>", "</think>")
+    assert infer_thinking({"<s>"}) is None
+    with pytest.raises(ValueError, match="unknown tool parser"):
+        tool_parser("nope")
