@@ -8,7 +8,8 @@ from typing import Any, AsyncIterator, Callable
 
 from parallm.api.backend import BackendError
 from parallm.protocol import (AdapterList, AdapterLoaded, AdapterPublish, AdapterUnloaded, Detokenize, EngineStats, Output,
-                              PauseState, TextSubmit, Tokenize, Usage, pack_floats, pack_ids, unpack_ids)
+                              PauseState, TextSubmit, Tokenize, Usage, WeightsUpdate, WeightsUpdated, pack_floats,
+                              pack_ids, unpack_ids)
 
 MODEL = "test-model"
 
@@ -146,6 +147,13 @@ class FakeBackend:
 
     async def list_adapters(self) -> AdapterList:
         return AdapterList(qid="", policy=dict(self.policy))
+
+    async def update_weights(self, request: WeightsUpdate) -> WeightsUpdated:
+        self.controls.append(("update_weights", request.path))
+        if not request.path.startswith("/ckpt"):
+            raise BackendError(404, "weights_not_found", f"weight directory {request.path!r} does not exist")
+        self.policy[""] = request.version or self.policy.get("", 0) + 1
+        return WeightsUpdated(qid="", version=self.policy[""], tensors=3, load_ms=1.0)
 
     def training_status(self) -> dict[str, Any]:
         return {"object": "training.status", "active": False, "trainers": []}

@@ -286,3 +286,21 @@ def test_model_names_a_loaded_adapter_on_the_openai_routes_and_v1_models_lists_i
     assert r.status_code == 200 and backend.submits[-1].spec.adapter == "pol-v2"
     r = client.post("/v1/completions", json={"model": "never-loaded", "prompt": "x"})
     assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"
+
+
+# --------------------------------------------------------------------------- full-weight updates over HTTP
+
+def test_full_weight_update_routes():
+    client, backend = make()
+    assert client.post("/update_weights", json={"weight_dir": "/ckpt/step_3"}).json() == {"status": "ok"}  # prime-rl
+    r = client.post("/update_weights_from_disk", json={"model_path": "/ckpt/step_4", "weight_version": "9"})  # SGLang
+    assert r.status_code == 200 and r.json()["success"] is True and backend.policy[""] == 9
+    r = client.post("/update_weights_from_disk", json={"model_path": "/missing"})
+    assert r.status_code == 400 and r.json()["success"] is False and "does not exist" in r.json()["message"]
+    r = client.post("/v1/weights", json={"path": "/ckpt/step_5"})
+    assert r.json()["version"] == 10
+    r = client.post("/update_weights", json={"update_info": {"names": ["w"]}})    # TRL's NCCL update
+    assert r.status_code == 501
+    assert [c for c in backend.controls if c[0] == "update_weights"] == [
+        ("update_weights", "/ckpt/step_3"), ("update_weights", "/ckpt/step_4"), ("update_weights", "/missing"),
+        ("update_weights", "/ckpt/step_5")]
