@@ -28,7 +28,7 @@ from starlette.testclient import TestClient
 from parallm.api.app import build_app
 from parallm.api.backend import BackendError
 from parallm.config import ServerConfig
-from parallm.protocol import AdapterInfo, AdapterList, AdapterLoaded, AdapterPublish, AdapterUnloaded
+from parallm.protocol import AdapterInfo, AdapterList, AdapterLoaded, AdapterPublish, AdapterUnloaded, unpack_ids
 from test_api_fakes import MODEL, FakeBackend
 
 
@@ -304,3 +304,29 @@ def test_full_weight_update_routes():
     assert [c for c in backend.controls if c[0] == "update_weights"] == [
         ("update_weights", "/ckpt/step_3"), ("update_weights", "/ckpt/step_4"), ("update_weights", "/missing"),
         ("update_weights", "/ckpt/step_5")]
+
+
+# --------------------------------------------------------------------------- legacy token routes, SGLang control
+
+def test_chat_completions_tokens_uses_the_given_prompt_ids():
+    """verifiers 0.3.1 verifiers/legacy/clients/openai_chat_completions_token_client.py:131-146: the chat
+    body plus `tokens` (prime-rl v0.5.0 serving_chat_with_tokens.py:46-48 reads them as the prompt)."""
+    client, backend = make()
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "ignored"}], "tokens": [1, 9690, 30],
+            "max_tokens": 2, "logprobs": True, "return_token_ids": True}
+    r = client.post("/v1/chat/completions/tokens", json=body)
+    assert r.status_code == 200, r.text
+    submit = backend.submits[-1]
+    assert submit.messages is None and unpack_ids(submit.prompt_ids) == [1, 9690, 30]
+    assert r.json()["choices"][0]["logprobs"]["content"]
+    assert client.post("/v1/chat/completions/tokens", json={**body, "tokens": []}).status_code == 400
+
+
+def test_sglang_and_vllm_pause_and_abort_routes():
+    client, backend = make()
+    assert client.post("/pause_generation", json={"mode": "in_place"}).json()["status"] == "ok"
+    assert client.post("/continue_generation", json={}).json()["status"] == "ok"
+    assert client.post("/abort_request", json={"abort_all": True}).json()["all"] is True
+    assert client.post("/abort_requests", json={"request_ids": ["a", "b"]}).json() == \
+        {"status": "aborted", "aborted": 2, "all": False}
+    assert backend.controls == [("pause", "keep"), ("resume", None), ("abort", ([], True)), ("abort", (["a", "b"], False))]

@@ -151,6 +151,7 @@ def build_app(backend: Backend, server: ServerConfig, metrics: ServerMetrics | N
     routes = [
         Route("/v1/completions", endpoint(gen.completions), methods=["POST"]),
         Route("/v1/chat/completions", endpoint(gen.chat), methods=["POST"]),
+        Route("/v1/chat/completions/tokens", endpoint(gen.chat_tokens), methods=["POST"]),
         Route("/v1/models", endpoint(misc.models), methods=["GET"]),
         Route("/v1/models/{model:path}", endpoint(misc.model), methods=["GET"]),
         Route("/v1/tokenize", endpoint(misc.tokenize), methods=["POST"]),

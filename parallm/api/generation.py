@@ -22,6 +22,7 @@ from parallm.api.schemas import ChatCompletionRequest, CompletionRequest
 from parallm.api.sse import DONE, events
 from parallm.api.translate import Plan, chat_plan, completion_plan
 from parallm.api.validate import Limits, decode
+from parallm.api.vllm_admin import chat_tokens_plan
 from parallm.config import ServerConfig
 from parallm.metrics import ServerMetrics
 
@@ -71,6 +72,10 @@ class GenerationRoutes:
 
     async def chat(self, request: Request) -> Response:
         return await self._serve(request, lambda body, limits: chat_plan(decode(body, ChatCompletionRequest), limits))
+
+    async def chat_tokens(self, request: Request) -> Response:
+        """POST /v1/chat/completions/tokens: a chat body with the prompt's ids (vllm_admin.chat_tokens_plan)."""
+        return await self._serve(request, chat_tokens_plan)
 
     async def _plan(self, body: bytes, make_plan: Callable[[bytes, Limits], Plan]) -> Plan:
         """The request's Plan; a `model` that is not the served one may name a loaded adapter (vLLM's

@@ -15,6 +15,10 @@ prime-rl 0.8, verifiers and SkyRL call them:
   POST /update_weights {weight_dir} -> {"status": "ok"}; SGLang's POST /update_weights_from_disk
   {model_path, weight_version?, abort_all_requests?} -> {success, message, num_paused_requests};
   parallm's POST /v1/weights {path, version?} -> {version, tensors, load_ms}
+- SGLang's POST /pause_generation {mode}, /continue_generation; vLLM's POST /abort_requests
+  {request_ids} and SGLang's /abort_request {rid, abort_all}
+- POST /v1/chat/completions/tokens (prime-rl <= 0.5, verifiers <= 0.3.1): a chat body plus the prompt's
+  token ids in `tokens` (registered by app.py on the generation routes)
 - NCCL weight transfer (/init_weight_transfer_engine, /start_weight_update, /update_weights with
   update_info, /finish_weight_update; TRL <= 1.10's /init_communicator/, /update_named_param/,
   /close_communicator/) -> 501 naming what parallm offers instead (adapter and weight publishing).
@@ -24,7 +28,7 @@ prime-rl/SkyRL routes) adds the next version, and sequences move to it at a step
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import msgspec
 from starlette.requests import Request
@@ -35,7 +39,10 @@ from parallm.api.backend import Backend, BackendError
 from parallm.api.errors import APIError, invalid
 from parallm.api.http import json_response, read_body
 from parallm.config import ServerConfig
-from parallm.protocol import AdapterPublish, WeightsUpdate, WeightsUpdated
+from parallm.api.schemas import ChatCompletionRequest
+from parallm.api.translate import Plan, chat_plan
+from parallm.api.validate import Limits, decode
+from parallm.protocol import AdapterPublish, WeightsUpdate, WeightsUpdated, pack_ids
 
 PAUSE_MODES = ("abort", "keep")
 MAX_LORA_RANK = 1024
@@ -118,6 +125,34 @@ class VllmAdmin:
 
     async def is_paused(self, request: Request) -> Response:
         return json_response({"is_paused": self.paused})
+
+    async def pause_generation(self, request: Request) -> Response:
+        """SGLang's POST /pause_generation {mode: abort|retract|in_place} (default abort)."""
+        body = _body(await read_body(request, self.limit), dict)
+        mode = body.get("mode", "abort")
+        if mode not in ("abort", "retract", "in_place"):
+            raise invalid(f"mode must be abort, retract or in_place (got {mode!r})", "mode")
+        state = await self.backend.pause("abort" if mode == "abort" else "keep")
+        self.paused = state.paused
+        return json_response({"message": "Generation paused successfully.", "status": "ok"})
+
+    async def continue_generation(self, request: Request) -> Response:
+        await read_body(request, self.limit)
+        state = await self.backend.resume()
+        self.paused = state.paused
+        return json_response({"message": "Generation continued successfully.", "status": "ok"})
+
+    async def abort_requests(self, request: Request) -> Response:
+        """vLLM's POST /abort_requests {request_ids} (none: all) and SGLang's POST /abort_request
+        {rid, abort_all}; ids are the engine request ids (a /generate request's are its client-visible
+        id through /v1/abort)."""
+        body = _body(await read_body(request, self.limit), dict)
+        ids = body.get("request_ids") or ([body["rid"]] if body.get("rid") else [])
+        if not isinstance(ids, list) or not all(isinstance(i, str) for i in ids):
+            raise invalid("request_ids must be a list of strings.", "request_ids")
+        every = not ids or bool(body.get("abort_all"))
+        await self.backend.abort([] if every else ids, all=every)
+        return json_response({"status": "aborted", "aborted": len(ids), "all": every})
 
     # ------------------------------------------------------------------ server description
     async def server_info(self, request: Request) -> Response:
@@ -208,6 +243,25 @@ class VllmAdmin:
         return answer
 
 
+class ChatTokens(msgspec.Struct, kw_only=True):
+    tokens: list[Annotated[int, msgspec.Meta(ge=0, lt=2**31)]]
+
+
+def chat_tokens_plan(body: bytes, limits: Limits) -> Plan:
+    """POST /v1/chat/completions/tokens (prime-rl <= 0.5's server, verifiers <= 0.3.1's token client): a
+    chat completion body plus `tokens`, the prompt's ids, which are used as the prompt instead of
+    rendering `messages` (they are checked as usual but not tokenized)."""
+    plan = chat_plan(decode(body, ChatCompletionRequest), limits)
+    try:
+        tokens = msgspec.json.decode(body, type=ChatTokens).tokens
+    except msgspec.ValidationError as exc:
+        raise invalid(f"tokens: {exc}", "tokens") from None
+    if not tokens:
+        raise invalid("tokens must be a non-empty list of the prompt's token ids.", "tokens")
+    plan.submits = [msgspec.structs.replace(s, messages=None, prompt_ids=pack_ids(tokens)) for s in plan.submits]
+    return plan
+
+
 def routes(backend: Backend, server: ServerConfig, wrap: Any) -> list[Route]:
     a = VllmAdmin(backend, server)
     return [
@@ -221,6 +275,10 @@ def routes(backend: Backend, server: ServerConfig, wrap: Any) -> list[Route]:
         Route("/v1/unload_lora_adapter", wrap(a.unload_lora), methods=["POST"]),
         Route("/load_lora_adapter", wrap(a.load_lora_inplace), methods=["POST"]),
         Route("/skyrl/v1/load_lora_adapter", wrap(a.load_lora_inplace), methods=["POST"]),
+        Route("/pause_generation", wrap(a.pause_generation), methods=["POST"]),
+        Route("/continue_generation", wrap(a.continue_generation), methods=["POST"]),
+        Route("/abort_requests", wrap(a.abort_requests), methods=["POST"]),
+        Route("/abort_request", wrap(a.abort_requests), methods=["POST"]),
         Route("/update_weights", wrap(a.update_weights), methods=["POST"]),
         Route("/update_weights_from_disk", wrap(a.update_from_disk), methods=["POST"]),
         Route("/v1/weights", wrap(a.weights), methods=["POST"]),
