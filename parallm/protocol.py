@@ -97,6 +97,15 @@ class Constraint(Struct, kw_only=True, forbid_unknown_fields=True):
     value: str = ""
 
 
+class Constraint(Struct, kw_only=True, forbid_unknown_fields=True):
+    """A grammar the generated tokens must follow; each step samples only tokens that keep the
+    text inside it (llguidance). `kind`: json_schema (`value` the schema as JSON text), json_object
+    (any JSON object; `value` empty), regex, choice (`value` a JSON list of strings), lark or gbnf."""
+
+    kind: str
+    value: str = ""
+
+
 class SamplingParams(Struct, kw_only=True, forbid_unknown_fields=True):
     """How one request samples. Defaults sample from the model's own distribution."""
 
@@ -127,6 +136,9 @@ class DetokSpec(Struct, kw_only=True, forbid_unknown_fields=True):
     skip_special_tokens: bool = True
     token_strings: bool = False
     echo: bool = False
+    assistant: bool = False         # chat: thinking text to Output.reasoning, the model's tool calls to Output.tool_calls
+    tool_parser: str = ""           # with assistant: "" none, "auto" the model's own syntax, or a parser's name
+    tools: list[dict[str, Any]] = []  # the request's tools (some parsers coerce argument types with them)
 
 
 class RequestSpec(Struct, kw_only=True, forbid_unknown_fields=True):
@@ -571,6 +583,8 @@ class Output(Struct, kw_only=True, omit_defaults=True):
     prompt_top_ids: bytes = b""
     prompt_top_logprobs: bytes = b""
     prompt_top_tokens: list[str] = []
+    reasoning: str = ""                           # DetokSpec.assistant: thinking text (left out of `text`)
+    tool_calls: list[dict[str, Any]] = []         # DetokSpec.assistant: complete calls {id, type, function}
 
 
 class Outputs(Message, tag="outputs"):

@@ -117,3 +117,40 @@ def test_bad_tool_and_constraint_requests_are_400s(body, param):
         client.chat.completions.create(model=MODEL, messages=CHAT, extra_body=extra, **known)
     assert info.value.body["param"] == param, info.value.body
     assert not backend.submits
+
+
+def _assistant_script(pieces):
+    """Outputs as the detokenizer sends them for a model with thinking and its own tool syntax."""
+    from parallm.protocol import Output, Usage, pack_ids
+
+    def script(submit):
+        assert submit.spec.detok.assistant and submit.spec.detok.tool_parser == "auto"
+        outs = []
+        for k, (reasoning, text, calls) in enumerate(pieces):
+            last = k == len(pieces) - 1
+            outs.append(Output(rid=submit.rid, token_ids=pack_ids([100 + k]), text=text, reasoning=reasoning,
+                               tool_calls=calls, finish_reason="stop" if last else None,
+                               usage=Usage(prompt_tokens=3, completion_tokens=len(pieces)) if last else None))
+        return outs
+    return script
+
+
+def test_auto_tool_calls_and_reasoning_streamed_and_not():
+    call = lambda i, city: {"id": f"chatcmpl-tool-{i}", "type": "function",  # noqa: E731
+                            "function": {"name": "get_weather", "arguments": json.dumps({"city": city})}}
+    pieces = [("The user", "", []), (" wants weather.", "", []), ("", "Checking.", []),
+              ("", "", [call(1, "Paris")]), ("", "", [call(2, "Lyon")])]
+    backend = FakeBackend(script=_assistant_script(pieces))
+    http = TestClient(build_app(backend, ServerConfig()), base_url="http://test")
+    client = openai.OpenAI(base_url="http://test/v1", api_key="x", http_client=http, max_retries=0)
+    kw = dict(model=MODEL, messages=CHAT, tools=[WEATHER])
+    whole = client.chat.completions.create(**kw).choices[0]
+    extra = whole.message.model_extra
+    assert extra["reasoning"] == extra["reasoning_content"] == "The user wants weather."
+    assert whole.message.content == "Checking." and whole.finish_reason == "tool_calls"
+    assert [json.loads(c.function.arguments)["city"] for c in whole.message.tool_calls] == ["Paris", "Lyon"]
+    streamed = _accumulate(client.chat.completions.create(**kw, stream=True)).choices[0]
+    assert streamed.finish_reason == "tool_calls" and streamed.message.content == "Checking."
+    assert streamed.message.model_extra["reasoning"] == "The user wants weather."
+    assert [(c.id, c.function.name, c.function.arguments) for c in streamed.message.tool_calls] == \
+        [(c.id, c.function.name, c.function.arguments) for c in whole.message.tool_calls]

@@ -120,3 +120,56 @@ def test_inference_from_template_and_vocab():
     assert infer_thinking({"<s>"}) is None
     with pytest.raises(ValueError, match="unknown tool parser"):
         tool_parser("nope")
+
+
+# --------------------------------------------------------------------------- in the detokenizer (DetokState)
+
+def _tokenizer():
+    from text_tokenizers import byte_bpe
+
+    tok = byte_bpe(chat_template="{% for m in messages %}{{ m.content }}{% endfor %}{# <tool_call> tool_call.name #}")
+    tok.add_tokens(["<think>", "</think>", "<tool_call>", "</tool_call>"])
+    return tok
+
+
+@pytest.mark.parametrize("step", [1, 3, 100])
+def test_detokenizer_splits_reasoning_and_calls_and_keeps_every_token(step):
+    from parallm.protocol import DetokSpec, SeqDelta, pack_floats, pack_ids, unpack_floats, unpack_ids
+    from parallm.text.sequence import DetokState
+
+    tok = _tokenizer()
+    text = ('<think>need the product</think>Sure.<tool_call>\n{"name": "multiply", "arguments": {"a": 2, "b": 3}}'
+            '\n</tool_call>')
+    ids = tok.encode(text, add_special_tokens=False)
+    eos = tok.convert_tokens_to_ids("<|im_end|>")
+    ids.append(eos)
+    state = DetokState(tok, "r", prompt_ids=tok.encode("hi", add_special_tokens=False),
+                       spec=DetokSpec(assistant=True, tool_parser="auto", tools=TOOLS))
+    outs = []
+    for i in range(0, len(ids), step):
+        chunk = ids[i:i + step]
+        last = i + step >= len(ids)
+        outs.append(state.update(SeqDelta(rid="r", token_ids=pack_ids(chunk), logprobs=pack_floats([-0.5] * len(chunk)),
+                                          finish_reason="stop" if last else None)))
+    assert "".join(o.reasoning for o in outs) == "need the product"
+    assert "".join(o.text for o in outs) == "Sure."
+    got = [c for o in outs for c in o.tool_calls]
+    assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in got] == [("multiply", {"a": 2, "b": 3})]
+    assert sum(len(unpack_ids(o.token_ids)) for o in outs) == len(ids)  # token ids and logprobs cover every token
+    assert sum(len(unpack_floats(o.logprobs)) for o in outs) == len(ids)
+    assert state.rollout().text == text  # trainers get the raw text
+
+
+def test_detokenizer_reasoning_opened_by_the_template_and_no_split_without_assistant():
+    from parallm.protocol import DetokSpec, SeqDelta, pack_ids
+    from parallm.text.sequence import DetokState
+
+    tok = _tokenizer()
+    prompt = tok.encode("question<think>", add_special_tokens=False)
+    ids = tok.encode("hmm</think>42", add_special_tokens=False)
+    state = DetokState(tok, "r", prompt_ids=prompt, spec=DetokSpec(assistant=True))
+    out = state.update(SeqDelta(rid="r", token_ids=pack_ids(ids), finish_reason="length"))
+    assert (out.reasoning, out.text) == ("hmm", "42")
+    plain = DetokState(tok, "r", prompt_ids=prompt, spec=DetokSpec())
+    out = plain.update(SeqDelta(rid="r", token_ids=pack_ids(ids), finish_reason="length"))
+    assert (out.reasoning, out.text) == ("", "hmm</think>42")

@@ -111,6 +111,8 @@ class Piece:
     finish_reason: str | None
     stop_reason: int | str | None
     prompt: PromptInfo | None
+    reasoning: str = ""
+    tool_calls: list[dict] = field(default_factory=list)
 
     @classmethod
     def of(cls, out: Output, prompt_top_k: int = 0, echo_only: bool = False, as_ids: bool = False) -> "Piece":
@@ -120,7 +122,8 @@ class Piece:
         lps = unpack_floats(out.logprobs)
         piece = cls(out.text, ids, lps, _strings(out.tokens, ids) if lps else [],
                     _rows(out.top_ids, out.top_logprobs, out.top_tokens, len(ids)) if lps else [],
-                    out.finish_reason, out.stop_reason, PromptInfo.of(out, prompt_top_k))
+                    out.finish_reason, out.stop_reason, PromptInfo.of(out, prompt_top_k), out.reasoning,
+                    list(out.tool_calls))
         if as_ids:
             piece.tokens = _strings([], ids) if lps else []
             piece.top = [_id_names(row) for row in piece.top]
@@ -200,12 +203,16 @@ class ChoiceState:
     num_tokens: int = 0
     offset: int = 0                    # text offset for completions logprobs (streams)
     started: bool = False              # something was sent for it (streams)
+    reasoning: list[str] = field(default_factory=list)
+    tool_calls: list[dict] = field(default_factory=list)  # parsed from the model's own syntax (tool_choice auto)
 
     def add(self, piece: Piece) -> None:
         self.num_tokens += len(piece.ids)
         if piece.finish_reason is not None:
             self.finish_reason, self.stop_reason = piece.finish_reason, piece.stop_reason
+        self.tool_calls += piece.tool_calls  # streams number them by this count
         if self.keep:
+            self.reasoning.append(piece.reasoning)
             self.texts.append(piece.text)
             self.ids += piece.ids
             self.logprobs += piece.logprobs
@@ -305,9 +312,15 @@ class Collector:
             if plan.logprobs is not None:
                 lp = ChatLogprobs(content=chat_logprobs(s.tokens, s.logprobs, s.top, plan.logprobs))
             content, calls, finish = tool_message(plan.tools, "".join(s.texts), s.finish_reason)
+            if s.tool_calls:  # the model's own syntax, parsed by the detokenizer
+                calls, finish = s.tool_calls, "tool_calls" if finish == "stop" else finish
+                content = content or None
             message = AssistantMessage(content=content)
             if calls is not None:
                 message.tool_calls = calls
+            reasoning = "".join(s.reasoning)
+            if reasoning:
+                message.reasoning = message.reasoning_content = reasoning
             choice = ChatChoice(index=s.index, message=message, logprobs=lp,
                                 finish_reason=finish, stop_reason=s.stop_reason)  # type: ignore[arg-type]
             if plan.return_token_ids:

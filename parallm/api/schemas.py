@@ -47,6 +47,8 @@ class ChatMessage(Struct, kw_only=True):
     name: str | None = None
     tool_calls: list[dict[str, Any]] | None = None
     tool_call_id: str | None = None
+    reasoning_content: str | None = None    # an earlier assistant turn's thinking (rendered by the template)
+    reasoning: str | None = None
 
 
 class StreamOptions(Struct, kw_only=True):
@@ -97,6 +99,14 @@ class SamplingRequest(NotYetSupported, kw_only=True):
     user: str | None = None
     response_format: ResponseFormat | None = None
     # vLLM extensions
+    structured_outputs: Annotated[dict[str, Any] | None, _d(
+        "constrain the output: one of json (a JSON schema), regex, choice (strings), grammar (Lark or GBNF), "
+        "json_object")] = None
+    guided_json: Annotated[dict[str, Any] | str | None, _d("vLLM < 0.10: structured_outputs.json")] = None
+    guided_regex: Annotated[str | None, _d("vLLM < 0.10: structured_outputs.regex")] = None
+    guided_choice: Annotated[list[str] | None, _d("vLLM < 0.10: structured_outputs.choice")] = None
+    guided_grammar: Annotated[str | None, _d("vLLM < 0.10: structured_outputs.grammar")] = None
+    guided_decoding_backend: Annotated[str | None, _d("accepted and ignored (the engine is llguidance)")] = None
     structured_outputs: Annotated[dict[str, Any] | None, _d(
         "constrain the output: one of json (a JSON schema), regex, choice (strings), grammar (Lark or GBNF), "
         "json_object")] = None
@@ -268,6 +278,9 @@ class AssistantMessage(Struct, kw_only=True):
     content: str | None = None
     refusal: str | None = None
     tool_calls: list[dict[str, Any]] | UnsetType = UNSET
+    tool_calls: list[dict[str, Any]] | UnsetType = UNSET
+    reasoning: str | UnsetType = UNSET              # the model's thinking (vLLM >= 0.19's name)
+    reasoning_content: str | UnsetType = UNSET      # the same text under the DeepSeek / older vLLM name
 
 
 class ChatChoice(Struct, kw_only=True):
@@ -295,6 +308,9 @@ class ChatDelta(Struct, kw_only=True, omit_defaults=True):
     role: Literal["assistant"] | None = None
     content: str | None = None
     tool_calls: list[dict[str, Any]] | None = None
+    tool_calls: list[dict[str, Any]] | None = None
+    reasoning: str | None = None
+    reasoning_content: str | None = None
 
 
 class ChatChunkChoice(Struct, kw_only=True):

@@ -123,6 +123,9 @@ def message_dict(msg: ChatMessage) -> dict[str, Any]:
     if isinstance(content, list):
         content = "\n".join(part if isinstance(part, str) else part.text or "" for part in content)
     out: dict[str, Any] = {"role": "system" if msg.role == "developer" else msg.role, "content": content}
+    reasoning = msg.reasoning_content if msg.reasoning_content is not None else msg.reasoning
+    if reasoning is not None:
+        out["reasoning_content"] = reasoning  # what Qwen3 / DeepSeek / GLM templates read
     for name in ("name", "tool_calls", "tool_call_id"):
         value = getattr(msg, name)
         if value is not None:
@@ -139,6 +142,9 @@ def chat_plan(req: ChatCompletionRequest, limits: Limits, request_id: str = "") 
     params = sampling_params(req, max_tokens, top, req.prompt_logprobs, tool_constraint)
     detok = detok_spec(req, token_strings=top is not None or req.prompt_logprobs is not None,
                        prompt_info=req.return_token_ids or req.prompt_logprobs is not None)
+    detok.assistant = True
+    if tools is not None and tools.mode == "auto":
+        detok.tool_parser, detok.tools = limits.tool_parser or "auto", list(req.tools or [])
     spec = request_spec(req, params, detok, adapter=adapter_of(req.model, req.adapter, limits.model_name),
                         metadata=_metadata(request_id or rid, req.user))
     submit = TextSubmit(

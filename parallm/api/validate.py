@@ -33,6 +33,7 @@ class Limits:
     default_max_tokens: int = 256   # max_tokens when a request gives none
     max_n: int = 64                 # samples per prompt: the engine's max_num_seqs (its rows)
     adapters: frozenset[str] = frozenset()  # loaded adapter names, also accepted as `model` (vLLM's LoRA naming)
+    tool_parser: str = ""           # tool_choice auto: "" = the model's own syntax (inferred), else a parser name
 
     @property
     def output_cap(self) -> int:

@@ -213,3 +213,32 @@ class AssistantSplitter:
                 self._end_call(out)
             self._call = ""
         return out
+
+
+_MODEL_SYNTAX: dict[int, tuple[tuple[str, str] | None, str | None]] = {}
+
+
+def model_syntax(tok: Any) -> tuple[tuple[str, str] | None, str | None]:
+    """(thinking markers, tool parser name) of a TokenizerView's model, inferred once per view."""
+    key = id(tok)
+    found = _MODEL_SYNTAX.get(key)
+    if found is None:
+        vocab = set(tok.added.values())
+        template = tok.chat_template
+        if isinstance(template, dict):  # several named templates
+            template = "\n".join(str(v) for v in template.values())
+        found = _MODEL_SYNTAX[key] = (infer_thinking(vocab), infer_tool_parser(template, vocab))
+    return found
+
+
+def splitter_for(tok: Any, spec: Any, prompt_ids: list[int]) -> AssistantSplitter:
+    """The splitter of a request (DetokSpec.assistant): the model's thinking markers, and its tool
+    parser when the request parses tool calls (spec.tool_parser "auto" or a name)."""
+    thinking, inferred = model_syntax(tok)
+    name = inferred if spec.tool_parser == "auto" else spec.tool_parser or None
+    parser = tool_parser(name) if name else None
+    in_reasoning = False
+    if thinking is not None and prompt_ids:
+        tail = tok.decode(prompt_ids[-64:], skip_special_tokens=False)
+        in_reasoning = tail.rfind(thinking[0]) > tail.rfind(thinking[1])
+    return AssistantSplitter(thinking, parser, in_reasoning=in_reasoning, tools=spec.tools or None)

@@ -17,6 +17,7 @@ from typing import Any, Sequence
 
 from parallm.protocol import (DetokSpec, Output, Rollout, SeqDelta, Track, Usage, VersionSpans, extend_spans, pack_ids,
                               unpack_ids)
+from parallm.text.assistant import AssistantSplitter, Split, splitter_for
 from parallm.text.detokenize import IncrementalDetokenizer
 from parallm.text.stop import StopStringMatcher
 from parallm.text.vocab import TokenizerLike, TokenizerView
@@ -44,6 +45,8 @@ class DetokState:
         self._detok = None if spec is None else IncrementalDetokenizer(
             self.tok, self.prompt_ids, spec.skip_special_tokens)
         self._stop = StopStringMatcher(spec.stop, spec.include_stop_str) if spec and spec.stop else None
+        self._split: AssistantSplitter | None = splitter_for(self.tok, spec, self.prompt_ids) \
+            if spec is not None and spec.assistant else None
         self.finish_reason: str | None = None
         self.stop_reason: str | int | None = None
         self.needs_abort = False
@@ -89,6 +92,8 @@ class DetokState:
                      prompt_top_ids=delta.prompt_top_ids, prompt_top_logprobs=delta.prompt_top_logprobs)
         self._slice_tokens(out, delta, ids, keep)
         self._record(out, keep, now)
+        if self._split is not None:
+            self._assistant(out, self._split.feed(out.text))
         if stop_string is not None:
             self.finish_reason, self.stop_reason = "stop", stop_string
             self.needs_abort = delta.finish_reason is None
@@ -101,6 +106,8 @@ class DetokState:
         if self.finished:
             self.finished_at = now
             out.finish_reason, out.stop_reason = self.finish_reason, self.stop_reason  # type: ignore[assignment]
+            if self._split is not None:
+                self._assistant(out, self._split.finish(), add=True)
         self._add_prompt_extras(out, delta)
         return out
 
@@ -131,6 +138,13 @@ class DetokState:
                 tail = self._stop.flush()
             parts.append(tail)
         return "".join(parts), len(ids), None
+
+    @staticmethod
+    def _assistant(out: Output, split: Split, add: bool = False) -> None:
+        """The split of this output's text: content stays `text`, the rest goes to its own fields."""
+        out.text = out.text + split.content if add else split.content
+        out.reasoning += split.reasoning
+        out.tool_calls = out.tool_calls + split.tool_calls
 
     def _slice_tokens(self, out: Output, delta: SeqDelta, ids: list[int], keep: int) -> None:
         """Ids, logprobs and top-k of the first `keep` tokens, and their strings when asked."""
