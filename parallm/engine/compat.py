@@ -1,10 +1,23 @@
-"""Which mlx-lm models the engine drives, and the per-layer KV shapes it needs to know.
+"""Which mlx-lm models the engine drives, found by probing the model itself rather than an allow-list.
 
-The engine hands unmodified mlx-lm models its own per-layer cache views (cache.RowsView). That
-works for architectures whose attention only goes through `offset`, `update_and_fetch` and
-`make_mask`; the allowlist below holds the ones confirmed by tests (greedy tokens equal to
-mlx_lm.generate's with tiny random weights). Others are refused with a clear error rather
-than risking silently wrong output.
+The engine hands unmodified mlx-lm models its own per-slot cache views (cache.RowsView). A slot
+is an entry of `model.make_cache()` (not of `model.layers`: a layer may own no cache, or run
+twice with two caches, as nanbeige with `num_loops: 2` does). `check_model` refuses, with a
+message naming the reason, what the views cannot serve:
+
+- a model type in REFUSED_MODEL_TYPES (known before loading: mlx-lm itself disagrees between a
+  full prefill and step-by-step decoding, or the model needs a cache the views cannot stand in for);
+- a slot whose cache is not an attention KV cache (recurrent state, several caches per slot,
+  chunked attention): per-row recurrent state is not served yet;
+- a model whose one-token probe forward fails on the views' protocol, or uses a slot more or less
+  than once;
+- dynamic NTK RoPE (its frequencies depend on each sequence's length);
+- a model whose batched rows (two prompts of different lengths in one padded pass, then one decode
+  pass) do not give the logits of each prompt run alone through its own mlx-lm caches: the check
+  that keeps a model that reads per-row positions wrongly from serving silently wrong tokens.
+
+docs/models.md's support matrix is generated from REFUSED_MODEL_TYPES and the families probed by
+tests (parallm.engine.matrix).
 """
 
 from __future__ import annotations
@@ -14,12 +27,21 @@ from dataclasses import dataclass
 import mlx.core as mx
 import mlx.nn as nn
 
-from .cache import LayerShape
+from .cache import LayerShape, LiveKV, PassContext
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text", "phi3")
-
-# These read `cache.keys` (or other cache internals) directly instead of going through the protocol.
-READS_CACHE_INTERNALS = ("deepseek_v2", "deepseek_v3", "glm4_moe", "qwen3_5")
+# Refused before anything is loaded, with the reason (parallm.models checks this table too).
+REFUSED_MODEL_TYPES: dict[str, str] = {
+    "plamo3": "mlx-lm's plamo3 masks a window of window+1 keys over a window-sized rotating cache, so its "
+              "own full prefill and step-by-step decoding disagree; no batched engine can match it",
+    "phi3small": "mlx-lm's phi3small block-sparse layers add a boolean mask to the scores, so its prefill "
+                 "sees future tokens; its outputs are not a causal model's",
+    "deepseek_v41": "deepseek_v41 keeps compressed token groups in its own LayerCache (window, pending "
+                    "tokens), which the engine's per-row KV rows cannot stand in for",
+    "llama4": "llama4's chunked attention reads ChunkedKVCache.start_position and trims the cache front "
+              "with integer offsets; it needs a chunk-mask adapter that is not written yet",
+    "bitnet": "bitnet's ternary layers need Metal kernels (mx.fast.metal_kernel)",
+    "muse_spark": "muse_spark needs Metal kernels (mx.fast.metal_kernel)",
+}
 
 # Attention written by hand with the GQA heads split into their own axis, so the mask needs an
 # extra axis: [B, 1, 1, L, T] broadcasts against [B, kv_heads, repeats, L, T] scores.
@@ -33,7 +55,7 @@ class UnsupportedModel(ValueError):
 @dataclass(frozen=True, slots=True)
 class ModelInfo:
     model_type: str
-    shapes: list[LayerShape]
+    shapes: list[LayerShape]  # one per cache slot (an entry of model.make_cache())
     dtype: mx.Dtype
     mask5d: bool
 
@@ -45,33 +67,60 @@ def model_type_of(model: nn.Module) -> str:
     return str(mt or type(model).__module__.rsplit(".", 1)[-1])
 
 
+def refusal_for_type(model_type: str) -> str | None:
+    """Why a model type is refused before loading, or None."""
+    return REFUSED_MODEL_TYPES.get(model_type)
+
+
+def cache_slots(model: nn.Module) -> list:
+    """The model's own per-slot caches, as mlx-lm builds them (make_prompt_cache)."""
+    from mlx_lm.models.cache import make_prompt_cache
+
+    if not hasattr(model, "make_cache") and not hasattr(model, "layers"):
+        raise UnsupportedModel(f"{type(model).__name__} has neither make_cache() nor layers: not an mlx-lm "
+                               "language model")
+    return make_prompt_cache(model)
+
+
 def check_model(model: nn.Module) -> ModelInfo:
-    """Refuse what cannot work, then probe the per-layer KV shapes with a one-token forward."""
+    """Refuse what cannot work (module docstring), else describe the per-slot KV shapes."""
     mt = model_type_of(model)
-    if mt in READS_CACHE_INTERNALS:
-        raise UnsupportedModel(f"model type {mt!r} reads KV cache internals directly, which the "
-                               f"engine's batched cache cannot serve; supported: {', '.join(SUPPORTED_MODEL_TYPES)}")
-    if mt not in SUPPORTED_MODEL_TYPES:
-        raise UnsupportedModel(f"model type {mt!r} is not supported by the engine; supported: "
-                               f"{', '.join(SUPPORTED_MODEL_TYPES)}")
+    why = refusal_for_type(mt)
+    if why:
+        raise UnsupportedModel(f"model type {mt!r} is not served: {why}")
     from mlx_lm.models.cache import KVCache, RotatingKVCache
     from mlx_lm.models.rope_utils import DynamicNTKScalingRoPE
 
-    if hasattr(model, "make_cache"):
-        for c in model.make_cache():
-            if type(c) not in (KVCache, RotatingKVCache):
-                raise UnsupportedModel(f"model type {mt!r} uses a {type(c).__name__} layer cache; the engine "
-                                       "only serves attention KV caches")
+    slots = cache_slots(model)
+    for i, c in enumerate(slots):
+        if type(c) not in (KVCache, RotatingKVCache):
+            raise UnsupportedModel(f"model type {mt!r} is not served: cache slot {i} holds a {type(c).__name__} "
+                                   f"({_cache_kind(c)}); the engine serves attention KV caches only")
     for _, module in model.named_modules():
         if isinstance(module, DynamicNTKScalingRoPE):
             raise UnsupportedModel("dynamic NTK RoPE scaling depends on each sequence's length and cannot "
                                    "be batched over rows of different lengths")
-    shapes, dtype = probe_kv_shapes(model)
-    return ModelInfo(model_type=mt, shapes=shapes, dtype=dtype, mask5d=mt in MASK_5D)
+    shapes, dtype = probe_kv_shapes(model, len(slots), mt)
+    info = ModelInfo(model_type=mt, shapes=shapes, dtype=dtype, mask5d=mt in MASK_5D)
+    check_batched_rows(model, info)
+    return info
+
+
+def _cache_kind(c) -> str:
+    name = type(c).__name__
+    if name in ("ArraysCache", "MambaCache"):
+        return "recurrent state of a linear-attention/SSM layer; per-row recurrent state is not served yet"
+    if name == "CacheList":
+        return "several caches for one layer"
+    if name == "ChunkedKVCache":
+        return "chunked local attention"
+    if "Quantized" in name:
+        return "a quantized KV cache"
+    return "a cache kind the engine has no per-row view for"
 
 
 class _Probe:
-    """A one-row, one-token cache that records what each layer stores."""
+    """A one-row, one-token cache that records what each slot stores."""
 
     def __init__(self, record: list) -> None:
         self._record = record
@@ -96,20 +145,68 @@ class _Probe:
         return 0
 
 
-def probe_kv_shapes(model: nn.Module) -> tuple[list[LayerShape], mx.Dtype]:
-    layers = model.layers
-    records: list[list] = [[] for _ in layers]
+def probe_kv_shapes(model: nn.Module, n_slots: int, model_type: str = "model") -> tuple[list[LayerShape], mx.Dtype]:
+    records: list[list] = [[] for _ in range(n_slots)]
     probes = [_Probe(r) for r in records]
-    mx.eval(model(mx.array([[0]]), cache=probes))
+    try:
+        mx.eval(model(mx.array([[0]]), cache=probes))
+    except Exception as e:
+        raise UnsupportedModel(f"model type {model_type!r} is not served: its forward pass does not run on the "
+                               f"engine's cache views ({type(e).__name__}: {e})") from e
     shapes = []
     dtype = None
     for i, r in enumerate(records):
         if len(r) != 1:
-            raise UnsupportedModel(f"layer {i} used its cache {len(r)} times in one forward pass; the engine "
-                                   "needs exactly one KV update per layer")
+            raise UnsupportedModel(f"cache slot {i} was used {len(r)} times in one forward pass; the engine "
+                                   "needs exactly one KV update per slot")
         (kb, kh, kl, kd), (vb, vh, vl, vd), dt = r[0]
         if (kb, kl, vb, vl) != (1, 1, 1, 1):
-            raise UnsupportedModel(f"layer {i} stored keys {r[0][0]} for one token; expected [1, heads, 1, dim]")
+            raise UnsupportedModel(f"cache slot {i} stored keys {r[0][0]} for one token; expected [1, heads, 1, dim]")
+        if kd == 0 or vd == 0:
+            raise UnsupportedModel(f"cache slot {i} stores zero-width keys or values; not served")
         shapes.append(LayerShape(kh, kd, vh, vd))
         dtype = dtype or dt
     return shapes, dtype
+
+
+def _logits(out) -> mx.array:
+    return out[0] if isinstance(out, tuple) else out
+
+
+def check_batched_rows(model: nn.Module, info: ModelInfo) -> None:
+    """Two prompts of different lengths in one right-padded pass, then one decode pass, through
+    the engine's views: each row's logits must be those of the prompt run alone through mlx-lm's
+    own caches (raises UnsupportedModel naming the difference otherwise)."""
+    prompts = [[(7 + 13 * j) % 50 + 1 for j in range(5)], [(3 + 29 * j) % 50 + 1 for j in range(8)]]
+    nxt = [11, 23]
+    want_prefill, want_decode = [], []
+    for p, t in zip(prompts, nxt):
+        caches = cache_slots(model)
+        want_prefill.append(_logits(model(mx.array([p]), cache=caches))[0, -1])
+        want_decode.append(_logits(model(mx.array([[t]]), cache=caches))[0, -1])
+    live = LiveKV(info.shapes, info.dtype)
+    live.resize(2, 16)
+    L = max(map(len, prompts))
+    padded = mx.array([p + [0] * (L - len(p)) for p in prompts])
+    try:
+        out = _logits(model(padded, cache=live.views(PassContext(0, [0, 0], L, L, mask5d=info.mask5d))))
+        got_prefill = [out[i, len(p) - 1] for i, p in enumerate(prompts)]
+        mx.eval(got_prefill, live.arrays())
+        offsets = [len(p) for p in prompts]
+        ctx = PassContext(0, offsets, 1, max(offsets) + 1, mask5d=info.mask5d)
+        out = _logits(model(mx.array([[t] for t in nxt]), cache=live.views(ctx)))
+        got_decode = [out[i, -1] for i in range(2)]
+    except Exception as e:
+        raise UnsupportedModel(f"model type {info.model_type!r} is not served: a batched pass over rows of "
+                               f"different lengths fails ({type(e).__name__}: {e})") from e
+    for what, got, want in (("prefill", got_prefill, want_prefill), ("decode", got_decode, want_decode)):
+        for row, (g, w) in enumerate(zip(got, want)):
+            g, w = g.astype(mx.float32), w.astype(mx.float32)
+            scale = max(1.0, mx.abs(w).max().item())
+            tol = 1e-3 if info.dtype == mx.float32 else 3e-2
+            diff = mx.abs(g - w).max().item()
+            if not diff <= tol * scale:
+                raise UnsupportedModel(f"model type {info.model_type!r} is not served: batched rows of different "
+                                       f"lengths give other logits than each sequence alone ({what}, row {row}: "
+                                       f"max difference {diff:.3g}); it reads per-row positions in a way the "
+                                       f"engine's views do not support")

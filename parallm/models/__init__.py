@@ -9,12 +9,11 @@ The engine and stages use only what is exported here (see docs/models.md):
 """
 
 from .errors import ModelLoadError
-from .loader import SUPPORTED_MODEL_TYPES, LoadedModel, load_model, load_tokenizer, materialize
+from .loader import LoadedModel, load_model, load_tokenizer, materialize
 from .resolve import resolve_model
 from .source import ModelSource
 
 __all__ = [
-    "SUPPORTED_MODEL_TYPES",
     "LoadedModel",
     "ModelLoadError",
     "ModelSource",

@@ -25,12 +25,6 @@ from .source import ModelSource, read_config
 
 log = logging.getLogger(__name__)
 
-# mlx-lm model types whose attention the engine's KV cache is known to drive correctly (the
-# engine's list, parallm.engine.compat, is the authority: a model it refuses must not load here).
-SUPPORTED_MODEL_TYPES: frozenset[str] = frozenset({
-    "llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text", "phi3",
-})
-
 # Keys that state a context length, in the order they are trusted.
 _CONTEXT_KEYS = ("max_position_embeddings", "max_sequence_length", "seq_length", "n_positions", "n_ctx")
 
@@ -51,9 +45,13 @@ def _text_config(config: dict) -> dict:
 
 
 def _check_type(source: ModelSource) -> None:
-    if source.model_type not in SUPPORTED_MODEL_TYPES:
-        raise ModelLoadError(f"{source.path}: model_type '{source.model_type}' is not supported by the engine; "
-                             f"supported: {', '.join(sorted(SUPPORTED_MODEL_TYPES))}")
+    """Refuse before loading a model type the engine is known not to serve (parallm.engine.compat
+    is the authority; what only its load-time probe can tell is refused when the engine starts)."""
+    from parallm.engine.compat import refusal_for_type
+
+    why = refusal_for_type(source.model_type)
+    if why:
+        raise ModelLoadError(f"{source.path}: model_type '{source.model_type}' is not served: {why}")
 
 
 def _mlx_lm_load(source: ModelSource) -> tuple[nn.Module, dict]:
