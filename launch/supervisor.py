@@ -23,7 +23,8 @@ import zmq
 
 from parallm import protocol
 from parallm.config import Config
-from parallm.transport import Receiver, Sender, addresses, open_socket
+from parallm.keys import CurveKeyError, stage_curve, supervisor_keys
+from parallm.transport import Receiver, Sender, addresses, open_socket, set_curve, stop_authenticators
 
 from .group import Followers
 from .process import StageProcess, StageSpec
@@ -92,14 +93,27 @@ class Supervisor:
         except OSError as exc:
             raise StartupError(f"cannot use run dir {transport.run_dir!r}: {exc}") from None
         model = self._resolve_model()
-        self.config = msgspec.structs.replace(
-            self.config,
-            transport=msgspec.structs.replace(transport, run_dir=self._run_dir.path),
-            model=model,
-        )
+        transport = msgspec.structs.replace(transport, run_dir=self._run_dir.path,
+                                            curve_keys=self._curve_keys(transport, self._run_dir.path))
+        self.config = msgspec.structs.replace(self.config, transport=transport, model=model)
+        set_curve(stage_curve(transport.curve_keys))
         self.run_dir = self._run_dir.path
         self.config_bytes = self.config.encode()  # handed to each stage through a pipe: no secret on disk
         self.addrs = addresses(self.config)
+
+    @staticmethod
+    def _curve_keys(transport, run_dir: str) -> list[str]:
+        """Over tcp, the CURVE keys the stages use (parallm/keys.py); none for ipc (the run dir is private)."""
+        if transport.kind != "tcp":
+            return []
+        if not transport.curve:
+            log.warning("transport.curve is off: any process that reaches %s may publish adapters, pause the "
+                        "engine and read prompts", transport.tcp_host)
+            return []
+        try:
+            return supervisor_keys(transport.curve_server_key, transport.curve_clients, run_dir)
+        except CurveKeyError as exc:
+            raise StartupError(str(exc)) from None
 
     def _resolve_model(self):
         """Convert/locate the model once here (with progress), so stages load a ready directory."""
@@ -330,6 +344,7 @@ class Supervisor:
         os.close(self._parent_read)
         self.inbox.close()
         self.control.close()
+        stop_authenticators()
         self.ctx.term()
         if self._run_dir is not None:
             self._run_dir.close()

@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any, AsyncIterator, Coroutine, Iterator, Literal, Mapping, Sequence, TypeVar
 
 from . import protocol
+from .keys import Curve, client_curve
 from .pipeline import Pipeline
 from .protocol import SamplingParams
 from .streams import ClientError, RequestStream, StageFailure
@@ -122,17 +123,28 @@ async def _collect(stream: RequestStream) -> list[SequenceResult]:
     return [results[i] for i in sorted(results)]
 
 
+def _curve(server_key: str | None, client_key: str | None) -> Curve | None:
+    """CURVE keys for a tcp:// server (docs/protocol.md, Security): the server's public key file and
+    this client's NAME.key_secret file, both or neither."""
+    if bool(server_key) != bool(client_key):
+        raise ValueError("give both server_key (the server's public key file) and client_key (this client's "
+                         "NAME.key_secret file), or neither")
+    return client_curve(server_key, client_key) if server_key and client_key else None
+
+
 class AsyncClient:
     """asyncio client: many concurrent requests from one event loop (`async with AsyncClient(router)`).
 
     `timeout` bounds the wait for a request's next output (then it is aborted: StageFailure 504) and,
     up to RPC_TIMEOUT_S, for a control request's reply."""
 
-    def __init__(self, router: str, *, timeout: float = 600.0, identity: str | None = None) -> None:
+    def __init__(self, router: str, *, timeout: float = 600.0, identity: str | None = None,
+                 server_key: str | None = None, client_key: str | None = None) -> None:
         self.router = router
         self.timeout = timeout
         self.identity = (identity or f"aclient-{os.getpid()}-{uuid.uuid4().hex[:8]}").encode()
-        self._pipeline = Pipeline(router, identity=self.identity, hello_timeout_s=min(timeout, 30.0))
+        curve = _curve(server_key, client_key)
+        self._pipeline = Pipeline(router, identity=self.identity, hello_timeout_s=min(timeout, 30.0), curve=curve)
         self.welcome: protocol.Welcome | None = None
         self._submitted: dict[str, RequestStream] = {}
 
@@ -304,9 +316,11 @@ class Client:
     """Blocking client: the AsyncClient's operations, each run on a private event loop in a background
     thread (one hop per call; `stream` hops once per batch of outputs). Thread-safe."""
 
-    def __init__(self, router: str, *, timeout: float = 600.0, identity: str | None = None) -> None:
+    def __init__(self, router: str, *, timeout: float = 600.0, identity: str | None = None,
+                 server_key: str | None = None, client_key: str | None = None) -> None:
         self._client = AsyncClient(router, timeout=timeout,
-                                   identity=identity or f"client-{os.getpid()}-{uuid.uuid4().hex[:8]}")
+                                   identity=identity or f"client-{os.getpid()}-{uuid.uuid4().hex[:8]}",
+                                   server_key=server_key, client_key=client_key)
         self._loop = _new_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="parallm-client", daemon=True)
         self._thread.start()

@@ -152,6 +152,15 @@ class TransportConfig(Struct, frozen=True, kw_only=True, forbid_unknown_fields=T
     hwm: Annotated[int, _d("ZeroMQ high-water mark, messages per socket")] = 100_000
     max_message_mb: Annotated[int, _d("largest ZeroMQ message a stage accepts, MiB; a peer sending a larger "
                                       "one is disconnected")] = 512
+    curve: Annotated[bool, _d("with tcp: encrypt and authenticate every socket with CurveZMQ (false only on a "
+                              "network where every process may publish adapters, pause and read prompts)")] = True
+    curve_server_key: Annotated[str, _d("with tcp: the server's CURVE key pair, a NAME.key_secret file "
+                                        "(python -m parallm.keys new DIR NAME); empty = a fresh pair per start, "
+                                        "its public key in <run dir>/server.key")] = ""
+    curve_clients: Annotated[str, _d("with tcp: directory of the public key files (*.key) of raw clients and "
+                                     "trainers allowed to connect")] = ""
+    curve_keys: Annotated[list[str], _d("set by the supervisor for its stages (through the config pipe); "
+                                        "leave empty")] = []
 
 
 class SupervisorConfig(Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -192,6 +201,10 @@ class TrainerServerConfig(Struct, frozen=True, kw_only=True, forbid_unknown_fiel
     router: Annotated[str, _d("the server's ZeroMQ router (e.g. tcp://127.0.0.1:5552 or ipc://RUN_DIR/router.sock); "
                               "empty when the supervisor starts the trainer")] = ""
     timeout_s: Annotated[float, _d("seconds a rollout request may take before the step fails")] = 600.0
+    curve_server_key: Annotated[str, _d("a tcp:// server's public CURVE key file (its NAME.key, or <run dir>/server.key)"
+                                        "; with curve_client_key")] = ""
+    curve_client_key: Annotated[str, _d("this trainer's CURVE key pair, a NAME.key_secret file whose public key the "
+                                        "server allows (transport.curve_clients)")] = ""
 
 
 class TrainerModelConfig(Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):

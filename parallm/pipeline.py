@@ -29,6 +29,7 @@ import zmq.asyncio
 
 from . import protocol
 from .streams import ClientError, RequestStream, StageFailure, error_of
+from .keys import Curve
 from .transport import open_socket
 
 log = logging.getLogger(__name__)
@@ -51,8 +52,9 @@ class Pipeline:
     """The connection. Every method runs on the event loop that called `connect()`."""
 
     def __init__(self, router: str, *, identity: bytes, ctx: zmq.Context | None = None, hwm: int = 100_000,
-                 hello_timeout_s: float = 30.0) -> None:
+                 hello_timeout_s: float = 30.0, curve: Curve | None = None) -> None:
         self.router = router
+        self.curve = curve  # CURVE keys for tcp:// (None: this process's, parallm.transport.set_curve)
         self.identity = identity
         self.hello_timeout_s = hello_timeout_s
         self.hwm = hwm
@@ -94,7 +96,7 @@ class Pipeline:
             if left <= 0:
                 await self.close()
                 raise StageFailure(f"no Welcome from the router at {self.router} within {self.hello_timeout_s:g} s "
-                                   "(is parallm-launch running?)", status=503, code="no_welcome", retryable=True)
+                                   "(is parallm-launch running? over tcp:// it admits only CURVE keys it allows)", status=503, code="no_welcome", retryable=True)
             self._send_dealer(hello)
             await asyncio.wait([self._welcomed], timeout=min(HELLO_INTERVAL_S, left))
         self.welcome = self._welcomed.result()
@@ -108,7 +110,7 @@ class Pipeline:
         return self.welcome
 
     def _open(self, kind: int, address: str | list[str], identity: bytes | None = None) -> zmq.Socket:
-        sock = open_socket(self._ctx, kind, address, bind=False, hwm=self.hwm, identity=identity)
+        sock = open_socket(self._ctx, kind, address, bind=False, hwm=self.hwm, identity=identity, curve=self.curve)
         self._sockets.append(sock)
         return sock
 

@@ -22,7 +22,8 @@ import zmq
 
 from . import protocol
 from .config import Config
-from .transport import Addresses, Receiver, Sender, addresses, open_socket, set_max_message_bytes
+from .keys import stage_curve
+from .transport import Addresses, Receiver, Sender, addresses, open_socket, set_curve, set_max_message_bytes
 
 log = logging.getLogger(__name__)
 
@@ -62,6 +63,7 @@ class StageRuntime:
         self.replica = replica
         self.ctx = ctx or zmq.Context.instance()
         set_max_message_bytes(config.transport.max_message_mb << 20)
+        set_curve(stage_curve(config.transport.curve_keys))
         self.addrs: Addresses = addresses(config)
         self._to_supervisor = Sender(open_socket(self.ctx, zmq.PUSH, self.addrs.supervisor, bind=False))
         sub = open_socket(self.ctx, zmq.SUB, self.addrs.control, bind=False)

@@ -8,14 +8,17 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 from dataclasses import dataclass, field
 from typing import Any, Callable, Generic, Iterator, TypeVar
 
 import zmq
 import zmq.asyncio
+from zmq.auth.thread import ThreadAuthenticator
 
 from . import protocol
 from .config import Config, TransportConfig
+from .keys import Curve
 
 log = logging.getLogger(__name__)
 
@@ -26,6 +29,9 @@ _TCP_OFFSETS = {"engine": 0, "detok": 1, "router": 2, "supervisor": 3, "control"
                 "adapters": 6, "training": 7, "tokenizer": 8}
 MAX_FRAME_BYTES = 512 << 20
 _max_frame_bytes = MAX_FRAME_BYTES
+_curve: Curve | None = None
+_authenticators: dict[int, tuple[ThreadAuthenticator, zmq.Context]] = {}
+_auth_lock = threading.Lock()
 
 
 def set_max_message_bytes(limit: int) -> None:
@@ -36,6 +42,52 @@ def set_max_message_bytes(limit: int) -> None:
     _max_frame_bytes = int(limit)
 
 
+def set_curve(curve: Curve | None) -> None:
+    """The CURVE keys every tcp:// socket of this process uses from now on, unless `open_socket`
+    is given others (a stage sets them from `transport.curve_keys` at start)."""
+    global _curve
+    _curve = curve
+
+
+def _authenticator(ctx: zmq.Context, allowed: frozenset[bytes]) -> None:
+    """Start the ZAP handler of `ctx` (once per context): it admits only the `allowed` client keys.
+    It runs on a blocking shadow of the context, so an asyncio context gets one too."""
+    with _auth_lock:
+        key = ctx.underlying
+        if key in _authenticators:
+            auth = _authenticators[key][0]
+        else:
+            shadow = zmq.Context.shadow(key)
+            auth = ThreadAuthenticator(shadow, log=logging.getLogger("parallm.zap"))
+            auth.start()
+            _authenticators[key] = (auth, shadow)
+        auth.allow_any = False
+        auth.certs["*"] = {k: True for k in (*auth.certs.get("*", {}), *allowed)}
+
+
+def stop_authenticators() -> None:
+    """Stop every ZAP handler this process started (before terminating a context: its socket would
+    keep `term()` waiting)."""
+    with _auth_lock:
+        for auth, shadow in _authenticators.values():
+            auth.stop()
+        _authenticators.clear()
+
+
+def _apply_curve(ctx: zmq.Context, sock: zmq.Socket, curve: Curve, *, bind: bool) -> None:
+    if bind:
+        if curve.server_secret is None:
+            raise ValueError("binding a tcp:// socket with CURVE needs the server's secret key")
+        _authenticator(ctx, curve.allowed)
+        sock.curve_secretkey = curve.server_secret
+        sock.curve_publickey = curve.server_public
+        sock.curve_server = True
+    else:
+        sock.curve_serverkey = curve.server_public
+        sock.curve_publickey = curve.public
+        sock.curve_secretkey = curve.secret
+
+
 @dataclass(frozen=True)
 class Addresses:
     """Every endpoint of one deployment. Bound by the stage named in each comment."""
@@ -43,7 +95,7 @@ class Addresses:
     engine: str          # engine PULL: Submit, Abort, Query, ... (tokenizers, ingress, raw clients, detok)
     detok: str           # detokenizer PULL: Track, StepOutputs, RequestError, QueryReply
     router: str          # detokenizer ROUTER: clients' DEALERs receive Outputs here
-    supervisor: str      # supervisor PULL: Ready, Heartbeat, Fatal
+    supervisor: str      # supervisor PULL: Ready, Heartbeat, Fatal (ipc in the private run dir, even with tcp)
     control: str         # supervisor PUB: StageDown, StageUp, Drain, Shutdown
     rollouts: str        # detokenizer PUB: Rollout, topic = adapter name
     adapters: str        # engine SUB (bound): trainers' PUBs connect and publish AdapterPublish
@@ -75,8 +127,11 @@ def addresses(config: Config) -> Addresses:
 
         first = t.tcp_base_port + _TCP_OFFSETS["tokenizer"]
         tokenizers = tuple(f"tcp://{t.tcp_host}:{first + i}" for i in range(n_tok))
+    # Heartbeats and READY/FATAL come only from the supervisor's own children on this machine:
+    # their socket stays in the private run dir whenever there is one.
+    supervisor = f"ipc://{os.path.abspath(t.run_dir)}/supervisor.sock" if t.run_dir else at("supervisor")
     return Addresses(engine=at("engine"), detok=at("detok"), router=at("router"),
-                     supervisor=at("supervisor"), control=at("control"), rollouts=at("rollouts"),
+                     supervisor=supervisor, control=at("control"), rollouts=at("rollouts"),
                      adapters=at("adapters"), training=at("training"), tokenizers=tokenizers)
 
 
@@ -88,7 +143,9 @@ def _configure(sock: zmq.Socket, hwm: int) -> None:
 
 
 def open_socket(ctx: zmq.Context, kind: int, address: str | list[str] | tuple[str, ...], *, bind: bool,
-                hwm: int = 100_000, identity: bytes | None = None) -> zmq.Socket:
+                hwm: int = 100_000, identity: bytes | None = None, curve: Curve | None = None) -> zmq.Socket:
+    """A configured socket bound or connected to `address`. A tcp:// socket uses CURVE with `curve`
+    (default: this process's, see `set_curve`) when there are keys; ipc:// ones never need it."""
     sock = ctx.socket(kind)
     _configure(sock, hwm)
     if identity is not None:
@@ -96,6 +153,13 @@ def open_socket(ctx: zmq.Context, kind: int, address: str | list[str] | tuple[st
     if kind == zmq.ROUTER:
         sock.setsockopt(zmq.ROUTER_HANDOVER, 1)
     targets = [address] if isinstance(address, str) else list(address)
+    keys = curve if curve is not None else _curve
+    if keys is not None and any(t.startswith("tcp://") for t in targets):
+        try:
+            _apply_curve(ctx, sock, keys, bind=bind)
+        except BaseException:
+            sock.close(0)
+            raise
     for target in targets:
         if bind:
             if target.startswith("ipc://"):

@@ -13,8 +13,10 @@ import sys
 from pathlib import Path
 
 from parallm.config import Config
+from parallm.keys import stage_curve
 from parallm.logs import setup_logging
 from parallm.runtime import die_with_parent
+from parallm.transport import set_curve
 
 STAGES = ("ingress", "tokenizer", "engine", "detokenizer", "trainer")
 
@@ -35,6 +37,7 @@ def main() -> int:
     else:
         config = Config.decode(Path(args.config_file).read_bytes())
     setup_logging(config.log_level, args.stage, config.log_format)
+    set_curve(stage_curve(config.transport.curve_keys))  # every tcp:// socket of this stage
     module = importlib.import_module(f"parallm.stages.{args.stage}")
     return module.main(config, args.replica)
 

@@ -36,6 +36,9 @@ def parse(argv: Sequence[str] | None = None) -> TrainerConfig:
     if not config.server.router:
         parser.error("the server's router address is needed: --router tcp://HOST:PORT (or server.router in the "
                      "file; parallm-launch prints it when ready)")
+    if bool(config.server.curve_server_key) != bool(config.server.curve_client_key):
+        parser.error("give both --server.curve-server-key and --server.curve-client-key (CURVE over tcp://), or "
+                     "neither")
     return config
 
 
@@ -49,6 +52,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     from .trainer import Trainer, TrainerError
     from .tasks import TaskError
 
+    if config.server.curve_server_key:
+        from parallm.keys import CurveKeyError, client_curve
+        from parallm.transport import set_curve
+
+        try:  # every socket of this process: the client's, the adapter publisher's, the rollout subscriber's
+            set_curve(client_curve(config.server.curve_server_key, config.server.curve_client_key))
+        except CurveKeyError as exc:
+            print(f"parallm-train: {exc}", file=sys.stderr)
+            return 2
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())

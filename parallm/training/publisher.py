@@ -23,19 +23,24 @@ from typing import Any, Mapping
 import mlx.core as mx
 import zmq
 
-from parallm.engine.weights import by_layer
 from parallm import protocol
 from parallm.adapters import save_bytes
+from parallm.engine.weights import by_layer
+from parallm.keys import client_curve
 from parallm.transport import Sender, open_socket
 
 
 class AdapterPublisher:
     """A PUB socket connected to the engine's `adapters` address."""
 
-    def __init__(self, address: str, *, ctx: zmq.Context | None = None, settle_s: float = 0.2) -> None:
+    def __init__(self, address: str, *, ctx: zmq.Context | None = None, settle_s: float = 0.2,
+                 server_key: str | None = None, client_key: str | None = None) -> None:
+        """Over tcp:// the engine admits only allowed CURVE keys: give the server's public key file and
+        this trainer's NAME.key_secret file (or set them once with parallm.transport.set_curve)."""
         self._own_ctx = ctx is None
         self.ctx = ctx or zmq.Context()
-        self.sender = Sender(open_socket(self.ctx, zmq.PUB, address, bind=False))
+        curve = client_curve(server_key, client_key) if server_key and client_key else None
+        self.sender = Sender(open_socket(self.ctx, zmq.PUB, address, bind=False, curve=curve))
         self.published = 0
         self._ready_at = time.monotonic() + settle_s  # PUB drops messages sent before the connection is up
 
