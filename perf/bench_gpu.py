@@ -52,6 +52,20 @@ SHAPES: dict[str, dict[str, Any]] = {
                          num_attention_heads=9, num_key_value_heads=3, head_dim=64, rms_norm_eps=1e-5,
                          vocab_size=49152, rope_theta=100000.0, tie_word_embeddings=True,
                          max_position_embeddings=8192, dtype="bfloat16"),
+    # Qwen3-30B-A3B (and Qwen3-Coder-30B-A3B): 128 experts, 8 active, 4-bit like mlx-community's quants;
+    # built in bfloat16 first (~61 GB before quantizing): run it on an H200 (needs_h200)
+    "qwen3-30b-a3b": dict(model_type="qwen3_moe", hidden_size=2048, num_hidden_layers=48, intermediate_size=6144,
+                          moe_intermediate_size=768, num_experts=128, num_experts_per_tok=8, decoder_sparse_step=1,
+                          mlp_only_layers=[], norm_topk_prob=True, num_attention_heads=32, num_key_value_heads=4,
+                          head_dim=128, rms_norm_eps=1e-6, vocab_size=151936, rope_theta=1000000.0,
+                          tie_word_embeddings=False, max_position_embeddings=40960, dtype="bfloat16",
+                          quantize_bits=4),
+    # a small MoE of the same family (CPU smoke runs, the MoE end-to-end test's model)
+    "tiny-moe": dict(model_type="qwen3_moe", hidden_size=64, num_hidden_layers=2, intermediate_size=128,
+                     moe_intermediate_size=32, num_experts=4, num_experts_per_tok=2, decoder_sparse_step=1,
+                     mlp_only_layers=[], norm_topk_prob=True, num_attention_heads=4, num_key_value_heads=2,
+                     head_dim=16, rms_norm_eps=1e-6, vocab_size=50000, rope_theta=10000.0,
+                     tie_word_embeddings=True, max_position_embeddings=4096, dtype="float32"),
     "tiny": dict(model_type="llama", hidden_size=256, num_hidden_layers=4, intermediate_size=512,
                  num_attention_heads=4, num_key_value_heads=2, head_dim=64, rms_norm_eps=1e-5, vocab_size=50000,
                  rope_theta=10000.0, tie_word_embeddings=True, max_position_embeddings=4096, dtype="float32"),
