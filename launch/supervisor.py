@@ -75,6 +75,12 @@ def engine_environment(config: Config) -> dict[str, str]:
     return preloaded
 
 
+def gpu_host() -> bool:
+    import mlx.core as mx
+
+    return mx.cuda.is_available()
+
+
 class Supervisor:
     def __init__(self, config: Config, *, log_out: IO[str] | None = None) -> None:
         self.config = config
@@ -128,12 +134,17 @@ class Supervisor:
 
     def _specs(self) -> list[StageSpec]:
         engine_env = engine_environment(self.config)
-        specs = [StageSpec("detokenizer"), StageSpec("engine", env=engine_env)]
-        if self.config.engine.tensor_parallel > 1:
-            from parallm.engine.distributed import default_backend
+        specs = [StageSpec("detokenizer")]
+        tp, replicas = self.config.engine.tensor_parallel, self.config.engine.replicas
+        for replica in range(replicas):
+            env = engine_env
+            if replicas > 1 and tp == 1 and gpu_host():
+                env = {**engine_env, "CUDA_VISIBLE_DEVICES": str(replica)}  # one GPU per replica
+            specs.append(StageSpec("engine", replica=replica, env=env))
+            if tp > 1:
+                from parallm.engine.distributed import default_backend
 
-            self.groups[0] = Followers(self.config.engine.tensor_parallel, 0, engine_env, self.run_dir,
-                                       default_backend())
+                self.groups[replica] = Followers(tp, replica, env, self.run_dir, default_backend())
         specs += [StageSpec("tokenizer", replica=i) for i in range(self.config.tokenizer.replicas)]
         specs.append(StageSpec("ingress"))
         if self.config.trainer.enabled:

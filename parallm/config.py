@@ -79,6 +79,8 @@ class EngineConfig(Struct, frozen=True, kw_only=True, forbid_unknown_fields=True
     tensor_parallel: Annotated[int, _d("ranks the engine runs as, each holding a shard of the model (mx.distributed: "
                                        "the ring backend on CPUs, NCCL on CUDA GPUs, one GPU per rank); 1 = one "
                                        "process")] = 1
+    replicas: Annotated[int, _d("engine replicas behind the tokenizers (data parallel; one per GPU on a CUDA "
+                                "host): each request goes to one, chosen by load and prefix-cache affinity")] = 1
 
 
 def auto_prefill_tokens(on_cpu: bool, mixed: bool) -> int:
@@ -508,6 +510,8 @@ def _check(config: Config) -> None:
         problems.append("engine.block_size must be >= 1")
     if config.engine.tensor_parallel < 1:
         problems.append("engine.tensor_parallel must be >= 1")
+    if config.engine.replicas < 1:
+        problems.append("engine.replicas must be >= 1")
     if config.tokenizer.replicas < 1:
         problems.append("tokenizer.replicas must be >= 1")
     if config.transport.max_message_mb < 1:

@@ -474,6 +474,7 @@ class BlasStats(Struct, kw_only=True):
 class EngineStats(Struct, tag="engine", kw_only=True):
     """The engine's state and counters since it started (GetStats; ingress polls it for /metrics)."""
 
+    replica: int = 0  # which data-parallel engine replica (engine.replicas) answered
     running: int = 0
     waiting: int = 0
     prefilling: int = 0
@@ -521,6 +522,8 @@ class TokenizerStats(Struct, tag="tokenizer", kw_only=True):
     rejected: int = 0
     failed: int = 0
     dropped_frames: int = 0
+    routed: list[int] = []  # requests sent to each engine replica (parallm/routing.py)
+    affinity_hits: int = 0  # of those, sent to a replica for its cached prefix
 
 
 class DetokenizerStats(Struct, tag="detokenizer", kw_only=True):

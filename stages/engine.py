@@ -15,9 +15,10 @@ from collections import Counter
 from typing import Any
 
 import mlx.core as mx
+import msgspec
 import zmq
 
-from parallm import blas, protocol
+from parallm import blas, protocol, routing
 from parallm.adapters import AdapterError, HeldRequests, load_bytes
 from parallm.engine.weights import WeightsError
 from parallm.config import Config
@@ -26,6 +27,8 @@ from parallm.runtime import StageRuntime
 from parallm.transport import Receiver, Sender, open_socket
 
 log = logging.getLogger("parallm.engine.stage")
+FANNED_OUT = (protocol.Abort, protocol.AdapterPublish, protocol.AdapterUnload, protocol.Pause, protocol.Resume,
+              protocol.WeightsUpdate)
 
 
 def to_delta(out: SeqOutput) -> protocol.SeqDelta:
@@ -93,10 +96,14 @@ class EngineStage:
         self.model_info = model_info
         ctx = runtime.ctx
         hwm = config.transport.hwm
-        self.inbox: Receiver = Receiver(open_socket(ctx, zmq.PULL, runtime.addrs.engine, bind=True, hwm=hwm),
-                                        protocol.EngineInbound, name="engine")
+        replica = runtime.replica
+        self.inbox: Receiver = Receiver(open_socket(ctx, zmq.PULL, routing.engine_address(runtime.addrs, replica),
+                                                    bind=True, hwm=hwm), protocol.EngineInbound, name="engine")
         self.out = Sender(open_socket(ctx, zmq.PUSH, runtime.addrs.detok, bind=False, hwm=hwm))
-        sub = open_socket(ctx, zmq.SUB, runtime.addrs.adapters, bind=True, hwm=hwm)
+        # replica 0 hands aborts, adapter versions and pauses on to the other replicas (parallm/routing.py)
+        self.peers = [Sender(open_socket(ctx, zmq.PUSH, routing.engine_address(runtime.addrs, i), bind=False, hwm=hwm))
+                      for i in range(1, config.engine.replicas)] if replica == 0 else []
+        sub = open_socket(ctx, zmq.SUB, routing.adapters_address(runtime.addrs, replica), bind=True, hwm=hwm)
         sub.setsockopt(zmq.SUBSCRIBE, b"")
         self.adapter_sub: Receiver = Receiver(sub, protocol.EngineInbound, name="adapters")
         self.poller = zmq.Poller()
@@ -106,6 +113,7 @@ class EngineStage:
         self.blas = blas.ThreadGovernor.for_this_process() if mx.default_device() == mx.cpu else None
         self.paused = False
         self.pause_mode = "keep"
+        self.weights_open: tuple[str, int] | None = None  # a chunked weight update in progress: (id, next chunk)
         self.held: HeldRequests[protocol.Submit] = HeldRequests(config.adapters)  # waiting for their version
         self.scores: dict[str, bytes] = {}  # qid -> reply_to of the score requests in the engine
         self.step_count = 0
@@ -113,10 +121,14 @@ class EngineStage:
         self.loop_time: Counter[str] = Counter()  # seconds per loop phase, over working iterations
         self.loop_steps = 0
 
-        self.weights_open: tuple[str, int] | None = None  # a chunked weight update in progress: (id, next chunk)
     # ------------------------------------------------------------------ messages
     def handle(self, message: Any) -> None:
         self.received += 1
+        if self.peers and isinstance(message, FANNED_OUT):
+            copy = message if isinstance(message, protocol.Abort) else \
+                msgspec.structs.replace(message, qid="", reply_to=b"")  # only replica 0 answers
+            for peer in self.peers:
+                peer.send(copy, block=False)
         if isinstance(message, protocol.Submit):
             self.on_submit(message)
         elif isinstance(message, protocol.Abort):
@@ -129,6 +141,8 @@ class EngineStage:
             self.on_publish(message)
         elif isinstance(message, protocol.AdapterUnload):
             self.on_unload(message)
+        elif isinstance(message, protocol.WeightsUpdate):
+            self.on_weights(message)
         elif isinstance(message, protocol.ListAdapters):
             self.reply(adapter_list(self.engine, message.qid, message.reply_to))
         elif isinstance(message, protocol.Pause):
@@ -141,8 +155,6 @@ class EngineStage:
         elif isinstance(message, protocol.Resume):
             moved = self.engine.follow_latest() if self.paused and self.pause_mode == "keep" else 0
             self.paused = False
-        elif isinstance(message, protocol.WeightsUpdate):
-            self.on_weights(message)
             self.reply(protocol.PauseState(qid=message.qid, reply_to=message.reply_to, paused=False,
                                            mode=self.pause_mode, moved_to_latest=moved))
 
@@ -174,18 +186,6 @@ class EngineStage:
             if message.qid and message.reply_to:
                 self.out.send(rejection(message.qid, message.reply_to, exc))
 
-    def on_unload(self, message: protocol.AdapterUnload) -> None:
-        try:
-            removed = self.engine.unload_adapter(message.name)
-        except AdapterError as exc:
-            if message.qid and message.reply_to:
-                self.out.send(rejection(message.qid, message.reply_to, exc))
-            return
-        self.reply(protocol.AdapterUnloaded(qid=message.qid, reply_to=message.reply_to, name=message.name,
-                                            versions_removed=removed))
-
-    def on_submit(self, message: protocol.Submit, *, held_since: float | None = None) -> None:
-        spec = message.spec
     # ------------------------------------------------------------------ full-weight updates
     def on_weights(self, message: protocol.WeightsUpdate) -> None:
         """Apply new base weights now (between two steps). Chunks of one update must come in order;
@@ -219,6 +219,18 @@ class EngineStage:
                                            version=self.engine.weights_version, tensors=applied.tensors,
                                            load_ms=applied.load_ms, complete=complete))
 
+    def on_unload(self, message: protocol.AdapterUnload) -> None:
+        try:
+            removed = self.engine.unload_adapter(message.name)
+        except AdapterError as exc:
+            if message.qid and message.reply_to:
+                self.out.send(rejection(message.qid, message.reply_to, exc))
+            return
+        self.reply(protocol.AdapterUnloaded(qid=message.qid, reply_to=message.reply_to, name=message.name,
+                                            versions_removed=removed))
+
+    def on_submit(self, message: protocol.Submit, *, held_since: float | None = None) -> None:
+        spec = message.spec
         try:
             self.engine.add_request(Request(message.rid, protocol.unpack_ids(message.prompt_ids), spec))
         except RequestRejected as exc:
@@ -264,6 +276,7 @@ class EngineStage:
     def stats(self) -> protocol.EngineStats:
         stats = self.engine.stats()
         stats.paused, stats.held_for_version, stats.received = self.paused, len(self.held), self.received
+        stats.replica = self.rt.replica
         stats.dropped_frames = self.inbox.dropped
         stats.loop = protocol.LoopStats(steps=self.loop_steps, ms_mean={
             k[:-2]: 1000 * v / max(1, self.loop_steps) for k, v in self.loop_time.items()})

@@ -167,6 +167,13 @@ class ZmqBackend:
                 self.metrics.set_stats(reply.stats)
             await asyncio.sleep(STATS_PERIOD_S)
 
+    def _stage_missing(self) -> bool:
+        """A stage every request needs is down (an engine replica is not while another one serves:
+        the tokenizers route around it)."""
+        engines_down = sum(1 for down in self.stages_down if down.startswith("engine-"))
+        others = any(not down.startswith("engine-") for down in self.stages_down)
+        return others or engines_down >= self.config.engine.replicas
+
     @property
     def engine_waiting(self) -> int:
         return self.metrics.engine_stats.waiting
@@ -179,7 +186,7 @@ class ZmqBackend:
     async def generate(self, submit: protocol.TextSubmit) -> AsyncIterator[protocol.Output]:
         if self.rt.draining:
             raise BackendError(503, "shutting_down", "the server is shutting down", retryable=True)
-        if self.stages_down:
+        if self._stage_missing():
             self.metrics.rejected.labels("stage_down").inc()
             raise BackendError(503, "service_unavailable", "a stage is restarting; retry shortly", retryable=True)
         if self._queue_full():

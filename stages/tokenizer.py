@@ -12,9 +12,10 @@ from typing import Any, Callable
 
 import zmq
 
-from parallm import protocol
+from parallm import protocol, routing
 from parallm.config import Config
 from parallm.logs import request_extra
+from parallm.routing import Router
 from parallm.runtime import StageRuntime
 from parallm.text.templating import Templater, TemplateError
 from parallm.transport import Receiver, Sender, open_socket
@@ -30,7 +31,11 @@ class TokenizerStage:
         ctx, addrs, hwm = runtime.ctx, runtime.addrs, config.transport.hwm
         self.inbox = Receiver(open_socket(ctx, zmq.PULL, addrs.tokenizers[runtime.replica], bind=True, hwm=hwm),
                               protocol.TokenizerInbound, name="tokenizer")
-        self.to_engine = Sender(open_socket(ctx, zmq.PUSH, addrs.engine, bind=False, hwm=hwm))
+        # one PUSH per engine replica; Router picks one per request (load, prefix affinity)
+        self.to_engines = [Sender(open_socket(ctx, zmq.PUSH, routing.engine_address(addrs, i), bind=False, hwm=hwm))
+                           for i in range(config.engine.replicas)]
+        self.to_engine = self.to_engines[0]
+        self.router = Router(config.engine.replicas, config.engine.block_size)
         self.to_detok = Sender(open_socket(ctx, zmq.PUSH, addrs.detok, bind=False, hwm=hwm))
         self.handled = 0
         self.rejected = 0
@@ -67,8 +72,11 @@ class TokenizerStage:
             log.info("refused: %s", exc.message, extra=request_extra(message.rid, status=exc.status, param=exc.param))
             self.to_detok.send(exc.to_error(message.rid, message.reply_to))
             return
-        self.to_engine.send(protocol.Submit(rid=message.rid, reply_to=message.reply_to,
-                                            prompt_ids=protocol.pack_ids(ids), spec=message.spec))
+        spec = message.spec
+        replica = self.router.choose(ids, cost=len(ids) + (spec.params.max_tokens or 0) * spec.n,
+                                     adapter=spec.adapter) if len(self.to_engines) > 1 else 0
+        self.to_engines[replica].send(protocol.Submit(rid=message.rid, reply_to=message.reply_to,
+                                                      prompt_ids=protocol.pack_ids(ids), spec=spec))
 
     def safely(self, message: Any) -> None:
         """Handle one message; one that breaks the templater is logged and answered if it can be."""
@@ -85,7 +93,8 @@ class TokenizerStage:
 
     def stats(self) -> protocol.TokenizerStats:
         return protocol.TokenizerStats(handled=self.handled, rejected=self.rejected, failed=self.failed,
-                                       dropped_frames=self.inbox.dropped)
+                                       dropped_frames=self.inbox.dropped, routed=list(self.router.routed),
+                                       affinity_hits=self.router.affinity_hits)
 
     def run(self) -> int:
         beat_ms = max(1, int(self.config.supervisor.heartbeat_s * 1000))
@@ -95,7 +104,11 @@ class TokenizerStage:
                 self.safely(message)
                 for queued in self.inbox.drain(256):
                     self.safely(queued)
-            self.rt.poll_control()
+            for control in self.rt.poll_control():  # a replica down takes no request until it is back
+                if isinstance(control, protocol.StageDown) and control.stage == "engine":
+                    self.router.mark_down(control.replica)
+                elif isinstance(control, protocol.StageUp) and control.stage == "engine":
+                    self.router.mark_up(control.replica)
             self.rt.heartbeat()
         return 0
 

@@ -96,6 +96,7 @@ def rank_pids(server: Server) -> dict[int, int]:
     return ranks
 
 
+@pytest.mark.slow
 def test_two_ranks_give_the_one_process_engines_text(tp_server, model_dir):
     got = complete_all(tp_server.url)
     assert len(rank_pids(tp_server)) == 2
@@ -105,6 +106,7 @@ def test_two_ranks_give_the_one_process_engines_text(tp_server, model_dir):
     assert len(set(got)) > 1 and all(got)
 
 
+@pytest.mark.slow
 def test_a_killed_rank_restarts_the_group_and_no_client_hangs(tp_server):
     before = complete_all(tp_server.url, 8)
     results: list = []
@@ -157,3 +159,94 @@ def test_a_model_whose_heads_do_not_split_is_refused_at_startup():
     out = srv.output()
     srv.stop()
     assert "num_attention_heads (9) is not divisible by engine.tensor_parallel (2)" in out, out
+
+
+# ------------------------------------------------------------------ data-parallel replicas
+
+@pytest.fixture(scope="module")
+def dp_server():
+    with Server("--model.served-name", "m", "--engine.replicas", "2", "--supervisor.restart-backoff-s", "3") as srv:
+        yield srv
+
+
+def engine_replica_pids(server: Server) -> dict[int, int]:
+    out = subprocess.run(["ps", "-o", "pid=", "--ppid", str(server.proc.pid)], capture_output=True, text=True).stdout
+    pids = {}
+    for pid in out.split():
+        try:
+            parts = Path(f"/proc/{pid}/cmdline").read_bytes().decode().split("\0")
+        except OSError:
+            continue
+        if "engine" in parts and "--replica" in parts:
+            pids[int(parts[parts.index("--replica") + 1])] = int(pid)
+    return pids
+
+
+def tokenizer_stats(server: Server):
+    from parallm.client import Client
+
+    with Client(server.router, timeout=30) as client:
+        return client.stats("tokenizer")
+
+
+def chat(url: str, text: str, max_tokens: int = 4) -> httpx.Response:
+    return httpx.post(f"{url}/v1/chat/completions", timeout=120, json={
+        "model": "m", "messages": [{"role": "user", "content": text}], "max_tokens": max_tokens, "temperature": 0})
+
+
+def test_requests_spread_over_replicas_and_shared_prefixes_stay_together(dp_server):
+    assert sorted(engine_replica_pids(dp_server)) == [0, 1]
+    distinct = [f"Question {i}: what is {i} times {i + 3}?" for i in range(6)]
+    with ThreadPoolExecutor(6) as pool:
+        assert all(r.status_code == 200 for r in pool.map(lambda t: chat(dp_server.url, t), distinct))
+    spread = tokenizer_stats(dp_server).routed
+    assert len(spread) == 2 and min(spread) >= 2, spread
+    shared = "You are a careful assistant who answers in one word. " * 8
+    before = tokenizer_stats(dp_server).affinity_hits
+    for i in range(4):
+        assert chat(dp_server.url, f"{shared} Item {i}?").status_code == 200
+    assert tokenizer_stats(dp_server).affinity_hits - before >= 3
+
+
+def test_every_replica_gets_every_adapter_version(dp_server):
+    from parallm.adapters import save_bytes
+    from tests.e2e.test_adapters import CONFIG, weights
+
+    for seed in (1, 2):
+        files = {"adapter_weights": ("adapters.safetensors", save_bytes(weights(seed)), "application/octet-stream"),
+                 "adapter_config": ("adapter_config.json", json.dumps(CONFIG), "application/json")}
+        r = httpx.post(f"{dp_server.url}/v1/adapters/upload", files=files, data={"name": "dp"}, timeout=60)
+        assert r.status_code == 200 and r.json()["version"] == seed, r.text
+    before = tokenizer_stats(dp_server).routed
+
+    def pinned(i: int) -> httpx.Response:  # a replica without version 2 would answer 404
+        return httpx.post(f"{dp_server.url}/v1/chat/completions", timeout=120, json={
+            "model": "m", "messages": [{"role": "user", "content": f"Adapter question {i}?"}], "max_tokens": 3,
+            "adapter": "dp", "adapter_version": 2})
+
+    with ThreadPoolExecutor(6) as pool:
+        replies = list(pool.map(pinned, range(6)))
+    assert all(r.status_code == 200 for r in replies), [r.text for r in replies if r.status_code != 200]
+    after = tokenizer_stats(dp_server).routed
+    assert all(a > b for a, b in zip(after, before)), (before, after)
+
+
+@pytest.mark.slow
+def test_a_killed_replica_leaves_the_other_serving(dp_server):
+    pids = engine_replica_pids(dp_server)
+    os.kill(pids[1], signal.SIGKILL)
+    deadline = time.monotonic() + 10
+    while "engine exited with code -9" not in dp_server.output() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    time.sleep(0.5)  # the tokenizers hear StageDown
+    routed = tokenizer_stats(dp_server).routed
+    for i in range(4):  # replica 1 stays down for the 3 s restart backoff
+        r = chat(dp_server.url, f"While one is down {i}")
+        assert r.status_code == 200, r.text
+    after = tokenizer_stats(dp_server).routed
+    assert after[1] == routed[1] and after[0] == routed[0] + 4, (routed, after)
+    deadline = time.monotonic() + 120
+    while engine_replica_pids(dp_server).get(1, pids[1]) == pids[1] and time.monotonic() < deadline:
+        time.sleep(0.2)
+    dp_server.wait_ready(120)
+    assert chat(dp_server.url, "And after the restart").status_code == 200

@@ -1,0 +1,116 @@
+"""Data-parallel engine replicas: where replica i listens, and which replica a request goes to.
+
+Replica 0 keeps the engine's usual addresses (raw clients, ingress's control requests and trainers
+reach it as before, and it hands every abort and adapter version on to the others: stages/engine.py);
+replica i > 0 binds its own engine PULL and adapters SUB beside them.
+
+A tokenizer routes each request (`Router.choose`): to the replica that last took a request sharing
+the longest prefix of full blocks with it (the engine's own chained block hashes, so that replica's
+prefix cache holds those blocks), unless that replica carries more than the lightest one by over
+AFFINITY_SLACK times the prefill the hit saves (so a system prompt every chat shares does not pin
+all traffic to one replica, while a long shared context does keep its requests together); else to
+the lightest. Load is the work this tokenizer sent each replica (prompt + max_tokens tokens),
+decayed with a half-life: it needs no message back from the engines. An n > 1 request is one
+message, so its samples stay on one replica. A replica the supervisor announced down takes nothing
+until it is back.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections import OrderedDict
+from typing import Callable, Sequence
+
+from parallm.transport import Addresses
+
+HALF_LIFE_S = 2.0
+AFFINITY_SLACK = 2.0  # a prefix's replica keeps it while it carries at most this many times the cached tokens more
+MAX_PREFIXES = 65536
+
+
+def block_hashes(ids: Sequence[int], block_size: int, adapter: str = "") -> list[int]:
+    """The chained hashes of the prompt's full blocks, as the engine's prefix cache keys them."""
+    from parallm.engine.blocks import block_hash
+
+    out, parent = [], 0
+    for start in range(0, len(ids) - block_size + 1, block_size):
+        parent = block_hash(parent, ids[start:start + block_size], adapter)
+        out.append(parent)
+    return out
+
+
+def _sibling(address: str, kind: str, replica: int, n_tokenizers: int) -> str:
+    if replica == 0:
+        return address
+    if address.startswith("ipc://"):
+        return address[:-len(".sock")] + f"-r{replica}.sock"
+    host, port = address.rsplit(":", 1)
+    base = int(port) - (0 if kind == "engine" else 6)  # transport's offsets: engine 0, adapters 6
+    return f"{host}:{base + 9 + n_tokenizers + 2 * (replica - 1) + (kind == 'adapters')}"
+
+
+def engine_address(addrs: Addresses, replica: int) -> str:
+    """Replica `replica`'s engine PULL (replica 0: the engine's usual address)."""
+    return _sibling(addrs.engine, "engine", replica, len(addrs.tokenizers))
+
+
+def adapters_address(addrs: Addresses, replica: int) -> str:
+    """Replica `replica`'s adapters SUB (replica 0: the usual one, which trainers publish to)."""
+    return _sibling(addrs.adapters, "adapters", replica, len(addrs.tokenizers))
+
+
+class Router:
+    """Chooses a replica per request (module docstring); pure Python, one per tokenizer."""
+
+    def __init__(self, replicas: int, block_size: int, *, clock: Callable[[], float] = time.monotonic,
+                 half_life_s: float = HALF_LIFE_S) -> None:
+        if replicas < 1:
+            raise ValueError("a router needs at least one replica")
+        self.replicas = replicas
+        self.block_size = block_size
+        self.clock = clock
+        self.decay = math.log(2) / half_life_s
+        self.load = [0.0] * replicas
+        self.routed = [0] * replicas
+        self.affinity_hits = 0
+        self.down: set[int] = set()
+        self._stamp = clock()
+        self._prefixes: OrderedDict[int, int] = OrderedDict()  # block hash -> replica, least recent first
+
+    def _age(self) -> None:
+        now = self.clock()
+        factor = math.exp(-self.decay * max(0.0, now - self._stamp))
+        self.load = [x * factor for x in self.load]
+        self._stamp = now
+
+    def choose(self, ids: Sequence[int], cost: float, adapter: str = "") -> int:
+        """The replica for a request with prompt `ids` and `cost` tokens of work; counts it there."""
+        self._age()
+        up = [r for r in range(self.replicas) if r not in self.down] or list(range(self.replicas))
+        lightest = min(up, key=lambda r: (self.load[r], self.routed[r]))
+        hashes = block_hashes(ids, self.block_size, adapter) if self.replicas > 1 else []
+        choice = lightest
+        for blocks in range(len(hashes), 0, -1):  # the longest shared prefix first
+            owner = self._prefixes.get(hashes[blocks - 1])
+            if owner is None or owner not in up:
+                continue
+            if self.load[owner] - self.load[lightest] <= AFFINITY_SLACK * blocks * self.block_size:
+                choice = owner
+                self.affinity_hits += 1
+            break
+        for h in hashes:
+            self._prefixes[h] = choice
+            self._prefixes.move_to_end(h)
+        while len(self._prefixes) > MAX_PREFIXES:
+            self._prefixes.popitem(last=False)
+        self.load[choice] += cost
+        self.routed[choice] += 1
+        return choice
+
+    def mark_down(self, replica: int) -> None:
+        if 0 <= replica < self.replicas:
+            self.down.add(replica)
+
+    def mark_up(self, replica: int) -> None:
+        self.down.discard(replica)

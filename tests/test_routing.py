@@ -1,0 +1,85 @@
+"""parallm/routing.py: replica addresses, and the tokenizers' choice of replica."""
+
+from __future__ import annotations
+
+from parallm.config import Config, TransportConfig
+from parallm.engine.blocks import block_hash
+from parallm.routing import Router, adapters_address, block_hashes, engine_address
+from parallm.transport import addresses
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.t = 0.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def prompt(seed: int, n: int = 40) -> list[int]:
+    return [(seed * 7919 + j * 104729) % 5000 for j in range(n)]
+
+
+def test_block_hashes_are_the_engines():
+    ids = list(range(40))
+    hashes = block_hashes(ids, 16, "a@1")
+    assert len(hashes) == 2  # full blocks only
+    assert hashes[0] == block_hash(0, ids[:16], "a@1")
+    assert hashes[1] == block_hash(hashes[0], ids[16:32], "a@1")
+
+
+def test_requests_spread_over_the_replicas():
+    router = Router(2, 16, clock=Clock())
+    picks = [router.choose(prompt(i), cost=100) for i in range(10)]
+    assert picks.count(0) == picks.count(1) == 5
+    assert router.routed == [5, 5]
+
+
+def test_prefix_sharing_requests_go_to_the_same_replica():
+    router = Router(2, 16, clock=Clock())
+    shared = prompt(99, 160)  # 10 blocks: a hit saves 160 tokens of prefill
+    first = router.choose(shared + [1, 2, 3], cost=100)
+    router.choose(prompt(1), cost=100)  # the other replica is now as loaded
+    for tail in range(4):  # until it carries 2 x 160 tokens more than the other
+        assert router.choose(shared + [tail] * 5, cost=100) == first
+    assert router.affinity_hits == 4
+    assert router.choose(shared + [9] * 5, cost=100) != first
+
+
+def test_a_short_common_prefix_does_not_pin_every_request():
+    router = Router(2, 16, clock=Clock())
+    system = prompt(5, 16)  # one block every chat shares
+    picks = [router.choose(system + prompt(i, 30), cost=200) for i in range(6)]
+    assert picks.count(0) == picks.count(1) == 3
+
+
+def test_affinity_yields_to_a_much_lighter_replica():
+    router = Router(2, 16, clock=Clock())
+    shared = prompt(3, 32)
+    owner = router.choose(shared, cost=100)
+    picks = [router.choose(shared + [t], cost=100) for t in range(8)]
+    assert picks.count(owner) < 8, "one hot prefix must not pin every request to one replica"
+
+
+def test_load_decays_and_down_replicas_take_nothing():
+    clock = Clock()
+    router = Router(2, 16, clock=clock, half_life_s=1.0)
+    router.choose(prompt(1), cost=1000)
+    clock.t = 20.0
+    router._age()
+    assert max(router.load) < 1.0
+    router.mark_down(1)
+    assert {router.choose(prompt(i), cost=10) for i in range(5)} == {0}
+    router.mark_up(1)
+    assert 1 in {router.choose(prompt(i + 10), cost=10) for i in range(5)}
+
+
+def test_replica_addresses_are_distinct():
+    ipc = addresses(Config(transport=TransportConfig(run_dir="/tmp/x")))
+    assert engine_address(ipc, 0) == ipc.engine and adapters_address(ipc, 0) == ipc.adapters
+    assert engine_address(ipc, 1) == "ipc:///tmp/x/engine-r1.sock"
+    tcp = addresses(Config(transport=TransportConfig(kind="tcp", tcp_base_port=7000)))
+    used = {tcp.engine, tcp.detok, tcp.router, tcp.supervisor, tcp.control, tcp.rollouts, tcp.adapters,
+            tcp.training, *tcp.tokenizers}
+    extra = [f(tcp, r) for r in (1, 2) for f in (engine_address, adapters_address)]
+    assert len(set(extra)) == 4 and not set(extra) & used
