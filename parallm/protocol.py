@@ -297,6 +297,14 @@ class WeightsUpdate(Message, tag="weights_update"):
     reply_to: bytes = b""
 
 
+class ResetPrefixCache(Message, tag="reset_prefix_cache"):
+    """Forget every free prefix-cache block (vLLM's /reset_prefix_cache, SGLang's /flush_cache); blocks
+    held by running sequences stay theirs. Answered by PrefixCacheReset when `qid` is set."""
+
+    qid: str = ""
+    reply_to: bytes = b""
+
+
 class AdapterUnload(Message, tag="adapter_unload"):
     """Forget every version of an adapter; answered by AdapterUnloaded when `qid` is set."""
 
@@ -435,6 +443,11 @@ class WeightsUpdated(Reply, tag="weights_updated"):
     tensors: int = 0            # tensors applied by this message
     load_ms: float = 0.0
     complete: bool = True       # false: a chunk of an update still waiting for its later chunks
+
+
+class PrefixCacheReset(Reply, tag="prefix_cache_reset"):
+    dropped: int = 0            # blocks forgotten
+    held: int = 0               # blocks still held by running sequences
 
 
 class AdapterList(Reply, tag="adapter_list"):
@@ -723,13 +736,13 @@ class Shutdown(Message, tag="shutdown"):
 # --------------------------------------------------------------------------- unions per receiver
 
 REPLIES = (TokenizeReply, DetokenizeReply, ScoreReply, PauseState, AdapterLoaded, AdapterUnloaded, AdapterList,
-           StatsReply, WeightsUpdated)
+           StatsReply, WeightsUpdated, PrefixCacheReset)
 AnyReply = Union[TokenizeReply, DetokenizeReply, ScoreReply, PauseState, AdapterLoaded, AdapterUnloaded, AdapterList,
-                 StatsReply, WeightsUpdated]
+                 StatsReply, WeightsUpdated, PrefixCacheReset]
 
 TokenizerInbound = Union[TextSubmit, Tokenize, Detokenize, GetStats]
 EngineInbound = Union[Submit, Score, Abort, Pause, Resume, GetStats, AdapterPublish, AdapterUnload, ListAdapters,
-                      WeightsUpdate]
+                      WeightsUpdate, ResetPrefixCache]
 DetokInbound = Union[Track, StepOutputs, RequestError, AnyReply]
 ClientInbound = Union[Outputs, RequestError, Welcome, AnyReply]
 RouterInbound = Union[Hello, GetStats]  # a client may ask the detokenizer for its stats
@@ -739,7 +752,7 @@ AnyMessage = Union[TextSubmit, Tokenize, Detokenize, GetStats, Submit, Score, Ab
                    AdapterUnload, ListAdapters, Track, StepOutputs, RequestError, TokenizeReply, DetokenizeReply,
                    ScoreReply, PauseState, AdapterLoaded, AdapterUnloaded, AdapterList, StatsReply, Hello, Welcome,
                    Outputs, Rollout, TrainingStatus, Ready, Heartbeat, Fatal, StageDown, StageUp, Drain, Shutdown,
-                   WeightsUpdate, WeightsUpdated]
+                   WeightsUpdate, WeightsUpdated, ResetPrefixCache, PrefixCacheReset]
 
 
 class ProtocolError(ValueError):

@@ -143,6 +143,11 @@ class EngineStage:
             self.on_unload(message)
         elif isinstance(message, protocol.WeightsUpdate):
             self.on_weights(message)
+        elif isinstance(message, protocol.ResetPrefixCache):
+            blocks = self.engine.blocks
+            dropped = blocks.drop_cached() if blocks is not None else 0
+            self.reply(protocol.PrefixCacheReset(qid=message.qid, reply_to=message.reply_to, dropped=dropped,
+                                                 held=blocks.num_used if blocks is not None else 0))
         elif isinstance(message, protocol.ListAdapters):
             self.reply(adapter_list(self.engine, message.qid, message.reply_to))
         elif isinstance(message, protocol.Pause):

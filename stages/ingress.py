@@ -241,6 +241,9 @@ class ZmqBackend:
         except ClientError as exc:
             raise backend_error(exc) from None
 
+    async def reset_prefix_cache(self) -> protocol.PrefixCacheReset:
+        return await self._ask("engine", protocol.ResetPrefixCache())
+
     async def unload_adapter(self, name: str) -> protocol.AdapterUnloaded:
         return await self._ask("engine", protocol.AdapterUnload(name=name))
 

@@ -8,8 +8,8 @@ from typing import Any, AsyncIterator, Callable
 
 from parallm.api.backend import BackendError
 from parallm.protocol import (AdapterList, AdapterLoaded, AdapterPublish, AdapterUnloaded, Detokenize, EngineStats, Output,
-                              PauseState, TextSubmit, Tokenize, Usage, WeightsUpdate, WeightsUpdated, pack_floats,
-                              pack_ids, unpack_ids)
+                              PauseState, PrefixCacheReset, TextSubmit, Tokenize, Usage, WeightsUpdate, WeightsUpdated,
+                              pack_floats, pack_ids, unpack_ids)
 
 MODEL = "test-model"
 
@@ -147,6 +147,10 @@ class FakeBackend:
 
     async def list_adapters(self) -> AdapterList:
         return AdapterList(qid="", policy=dict(self.policy))
+
+    async def reset_prefix_cache(self) -> PrefixCacheReset:
+        self.controls.append(("reset_prefix_cache", None))
+        return PrefixCacheReset(qid="", dropped=2)
 
     async def update_weights(self, request: WeightsUpdate) -> WeightsUpdated:
         self.controls.append(("update_weights", request.path))

@@ -330,3 +330,14 @@ def test_sglang_and_vllm_pause_and_abort_routes():
     assert client.post("/abort_requests", json={"request_ids": ["a", "b"]}).json() == \
         {"status": "aborted", "aborted": 2, "all": False}
     assert backend.controls == [("pause", "keep"), ("resume", None), ("abort", ([], True)), ("abort", (["a", "b"], False))]
+
+
+def test_reset_prefix_cache_and_flush_cache():
+    """TRL 1.16 vllm_client.py:875-884 (200 + a JSON body), SkyRL 0.3.0 (JSON body {"reset_running_requests":
+    false}), slime v0.3.1 sglang_engine.py:287-306 (GET /flush_cache until 200)."""
+    client, backend = make()
+    r = client.post("/reset_prefix_cache", json={"reset_running_requests": False})
+    assert r.status_code == 200 and r.json()["success"] is True
+    r = client.get("/flush_cache")
+    assert r.status_code == 200 and r.text.startswith("Cache flushed.")
+    assert backend.controls == [("reset_prefix_cache", None)] * 2

@@ -9,7 +9,8 @@ from __future__ import annotations
 from typing import Any, AsyncIterator, Literal, Protocol, runtime_checkable
 
 from parallm.protocol import (AdapterList, AdapterLoaded, AdapterPublish, AdapterUnloaded, Detokenize, EngineStats,
-                              Output, PauseState, TextSubmit, Tokenize, WeightsUpdate, WeightsUpdated)
+                              Output, PauseState, PrefixCacheReset, TextSubmit, Tokenize, WeightsUpdate,
+                              WeightsUpdated)
 
 
 class BackendError(Exception):
@@ -71,6 +72,10 @@ class Backend(Protocol):
         ...
 
     async def unload_adapter(self, name: str) -> AdapterUnloaded:
+        ...
+
+    async def reset_prefix_cache(self) -> PrefixCacheReset:
+        """Forget the free prefix-cache blocks (running sequences keep theirs)."""
         ...
 
     async def update_weights(self, request: WeightsUpdate) -> WeightsUpdated:

@@ -15,6 +15,8 @@ prime-rl 0.8, verifiers and SkyRL call them:
   POST /update_weights {weight_dir} -> {"status": "ok"}; SGLang's POST /update_weights_from_disk
   {model_path, weight_version?, abort_all_requests?} -> {success, message, num_paused_requests};
   parallm's POST /v1/weights {path, version?} -> {version, tensors, load_ms}
+- POST /reset_prefix_cache (vLLM; TRL's trailing-slash one too) -> {"success": true, ...}; SGLang's
+  GET|POST /flush_cache -> text: the free prefix-cache blocks are forgotten (held ones stay)
 - SGLang's POST /pause_generation {mode}, /continue_generation; vLLM's POST /abort_requests
   {request_ids} and SGLang's /abort_request {rid, abort_all}
 - POST /v1/chat/completions/tokens (prime-rl <= 0.5, verifiers <= 0.3.1): a chat body plus the prompt's
@@ -154,6 +156,15 @@ class VllmAdmin:
         await self.backend.abort([] if every else ids, all=every)
         return json_response({"status": "aborted", "aborted": len(ids), "all": every})
 
+    async def reset_prefix_cache(self, request: Request) -> Response:
+        """vLLM's POST /reset_prefix_cache -> {"success": true}; SGLang's GET|POST /flush_cache -> text."""
+        await read_body(request, self.limit)
+        done = await self.backend.reset_prefix_cache()
+        if request.url.path == "/flush_cache":
+            return PlainTextResponse(f"Cache flushed.\n{done.dropped} cached blocks dropped; {done.held} held by "
+                                     "running requests kept.\n")
+        return json_response({"success": True, "dropped": done.dropped, "held": done.held})
+
     # ------------------------------------------------------------------ server description
     async def server_info(self, request: Request) -> Response:
         adapters = await self.backend.list_adapters()
@@ -279,6 +290,9 @@ def routes(backend: Backend, server: ServerConfig, wrap: Any) -> list[Route]:
         Route("/continue_generation", wrap(a.continue_generation), methods=["POST"]),
         Route("/abort_requests", wrap(a.abort_requests), methods=["POST"]),
         Route("/abort_request", wrap(a.abort_requests), methods=["POST"]),
+        Route("/reset_prefix_cache", wrap(a.reset_prefix_cache), methods=["POST"]),
+        Route("/reset_prefix_cache/", wrap(a.reset_prefix_cache), methods=["POST"]),
+        Route("/flush_cache", wrap(a.reset_prefix_cache), methods=["GET", "POST"]),
         Route("/update_weights", wrap(a.update_weights), methods=["POST"]),
         Route("/update_weights_from_disk", wrap(a.update_from_disk), methods=["POST"]),
         Route("/v1/weights", wrap(a.weights), methods=["POST"]),

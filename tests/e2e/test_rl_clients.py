@@ -129,3 +129,20 @@ def test_pause_keep_then_resume_and_nccl_routes_501(http):
     assert http.post("/resume").json() == {"status": "resumed"}
     r = http.post("/init_weight_transfer_engine", json={"init_info": {}})
     assert r.status_code == 501
+
+
+def test_reset_prefix_cache_forgets_cached_prompts(http):
+    prompt = list(range(1000, 1040))   # 40 tokens: full prefix-cache blocks
+    body = {"prompt": prompt, "max_tokens": 1, "temperature": 0.0}
+
+    def cached() -> int:
+        r = http.post("/v1/completions", json=body)
+        assert r.status_code == 200, r.text
+        return r.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
+
+    cached()
+    assert cached() > 0
+    r = http.post("/reset_prefix_cache")
+    assert r.status_code == 200 and r.json()["success"] is True and r.json()["dropped"] > 0
+    assert cached() == 0
+    assert http.get("/flush_cache").text.startswith("Cache flushed.")
