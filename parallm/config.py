@@ -144,6 +144,10 @@ class ServerConfig(Struct, frozen=True, kw_only=True, forbid_unknown_fields=True
     max_output_tokens: Annotated[int, _d("largest max_tokens accepted; 0 = context length")] = 0
     first_token_timeout_s: Annotated[float, _d("seconds to the first token before 504; 0 = none")] = 0.0
     request_timeout_s: Annotated[float, _d("seconds for a whole request before 504; 0 = none")] = 0.0
+    header_timeout_s: Annotated[float, _d("seconds a request's headers may take to arrive (from the connection or "
+                                          "their first byte) before 408 and close; 0 = no limit")] = 10.0
+    body_timeout_s: Annotated[float, _d("seconds a request's body may take to arrive after its headers before 408 "
+                                        "and close; 0 = no limit")] = 120.0
 
 
 class TransportConfig(Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):

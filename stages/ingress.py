@@ -283,8 +283,11 @@ def main(config: Config, replica: int = 0) -> int:
     backend = ZmqBackend(config, runtime, info, metrics)
     app = build_app(backend, config.server, metrics)
 
+    from parallm.api.strict_http import strict_protocol
+
     server_config = uvicorn.Config(app, host=config.server.host, port=config.server.port,
                                    loop="uvloop" if _has_uvloop() else "asyncio", log_level="warning",
+                                   http=strict_protocol(config.server.header_timeout_s, config.server.body_timeout_s),
                                    timeout_graceful_shutdown=int(config.supervisor.drain_timeout_s))
     server = uvicorn.Server(server_config)
 
