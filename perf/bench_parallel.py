@@ -1,30 +1,34 @@
-"""Tensor-parallel serving against one engine process, over HTTP (parallm-launch, perf/harness.py).
+"""Tensor-parallel ranks and data-parallel replicas against one engine process, over HTTP
+(parallm-launch, perf/harness.py).
 
-For each `--tp` size, a fresh server (`--engine.tensor-parallel N`) on a random-weight model of a
-perf.bench_gpu shape with the default model's tokenizer, then a closed loop of streaming requests
-at each `--concurrency` (perf/loadgen.py: every request runs its full length). Reports output
-tokens/s, TTFT and ITL percentiles per (tp, concurrency), and each size's speed-up over the first.
+For each `--layouts` entry TPxR, a fresh server (`--engine.tensor-parallel TP --engine.replicas R`)
+on a random-weight model of a perf.bench_gpu shape with the default model's tokenizer, then a closed
+loop of streaming requests at each `--concurrency` (perf/loadgen.py: every request runs its full
+length). Reports output tokens/s, TTFT and ITL percentiles per (layout, concurrency), and each
+layout's speed-up over the first.
 
 On the 2-core CPU (ring backend, two local ranks; a smoke run, the CPU has no spare cores for a
 second rank to speed anything up):
 
-    python -m perf.bench_parallel --shape tiny --tp 1,2 --concurrency 1,8 --max-tokens 32 --requests 16
+    python -m perf.bench_parallel --shape tiny --layouts 1x1,2x1,1x2 --concurrency 1,8 --max-tokens 32 --requests 16
 
 On two H100s (`nvidia-h100-x2`, NCCL, one GPU per rank; NCCL_NVLS_ENABLE=0 is set for every rank),
 after the wheels of /work/shared/GPU.md (mlx, mlx-cuda-13, mlx-lm, starlette, uvicorn, pyzmq, msgspec,
 python-multipart, gguf):
 
-    source .gpu/b/install.sh && python3 -m perf.bench_parallel --shape llama-3.2-3b --tp 1,2 \\
+    source .gpu/b/install.sh && python3 -m perf.bench_parallel --shape llama-3.2-3b --layouts 1x1,2x1 \\
         --concurrency 1,64 --max-tokens 128 --requests 128 --tokenizer-dir TOKDIR --client-procs 4 && \\
-    python3 -m perf.bench_parallel --shape qwen3-8b --tp 1,2 \\
+    python3 -m perf.bench_parallel --shape qwen3-8b --layouts 1x1,2x1 \\
         --concurrency 1,64 --max-tokens 128 --requests 128 --tokenizer-dir TOKDIR --client-procs 4
+    source .gpu/b/install.sh && python3 -m perf.bench_parallel --shape llama-3.2-3b --layouts 1x1,1x2 \\
+        --concurrency 256 --max-tokens 128 --requests 1024 --tokenizer-dir TOKDIR --client-procs 8 \\
+        --experiment dp   # goal: 1x2 >= 1.8x 1x1
 
 (TOKDIR: the default model's tokenizer files, carried over as perf/bench_serving.py's --shape runs do.)
-Measured on the 2-core CPU (tiny shape, 32 tokens, ring): tp=1 70 / 317 tok/s at c=1 / 8, tp=2 9.5 / 43
-tok/s: two ranks share two cores with the other stages, and each layer's two all-sums cross TCP.
-
-Data-parallel replicas (`--engine.replicas`) are not built yet (docs/operations.md, "More than one
-device"), so the DP=2 vs 1 comparison at c=256 has no command here.
+Measured on the 2-core CPU (tiny shape, 32 tokens; ring for tp=2; other work on the machine):
+1x1 68 / 431 tok/s at c=1 / 8, 2x1 11 / 34, 1x2 56 / 269. Two cores cannot run two ranks or two
+engines side by side faster than one, and each tensor-parallel layer's two all-sums cross TCP: on
+a CPU this shows that the layouts serve, not a speed-up (the GPU runs above are the measurement).
 """
 
 from __future__ import annotations
@@ -44,28 +48,31 @@ def workload_for(max_tokens: int, requests: int) -> Workload:
     return Workload("parallel", prompt_words=base.prompt_words, max_tokens=max_tokens, requests=requests)
 
 
-def serve_and_measure(model_dir: Path, tp: int, concurrency: list[int], workload: Workload, max_seqs: int,
+def serve_and_measure(model_dir: Path, layout: str, concurrency: list[int], workload: Workload, max_seqs: int,
                       client_procs: int) -> list[dict[str, Any]]:
+    tp, replicas = (int(x) for x in layout.split("x"))
     rows = []
     with Server("--model.path", str(model_dir), "--model.served-name", "bench", "--engine.max-num-seqs",
-                str(max_seqs), "--engine.tensor-parallel", str(tp), ready_timeout=900) as server:
+                str(max_seqs), "--engine.tensor-parallel", str(tp), "--engine.replicas", str(replicas),
+                ready_timeout=900) as server:
         asyncio.run(run_http(server.url, "bench", workload_for(4, 2), 2, [], 1))  # warm-up
         for c in concurrency:
             w = Workload(workload.name, workload.prompt_words, workload.max_tokens, max(workload.requests, c))
             r = asyncio.run(run_http(server.url, "bench", w, c, [], seed=c, procs=client_procs if c >= 16 else 1))
-            r.update(tp=tp, concurrency=c)
-            print(f"tp={tp} c={c}: {r['throughput_tok_s']:.1f} tok/s, TTFT p50 {1000 * r['ttft_p50_s']:.0f} ms, "
+            r.update(layout=layout, tp=tp, replicas=replicas, concurrency=c)
+            print(f"{layout} c={c}: {r['throughput_tok_s']:.1f} tok/s, TTFT p50 {1000 * r['ttft_p50_s']:.0f} ms, "
                   f"ITL p50 {1000 * r['itl_p50_s']:.1f} ms", flush=True)
             rows.append(r)
     return rows
 
 
 def report(rows: list[dict[str, Any]]) -> str:
-    base = {r["concurrency"]: r["throughput_tok_s"] for r in rows if r["tp"] == rows[0]["tp"]}
-    lines = ["| tp | concurrency | output tok/s | vs first tp | TTFT p50 ms | ITL p50 ms |", "|---|---|---|---|---|---|"]
+    base = {r["concurrency"]: r["throughput_tok_s"] for r in rows if r["layout"] == rows[0]["layout"]}
+    lines = ["| tp x replicas | concurrency | output tok/s | vs first | TTFT p50 ms | ITL p50 ms |",
+             "|---|---|---|---|---|---|"]
     for r in rows:
         ratio = r["throughput_tok_s"] / base[r["concurrency"]] if base.get(r["concurrency"]) else float("nan")
-        lines.append(f"| {r['tp']} | {r['concurrency']} | {r['throughput_tok_s']:.1f} | {ratio:.2f}x | "
+        lines.append(f"| {r['layout']} | {r['concurrency']} | {r['throughput_tok_s']:.1f} | {ratio:.2f}x | "
                      f"{1000 * r['ttft_p50_s']:.0f} | {1000 * r['itl_p50_s']:.1f} |")
     return "\n".join(lines)
 
@@ -73,7 +80,8 @@ def report(rows: list[dict[str, Any]]) -> str:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--shape", default="tiny", help="a perf.bench_gpu shape (random weights)")
-    parser.add_argument("--tp", default="1,2", help="tensor-parallel sizes, comma-separated")
+    parser.add_argument("--layouts", default="1x1,2x1", help="TPxREPLICAS layouts, comma-separated (1x1 = one "
+                        "engine process)")
     parser.add_argument("--concurrency", default="1,8")
     parser.add_argument("--max-tokens", type=int, default=32)
     parser.add_argument("--requests", type=int, default=16, help="requests per concurrency level (at least c)")
@@ -91,8 +99,8 @@ def main(argv: list[str] | None = None) -> int:
     concurrency = [int(c) for c in args.concurrency.split(",")]
     workload = workload_for(args.max_tokens, args.requests)
     rows: list[dict[str, Any]] = []
-    for tp in (int(t) for t in args.tp.split(",")):
-        rows += serve_and_measure(model_dir, tp, concurrency, workload, args.max_num_seqs, args.client_procs)
+    for layout in args.layouts.split(","):
+        rows += serve_and_measure(model_dir, layout, concurrency, workload, args.max_num_seqs, args.client_procs)
         results.write({"shape": args.shape, "rows": rows})
     md = report(rows)
     results.write({"shape": args.shape, "rows": rows}, f"# bench_parallel ({args.shape})\n\n{md}\n")
