@@ -12,7 +12,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import Counter
-from typing import Any
+from typing import Any, Sequence
 
 import mlx.core as mx
 import msgspec
@@ -20,6 +20,7 @@ import zmq
 
 from parallm import blas, protocol, routing
 from parallm.adapters import AdapterError, HeldRequests, load_bytes
+from parallm.adapters.formats import allowed_path
 from parallm.engine.weights import WeightsError
 from parallm.config import Config
 from parallm.engine import Engine, EngineModel, Request, RequestRejected, ScoreResult, SeqOutput, distributed
@@ -65,11 +66,20 @@ def rejection(rid: str, reply_to: bytes, exc: RequestRejected | AdapterError) ->
                                  message=exc.message, param=getattr(exc, "param", None))
 
 
-def load_adapter(engine: Engine, message: protocol.AdapterPublish) -> protocol.AdapterLoaded:
-    """Load a published version (raises AdapterError, changing nothing)."""
+def adapter_roots(config: Config) -> list[str]:
+    """Where adapters may be loaded from by path: adapters.allowed_dirs, else the model's directory and
+    the trainer's checkpoints."""
+    return list(config.adapters.allowed_dirs) or [config.model.path, config.trainer.checkpointing.dir]
+
+
+def load_adapter(engine: Engine, message: protocol.AdapterPublish,
+                 roots: Sequence[str] | None = None) -> protocol.AdapterLoaded:
+    """Load a published version (raises AdapterError, changing nothing). A path outside `roots` is
+    refused (None: any path, for in-process callers)."""
     t0 = time.perf_counter()
+    path = allowed_path(message.path, roots) if message.path and roots is not None else message.path
     adapter = engine.load_adapter(message.name, config=message.config, weights=message.weights or None,
-                                  path=message.path, format=message.format, version=message.version)
+                                  path=path, format=message.format, version=message.version)
     if message.make_default:
         engine.adapters.set_default(message.name)
     ms = 1000 * (time.perf_counter() - t0)
@@ -185,7 +195,7 @@ class EngineStage:
     # ------------------------------------------------------------------ adapters
     def on_publish(self, message: protocol.AdapterPublish) -> None:
         try:
-            self.reply(load_adapter(self.engine, message))
+            self.reply(load_adapter(self.engine, message, adapter_roots(self.config)))
         except AdapterError as exc:
             log.warning("adapter %r version %d rejected: %s", message.name, message.version, exc.message)
             if message.qid and message.reply_to:

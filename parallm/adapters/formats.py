@@ -19,7 +19,7 @@ import math
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, Sequence
 
 import mlx.core as mx
 
@@ -55,6 +55,18 @@ class ParsedAdapter:
     @property
     def rank(self) -> int:
         return max((m.rank for m in self.modules.values()), default=0)
+
+
+def allowed_path(path: str, roots: Sequence[str]) -> str:
+    """`path` resolved (symlinks and `..` followed) when it lies in one of `roots`; anything else is one
+    and the same error, so that a client cannot tell a server path that exists from one that does not."""
+    resolved = os.path.realpath(path)
+    for root in roots:
+        top = os.path.realpath(root)
+        if resolved == top or resolved.startswith(top.rstrip(os.sep) + os.sep):
+            return resolved
+    raise AdapterError(f"adapter path {path!r} is not under a directory this server loads adapters from "
+                       "(adapters.allowed_dirs)", status=403, code="adapter_path_not_allowed")
 
 
 def read_dir(path: str | Path) -> tuple[dict[str, Any], bytes, str]:

@@ -110,3 +110,14 @@ def test_json_logs_follow_one_request_id_through_the_stages():
     assert {line["stage"] for line in refused} >= {"ingress", "tokenizer", "detokenizer"}, refused
     access = [line for line in lines if line.get("logger") == "parallm.access"]
     assert {(line["status"], line["route"]) for line in access} >= {(400, "/v1/completions"), (200, "/v1/completions")}
+
+
+def test_adapter_paths_outside_the_roots_all_get_one_answer(keyed):
+    """`/v1/adapters {"path"}` cannot tell an existing server path from a missing one."""
+    answers = set()
+    for path in ("/etc", "/etc/passwd", "/no/such/dir", keyed.run_dir):
+        r = httpx.post(f"{keyed.url}/v1/adapters", headers={"Authorization": f"Bearer {KEY}"},
+                       json={"name": "probe", "path": path}, timeout=60)
+        assert r.status_code == 403, r.text
+        answers.add(r.json()["error"]["message"].replace(repr(path), "PATH"))
+    assert len(answers) == 1, answers
