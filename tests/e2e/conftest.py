@@ -4,9 +4,10 @@ from .server import Server
 
 
 @pytest.fixture(scope="session")
-def server():
-    """One real parallm-launch on the default model for the whole session."""
-    with Server("--engine.max-num-seqs", "32") as srv:
+def server(tmp_path_factory):
+    """One real parallm-launch on the default model for the whole session; it loads adapters by path
+    from the tests' temporary directories."""
+    with Server("--engine.max-num-seqs", "32", "--adapters.allowed-dirs", str(tmp_path_factory.getbasetemp())) as srv:
         yield srv
 
 
