@@ -37,6 +37,7 @@ QUERY_TIMEOUT_S = 30.0
 WEIGHTS_TIMEOUT_S = 600.0  # a full-weight update from a checkpoint directory
 STATS_PERIOD_S = 0.5      # how often ingress asks the engine and detokenizer for their stats
 STATS_TIMEOUT_S = 5.0
+ENGINE_STALLED_AFTER_S = 5.0  # /health says "stalled" (503) when the engine answered no stats poll this long
 
 
 def backend_error(exc: ClientError) -> BackendError:
@@ -263,11 +264,15 @@ class ZmqBackend:
             status = "shutting_down"
         elif self.stages_down:
             status = "degraded"
+        elif self.metrics.engine_stats.paused:
+            status = "paused"
+        elif stats_age > ENGINE_STALLED_AFTER_S:  # its loop answers no stats poll: stuck in one step
+            status = "stalled"
         elif (limit and in_flight >= limit) or self._queue_full():
             status = "overloaded"
         else:
             status = "ok"
-        return {"status": status, "ready": status in ("ok", "overloaded"), "stages_down": sorted(self.stages_down),
+        return {"status": status, "ready": status == "ok", "stages_down": sorted(self.stages_down),
                 "in_flight": in_flight, "waiting": self.engine_waiting,
                 "running": self.metrics.engine_stats.running}
 

@@ -33,8 +33,8 @@ def test_models_lists_the_served_model():
     assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"
 
 
-@pytest.mark.parametrize("status, http", [("ok", 200), ("degraded", 503), ("overloaded", 503),
-                                          ("shutting_down", 503)])
+@pytest.mark.parametrize("status, http", [("ok", 200), ("degraded", 503), ("overloaded", 200), ("paused", 503),
+                                          ("stalled", 503), ("shutting_down", 503)])
 def test_health_status(status, http):
     client, _ = make(FakeBackend(status=status))
     r = client.get("/health")

@@ -63,14 +63,14 @@ def test_every_key_is_compared_with_compare_digest(monkeypatch):
     assert not guard.accepted(b"")
 
 
-@pytest.mark.parametrize("status, ready", [("ok", 200), ("overloaded", 200), ("degraded", 503),
-                                           ("shutting_down", 503)])
+@pytest.mark.parametrize("status, ready", [("ok", 200), ("overloaded", 503), ("degraded", 503), ("paused", 503),
+                                           ("stalled", 503), ("shutting_down", 503)])
 def test_probes(status, ready):
     client, _ = make(FakeBackend(status=status))
     assert client.get("/livez").status_code == 200
     r = client.get("/readyz")
     assert r.status_code == ready and r.json()["health"] == status
-    assert client.get("/health").status_code == (200 if status == "ok" else 503)
+    assert client.get("/health").status_code == (200 if status in ("ok", "overloaded") else 503)
 
 
 def test_metrics_count_requests_by_route_and_status():

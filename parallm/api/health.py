@@ -1,9 +1,12 @@
 """Liveness, readiness and health: what a load balancer or an orchestrator probes.
 
 - GET /livez: 200 while the ingress process answers at all (no backend call).
-- GET /readyz: 200 when the model is loaded and every stage is up and not draining, else 503;
-  an overloaded server is still ready (it answers, if only with 429/503).
-- GET /health: `{"status": "ok" | "degraded" | "overloaded" | "shutting_down", ...}`, 200 only for ok.
+- GET /readyz: 200 when every stage is up, the engine serving and the server not draining nor
+  overloaded, else 503 (a load balancer sends new work elsewhere).
+- GET /health: `{"status": "ok" | "overloaded" | "paused" | "stalled" | "degraded" | "shutting_down", ...}`:
+  200 while the server is alive and serving, if busy (ok, overloaded: RL clients such as Atropos stop
+  all traffic on anything else); 503 when paused, stalled (the engine answers no stats poll), a stage
+  is down, or shutting down.
 """
 
 from __future__ import annotations
@@ -14,8 +17,8 @@ from starlette.responses import Response
 from parallm.api.backend import Backend, BackendError
 from parallm.api.http import json_response
 
-SERVING = ("ok",)
-READY = ("ok", "overloaded")
+SERVING = ("ok", "overloaded")
+READY = ("ok",)
 
 
 def backend_state(backend: Backend) -> dict:
