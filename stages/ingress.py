@@ -260,6 +260,7 @@ class ZmqBackend:
     def health(self) -> dict[str, Any]:
         limit = self.config.server.max_concurrent_requests
         in_flight = self.in_flight
+        stats_age = time.monotonic() - self.metrics.engine_stats_at if self.metrics.engine_stats_at else 0.0
         if self.rt.draining:
             status = "shutting_down"
         elif self.stages_down:
