@@ -14,7 +14,8 @@ import asyncio
 import logging
 import os
 import time
-from typing import Any, AsyncIterator
+from collections import Counter
+from typing import Any, AsyncIterator, Awaitable, Callable
 
 import msgspec
 import zmq
@@ -96,6 +97,7 @@ class ZmqBackend:
         self.trainers: dict[str, protocol.TrainingStatus] = {}
         self.in_flight = 0             # generate() calls admitted and not yet ended (what a drain waits for)
         self.tasks: list[asyncio.Task] = []
+        self.task_restarts: Counter[str] = Counter()  # background loops that failed and were restarted
 
     # ------------------------------------------------------------------ lifecycle
     async def start(self) -> None:
@@ -103,9 +105,23 @@ class ZmqBackend:
             await self.pipeline.connect()
         except ClientError as exc:
             raise RuntimeError(f"the detokenizer's router never answered Hello: {exc}") from None
-        self.tasks = [asyncio.create_task(self._control(), name="ingress-control"),
-                      asyncio.create_task(self._poll_stats(), name="ingress-stats"),
-                      asyncio.create_task(self._read_training(), name="ingress-training")]
+        self.tasks = [asyncio.create_task(self._restarting(loop), name=f"ingress-{name}")
+                      for name, loop in (("control", self._control), ("stats", self._poll_stats),
+                                         ("training", self._read_training))]
+
+    async def _restarting(self, loop: Callable[[], Awaitable[None]]) -> None:
+        """Run a background loop forever: one that fails is logged, counted and started again, never
+        left dead (a dead training reader would freeze /v1/training/status without a word)."""
+        while True:
+            try:
+                await loop()
+                return
+            except asyncio.CancelledError:
+                raise
+            except Exception:
+                self.task_restarts[loop.__name__] += 1
+                log.exception("ingress background loop %s failed; restarting it", loop.__name__)
+                await asyncio.sleep(0.1)
 
     async def stop(self) -> None:
         for task in self.tasks:
