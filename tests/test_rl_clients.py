@@ -341,3 +341,15 @@ def test_reset_prefix_cache_and_flush_cache():
     r = client.get("/flush_cache")
     assert r.status_code == 200 and r.text.startswith("Cache flushed.")
     assert backend.controls == [("reset_prefix_cache", None)] * 2
+
+
+def test_sglang_health_generate_and_model_info():
+    """slime v0.3.1 sglang_engine.py:60-100 polls GET /health_generate until 200; SGLang 0.5.23
+    http_server.py:802-850 /model_info."""
+    client, backend = make()
+    assert client.get("/health_generate").status_code == 200
+    assert backend.submits[-1].spec.params.max_tokens == 1
+    info = client.get("/model_info").json()
+    assert info["model_path"] == MODEL and info["is_generation"] is True and info["weight_version"] == "0"
+    down, _ = make(error_at_start=BackendError(503, "stage_down", "the engine is down", retryable=True))
+    assert down.get("/health_generate").status_code == 503

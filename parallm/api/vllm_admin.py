@@ -17,6 +17,8 @@ prime-rl 0.8, verifiers and SkyRL call them:
   parallm's POST /v1/weights {path, version?} -> {version, tensors, load_ms}
 - POST /reset_prefix_cache (vLLM; TRL's trailing-slash one too) -> {"success": true, ...}; SGLang's
   GET|POST /flush_cache -> text: the free prefix-cache blocks are forgotten (held ones stay)
+- SGLang's GET /health_generate (one token generated end to end; 503 when it cannot), GET /model_info
+  (and /get_model_info) with `weight_version`, the base model's policy version
 - SGLang's POST /pause_generation {mode}, /continue_generation; vLLM's POST /abort_requests
   {request_ids} and SGLang's /abort_request {rid, abort_all}
 - POST /v1/chat/completions/tokens (prime-rl <= 0.5, verifiers <= 0.3.1): a chat body plus the prompt's
@@ -30,6 +32,7 @@ prime-rl/SkyRL routes) adds the next version, and sequences move to it at a step
 
 from __future__ import annotations
 
+import uuid
 from typing import Annotated, Any, Literal
 
 import msgspec
@@ -44,7 +47,8 @@ from parallm.config import ServerConfig
 from parallm.api.schemas import ChatCompletionRequest
 from parallm.api.translate import Plan, chat_plan
 from parallm.api.validate import Limits, decode
-from parallm.protocol import AdapterPublish, WeightsUpdate, WeightsUpdated, pack_ids
+from parallm.protocol import (AdapterPublish, RequestSpec, SamplingParams, TextSubmit, WeightsUpdate, WeightsUpdated,
+                              pack_ids)
 
 PAUSE_MODES = ("abort", "keep")
 MAX_LORA_RANK = 1024
@@ -164,6 +168,30 @@ class VllmAdmin:
             return PlainTextResponse(f"Cache flushed.\n{done.dropped} cached blocks dropped; {done.held} held by "
                                      "running requests kept.\n")
         return json_response({"success": True, "dropped": done.dropped, "held": done.held})
+
+    async def health_generate(self, request: Request) -> Response:
+        """SGLang's GET /health_generate (slime polls it until 200): one token generated end to end;
+        503 when the pipeline cannot (starting, a stage down)."""
+        submit = TextSubmit(rid=f"health-{uuid.uuid4().hex}", reply_to=b"", prompt_ids=pack_ids([0]),
+                            spec=RequestSpec(params=SamplingParams(max_tokens=1, temperature=0.0)))
+        try:
+            outputs = self.backend.generate(submit)
+            try:
+                async for out in outputs:
+                    if out.finish_reason == "error":
+                        raise BackendError(503, "unhealthy", "the engine failed to generate")
+            finally:
+                await outputs.aclose()  # type: ignore[attr-defined]
+        except BackendError as exc:
+            raise APIError(503, f"the server cannot generate: {exc.message}", code="unhealthy") from None
+        return Response(status_code=200)
+
+    async def model_info(self, request: Request) -> Response:
+        """SGLang's GET /model_info (and /get_model_info)."""
+        version = (await self.backend.list_adapters()).policy.get("", 0)
+        return json_response({"model_path": self.backend.model_name, "served_model_name": self.backend.model_name,
+                              "tokenizer_path": self.backend.model_name, "is_generation": True,
+                              "preferred_sampling_params": None, "weight_version": str(version)})
 
     # ------------------------------------------------------------------ server description
     async def server_info(self, request: Request) -> Response:
@@ -290,6 +318,9 @@ def routes(backend: Backend, server: ServerConfig, wrap: Any) -> list[Route]:
         Route("/continue_generation", wrap(a.continue_generation), methods=["POST"]),
         Route("/abort_requests", wrap(a.abort_requests), methods=["POST"]),
         Route("/abort_request", wrap(a.abort_requests), methods=["POST"]),
+        Route("/health_generate", wrap(a.health_generate), methods=["GET"]),
+        Route("/model_info", wrap(a.model_info), methods=["GET"]),
+        Route("/get_model_info", wrap(a.model_info), methods=["GET"]),
         Route("/reset_prefix_cache", wrap(a.reset_prefix_cache), methods=["POST"]),
         Route("/reset_prefix_cache/", wrap(a.reset_prefix_cache), methods=["POST"]),
         Route("/flush_cache", wrap(a.reset_prefix_cache), methods=["GET", "POST"]),

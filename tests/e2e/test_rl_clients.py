@@ -129,6 +129,7 @@ def test_pause_keep_then_resume_and_nccl_routes_501(http):
     assert http.post("/resume").json() == {"status": "resumed"}
     r = http.post("/init_weight_transfer_engine", json={"init_info": {}})
     assert r.status_code == 501
+    assert http.get("/health_generate").status_code == 200     # SGLang's, as slime polls it
 
 
 def test_reset_prefix_cache_forgets_cached_prompts(http):
