@@ -22,7 +22,15 @@ FAMILIES = {
     "deepseek_v2": "MLA (expanded per-head cache)",
     "gemma4_text": "KV shared across layers (fewer cache slots than layers)",
     "nanbeige+loops": "two loops over the layers (twice as many cache slots as layers)",
+    # recurrent / hybrid: per-row state (parallm.engine.state)
+    "qwen3_next": "hybrid gated delta-net + attention + MoE (Qwen3-Next)",
+    "qwen3_5": "hybrid gated delta-net + attention (Qwen3.5)",
+    "mamba2": "pure SSM (Mamba2), no KV at all",
+    "lfm2": "hybrid short convolution + attention (LFM2)",
+    "granitemoehybrid": "hybrid Mamba2 + attention + MoE (Granite 4)",
+    "kimi_linear": "hybrid KDA + MLA + MoE (Kimi-Linear)",
 }
+STATEFUL = {"qwen3_next", "qwen3_5", "mamba2", "lfm2", "granitemoehybrid", "kimi_linear"}
 
 
 def _prompts(seed: int, lengths) -> list[list[int]]:
@@ -44,17 +52,24 @@ def test_family_matches_mlx_lm(name):
     for k in range(3):
         assert res[("n3", k)]["tokens"] == refs[2], f"{name}: fork {k}"
 
-    # a prefix hit: the longest prompt's first 24 tokens, then new ones
+    # a prefix hit: the longest prompt's first 24 tokens, then new ones (a model with recurrent
+    # state runs without the prefix cache: the state after a prefix is not in its KV blocks)
     follow = prompts[3][:24] + _prompts(2, (6,))[0]
     hits = engine.stats().prefix_hit_tokens
     res = run_all(engine, [req("p", follow, greedy(10))])
-    assert engine.stats().prefix_hit_tokens - hits >= 16, name
+    if name in STATEFUL:
+        assert engine.stats().prefix_hit_tokens == 0 and engine.config.prefix_cache is False
+    else:
+        assert engine.stats().prefix_hit_tokens - hits >= 16, name
     assert res[("p", 0)]["tokens"] == reference_greedy(model, follow, 10), f"{name}: after a prefix hit"
 
     # 96 live token slots for four sequences that grow to 27-54 tokens: one is preempted and recomputed
-    bpt = engine.runner.live.bytes_per_token
-    tight = make_engine(model, max_prefill_tokens=16, block_size=4, kv_budget_bytes=bpt * 128,
-                        prefix_pool_fraction=0.25)
+    # (a quarter of 128 holds the prefix cache; a model with state has none, but the state of 8 rows)
+    bpt = max(1, engine.runner.live.bytes_per_token)  # a pure SSM counts a byte per token
+    layout = engine.runner.info.layout
+    budget = bpt * 96 + 8 * layout.state_bytes_per_row if layout else bpt * 128
+    tight = make_engine(model, max_prefill_tokens=16, block_size=4, kv_budget_bytes=budget,
+                        prefix_pool_fraction=0.25, max_num_seqs=8)
     res = run_all(tight, [req(f"t{i}", p, greedy(24)) for i, p in enumerate(prompts)])
     assert tight.stats().preemptions > 0, name
     for i, p in enumerate(prompts):
@@ -62,10 +77,24 @@ def test_family_matches_mlx_lm(name):
 
 
 @pytest.mark.parametrize("name, reason", [
-    ("mamba2", "ArraysCache"), ("falcon_h1", "CacheList"), ("gemma3n", "keys_and_values"),
+    ("mamba", "recurrent scan ignores a padded row's length"), ("falcon_h1", "CacheList"), ("gemma3n", "keys_and_values"),
     ("gpt_bigcode", "rows of different lengths"), ("plamo3", "window"),
 ])
 def test_what_cannot_be_served_is_refused_at_load(name, reason):
     model, _ = tiny.build_any(name)
     with pytest.raises(UnsupportedModel, match=reason):
         make_engine(model)
+
+
+def test_a_row_freed_by_abort_starts_the_next_sequence_with_fresh_state():
+    model, _ = tiny.build_any("qwen3_next")
+    prompts = _prompts(3, (7, 12, 5))
+    engine = make_engine(model, max_prefill_tokens=16)
+    for i, p in enumerate(prompts[:2]):
+        engine.add_request(req(f"a{i}", p, greedy(30)))
+    for _ in range(4):
+        engine.step()
+    assert engine.abort("a0")
+    res = run_all(engine, [req("next", prompts[2], greedy(10))])
+    assert res[("next", 0)]["tokens"] == reference_greedy(model, prompts[2], 10)
+    assert res[("a1", 0)]["tokens"][-5:] == reference_greedy(model, prompts[1], 30)[-5:]

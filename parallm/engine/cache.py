@@ -28,6 +28,7 @@ from typing import Any, Protocol, runtime_checkable
 import mlx.core as mx
 
 from .memory import retry_out_of_memory
+from .state import RowsState, SlotLayout, allocate
 
 
 @runtime_checkable
@@ -68,12 +69,17 @@ class LayerShape:
 class PassContext:
     """State shared by all layer views of one forward pass over rows [row0, row0 + n)."""
 
-    def __init__(self, row0: int, offsets: list[int], length: int, span: int, *, mask5d: bool = False) -> None:
+    def __init__(self, row0: int, offsets: list[int], length: int, span: int, *, mask5d: bool = False,
+                 lengths: list[int] | None = None) -> None:
         self.row0 = row0
         self.n = len(offsets)
         self.length = length  # L: tokens per row in this pass
         self.span = span  # T: key positions attended (max offset + L)
         self.offsets = mx.array(offsets, dtype=mx.int32)
+        self.all_fresh = max(offsets) == 0
+        # each row's real tokens where a right-padded pass has shorter rows (recurrent state reads it)
+        padded = lengths is not None and any(n != length for n in lengths)
+        self.lengths = mx.array(lengths, dtype=mx.int32) if padded else None
         # one new token per row and every row at the same position: every key in [0, span) is
         # visible to every query, so attention needs no mask (its fast path, e.g. batch 1)
         self.unmasked = length == 1 and min(offsets) == max(offsets) == span - 1
@@ -225,15 +231,18 @@ class PackedView(_LayerView):
 
 
 class LiveKV:
-    """Per-layer dense K/V buffers [rows, heads, capacity, dim] for all live sequences."""
+    """Per-layer dense K/V buffers [rows, heads, capacity, dim] for all live sequences, and the
+    per-row recurrent state of the model's state slots, if any (parallm.engine.state)."""
 
-    def __init__(self, shapes: list[LayerShape], dtype: mx.Dtype) -> None:
+    def __init__(self, shapes: list[LayerShape], dtype: mx.Dtype, layout: SlotLayout | None = None) -> None:
         self.shapes = shapes
         self.dtype = dtype
+        self.layout = layout if layout is not None and layout.states else None
         self.rows = 0
         self.capacity = 0
         self.keys: list[mx.array] = []
         self.values: list[mx.array] = []
+        self.states: list[list[mx.array | None]] = []  # per state slot, per entry: [rows, ...]
 
     @property
     def bytes_per_token(self) -> int:
@@ -241,9 +250,14 @@ class LiveKV:
 
     @property
     def nbytes(self) -> int:
-        return self.rows * self.capacity * self.bytes_per_token
+        state = self.rows * self.layout.state_bytes_per_row if self.layout else 0
+        return self.rows * self.capacity * self.bytes_per_token + state
 
     def arrays(self) -> list[mx.array]:
+        """Every buffer (KV, then recurrent state): what a pass updates."""
+        return self.keys + self.values + [a for slot in self.states for a in slot if a is not None]
+
+    def _kv(self) -> list[mx.array]:
         return self.keys + self.values
 
     def resize(self, rows: int, capacity: int) -> None:
@@ -266,19 +280,39 @@ class LiveKV:
             return new_k, new_v
 
         self.keys, self.values = retry_out_of_memory(allocate)  # the old buffers are freed now
+        if self.layout and rows != self.rows:
+            self.states = retry_out_of_memory(lambda: self._resized_states(rows, keep_r))
         self.rows, self.capacity = rows, capacity
+
+    def _resized_states(self, rows: int, keep_r: int) -> list[list[mx.array | None]]:
+        new = [allocate(shape, rows) for shape in self.layout.states]
+        for old_slot, new_slot in zip(self.states, new):
+            for old, a in zip(old_slot, new_slot):
+                if a is not None and old is not None and keep_r:
+                    a[:keep_r] = old[:keep_r]
+        mx.eval(new)
+        return new
 
     def copy_rows(self, pairs: list[tuple[int, int]], ntokens: int) -> None:
         """Row dst := row src (positions [0, ntokens)) for every (src, dst), reading all sources
         before writing any destination (so a swap is two pairs)."""
         n = max(1, min(ntokens, self.capacity))
-        srcs = [[mx.contiguous(buf[s, :, :n]) for s, _ in pairs] for buf in self.arrays()]
-        mx.eval(srcs)
-        bufs = self.arrays()
+        srcs = [[mx.contiguous(buf[s, :, :n]) for s, _ in pairs] for buf in self._kv()]
+        state_srcs = [[[None if a is None else mx.contiguous(a[s]) for s, _ in pairs] for a in slot]
+                      for slot in self.states]
+        mx.eval(srcs, state_srcs)
+        bufs = self._kv()
         for j, buf in enumerate(bufs):
             for (_, d), src in zip(pairs, srcs[j]):
                 buf[d, :, :n] = src
         self._set(bufs)
+        for slot, slot_srcs in zip(self.states, state_srcs):
+            for e, (a, entry_srcs) in enumerate(zip(slot, slot_srcs)):
+                if a is None:
+                    continue
+                for (_, d), src in zip(pairs, entry_srcs):
+                    a[d] = src
+                slot[e] = a
 
     def _set(self, bufs: list[mx.array]) -> None:
         half = len(self.shapes)
@@ -287,22 +321,29 @@ class LiveKV:
     def read_positions(self, row: int, positions: mx.array, *, materialize: bool = True) -> list[mx.array]:
         """Copies of a row's KV at `positions` (per layer, K then V: [heads, n, dim]); the caller
         must evaluate them before the next update of the buffers when `materialize` is False."""
-        out = [mx.take(buf[row], positions, axis=1) for buf in self.arrays()]
+        out = [mx.take(buf[row], positions, axis=1) for buf in self._kv()]
         if materialize:
             mx.eval(out)
         return out
 
     def write_prefix(self, row: int, data: list[mx.array]) -> None:
         """Positions [0, n) of a row := data (per layer, K then V: [heads, n, dim])."""
-        bufs = self.arrays()
+        bufs = self._kv()
         for buf, d in zip(bufs, data):
             buf[row, :, :d.shape[1]] = d
         self._set(bufs)
 
-    def views(self, ctx: PassContext | PackedContext) -> list["RowsView | PackedView"]:
+    def views(self, ctx: PassContext | PackedContext) -> list["RowsView | PackedView | RowsState"]:
+        """One view per cache slot of the model for this pass."""
         if isinstance(ctx, PackedContext):
+            if self.layout:
+                raise ValueError("a model with recurrent state cannot run packed passes")
             return [PackedView(self, i, ctx) for i in range(len(self.shapes))]
-        return [RowsView(self, i, ctx) for i in range(len(self.shapes))]
+        if not self.layout:
+            return [RowsView(self, i, ctx) for i in range(len(self.shapes))]
+        return [RowsView(self, i, ctx) if kind == "kv"
+                else RowsState(self.states[i], ctx.row0, ctx.offsets, ctx.all_fresh, ctx.lengths)
+                for kind, i in self.layout.slots]
 
 
 class RowsView(_LayerView):

@@ -7,14 +7,15 @@ message naming the reason, what the views cannot serve:
 
 - a model type in REFUSED_MODEL_TYPES (known before loading: mlx-lm itself disagrees between a
   full prefill and step-by-step decoding, or the model needs a cache the views cannot stand in for);
-- a slot whose cache is not an attention KV cache (recurrent state, several caches per slot,
-  chunked attention): per-row recurrent state is not served yet;
+- a slot whose cache is neither an attention KV cache nor recurrent state (`ArraysCache`, served
+  by per-row state views, parallm.engine.state): several caches per slot, chunked attention;
 - a model whose one-token probe forward fails on the views' protocol, or uses a slot more or less
   than once;
 - dynamic NTK RoPE (its frequencies depend on each sequence's length);
 - a model whose batched rows (two prompts of different lengths in one padded pass, then one decode
   pass) do not give the logits of each prompt run alone through its own mlx-lm caches: the check
-  that keeps a model that reads per-row positions wrongly from serving silently wrong tokens.
+  that keeps a model that reads per-row positions wrongly from serving silently wrong tokens (and
+  a recurrent model whose scan ignores a padded row's length).
 
 docs/models.md's support matrix is generated from REFUSED_MODEL_TYPES and the families probed by
 tests (parallm.engine.matrix).
@@ -28,6 +29,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from .cache import LayerShape, LiveKV, PassContext
+from .state import SlotLayout, StateShape
 
 # Refused before anything is loaded, with the reason (parallm.models checks this table too).
 REFUSED_MODEL_TYPES: dict[str, str] = {
@@ -55,9 +57,14 @@ class UnsupportedModel(ValueError):
 @dataclass(frozen=True, slots=True)
 class ModelInfo:
     model_type: str
-    shapes: list[LayerShape]  # one per cache slot (an entry of model.make_cache())
+    shapes: list[LayerShape]  # one per KV cache slot (an entry of model.make_cache())
     dtype: mx.Dtype
     mask5d: bool
+    layout: SlotLayout | None = None  # which slots hold recurrent state (None: all KV)
+
+    @property
+    def has_state(self) -> bool:
+        return self.layout is not None and bool(self.layout.states)
 
 
 def model_type_of(model: nn.Module) -> str:
@@ -88,30 +95,39 @@ def check_model(model: nn.Module) -> ModelInfo:
     why = refusal_for_type(mt)
     if why:
         raise UnsupportedModel(f"model type {mt!r} is not served: {why}")
-    from mlx_lm.models.cache import KVCache, RotatingKVCache
+    from mlx_lm.models.cache import ArraysCache, KVCache, RotatingKVCache
     from mlx_lm.models.rope_utils import DynamicNTKScalingRoPE
 
     slots = cache_slots(model)
     for i, c in enumerate(slots):
-        if type(c) not in (KVCache, RotatingKVCache):
+        if type(c) not in (KVCache, RotatingKVCache, ArraysCache):
             raise UnsupportedModel(f"model type {mt!r} is not served: cache slot {i} holds a {type(c).__name__} "
                                    f"({_cache_kind(c)}); the engine serves attention KV caches only")
     for _, module in model.named_modules():
         if isinstance(module, DynamicNTKScalingRoPE):
             raise UnsupportedModel("dynamic NTK RoPE scaling depends on each sequence's length and cannot "
                                    "be batched over rows of different lengths")
-    shapes, dtype = probe_kv_shapes(model, len(slots), mt)
-    info = ModelInfo(model_type=mt, shapes=shapes, dtype=dtype, mask5d=mt in MASK_5D)
+    kinds = ["state" if type(c) is ArraysCache else "kv" for c in slots]
+    shapes, dtype = probe_kv_shapes(model, kinds, mt)
+    layout = None
+    if "state" in kinds:
+        states = probe_state_shapes(model, kinds, mt)
+        index = {"kv": 0, "state": 0}
+        order = []
+        for k in kinds:
+            order.append((k, index[k]))
+            index[k] += 1
+        layout = SlotLayout(tuple(order), tuple(states))
+        dtype = dtype or mx.float32
+    info = ModelInfo(model_type=mt, shapes=shapes, dtype=dtype, mask5d=mt in MASK_5D, layout=layout)
     check_batched_rows(model, info)
     return info
 
 
 def _cache_kind(c) -> str:
     name = type(c).__name__
-    if name in ("ArraysCache", "MambaCache"):
-        return "recurrent state of a linear-attention/SSM layer; per-row recurrent state is not served yet"
     if name == "CacheList":
-        return "several caches for one layer"
+        return "several caches for one layer: not served yet"
     if name == "ChunkedKVCache":
         return "chunked local attention"
     if "Quantized" in name:
@@ -145,9 +161,29 @@ class _Probe:
         return 0
 
 
-def probe_kv_shapes(model: nn.Module, n_slots: int, model_type: str = "model") -> tuple[list[LayerShape], mx.Dtype]:
-    records: list[list] = [[] for _ in range(n_slots)]
-    probes = [_Probe(r) for r in records]
+def probe_state_shapes(model: nn.Module, kinds: list[str], model_type: str) -> list[StateShape]:
+    """Per state slot, each entry's per-row shape and dtype, from a two-token forward through the
+    model's own caches."""
+    slots = cache_slots(model)
+    try:
+        mx.eval(model(mx.array([[1, 2]]), cache=slots))
+    except Exception as e:  # noqa: BLE001
+        raise UnsupportedModel(f"model type {model_type!r} is not served: its forward pass fails on its own "
+                               f"caches ({type(e).__name__}: {e})") from e
+    out = []
+    for kind, c in zip(kinds, slots):
+        if kind == "state":
+            out.append(StateShape(tuple(None if a is None else (tuple(a.shape[1:]), a.dtype) for a in c.cache)))
+    return out
+
+
+def probe_kv_shapes(model: nn.Module, kinds: list[str], model_type: str = "model") -> tuple[list[LayerShape], mx.Dtype]:
+    """One-token forward: KV slots through recording probes (each must store one token's K/V
+    once), state slots through the model's own caches."""
+    own = cache_slots(model)
+    records: list[list] = [[] for k in kinds if k == "kv"]
+    recs = iter(records)
+    probes = [_Probe(next(recs)) if k == "kv" else c for k, c in zip(kinds, own)]
     try:
         mx.eval(model(mx.array([[0]]), cache=probes))
     except Exception as e:
@@ -184,12 +220,13 @@ def check_batched_rows(model: nn.Module, info: ModelInfo) -> None:
         caches = cache_slots(model)
         want_prefill.append(_logits(model(mx.array([p]), cache=caches))[0, -1])
         want_decode.append(_logits(model(mx.array([[t]]), cache=caches))[0, -1])
-    live = LiveKV(info.shapes, info.dtype)
+    live = LiveKV(info.shapes, info.dtype, info.layout)
     live.resize(2, 16)
     L = max(map(len, prompts))
     padded = mx.array([p + [0] * (L - len(p)) for p in prompts])
+    ctx = PassContext(0, [0, 0], L, L, mask5d=info.mask5d, lengths=list(map(len, prompts)))
     try:
-        out = _logits(model(padded, cache=live.views(PassContext(0, [0, 0], L, L, mask5d=info.mask5d))))
+        out = _logits(model(padded, cache=live.views(ctx)))
         got_prefill = [out[i, len(p) - 1] for i, p in enumerate(prompts)]
         mx.eval(got_prefill, live.arrays())
         offsets = [len(p) for p in prompts]
@@ -206,7 +243,8 @@ def check_batched_rows(model: nn.Module, info: ModelInfo) -> None:
             tol = 1e-3 if info.dtype == mx.float32 else 3e-2
             diff = mx.abs(g - w).max().item()
             if not diff <= tol * scale:
-                raise UnsupportedModel(f"model type {info.model_type!r} is not served: batched rows of different "
-                                       f"lengths give other logits than each sequence alone ({what}, row {row}: "
-                                       f"max difference {diff:.3g}); it reads per-row positions in a way the "
-                                       f"engine's views do not support")
+                why = ("its recurrent scan ignores a padded row's length" if info.has_state else
+                       "it reads per-row positions in a way the engine's views do not support")
+                raise UnsupportedModel(f"model type {info.model_type!r} is not served: {why} (batched rows of "
+                                       f"different lengths give other logits than each sequence alone: {what}, "
+                                       f"row {row}, max difference {diff:.3g})")

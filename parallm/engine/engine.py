@@ -53,13 +53,16 @@ class Engine:
         settings = resolve_engine_config(config.engine, on_cpu)
         limit_buffer_cache(settings.buffer_cache_mb)
         info = check_model(self.model)
+        if info.has_state:  # the recurrent state after a prefix is not in its KV blocks (engine/state.py)
+            settings = msgspec.structs.replace(settings, prefix_cache=False)
         self.model_type = info.model_type
         self.vocab_size = model.resolved_vocab_size()
         self.eos_token_ids = [int(t) for t in model.eos_token_ids]
         self.max_model_len = int(model.max_model_len)
         self.kv_budget_bytes = int(settings.kv_budget_mb * (1 << 20)) if settings.kv_budget_mb else auto_kv_budget_bytes()
-        bytes_per_token = sum(s.elems_per_token for s in info.shapes) * info.dtype.size
-        total_tokens = self.kv_budget_bytes // bytes_per_token
+        bytes_per_token = max(1, sum(s.elems_per_token for s in info.shapes) * info.dtype.size)
+        state_bytes = info.layout.state_bytes_per_row * settings.max_num_seqs if info.has_state else 0
+        total_tokens = max(0, self.kv_budget_bytes - state_bytes) // bytes_per_token
         bs = settings.block_size
         pool_blocks = int(total_tokens * settings.prefix_pool_fraction) // bs if settings.prefix_cache else 0
         live_tokens = total_tokens - pool_blocks * bs
@@ -75,6 +78,8 @@ class Engine:
         self.runner = ModelRunner(self.model, info, vocab_size=self.vocab_size, pool_blocks=pool_blocks, block_size=bs,
                                   eos_ids=self.eos_token_ids, lora=self.adapters.router, compile=settings.compile,
                                   fast_math=bool(settings.fast_math))
+        if info.has_state:  # a packed pass is one sequence: a recurrent scan would run across rows
+            self.runner._packing = False
         resolved: dict = {"kv_budget_mb": self.kv_budget_bytes / (1 << 20)}
         if settings.max_prefill_tokens is None:
             resolved["max_prefill_tokens"] = auto_prefill_tokens(on_cpu, settings.mixed_passes and self.runner.can_pack)

@@ -69,7 +69,7 @@ class ModelRunner:
         self.info = info
         self.vocab_size = vocab_size
         self.block_size = block_size
-        self.live = LiveKV(info.shapes, info.dtype)
+        self.live = LiveKV(info.shapes, info.dtype, info.layout)
         self.pool = KVPool(info.shapes, info.dtype, pool_blocks, block_size)
         self.penalties = PenaltyState(vocab_size)
         self.sampler = Sampler(vocab_size, compiled=compile)
@@ -167,7 +167,8 @@ class ModelRunner:
                 if lo < hi:
                     logprob_rows.append((i, lo, hi))
         wants_prompt = bool(logprob_rows)
-        ctx = PassContext(work.row0, work.starts, L, max(work.starts) + L, mask5d=self.info.mask5d)
+        ctx = PassContext(work.row0, work.starts, L, max(work.starts) + L, mask5d=self.info.mask5d,
+                          lengths=work.lengths)
         tokens = mx.array(rows, dtype=mx.int32)
         last = mx.array([i * L + work.lengths[i] - 1 for i, _ in finishing], dtype=mx.int32)
         if finishing and not wants_prompt and self.head.usable:
