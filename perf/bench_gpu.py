@@ -66,6 +66,23 @@ SHAPES: dict[str, dict[str, Any]] = {
                      mlp_only_layers=[], norm_topk_prob=True, num_attention_heads=4, num_key_value_heads=2,
                      head_dim=16, rms_norm_eps=1e-6, vocab_size=50000, rope_theta=10000.0,
                      tie_word_embeddings=True, max_position_embeddings=4096, dtype="float32"),
+    # a Qwen3.5-4B-like hybrid (gated delta-net layers, full attention every 4th layer; dims in the
+    # range of the Qwen3-Next/Qwen3.5 family, not copied from a released config), bfloat16
+    "qwen3.5-4b-hybrid": dict(model_type="qwen3_5", hidden_size=2560, num_hidden_layers=32, intermediate_size=9216,
+                              num_attention_heads=16, num_key_value_heads=4, head_dim=256, linear_num_value_heads=32,
+                              linear_num_key_heads=16, linear_key_head_dim=128, linear_value_head_dim=128,
+                              linear_conv_kernel_dim=4, full_attention_interval=4, rms_norm_eps=1e-6,
+                              vocab_size=151936, tie_word_embeddings=True, max_position_embeddings=32768,
+                              rope_parameters={"type": "default", "rope_theta": 10000000.0,
+                                               "partial_rotary_factor": 0.25}, dtype="bfloat16"),
+    # a tiny hybrid of the same kind (CPU smoke runs, the hybrid end-to-end test's model)
+    "tiny-hybrid": dict(model_type="qwen3_5", hidden_size=64, num_hidden_layers=4, intermediate_size=128,
+                        num_attention_heads=4, num_key_value_heads=2, head_dim=16, linear_num_value_heads=4,
+                        linear_num_key_heads=2, linear_key_head_dim=16, linear_value_head_dim=16,
+                        linear_conv_kernel_dim=4, full_attention_interval=2, rms_norm_eps=1e-6, vocab_size=50000,
+                        tie_word_embeddings=True, max_position_embeddings=4096,
+                        rope_parameters={"type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25},
+                        dtype="float32"),
     "tiny": dict(model_type="llama", hidden_size=256, num_hidden_layers=4, intermediate_size=512,
                  num_attention_heads=4, num_key_value_heads=2, head_dim=64, rms_norm_eps=1e-5, vocab_size=50000,
                  rope_theta=10000.0, tie_word_embeddings=True, max_position_embeddings=4096, dtype="float32"),
