@@ -12,7 +12,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import Counter
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import mlx.core as mx
 import msgspec
@@ -130,6 +130,7 @@ class EngineStage:
         self.received = 0
         self.loop_time: Counter[str] = Counter()  # seconds per loop phase, over working iterations
         self.loop_steps = 0
+        self.on_idle: Callable[[], None] = lambda: None  # a tensor-parallel rank 0 tells the others it is idle
 
     # ------------------------------------------------------------------ messages
     def handle(self, message: Any) -> None:
@@ -356,6 +357,7 @@ class EngineStage:
             paused_owing = self.paused and self.engine.owes_outputs()
             if not (paused_owing or (self.engine.has_work() and not self.paused and self.weights_open is None)):
                 timeout = beat_ms  # idle: the next poll waits for a message
+                self.on_idle()
                 self.rt.heartbeat(self.in_flight)
                 continue
             timeout = 0
@@ -382,7 +384,7 @@ class EngineStage:
 def main(config: Config, replica: int = 0) -> int:
     tp = config.engine.tensor_parallel
     if tp > 1 and distributed.rank_from_env() > 0:
-        return distributed.follower_main(config)  # rank > 0 of a tensor-parallel group: no sockets
+        return distributed.follower_main(config, replica)  # rank > 0 of a tensor-parallel group: no sockets
     runtime = StageRuntime(config, "engine", replica)
     from parallm.models import ModelLoadError, load_model
 
@@ -400,10 +402,12 @@ def main(config: Config, replica: int = 0) -> int:
         distributed.freeze_clock(engine)
     log.info("warm-up took %.2f s", engine.warm_up())
     if group is not None:
-        engine = distributed.Leader(engine, group)
+        engine = distributed.Leader(engine, group, distributed.doorbell_address(config.transport.run_dir, replica))
     info = {"model": config.model.served_name, "path": str(loaded.source.path), "dtype": loaded.dtype,
             "max_model_len": loaded.max_model_len, "vocab_size": loaded.vocab_size}
     stage = EngineStage(config, runtime, engine, info)
+    if group is not None:
+        stage.on_idle = engine.idle  # the other ranks wait on a doorbell, not in a collective
     runtime.ready(info)
     try:
         code = stage.run()

@@ -36,13 +36,22 @@ def tokens(results: dict) -> dict[str, list[int]]:
     return {f"{rid}/{index}": d["tokens"] for (rid, index), d in sorted(results.items())}
 
 
+def model_of(name: str):
+    """The tiny random llama, or the default model (SmolLM2-135M: 9 heads, 3 KV heads, so 3 ranks)."""
+    if name == "default":
+        from tests._default_model import default_model
+
+        return default_model()
+    return tiny_model("llama")
+
+
 def rank_main(out: str) -> int:
-    """One rank: shard the tiny model, build the engine, warm up, then serve (rank 0, through the
+    """One rank: shard the model, build the engine, warm up, then serve (rank 0, through the
     Leader, writing what it produced to `out`) or follow."""
     from parallm.engine import distributed
 
     group = distributed.join(int(os.environ["TP_SIZE"]), backend="ring")
-    model = tiny_model("llama")
+    model = model_of(os.environ["TP_MODEL"])
     shard_model(model, group)
     engine = make_engine(model)
     distributed.freeze_clock(engine)
@@ -56,28 +65,38 @@ def rank_main(out: str) -> int:
     return 0
 
 
-def launch_group(tmp_path: Path, ranks: int, out: Path) -> list[subprocess.Popen]:
-    hostfile = write_ring_hostfile(tmp_path / "ring.json", ranks)
-    env = {**os.environ, "TP_SIZE": str(ranks), "PYTHONPATH": str(ROOT)}
-    return [subprocess.Popen([sys.executable, __file__, str(out)], env=rank_env(env, r, hostfile), cwd=ROOT)
-            for r in range(ranks)]
-
-
-def test_two_ring_ranks_match_the_single_rank_engine(tmp_path):
+def run_group(tmp_path: Path, ranks: int, model: str) -> dict[str, list[int]]:
+    """`ranks` processes on the ring over localhost; rank 0's tokens."""
     out = tmp_path / "tokens.json"
-    procs = launch_group(tmp_path, 2, out)
+    hostfile = write_ring_hostfile(tmp_path / "ring.json", ranks)
+    env = {**os.environ, "TP_SIZE": str(ranks), "TP_MODEL": model, "PYTHONPATH": str(ROOT)}
+    procs = [subprocess.Popen([sys.executable, __file__, str(out)], env=rank_env(env, r, hostfile), cwd=ROOT)
+             for r in range(ranks)]
     try:
-        codes = [p.wait(timeout=240) for p in procs]
+        codes = [p.wait(timeout=600) for p in procs]
     finally:
         for p in procs:
             if p.poll() is None:
                 p.kill()
-    assert codes == [0, 0]
-    engine = make_engine(tiny_model("llama"))
-    want = tokens(run_all(engine, workload()))
-    got = json.loads(out.read_text())
+    assert codes == [0] * ranks
+    return json.loads(out.read_text())
+
+
+def test_two_ring_ranks_match_the_single_rank_engine(tmp_path):
+    got = run_group(tmp_path, 2, "tiny")
+    want = tokens(run_all(make_engine(tiny_model("llama")), workload()))
     assert got == want
     assert len(got) == 7 and all(len(t) >= 6 for t in got.values())
+
+
+@pytest.mark.slow
+def test_three_ring_ranks_on_the_default_model_match_one(tmp_path):
+    """The default model's 9 heads / 3 KV heads / 1536-wide MLP split over 3 ranks (not 2)."""
+    from tests._default_model import default_model
+
+    got = run_group(tmp_path, 3, "default")
+    want = tokens(run_all(make_engine(default_model()), workload()))
+    assert got == want
 
 
 def test_a_model_whose_heads_do_not_split_is_refused():
