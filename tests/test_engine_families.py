@@ -21,6 +21,7 @@ FAMILIES = {
     "deepseek_v3": "MLA (latent cache) + MoE",
     "deepseek_v2": "MLA (expanded per-head cache)",
     "gemma4_text": "KV shared across layers (fewer cache slots than layers)",
+    "gemma3n": "KV-sharing layers read the owner layer's keys_and_values()",
     "nanbeige+loops": "two loops over the layers (twice as many cache slots as layers)",
     # recurrent / hybrid: per-row state (parallm.engine.state)
     "qwen3_next": "hybrid gated delta-net + attention + MoE (Qwen3-Next)",
@@ -77,7 +78,7 @@ def test_family_matches_mlx_lm(name):
 
 
 @pytest.mark.parametrize("name, reason", [
-    ("mamba", "recurrent scan ignores a padded row's length"), ("falcon_h1", "CacheList"), ("gemma3n", "keys_and_values"),
+    ("mamba", "recurrent scan ignores a padded row's length"), ("falcon_h1", "CacheList"), ("afm7", "reads per-row positions"),
     ("gpt_bigcode", "rows of different lengths"), ("plamo3", "window"),
 ])
 def test_what_cannot_be_served_is_refused_at_load(name, reason):

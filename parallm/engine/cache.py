@@ -352,6 +352,7 @@ class RowsView(_LayerView):
     def __init__(self, live: LiveKV, layer: int, ctx: PassContext) -> None:
         super().__init__(live, layer)
         self._ctx = ctx
+        self._fetched: tuple[mx.array, mx.array] | None = None
 
     @property
     def offset(self) -> mx.array:
@@ -371,7 +372,15 @@ class RowsView(_LayerView):
             v_buf[rows, :, ctx.positions] = values.transpose(0, 2, 1, 3)
         live.keys[i], live.values[i] = k_buf, v_buf
         r0, r1, t = ctx.row0, ctx.row0 + ctx.n, ctx.span
-        return k_buf[r0:r1, :, :t], v_buf[r0:r1, :, :t]
+        self._fetched = k_buf[r0:r1, :, :t], v_buf[r0:r1, :, :t]
+        return self._fetched
+
+    def keys_and_values(self) -> tuple[mx.array, mx.array]:
+        """What the last update_and_fetch returned (gemma3n's and afm7's KV-sharing layers read
+        the owner layer's cache so)."""
+        if self._fetched is None:
+            raise ValueError("keys_and_values() before this pass stored any keys")
+        return self._fetched
 
     def make_mask(self, N: int, return_array: bool = False, window_size: int | None = None) -> mx.array | None:
         ctx = self._ctx

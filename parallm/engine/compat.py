@@ -147,7 +147,11 @@ class _Probe:
 
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
         self._record.append((keys.shape, values.shape, keys.dtype))
+        self._fetched = keys, values
         return keys, values
+
+    def keys_and_values(self) -> tuple[mx.array, mx.array]:
+        return self._fetched
 
     def make_mask(self, N: int, return_array: bool = False, window_size: int | None = None) -> mx.array:
         return mx.ones((1, 1, N, N), dtype=mx.bool_)
