@@ -97,15 +97,6 @@ class Constraint(Struct, kw_only=True, forbid_unknown_fields=True):
     value: str = ""
 
 
-class Constraint(Struct, kw_only=True, forbid_unknown_fields=True):
-    """A grammar the generated tokens must follow; each step samples only tokens that keep the
-    text inside it (llguidance). `kind`: json_schema (`value` the schema as JSON text), json_object
-    (any JSON object; `value` empty), regex, choice (`value` a JSON list of strings), lark or gbnf."""
-
-    kind: str
-    value: str = ""
-
-
 class SamplingParams(Struct, kw_only=True, forbid_unknown_fields=True):
     """How one request samples. Defaults sample from the model's own distribution."""
 

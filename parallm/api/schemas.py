@@ -107,14 +107,6 @@ class SamplingRequest(NotYetSupported, kw_only=True):
     guided_choice: Annotated[list[str] | None, _d("vLLM < 0.10: structured_outputs.choice")] = None
     guided_grammar: Annotated[str | None, _d("vLLM < 0.10: structured_outputs.grammar")] = None
     guided_decoding_backend: Annotated[str | None, _d("accepted and ignored (the engine is llguidance)")] = None
-    structured_outputs: Annotated[dict[str, Any] | None, _d(
-        "constrain the output: one of json (a JSON schema), regex, choice (strings), grammar (Lark or GBNF), "
-        "json_object")] = None
-    guided_json: Annotated[dict[str, Any] | str | None, _d("vLLM < 0.10: structured_outputs.json")] = None
-    guided_regex: Annotated[str | None, _d("vLLM < 0.10: structured_outputs.regex")] = None
-    guided_choice: Annotated[list[str] | None, _d("vLLM < 0.10: structured_outputs.choice")] = None
-    guided_grammar: Annotated[str | None, _d("vLLM < 0.10: structured_outputs.grammar")] = None
-    guided_decoding_backend: Annotated[str | None, _d("accepted and ignored (the engine is llguidance)")] = None
     top_k: Annotated[int, _d("keep the k most likely tokens; 0 or -1: off", ge=-1, lt=INT32)] | None = None
     min_p: Annotated[float, Meta(ge=0.0, le=1.0)] | None = None
     repetition_penalty: Annotated[float, Meta(gt=0.0)] | None = None
@@ -278,7 +270,6 @@ class AssistantMessage(Struct, kw_only=True):
     content: str | None = None
     refusal: str | None = None
     tool_calls: list[dict[str, Any]] | UnsetType = UNSET
-    tool_calls: list[dict[str, Any]] | UnsetType = UNSET
     reasoning: str | UnsetType = UNSET              # the model's thinking (vLLM >= 0.19's name)
     reasoning_content: str | UnsetType = UNSET      # the same text under the DeepSeek / older vLLM name
 
@@ -307,7 +298,6 @@ class ChatCompletionResponse(Struct, kw_only=True):
 class ChatDelta(Struct, kw_only=True, omit_defaults=True):
     role: Literal["assistant"] | None = None
     content: str | None = None
-    tool_calls: list[dict[str, Any]] | None = None
     tool_calls: list[dict[str, Any]] | None = None
     reasoning: str | None = None
     reasoning_content: str | None = None
