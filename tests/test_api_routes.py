@@ -76,7 +76,7 @@ def test_openapi_lists_every_route():
     doc = client.get("/openapi.json").json()
     assert doc["openapi"].startswith("3.")
     assert {"/v1/completions", "/v1/chat/completions", "/v1/models", "/v1/models/{model}", "/v1/tokenize",
-            "/v1/detokenize", "/health"} == set(doc["paths"])
+            "/v1/detokenize", "/health"} <= set(doc["paths"])  # every route: tests/test_openapi_coverage.py
     ref = doc["paths"]["/v1/chat/completions"]["post"]["requestBody"]["content"]["application/json"]["schema"]
     assert ref["$ref"].rsplit("/", 1)[-1] in doc["components"]["schemas"]
     assert "messages" in doc["components"]["schemas"]["ChatCompletionRequest"]["properties"]

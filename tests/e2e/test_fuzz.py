@@ -44,6 +44,17 @@ def from_schema(schema: dict, root: dict, depth: int = 0) -> st.SearchStrategy:
         for part in schema["$ref"].lstrip("#/").split("/"):
             target = target[part]
         return from_schema(target, root, depth + 1)
+    if "allOf" in schema:  # a struct with more fields required: merge the parts
+        merged: dict = {"type": "object", "properties": {}, "required": []}
+        for part in schema["allOf"]:
+            while "$ref" in part:
+                target = root
+                for name in part["$ref"].lstrip("#/").split("/"):
+                    target = target[name]
+                part = target
+            merged["properties"].update(part.get("properties", {}))
+            merged["required"] += part.get("required", [])
+        return from_schema(merged, root, depth + 1)
     if "anyOf" in schema or "oneOf" in schema:
         return st.one_of([from_schema(s, root, depth + 1) for s in schema.get("anyOf", schema.get("oneOf"))])
     if "enum" in schema:
@@ -69,8 +80,10 @@ def from_schema(schema: dict, root: dict, depth: int = 0) -> st.SearchStrategy:
     if kind == "string":
         return st.text(min_size=schema.get("minLength", 0), max_size=max(schema.get("minLength", 0), 24))
     if kind == "array":
-        items = from_schema(schema.get("items", {}), root, depth + 1) if depth < 6 else st.none()
         lo = schema.get("minItems", 0)
+        if depth >= 6 and not lo:
+            return st.just([])  # deep enough: an empty list is valid, a list of nulls is not
+        items = from_schema(schema.get("items", {}), root, depth + 1)
         return st.lists(items, min_size=lo, max_size=min(schema.get("maxItems", lo + 3), lo + 3))
     if kind == "object" or "properties" in schema:
         props = schema.get("properties", {})
@@ -190,3 +203,50 @@ def test_server_is_healthy_after_fuzzing(fuzz_server):
     assert httpx.get(f"{fuzz_server.url}/health", timeout=30).json()["status"] == "ok"
     r = post(fuzz_server, "/v1/completions", json={"model": MODEL, "prompt": "Hi", "max_tokens": 2})
     assert r.status_code == 200
+
+
+GENERATING = ("/v1/completions", "/v1/chat/completions", "/generate", "/generate/", "/inference/v1/generate",
+              "/v1/chat/completions/tokens")
+
+
+def schema_mismatch(response: httpx.Response) -> bool:
+    """A 400 from the body decoder itself (a type, a missing field, not JSON): the document said the
+    body was valid, so the document and the validation disagree."""
+    if response.status_code != 400:
+        return False
+    try:
+        error = response.json()["error"]
+    except (ValueError, KeyError, TypeError):
+        return False  # the route's own answer shape (SGLang's {"success": false, ...}), not the decoder's
+    return error.get("code") in ("missing_required_parameter", "invalid_json") or ": expected `" in error.get("message", "")
+
+
+# Known disagreements, not yet fixed: /generate picks the client's shape from the body's keys
+# (rl_schemas.shape_of), so a body valid for one documented shape can be read as another (an MLX RL
+# body without its metadata fields is read as vLLM's; a null prompt_token_ids counts as no prompt).
+KNOWN_MISMATCHES = {("post", "/generate"), ("post", "/generate/")}
+
+
+@pytest.mark.slow
+def test_every_documented_body_operation_no_5xx_and_no_schema_mismatch(fuzz_server, spec):
+    """Bodies drawn from each operation's documented schema, on every route with a body: no 5xx but
+    the ones the document names (the NCCL routes' 501), and no refusal by the decoder."""
+    failures: list[str] = []
+    for method, path, schema in body_operations(spec):
+        documented = set(spec["paths"][path][method]["responses"])
+        valid = from_schema(schema, schema)
+
+        @FUZZ
+        @given(valid)
+        def run(body):
+            body = cheap(body) if path in GENERATING else body
+            r = httpx.request(method.upper(), f"{fuzz_server.url}{path}", json=body, timeout=300)
+            if r.status_code >= 500 and str(r.status_code) not in documented:
+                failures.append(f"{r.status_code} {method} {path} {body!r:.200}: {r.text[:200]}")
+            elif schema_mismatch(r) and (method, path) not in KNOWN_MISMATCHES:
+                failures.append(f"mismatch {method} {path} {body!r:.200}: {r.text[:300]}")
+
+        run()
+        post(fuzz_server, "/v1/resume")  # a pause route paused the engine: serve the next operation
+    assert not failures, "\n".join(failures[:20])
+    assert httpx.get(f"{fuzz_server.url}/health", timeout=30).json()["status"] == "ok"
