@@ -22,7 +22,7 @@ from parallm.protocol import EngineStats, SamplingParams
 from .blocks import BlockManager
 from .constraints import Constraints, GrammarError, tokenizer_from_file
 from .compat import check_model
-from .memory import auto_kv_budget_bytes, limit_buffer_cache
+from .memory import auto_kv_budget_bytes, limit_buffer_cache, set_wired_limit, weight_bytes
 from .model import EngineModel
 from .output import OutputProcessor, StepOutputs, unseen_versions
 from .plan import KVBudget, Plan, PrefillWork
@@ -59,7 +59,9 @@ class Engine:
         self.vocab_size = model.resolved_vocab_size()
         self.eos_token_ids = [int(t) for t in model.eos_token_ids]
         self.max_model_len = int(model.max_model_len)
-        self.kv_budget_bytes = int(settings.kv_budget_mb * (1 << 20)) if settings.kv_budget_mb else auto_kv_budget_bytes()
+        set_wired_limit()  # Apple silicon only
+        self.kv_budget_bytes = (int(settings.kv_budget_mb * (1 << 20)) if settings.kv_budget_mb
+                                else auto_kv_budget_bytes(weight_bytes(self.model)))
         bytes_per_token = max(1, sum(s.elems_per_token for s in info.shapes) * info.dtype.size)
         state_bytes = info.layout.state_bytes_per_row * settings.max_num_seqs if info.has_state else 0
         total_tokens = max(0, self.kv_budget_bytes - state_bytes) // bytes_per_token

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 import os
+import sys
 from typing import Callable, TypeVar
 
 import mlx.core as mx
@@ -17,28 +18,63 @@ AUTO_BUDGET_FRACTION = 0.35
 AUTO_BUDGET_CAP = 8 << 30
 
 
-def auto_kv_budget_bytes() -> int:
-    """A share of the memory available now (the model is already loaded), capped."""
-    avail = 0
+# Apple silicon: the share of Metal's recommended working set left after the weights that the KV
+# gets (the rest: activations, logits, MLX's buffer cache)
+METAL_KV_FRACTION = 0.7
+
+
+def metal_working_set() -> int | None:
+    """Metal's recommended working-set size in bytes where MLX computes on Apple silicon's GPU
+    (unified memory), else None."""
     try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    avail = int(line.split()[1]) * 1024
-                    break
-    except OSError:
-        pass
+        if mx.default_device() != mx.gpu or not mx.metal.is_available():
+            return None
+        return int(mx.device_info()["max_recommended_working_set_size"])
+    except Exception:  # noqa: BLE001 - backend specific
+        return None
+
+
+def set_wired_limit() -> int | None:
+    """Wire Metal's recommended working set, as mlx-lm does while it generates, so the weights and
+    KV stay resident instead of being paged out between steps; the size set, or None off Metal."""
+    size = metal_working_set()
+    if size is None:
+        return None
+    mx.set_wired_limit(size)
+    log.info("Metal wired memory limit set to the recommended working set, %.1f GiB", size / (1 << 30))
+    return size
+
+
+def auto_kv_budget_bytes(weight_bytes: int = 0) -> int:
+    """The KV budget when engine.kv_budget_mb is unset. On Apple silicon: a share of Metal's
+    recommended working set minus the weights (`weight_bytes`). Elsewhere: a share of the memory
+    available now (the model is already loaded; /proc/meminfo on Linux), capped."""
+    working_set = metal_working_set()
+    if working_set is not None:
+        return max(64 << 20, int((working_set - weight_bytes) * METAL_KV_FRACTION))
+    avail = 0
+    if sys.platform.startswith("linux"):
+        try:
+            with open("/proc/meminfo") as f:
+                for line in f:
+                    if line.startswith("MemAvailable:"):
+                        avail = int(line.split()[1]) * 1024
+                        break
+        except OSError:
+            pass
     if not avail:
         try:
             avail = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // 2
         except (ValueError, OSError):  # pragma: no cover
             avail = 8 << 30
-    try:
-        if mx.metal.is_available():
-            avail = min(avail, int(mx.metal.device_info()["max_recommended_working_set_size"]))
-    except Exception:  # pragma: no cover - backend specific
-        pass
     return max(64 << 20, min(int(avail * AUTO_BUDGET_FRACTION), AUTO_BUDGET_CAP))
+
+
+def weight_bytes(model) -> int:
+    """Bytes of the model's parameters."""
+    from mlx.utils import tree_flatten
+
+    return sum(p.nbytes for _, p in tree_flatten(model.parameters()))
 
 
 def limit_buffer_cache(limit_mb: float | None) -> None:
