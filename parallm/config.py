@@ -44,6 +44,8 @@ class ModelConfig(Struct, frozen=True, kw_only=True, forbid_unknown_fields=True)
     served_name: Annotated[str, _d("model name in /v1/models; empty = derived from the path")] = ""
     max_model_len: Annotated[int, _d("context length limit in tokens; 0 = the model's own")] = 0
     cache_dir: Annotated[str, _d("where converted models are kept; empty = the user cache dir")] = ""
+    chat_template: Annotated[str, _d("a Jinja chat template, or the path of a file holding one; empty = the "
+                                     "model's own, else a plain role-prefixed default")] = ""
 
 
 class EngineConfig(Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -318,6 +320,7 @@ ALIASES: dict[str, str] = {
     "port": "server.port",
     "dtype": "model.dtype",
     "api-key": "server.api_keys",
+    "chat-template": "model.chat_template",
 }
 
 

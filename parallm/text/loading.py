@@ -19,9 +19,33 @@ def model_limits(model: ModelConfig) -> dict[str, Any]:
             "vocab_size": int(config.get("vocab_size") or 0)}
 
 
+# For models that ship no chat template: each message as "role: content" on its own line.
+DEFAULT_CHAT_TEMPLATE = ("{% for message in messages %}{{ message['role'] }}: {{ message['content'] }}\n"
+                         "{% endfor %}{% if add_generation_prompt %}assistant: {% endif %}")
+
+
+def chat_template_text(setting: str) -> str:
+    """model.chat_template (--chat-template): the contents of the file it names, or the template
+    itself; anything else is refused at start rather than at the first chat request."""
+    path = Path(setting).expanduser()
+    try:
+        if len(setting) < 4096 and path.is_file():
+            return path.read_text()
+    except OSError as exc:
+        raise ValueError(f"model.chat_template: cannot read {setting}: {exc}") from None
+    if "{{" in setting or "{%" in setting:
+        return setting
+    raise ValueError(f"model.chat_template {setting!r} is neither a file nor a Jinja template")
+
+
 def load_text_tokenizer(model: ModelConfig):
-    """(HF fast tokenizer, limits) of a resolved model directory (the supervisor resolves `model.path`)."""
+    """(HF fast tokenizer, limits) of a resolved model directory (the supervisor resolves `model.path`),
+    with the chat template of model.chat_template, else the model's own, else DEFAULT_CHAT_TEMPLATE."""
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(model.path)
+    if model.chat_template:
+        tokenizer.chat_template = chat_template_text(model.chat_template)
+    elif not getattr(tokenizer, "chat_template", None):
+        tokenizer.chat_template = DEFAULT_CHAT_TEMPLATE
     return tokenizer, model_limits(model)
