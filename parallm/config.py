@@ -202,6 +202,8 @@ class AdaptersConfig(Struct, frozen=True, kw_only=True, forbid_unknown_fields=Tr
     allowed_dirs: Annotated[list[str], _d("directories an adapter may be loaded from by path (and everything under "
                                           "them); empty = the model's directory and the trainer's checkpoint "
                                           "directory (trainer.checkpointing.dir)")] = []
+    preload: Annotated[list[str], _d("NAME=PATH adapters loaded when the engine starts (--adapter, "
+                                     "repeatable)")] = []
 
 
 class DetokenizerConfig(Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -321,6 +323,7 @@ ALIASES: dict[str, str] = {
     "dtype": "model.dtype",
     "api-key": "server.api_keys",
     "chat-template": "model.chat_template",
+    "adapter": "adapters.preload",
 }
 
 

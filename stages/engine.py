@@ -397,7 +397,20 @@ def main(config: Config, replica: int = 0) -> int:
     except (ModelLoadError, distributed.TensorParallelError) as exc:
         runtime.fatal(f"cannot load model {config.model.path!r}: {exc}")
         return 2
-    engine = Engine(EngineModel.of(loaded), config)
+    from parallm.engine import UnsupportedModel
+    from parallm.models.preload import load_adapters_at_start
+
+    try:
+        engine = Engine(EngineModel.of(loaded), config)
+        preloaded = load_adapters_at_start(engine, config.adapters.preload)
+    except UnsupportedModel as exc:  # refused at start, naming why (parallm.engine.compat)
+        runtime.fatal(f"cannot serve model {config.model.path!r}: {exc}")
+        return 2
+    except (ValueError, AdapterError) as exc:
+        runtime.fatal(f"cannot load the adapters of adapters.preload: {exc}")
+        return 2
+    if preloaded:
+        log.info("adapters loaded at start: %s", ", ".join(preloaded))
     if group is not None:
         distributed.freeze_clock(engine)
     log.info("warm-up took %.2f s", engine.warm_up())
