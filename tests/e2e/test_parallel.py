@@ -164,9 +164,21 @@ def test_a_model_whose_heads_do_not_split_is_refused_at_startup():
 # ------------------------------------------------------------------ data-parallel replicas
 
 @pytest.fixture(scope="module")
-def dp_server():
-    with Server("--model.served-name", "m", "--engine.replicas", "2", "--supervisor.restart-backoff-s", "3") as srv:
+def dp_server(model_dir):
+    with Server("--model", str(model_dir), "--model.served-name", "m", "--engine.replicas", "2",
+                "--supervisor.restart-backoff-s", "3") as srv:
         yield srv
+
+
+LORA_CONFIG = {"fine_tune_type": "lora", "num_layers": 2, "lora_parameters": {"rank": 4, "scale": 2.0, "dropout": 0.0}}
+
+
+def tiny_lora(seed: int) -> dict[str, mx.array]:
+    """A LoRA of build_tiny_llama's q_proj (64 -> 64) and v_proj (64 -> 32)."""
+    mx.random.seed(seed)
+    return {f"model.layers.{layer}.self_attn.{proj}.{leaf}": mx.random.normal(shape) * 0.1
+            for layer in range(2) for proj, out in (("q_proj", 64), ("v_proj", 32))
+            for leaf, shape in (("lora_a", (64, 4)), ("lora_b", (4, out)))}
 
 
 def engine_replica_pids(server: Server) -> dict[int, int]:
@@ -210,11 +222,10 @@ def test_requests_spread_over_replicas_and_shared_prefixes_stay_together(dp_serv
 
 def test_every_replica_gets_every_adapter_version(dp_server):
     from parallm.adapters import save_bytes
-    from tests.e2e.test_adapters import CONFIG, weights
 
     for seed in (1, 2):
-        files = {"adapter_weights": ("adapters.safetensors", save_bytes(weights(seed)), "application/octet-stream"),
-                 "adapter_config": ("adapter_config.json", json.dumps(CONFIG), "application/json")}
+        files = {"adapter_weights": ("adapters.safetensors", save_bytes(tiny_lora(seed)), "application/octet-stream"),
+                 "adapter_config": ("adapter_config.json", json.dumps(LORA_CONFIG), "application/json")}
         r = httpx.post(f"{dp_server.url}/v1/adapters/upload", files=files, data={"name": "dp"}, timeout=60)
         assert r.status_code == 200 and r.json()["version"] == seed, r.text
     before = tokenizer_stats(dp_server).routed
