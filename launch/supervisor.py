@@ -189,11 +189,22 @@ class Supervisor:
         logs, a JSON line holding the same text."""
         server = self.config.server
         line = (f"parallm-launch: ready: model {self.config.model.served_name} at "
-                f"http://{server.host}:{server.port}/v1 (zmq engine {self.addrs.engine}, router {self.addrs.router})")
+                f"http://{server.host}:{server.port}/v1 (zmq engine {self.addrs.engine}, router {self.addrs.router}"
+                f"{self._curve_note()})")
         if self.config.log_format == "json":
             line = json.dumps({"level": "info", "stage": "supervisor", "logger": "parallm.supervisor", "message": line,
                                "url": f"http://{server.host}:{server.port}/v1", "router": self.addrs.router})
         print(line, file=self.log_out, flush=True)
+
+    def _curve_note(self) -> str:
+        """Where a raw client finds the server's CURVE public key (tcp only)."""
+        transport = self.config.transport
+        if not transport.curve_keys:
+            return ""
+        given = transport.curve_server_key
+        public = given.removesuffix("_secret") if os.path.isfile(given.removesuffix("_secret")) else given
+        public = public or os.path.join(self.run_dir, "server.key")
+        return f", CURVE server key {public}"
 
     def _on_signal(self, signum: int, frame) -> None:
         self._stop_requested += 1

@@ -87,6 +87,7 @@ def test_only_allowed_keys_get_a_welcome(tcp, key_dir):
         Client(tcp.tcp_router, timeout=1.5, server_key=tcp.server_key,
                client_key=str(key_dir / "other" / "intruder.key_secret"))
     assert tcp.client.generate([1, 2, 3], SamplingParams(max_tokens=2))[0].finish_reason == "length"
+    assert f"CURVE server key {tcp.server_key}" in "\n".join(tcp.lines)  # the ready line tells clients where it is
 
 
 def _publish(srv, curve: keys.Curve | None, name: str) -> None:
