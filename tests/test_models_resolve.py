@@ -107,9 +107,10 @@ def test_hub_id_from_local_cache(tmp_path: Path, tiny_dir: Path, monkeypatch: py
 def test_hub_id_missing(tmp_path: Path, tiny_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     hub = _hub(tmp_path, tiny_dir)
     monkeypatch.setenv("HF_HUB_CACHE", str(hub))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     with pytest.raises(ModelLoadError) as err:
         resolve_model(ModelConfig(path="org/absent"))
-    assert str(hub / "models--org--absent") in str(err.value) and "does not download" in str(err.value)
+    assert str(hub / "models--org--absent") in str(err.value) and "nothing is downloaded" in str(err.value)
     with pytest.raises(ModelLoadError, match="revision 'nope' is not in the local cache.*cached snapshots: abc123"):
         resolve_model(ModelConfig(path="org/tiny@nope"))
     partial = hub / "models--org--partial" / "snapshots" / "def456"
@@ -118,6 +119,38 @@ def test_hub_id_missing(tmp_path: Path, tiny_dir: Path, monkeypatch: pytest.Monk
     with pytest.raises(ModelLoadError) as err:
         resolve_model(ModelConfig(path="org/partial"))
     assert "missing model*.safetensors (the weights); a tokenizer (tokenizer.json or" in str(err.value)
+
+
+def test_hub_id_not_cached_is_downloaded_with_its_revision(tmp_path: Path, tiny_dir: Path,
+                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    """huggingface_hub's snapshot_download stands in for the network (none here): it fills the
+    cache layout as the real one does; a cached revision is never downloaded again."""
+    import huggingface_hub
+
+    hub = _hub(tmp_path, tiny_dir)
+    monkeypatch.setenv("HF_HUB_CACHE", str(hub))
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    calls = []
+
+    def download(repo_id, *, revision=None, cache_dir=None, allow_patterns=None):
+        calls.append((repo_id, revision, cache_dir))
+        if repo_id == "org/private":
+            raise OSError("401 Client Error: access to org/private is restricted")
+        snap = Path(cache_dir) / ("models--" + repo_id.replace("/", "--")) / "snapshots" / "fff999"
+        copy_model(tiny_dir, snap)
+        return str(snap)
+
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", download)
+    assert resolve_model(ModelConfig(path="org/tiny")).path.name == "abc123" and not calls
+    source = resolve_model(ModelConfig(path="org/fresh@v2"))
+    assert calls == [("org/fresh", "v2", str(hub))]
+    assert source.path == hub / "models--org--fresh" / "snapshots" / "fff999" and source.name == "org/fresh"
+    with pytest.raises(ModelLoadError, match="downloading it failed: OSError: 401"):
+        resolve_model(ModelConfig(path="org/private"))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    with pytest.raises(ModelLoadError, match="HF_HUB_OFFLINE is set"):
+        resolve_model(ModelConfig(path="org/other"))
+    assert len(calls) == 2
 
 
 def test_interrupted_conversion_leaves_no_model(tmp_path: Path, tiny_gguf: Path,

@@ -1,4 +1,5 @@
-"""Hugging Face hub ids, resolved from the local hub cache only (parallm never downloads).
+"""Hugging Face hub ids: from the local hub cache first, else downloaded with huggingface_hub
+where the network allows (HF_HUB_OFFLINE=1 forbids it; HF_TOKEN is read by huggingface_hub).
 
 The cache layout (huggingface_hub's, read directly so that the package is not needed):
 `<cache>/models--<org>--<name>/refs/<revision>` holds a commit hash, and
@@ -46,7 +47,7 @@ def snapshot_dir(spec: str) -> Path:
     if not repo_dir.is_dir():
         raise ModelLoadError(
             f"'{repo_id}' is not in the local Hugging Face cache: {repo_dir} does not exist "
-            f"(cache from HF_HUB_CACHE / HF_HOME; parallm does not download); {_download_hint(repo_id)}")
+            f"(cache from HF_HUB_CACHE / HF_HOME); {_download_hint(repo_id)}")
     snapshots = repo_dir / "snapshots"
     available = sorted(p.name for p in snapshots.iterdir() if p.is_dir()) if snapshots.is_dir() else []
     ref = repo_dir / "refs" / revision
@@ -65,3 +66,36 @@ def snapshot_dir(spec: str) -> Path:
         raise ModelLoadError(f"'{repo_id}@{revision}' points to commit {commit}, but {snapshot} is missing; "
                              f"{_download_hint(repo_id)}")
     return snapshot
+
+
+OFFLINE_VALUES = ("1", "true", "yes", "on")
+
+# what serving needs from a model repository (no PyTorch .bin/.pt weights, no images)
+DOWNLOAD_PATTERNS = ["*.json", "*.safetensors", "*.jinja", "tokenizer*", "*.model", "*.tiktoken", "*.txt", "*.py"]
+
+
+def hub_offline() -> bool:
+    return os.environ.get("HF_HUB_OFFLINE", "").strip().lower() in OFFLINE_VALUES
+
+
+def fetch_snapshot(spec: str) -> Path:
+    """The snapshot directory of `org/name[@revision]`: the local cache's if it holds that
+    revision, else downloaded through huggingface_hub (revision honoured, HF_TOKEN used by it)
+    unless HF_HUB_OFFLINE is set."""
+    try:
+        return snapshot_dir(spec)
+    except ModelLoadError as cached:
+        if hub_offline():
+            raise ModelLoadError(f"{cached} (HF_HUB_OFFLINE is set, so nothing is downloaded)") from None
+        repo_id, _, revision = spec.partition("@")
+        try:
+            from huggingface_hub import snapshot_download
+        except ImportError:
+            raise ModelLoadError(f"{cached}; huggingface_hub is not installed, so it cannot be downloaded") from None
+        try:
+            path = snapshot_download(repo_id, revision=revision or None, cache_dir=str(hub_cache_dir()),
+                                     allow_patterns=DOWNLOAD_PATTERNS)
+        except Exception as exc:  # noqa: BLE001 - network, authentication, unknown repo or revision
+            raise ModelLoadError(f"'{spec}' is not in the local Hugging Face cache and downloading it failed: "
+                                 f"{type(exc).__name__}: {exc}") from None
+        return Path(path)

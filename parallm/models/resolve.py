@@ -18,7 +18,7 @@ from . import embedded
 from .cache import cache_root, ensure_dir, file_key
 from .errors import ModelLoadError
 from .gguf_convert import convert_gguf
-from .hub import looks_like_hub_id, snapshot_dir
+from .hub import fetch_snapshot, looks_like_hub_id
 from .source import ModelSource, check_model_dir
 
 log = logging.getLogger(__name__)
@@ -57,6 +57,6 @@ def resolve_model(config: ModelConfig, *, progress: bool = True) -> ModelSource:
     if path.exists():
         raise ModelLoadError(f"{path} is neither a directory nor a .gguf file")
     if looks_like_hub_id(spec):
-        return check_model_dir(snapshot_dir(spec), config.served_name or spec.partition("@")[0])
+        return check_model_dir(fetch_snapshot(spec), config.served_name or spec.partition("@")[0])
     raise ModelLoadError(f"model '{spec}' not found: not 'default', not an existing directory or .gguf file, "
                          "and not a Hugging Face id of the form org/name")
