@@ -193,6 +193,7 @@ class Leader:
         self._digest = state_digest(engine)
         engine.scheduler.policy.clock = lambda: self._now
         self.adapters = _RecordingAdapters(engine.adapters, self._record)
+        self.blocks = _RecordingBlocks(engine.blocks, self._record) if engine.blocks is not None else None
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._engine, name)
@@ -301,12 +302,28 @@ class _RecordingAdapters:
         self._record("set_default", name, run=lambda: self._adapters.set_default(name))
 
 
+class _RecordingBlocks:
+    """`engine.blocks` on rank 0: dropping the cached prefix blocks is recorded like the engine's calls."""
+
+    def __init__(self, blocks, record: Callable[..., Any]) -> None:
+        self._blocks = blocks
+        self._record = record
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._blocks, name)
+
+    def drop_cached(self) -> int:
+        return self._record("drop_cached", run=self._blocks.drop_cached)
+
+
 def _replay(engine, call: Call) -> None:
     if call.method == "add_request":
         rid, prompt_ids, spec = call.args
         engine.add_request(Request(rid, prompt_ids, msgspec.msgpack.decode(spec, type=RequestSpec)))
     elif call.method == "set_default":
         engine.adapters.set_default(*call.args)
+    elif call.method == "drop_cached":
+        engine.blocks.drop_cached()
     elif call.method in ("abort", "add_score", "load_adapter", "unload_adapter", "follow_latest", "step", "flush"):
         getattr(engine, call.method)(*call.args, **call.kwargs)
     else:
