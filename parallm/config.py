@@ -46,6 +46,8 @@ class ModelConfig(Struct, frozen=True, kw_only=True, forbid_unknown_fields=True)
     cache_dir: Annotated[str, _d("where converted models are kept; empty = the user cache dir")] = ""
     chat_template: Annotated[str, _d("a Jinja chat template, or the path of a file holding one; empty = the "
                                      "model's own, else a plain role-prefixed default")] = ""
+    trust_remote_code: Annotated[bool, _d("let transformers run the Python code a model repository ships for its "
+                                          "tokenizer (as mlx_lm.server's --trust-remote-code)")] = False
 
 
 class EngineConfig(Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -324,6 +326,7 @@ ALIASES: dict[str, str] = {
     "api-key": "server.api_keys",
     "chat-template": "model.chat_template",
     "adapter": "adapters.preload",
+    "trust-remote-code": "model.trust_remote_code",
 }
 
 

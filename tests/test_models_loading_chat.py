@@ -59,3 +59,21 @@ def test_a_bad_chat_template_setting_is_refused(bare_dir):
 def test_the_cli_spelling():
     config, _ = parse_args(["--chat-template", "{{ x }}"])
     assert config.model.chat_template == "{{ x }}"
+
+
+def test_trust_remote_code_reaches_transformers(bare_dir, monkeypatch):
+    import transformers
+
+    seen = []
+    real = transformers.AutoTokenizer.from_pretrained
+
+    def spy(path, **kw):
+        seen.append(kw.get("trust_remote_code"))
+        return real(path, **kw)
+
+    monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", spy)
+    load_text_tokenizer(ModelConfig(path=str(bare_dir)))
+    load_text_tokenizer(ModelConfig(path=str(bare_dir), trust_remote_code=True))
+    assert seen == [False, True]
+    config, _ = parse_args(["--trust-remote-code", "true"])
+    assert config.model.trust_remote_code is True

@@ -101,13 +101,14 @@ def load_model(config: ModelConfig) -> LoadedModel:
                        vocab_size=vocab)
 
 
-def load_tokenizer(source: ModelSource) -> Any:
-    """The model's tokenizer as a transformers PreTrainedTokenizerFast (chat_template as the model ships it)."""
+def load_tokenizer(source: ModelSource, *, trust_remote_code: bool = False) -> Any:
+    """The model's tokenizer as a transformers PreTrainedTokenizerFast (chat_template as the model ships it);
+    `trust_remote_code` lets transformers run a tokenizer class the repository ships (model.trust_remote_code)."""
     from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
     try:
         tokenizer = AutoTokenizer.from_pretrained(str(source.path), use_fast=True, local_files_only=True,
-                                                  trust_remote_code=False)
+                                                  trust_remote_code=trust_remote_code)
     except (OSError, ValueError, KeyError, TypeError) as exc:
         raise ModelLoadError(f"transformers could not load the tokenizer in {source.path}: {exc}") from exc
     if not isinstance(tokenizer, PreTrainedTokenizerFast):

@@ -43,7 +43,7 @@ def load_text_tokenizer(model: ModelConfig):
     with the chat template of model.chat_template, else the model's own, else DEFAULT_CHAT_TEMPLATE."""
     from transformers import AutoTokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(model.path)
+    tokenizer = AutoTokenizer.from_pretrained(model.path, trust_remote_code=model.trust_remote_code)
     if model.chat_template:
         tokenizer.chat_template = chat_template_text(model.chat_template)
     elif not getattr(tokenizer, "chat_template", None):
