@@ -67,9 +67,10 @@ def rejection(rid: str, reply_to: bytes, exc: RequestRejected | AdapterError) ->
 
 
 def adapter_roots(config: Config) -> list[str]:
-    """Where adapters may be loaded from by path: adapters.allowed_dirs, else the model's directory and
-    the trainer's checkpoints."""
-    return list(config.adapters.allowed_dirs) or [config.model.path, config.trainer.checkpointing.dir]
+    """Where adapters may be loaded from by path: adapters.allowed_dirs, else the model's directory, the
+    trainer's checkpoints and the directories of the adapters loaded at start (adapters.preload)."""
+    preloaded = [entry.partition("=")[2] for entry in config.adapters.preload if "=" in entry]
+    return list(config.adapters.allowed_dirs) or [config.model.path, config.trainer.checkpointing.dir, *preloaded]
 
 
 def load_adapter(engine: Engine, message: protocol.AdapterPublish,

@@ -41,9 +41,10 @@ def test_paths_outside_the_roots_get_one_answer_whether_they_exist_or_not(tmp_pa
     assert len(answers) == 1, answers
 
 
-def test_default_roots_are_the_model_and_the_trainer_checkpoints():
-    config = build_config(environ={}, overrides={"model": {"path": "/models/m"}})
-    assert adapter_roots(config) == ["/models/m", config.trainer.checkpointing.dir]
+def test_default_roots_are_the_model_the_trainer_checkpoints_and_the_preloaded_adapters():
+    config = build_config(environ={}, overrides={"model": {"path": "/models/m"},
+                                                  "adapters": {"preload": ["pol=/srv/adapters/pol"]}})
+    assert adapter_roots(config) == ["/models/m", config.trainer.checkpointing.dir, "/srv/adapters/pol"]
     given = build_config(environ={}, overrides={"adapters": {"allowed_dirs": ["/a", "/b"]}})
     assert adapter_roots(given) == ["/a", "/b"]
 
