@@ -30,8 +30,11 @@ FAMILIES = {
     "lfm2": "hybrid short convolution + attention (LFM2)",
     "granitemoehybrid": "hybrid Mamba2 + attention + MoE (Granite 4)",
     "kimi_linear": "hybrid KDA + MLA + MoE (Kimi-Linear)",
+    "falcon_h1": "parallel Mamba2 + attention in one layer (a CacheList of state and KV)",
+    # several caches per layer
+    "longcat_flash": "two MLA attention sublayers per layer (a CacheList of two KV caches)",
 }
-STATEFUL = {"qwen3_next", "qwen3_5", "mamba2", "lfm2", "granitemoehybrid", "kimi_linear"}
+STATEFUL = {"qwen3_next", "qwen3_5", "mamba2", "lfm2", "granitemoehybrid", "kimi_linear", "falcon_h1"}
 
 
 def _prompts(seed: int, lengths) -> list[list[int]]:
@@ -68,7 +71,7 @@ def test_family_matches_mlx_lm(name):
     # (a quarter of 128 holds the prefix cache; a model with state has none, but the state of 8 rows)
     bpt = max(1, engine.runner.live.bytes_per_token)  # a pure SSM counts a byte per token
     layout = engine.runner.info.layout
-    budget = bpt * 96 + 8 * layout.state_bytes_per_row if layout else bpt * 128
+    budget = bpt * 96 + 8 * layout.state_bytes_per_row if layout and layout.states else bpt * 128
     tight = make_engine(model, max_prefill_tokens=16, block_size=4, kv_budget_bytes=budget,
                         prefix_pool_fraction=0.25, max_num_seqs=8)
     res = run_all(tight, [req(f"t{i}", p, greedy(24)) for i, p in enumerate(prompts)])
@@ -78,7 +81,7 @@ def test_family_matches_mlx_lm(name):
 
 
 @pytest.mark.parametrize("name, reason", [
-    ("mamba", "recurrent scan ignores a padded row's length"), ("falcon_h1", "CacheList"), ("afm7", "reads per-row positions"),
+    ("mamba", "recurrent scan ignores a padded row's length"), ("deepseek_v32", "has no attribute 'keys'"), ("afm7", "reads per-row positions"),
     ("gpt_bigcode", "rows of different lengths"), ("plamo3", "window"),
 ])
 def test_what_cannot_be_served_is_refused_at_load(name, reason):

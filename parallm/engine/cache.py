@@ -28,7 +28,7 @@ from typing import Any, Protocol, runtime_checkable
 import mlx.core as mx
 
 from .memory import retry_out_of_memory
-from .state import RowsState, SlotLayout, allocate
+from .state import ListView, RowsState, SlotLayout, allocate
 
 
 @runtime_checkable
@@ -237,7 +237,7 @@ class LiveKV:
     def __init__(self, shapes: list[LayerShape], dtype: mx.Dtype, layout: SlotLayout | None = None) -> None:
         self.shapes = shapes
         self.dtype = dtype
-        self.layout = layout if layout is not None and layout.states else None
+        self.layout = layout
         self.rows = 0
         self.capacity = 0
         self.keys: list[mx.array] = []
@@ -341,9 +341,15 @@ class LiveKV:
             return [PackedView(self, i, ctx) for i in range(len(self.shapes))]
         if not self.layout:
             return [RowsView(self, i, ctx) for i in range(len(self.shapes))]
-        return [RowsView(self, i, ctx) if kind == "kv"
-                else RowsState(self.states[i], ctx.row0, ctx.offsets, ctx.all_fresh, ctx.lengths)
-                for kind, i in self.layout.slots]
+
+        def view(kind: str, i):
+            if kind == "kv":
+                return RowsView(self, i, ctx)
+            if kind == "state":
+                return RowsState(self.states[i], ctx.row0, ctx.offsets, ctx.all_fresh, ctx.lengths)
+            return ListView([view(*sub) for sub in i])
+
+        return [view(*slot) for slot in self.layout.slots]
 
 
 class RowsView(_LayerView):

@@ -95,39 +95,49 @@ def check_model(model: nn.Module) -> ModelInfo:
     why = refusal_for_type(mt)
     if why:
         raise UnsupportedModel(f"model type {mt!r} is not served: {why}")
-    from mlx_lm.models.cache import ArraysCache, KVCache, RotatingKVCache
     from mlx_lm.models.rope_utils import DynamicNTKScalingRoPE
 
     slots = cache_slots(model)
-    for i, c in enumerate(slots):
-        if type(c) not in (KVCache, RotatingKVCache, ArraysCache):
-            raise UnsupportedModel(f"model type {mt!r} is not served: cache slot {i} holds a {type(c).__name__} "
-                                   f"({_cache_kind(c)}); the engine serves attention KV caches only")
+    kinds = [_slot_kind(c, i, mt) for i, c in enumerate(slots)]
     for _, module in model.named_modules():
         if isinstance(module, DynamicNTKScalingRoPE):
             raise UnsupportedModel("dynamic NTK RoPE scaling depends on each sequence's length and cannot "
                                    "be batched over rows of different lengths")
-    kinds = ["state" if type(c) is ArraysCache else "kv" for c in slots]
     shapes, dtype = probe_kv_shapes(model, kinds, mt)
     layout = None
-    if "state" in kinds:
+    if any(k != "kv" for k in kinds):
         states = probe_state_shapes(model, kinds, mt)
         index = {"kv": 0, "state": 0}
-        order = []
-        for k in kinds:
-            order.append((k, index[k]))
-            index[k] += 1
-        layout = SlotLayout(tuple(order), tuple(states))
+
+        def number(kind):
+            if isinstance(kind, tuple):
+                return ("list", tuple(number(k) for k in kind))
+            index[kind] += 1
+            return (kind, index[kind] - 1)
+
+        layout = SlotLayout(tuple(number(k) for k in kinds), tuple(states))
         dtype = dtype or mx.float32
     info = ModelInfo(model_type=mt, shapes=shapes, dtype=dtype, mask5d=mt in MASK_5D, layout=layout)
     check_batched_rows(model, info)
     return info
 
 
+def _slot_kind(c, i: int, model_type: str):
+    """"kv", "state", or a tuple of those for a CacheList; UnsupportedModel for anything else."""
+    from mlx_lm.models.cache import ArraysCache, CacheList, KVCache, RotatingKVCache
+
+    if type(c) in (KVCache, RotatingKVCache):
+        return "kv"
+    if type(c) is ArraysCache:
+        return "state"
+    if type(c) is CacheList:
+        return tuple(_slot_kind(x, i, model_type) for x in c.caches)
+    raise UnsupportedModel(f"model type {model_type!r} is not served: cache slot {i} holds a {type(c).__name__} "
+                           f"({_cache_kind(c)}); the engine serves attention KV caches and recurrent state")
+
+
 def _cache_kind(c) -> str:
     name = type(c).__name__
-    if name == "CacheList":
-        return "several caches for one layer: not served yet"
     if name == "ChunkedKVCache":
         return "chunked local attention"
     if "Quantized" in name:
@@ -165,6 +175,19 @@ class _Probe:
         return 0
 
 
+class _ProbeList:
+    """A CacheList of probes."""
+
+    def __init__(self, caches: list) -> None:
+        self.caches = caches
+
+    def __getitem__(self, i: int):
+        return self.caches[i]
+
+    def __bool__(self) -> bool:
+        return True
+
+
 def probe_state_shapes(model: nn.Module, kinds: list[str], model_type: str) -> list[StateShape]:
     """Per state slot, each entry's per-row shape and dtype, from a two-token forward through the
     model's own caches."""
@@ -175,9 +198,16 @@ def probe_state_shapes(model: nn.Module, kinds: list[str], model_type: str) -> l
         raise UnsupportedModel(f"model type {model_type!r} is not served: its forward pass fails on its own "
                                f"caches ({type(e).__name__}: {e})") from e
     out = []
-    for kind, c in zip(kinds, slots):
-        if kind == "state":
+
+    def walk(kind, c):
+        if isinstance(kind, tuple):
+            for k, x in zip(kind, c.caches):
+                walk(k, x)
+        elif kind == "state":
             out.append(StateShape(tuple(None if a is None else (tuple(a.shape[1:]), a.dtype) for a in c.cache)))
+
+    for kind, c in zip(kinds, slots):
+        walk(kind, c)
     return out
 
 
@@ -185,9 +215,17 @@ def probe_kv_shapes(model: nn.Module, kinds: list[str], model_type: str = "model
     """One-token forward: KV slots through recording probes (each must store one token's K/V
     once), state slots through the model's own caches."""
     own = cache_slots(model)
-    records: list[list] = [[] for k in kinds if k == "kv"]
-    recs = iter(records)
-    probes = [_Probe(next(recs)) if k == "kv" else c for k, c in zip(kinds, own)]
+    records: list[list] = []
+
+    def probe(kind, c):
+        if isinstance(kind, tuple):
+            return _ProbeList([probe(k, x) for k, x in zip(kind, c.caches)])
+        if kind == "kv":
+            records.append([])
+            return _Probe(records[-1])
+        return c
+
+    probes = [probe(k, c) for k, c in zip(kinds, own)]
     try:
         mx.eval(model(mx.array([[0]]), cache=probes))
     except Exception as e:

@@ -80,8 +80,8 @@ class Engine:
         self.runner = ModelRunner(self.model, info, vocab_size=self.vocab_size, pool_blocks=pool_blocks, block_size=bs,
                                   eos_ids=self.eos_token_ids, lora=self.adapters.router, compile=settings.compile,
                                   fast_math=bool(settings.fast_math))
-        if info.has_state:  # a packed pass is one sequence: a recurrent scan would run across rows
-            self.runner._packing = False
+        if info.layout is not None:  # recurrent state (a packed pass is one sequence: a scan would run
+            self.runner._packing = False  # across rows) or several caches per layer: no packed views
         resolved: dict = {"kv_budget_mb": self.kv_budget_bytes / (1 << 20)}
         if settings.max_prefill_tokens is None:
             resolved["max_prefill_tokens"] = auto_prefill_tokens(on_cpu, settings.mixed_passes and self.runner.can_pack)

@@ -47,8 +47,8 @@ class StateShape:
 
 @dataclass(frozen=True, slots=True)
 class SlotLayout:
-    """What each cache slot of the model is: ("kv", index into the KV shapes) or ("state", index
-    into the state shapes)."""
+    """What each cache slot of the model is: ("kv", index into the KV shapes), ("state", index
+    into the state shapes) or ("list", (sub-slots...)) for an mlx-lm CacheList."""
 
     slots: tuple[tuple[str, int], ...]
     states: tuple[StateShape, ...]
@@ -117,6 +117,22 @@ class RowsState(ArraysCache):
     @property
     def nbytes(self) -> int:
         return sum(a.nbytes for a in self._arrays if a is not None)
+
+    def is_trimmable(self) -> bool:
+        return False
+
+
+class ListView:
+    """An mlx-lm CacheList of views (several caches for one layer, e.g. falcon_h1's state and KV)."""
+
+    def __init__(self, caches: list) -> None:
+        self.caches = caches
+
+    def __getitem__(self, i: int):
+        return self.caches[i]
+
+    def __bool__(self) -> bool:
+        return True
 
     def is_trimmable(self) -> bool:
         return False
