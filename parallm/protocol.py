@@ -510,9 +510,9 @@ class EngineStats(Struct, tag="engine", kw_only=True):
     adapters: AdapterStats = msgspec.field(default_factory=AdapterStats)
     settings: EngineConfig | None = None  # the engine settings, with every unset one resolved
     adapter_settings: AdaptersConfig | None = None
-    # the engine stage's own
     weights_version: int = 0      # the base model's policy version (full-weight updates applied)
     weights_updates: int = 0
+    # the engine stage's own
     paused: bool = False
     held_for_version: int = 0
     received: int = 0

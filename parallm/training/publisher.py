@@ -63,12 +63,6 @@ class AdapterPublisher:
                                                  weights=blob, path=path, format=format))  # type: ignore[arg-type]
         self.published += 1
 
-    def close(self, linger_ms: int = 5000) -> None:
-        """Close, giving queued versions up to `linger_ms` to leave (a PUB closed at once drops them)."""
-        self.sender.sock.close(linger=linger_ms)
-        if self._own_ctx:
-            self.ctx.term()
-
     def publish_weights(self, weights: Mapping[str, mx.array], version: int = 0) -> str:
         """Send new base-model weights (a full-weight policy update) in chunks of one layer each:
         the engine checks and applies each chunk as it comes, holding generation from the first to the
@@ -84,6 +78,12 @@ class AdapterPublisher:
                                                     chunks=len(groups), version=int(version)))
         self.published += 1
         return update_id
+
+    def close(self, linger_ms: int = 5000) -> None:
+        """Close, giving queued versions up to `linger_ms` to leave (a PUB closed at once drops them)."""
+        self.sender.sock.close(linger=linger_ms)
+        if self._own_ctx:
+            self.ctx.term()
 
     def __enter__(self) -> "AdapterPublisher":
         return self
