@@ -251,12 +251,20 @@ def _logits(out) -> mx.array:
     return out[0] if isinstance(out, tuple) else out
 
 
+def _vocab_size(model: nn.Module) -> int:
+    """The number of token ids the model embeds (the probes must stay inside it: MLX does not
+    bounds-check an embedding lookup, so an id past the table reads other memory)."""
+    size = getattr(getattr(model, "args", None), "vocab_size", None)
+    return int(size) if size else 51
+
+
 def check_batched_rows(model: nn.Module, info: ModelInfo) -> None:
     """Two prompts of different lengths in one right-padded pass, then one decode pass, through
     the engine's views: each row's logits must be those of the prompt run alone through mlx-lm's
     own caches (raises UnsupportedModel naming the difference otherwise)."""
-    prompts = [[(7 + 13 * j) % 50 + 1 for j in range(5)], [(3 + 29 * j) % 50 + 1 for j in range(8)]]
-    nxt = [11, 23]
+    ids = max(1, min(50, _vocab_size(model) - 1))  # token ids 1..ids exist in any vocabulary
+    prompts = [[(7 + 13 * j) % ids + 1 for j in range(5)], [(3 + 29 * j) % ids + 1 for j in range(8)]]
+    nxt = [11 % ids + 1, 23 % ids + 1]
     want_prefill, want_decode = [], []
     for p, t in zip(prompts, nxt):
         caches = cache_slots(model)
