@@ -201,7 +201,8 @@ class AdaptersConfig(Struct, frozen=True, kw_only=True, forbid_unknown_fields=Tr
                                 _d("a request whose minimum policy version is not there yet: reject it (409) or "
                                    "hold it until the version is published")] = "reject"
     hold_timeout_s: Annotated[float, _d("with staleness_policy 'hold': seconds a request waits for its version")] = 120.0
-    allowed_dirs: Annotated[list[str], _d("directories an adapter may be loaded from by path (and everything under "
+    allowed_dirs: Annotated[list[str], _d("directories an adapter or a full-weight update may be loaded from by path "
+                                          "(and everything under "
                                           "them); empty = the model's directory, the trainer's checkpoint "
                                           "directory (trainer.checkpointing.dir) and those of adapters.preload")] = []
     preload: Annotated[list[str], _d("NAME=PATH adapters loaded when the engine starts (--adapter, "

@@ -67,10 +67,21 @@ def rejection(rid: str, reply_to: bytes, exc: RequestRejected | AdapterError) ->
 
 
 def adapter_roots(config: Config) -> list[str]:
-    """Where adapters may be loaded from by path: adapters.allowed_dirs, else the model's directory, the
-    trainer's checkpoints and the directories of the adapters loaded at start (adapters.preload)."""
+    """Where adapters and full-weight updates may be loaded from by path: adapters.allowed_dirs, else the
+    model's directory, the trainer's checkpoints and the directories of the adapters loaded at start
+    (adapters.preload)."""
     preloaded = [entry.partition("=")[2] for entry in config.adapters.preload if "=" in entry]
     return list(config.adapters.allowed_dirs) or [config.model.path, config.trainer.checkpointing.dir, *preloaded]
+
+
+def weights_path(path: str, roots: Sequence[str]) -> str:
+    """A full-weight update's directory, resolved, when it lies under `roots` (WeightsError 403 otherwise,
+    the same answer whether the path exists or not, as for adapters)."""
+    try:
+        return allowed_path(path, roots)
+    except AdapterError as exc:
+        raise WeightsError(exc.message.replace("adapter path", "weights path"), status=exc.status,
+                           code="weights_path_not_allowed") from None
 
 
 def load_adapter(engine: Engine, message: protocol.AdapterPublish,
@@ -209,7 +220,8 @@ class EngineStage:
         generation is held from the first chunk to the last (`weights_open`), a chunk 0 starts over."""
         try:
             if message.path:
-                applied, complete = self.engine.update_weights(path=message.path, version=message.version), True
+                path = weights_path(message.path, adapter_roots(self.config))
+                applied, complete = self.engine.update_weights(path=path, version=message.version), True
             else:
                 if message.chunk == 0:
                     self.weights_open = (message.update_id, 0)

@@ -78,3 +78,20 @@ def test_http_loads_by_path_only_under_the_roots(tmp_path):
         answers.append(r.json()["error"]["message"].replace(path, "PATH"))
     assert len(set(answers)) == 1, answers
     assert list(backend.engine.adapters.versions) == ["pol"]
+
+
+def test_full_weight_updates_by_path_are_confined_to_the_same_roots(tmp_path):
+    from parallm.engine.weights import WeightsError
+    from parallm.stages.engine import weights_path
+
+    root = tmp_path / "checkpoints"
+    (root / "step_3").mkdir(parents=True)
+    (tmp_path / "secret").mkdir()
+    assert weights_path(str(root / "step_3"), [str(root)]) == str((root / "step_3").resolve())
+    answers = set()
+    for path in ("/etc", "/no/such/dir", str(tmp_path / "secret"), str(root / ".." / "secret")):
+        with pytest.raises(WeightsError) as info:
+            weights_path(path, [str(root)])
+        assert (info.value.status, info.value.code) == (403, "weights_path_not_allowed")
+        answers.add(info.value.message.replace(repr(path), "PATH"))
+    assert len(answers) == 1, answers

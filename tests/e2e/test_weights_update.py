@@ -50,8 +50,8 @@ def new_weights(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def server():
-    with Server("--engine.max-num-seqs", "32") as srv:
+def server(tmp_path_factory):
+    with Server("--engine.max-num-seqs", "32", "--adapters.allowed-dirs", str(tmp_path_factory.getbasetemp())) as srv:
         yield srv
 
 
