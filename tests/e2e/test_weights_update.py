@@ -116,4 +116,6 @@ def test_update_routes_of_prime_rl_and_sglang(server, new_weights):
     r = httpx.post(f"{server.url}/update_weights_from_disk", json={"model_path": "/no/such/dir"}, timeout=60)
     assert r.status_code == 400 and r.json()["success"] is False
     r = httpx.post(f"{server.url}/v1/weights", json={"path": "/no/such/dir"}, timeout=60)
+    assert r.status_code == 403 and r.json()["error"]["code"] == "weights_path_not_allowed"  # outside the roots
+    r = httpx.post(f"{server.url}/v1/weights", json={"path": str(path.parent / "no-such-dir")}, timeout=60)
     assert r.status_code == 404 and r.json()["error"]["code"] == "weights_not_found"
