@@ -146,6 +146,9 @@ class ServerConfig(Struct, frozen=True, kw_only=True, forbid_unknown_fields=True
     coalesce_outputs: Annotated[bool, _d("a stream whose client reads slower than the engine produces gets what "
                                          "is waiting as one event (several tokens) instead of one event per step")] = True
     max_output_tokens: Annotated[int, _d("largest max_tokens accepted; 0 = context length")] = 0
+    tool_call_parser: Annotated[str, _d("how tool calls are read from a chat answer (tool_choice auto): a parser name "
+                                        "(mlx-lm's, e.g. json_tools, qwen3_coder, mistral, plus llama3_json); "
+                                        "empty = inferred from the model's chat template and vocabulary")] = ""
     first_token_timeout_s: Annotated[float, _d("seconds to the first token before 504; 0 = none")] = 0.0
     request_timeout_s: Annotated[float, _d("seconds for a whole request before 504; 0 = none")] = 0.0
     header_timeout_s: Annotated[float, _d("seconds a request's headers may take to arrive (from the connection or "
@@ -510,6 +513,13 @@ def build_config(*, file: str | os.PathLike | None = None, environ: Mapping[str,
 
 def _check(config: Config) -> None:
     problems = []
+    if config.server.tool_call_parser:
+        from parallm.text.assistant import PARSERS
+
+        known = sorted(set(PARSERS) | {"llama3_json"})
+        if config.server.tool_call_parser not in known:
+            problems.append(f"server.tool_call_parser {config.server.tool_call_parser!r} is not one of: "
+                            + ", ".join(known))
     if config.engine.max_num_seqs < 1:
         problems.append("engine.max_num_seqs must be >= 1")
     engine = config.engine

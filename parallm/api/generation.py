@@ -51,7 +51,7 @@ def backend_limits(backend: Backend, server: ServerConfig) -> Limits:
     """What request validation needs to know about this server."""
     return Limits(model_name=backend.model_name, max_model_len=int(backend.max_model_len or 0),
                   max_output_tokens=server.max_output_tokens, default_max_tokens=backend.default_max_tokens,
-                  max_n=backend.max_n)
+                  max_n=backend.max_n, tool_parser=server.tool_call_parser)
 
 
 class GenerationRoutes:
