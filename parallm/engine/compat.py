@@ -29,7 +29,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from .cache import LayerShape, LiveKV, PassContext
-from .state import SlotLayout, StateShape
+from .state import ListView, SlotLayout, StateShape
 
 # Refused before anything is loaded, with the reason (parallm.models checks this table too).
 REFUSED_MODEL_TYPES: dict[str, str] = {
@@ -175,19 +175,6 @@ class _Probe:
         return 0
 
 
-class _ProbeList:
-    """A CacheList of probes."""
-
-    def __init__(self, caches: list) -> None:
-        self.caches = caches
-
-    def __getitem__(self, i: int):
-        return self.caches[i]
-
-    def __bool__(self) -> bool:
-        return True
-
-
 def probe_state_shapes(model: nn.Module, kinds: list[str], model_type: str) -> list[StateShape]:
     """Per state slot, each entry's per-row shape and dtype, from a two-token forward through the
     model's own caches."""
@@ -219,7 +206,7 @@ def probe_kv_shapes(model: nn.Module, kinds: list[str], model_type: str = "model
 
     def probe(kind, c):
         if isinstance(kind, tuple):
-            return _ProbeList([probe(k, x) for k, x in zip(kind, c.caches)])
+            return ListView([probe(k, x) for k, x in zip(kind, c.caches)])
         if kind == "kv":
             records.append([])
             return _Probe(records[-1])
