@@ -16,7 +16,6 @@ share CURVE takes of the round trip is larger; the added milliseconds should be 
 from __future__ import annotations
 
 import argparse
-import socket
 import statistics
 import tempfile
 import time
@@ -28,20 +27,7 @@ import zmq
 from parallm import keys
 from parallm.client import Client
 from parallm.protocol import SamplingParams
-from perf.harness import Results, Server, add_results_options, free_port
-
-
-def free_port_range(n: int = 10) -> int:
-    for _ in range(50):
-        base = free_port()
-        try:
-            for port in range(base, base + n):
-                with socket.socket() as s:
-                    s.bind(("127.0.0.1", port))
-        except OSError:
-            continue
-        return base
-    raise RuntimeError("no range of free ports")
+from perf.harness import Results, Server, add_results_options, free_port_range
 
 
 def _summary(samples_s: list[float]) -> dict[str, float]:

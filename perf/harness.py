@@ -46,6 +46,22 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def free_port_range(n: int = 10) -> int:
+    """A first port whose next n - 1 are free too (over tcp:// the stages bind consecutive ports)."""
+    for _ in range(50):
+        base = free_port()
+        if base + n > 65535:
+            continue
+        try:
+            for port in range(base, base + n):
+                with socket.socket() as s:
+                    s.bind(("127.0.0.1", port))
+        except OSError:
+            continue
+        return base
+    raise RuntimeError("no range of free ports")
+
+
 def launch_command() -> list[str]:
     """The installed `parallm-launch` script beside this Python, else `python -m parallm.launch`."""
     script = Path(sys.executable).with_name("parallm-launch")
@@ -149,15 +165,13 @@ class Server(Process):
         shutil.rmtree(self.run_dir, ignore_errors=True)
         return code
 
-    def cpu_seconds(self) -> dict[str, float]:
-        """CPU seconds (user + system) each stage process has used so far, by stage name
-        (`tokenizer-1` for a second replica) and `supervisor`; {} where /proc is missing (macOS)."""
+    def stage_processes(self) -> list[tuple[str, str, int]]:
+        """(stage, replica, pid) of every stage process, from the supervisor's children's command lines
+        in /proc (`ps` cuts them at the terminal width, 80 columns without one); [] without /proc."""
         if self.proc is None or not os.path.isdir("/proc"):
-            return {}
-        tick = os.sysconf("SC_CLK_TCK")
-        out = {"supervisor": _proc_cpu(self.proc.pid, tick)}
-        kids = _run(["ps", "-o", "pid=", "--ppid", str(self.proc.pid)]).split()
-        for pid in kids:
+            return []
+        found = []
+        for pid in _run(["ps", "-o", "pid=", "--ppid", str(self.proc.pid)]).split():
             try:
                 with open(f"/proc/{pid}/cmdline", "rb") as f:
                     argv = [a.decode(errors="replace") for a in f.read().split(b"\0") if a]
@@ -165,10 +179,19 @@ class Server(Process):
                 continue
             if "parallm.stages" not in argv or argv.index("parallm.stages") + 1 >= len(argv):
                 continue
-            name = argv[argv.index("parallm.stages") + 1]
             replica = argv[argv.index("--replica") + 1] if "--replica" in argv[:-1] else "0"
-            key = name if replica == "0" else f"{name}-{replica}"
-            out[key] = _proc_cpu(int(pid), tick)
+            found.append((argv[argv.index("parallm.stages") + 1], replica, int(pid)))
+        return found
+
+    def cpu_seconds(self) -> dict[str, float]:
+        """CPU seconds (user + system) each stage process has used so far, by stage name
+        (`tokenizer-1` for a second replica) and `supervisor`; {} where /proc is missing (macOS)."""
+        if self.proc is None or not os.path.isdir("/proc"):
+            return {}
+        tick = os.sysconf("SC_CLK_TCK")
+        out = {"supervisor": _proc_cpu(self.proc.pid, tick)}
+        for name, replica, pid in self.stage_processes():
+            out[name if replica == "0" else f"{name}-{replica}"] = _proc_cpu(pid, tick)
         return {k: v for k, v in out.items() if v is not None}
 
 

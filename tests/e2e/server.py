@@ -3,7 +3,6 @@ run dir and port, output kept) plus what the fault tests watch: health and stage
 
 from __future__ import annotations
 
-import subprocess
 import time
 
 import httpx
@@ -37,21 +36,6 @@ class Server(LaunchedServer):
         self.wait_ready(max(1.0, deadline - time.monotonic()))
 
     def stage_pids(self) -> dict[str, int]:
-        """pid of every stage process, from the supervisor's children.
-
-        Reads /proc rather than `ps`, which cuts `args` to the terminal width (80 columns without one)."""
-        out = subprocess.run(["ps", "-o", "pid=", "--ppid", str(self.proc.pid)], capture_output=True,
-                             text=True).stdout
-        pids = {}
-        for pid in out.split():
-            try:
-                with open(f"/proc/{pid}/cmdline", "rb") as f:
-                    parts = [p.decode(errors="replace") for p in f.read().split(b"\0") if p]
-            except OSError:
-                continue
-            if "parallm.stages" in parts and parts.index("parallm.stages") + 1 < len(parts):
-                name = parts[parts.index("parallm.stages") + 1]
-                has_replica = "--replica" in parts and parts.index("--replica") + 1 < len(parts)
-                replica = parts[parts.index("--replica") + 1] if has_replica else "0"
-                pids[name if name != "tokenizer" else f"tokenizer-{replica}"] = int(pid)
-        return pids
+        """pid of every stage process (tokenizers as `tokenizer-<replica>`), from the supervisor's children."""
+        return {name if name != "tokenizer" else f"tokenizer-{replica}": pid
+                for name, replica, pid in self.stage_processes()}

@@ -17,8 +17,9 @@ import zmq
 from parallm import keys, protocol
 from parallm.client import Client, StageFailure
 from parallm.protocol import SamplingParams
+from perf.harness import free_port_range
 
-from .server import Server, free_port
+from .server import Server
 
 pytestmark = pytest.mark.e2e
 
@@ -29,22 +30,6 @@ def key_dir(tmp_path_factory):
     keys.main(["new", str(d / "allowed"), "trainer"])
     keys.main(["new", str(d / "other"), "intruder"])
     return d
-
-
-def free_port_range(n: int = 10) -> int:
-    """A first port whose next n - 1 are free too (the stages bind consecutive ports)."""
-    for _ in range(50):
-        base = free_port()
-        if base + n > 65535:
-            continue
-        try:
-            for port in range(base, base + n):
-                with socket.socket() as s:
-                    s.bind(("127.0.0.1", port))
-        except OSError:
-            continue
-        return base
-    raise RuntimeError("no range of free ports")
 
 
 @pytest.fixture(scope="module")
