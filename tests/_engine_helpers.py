@@ -104,3 +104,9 @@ def make_engine(model: nn.Module, *, eos: list[int] | None = None, max_model_len
     config = Config(engine=EngineConfig(kv_budget_mb=kv_budget_bytes / (1 << 20), **engine),
                     adapters=AdaptersConfig(merge_mb=adapter_merge_mb))
     return Engine(EngineModel(model, tuple(eos or ()), max_model_len), config)
+
+def tracked_engine(engines: list[Engine], model: nn.Module, **kw) -> Engine:
+    """make_engine, registered with the `engines` fixture (integrity and leak checks at teardown)."""
+    engine = make_engine(model, **kw)
+    engines.append(engine)
+    return engine

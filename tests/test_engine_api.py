@@ -8,7 +8,8 @@ import numpy as np
 import pytest
 from mlx_lm.models import llama
 
-from _engine_helpers import COMMON, TINY_VOCAB, greedy, make_engine, reference_greedy, run_all, tiny_model, req
+from _engine_helpers import (COMMON, TINY_VOCAB, greedy, reference_greedy, req, run_all, tiny_model,
+                             tracked_engine as new)
 from parallm.engine import RequestRejected
 from parallm.protocol import SamplingParams
 
@@ -16,12 +17,6 @@ from parallm.protocol import SamplingParams
 @pytest.fixture(scope="module")
 def model():
     return tiny_model("llama")
-
-
-def new(engines, model, **kw):
-    e = make_engine(model, **kw)
-    engines.append(e)
-    return e
 
 
 def prompt(n, seed=0):

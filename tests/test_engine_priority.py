@@ -7,7 +7,7 @@ import math
 import random
 
 import pytest
-from _engine_helpers import TINY_VOCAB, greedy, make_engine, reference_greedy, req, run_all, tiny_model
+from _engine_helpers import TINY_VOCAB, greedy, reference_greedy, req, run_all, tiny_model, tracked_engine as new
 
 from parallm.engine import RequestRejected, SeqOutput
 from parallm.protocol import SamplingParams
@@ -16,12 +16,6 @@ from parallm.protocol import SamplingParams
 @pytest.fixture(scope="module")
 def model():
     return tiny_model("llama")
-
-
-def new(engines, model, **kw):
-    e = make_engine(model, **kw)
-    engines.append(e)
-    return e
 
 
 def ids_of(n, seed):

@@ -9,7 +9,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 import zmq
-from _engine_helpers import TINY_VOCAB, greedy, make_engine, reference_greedy, req, run_all, tiny_model
+from _engine_helpers import TINY_VOCAB, greedy, reference_greedy, req, run_all, tiny_model, tracked_engine as new
 
 from parallm import protocol
 from parallm.engine import RequestRejected, ScoreResult, SeqOutput
@@ -19,12 +19,6 @@ from parallm.protocol import SamplingParams
 @pytest.fixture(scope="module")
 def model():
     return tiny_model("llama")
-
-
-def new(engines, model, **kw):
-    e = make_engine(model, **kw)
-    engines.append(e)
-    return e
 
 
 def ids_of(n, seed=0):

@@ -1,4 +1,7 @@
+import httpx
 import pytest
+
+from parallm.client import Client
 
 from .server import Server
 
@@ -16,3 +19,17 @@ def openai_client(server):
     import openai
 
     return openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=300)
+
+
+@pytest.fixture(scope="module")
+def http(server):
+    """An HTTP client of the session server."""
+    with httpx.Client(base_url=server.url, timeout=300) as c:
+        yield c
+
+
+@pytest.fixture(scope="module")
+def raw(server):
+    """A raw ZeroMQ client of the session server."""
+    with Client(server.router, timeout=300) as c:
+        yield c

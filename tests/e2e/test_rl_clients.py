@@ -7,11 +7,9 @@ from __future__ import annotations
 
 import json
 
-import httpx
 import pytest
 
 from parallm.adapters import save_bytes
-from parallm.client import Client
 from parallm.protocol import SamplingParams
 
 from .test_adapters import CONFIG, weights
@@ -19,18 +17,6 @@ from .test_adapters import CONFIG, weights
 pytestmark = pytest.mark.e2e
 
 PROMPT = [1, 504, 3458, 282, 2]
-
-
-@pytest.fixture(scope="module")
-def http(server):
-    with httpx.Client(base_url=server.url, timeout=300) as c:
-        yield c
-
-
-@pytest.fixture(scope="module")
-def raw(server):
-    with Client(server.router, timeout=300) as c:
-        yield c
 
 
 def close(a: list[float], b: list[float]) -> bool:

@@ -16,18 +16,6 @@ pytestmark = pytest.mark.e2e
 PROMPT = [1, 504, 3458, 282, 2]
 
 
-@pytest.fixture(scope="module")
-def http(server):
-    with httpx.Client(base_url=server.url, timeout=300) as c:
-        yield c
-
-
-@pytest.fixture(scope="module")
-def raw(server):
-    with Client(server.router, timeout=300) as c:
-        yield c
-
-
 RETRYABLE = ("stage_restarted", "service_unavailable")
 
 
