@@ -53,7 +53,7 @@ SHAPES: dict[str, dict[str, Any]] = {
                          vocab_size=49152, rope_theta=100000.0, tie_word_embeddings=True,
                          max_position_embeddings=8192, dtype="bfloat16"),
     # Qwen3-30B-A3B (and Qwen3-Coder-30B-A3B): 128 experts, 8 active, 4-bit like mlx-community's quants;
-    # built in bfloat16 first (~61 GB before quantizing): run it on an H200 (needs_h200)
+    # filled and quantized a block at a time (build_model_dir), so it builds on one 80 GB card
     "qwen3-30b-a3b": dict(model_type="qwen3_moe", hidden_size=2048, num_hidden_layers=48, intermediate_size=6144,
                           moe_intermediate_size=768, num_experts=128, num_experts_per_tok=8, decoder_sparse_step=1,
                           mlp_only_layers=[], norm_topk_prob=True, num_attention_heads=32, num_key_value_heads=4,
@@ -108,17 +108,19 @@ def build_model_dir(shape: str, out: Path, tokenizer_dir: Path, vocab_size: int 
     arch = importlib.import_module(f"mlx_lm.models.{spec['model_type']}")
     model = arch.Model(arch.ModelArgs.from_dict(config))
     mx.random.seed(0)
-    params = []
-    for name, p in tree_flatten(model.parameters()):
-        value = mx.ones(p.shape) if "norm" in name else mx.random.normal(p.shape) * 0.02
-        params.append((name, value.astype(getattr(mx, dtype))))
-        mx.eval(params[-1][1])
-    model.load_weights(params)
-    mx.eval(model.parameters())
     if bits:
+        # one block at a time, quantized as soon as it is filled: the full-precision model of a 30B
+        # MoE (~61 GB) never exists whole, so it builds on one 80 GB card
+        for layer in model.layers:
+            _fill_random(layer, dtype)
+            nn.quantize(layer, group_size=64, bits=bits)
+            mx.eval(layer.parameters())
+        _fill_random(model, dtype, skip=lambda name: ".layers." in f".{name}")
         nn.quantize(model, group_size=64, bits=bits)
         config["quantization"] = {"group_size": 64, "bits": bits}
         mx.eval(model.parameters())
+    else:
+        _fill_random(model, dtype)
     mx.save_safetensors(str(tmp / "model.safetensors"), dict(tree_flatten(model.parameters())),
                         metadata={"format": "mlx"})
     (tmp / "config.json").write_text(json.dumps(config))
@@ -127,6 +129,20 @@ def build_model_dir(shape: str, out: Path, tokenizer_dir: Path, vocab_size: int 
             shutil.copy2(f, tmp / f.name)
     tmp.rename(out)
     return out
+
+
+def _fill_random(module: nn.Module, dtype: str, skip: Any = None) -> None:
+    """N(0, 0.02) weights (ones for norms) for every parameter of `module` not `skip`ped, evaluated one
+    at a time so that peak memory is the model plus one tensor."""
+    params = []
+    for name, p in tree_flatten(module.parameters()):
+        if skip is not None and skip(name):
+            continue
+        value = mx.ones(p.shape) if "norm" in name else mx.random.normal(p.shape) * 0.02
+        params.append((name, value.astype(getattr(mx, dtype))))
+        mx.eval(params[-1][1])
+    module.load_weights(params, strict=False)
+    mx.eval(module.parameters())
 
 
 def weight_bytes(model: nn.Module) -> int:
