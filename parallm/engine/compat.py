@@ -245,6 +245,28 @@ def _vocab_size(model: nn.Module) -> int:
     return int(size) if size else 51
 
 
+def _batch_noise(model: nn.Module, info: ModelInfo, prompt: list[int], nxt: int, want_prefill: mx.array,
+                 want_decode: mx.array) -> float:
+    """How far a batch of two copies of one prompt (equal lengths: nothing per-row to get wrong) is
+    from that prompt alone: the rounding that a batched pass's other kernels bring by themselves (a
+    GPU's bf16 matmul at batch 2 is not the one at batch 1; 0.15 in a 28-layer bf16 llama on an
+    H200), which the padded-rows check must not read as a position error."""
+    if info.dtype == mx.float32:
+        return 0.0
+    live = LiveKV(info.shapes, info.dtype, info.layout)
+    live.resize(2, 16)
+    try:
+        ctx = PassContext(0, [0, 0], len(prompt), len(prompt), mask5d=info.mask5d, lengths=[len(prompt)] * 2)
+        pre = _logits(model(mx.array([prompt, prompt]), cache=live.views(ctx)))[:, -1]
+        ctx = PassContext(0, [len(prompt)] * 2, 1, len(prompt) + 1, mask5d=info.mask5d)
+        dec = _logits(model(mx.array([[nxt], [nxt]]), cache=live.views(ctx)))[:, -1]
+    except Exception:
+        return 0.0  # the padded check below reports the failure with its reason
+    diffs = [mx.abs(got.astype(mx.float32) - want.astype(mx.float32)).max().item()
+             for got, want in ((pre[0], want_prefill), (dec[0], want_decode))]
+    return max(diffs)
+
+
 def check_batched_rows(model: nn.Module, info: ModelInfo) -> None:
     """Two prompts of different lengths in one right-padded pass, then one decode pass, through
     the engine's views: each row's logits must be those of the prompt run alone through mlx-lm's
@@ -273,13 +295,14 @@ def check_batched_rows(model: nn.Module, info: ModelInfo) -> None:
     except Exception as e:
         raise UnsupportedModel(f"model type {info.model_type!r} is not served: a batched pass over rows of "
                                f"different lengths fails ({type(e).__name__}: {e})") from e
+    noise = _batch_noise(model, info, prompts[1], nxt[1], want_prefill[1], want_decode[1])
     for what, got, want in (("prefill", got_prefill, want_prefill), ("decode", got_decode, want_decode)):
         for row, (g, w) in enumerate(zip(got, want)):
             g, w = g.astype(mx.float32), w.astype(mx.float32)
             scale = max(1.0, mx.abs(w).max().item())
             tol = 1e-3 if info.dtype == mx.float32 else 3e-2
             diff = mx.abs(g - w).max().item()
-            if not diff <= tol * scale:
+            if not diff <= max(tol * scale, 4 * noise):
                 why = ("its recurrent scan ignores a padded row's length" if info.has_state else
                        "it reads per-row positions in a way the engine's views do not support")
                 raise UnsupportedModel(f"model type {info.model_type!r} is not served: {why} (batched rows of "

@@ -17,6 +17,7 @@ from __future__ import annotations
 import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten, tree_unflatten
+from mlx_lm.models.switch_layers import QuantizedSwitchLinear, SwitchLinear
 
 from .errors import ModelLoadError
 
@@ -28,11 +29,12 @@ _NAMES = {v: k for k, v in FLOAT_DTYPES.items()}
 def _quantized_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
     found = []
     for name, module in model.named_modules():
-        if isinstance(module, (nn.QuantizedLinear, nn.QuantizedEmbedding)):
+        if isinstance(module, (nn.QuantizedLinear, nn.QuantizedEmbedding, QuantizedSwitchLinear)):
             found.append((name, module))
         elif "scales" in module:
             raise ModelLoadError(f"module {name} is quantized as {type(module).__name__}, which parallm's "
-                                 "dtype policy cannot handle (only QuantizedLinear and QuantizedEmbedding)")
+                                 "dtype policy cannot handle (only QuantizedLinear, QuantizedEmbedding and "
+                                 "mlx-lm's QuantizedSwitchLinear)")
     return found
 
 
@@ -64,6 +66,11 @@ def _dequantize(module: nn.Module, dtype: mx.Dtype) -> nn.Module:
                            module.group_size, module.bits, module.mode, dtype=f32, **kwargs).astype(dtype)
     if isinstance(module, nn.QuantizedEmbedding):
         plain = nn.Embedding(*weight.shape)
+    elif isinstance(module, QuantizedSwitchLinear):  # weight: [experts, out, in]
+        experts, out_dims, in_dims = weight.shape
+        plain = SwitchLinear(in_dims, out_dims, experts, bias="bias" in module)
+        if "bias" in module:
+            plain.bias = module.bias.astype(dtype)
     else:
         plain = nn.Linear(weight.shape[1], weight.shape[0], bias="bias" in module)
         if "bias" in module:
