@@ -2,7 +2,9 @@
 
 - mlx-lm (written by `mlx_lm.lora`): `adapters.safetensors` + `adapter_config.json` with
   `fine_tune_type` (lora | dora), `num_layers`, `lora_parameters` {rank, scale, dropout, keys}.
-  Tensors `<module>.lora_a` [in, r], `<module>.lora_b` [r, out] and, for DoRA, `<module>.m` [out].
+  Tensors `<module>.lora_a` [in, r], `<module>.lora_b` [r, out] and, for DoRA, `<module>.m` [out];
+  on a MoE model's expert projections (LoRASwitchLinear) `lora_a` [E, r, in] and `lora_b`
+  [E, out, r], held here as a [E, in, r] and b [E, r, out].
 - PEFT: `adapter_model.safetensors` + `adapter_config.json` with `r`, `lora_alpha`,
   `target_modules`, `use_rslora`. Tensors `base_model.model.<module>.lora_A.weight` [r, in] and
   `...lora_B.weight` [out, r]: transposed here, and the scale is lora_alpha / r
@@ -36,14 +38,14 @@ MLX_FILE, PEFT_FILE, CONFIG_FILE = "adapters.safetensors", "adapter_model.safete
 class ModuleLoRA:
     """The low-rank update of one linear layer: y += scale * (x @ a) @ b (DoRA: then * magnitude/norm)."""
 
-    a: mx.array  # [in, r]
-    b: mx.array  # [r, out]
+    a: mx.array  # [in, r]; an expert layer's [E, in, r]
+    b: mx.array  # [r, out]; an expert layer's [E, r, out]
     scale: float
     m: mx.array | None = None  # DoRA magnitude [out]
 
     @property
     def rank(self) -> int:
-        return int(self.a.shape[1])
+        return int(self.a.shape[-1])
 
 
 @dataclass(slots=True)
@@ -178,27 +180,43 @@ def _parse_mlx(config: dict[str, Any], tensors: dict[str, mx.array]) -> ParsedAd
     for module, g in sorted(groups.items()):
         if "lora_a" not in g or "lora_b" not in g:
             raise AdapterError(f"module {module!r} has {sorted(g)} but needs both lora_a and lora_b")
+        a, b = g["lora_a"], g["lora_b"]
+        experts = a.ndim == 3 or b.ndim == 3
+        if experts and (kind == "dora" or "m" in g):
+            raise AdapterError(f"module {module!r}: DoRA on expert (switch) layers is not served (mlx-lm has none "
+                               "either)")
         if ("m" in g) != (kind == "dora"):
             raise AdapterError(f"module {module!r}: DoRA magnitude 'm' {'missing' if kind == 'dora' else 'present'} "
                                f"but fine_tune_type is {kind!r}")
-        a, b = g["lora_a"], g["lora_b"]
-        if a.ndim != 2 or b.ndim != 2 or a.shape[1] != b.shape[0]:
+        if experts:
+            a, b = _experts_lora(module, a, b)
+        elif a.ndim != 2 or b.ndim != 2 or a.shape[1] != b.shape[0]:
             raise AdapterError(f"module {module!r}: lora_a {tuple(a.shape)} and lora_b {tuple(b.shape)} are not "
                                "[in, r] and [r, out]")
-        if a.shape[1] != rank:
-            raise AdapterError(f"module {module!r}: rank {a.shape[1]} differs from lora_parameters.rank {rank}")
+        if a.shape[-1] != rank:
+            raise AdapterError(f"module {module!r}: rank {a.shape[-1]} differs from lora_parameters.rank {rank}")
         m = g.get("m")
         if m is not None and m.shape != (b.shape[1],):
             raise AdapterError(f"module {module!r}: DoRA magnitude has shape {tuple(m.shape)}, expected ({b.shape[1]},)")
         modules[module] = ModuleLoRA(a=a, b=b, scale=scale, m=m)
     keys = lp.get("keys")
     if keys:
-        stray = sorted({m.rsplit(".layers.", 1)[-1].split(".", 1)[-1] for m in modules} - set(keys))
+        # a key names a module inside a layer: what follows the layer list's index (layers.3., h.3., blocks.3.)
+        stray = sorted({_LAYER_INDEX.split(m, maxsplit=1)[-1] for m in modules} - set(keys))
         if stray:
             raise AdapterError(f"tensors target {stray}, which lora_parameters.keys {sorted(keys)} does not list")
     return ParsedAdapter(format="mlx", kind=kind, modules=modules, config=config)
 
 
+def _experts_lora(module: str, a: mx.array, b: mx.array) -> tuple[mx.array, mx.array]:
+    """mlx-lm's LoRASwitchLinear tensors (lora_a [E, r, in], lora_b [E, out, r]) as [E, in, r], [E, r, out]."""
+    if a.ndim != 3 or b.ndim != 3 or a.shape[0] != b.shape[0] or a.shape[1] != b.shape[2]:
+        raise AdapterError(f"module {module!r}: lora_a {tuple(a.shape)} and lora_b {tuple(b.shape)} are not an expert "
+                           "layer's [experts, r, in] and [experts, out, r]")
+    return a.swapaxes(1, 2), b.swapaxes(1, 2)
+
+
+_LAYER_INDEX = re.compile(r"(?:^|\.)\d+\.")
 _PEFT_KEY = re.compile(r"^(?:base_model\.model\.)?(?P<module>.+)\.lora_(?P<which>[AB])(?:\.[A-Za-z0-9_]+)?\.weight$")
 
 

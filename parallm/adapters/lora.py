@@ -17,6 +17,8 @@ Three cases per pass:
   scale), and two `mx.gather_mm` calls apply each row's own slot. Stacks are cached per set of
   adapters, so a steady mix costs no copies after its first pass.
 DoRA rows are rescaled by their precomputed magnitude / norm gain per output feature.
+Expert projections of MoE layers take the same three cases through `apply_switch`
+(parallm.adapters.switch_lora: the stacks there are per (slot, expert)).
 
 On a GPU a small model's pass is spent launching kernels, not running them, so the number of
 ops per adapted layer is what an adapter costs there (docs/adapters.md, "Measured").
@@ -30,6 +32,10 @@ from typing import TYPE_CHECKING, Sequence
 
 import mlx.core as mx
 import mlx.nn as nn
+from mlx_lm.models.switch_layers import QuantizedSwitchLinear
+
+from .sharded import ShardedBase, is_sharded
+from .switch_lora import switch_dims
 
 if TYPE_CHECKING:
     from .registry import LoadedAdapter
@@ -53,7 +59,8 @@ def dense_weight(linear: nn.Module) -> mx.array:
 
 
 def compute_dtype(linear: nn.Module) -> mx.Dtype:
-    return linear.scales.dtype if isinstance(linear, nn.QuantizedLinear) else linear.weight.dtype
+    quantized = isinstance(linear, (nn.QuantizedLinear, QuantizedSwitchLinear))
+    return linear.scales.dtype if quantized else linear.weight.dtype
 
 
 @dataclass(frozen=True, slots=True)
@@ -68,7 +75,12 @@ class PreparedLoRA:
 
     @property
     def rank(self) -> int:
-        return int(self.a.shape[1])
+        return int(self.a.shape[-1])
+
+    @property
+    def experts(self) -> bool:
+        """Whether this is an expert projection's update: a [E, in, r], b [E, r, out]."""
+        return self.a.ndim == 3
 
     @property
     def nbytes(self) -> int:
@@ -83,11 +95,14 @@ class MultiLoRALinear(nn.Module):
         self.linear = linear
         self._path = path
         self._router = router
+        self._shard = ShardedBase(linear) if is_sharded(linear) else None  # a tensor-parallel slice (sharded.py)
 
     def __call__(self, x: mx.array) -> mx.array:
         plan = self._router.plan
         if plan is None:
             return self.linear(x)
+        if self._shard is not None:
+            return self._shard.finish(plan.apply(self._path, self._shard.local(), x))
         return plan.apply(self._path, self.linear, x)
 
 
@@ -112,6 +127,20 @@ class _Single:
         if m.m is not None:
             y = _dora(y, linear, self.adapter.gains[path])
         return y
+
+    def token_slots(self, indices: mx.array) -> None:
+        return None
+
+    def apply_switch(self, path: str, linear: nn.Module, x: mx.array, idx: mx.array, sort: bool,
+                     slots: None) -> mx.array:
+        """mlx-lm's LoRASwitchLinear, operation for operation."""
+        y = linear(x, idx, sorted_indices=sort)
+        m = self.adapter.modules.get(path)
+        if m is None:
+            return y
+        z = mx.gather_mm(x, m.a, rhs_indices=idx, sorted_indices=sort)
+        z = mx.gather_mm(z, m.b, rhs_indices=idx, sorted_indices=sort)
+        return y + (m.scale * z).astype(x.dtype)
 
 
 class _Stacks:
@@ -150,6 +179,32 @@ class _Stacks:
         self.by_path[path] = entry
         return entry
 
+    def get_switch(self, path: str, linear: nn.Module) -> tuple | None:
+        """(A [S*E, in, r], B [S*E, r, out], scale per (slot, expert) [S*E]) of an expert projection."""
+        if path in self.by_path:
+            return self.by_path[path]
+        mods = [None if a is None else a.modules.get(path) for a in self.slots]
+        if all(m is None for m in mods):
+            self.by_path[path] = None
+            return None
+        experts, in_dims, out_dims = switch_dims(linear)
+        dtype = next(m.a.dtype for m in mods if m is not None)
+        r = max(m.rank for m in mods if m is not None)
+        A, B, scales = [], [], []
+        for m in mods:
+            if m is None:
+                A.append(mx.zeros((experts, in_dims, r), dtype))
+                B.append(mx.zeros((experts, r, out_dims), dtype))
+                scales.append(0.0)
+                continue
+            pad = r - m.rank
+            A.append(m.a if not pad else mx.pad(m.a, [(0, 0), (0, 0), (0, pad)]))
+            B.append(m.b if not pad else mx.pad(m.b, [(0, 0), (0, pad), (0, 0)]))
+            scales.append(m.scale)
+        entry = (mx.concatenate(A), mx.concatenate(B), mx.repeat(mx.array(scales, dtype=dtype), experts))
+        self.by_path[path] = entry
+        return entry
+
 
 class _Mixed:
     def __init__(self, stacks: _Stacks, idx: mx.array) -> None:
@@ -168,6 +223,30 @@ class _Mixed:
             g = gains[idx].reshape((idx.shape[0],) + (1,) * (y.ndim - 2) + (gains.shape[-1],))
             y = _dora(y, linear, g)
         return y
+
+    def token_slots(self, indices: mx.array) -> mx.array:
+        """The stack slot of every routed token: `indices` [rows, ..., k] as the pass's rows, or
+        [rows * tokens, k] when the model flattened its rows first (olmoe, minimax_m3)."""
+        rows, n = self.idx.shape[0], indices.shape[0]
+        if n == rows:
+            per = self.idx
+        elif n % rows == 0:
+            per = mx.repeat(self.idx, n // rows)
+        else:
+            raise ValueError(f"a MoE layer routed {n} leading rows in a pass of {rows}: which row each token "
+                             "belongs to is unknown")
+        return mx.broadcast_to(per.reshape((n,) + (1,) * (indices.ndim - 1)), indices.shape)
+
+    def apply_switch(self, path: str, linear: nn.Module, x: mx.array, idx: mx.array, sort: bool,
+                     slots: mx.array) -> mx.array:
+        y = linear(x, idx, sorted_indices=sort)
+        st = self.stacks.get_switch(path, linear)
+        if st is None:
+            return y
+        A, B, scales = st
+        comb = slots * linear.num_experts + idx
+        z = mx.gather_mm(mx.gather_mm(x, A, rhs_indices=comb), B, rhs_indices=comb)
+        return y + (scales[comb].reshape(comb.shape + (1, 1)) * z).astype(x.dtype)
 
 
 class LoRARouter:

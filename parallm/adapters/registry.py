@@ -10,6 +10,7 @@ pulls weights from under a running sequence (they are freed when it finishes).
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import re
 import threading
@@ -27,6 +28,8 @@ from parallm.protocol import AdapterInfo, AdapterStats, AdapterVersion
 from .errors import AdapterError
 from .formats import Format, ParsedAdapter, nonfinite_names, parse, read_dir
 from .lora import LoRARouter, MultiLoRALinear, PreparedLoRA, compute_dtype, dense_weight, linear_dims
+from .sharded import is_sharded, local_linear, shard_lora
+from .switch_lora import SWITCH_LINEARS, adopt, enable, routable, switch_dims
 
 NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.\-/]{0,127}$")
 _LAYER_RE = re.compile(r"(?:^|\.)layers\.(\d+)\.")
@@ -75,9 +78,12 @@ class AdapterManager:
         self.router = LoRARouter()
         self.versions: dict[str, list[LoadedAdapter]] = {}
         self.linears: dict[str, nn.Module] = {}
+        self.switches: dict[str, nn.Module] = {}  # expert projections of routable MoE blocks (switch_lora)
         self.other_modules: dict[str, str] = {}
         self.wrapped: set[str] = set()
+        self.switch_blocks: set[str] = set(adopt(model, self.router))
         modules = model.named_modules()
+        by_path = dict(modules)
         for path, module in modules:
             if isinstance(module, MultiLoRALinear):  # wrapped by an earlier engine on this model: take it over
                 module._router = self.router
@@ -88,9 +94,23 @@ class AdapterManager:
                 continue
             if isinstance(module, (nn.Linear, nn.QuantizedLinear)):
                 self.linears[path] = module
+            elif isinstance(module, SWITCH_LINEARS) and "." in path:
+                block = by_path[path.rsplit(".", 1)[0]]
+                if routable(block):
+                    self.switches[path] = module
+                else:
+                    self.other_modules[path] = f"{type(module).__name__} inside a {type(block).__name__} (a MoE block " \
+                        "whose forward the engine cannot route per row)"
             elif path:
                 self.other_modules[path] = type(module).__name__
-        dtypes = {compute_dtype(linear) for linear in self.linears.values()}
+        # a tensor-parallel engine's slices of linear layers (sharded.py): adapters are checked against,
+        # and prepared for, this rank's part, `linears` holding a plain linear that shares its arrays
+        self.sharded = {p: m for p, m in [*self.linears.items(), *modules] if is_sharded(m) and
+                        (p in self.linears or p in self.other_modules)}
+        for p, layer in self.sharded.items():
+            self.other_modules.pop(p, None)
+            self.linears[p] = local_linear(layer)
+        dtypes = {compute_dtype(linear) for linear in [*self.linears.values(), *self.switches.values()]}
         # one compute type for every layer: safetensors bytes are cast to it per dtype group as they're read
         self.dtype = dtypes.pop() if len(dtypes) == 1 else None
         layers = getattr(model, "layers", None)
@@ -193,6 +213,8 @@ class AdapterManager:
         if not weights:
             raise AdapterError("no adapter weights: give safetensors bytes inline or a path")
         parsed = parse(config or {}, weights, fmt, dtype=self.dtype)
+        if self.sharded:
+            parsed = self._local_part(parsed)
         modules, gains = self._bind(parsed)
         nbytes = sum(m.nbytes for m in modules.values()) + sum(g.nbytes for g in gains.values())
         return LoadedAdapter(name=name, version=version, kind=parsed.kind, format=parsed.format, rank=parsed.rank,
@@ -207,33 +229,28 @@ class AdapterManager:
             if layer and self.num_layers and int(layer.group(1)) >= self.num_layers:
                 raise AdapterError(f"adapter does not match the base model: it targets layer {layer.group(1)} "
                                    f"({path}) but the base model has {self.num_layers} layers")
-            linear = self.linears.get(path)
-            if linear is None:
-                if path in self.other_modules:
-                    raise AdapterError(f"module {path!r} is a {self.other_modules[path]}, not a linear layer; only "
-                                       "Linear and QuantizedLinear layers take adapters")
-                example = next(iter(self.linears), "")
-                raise AdapterError(f"adapter does not match the base model: it has no module {path!r} (its linear "
-                                   f"layers are named like {example!r})")
-            in_dims, out_dims = linear_dims(linear)
-            if m.a.shape[0] != in_dims or m.b.shape[1] != out_dims:
-                raise AdapterError(f"adapter does not match the base model: {path} maps {m.a.shape[0]} -> "
-                                   f"{m.b.shape[1]} features in the adapter (lora_a {tuple(m.a.shape)}, lora_b "
-                                   f"{tuple(m.b.shape)}) but {in_dims} -> {out_dims} in the base model")
+            if m.a.ndim == 3 or path in self.switches:
+                linear = self._check_experts(path, m)
+            else:
+                linear = self._check_dense(path, m)
             if isinstance(num_layers, int) and 0 <= num_layers < self.num_layers and layer and \
                     int(layer.group(1)) < self.num_layers - num_layers:
                 raise AdapterError(f"{path} is outside the last num_layers={num_layers} layers the config names")
             linears[path] = linear
         if not linears:
             raise AdapterError("the adapter targets no layer")
-        merge = all(type(linear) is nn.Linear for linear in linears.values()) and \
-            sum(linear.weight.nbytes for linear in linears.values()) <= self.merge_bytes
+        dense = [linear for path, linear in linears.items() if path not in self.switches]
+        merge = all(type(linear) is nn.Linear for linear in dense) and \
+            sum(linear.weight.nbytes for linear in dense) <= self.merge_bytes
         modules: dict[str, PreparedLoRA] = {}
         gains: dict[str, mx.array] = {}
         for path, m in parsed.modules.items():
             linear = linears[path]
             dtype = compute_dtype(linear)
             a, b = m.a.astype(dtype), m.b.astype(dtype)
+            if path in self.switches:  # experts: never merged (that would copy every expert's weight)
+                modules[path] = PreparedLoRA(a=a, b=b, scale=m.scale)
+                continue
             mag = merged = None
             if m.m is not None:
                 mag = m.m.astype(mx.float32)
@@ -252,11 +269,61 @@ class AdapterManager:
             raise AdapterError(f"DoRA gains of {bad[0]} are not finite (a zero-norm adapted weight?)")
         return modules, gains
 
+    def _check_dense(self, path: str, m) -> nn.Module:
+        """The Linear / QuantizedLinear an adapter's [in, r] / [r, out] update targets, checked."""
+        linear = self.linears.get(path)
+        if linear is None:
+            if path in self.other_modules:
+                raise AdapterError(f"module {path!r} is a {self.other_modules[path]}, not a linear layer; only "
+                                   "Linear and QuantizedLinear layers (and mlx-lm's MoE expert layers) take adapters")
+            example = next(iter(self.linears), "")
+            raise AdapterError(f"adapter does not match the base model: it has no module {path!r} (its linear "
+                               f"layers are named like {example!r})")
+        in_dims, out_dims = linear_dims(linear)
+        if m.a.shape[0] != in_dims or m.b.shape[1] != out_dims:
+            raise AdapterError(f"adapter does not match the base model: {path} maps {m.a.shape[0]} -> "
+                               f"{m.b.shape[1]} features in the adapter (lora_a {tuple(m.a.shape)}, lora_b "
+                               f"{tuple(m.b.shape)}) but {in_dims} -> {out_dims} in the base model")
+        return linear
+
+    def _check_experts(self, path: str, m) -> nn.Module:
+        """The expert projection an adapter's [E, in, r] / [E, r, out] update targets, checked."""
+        linear = self.switches.get(path)
+        if linear is None:
+            why = self.other_modules.get(path) or (f"a {type(self.linears[path]).__name__}" if path in self.linears
+                                                   else "not a module of the base model")
+            raise AdapterError(f"adapter does not match the base model: {path} holds an expert layer's update "
+                               f"(lora_a {tuple(m.a.shape)}) but is {why}")
+        experts, in_dims, out_dims = switch_dims(linear)
+        if m.a.ndim != 3:
+            raise AdapterError(f"adapter does not match the base model: {path} is an expert layer ({experts} experts) "
+                               f"but its update has lora_a {tuple(m.a.shape)}, not [experts, r, in]")
+        if m.a.shape[0] != experts or m.a.shape[1] != in_dims or m.b.shape[2] != out_dims:
+            raise AdapterError(f"adapter does not match the base model: {path} has {m.a.shape[0]} experts mapping "
+                               f"{m.a.shape[1]} -> {m.b.shape[2]} features in the adapter but {experts} experts "
+                               f"mapping {in_dims} -> {out_dims} in the base model")
+        return linear
+
+    def _local_part(self, parsed: ParsedAdapter) -> ParsedAdapter:
+        """On a tensor-parallel engine: this rank's slice of each update of a sharded layer (sharded.py),
+        checked against the whole layer first; the local views re-made (a full-weight update may have
+        replaced the arrays they share)."""
+        for p, layer in self.sharded.items():
+            self.linears[p] = local_linear(layer)
+        modules = {p: shard_lora(p, m, self.sharded[p]) if p in self.sharded else m for p, m in parsed.modules.items()}
+        return dataclasses.replace(parsed, modules=modules)
+
     def _commit(self, adapter: LoadedAdapter) -> None:
-        new = [p for p in adapter.modules if p not in self.wrapped]
+        blocks = {p.rsplit(".", 1)[0] for p in adapter.modules if p in self.switches} - self.switch_blocks
+        if blocks:
+            by_path = dict(self.model.named_modules())
+            for block_path in sorted(blocks):
+                enable(by_path[block_path], block_path, self.router)
+            self.switch_blocks.update(blocks)
+        new = [p for p in adapter.modules if p not in self.wrapped and p not in self.switches]
         if new:
             self.model.update_modules(tree_unflatten(
-                [(p, MultiLoRALinear(self.linears[p], p, self.router)) for p in new]))
+                [(p, MultiLoRALinear(self.sharded.get(p, self.linears[p]), p, self.router)) for p in new]))
             self.wrapped.update(new)
         kept = self.versions.setdefault(adapter.name, [])
         kept.append(adapter)

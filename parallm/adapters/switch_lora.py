@@ -1,0 +1,118 @@
+"""Per-row LoRA on the expert projections of mixture-of-experts layers (mlx-lm's switch layers).
+
+An adapter trained by mlx-lm on a MoE model holds, per expert projection (a `SwitchLinear` /
+`QuantizedSwitchLinear` inside a `SwitchGLU` or `SwitchMLP`), `lora_a` [E, r, in] and `lora_b`
+[E, out, r] (`LoRASwitchLinear`): a token routed to expert e gets scale * (x @ a[e]^T) @ b[e]^T.
+
+The per-row choice of adapter cannot be made at the projection itself: for 64 routed tokens or
+more the block sorts them by expert first, and a projection then sees anonymous rows. So the
+block is the unit that changes: its class is swapped (once, when the first adapter targeting its
+experts loads) for a subclass whose forward is mlx-lm's own plus, per projection, the delta of
+each token's adapter (`LoRARouter.plan.apply_switch`). The parameters, their names and the
+no-adapter path stay exactly mlx-lm's; a full-weight update sees the same tree.
+
+In a mixed pass the adapters' expert weights are stacked slot-major (A [S*E, in, r], B [S*E, r,
+out]) and each routed token's index is slot * E + expert: two `gather_mm` per projection, as
+the dense layers' mixed path does per row.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Callable
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx_lm.models.switch_layers import QuantizedSwitchLinear, SwitchGLU, SwitchLinear, SwitchMLP, _scatter_unsort
+
+if TYPE_CHECKING:
+    from .lora import LoRARouter
+
+SWITCH_LINEARS = (SwitchLinear, QuantizedSwitchLinear)
+Project = Callable[[str, mx.array, mx.array, bool], mx.array]
+
+
+def switch_dims(linear: nn.Module) -> tuple[int, int, int]:
+    """(experts, input features, output features) of a SwitchLinear or QuantizedSwitchLinear."""
+    return int(linear.num_experts), int(linear.input_dims), int(linear.output_dims)
+
+
+def _sort(x: mx.array, indices: mx.array, slots: mx.array | None):
+    """mlx-lm's _gather_sort, also carrying each routed token's adapter slot into the sorted order."""
+    M = indices.shape[-1]
+    flat = indices.flatten()
+    order = mx.argsort(flat)
+    inv_order = mx.argsort(order)
+    return x.flatten(0, -3)[order // M], flat[order], inv_order, None if slots is None else slots.flatten()[order]
+
+
+class _LoRASwitchBlock:
+    """What the swapped-in block classes add: the router and their own path."""
+
+    _lora_router: "LoRARouter"
+    _lora_path: str
+
+    def _routed(self, x: mx.array, indices: mx.array, body: Callable[[mx.array, mx.array, bool, Project], mx.array]):
+        plan = self._lora_router.plan
+        x = mx.expand_dims(x, (-2, -3))
+        indices = mx.stop_gradient(indices)
+        do_sort = indices.size >= 64
+        slots = None if plan is None else plan.token_slots(indices)
+        idx, inv_order = indices, None
+        if do_sort:
+            x, idx, inv_order, slots = _sort(x, indices, slots)
+
+        def project(name: str, h: mx.array, idx: mx.array, sort: bool) -> mx.array:
+            linear = getattr(self, name)
+            if plan is None:
+                return linear(h, idx, sorted_indices=sort)
+            return plan.apply_switch(f"{self._lora_path}.{name}", linear, h, idx, sort, slots)
+
+        out = body(x, idx, do_sort, project)
+        if do_sort:
+            out = _scatter_unsort(out, inv_order, indices.shape)
+        return out.squeeze(-2)
+
+
+class LoRASwitchGLU(_LoRASwitchBlock, SwitchGLU):
+    def __call__(self, x: mx.array, indices: mx.array) -> mx.array:
+        def body(x, idx, sort, project):
+            up = project("up_proj", x, idx, sort)
+            gate = project("gate_proj", x, idx, sort)
+            return project("down_proj", self.activation(up, gate), idx, sort)
+
+        return self._routed(x, indices, body)
+
+
+class LoRASwitchMLP(_LoRASwitchBlock, SwitchMLP):
+    def __call__(self, x: mx.array, indices: mx.array) -> mx.array:
+        def body(x, idx, sort, project):
+            return project("fc2", self.activation(project("fc1", x, idx, sort)), idx, sort)
+
+        return self._routed(x, indices, body)
+
+
+SWAPS = {SwitchGLU: LoRASwitchGLU, SwitchMLP: LoRASwitchMLP}
+
+
+def routable(block: nn.Module) -> bool:
+    """Whether `block`'s expert projections can take per-row adapters (an mlx-lm SwitchGLU / SwitchMLP
+    whose forward is mlx-lm's own, possibly already swapped)."""
+    return type(block) in SWAPS or isinstance(block, _LoRASwitchBlock)
+
+
+def enable(block: nn.Module, path: str, router: "LoRARouter") -> None:
+    """Make `block` (at `path` in the model) apply each row's expert adapter from now on."""
+    if not isinstance(block, _LoRASwitchBlock):
+        block.__class__ = SWAPS[type(block)]
+    block._lora_router = router
+    block._lora_path = path
+
+
+def adopt(model: nn.Module, router: "LoRARouter") -> list[str]:
+    """Blocks an earlier engine on this model swapped: they now answer to `router`. Their paths."""
+    paths = []
+    for path, module in model.named_modules():
+        if isinstance(module, _LoRASwitchBlock):
+            module._lora_router = router
+            paths.append(path)
+    return paths
