@@ -129,24 +129,6 @@ def test_a_model_without_shard_is_refused():
         shard_model(model, mx.distributed.init())
 
 
-def test_a_group_refuses_adapters_clearly():
-    from parallm.adapters import AdapterError
-    from parallm.engine.distributed import Leader
-
-    class TwoRanks:
-        def size(self) -> int:
-            return 2
-
-    engine = make_engine(tiny_model("llama"))
-    leader = Leader(engine, mx.distributed.init())
-    leader._group = TwoRanks()  # the refusal reads only the group's size
-    with pytest.raises(AdapterError, match="not supported on a tensor-parallel engine"):
-        leader.load_adapter("a", weights=b"")
-    with pytest.raises(TensorParallelError, match="full-weight updates"):
-        leader.update_weights(path="x")
-    assert leader._pending == []
-
-
 def test_broadcast_on_a_single_rank_returns_the_payload():
     group = mx.distributed.init()
     big = bytes(range(256)) * 40  # past the inline header: two collectives

@@ -31,6 +31,7 @@ import logging
 import os
 import struct
 import time
+import zlib
 from typing import Any, Callable
 
 import mlx.core as mx
@@ -38,7 +39,8 @@ import mlx.nn as nn
 import msgspec
 import zmq
 
-from parallm.adapters import AdapterError
+from parallm.adapters import load_bytes, save_bytes
+from parallm.adapters.sharded import recording_segments
 from parallm.protocol import RequestSpec
 
 from .request import Request
@@ -134,7 +136,8 @@ def shard_model(model: nn.Module, group: mx.distributed.Group) -> None:
     reason = shard_refusal(model, group.size())
     if reason is not None:
         raise TensorParallelError(reason)
-    model.shard(group)
+    with recording_segments():  # a fused layer's adapters are sliced by the same segments
+        model.shard(group)
     mx.eval(model.parameters())
 
 
@@ -162,10 +165,13 @@ _decoder = msgspec.msgpack.Decoder(Batch)
 
 
 def state_digest(engine) -> int:
-    """A cheap fingerprint of what the scheduler decided so far: equal on ranks that agree."""
+    """A cheap fingerprint of what the scheduler decided so far and of the adapter versions and base
+    weights each rank serves: equal on ranks that agree (strings by crc32: hash() of a str differs
+    between processes)."""
     s = engine.scheduler
     key = (engine._steps, len(s.waiting), tuple((q.seq_id, q.num_computed, q.num_tokens) for q in s.running),
-           tuple((q.seq_id, q.num_computed) for q in s.prefilling))
+           tuple((q.seq_id, q.num_computed) for q in s.prefilling), engine.weights_version,
+           zlib.crc32(repr((sorted(engine.policy().items()), engine.adapters.default_name)).encode()))
     return hash(key) & 0x7FFFFFFFFFFFFFFF
 
 
@@ -241,16 +247,11 @@ class Leader:
 
     def load_adapter(self, name: str, *, config: dict | None = None, weights: bytes | dict | None = None,
                      path: str = "", format: str = "auto", version: int = 0):
-        """Refused for now: mlx-lm's sharded layers (AllToShardedLinear, ShardedToAllLinear) take no
-        LoRA, and a LoRA's B (or A) must be sliced like the layer it adapts on every rank. The call
-        is recorded like the others, so the replay path is ready for when they do."""
-        if self._group.size() > 1:
-            raise AdapterError(f"adapters are not supported on a tensor-parallel engine yet (engine.tensor_parallel="
-                               f"{self._group.size()}): mlx-lm's sharded layers take no LoRA; serve adapters with "
-                               "engine.tensor_parallel=1 or engine replicas", status=400, code="unsupported_adapter")
+        """Load here, then on every other rank before the next step: each rank slices the adapter for its
+        shard (parallm/adapters/sharded.py). The others get the same safetensors bytes, or read the
+        same path (on several machines, a path every machine has)."""
         if isinstance(weights, dict):
-            raise TensorParallelError("a tensor-parallel engine takes adapter weights as safetensors bytes or a "
-                                      "path (every rank loads the same), not a dict of arrays")
+            weights = save_bytes(weights)
         return self._record("load_adapter", name, config=config, weights=weights, path=path, format=format,
                             version=version)
 
@@ -260,10 +261,16 @@ class Leader:
     def follow_latest(self) -> int:
         return self._record("follow_latest")
 
-    def update_weights(self, *args: Any, **kwargs: Any):
-        """Refused: new base weights would have to be sliced for each rank's shard (mlx-lm's shard()
-        slices at load time only), and rank 0 alone must not change its weights."""
-        raise TensorParallelError("full-weight updates are not supported on a tensor-parallel engine yet")
+    def update_weights(self, *, path: str = "", tensors: dict | None = None, version: int = 0,
+                       complete: bool = True):
+        """New base weights here, then on every other rank before the next step; each rank keeps its
+        shard of every tensor (parallm/engine/weights.py slices them as mlx-lm's shard() did). The
+        others read the same directory, or get the tensors as safetensors bytes."""
+        def run():
+            return self._engine.update_weights(path=path, tensors=tensors, version=version, complete=complete)
+
+        data = save_bytes(tensors) if tensors else b""
+        return self._record("update_weights", path=path, weights=data, version=version, complete=complete, run=run)
 
     def step(self, emit: Callable | None = None) -> list:
         return self._sync("step", emit=emit)
@@ -324,6 +331,10 @@ def _replay(engine, call: Call) -> None:
         engine.adapters.set_default(*call.args)
     elif call.method == "drop_cached":
         engine.blocks.drop_cached()
+    elif call.method == "update_weights":
+        kw = dict(call.kwargs)
+        data = kw.pop("weights")
+        engine.update_weights(tensors=load_bytes(data) if data else None, **kw)
     elif call.method in ("abort", "add_score", "load_adapter", "unload_adapter", "follow_latest", "step", "flush"):
         getattr(engine, call.method)(*call.args, **call.kwargs)
     else:
@@ -350,10 +361,13 @@ def follower_main(config, replica: int = 0) -> int:
     from .engine import Engine
     from .model import EngineModel
 
+    from parallm.models.preload import load_adapters_at_start
+
     group = join(config.engine.tensor_parallel, default_backend())
     loaded = load_model(config.model)
     shard_model(loaded.model, group)
     engine = Engine(EngineModel.of(loaded), agreed_config(config, group))
+    load_adapters_at_start(engine, config.adapters.preload)  # as rank 0 does, in the same order
     freeze_clock(engine)
     engine.warm_up()
     return follow(engine, group, doorbell_address(config.transport.run_dir, replica))

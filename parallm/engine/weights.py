@@ -26,6 +26,8 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten
 
+from parallm.adapters.sharded import is_sharded, shard_tensor
+
 _LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
 
 
@@ -90,7 +92,9 @@ class WeightSwapper:
 
     def named(self, tensors: Mapping[str, mx.array], params: Mapping[str, mx.array]) -> dict[str, mx.array]:
         """Tensors under the running model's parameter names: a linear layer an adapter router wraps
-        (parallm.adapters.lora.MultiLoRALinear) holds its weights one level down, in `.linear`."""
+        (parallm.adapters.lora.MultiLoRALinear) holds its weights one level down, in `.linear`. On a
+        tensor-parallel rank, a sharded layer's whole tensor becomes this rank's slice of it."""
+        sharded = {p: m for p, m in self.model.named_modules() if is_sharded(m)}
         out = {}
         for name, value in tensors.items():
             if name not in params:
@@ -98,6 +102,12 @@ class WeightSwapper:
                 wrapped = f"{head}.linear.{leaf}"
                 if wrapped in params:
                     name = wrapped
+            head, _, leaf = name.rpartition(".")
+            if head in sharded and name in params:
+                try:
+                    value = shard_tensor(sharded[head], leaf, value)
+                except ValueError as exc:
+                    raise WeightsError(f"tensor {name!r} {exc}", code="shape_mismatch") from None
             out[name] = value
         return out
 
