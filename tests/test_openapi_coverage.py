@@ -47,13 +47,20 @@ def test_register_documents_a_new_route_with_its_types():
         openapi._EXTRA[:] = before
 
 
-def test_body_schemas_resolve_to_components():
+def _refs(schema):
+    if isinstance(schema, dict):
+        if "$ref" in schema:
+            yield schema["$ref"]
+        for value in schema.values():
+            yield from _refs(value)
+    elif isinstance(schema, list):
+        for value in schema:
+            yield from _refs(value)
+
+
+def test_every_ref_resolves_to_a_component():
     doc = openapi.openapi_document()
-    for path, methods in doc["paths"].items():
-        for method, op in methods.items():
-            schema = op.get("requestBody", {}).get("content", {}).get("application/json", {}).get("schema", {})
-            members = [schema, *schema.get("anyOf", [])]
-            members += [part for m in members for part in m.get("allOf", [])]
-            for ref in [m.get("$ref") for m in members]:
-                if ref:
-                    assert ref.rsplit("/", 1)[-1] in doc["components"]["schemas"], (method, path, ref)
+    refs = set(_refs(doc["paths"])) | set(_refs(doc["components"]))
+    assert refs and all(ref.startswith("#/components/schemas/") for ref in refs)
+    missing = {ref for ref in refs if ref.rsplit("/", 1)[-1] not in doc["components"]["schemas"]}
+    assert not missing

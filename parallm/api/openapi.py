@@ -13,6 +13,7 @@ import msgspec
 
 from parallm.api import schemas
 from parallm.api.errors import ErrorResponse
+from parallm.api.openapi_generate import GenerateBodies, exactly_one_prompt
 
 REF = "#/components/schemas/{name}"
 ANY = Any  # a body or response that is a JSON value the handler checks itself (documented as such)
@@ -20,8 +21,8 @@ ANY = Any  # a body or response that is a JSON value the handler checks itself (
 
 class RouteDoc(NamedTuple):
     """One operation of the document. `body`: the request body's type (None: no body; `ANY`: a JSON
-    value the handler reads itself; a tuple: any of these types, where a (type, field) pair is the
-    type with that field required); `responses`: status -> type."""
+    value the handler reads itself; GenerateBodies: /generate's oneOf of formats); `responses`:
+    status -> type."""
 
     method: str
     path: str
@@ -41,10 +42,7 @@ def _rl():
     from parallm.api.adapters import _Load, _LoadCompat, _Upload
     from parallm.api.vllm_admin import LoadLora, UnloadLora, UpdateFromDisk, UpdateWeights, WeightsRequest
 
-    # each shape with the field that carries its prompt (the handler needs one; the structs leave them optional)
-    generate = ((rl.VllmGenerateRequest, "prompt"), (rl.VllmGenerateRequest, "prompt_token_ids"),
-                (rl.TrlGenerateRequest, "prompts"), (rl.MlxRlGenerateRequest, "prompt"),
-                (rl.SglangGenerateRequest, "text"), (rl.SglangGenerateRequest, "input_ids"))
+    generate = GenerateBodies()  # a oneOf of the four formats, which exclude each other (openapi_generate.py)
     admin = "vLLM/SGLang/prime-rl admin route (docs/rl.md)"
     nccl = "NCCL weight transfer: 501, naming adapter publishing instead"
     return [
@@ -139,26 +137,28 @@ STREAM_TYPES = [schemas.CompletionChunk, schemas.ChatCompletionChunk]
 
 
 def _flat(kind: Any) -> list[Any]:
-    kinds = kind if isinstance(kind, tuple) else (kind,)
-    kinds = tuple(k[0] if isinstance(k, tuple) else k for k in kinds)
-    return [k for k in kinds if k not in (None, ANY, str)]
+    if isinstance(kind, GenerateBodies):
+        return list(kind.types)
+    return [] if kind in (None, ANY, str) else [kind]
 
 
-def _member(kind: Any, ref: dict[Any, Any]) -> dict[str, Any]:
-    if isinstance(kind, tuple):
-        struct, field = kind
-        return {"allOf": [ref[struct], {"required": [field]}]}
-    return ref[kind]
-
-
-def _schema(kind: Any, ref: dict[Any, Any]) -> dict[str, Any]:
-    if isinstance(kind, tuple):
-        return {"anyOf": [_member(k, ref) for k in kind]}
+def _schema(kind: Any, ref: dict[Any, Any], components: dict[str, Any]) -> dict[str, Any]:
+    if isinstance(kind, GenerateBodies):
+        return kind.schema(ref, components)
     if kind is ANY:
         return {}
     if kind is str:
         return {"type": "string"}
     return ref[kind]
+
+
+def _refused_fields_are_null(components: dict[str, Any]) -> None:
+    """schemas.NotYetSupported's fields are declared only to be refused by name: documented as null."""
+    for component in components.values():
+        for name in schemas.NotYetSupported.__struct_fields__:
+            if name in component.get("properties", {}):
+                component["properties"][name] = {"type": "null", "description": "not supported yet: a 400 "
+                                                 "naming it unless absent or null"}
 
 
 def openapi_document(title: str = "parallm", version: str = "1") -> dict[str, Any]:
@@ -169,15 +169,17 @@ def openapi_document(title: str = "parallm", version: str = "1") -> dict[str, An
     types = list(dict.fromkeys(types))
     refs, components = msgspec.json.schema_components(types, ref_template=REF)
     ref = dict(zip(types, refs))
+    exactly_one_prompt(components)
+    _refused_fields_are_null(components)
     paths: dict[str, Any] = {}
     for route in routes:
         op: dict[str, Any] = {"summary": route.summary, "responses": {}}
         if route.body is not None:
             op["requestBody"] = {"required": not route.body_optional,
-                                 "content": {"application/json": {"schema": _schema(route.body, ref)}}}
+                                 "content": {"application/json": {"schema": _schema(route.body, ref, components)}}}
         for status, kind in route.responses.items():
             media = "text/plain" if kind is str else "application/json"
-            content: dict[str, Any] = {media: {"schema": _schema(kind, ref)}}
+            content: dict[str, Any] = {media: {"schema": _schema(kind, ref, components)}}
             if kind is schemas.CompletionResponse:
                 content["text/event-stream"] = {"schema": ref[schemas.CompletionChunk]}
             if kind is schemas.ChatCompletionResponse:

@@ -29,7 +29,8 @@ from parallm.api.merge import Deadlines, merged
 from parallm.api.rl_native import render_sglang, render_tito, sglang_request, tito_request
 from parallm.api.rl_plan import Job, build, parse
 from parallm.api.rl_render import Gathered, render
-from parallm.api.rl_schemas import AbortRequest, PauseRequest, shape_of
+from parallm.api.rl_schemas import AbortRequest, PauseRequest
+from parallm.api.rl_shape import shape_of
 from parallm.api.validate import Limits, decode
 from parallm.config import ServerConfig
 

@@ -1,14 +1,14 @@
 """Request bodies of the token-level RL routes (POST /generate, /v1/pause, /v1/abort), as msgspec Structs.
 
-POST /generate takes four shapes on one route, told apart by their fields (`shape_of`):
+POST /generate takes four formats on one route, told apart by their fields (rl_shape.shape_of):
 - "trl": TRL's vLLM client (`trl vllm-serve`): `prompts` (a list of strings or token-id lists);
-- "sglang": SGLang's native /generate: `input_ids`, `text`, `sampling_params` or `return_logprob`
+- "sglang": SGLang's native /generate: `input_ids` or `text`, `sampling_params`, `return_logprob`
   (translated to the vLLM shape by rl_native.py);
-- "mlx_rl": the MLX RL Inference Server: `policy_version`, `step_id` or `request_id`, or a
-  `prompt` that is a list of token ids;
-- "vllm": vLLM's own /generate (what Atropos' "vllm" server type posts): everything else, e.g.
+- "mlx_rl": the MLX RL Inference Server: `policy_version`, `step_id` or `request_id`, a `prompt`
+  that is a list of token ids, or a boolean `logprobs`;
+- "vllm": vLLM's own /generate (what Atropos' "vllm" server type posts), e.g.
   `{"prompt": {"prompt_token_ids": [...]}, "logprobs": 0, "n": 4, ...}` or `{"prompt": "text"}`.
-Each shape is answered in the shape it was asked in (docs/rl.md).
+Each format is answered in its own shape (docs/rl.md).
 """
 
 from __future__ import annotations
@@ -17,26 +17,9 @@ from typing import Annotated, Any, Literal
 
 from msgspec import Meta, Struct
 
-from parallm.api.schemas import INT32, MAX_LOGPROBS, PRIORITY_DOC, Int64, NonNegInt, NotYetSupported, TokenId
+from parallm.api.schemas import INT32, PRIORITY_DOC, Int64, NonNegInt, NotYetSupported, TokenId
 
 Shape = Literal["vllm", "trl", "mlx_rl", "sglang", "tito"]   # tito: vLLM's /inference/v1/generate
-
-MLX_RL_FIELDS = ("policy_version", "step_id", "request_id")
-SGLANG_FIELDS = ("input_ids", "sampling_params", "text", "return_logprob")
-
-
-def shape_of(body: dict[str, Any]) -> Shape:
-    """Which client sent a /generate body (see the module docstring)."""
-    if "prompts" in body:
-        return "trl"
-    if any(name in body for name in SGLANG_FIELDS):
-        return "sglang"
-    prompt = body.get("prompt")
-    if any(name in body for name in MLX_RL_FIELDS) or (
-            isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt)):
-        return "mlx_rl"
-    return "vllm"
-
 
 class RLSampling(NotYetSupported, kw_only=True):
     """Sampling fields shared by every /generate shape (vLLM's SamplingParams names and defaults)."""
@@ -85,9 +68,9 @@ class VllmGenerateRequest(RLSampling, kw_only=True):
 
     prompt: str | TokensPrompt | list[str | TokensPrompt] | None = None
     prompt_token_ids: list[TokenId] | None = None
-    logprobs: Annotated[int, Meta(ge=0, le=MAX_LOGPROBS)] | None = None
+    logprobs: Annotated[int, Meta(ge=0, lt=INT32)] | None = None
     max_tokens: Annotated[int, Meta(ge=1, lt=INT32)] | None = 16
-    prompt_logprobs: Annotated[int, Meta(ge=0, le=MAX_LOGPROBS)] | None = None  # Atropos' get_logprobs
+    prompt_logprobs: Annotated[int, Meta(ge=0, lt=INT32)] | None = None  # Atropos' get_logprobs
 
 
 class TrlGenerateRequest(RLSampling, kw_only=True):
@@ -100,14 +83,14 @@ class TrlGenerateRequest(RLSampling, kw_only=True):
     guided_decoding_regex: str | None = None
     structured_outputs_regex: str | None = None  # TRL >= 0.20's name for guided_decoding_regex
     generation_kwargs: dict[str, Any] | None = None
-    logprobs: Annotated[int, Meta(ge=0, le=MAX_LOGPROBS)] | None = 0  # TRL >= 0.29 (its presence picks the answer)
+    logprobs: Annotated[int, Meta(ge=0, lt=INT32)] | None = 0  # TRL >= 0.29 (its presence picks the answer)
 
 
 class MlxRlGenerateRequest(RLSampling, kw_only=True):
     """The MLX RL Inference Server's /generate: one prompt, metadata echoed back."""
 
     prompt: str | list[TokenId]
-    logprobs: bool | Annotated[int, Meta(ge=0, le=MAX_LOGPROBS)] | None = None
+    logprobs: bool | Annotated[int, Meta(ge=0, lt=INT32)] | None = None
     policy_version: Int64 | None = None
     step_id: Int64 | str | None = None
     request_id: str | Int64 | None = None
@@ -173,7 +156,7 @@ class SglangGenerateRequest(Struct, kw_only=True):
     text: str | list[str] | None = None
     sampling_params: SglangSampling | None = None
     return_logprob: bool = False
-    top_logprobs_num: Annotated[int, Meta(ge=0, le=MAX_LOGPROBS)] = 0
+    top_logprobs_num: Annotated[int, Meta(ge=0, lt=INT32)] = 0
     return_text_in_logprobs: bool = False
     logprob_start_len: int = -1
     stream: bool = False
