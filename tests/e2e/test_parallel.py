@@ -62,17 +62,36 @@ def model_dir(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def tp_server(model_dir):
-    with Server("--model", str(model_dir), "--model.served-name", "m", "--engine.tensor-parallel", "2",
+def adapter_dir(model_dir):
+    """A LoRA the servers load at start (--adapter pre=DIR), inside the model's directory."""
+    from parallm.adapters import save_bytes
+
+    out = model_dir / "adapter-pre"
+    out.mkdir(exist_ok=True)
+    (out / "adapters.safetensors").write_bytes(save_bytes(tiny_lora(11)))
+    (out / "adapter_config.json").write_text(json.dumps(LORA_CONFIG))
+    return out
+
+
+def tp_args(model_dir: Path, adapter_dir: Path) -> list[str]:
+    """A server's flags: adapters are never merged into weight copies, so full-weight updates are allowed."""
+    return ["--model", str(model_dir), "--model.served-name", "m", "--adapter", f"pre={adapter_dir}",
+            "--adapters.merge-mb", "0"]
+
+
+@pytest.fixture(scope="module")
+def tp_server(model_dir, adapter_dir):
+    with Server(*tp_args(model_dir, adapter_dir), "--engine.tensor-parallel", "2",
                 "--supervisor.restart-backoff-s", "0.2") as srv:
         yield srv
 
 
-def complete_all(url: str, max_tokens: int = 16) -> list[str]:
+def complete_all(url: str, max_tokens: int = 16, adapter: str = "") -> list[str]:
     """The prompts at once (one batch), greedy."""
     def one(prompt: str) -> str:
         r = httpx.post(f"{url}/v1/completions", timeout=120, json={
-            "model": "m", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True})
+            "model": "m", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
+            **({"adapter": adapter} if adapter else {})})
         assert r.status_code == 200, r.text
         return r.json()["choices"][0]["text"]
 
@@ -151,6 +170,45 @@ def test_a_killed_rank_restarts_the_group_and_no_client_hangs(tp_server):
     assert "rank 1 exited" in tp_server.output()
 
 
+def adapters_and_weights(server: Server, model_dir: Path) -> dict[str, list[str]]:
+    """Versions from every source (loaded at start, uploaded over HTTP, published on the trainer's
+    PUB socket), then a full-weight update over HTTP: each one's greedy text."""
+    from parallm.adapters import save_bytes
+    from parallm.client import Client
+    from parallm.training.publisher import AdapterPublisher
+
+    files = {"adapter_weights": ("adapters.safetensors", save_bytes(tiny_lora(12)), "application/octet-stream"),
+             "adapter_config": ("adapter_config.json", json.dumps(LORA_CONFIG), "application/json")}
+    r = httpx.post(f"{server.url}/v1/adapters/upload", files=files, data={"name": "up"}, timeout=60)
+    assert r.status_code == 200, r.text
+    with Client(server.router, timeout=60) as client:
+        publisher = AdapterPublisher(client.welcome.addresses["adapters"])
+        publisher.publish("pub", 1, tiny_lora(13), LORA_CONFIG)
+        publisher.close()
+        deadline = time.monotonic() + 30
+        while client.policy().get("pub") != 1:
+            assert time.monotonic() < deadline, "the published version never arrived"
+            time.sleep(0.05)
+    texts = {name: complete_all(server.url, 8, adapter=name) for name in ("pre", "up", "pub")}
+    r = httpx.post(f"{server.url}/update_weights", json={"weight_dir": str(model_dir / "new-weights")}, timeout=600)
+    assert r.status_code == 200, r.text
+    texts["updated"] = complete_all(server.url, 8)
+    return texts
+
+
+@pytest.mark.slow
+def test_adapters_and_weight_updates_reach_both_ranks(tp_server, model_dir, adapter_dir):
+    weights = {k: v * 1.2 for k, v in mx.load(str(model_dir / "model.safetensors")).items()}
+    (model_dir / "new-weights").mkdir(exist_ok=True)
+    mx.save_safetensors(str(model_dir / "new-weights" / "model.safetensors"), weights)
+    before = complete_all(tp_server.url, 8)
+    got = adapters_and_weights(tp_server, model_dir)
+    with Server(*tp_args(model_dir, adapter_dir)) as single:
+        want = adapters_and_weights(single, model_dir)
+    assert got == want
+    assert len({tuple(t) for t in [before, *got.values()]}) == 5, "each adapter and the update change the text"
+
+
 @pytest.mark.slow
 def test_a_model_whose_heads_do_not_split_is_refused_at_startup():
     srv = Server("--engine.tensor-parallel", "2", ready_timeout=120)
@@ -174,11 +232,13 @@ LORA_CONFIG = {"fine_tune_type": "lora", "num_layers": 2, "lora_parameters": {"r
 
 
 def tiny_lora(seed: int) -> dict[str, mx.array]:
-    """A LoRA of build_tiny_llama's q_proj (64 -> 64) and v_proj (64 -> 32)."""
+    """A LoRA of build_tiny_llama's q_proj (64 -> 64), v_proj (64 -> 32) and o_proj (64 -> 64), and
+    down_proj (128 -> 64): both kinds of tensor-parallel slice (q/v: output split, o/down: input split)."""
     mx.random.seed(seed)
-    return {f"model.layers.{layer}.self_attn.{proj}.{leaf}": mx.random.normal(shape) * 0.1
-            for layer in range(2) for proj, out in (("q_proj", 64), ("v_proj", 32))
-            for leaf, shape in (("lora_a", (64, 4)), ("lora_b", (4, out)))}
+    return {f"model.layers.{layer}.{proj}.{leaf}": mx.random.normal(shape) * 0.1
+            for layer in range(2) for proj, inp, out in (("self_attn.q_proj", 64, 64), ("self_attn.v_proj", 64, 32),
+                                                        ("self_attn.o_proj", 64, 64), ("mlp.down_proj", 128, 64))
+            for leaf, shape in (("lora_a", (inp, 4)), ("lora_b", (4, out)))}
 
 
 def engine_replica_pids(server: Server) -> dict[int, int]:
