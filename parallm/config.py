@@ -48,6 +48,11 @@ class ModelConfig(Struct, frozen=True, kw_only=True, forbid_unknown_fields=True)
                                      "model's own, else a plain role-prefixed default")] = ""
     trust_remote_code: Annotated[bool, _d("let transformers run the Python code a model repository ships for its "
                                           "tokenizer (as mlx_lm.server's --trust-remote-code)")] = False
+    generation_config: Annotated[str | None, _d("sampling defaults of the OpenAI routes for fields a request omits "
+                                                "(vLLM's --generation-config): unset (auto) = the model's "
+                                                "generation_config.json (temperature, top_p, top_k, min_p, "
+                                                "repetition_penalty; max_new_tokens as max_tokens), 'none' = none, "
+                                                "or a directory holding a generation_config.json")] = None
 
 
 class EngineConfig(Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -331,6 +336,7 @@ ALIASES: dict[str, str] = {
     "chat-template": "model.chat_template",
     "adapter": "adapters.preload",
     "trust-remote-code": "model.trust_remote_code",
+    "generation-config": "model.generation_config",
 }
 
 
@@ -543,6 +549,9 @@ def _check(config: Config) -> None:
         problems.append("tokenizer.replicas must be >= 1")
     if config.transport.max_message_mb < 1:
         problems.append("transport.max_message_mb must be >= 1")
+    gen = config.model.generation_config
+    if gen not in (None, "none") and not Path(gen).expanduser().is_dir():
+        problems.append(f"model.generation_config must be auto, none or a directory (got {gen!r})")
     if not 0 < config.server.port < 65536:
         problems.append("server.port must be in 1..65535")
     if problems:

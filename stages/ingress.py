@@ -29,6 +29,7 @@ from parallm.metrics import ServerMetrics
 from parallm.pipeline import Pipeline
 from parallm.runtime import StageRuntime
 from parallm.streams import ClientError
+from parallm.text.generation_config import GenerationDefaults, generation_defaults
 from parallm.transport import open_socket
 
 log = logging.getLogger("parallm.ingress")
@@ -77,13 +78,19 @@ class ZmqBackend:
     """The api.Backend over the pipeline connection: each Backend member is one connection call."""
 
     def __init__(self, config: Config, runtime: StageRuntime, model_info: dict[str, Any],
-                 metrics: ServerMetrics | None = None) -> None:
+                 metrics: ServerMetrics | None = None, defaults: GenerationDefaults | None = None) -> None:
         self.config = config
         self.metrics = metrics or ServerMetrics()
         self.rt = runtime
         self.model_name = config.model.served_name
         self.max_model_len = int(model_info.get("max_model_len", 0))
-        self.default_max_tokens = config.engine.default_max_tokens
+        if defaults is None:  # the model's generation_config.json (vLLM's --generation-config)
+            defaults = generation_defaults(config.model)
+        self.sampling_defaults = defaults.sampling
+        self.default_max_tokens = defaults.max_tokens or config.engine.default_max_tokens
+        if defaults.source:
+            log.info("OpenAI routes' sampling defaults from %s: %s%s", defaults.source, defaults.sampling,
+                     f", max_tokens {defaults.max_tokens}" if defaults.max_tokens else "")
         self.max_n = config.engine.max_num_seqs
         self.model_info = model_info
         self.identity = f"ingress-{os.getpid()}".encode()
@@ -301,8 +308,13 @@ def main(config: Config, replica: int = 0) -> int:
     from parallm.text.loading import model_limits
 
     info = model_limits(config.model)
+    try:
+        defaults = generation_defaults(config.model)
+    except ValueError as exc:
+        runtime.fatal(f"cannot read the model's sampling defaults: {exc}")
+        return 2
     metrics = ServerMetrics()
-    backend = ZmqBackend(config, runtime, info, metrics)
+    backend = ZmqBackend(config, runtime, info, metrics, defaults)
     app = build_app(backend, config.server, metrics)
 
     from parallm.api.strict_http import strict_protocol

@@ -104,6 +104,7 @@ class FakeBackend:
     controls: list[tuple[str, Any]] = field(default_factory=list)
     policy: dict[str, int] = field(default_factory=dict)
     default_max_tokens: int = 256
+    sampling_defaults: dict[str, float] = field(default_factory=dict)
     max_n: int = 128
     last_batch_size: int = 0
     hanging: asyncio.Event = field(default_factory=asyncio.Event)

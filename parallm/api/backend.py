@@ -37,6 +37,7 @@ class Backend(Protocol):
     model_name: str          # the served model id: the only accepted `model` value
     max_model_len: int       # context length in tokens (0: unknown)
     default_max_tokens: int  # max_tokens for requests that give none
+    sampling_defaults: dict[str, float]  # OpenAI routes: SamplingParams fields a request omits (generation_config)
     max_n: int               # samples per prompt the engine decodes together (engine.max_num_seqs)
     last_batch_size: int     # the engine's decode batch size in the latest outputs (RL /generate metadata)
 

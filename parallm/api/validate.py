@@ -7,7 +7,8 @@ vocabulary) is checked there and comes back as a BackendError.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 import msgspec
@@ -31,6 +32,7 @@ class Limits:
     max_model_len: int = 0          # 0: unknown (the tokenizer still checks the real one)
     max_output_tokens: int = 0      # largest max_tokens accepted; 0: the context length
     default_max_tokens: int = 256   # max_tokens when a request gives none
+    sampling_defaults: Mapping[str, float] = field(default_factory=dict)  # the OpenAI routes' defaults (generation_config)
     max_n: int = 64                 # samples per prompt: the engine's max_num_seqs (its rows)
     adapters: frozenset[str] = frozenset()  # loaded adapter names, also accepted as `model` (vLLM's LoRA naming)
     tool_parser: str = ""           # tool_choice auto: "" = the model's own syntax (inferred), else a parser name
