@@ -151,6 +151,8 @@ class ServerConfig(Struct, frozen=True, kw_only=True, forbid_unknown_fields=True
     coalesce_outputs: Annotated[bool, _d("a stream whose client reads slower than the engine produces gets what "
                                          "is waiting as one event (several tokens) instead of one event per step")] = True
     max_output_tokens: Annotated[int, _d("largest max_tokens accepted; 0 = context length")] = 0
+    max_logprobs: Annotated[int, _d("most logprob alternatives a request may ask (logprobs, top_logprobs, "
+                                    "prompt_logprobs), vLLM's --max-logprobs; -1 = the vocabulary size")] = 20
     tool_call_parser: Annotated[str, _d("how tool calls are read from a chat answer (tool_choice auto): a parser name "
                                         "(mlx-lm's, e.g. json_tools, qwen3_coder, mistral, plus llama3_json); "
                                         "empty = inferred from the model's chat template and vocabulary")] = ""
@@ -549,6 +551,8 @@ def _check(config: Config) -> None:
         problems.append("tokenizer.replicas must be >= 1")
     if config.transport.max_message_mb < 1:
         problems.append("transport.max_message_mb must be >= 1")
+    if config.server.max_logprobs < -1:
+        problems.append("server.max_logprobs must be >= 0, or -1 (the vocabulary size)")
     gen = config.model.generation_config
     if gen not in (None, "none") and not Path(gen).expanduser().is_dir():
         problems.append(f"model.generation_config must be auto, none or a directory (got {gen!r})")

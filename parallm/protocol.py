@@ -338,6 +338,7 @@ class SeqDelta(Struct, kw_only=True, omit_defaults=True):
     prompt_logprobs: bytes = b""
     prompt_top_ids: bytes = b""
     prompt_top_logprobs: bytes = b""
+    prompt_ranks: bytes = b""          # int32 per prompt position, 0 for the first: vLLM's rank of the prompt token
 
 
 class StepOutputs(Message, tag="step_outputs"):
@@ -590,6 +591,7 @@ class Output(Struct, kw_only=True, omit_defaults=True):
     prompt_top_ids: bytes = b""
     prompt_top_logprobs: bytes = b""
     prompt_top_tokens: list[str] = []
+    prompt_ranks: bytes = b""                     # int32 per prompt position (0: none): vLLM's rank
     reasoning: str = ""                           # DetokSpec.assistant: thinking text (left out of `text`)
     tool_calls: list[dict[str, Any]] = []         # DetokSpec.assistant: complete calls {id, type, function}
 

@@ -46,6 +46,8 @@ def to_delta(out: SeqOutput) -> protocol.SeqDelta:
         if out.prompt_top_logprobs:
             delta.prompt_top_ids, delta.prompt_top_logprobs = protocol.pack_top(
                 [row for row in out.prompt_top_logprobs if row])
+        if out.prompt_ranks:
+            delta.prompt_ranks = protocol.pack_ids([rank or 0 for rank in out.prompt_ranks])
     return delta
 
 

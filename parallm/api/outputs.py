@@ -63,6 +63,7 @@ class PromptInfo:
     logprobs: list[float | None] | None = None   # one per prompt token
     tokens: list[str] | None = None
     top: list[list[Alt] | None] | None = None    # per prompt token
+    ranks: list[int | None] | None = None        # per prompt token: vLLM's rank (1 = the most likely)
 
     @classmethod
     def of(cls, out: Output, top_k: int) -> "PromptInfo | None":
@@ -83,6 +84,10 @@ class PromptInfo:
                                                      out.prompt_top_tokens, rows))
             info.top = ([None] * (size - rows) + top)[-size:]
             info.top[0] = None
+            if out.prompt_ranks:
+                ranks: list[int | None] = [r or None for r in unpack_ids(out.prompt_ranks)]
+                info.ranks = ([None] * (size - len(ranks)) + ranks)[-size:]
+                info.ranks[0] = None
         return info
 
     def as_token_ids(self) -> None:
@@ -94,7 +99,7 @@ class PromptInfo:
 
     def merge(self, other: "PromptInfo") -> None:
         """Fill what this one lacks from another sequence's (sample 0 alone carries logprobs)."""
-        for name in ("text", "ids", "logprobs", "tokens", "top"):
+        for name in ("text", "ids", "logprobs", "tokens", "top", "ranks"):
             if getattr(self, name) is None:
                 setattr(self, name, getattr(other, name))
 
@@ -169,8 +174,9 @@ def chat_logprobs(tokens: list[str], lps: list[float], tops: list[list[Alt]], k:
 
 
 def prompt_logprobs(info: PromptInfo, k: int) -> PromptLogprobs:
-    """vLLM's prompt_logprobs: per prompt token None (the first) or {token id: {logprob, decoded_token}}
-    for the prompt's own token and its k most likely alternatives."""
+    """vLLM's prompt_logprobs: per prompt token None (the first) or {token id: {logprob, rank,
+    decoded_token}} for the prompt's own token (its rank: how many tokens are at least as likely) and
+    its k most likely alternatives (ranks 1..k), as vLLM's gather_logprobs."""
     out: PromptLogprobs = []
     for i, lp in enumerate(info.logprobs or []):
         if lp is None:
@@ -178,9 +184,10 @@ def prompt_logprobs(info: PromptInfo, k: int) -> PromptLogprobs:
             continue
         entry: dict[str, PromptLogprob] = {}
         if info.ids is not None and info.tokens is not None:
-            entry[str(info.ids[i])] = PromptLogprob(logprob=lp, decoded_token=info.tokens[i])
-        for tid, name, v in ((info.top or [])[i] or [])[:k]:
-            entry.setdefault(str(tid), PromptLogprob(logprob=logprob(v), decoded_token=name))
+            entry[str(info.ids[i])] = PromptLogprob(logprob=lp, rank=info.ranks[i] if info.ranks else None,
+                                                    decoded_token=info.tokens[i])
+        for rank, (tid, name, v) in enumerate(((info.top or [])[i] or [])[:k], start=1):
+            entry.setdefault(str(tid), PromptLogprob(logprob=logprob(v), rank=rank, decoded_token=name))
         out.append(entry)
     return out
 

@@ -18,7 +18,8 @@ from parallm.api.rl_schemas import (MlxRlGenerateRequest, RLSampling, Shape, Tok
                                     VllmGenerateRequest)
 from parallm.api.structured import constraint_of
 from parallm.api.translate import request_spec
-from parallm.api.validate import MAX_TOKEN_ID, Limits, check_n, check_not_supported, max_tokens, stop_strings, unsupported
+from parallm.api.validate import (MAX_TOKEN_ID, Limits, check_logprobs, check_n, check_not_supported, max_tokens,
+                                  stop_strings, unsupported)
 from parallm.protocol import DetokSpec, SamplingParams, TextSubmit, pack_ids
 
 Prompt = str | list[int]
@@ -110,6 +111,8 @@ def _check(shape: Shape, req: Any, n_prompts: int, limits: Limits) -> None:
     if req.stream:
         raise unsupported("stream is not supported on /generate; use /v1/completions with stream=true.", "stream")
     check_n(req.n, n_prompts, limits)
+    check_logprobs(_logprobs(shape, req), "logprobs", limits)
+    check_logprobs(getattr(req, "prompt_logprobs", None), "prompt_logprobs", limits, prompt=True)
     if shape == "trl":
         if req.images:
             raise unsupported("images are not supported by this server (text models only).", "images")

@@ -17,7 +17,7 @@ from typing import Annotated, Any, Literal
 
 from msgspec import Meta, Struct
 
-from parallm.api.schemas import INT32, MAX_LOGPROBS, PRIORITY_DOC, Int64, NonNegInt, NotYetSupported, TokenId
+from parallm.api.schemas import INT32, PRIORITY_DOC, Int64, NonNegInt, NotYetSupported, TokenId
 
 Shape = Literal["vllm", "trl", "mlx_rl", "sglang", "tito"]   # tito: vLLM's /inference/v1/generate
 
@@ -68,9 +68,9 @@ class VllmGenerateRequest(RLSampling, kw_only=True):
 
     prompt: str | TokensPrompt | list[str | TokensPrompt] | None = None
     prompt_token_ids: list[TokenId] | None = None
-    logprobs: Annotated[int, Meta(ge=0, le=MAX_LOGPROBS)] | None = None
+    logprobs: Annotated[int, Meta(ge=0, lt=INT32)] | None = None
     max_tokens: Annotated[int, Meta(ge=1, lt=INT32)] | None = 16
-    prompt_logprobs: Annotated[int, Meta(ge=0, le=MAX_LOGPROBS)] | None = None  # Atropos' get_logprobs
+    prompt_logprobs: Annotated[int, Meta(ge=0, lt=INT32)] | None = None  # Atropos' get_logprobs
 
 
 class TrlGenerateRequest(RLSampling, kw_only=True):
@@ -83,14 +83,14 @@ class TrlGenerateRequest(RLSampling, kw_only=True):
     guided_decoding_regex: str | None = None
     structured_outputs_regex: str | None = None  # TRL >= 0.20's name for guided_decoding_regex
     generation_kwargs: dict[str, Any] | None = None
-    logprobs: Annotated[int, Meta(ge=0, le=MAX_LOGPROBS)] | None = 0  # TRL >= 0.29 (its presence picks the answer)
+    logprobs: Annotated[int, Meta(ge=0, lt=INT32)] | None = 0  # TRL >= 0.29 (its presence picks the answer)
 
 
 class MlxRlGenerateRequest(RLSampling, kw_only=True):
     """The MLX RL Inference Server's /generate: one prompt, metadata echoed back."""
 
     prompt: str | list[TokenId]
-    logprobs: bool | Annotated[int, Meta(ge=0, le=MAX_LOGPROBS)] | None = None
+    logprobs: bool | Annotated[int, Meta(ge=0, lt=INT32)] | None = None
     policy_version: Int64 | None = None
     step_id: Int64 | str | None = None
     request_id: str | Int64 | None = None
@@ -156,7 +156,7 @@ class SglangGenerateRequest(Struct, kw_only=True):
     text: str | list[str] | None = None
     sampling_params: SglangSampling | None = None
     return_logprob: bool = False
-    top_logprobs_num: Annotated[int, Meta(ge=0, le=MAX_LOGPROBS)] = 0
+    top_logprobs_num: Annotated[int, Meta(ge=0, lt=INT32)] = 0
     return_text_in_logprobs: bool = False
     logprob_start_len: int = -1
     stream: bool = False

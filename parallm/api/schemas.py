@@ -19,7 +19,6 @@ def _d(text: str, **constraints: Any) -> Meta:
     return Meta(description=text, **constraints)
 
 
-MAX_LOGPROBS = 20
 INT32 = 2**31
 # Every integer field has its real range: int32 for what the engine takes as int32 (counts, token
 # ids), int64 for seeds and client metadata (msgspec's bounds stop at int64).
@@ -119,8 +118,8 @@ class SamplingRequest(NotYetSupported, kw_only=True):
     return_token_ids: Annotated[bool, _d("add prompt_token_ids and token_ids to the response")] = False
     return_tokens_as_token_ids: Annotated[bool, _d("write every logprob token (and top_logprobs key) as "
                                                    "'token_id:<id>'")] = False
-    prompt_logprobs: Annotated[int, _d("logprobs of the prompt tokens, with this many alternatives",
-                                       ge=0, le=MAX_LOGPROBS)] | None = None
+    prompt_logprobs: Annotated[int, _d("logprobs of the prompt tokens, with this many alternatives (at most "
+                                       "server.max_logprobs)", ge=0, lt=INT32)] | None = None
     priority: Annotated[int, _d(PRIORITY_DOC, ge=-INT32, lt=INT32)] = 0
     # parallm extension
     adapter: Annotated[str, _d("LoRA adapter to generate with ('' = the server's default policy: the base model "
@@ -139,8 +138,8 @@ class CompletionRequest(SamplingRequest, kw_only=True):
                       _d("a string, a list of strings, a list of token ids, or a list of token-id lists; "
                          "a list of several prompts gives n choices per prompt")]
     echo: bool = False
-    logprobs: Annotated[int, _d("logprobs of the sampled tokens and this many alternatives",
-                                ge=0, le=MAX_LOGPROBS)] | None = None
+    logprobs: Annotated[int, _d("logprobs of the sampled tokens and this many alternatives (at most "
+                                "server.max_logprobs)", ge=0, lt=INT32)] | None = None
     suffix: Annotated[str | None, _d("not supported")] = None
     best_of: Annotated[int, _d("only best_of == n is supported", ge=1, lt=INT32)] | None = None
 
@@ -149,7 +148,7 @@ class ChatCompletionRequest(SamplingRequest, kw_only=True):
     messages: Annotated[list[ChatMessage], Meta(min_length=1)]
     max_completion_tokens: Annotated[int, _d("OpenAI's newer name for max_tokens", ge=0, lt=INT32)] | None = None
     logprobs: bool | None = None
-    top_logprobs: Annotated[int, Meta(ge=0, le=MAX_LOGPROBS)] | None = None
+    top_logprobs: Annotated[int, _d("alternatives per token (at most server.max_logprobs)", ge=0, lt=INT32)] | None = None
     tools: Annotated[list[dict[str, Any]] | None, _d("functions the model may call (rendered by the chat template); "
                                                      "tool_choice required or named is enforced by the grammar")] = None
     tool_choice: str | dict[str, Any] | None = None
@@ -201,6 +200,7 @@ class PromptLogprob(Struct, kw_only=True):
     """vLLM's prompt logprob entry: one per alternative, keyed by token id."""
 
     logprob: float | None
+    rank: int | None = None           # how many tokens are at least as likely (1 = the most likely), as vLLM
     decoded_token: str | None = None
 
 

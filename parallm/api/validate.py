@@ -36,6 +36,7 @@ class Limits:
     max_n: int = 64                 # samples per prompt: the engine's max_num_seqs (its rows)
     adapters: frozenset[str] = frozenset()  # loaded adapter names, also accepted as `model` (vLLM's LoRA naming)
     tool_parser: str = ""           # tool_choice auto: "" = the model's own syntax (inferred), else a parser name
+    max_logprobs: int = 20          # server.max_logprobs (vLLM's --max-logprobs); -1: no cap here (the engine's: the vocabulary)
 
     @property
     def output_cap(self) -> int:
@@ -95,6 +96,14 @@ def check_not_supported(req: NotYetSupported) -> None:
             raise unsupported(f"{name} is not supported by this server yet; leave it out (or null).", name)
 
 
+def check_logprobs(value: int | None, param: str, limits: Limits, *, prompt: bool = False) -> None:
+    """vLLM's 400 for more logprob alternatives than the server allows (SamplingParams._validate_logprobs)."""
+    if value is not None and limits.max_logprobs >= 0 and value > limits.max_logprobs:
+        raise invalid(f"Requested {'prompt' if prompt else 'sample'} logprobs of {value}, which is greater than max "
+                      f"allowed: {limits.max_logprobs} (start the server with --server.max-logprobs {value} or -1)",
+                      param, code="invalid_value")
+
+
 def check_n(n: int, n_prompts: int, limits: Limits) -> None:
     if n > limits.max_n:
         raise invalid(f"n ({n}) is more than the {limits.max_n} samples this server decodes together "
@@ -141,6 +150,7 @@ def _check_sampling(req: SamplingRequest, limits: Limits, n_prompts: int, resolv
     if req.stream_options is not None and not req.stream:
         raise invalid("Stream options can only be defined when `stream=True`.", "stream_options")
     check_n(req.n, n_prompts, limits)
+    check_logprobs(req.prompt_logprobs, "prompt_logprobs", limits, prompt=True)
     if req.min_tokens > resolved_max:
         raise invalid(f"min_tokens ({req.min_tokens}) must be at most max_tokens ({resolved_max}).", "min_tokens")
     bad = next((k for k in (req.logit_bias or {}) if not 0 <= k <= MAX_TOKEN_ID), None)
@@ -173,6 +183,7 @@ def check_completion(req: CompletionRequest, limits: Limits) -> tuple[list[str |
     items = prompts(req.prompt)
     resolved = max_tokens(req.max_tokens, "max_tokens", limits, zero_ok=req.echo)
     _check_sampling(req, limits, len(items), resolved)
+    check_logprobs(req.logprobs, "logprobs", limits)
     if req.suffix:
         raise unsupported("suffix is not supported by this server.", "suffix")
     if req.best_of is not None and req.best_of != req.n:
@@ -192,6 +203,7 @@ def check_chat(req: ChatCompletionRequest, limits: Limits) -> int:
         raise unsupported("only the 'text' modality is supported.", "modalities")
     if req.audio is not None:
         raise unsupported("audio output is not supported.", "audio")
+    check_logprobs(req.top_logprobs, "top_logprobs", limits)
     if req.top_logprobs and not req.logprobs:
         raise invalid("when using `top_logprobs`, `logprobs` must be set to true.", "top_logprobs")
     check_free_form(req.chat_template_kwargs, "chat_template_kwargs")

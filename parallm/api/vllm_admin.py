@@ -110,6 +110,7 @@ class VllmAdmin:
     def __init__(self, backend: Backend, server: ServerConfig) -> None:
         self.backend = backend
         self.limit = server.max_body_bytes
+        self.max_logprobs = server.max_logprobs
         self.paused = False
 
     # ------------------------------------------------------------------ pause / resume
@@ -198,7 +199,8 @@ class VllmAdmin:
         adapters = await self.backend.list_adapters()
         return json_response({"vllm_config": {
             "model_config": {"model": self.backend.model_name, "served_model_name": self.backend.model_name,
-                             "max_model_len": int(self.backend.max_model_len or 0), "dtype": "auto"},
+                             "max_model_len": int(self.backend.max_model_len or 0), "dtype": "auto",
+                             "max_logprobs": self.max_logprobs},
             # parallm takes adapters of any rank and keeps every loaded one until it is unloaded
             "lora_config": {"max_lora_rank": MAX_LORA_RANK, "max_loras": max(64, len(adapters.adapters) + 2)},
             "parallel_config": {"tensor_parallel_size": 1, "pipeline_parallel_size": 1, "data_parallel_size": 1},

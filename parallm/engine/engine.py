@@ -75,6 +75,7 @@ class Engine:
                                        merge_mb=self.adapter_settings.merge_mb)
         self.versions = VersionPolicy(self.adapters)
         self.weights = WeightSwapper(self.model)
+        self.max_logprobs = config.server.max_logprobs  # logprob alternatives a request may ask (-1: the vocabulary)
         self.weights_version = 0   # the base model's policy version: full-weight updates applied (weights.py)
         self.weights_updates = 0
         self.runner = ModelRunner(self.model, info, vocab_size=self.vocab_size, pool_blocks=pool_blocks, block_size=bs,
@@ -119,7 +120,7 @@ class Engine:
         if request.rid in self._requests:
             raise RequestRejected(f"request id {request.rid!r} is already in use", "rid")
         validate(request, vocab_size=self.vocab_size, max_model_len=self.max_model_len,
-                 max_num_seqs=self.config.max_num_seqs)
+                 max_num_seqs=self.config.max_num_seqs, max_logprobs=self.max_logprobs)
         spec = request.spec
         p, n, P = spec.params, spec.n, len(request.prompt_ids)
         if not self.budget.fits(1, P + p.max_tokens + 1) or not self.budget.fits(n, P + self.scheduler.headroom):

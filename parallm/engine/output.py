@@ -82,11 +82,11 @@ class OutputProcessor:
         for seq in work.seqs:
             got = prompt_lps.get(seq.seq_id)
             if got is not None:
-                first_position, lps, ids, vals = got
+                first_position, lps, ids, vals, ranks = got
                 del seq.prompt_logprobs[first_position - seq.logprobs_from:]  # recomputed after a preemption
                 for j, lp in enumerate(lps):
                     top = None if ids is None else sorted(zip(ids[j], vals[j]), key=lambda x: -x[1])
-                    seq.prompt_logprobs.append((lp, top))
+                    seq.prompt_logprobs.append((lp, top, None if ranks is None else ranks[j]))
         ops = self.scheduler.complete_prefill(work)  # finished prompts (and their forks) join the running rows
         for seq in work.seqs:
             if seq.prefill_only and seq.is_finished:
@@ -167,15 +167,16 @@ class OutputProcessor:
         if seq.index == 0 and seq.params.prompt_logprobs is not None and not seq.prompt_logprobs_sent \
                 and seq.prompt_logprobs is not None and len(seq.prompt_logprobs) == seq.num_prompt - 1:
             seq.prompt_logprobs_sent = True
-            o.prompt_logprobs = [None] + [lp for lp, _ in seq.prompt_logprobs]
+            o.prompt_logprobs = [None] + [lp for lp, _, _ in seq.prompt_logprobs]
+            o.prompt_ranks = [None] + [rank for _, _, rank in seq.prompt_logprobs]
             if seq.params.prompt_logprobs:
-                o.prompt_top_logprobs = [None] + [top[:seq.params.prompt_logprobs] for _, top in seq.prompt_logprobs]
+                o.prompt_top_logprobs = [None] + [top[:seq.params.prompt_logprobs] for _, top, _ in seq.prompt_logprobs]
         return o
 
     def score_result(self, seq: Sequence) -> ScoreResult:
-        lps = [lp for lp, _ in seq.prompt_logprobs]
+        lps = [lp for lp, _, _ in seq.prompt_logprobs]
         self.scored += len(lps)
-        tops = [top for _, top in seq.prompt_logprobs] if seq.score_top else None
+        tops = [top for _, top, _ in seq.prompt_logprobs] if seq.score_top else None
         return ScoreResult(qid=seq.rid, ids=seq.prompt_ids, start=seq.score_start, logprobs=lps, top_logprobs=tops)
 
     def forget_if_done(self, rid: str) -> None:

@@ -64,6 +64,7 @@ class SeqOutput:
     usage: Usage | None = None
     prompt_logprobs: list[float | None] | None = None
     prompt_top_logprobs: list[list[tuple[int, float]] | None] | None = None
+    prompt_ranks: list[int | None] | None = None  # vLLM's rank of each prompt token (1 = the most likely)
     adapter: str = ""  # the adapter and version that produced these tokens
     version: int = 0
 
@@ -82,8 +83,10 @@ class ScoreResult:
     aborted: bool = False
 
 
-def validate(request: Request, *, vocab_size: int, max_model_len: int, max_num_seqs: int) -> None:
-    """Raise RequestRejected for input no engine state could serve."""
+def validate(request: Request, *, vocab_size: int, max_model_len: int, max_num_seqs: int,
+             max_logprobs: int = 20) -> None:
+    """Raise RequestRejected for input no engine state could serve. `max_logprobs`: vLLM's --max-logprobs
+    (server.max_logprobs; -1 = the vocabulary size)."""
     p = request.params
     ids = request.prompt_ids
     if not isinstance(request.rid, str) or not request.rid:
@@ -135,10 +138,7 @@ def validate(request: Request, *, vocab_size: int, max_model_len: int, max_num_s
         if p.ignore_eos:
             raise RequestRejected("ignore_eos cannot be combined with a grammar constraint (the grammar "
                                   "ends the output with EOS)", "ignore_eos")
-    if not 0 <= p.top_logprobs <= 20:
-        raise RequestRejected("top_logprobs must be in [0, 20]", "top_logprobs")
-    if p.prompt_logprobs is not None and not 0 <= p.prompt_logprobs <= 20:
-        raise RequestRejected("prompt_logprobs must be in [0, 20]", "prompt_logprobs")
+    _check_logprobs(p.top_logprobs, p.prompt_logprobs, vocab_size if max_logprobs == -1 else max_logprobs)
     if p.seed is not None and not -(2**63) <= p.seed < 2**64:
         raise RequestRejected("seed must fit in 64 bits", "seed")
     priority = request.spec.priority
@@ -160,6 +160,20 @@ def validate_score(ids: Sequence[int], start: int, top_logprobs: int, *, vocab_s
         raise RequestRejected(f"token ids must be in [0, {vocab_size})", "ids")
     if not 0 <= top_logprobs <= 20:
         raise RequestRejected("top_logprobs must be in [0, 20]", "top_logprobs")
+
+
+def _check_logprobs(top_logprobs: int, prompt_logprobs: int | None, most: int) -> None:
+    """vLLM's bounds and messages (SamplingParams._validate_logprobs)."""
+    if top_logprobs < 0:
+        raise RequestRejected("top_logprobs must be >= 0", "top_logprobs")
+    if top_logprobs > most:
+        raise RequestRejected(f"Requested sample logprobs of {top_logprobs}, which is greater than max allowed: "
+                              f"{most} (the server's --server.max-logprobs)", "top_logprobs")
+    if prompt_logprobs is not None and prompt_logprobs < 0:
+        raise RequestRejected("prompt_logprobs must be >= 0", "prompt_logprobs")
+    if prompt_logprobs is not None and prompt_logprobs > most:
+        raise RequestRejected(f"Requested prompt logprobs of {prompt_logprobs}, which is greater than max allowed: "
+                              f"{most} (the server's --server.max-logprobs)", "prompt_logprobs")
 
 
 def _finite(value: float, name: str) -> None:

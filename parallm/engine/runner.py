@@ -15,7 +15,8 @@ from .compat import ModelInfo
 from .fastmath import FastMath
 from .head import OutputHead
 from .plan import CopyRow, InitRow, LoadPrefix, PrefillWork, Resize, RowOp, SwapRows, WriteBack
-from .sampling import BatchParams, PenaltyState, SampledLists, SampleOut, Sampler, log_softmax, penalty_rows, top_of
+from .sampling import (BatchParams, PenaltyState, SampledLists, SampleOut, Sampler, log_softmax, penalty_rows, rank_of,
+                       top_of)
 from .sequence import Sequence
 
 
@@ -151,9 +152,10 @@ class ModelRunner:
     # ------------------------------------------------------------------ prefill
     def prefill(self, work: PrefillWork) -> tuple[dict[int, tuple], FirstTokens | None]:
         """Run one padded prefill pass. Returns prompt logprobs for rows that asked for them
-        (seq_id -> (first position, logprobs list, top ids, top logprobs): the logprob of each next
-        token given the ones before it) and the first token of every prompt the pass finishes (for
-        n > 1, one per sample of the request, from the same logits; none for prefill-only work)."""
+        (seq_id -> (first position, logprobs list, top ids, top logprobs, ranks): the logprob of each
+        next token given the ones before it, and its rank but for scores) and the first token of every
+        prompt the pass finishes (for n > 1, one per sample of the request, from the same logits; none
+        for prefill-only work)."""
         L = work.length
         rows = []
         finishing: list[tuple[int, Sequence]] = []  # (row in the pass, seq) whose prompt ends here
@@ -186,14 +188,15 @@ class ModelRunner:
             chosen = mx.take_along_axis(lp, targets[:, None], axis=-1)[:, 0]
             k = seq.prompt_top_k
             top = top_of(lp, k) if k else (None, None)
-            wanted.append((seq, lo, chosen, *top))
+            ranks = None if seq.prefill_only else rank_of(lp, chosen)  # vLLM's prompt-logprob rank
+            wanted.append((seq, lo, chosen, *top, ranks))
         first = self._sample_first(finishing, last_logits) if finishing else None
         mx.eval(self.live.arrays(), [w[2:] for w in wanted], first.arrays() if first else [])
         del logits
         out = {}
-        for seq, start, chosen, ids, vals in wanted:
+        for seq, start, chosen, ids, vals, ranks in wanted:
             out[seq.seq_id] = (start, chosen.tolist(), None if ids is None else ids.tolist(),
-                               None if vals is None else vals.tolist())
+                               None if vals is None else vals.tolist(), None if ranks is None else ranks.tolist())
         if first is None:
             return out, None
         return out, FirstTokens(first_seqs(finishing), first.read())

@@ -118,9 +118,16 @@ def log_softmax(x: mx.array) -> mx.array:
 
 
 def top_of(lp: mx.array, k: int) -> tuple[mx.array, mx.array]:
-    """Ids and values of the k largest entries per row (unordered; sorted on the host)."""
+    """Ids and values of the k largest entries per row (unordered; sorted on the host); k past the
+    vocabulary is every entry."""
+    k = min(k, lp.shape[-1])
     ids = mx.argpartition(-lp, k - 1, axis=-1)[..., :k]
     return ids, mx.take_along_axis(lp, ids, axis=-1)
+
+
+def rank_of(lp: mx.array, chosen: mx.array) -> mx.array:
+    """vLLM's rank of each row's token: how many entries of the row are >= its logprob (1 = the most likely)."""
+    return (lp >= chosen[:, None]).sum(axis=-1)
 
 
 @dataclass(slots=True)

@@ -58,7 +58,7 @@ class Sequence:
     block_ids: list[int] = field(default_factory=list)  # prefix-cache blocks held (refs), in order
     num_cached_first: int = -1  # prefix-cache hit of the first admission (usage.cached_tokens)
     finish_reason: str | None = None
-    prompt_logprobs: list | None = None  # [(logprob, top) per position from logprobs_from], filled by prefill
+    prompt_logprobs: list | None = None  # [(logprob, top, rank) per position from logprobs_from], filled by prefill
     prompt_logprobs_sent: bool = False
     score_start: int = 0  # >= 1: a teacher-forced score of prompt_ids[score_start:] (see the module doc)
     score_top: int = 0  # top-k alternatives a score keeps per position

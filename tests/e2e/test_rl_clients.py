@@ -77,6 +77,32 @@ def test_atropos_get_logprobs_matches_scoring(http, raw):
     assert close(own, scored)
 
 
+def test_trl_1_16_get_sequence_logprobs_ranks_and_top_k_match_scoring(http, raw):
+    """TRL v1.16.0 get_sequence_logprobs (trl/generation/vllm_client.py:684-724) with top_logprobs=20, the
+    server's default limit: its body, its read (entries sorted by `rank`); 100 needs --server.max-logprobs."""
+    from test_rl_logprobs import trl_format
+
+    model = http.get("/v1/models").json()["data"][0]["id"]
+    seqs = [PROMPT + [7042, 314, 216], [1, 9690, 30, 2]]
+    body = {"model": model, "prompt": seqs, "max_tokens": 1, "temperature": 1.0, "prompt_logprobs": 20}
+    r = http.post("/v1/completions", json=body)
+    assert r.status_code == 200, r.text
+    choices = r.json()["choices"]
+    for choice, seq, start in zip(choices, seqs, (len(PROMPT), 2), strict=True):
+        got = trl_format(choice, seq, start, 20)
+        ref = raw.score(seq, start=start, top_logprobs=20)
+        ids, lps = ref["top_ids"], ref["top_logprobs"]
+        for j, pos in enumerate(range(start, len(seq))):
+            best = sorted(zip(ids[20 * j:20 * j + 20], lps[20 * j:20 * j + 20]), key=lambda x: -x[1])
+            assert got["logprob_token_ids"][j] == [t for t, _ in best]
+            assert close(got["logprobs"][j], [v for _, v in best])
+            assert close(got["actual_logprobs"][j], [ref["logprobs"][j]])
+            own = choice["prompt_logprobs"][pos][str(seq[pos])]["rank"]
+            assert own == 1 + sum(v > ref["logprobs"][j] + 1e-6 for _, v in best) or own > 20
+    r = http.post("/v1/completions", json={**body, "prompt_logprobs": 100})    # TRL's default
+    assert r.status_code == 400 and "max allowed: 20" in r.json()["error"]["message"], r.text
+
+
 def test_vllm_lora_api_selects_the_adapter_by_model(http, raw, tmp_path):
     (tmp_path / "adapters.safetensors").write_bytes(save_bytes(weights(11)))
     (tmp_path / "adapter_config.json").write_text(json.dumps(CONFIG))
