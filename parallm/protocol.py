@@ -463,6 +463,16 @@ class AdapterStats(Struct, kw_only=True):
     load_to_first_token_ms: float | None = None  # median over the last 64 versions
 
 
+class RankState(Struct, kw_only=True):
+    """A tensor-parallel rank's state as rank 0 last confirmed it (parallm/engine/distributed.py): the
+    rank's state digest, sent in the step broadcast, equalled rank 0's at rank 0's step `step`."""
+
+    rank: int = 0
+    step: int = 0
+    agrees: bool = True
+    policy: dict[str, int] = {}  # adapter name -> the latest version it serves ("": the base weights' version)
+
+
 class LoopStats(Struct, kw_only=True):
     """Where a stage's loop spends its working iterations."""
 
@@ -520,6 +530,8 @@ class EngineStats(Struct, tag="engine", kw_only=True):
     dropped_frames: int = 0
     loop: LoopStats = msgspec.field(default_factory=LoopStats)
     blas: BlasStats | None = None
+    ranks: list[RankState] = []    # a tensor-parallel group's ranks, rank 0 first (engine.tensor_parallel > 1)
+    replicas: list[EngineStats] = []  # replica 0's answer: the other replicas' latest stats (engine.replicas > 1)
 
 
 class TokenizerStats(Struct, tag="tokenizer", kw_only=True):
@@ -551,6 +563,14 @@ StageStats = Union[EngineStats, TokenizerStats, DetokenizerStats]
 
 class StatsReply(Reply, tag="stats_reply"):
     stats: StageStats
+
+
+class ReplicaStats(Message, tag="replica_stats"):
+    """Engine replica i > 0's stats, pushed to replica 0 about every second (parallm/routing.py), which
+    answers GetStats with them in EngineStats.replicas."""
+
+    replica: int
+    stats: EngineStats
 
 
 # --------------------------------------------------------------------------- to clients
@@ -735,7 +755,7 @@ AnyReply = Union[TokenizeReply, DetokenizeReply, ScoreReply, PauseState, Adapter
 
 TokenizerInbound = Union[TextSubmit, Tokenize, Detokenize, GetStats]
 EngineInbound = Union[Submit, Score, Abort, Pause, Resume, GetStats, AdapterPublish, AdapterUnload, ListAdapters,
-                      WeightsUpdate, ResetPrefixCache]
+                      WeightsUpdate, ResetPrefixCache, ReplicaStats]
 DetokInbound = Union[Track, StepOutputs, RequestError, AnyReply]
 ClientInbound = Union[Outputs, RequestError, Welcome, AnyReply]
 RouterInbound = Union[Hello, GetStats]  # a client may ask the detokenizer for its stats
@@ -745,7 +765,7 @@ AnyMessage = Union[TextSubmit, Tokenize, Detokenize, GetStats, Submit, Score, Ab
                    AdapterUnload, ListAdapters, Track, StepOutputs, RequestError, TokenizeReply, DetokenizeReply,
                    ScoreReply, PauseState, AdapterLoaded, AdapterUnloaded, AdapterList, StatsReply, Hello, Welcome,
                    Outputs, Rollout, TrainingStatus, Ready, Heartbeat, Fatal, StageDown, StageUp, Drain, Shutdown,
-                   WeightsUpdate, WeightsUpdated, ResetPrefixCache, PrefixCacheReset]
+                   WeightsUpdate, WeightsUpdated, ResetPrefixCache, PrefixCacheReset, ReplicaStats]
 
 
 class ProtocolError(ValueError):

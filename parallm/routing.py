@@ -13,6 +13,11 @@ the lightest. Load is the work this tokenizer sent each replica (prompt + max_to
 decayed with a half-life: it needs no message back from the engines. An n > 1 request is one
 message, so its samples stay on one replica. A replica the supervisor announced down takes nothing
 until it is back.
+
+Stats: replica i > 0 pushes its EngineStats to replica 0 about every second (`ReplicaReports`);
+replica 0 answers GetStats with its own and, in `replicas`, the others' latest (a replica silent for
+STALE_AFTER_S, e.g. a dead one, is left out until it reports again), so one GetStats (ingress's
+/metrics poll, `Client.stats()`) sees every replica.
 """
 
 from __future__ import annotations
@@ -22,11 +27,14 @@ import time
 from collections import OrderedDict
 from typing import Callable, Sequence
 
-from parallm.transport import Addresses
+from parallm import protocol
+from parallm.transport import Addresses, Sender
 
 HALF_LIFE_S = 2.0
 AFFINITY_SLACK = 2.0  # a prefix's replica keeps it while it carries at most this many times the cached tokens more
 MAX_PREFIXES = 65536
+REPORT_EVERY_S = 1.0
+STALE_AFTER_S = 5.0
 
 
 def block_hashes(ids: Sequence[int], block_size: int, adapter: str = "") -> list[int]:
@@ -114,3 +122,34 @@ class Router:
 
     def mark_up(self, replica: int) -> None:
         self.down.discard(replica)
+
+
+class ReplicaReports:
+    """Replica i > 0: its stats pushed to replica 0 every REPORT_EVERY_S (`tick`). Replica 0: the
+    latest stats of each other replica (`receive`, `others`)."""
+
+    def __init__(self, replica: int, to_first: Sender | None = None, *,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.replica = replica
+        self.to_first = to_first
+        self.clock = clock
+        self._due = 0.0
+        self._latest: dict[int, tuple[float, protocol.EngineStats]] = {}
+
+    def tick(self, stats: Callable[[], protocol.EngineStats]) -> None:
+        """Push this replica's stats when due (never blocks: replica 0 may be down)."""
+        if self.to_first is None:
+            return
+        now = self.clock()
+        if now >= self._due:
+            self._due = now + REPORT_EVERY_S
+            self.to_first.send(protocol.ReplicaStats(replica=self.replica, stats=stats()), block=False)
+
+    def receive(self, message: protocol.ReplicaStats) -> None:
+        message.stats.replicas = []
+        self._latest[message.replica] = (self.clock(), message.stats)
+
+    def others(self) -> list[protocol.EngineStats]:
+        """The other replicas' latest stats, by replica, leaving out those silent for STALE_AFTER_S."""
+        now = self.clock()
+        return [stats for replica, (at, stats) in sorted(self._latest.items()) if now - at <= STALE_AFTER_S]

@@ -127,6 +127,9 @@ class EngineStage:
         # replica 0 hands aborts, adapter versions and pauses on to the other replicas (parallm/routing.py)
         self.peers = [Sender(open_socket(ctx, zmq.PUSH, routing.engine_address(runtime.addrs, i), bind=False, hwm=hwm))
                       for i in range(1, config.engine.replicas)] if replica == 0 else []
+        to_first = Sender(open_socket(ctx, zmq.PUSH, routing.engine_address(runtime.addrs, 0), bind=False, hwm=hwm)) \
+            if replica > 0 else None
+        self.reports = routing.ReplicaReports(replica, to_first)  # replica i > 0's stats reach replica 0
         sub = open_socket(ctx, zmq.SUB, routing.adapters_address(runtime.addrs, replica), bind=True, hwm=hwm)
         sub.setsockopt(zmq.SUBSCRIBE, b"")
         self.adapter_sub: Receiver = Receiver(sub, protocol.EngineInbound, name="adapters")
@@ -173,6 +176,8 @@ class EngineStage:
             dropped = blocks.drop_cached() if blocks is not None else 0
             self.reply(protocol.PrefixCacheReset(qid=message.qid, reply_to=message.reply_to, dropped=dropped,
                                                  held=blocks.num_used if blocks is not None else 0))
+        elif isinstance(message, protocol.ReplicaStats):
+            self.reports.receive(message)
         elif isinstance(message, protocol.ListAdapters):
             self.reply(adapter_list(self.engine, message.qid, message.reply_to))
         elif isinstance(message, protocol.Pause):
@@ -308,6 +313,7 @@ class EngineStage:
         stats = self.engine.stats()
         stats.paused, stats.held_for_version, stats.received = self.paused, len(self.held), self.received
         stats.replica = self.rt.replica
+        stats.replicas = self.reports.others()
         stats.dropped_frames = self.inbox.dropped
         stats.loop = protocol.LoopStats(steps=self.loop_steps, ms_mean={
             k[:-2]: 1000 * v / max(1, self.loop_steps) for k, v in self.loop_time.items()})
@@ -357,6 +363,7 @@ class EngineStage:
             t0 = clock()
             if self.blas is not None:
                 self.blas.tick()
+            self.reports.tick(self.stats)
             ready = dict(self.poller.poll(timeout))
             if ready:
                 if self.adapter_sub.sock in ready:

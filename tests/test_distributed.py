@@ -132,9 +132,9 @@ def test_a_model_without_shard_is_refused():
 def test_broadcast_on_a_single_rank_returns_the_payload():
     group = mx.distributed.init()
     big = bytes(range(256)) * 40  # past the inline header: two collectives
-    assert broadcast(group, b"hello") == b"hello"
-    assert broadcast(group, big) == big
-    assert broadcast(group, b"") == b""
+    assert broadcast(group, b"hello", echo=7) == (b"hello", [7])
+    assert broadcast(group, big) == (big, [0])
+    assert broadcast(group, b"") == (b"", [0])
 
 
 def test_calls_round_trip():

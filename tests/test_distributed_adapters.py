@@ -14,6 +14,7 @@ import sys
 from pathlib import Path
 
 import mlx.core as mx
+import msgspec
 import pytest
 from mlx.utils import tree_flatten
 
@@ -109,6 +110,7 @@ def rank_main(out_dir: str) -> int:
     else:
         leader = distributed.Leader(engine, group)
         (out / "tokens.json").write_text(json.dumps(drive(leader, str(out / "weights"))))
+        (out / "ranks.json").write_text(json.dumps(msgspec.to_builtins(leader.stats().ranks)))
         leader.close()
         code = 0
     (out / f"state-{group.rank()}.json").write_text(json.dumps(final_state(engine)))
@@ -138,6 +140,9 @@ def test_adapters_and_weight_updates_on_two_ranks_match_one(tmp_path):
     assert got["d-v1/0"]["versions"][0] == "d@1" and got["w2/0"]["versions"][-1] == "@2"
     states = [json.loads((tmp_path / f"state-{r}.json").read_text()) for r in range(2)]
     assert states[0] == states[1] and states[0]["weights"] == 2
+    ranks = json.loads((tmp_path / "ranks.json").read_text())  # rank 0's stats: what each rank serves
+    assert [r["rank"] for r in ranks] == [0, 1] and ranks[1]["agrees"] and ranks[1]["step"] > 24
+    assert ranks[0]["policy"] == ranks[1]["policy"] == {"": 2}
 
 
 # ------------------------------------------------------------------ slicing, on one process

@@ -83,3 +83,44 @@ def test_replica_addresses_are_distinct():
             tcp.training, *tcp.tokenizers}
     extra = [f(tcp, r) for r in (1, 2) for f in (engine_address, adapters_address)]
     assert len(set(extra)) == 4 and not set(extra) & used
+
+
+def test_replica_stats_reach_replica_0_and_go_stale():
+    import zmq
+
+    from parallm import protocol
+    from parallm.routing import STALE_AFTER_S, ReplicaReports
+    from parallm.transport import Receiver, Sender
+
+    ctx = zmq.Context.instance()
+    pull = ctx.socket(zmq.PULL)
+    pull.bind("inproc://replica-0")
+    push = ctx.socket(zmq.PUSH)
+    push.connect("inproc://replica-0")
+    clock = Clock()
+    second = ReplicaReports(1, Sender(push), clock=clock)
+    first = ReplicaReports(0, clock=clock)
+    inbox = Receiver(pull, protocol.EngineInbound)
+    calls = []
+
+    def stats() -> protocol.EngineStats:
+        calls.append(clock.t)
+        return protocol.EngineStats(replica=1, running=len(calls), adapters=protocol.AdapterStats(latest={"a": 3}))
+
+    for t in (0.0, 0.5, 1.2):  # pushed at 0 and 1.2 only
+        clock.t = t
+        second.tick(stats)
+        first.tick(stats)  # replica 0 pushes nothing
+    assert calls == [0.0, 1.2]
+    received = 0
+    while received < 2:
+        assert pull.poll(1000)
+        for message in inbox.drain():
+            first.receive(message)
+            received += 1
+    [got] = first.others()
+    assert got.replica == 1 and got.running == 2 and got.adapters.latest == {"a": 3}
+    clock.t = 1.2 + STALE_AFTER_S + 0.1  # a dead replica's last stats are dropped
+    assert first.others() == []
+    push.close(0)
+    pull.close(0)

@@ -41,14 +41,14 @@ import zmq
 
 from parallm.adapters import load_bytes, save_bytes
 from parallm.adapters.sharded import recording_segments
-from parallm.protocol import RequestSpec
+from parallm.protocol import RankState, RequestSpec
 
 from .request import Request
 
 log = logging.getLogger("parallm.engine.distributed")
 
 BELL_WAIT_S = 60
-HEADER_BYTES = 4096  # the first all-sum of a broadcast: 8 bytes of length, then the payload if it fits
+HEADER_BYTES = 4096  # the first all-sum of a broadcast: 8 bytes of length, the payload if it fits, 8 bytes per rank
 
 
 class TensorParallelError(RuntimeError):
@@ -85,26 +85,31 @@ def join(size: int, backend: str = "any") -> mx.distributed.Group:
     return group
 
 
-def broadcast(group: mx.distributed.Group, payload: bytes | None = None) -> bytes:
-    """Rank 0's `payload` on every rank (the others pass None): an all-sum to which only rank 0
-    contributes, one collective for a payload under HEADER_BYTES, two past it."""
+def broadcast(group: mx.distributed.Group, payload: bytes | None = None, echo: int = 0) -> tuple[bytes, list[int]]:
+    """Rank 0's `payload` on every rank (the others pass None), and every rank's `echo` (a 63-bit
+    number) on every rank: an all-sum to which rank 0 contributes the payload and each rank its echo
+    in its own slot, one collective for a payload that fits the header, two past it."""
+    size = group.size()
+    inline_max = HEADER_BYTES - 8 - 8 * size
     head = bytearray(HEADER_BYTES)
     if group.rank() == 0:
         data = payload or b""
         head[:8] = struct.pack("<Q", len(data))
-        inline = data[:HEADER_BYTES - 8]
+        inline = data[:inline_max]
         head[8:8 + len(inline)] = inline
+    slot = HEADER_BYTES - 8 * (size - group.rank())
+    head[slot:slot + 8] = struct.pack("<Q", echo)
     got = mx.distributed.all_sum(mx.array(memoryview(head), dtype=mx.uint8), group=group)
     got_bytes = bytes(memoryview(got))
+    echoes = list(struct.unpack(f"<{size}Q", got_bytes[HEADER_BYTES - 8 * size:]))
     n = struct.unpack("<Q", got_bytes[:8])[0]
-    if n <= HEADER_BYTES - 8:
-        return got_bytes[8:8 + n]
-    rest = n - (HEADER_BYTES - 8)
-    tail = mx.zeros((rest,), dtype=mx.uint8)
+    if n <= inline_max:
+        return got_bytes[8:8 + n], echoes
+    tail = mx.zeros((n - inline_max,), dtype=mx.uint8)
     if group.rank() == 0:
-        tail = mx.array(memoryview(payload[HEADER_BYTES - 8:]), dtype=mx.uint8)
+        tail = mx.array(memoryview(payload[inline_max:]), dtype=mx.uint8)
     tail = mx.distributed.all_sum(tail, group=group)
-    return got_bytes[8:] + bytes(memoryview(tail))
+    return got_bytes[8:8 + inline_max] + bytes(memoryview(tail)), echoes
 
 
 def agree_min(group: mx.distributed.Group, value: float) -> float:
@@ -164,6 +169,11 @@ _encoder = msgspec.msgpack.Encoder()
 _decoder = msgspec.msgpack.Decoder(Batch)
 
 
+def served_policy(engine) -> dict[str, int]:
+    """{adapter: latest version} and, under "", the base weights' version."""
+    return {**engine.policy(), "": engine.weights_version}
+
+
 def state_digest(engine) -> int:
     """A cheap fingerprint of what the scheduler decided so far and of the adapter versions and base
     weights each rank serves: equal on ranks that agree (strings by crc32: hash() of a str differs
@@ -197,6 +207,8 @@ class Leader:
         self._pending: list[Call] = []
         self._now = time.monotonic()
         self._digest = state_digest(engine)
+        self._digest_policy = served_policy(engine)  # what rank 0 served when it computed _digest
+        self._ranks = [RankState(rank=r, policy=self._digest_policy) for r in range(group.size())]
         engine.scheduler.policy.clock = lambda: self._now
         self.adapters = _RecordingAdapters(engine.adapters, self._record)
         self.blocks = _RecordingBlocks(engine.blocks, self._record) if engine.blocks is not None else None
@@ -223,7 +235,10 @@ class Leader:
             self._idle = False
         self._pending.extend(calls)
         batch, self._pending = Batch(self._pending, self._digest), []
-        broadcast(self._group, _encoder.encode(batch))
+        _, echoes = broadcast(self._group, _encoder.encode(batch), self._digest)
+        for r in range(1, len(echoes)):  # each rank's digest after the step rank 0's digest is of
+            self._ranks[r] = RankState(rank=r, step=self._engine._steps, agrees=echoes[r] == self._digest,
+                                       policy=self._digest_policy)
 
     def _sync(self, method: str, *args: Any, **kwargs: Any) -> Any:
         """Broadcast the pending calls and this one, then run it here (the others do the same)."""
@@ -231,7 +246,15 @@ class Leader:
         self._send(Call(method, self._now))
         result = getattr(self._engine, method)(*args, **kwargs)
         self._digest = state_digest(self._engine)
+        self._digest_policy = served_policy(self._engine)
         return result
+
+    def stats(self):
+        """The engine's stats, with what each rank serves as its last step broadcast confirmed."""
+        stats = self._engine.stats()
+        stats.ranks = [RankState(rank=0, step=self._engine._steps, policy=served_policy(self._engine)),
+                       *self._ranks[1:]]
+        return stats
 
     # the calls that change the engine's state
     def add_request(self, request: Request) -> None:
@@ -397,7 +420,8 @@ def follow(engine, group: mx.distributed.Group, doorbell: str | None = None) -> 
     digest = state_digest(engine)
     log.info("rank %d of %d follows rank 0", group.rank(), group.size())
     while True:
-        batch = _decoder.decode(broadcast(group))
+        data, _ = broadcast(group, echo=digest)
+        batch = _decoder.decode(data)
         if batch.digest != digest:
             raise TensorParallelError(f"rank {group.rank()} diverged from rank 0 (state digest {digest} vs "
                                       f"{batch.digest}); the group must restart")

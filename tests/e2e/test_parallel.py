@@ -207,6 +207,9 @@ def test_adapters_and_weight_updates_reach_both_ranks(tp_server, model_dir, adap
         want = adapters_and_weights(single, model_dir)
     assert got == want
     assert len({tuple(t) for t in [before, *got.values()]}) == 5, "each adapter and the update change the text"
+    ranks = engine_stats(tp_server).ranks  # what each rank serves, as its last step broadcast confirmed
+    assert [r.rank for r in ranks] == [0, 1] and ranks[1].agrees
+    assert ranks[0].policy == ranks[1].policy == {"": 1, "pre": 1, "up": 1, "pub": 1}
 
 
 @pytest.mark.slow
@@ -261,6 +264,13 @@ def tokenizer_stats(server: Server):
         return client.stats("tokenizer")
 
 
+def engine_stats(server: Server):
+    from parallm.client import Client
+
+    with Client(server.router, timeout=30) as client:
+        return client.stats("engine")
+
+
 def chat(url: str, text: str, max_tokens: int = 4) -> httpx.Response:
     return httpx.post(f"{url}/v1/chat/completions", timeout=120, json={
         "model": "m", "messages": [{"role": "user", "content": text}], "max_tokens": max_tokens, "temperature": 0})
@@ -300,6 +310,14 @@ def test_every_replica_gets_every_adapter_version(dp_server):
     assert all(r.status_code == 200 for r in replies), [r.text for r in replies if r.status_code != 200]
     after = tokenizer_stats(dp_server).routed
     assert all(a > b for a, b in zip(after, before)), (before, after)
+    deadline = time.monotonic() + 10  # replica 1 pushes its stats to replica 0 every second
+    while True:
+        stats = engine_stats(dp_server)
+        if [r.adapters.latest.get("dp") for r in stats.replicas] == [2]:
+            break
+        assert time.monotonic() < deadline, stats.replicas
+        time.sleep(0.2)
+    assert stats.replica == 0 and stats.replicas[0].replica == 1 and stats.adapters.latest["dp"] == 2
 
 
 @pytest.mark.slow
