@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 
 import llguidance
+import llguidance.numpy
 import mlx.core as mx
 import numpy as np
 import pytest
@@ -68,11 +69,12 @@ def _allowed(matcher) -> np.ndarray:
     return bits.astype(bool)
 
 
-def test_logprobs_are_those_of_the_masked_temperature_scaled_distribution(model):
-    """Each constrained token's reported logprob = log softmax(masked logits / T) at that token."""
-    import llguidance.numpy  # noqa: F401
+@pytest.mark.parametrize("overlap", [False, True])
+def test_logprobs_are_those_of_the_masked_temperature_scaled_distribution(model, overlap):
+    """Each constrained token's reported logprob = log softmax(masked logits / T) at that token,
+    with the overlapped schedule too (the mask then follows a token read after the next launch)."""
 
-    engine = engine_on(model)
+    engine = engine_on(model, overlap=overlap)
     T = 0.7
     p = SamplingParams(temperature=T, max_tokens=60, seed=3, logprobs=True, constraint=c_schema())
     r = run_all(engine, [req("a", [5, 6, 7], p)])[("a", 0)]
@@ -143,12 +145,24 @@ def test_constrained_output_follows_the_grammar_batched_with_free_rows_and_n_sib
     assert stats["constrained_rows"] == 0 and stats["grammars_compiled"] == 3  # finished rows are forgotten
 
 
-def test_same_seed_gives_the_same_constrained_tokens_alone_and_in_a_batch(model):
+def test_same_seed_gives_the_same_constrained_tokens_alone_in_a_batch_and_overlapped(model):
     p = SamplingParams(temperature=1.0, max_tokens=50, seed=11, constraint=c_schema())
     alone = run_all(engine_on(model), [req("a", [4, 4], p)])[("a", 0)]["tokens"]
     others = [req(f"o{i}", [i + 1], SamplingParams(temperature=1.0, max_tokens=20, seed=i)) for i in range(5)]
     batched = run_all(engine_on(model), others + [req("a", [4, 4], p)])[("a", 0)]["tokens"]
     assert alone == batched
+    overlapped = engine_on(model, overlap=True)
+    res = run_all(overlapped, others + [req("a", [4, 4], p), req("b", [4, 4], p, n=2)])
+    assert res[("a", 0)]["tokens"] == alone and res[("b", 0)]["tokens"] == alone
+    assert res[("b", 1)]["tokens"] != alone and json.loads(text_of(res[("b", 1)]["tokens"]))
+
+    kept = engine_on(model, overlap=True)
+    kept.add_request(req("c", [4, 4], p))
+    in_flight = []
+    while kept.has_work():
+        kept.step()
+        in_flight.append(len(kept._launches))
+    assert in_flight.count(1) >= len(alone) - 2  # the constrained row's passes stay in flight across steps (overlap kept)
 
 
 def test_max_tokens_mid_json_ends_with_length_and_the_partial_text(model):
@@ -164,11 +178,14 @@ def test_preemption_by_recompute_keeps_the_constraint(model):
     reqs = lambda: [req(f"r{i}", [1, 2, 3 + i], SamplingParams(temperature=1.0, max_tokens=45, seed=i,  # noqa: E731
                                                               constraint=rx)) for i in range(6)]
     roomy = run_all(engine_on(model), reqs())
-    tight = engine_on(model, kv_budget_bytes=512 * 110, prefix_pool_fraction=0.0, prefix_cache=False)
-    res = run_all(tight, reqs())
-    assert tight.stats().preemptions > 0
+    for overlap in (False, True):  # overlapped: a preempted row's token in flight is dropped, its matcher rolled back
+        tight = engine_on(model, kv_budget_bytes=512 * 110, prefix_pool_fraction=0.0, prefix_cache=False,
+                          overlap=overlap)
+        res = run_all(tight, reqs())
+        assert tight.stats().preemptions > 0
+        for key, d in roomy.items():
+            assert res[key]["tokens"] == d["tokens"] and res[key]["finish"] == d["finish"], (overlap, key)
     for key, d in roomy.items():
-        assert res[key]["tokens"] == d["tokens"] and res[key]["finish"] == d["finish"], key
         text = text_of(d["tokens"])
         assert d["finish"] == "stop" and text.endswith("!") and 30 <= len(text) - 1 <= 40 and text[:-1].isalpha()
 
@@ -185,3 +202,29 @@ def test_bad_constraints_are_rejected_naming_the_problem(model):
     assert not engine.has_work()
     with pytest.raises(GrammarError, match="look-around"):
         grammar_text("regex", "(?=a)b")
+
+
+def test_row_matcher_follows_outputs_and_the_token_in_flight():
+    """The matcher consumes the token still in flight (overlap); one the sequence did not keep is
+    rolled back, and a matcher in error is replayed from the outputs."""
+    from parallm.engine.constraints import RowMatcher
+
+    tok = char_tokenizer()
+    grammar = grammar_text("regex", "(ab|cd)+!")
+    ids = {c: TOKENS.index(c.encode()) for c in "abcd!"}
+    template = llguidance.LLMatcher(tok, grammar)
+    row = RowMatcher(template)
+    row.sync([ids["a"]], pending=ids["b"])
+    assert row.ids == [ids["a"], ids["b"]] and row.confirmed == 1
+    assert _allowed(row.matcher)[ids["c"]] and not _allowed(row.matcher)[ids["b"]]
+    row.sync([ids["a"], ids["b"], ids["c"]], pending=None)  # the token in flight was kept, and one more
+    assert row.ids == [ids["a"], ids["b"], ids["c"]] and _allowed(row.matcher)[ids["d"]]
+    row.sync([ids["a"], ids["b"], ids["c"]], pending=ids["d"])
+    row.sync([ids["a"], ids["b"]], pending=ids["a"])  # shorter outputs (never expected): replayed
+    assert row.ids == [ids["a"], ids["b"], ids["a"]] and _allowed(row.matcher)[ids["b"]]
+    row = RowMatcher(template)
+    row.sync([ids["c"]], pending=ids["d"])
+    row.sync([ids["c"]], pending=ids["c"])  # "d" was dropped (its pass discarded): rolled back, then "c"
+    assert row.ids == [ids["c"], ids["c"]] and row.matcher.is_error()  # "cc" is outside the grammar
+    row.sync([ids["c"], ids["d"]], pending=ids["!"])  # an errored matcher cannot roll back: replayed
+    assert not row.matcher.is_error() and row.matcher.is_accepting()

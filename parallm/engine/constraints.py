@@ -2,12 +2,15 @@
 the worker thread that fills the token masks while the model pass runs.
 
 A constrained sequence owns an llguidance matcher that has consumed its output tokens. Before
-each pass the worker brings every matcher up to date with its sequence's `output_ids` (so
-preemption by recompute, which keeps the outputs, and n > 1 siblings, each with its own copy of
-the compiled matcher, need nothing else) and fills an int32 bitmask row per constrained row
-(bit t of row b: token t allowed); unconstrained rows are all ones. llguidance releases the GIL
-while it fills, so the engine loop builds and launches the pass meanwhile. The sampler applies
-the mask before temperature and filters (sampling.apply_bitmask).
+each pass the worker brings every matcher up to date with its sequence's `output_ids` and the
+token of the pass still in flight (the overlapped schedule launches pass t before pass t-1 is
+read: the runner launches pass t's forward, reads t-1's tokens, which the device finished first,
+and hands them here while the forward runs), rolling back a speculative token a preemption
+discarded, and fills an int32 bitmask row per constrained row (bit t of row b: token t
+allowed); unconstrained rows are all ones. Preemption by recompute keeps the outputs and n > 1
+siblings each have their own copy of the compiled matcher, so they need nothing else. llguidance
+releases the GIL while it fills. The sampler applies the mask before temperature and filters
+(sampling.apply_bitmask), in the sampling part of pass t's graph.
 
 A matcher that reached its end allows only EOS, so a finished structure ends with "stop"; one
 that runs out of max_tokens first ends with "length" and the partial text, as any request does.
@@ -45,21 +48,49 @@ def tokenizer_from_file(path: str | Path, vocab_size: int, eos_ids: Seq[int]) ->
 
 
 class RowMatcher:
-    """One sequence's matcher and how many of its output tokens it has consumed."""
+    """One sequence's matcher and the tokens it has consumed: the sequence's outputs, then the
+    token of the pass in flight when the mask was computed for the pass after it (overlap)."""
 
-    __slots__ = ("matcher", "consumed")
+    __slots__ = ("template", "matcher", "ids", "confirmed")
 
-    def __init__(self, matcher: Any) -> None:
-        self.matcher = matcher
-        self.consumed = 0
+    def __init__(self, template: Any) -> None:
+        self.template = template  # the compiled grammar's matcher, copied (an errored matcher cannot reset)
+        self.matcher = template.deep_copy()
+        self.ids: list[int] = []
+        self.confirmed = 0  # ids[:confirmed] are outputs the sequence kept
 
-    def sync(self, output_ids: list[int]) -> None:
-        if len(output_ids) < self.consumed:  # never expected: outputs only grow; replay from the start
-            self.matcher.reset()
-            self.consumed = 0
-        if len(output_ids) > self.consumed:
-            self.matcher.consume_tokens(output_ids[self.consumed:])
-            self.consumed = len(output_ids)
+    def sync(self, output_ids: list[int], pending: int | None = None) -> None:
+        """Bring the matcher to `output_ids` followed by `pending` (the token sampled by the pass in
+        flight). A pending token consumed last time that the sequence did not keep (its pass was
+        discarded by a preemption) is rolled back."""
+        k = self.confirmed
+        if len(output_ids) < k:  # never expected: outputs only grow; replay from the start
+            self._replay(output_ids, pending)
+            return
+        target = output_ids[k:]
+        if pending is not None:
+            target = [*target, pending]
+        ours = self.ids[k:]
+        common = 0
+        for a, b in zip(ours, target):
+            if a != b:
+                break
+            common += 1
+        extra = len(ours) - common
+        if extra and not self.matcher.rollback(extra):  # a matcher in error cannot roll back
+            self._replay(output_ids, pending)
+            return
+        del self.ids[k + common:]
+        if common < len(target):
+            self.matcher.consume_tokens(target[common:])
+            self.ids.extend(target[common:])
+        self.confirmed = len(output_ids)
+
+    def _replay(self, output_ids: list[int], pending: int | None) -> None:
+        self.matcher = self.template.deep_copy()
+        self.ids = [*output_ids, *([] if pending is None else [pending])]
+        self.matcher.consume_tokens(self.ids)
+        self.confirmed = len(output_ids)
 
 
 class Constraints:
@@ -120,7 +151,7 @@ class Constraints:
         """Give each sequence (n > 1 siblings included) its own matcher of the compiled grammar."""
         template = self._template(c)
         for s in seqs:
-            self.rows[s.seq_id] = (s, RowMatcher(template.deep_copy()))
+            self.rows[s.seq_id] = (s, RowMatcher(template))
 
     def constrained(self, seqs: Seq[Sequence]) -> bool:
         rows = self.rows
@@ -133,9 +164,10 @@ class Constraints:
             del self.rows[sid]
 
     # ------------------------------------------------------------------ masks
-    def masks(self, seqs: Seq[Sequence]) -> np.ndarray:
+    def masks(self, seqs: Seq[Sequence], pending: Seq[int | None] | None = None) -> np.ndarray:
         """[len(seqs), ceil(V/32)] int32 bitmasks: each constrained row's matcher brought up to
-        date with its outputs, then its allowed next tokens; other rows all allowed."""
+        date with its outputs and `pending[i]` (the token of the pass in flight, not yet read into
+        its outputs), then its allowed next tokens; other rows all allowed."""
         import llguidance
         from llguidance.numpy import fill_next_token_bitmask_par
 
@@ -151,7 +183,7 @@ class Constraints:
             if entry is None:
                 continue
             row = entry[1]
-            row.sync(s.output_ids)
+            row.sync(s.output_ids, None if pending is None else pending[i])
             if row.matcher.is_error():
                 buf[i] = 0
                 for t in self.eos_ids:  # a matcher in error (never expected) lets the row end
@@ -164,11 +196,11 @@ class Constraints:
             fill_next_token_bitmask_par(self._executor, work, buf)
         return buf.copy()
 
-    def submit(self, seqs: Seq[Sequence]) -> Future:
-        """Compute `masks(seqs)` on the worker thread (llguidance drops the GIL while it fills)."""
+    def submit(self, seqs: Seq[Sequence], pending: Seq[int | None] | None = None) -> Future:
+        """Compute `masks(seqs, pending)` on the worker thread (llguidance drops the GIL while it fills)."""
         if self._pool is None:
             self._pool = ThreadPoolExecutor(1, thread_name_prefix="parallm-masks")
-        return self._pool.submit(self.masks, list(seqs))
+        return self._pool.submit(self.masks, list(seqs), None if pending is None else list(pending))
 
     def stats(self) -> dict[str, int]:
         self.prune()

@@ -229,9 +229,8 @@ class Engine:
         # overlap keeps the pass just launched in flight and reads it next step, after launching
         # the following one; a pass sampling the first token of a newly loaded adapter version is
         # read now instead, so that token (what a trainer waits for) is not held back by a launch
-        # a grammar-constrained row's next mask needs the token just sampled: no overlap then
-        keep = 1 if (launched and self.config.overlap and not self._launches[-1].fresh
-                     and not self.constraints.constrained(self._launches[-1].seqs)) else 0
+        # (a grammar-constrained row's next mask reads this pass's token once the next forward is launched)
+        keep = 1 if (launched and self.config.overlap and not self._launches[-1].fresh) else 0
         while len(self._launches) > keep:
             self.output.read(self._launches.pop(0), out)
         t4 = time.perf_counter()
@@ -247,7 +246,8 @@ class Engine:
         if not self._wants_decode():
             return False
         seqs = self.scheduler.running
-        launch = self.runner.decode(seqs, self._decode_inputs(seqs), [s.scheduled_outputs for s in seqs])
+        launch = self.runner.decode(seqs, self._decode_inputs(seqs), [s.scheduled_outputs for s in seqs],
+                                    self._launches[-1] if self._launches else None)
         self._launched(seqs, launch)
         return True
 
@@ -281,7 +281,8 @@ class Engine:
         both as a prefill pass and a decode pass would be (the prompts first: a finish read from
         the decode rows moves rows, and those moves copy what the prompts' rows have computed)."""
         seqs = self.scheduler.running
-        launch, first = self.runner.mixed(seqs, self._decode_inputs(seqs), [s.scheduled_outputs for s in seqs], work)
+        launch, first = self.runner.mixed(seqs, self._decode_inputs(seqs), [s.scheduled_outputs for s in seqs], work,
+                                          self._launches[-1] if self._launches else None)
         self._launched(seqs, launch)
         self._mixed_passes += 1
         firsts = StepOutputs() if emit is not None else out

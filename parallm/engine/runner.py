@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Iterable
+from typing import Callable, Iterable
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -22,6 +22,12 @@ from .sequence import Sequence
 
 def _leads(seq: Sequence) -> bool:
     return seq.group is not None and seq.group.leader is seq
+
+
+def pending_tokens(seqs: list[Sequence], prev: Launch) -> list[int | None]:
+    """Each row's token still in flight in `prev` (read from the device: waits for that pass), or None."""
+    tokens = prev.out.tokens.tolist()
+    return [tokens[prev.row_of[s.seq_id]] if s.inflight else None for s in seqs]
 
 
 def first_seqs(finishing: list[tuple[int, Sequence]]) -> list[Sequence]:
@@ -87,6 +93,25 @@ class ModelRunner:
         """The grammar masks of `seqs`, started on the worker thread; None when no row is constrained."""
         c = self.constraints
         return c.submit(seqs) if c is not None and c.constrained(seqs) else None
+
+    def _forward_masked(self, seqs: list[Sequence], prev: Launch | None,
+                        run: Callable[[], mx.array]) -> tuple[mx.array, mx.array | None]:
+        """`run()`, the forward pass building the logits of `seqs`, and their grammar masks (None when
+        no row is constrained). A row whose last token is still in `prev`, the pass launched before,
+        gets its mask once this forward is launched: the device finishes `prev` first, its tokens are
+        read, and the worker fills the masks while the forward runs (vLLM's async scheduling with
+        structured output), so the schedule stays overlapped and the row costs only its mask. Masks
+        that need no such token are filled while the forward's graph is built."""
+        c = self.constraints
+        if c is None or not c.constrained(seqs):
+            return run(), None
+        waits = prev is not None and any(s.inflight for s in seqs)
+        job = None if waits else c.submit(seqs)
+        logits = run()
+        mx.async_eval(logits)
+        if waits:
+            job = c.submit(seqs, pending_tokens(seqs, prev))
+        return logits, mx.array(job.result())
 
     def _forward(self, seqs: list[Sequence], tokens: mx.array, cache) -> mx.array:
         """The model over `tokens`, row i under seqs[i]'s adapter; the graph is fixed on return."""
@@ -237,16 +262,13 @@ class ModelRunner:
         from_prev = mx.array([bool(s.inflight) for s in seqs])
         return mx.where(from_prev, prev.out.tokens[mx.array(src, dtype=mx.int32)], known)
 
-    def decode(self, seqs: list[Sequence], inputs: mx.array, positions: list[int]) -> Launch:
-        """Build and launch one decode pass over rows [0, len(seqs)); nothing is waited for."""
+    def decode(self, seqs: list[Sequence], inputs: mx.array, positions: list[int], prev: Launch | None = None) -> Launch:
+        """Build and launch one decode pass over rows [0, len(seqs)); `prev`: the pass launched before,
+        not read yet, whose tokens a grammar-constrained row's mask needs. Nothing else is waited for."""
         offsets = [s.num_computed for s in seqs]
         ctx = PassContext(0, offsets, 1, max(offsets) + 1, mask5d=self.info.mask5d)
-        job = self._mask_job(seqs)  # filled on the worker thread while the pass runs
-        logits = self._forward(seqs, inputs[:, None], self.live.views(ctx))[:, -1, :]
-        bitmask = None
-        if job is not None:
-            mx.async_eval(logits)
-            bitmask = mx.array(job.result())
+        logits, bitmask = self._forward_masked(
+            seqs, prev, lambda: self._forward(seqs, inputs[:, None], self.live.views(ctx))[:, -1, :])
         out = self._sample_rows(seqs, logits, positions, bitmask)
         mx.async_eval(out.arrays(), self.penalties.arrays())
         return _launch_of(seqs, out)
@@ -279,7 +301,7 @@ class ModelRunner:
         return self._packing
 
     def mixed(self, seqs: list[Sequence], inputs: mx.array, positions: list[int],
-              work: PrefillWork) -> tuple[Launch, FirstTokens | None]:
+              work: PrefillWork, prev: Launch | None = None) -> tuple[Launch, FirstTokens | None]:
         """One packed pass (cache.PackedContext): a decode token of every running row [0,
         len(seqs)), as `decode` samples it, and the next prompt chunk of every prefilling row, with
         the first token of each prompt it finishes, as `prefill` samples it (no prompt logprobs:
@@ -297,10 +319,12 @@ class ModelRunner:
             if k and start + k == seq.prefill_target:
                 finishing.append((i, seq))
                 picked.append(end - 1)
-        job = self._mask_job(seqs)
-        with self.head.select(mx.array(picked, dtype=mx.int32)):
-            logits = self._forward(seqs[:1], tokens, self.live.views(ctx))[0]
-        out = self._sample_rows(seqs, logits[:n], positions, None if job is None else mx.array(job.result()))
+        def run() -> mx.array:
+            with self.head.select(mx.array(picked, dtype=mx.int32)):
+                return self._forward(seqs[:1], tokens, self.live.views(ctx))[0]
+
+        logits, bitmask = self._forward_masked(seqs, prev, run)
+        out = self._sample_rows(seqs, logits[:n], positions, bitmask)
         first = self._sample_first(finishing, logits[n:]) if finishing else None
         mx.eval(out.arrays(), self.penalties.arrays(), self.live.arrays(), first.arrays() if first else [])
         return _launch_of(seqs, out), FirstTokens(first_seqs(finishing), first.read()) if first else None
