@@ -173,3 +173,42 @@ def test_detokenizer_reasoning_opened_by_the_template_and_no_split_without_assis
     plain = DetokState(tok, "r", prompt_ids=prompt, spec=DetokSpec())
     out = plain.update(SeqDelta(rid="r", token_ids=pack_ids(ids), finish_reason="length"))
     assert (out.reasoning, out.text) == ("", "hmm</think>42")
+
+
+@pytest.fixture(scope="module")
+def mistral_like():
+    """The default model's tokenizer with Mistral's tool markers added as special tokens (no Mistral
+    tokenizer is installed here; in Mistral's own, [TOOL_CALLS] and [ARGS] are special control tokens)."""
+    from parallm.config import ModelConfig
+    from parallm.models import load_tokenizer, resolve_model
+
+    tok = load_tokenizer(resolve_model(ModelConfig()))
+    tok.add_special_tokens({"additional_special_tokens": ["[TOOL_CALLS]", "[ARGS]"]})
+    tok.chat_template = "{% for m in messages %}{{ m.content }}{% endfor %}{# [TOOL_CALLS] #}"
+    return tok
+
+
+@pytest.mark.parametrize("step", [1, 4, 100])
+def test_a_marker_that_is_a_special_token_reaches_the_parser_while_content_hides_special_tokens(mistral_like, step):
+    from parallm.protocol import DetokSpec, SeqDelta, pack_ids
+    from parallm.text.sequence import DetokState
+
+    tok = mistral_like
+    marker = tok.convert_tokens_to_ids("[TOOL_CALLS]")
+    assert marker in tok.all_special_ids
+    text = ('Let me<|im_start|> check.[TOOL_CALLS]get_weather[ARGS]{"city": "Paris"}'
+            '[TOOL_CALLS]get_time[ARGS]{"tz": "CET"}')
+    ids = tok.encode(text, add_special_tokens=False) + [tok.convert_tokens_to_ids("<|im_end|>")]
+    assert ids.count(marker) == 2 and tok.convert_tokens_to_ids("<|im_start|>") in ids
+    outs = []
+    for spec in (DetokSpec(assistant=True, tool_parser="auto"), DetokSpec()):
+        state = DetokState(tok, "r", prompt_ids=tok.encode("hi", add_special_tokens=False), spec=spec)
+        outs.append([state.update(SeqDelta(rid="r", token_ids=pack_ids(ids[i:i + step]),
+                                           finish_reason="stop" if i + step >= len(ids) else None))
+                     for i in range(0, len(ids), step)])
+    split, plain = outs
+    assert "".join(o.text for o in split) == "Let me check."
+    got = [(c["function"]["name"], json.loads(c["function"]["arguments"])) for o in split for c in o.tool_calls]
+    assert got == [("get_weather", {"city": "Paris"}), ("get_time", {"tz": "CET"})]
+    # without a split, skip_special_tokens hides every special token, markers included
+    assert "".join(o.text for o in plain) == 'Let me check.get_weather{"city": "Paris"}get_time{"tz": "CET"}'

@@ -5,13 +5,16 @@ model's tool-call syntax becomes calls, parsed by mlx-lm's own parsers (`mlx_lm.
 loaded without importing mlx) plus parallm's Llama-3 JSON parser, which mlx-lm lacks. The parser
 and the thinking markers are chosen from the chat template and the vocabulary the way mlx-lm's
 tokenizer_utils chooses them (tables copied: that module imports mlx). A call is emitted whole
-once its end marker (or the end of the text) arrives, as mlx_lm.server streams it.
+once its end marker (or the end of the text) arrives, as mlx_lm.server streams it. Markers that
+are special tokens reach the split although skip_special_tokens hides the others
+(kept_special_ids).
 """
 
 from __future__ import annotations
 
 import importlib
 import importlib.util
+import inspect
 import json
 import sys
 import types
@@ -72,6 +75,7 @@ class ToolParser:
     start: str
     end: str                                       # "" = the call runs to the end of the text
     parse: Callable[[str, Any], Any]               # the text between the markers -> dict or list of dicts
+    source: str = ""                               # the parser's code: the special tokens it reads are named there
 
 
 def _mlx_lm_parser_module(name: str) -> Any:
@@ -109,7 +113,11 @@ def tool_parser(name: str) -> ToolParser:
     if name not in PARSERS:
         raise ValueError(f"unknown tool parser {name!r}; known: {', '.join(sorted(set(PARSERS)))}")
     mod = _mlx_lm_parser_module(name)
-    return ToolParser(name, mod.tool_call_start, mod.tool_call_end or "", mod.parse_tool_call)
+    try:
+        source = inspect.getsource(mod)
+    except (OSError, TypeError):
+        source = ""
+    return ToolParser(name, mod.tool_call_start, mod.tool_call_end or "", mod.parse_tool_call, source)
 
 
 def new_call_id() -> str:
@@ -156,7 +164,7 @@ class AssistantSplitter:
             tr["content"].append((parser.start, "tool"))
             if parser.end:
                 tr["tool"].append((parser.end, "content"))
-        self.parser, self.tools = parser, tools
+        self.parser, self.tools, self.thinking = parser, tools, thinking
         self._sm = MarkerSplitter(tr, "reasoning" if in_reasoning and thinking else "content")
         self._call = ""
         self._llama_bare = parser is not None and parser.name == "llama3_json"
@@ -216,6 +224,25 @@ class AssistantSplitter:
 
 
 _MODEL_SYNTAX: dict[int, tuple[tuple[str, str] | None, str | None]] = {}
+_KEPT: dict[tuple, frozenset[int]] = {}
+
+
+def kept_special_ids(tok: Any, splitter: AssistantSplitter) -> frozenset[int]:
+    """The special tokens the split must see although `skip_special_tokens` hides the others:
+    those whose text is (part of) a thinking or tool-call marker (Mistral's `[TOOL_CALLS]`,
+    Llama 3's `<|python_tag|>`) or that the tool parser's code names (Mistral's `[ARGS]`, Kimi's
+    `<|tool_call_begin|>`). They reach the splitter, which consumes the markers, so `content`
+    still shows no special token."""
+    parser, thinking = splitter.parser, splitter.thinking
+    key = (id(tok), parser.name if parser else None, thinking)
+    kept = _KEPT.get(key)
+    if kept is None:
+        markers = [m for m in (*(thinking or ()), *((parser.start, parser.end) if parser else ())) if m]
+        source = parser.source if parser else ""
+        kept = frozenset(i for i in tok.special_ids if (text := tok.added.get(i))
+                         and (any(text in m for m in markers) or text in source))
+        _KEPT[key] = kept
+    return kept
 
 
 def model_syntax(tok: Any) -> tuple[tuple[str, str] | None, str | None]:

@@ -41,15 +41,21 @@ class IncrementalDetokenizer:
     """
 
     def __init__(self, tokenizer: TokenizerLike, prompt_ids: Sequence[int] = (),
-                 skip_special_tokens: bool = True) -> None:
+                 skip_special_tokens: bool = True, keep_special: frozenset[int] = frozenset()) -> None:
+        """`keep_special`: special tokens whose text stays although skip_special_tokens hides the
+        others (the markers a tool-call or reasoning split reads, text/assistant.kept_special_ids)."""
         self.tok = TokenizerView.of(tokenizer)
         self.skip_special_tokens = skip_special_tokens
+        self._hidden = self.tok.special_ids - keep_special if skip_special_tokens and keep_special else None
         self._ids: list[int] = self._context(prompt_ids)
         self._read = len(self._ids)          # ids[:read] are emitted, as prefix_text
         self._prefix_text = self._decode(self._ids)
         self.num_tokens = 0                  # generated tokens added so far
 
     def _decode(self, ids: list[int]) -> str:
+        if self._hidden is not None:
+            hidden = self._hidden
+            return self.tok.decode([i for i in ids if i not in hidden], False)
         return self.tok.decode(ids, self.skip_special_tokens)
 
     def _context(self, prompt_ids: Sequence[int]) -> list[int]:
@@ -99,7 +105,8 @@ class IncrementalDetokenizer:
 
     def _release_settled(self, text: str) -> str:
         """Safety valve: emit up to the last boundary followed by SETTLED_AFTER text-bearing tokens."""
-        skipped = self.tok.special_ids if self.skip_special_tokens else frozenset()
+        skipped = (self.tok.special_ids if self._hidden is None else self._hidden) if self.skip_special_tokens \
+            else frozenset()
         bearing = 0
         cut = len(self._ids)
         while cut > self._read and bearing < SETTLED_AFTER:

@@ -17,7 +17,7 @@ from typing import Any, Sequence
 
 from parallm.protocol import (DetokSpec, Output, Rollout, SeqDelta, Track, Usage, VersionSpans, extend_spans, pack_ids,
                               unpack_ids)
-from parallm.text.assistant import AssistantSplitter, Split, splitter_for
+from parallm.text.assistant import AssistantSplitter, Split, kept_special_ids, splitter_for
 from parallm.text.detokenize import IncrementalDetokenizer
 from parallm.text.stop import StopStringMatcher
 from parallm.text.vocab import TokenizerLike, TokenizerView
@@ -42,11 +42,12 @@ class DetokState:
         self.metadata = metadata or {}
         self.stop_token_ids = frozenset(stop_token_ids)
         self.min_tokens = min_tokens
-        self._detok = None if spec is None else IncrementalDetokenizer(
-            self.tok, self.prompt_ids, spec.skip_special_tokens)
-        self._stop = StopStringMatcher(spec.stop, spec.include_stop_str) if spec and spec.stop else None
         self._split: AssistantSplitter | None = splitter_for(self.tok, spec, self.prompt_ids) \
             if spec is not None and spec.assistant else None
+        self._detok = None if spec is None else IncrementalDetokenizer(
+            self.tok, self.prompt_ids, spec.skip_special_tokens,
+            kept_special_ids(self.tok, self._split) if self._split is not None else frozenset())
+        self._stop = StopStringMatcher(spec.stop, spec.include_stop_str) if spec and spec.stop else None
         self.finish_reason: str | None = None
         self.stop_reason: str | int | None = None
         self.needs_abort = False
