@@ -4,6 +4,7 @@ other peer's frames never reach the stage; key files and the supervisor's keys."
 from __future__ import annotations
 
 import socket
+import time
 
 import pytest
 import zmq
@@ -93,3 +94,34 @@ def test_client_keys_come_in_pairs(key_files):
 
     with pytest.raises(ValueError, match="both"):
         AsyncClient("tcp://127.0.0.1:1", server_key=str(key_files / "allowed" / "client.key"))
+
+
+def test_the_adapter_publisher_reaches_the_engine_only_with_an_allowed_key_file(key_files, tmp_path):
+    """parallm.training.AdapterPublisher(server_key=, client_key=): the trainer side of issue 22's
+    planted-adapter attack (tests/e2e/test_curve.py makes the attack itself)."""
+    from parallm.training.publisher import AdapterPublisher
+
+    server_keys = keys.stage_curve(keys.supervisor_keys("", str(key_files / "allowed"), str(tmp_path)))
+    server_public = str(tmp_path / keys.SERVER_PUBLIC_FILE)
+    address = f"tcp://127.0.0.1:{_port()}"
+    ctx = zmq.Context()
+    try:
+        sub = open_socket(ctx, zmq.SUB, address, bind=True, curve=server_keys)  # the engine's adapters socket
+        sub.setsockopt(zmq.SUBSCRIBE, b"")
+        inbox = Receiver(sub, protocol.EngineInbound)
+        publishers = {who: AdapterPublisher(address, ctx=ctx, settle_s=0, server_key=server_public,
+                                            client_key=str(key_files / folder / f"{who}.key_secret"))
+                      for who, folder in (("intruder", "other"), ("client", "allowed"))}
+        names: set[str] = set()
+        deadline = time.monotonic() + 10
+        while "client" not in names and time.monotonic() < deadline:
+            for who, publisher in publishers.items():  # PUB drops what it sends before the handshake: resend
+                publisher.publish(who, weights=b"w")
+            got = inbox.recv(timeout_ms=100)
+            names |= {got.name} if isinstance(got, protocol.AdapterPublish) else set()
+        while (got := inbox.recv(timeout_ms=300)) is not None:
+            names.add(got.name)
+        assert names == {"client"}
+    finally:
+        stop_authenticators()
+        ctx.destroy(0)

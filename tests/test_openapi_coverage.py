@@ -4,6 +4,7 @@ parallm/api/openapi.py (ROUTES, or `openapi.register(...)` beside the route) fai
 from __future__ import annotations
 
 import msgspec
+import pytest
 from starlette.testclient import TestClient
 
 from parallm.api import openapi
@@ -64,3 +65,54 @@ def test_every_ref_resolves_to_a_component():
     assert refs and all(ref.startswith("#/components/schemas/") for ref in refs)
     missing = {ref for ref in refs if ref.rsplit("/", 1)[-1] not in doc["components"]["schemas"]}
     assert not missing
+
+
+def _unbounded_integers(schema, root, path, seen):
+    """Paths of integer schemas without both a lower and an upper bound, refs followed once."""
+    if isinstance(schema, list):
+        for i, item in enumerate(schema):
+            yield from _unbounded_integers(item, root, f"{path}[{i}]", seen)
+        return
+    if not isinstance(schema, dict):
+        return
+    if "$ref" in schema:
+        name = schema["$ref"].rsplit("/", 1)[-1]
+        if name not in seen:
+            seen.add(name)
+            yield from _unbounded_integers(root["components"]["schemas"][name], root, name, seen)
+        return
+    kinds = schema.get("type")
+    if kinds == "integer" or isinstance(kinds, list) and "integer" in kinds:
+        if not ({"minimum", "exclusiveMinimum"} & set(schema) and {"maximum", "exclusiveMaximum"} & set(schema)):
+            yield path
+    for key, value in schema.items():
+        if key != "not":
+            yield from _unbounded_integers(value, root, f"{path}.{key}", seen)
+
+
+def test_every_integer_a_request_body_takes_has_its_real_range():
+    """Issue 22: an integer past 64 bits was a 500 where it reached msgpack; every request integer is
+    bounded in its type, so the decoder answers 400 naming the field (the document shows the bounds)."""
+    doc = openapi.openapi_document()
+    seen: set[str] = set()
+    unbounded = [f"{method.upper()} {path}: {where}" for path, methods in doc["paths"].items()
+                 for method, op in methods.items()
+                 for where in _unbounded_integers(op.get("requestBody", {}).get("content", {})
+                                                  .get("application/json", {}).get("schema", {}), doc, "body", seen)]
+    assert not unbounded, unbounded
+
+
+@pytest.mark.parametrize("path, body, field", [
+    ("/v1/adapters", {"name": "a", "path": "/x"}, "version"),
+    ("/v1/adapters/upload", {"name": "a", "weights": ""}, "version"),
+    ("/v1/weights", {"path": "/x"}, "version"),
+    ("/v1/unload_lora_adapter", {"lora_name": "a"}, "lora_int_id"),
+    ("/generate", {"input_ids": [1], "return_logprob": True}, "logprob_start_len"),
+])
+@pytest.mark.parametrize("value", [2**70, -2**70])
+def test_integers_past_their_range_on_the_admin_and_sglang_bodies_are_400(path, body, field, value):
+    """The fields the test above found unbounded: each out-of-range value is a 400 naming the field,
+    never a 500 from msgpack (FakeBackend would answer anything that got through with 501/404)."""
+    client = TestClient(build_app(FakeBackend(), ServerConfig()), raise_server_exceptions=False)
+    r = client.post(path, json={**body, field: value})
+    assert r.status_code == 400 and field in r.json()["error"]["message"], r.text

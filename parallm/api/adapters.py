@@ -37,6 +37,7 @@ from starlette.routing import Route
 from parallm.api.backend import Backend
 from parallm.api.errors import APIError, invalid
 from parallm.api.http import json_response, read_body
+from parallm.api.schemas import Count
 from parallm.config import ServerConfig
 from parallm.protocol import AdapterLoaded, AdapterPublish
 
@@ -69,7 +70,7 @@ def adapter_of(model: str | None, adapter: str, base: str) -> str:
 class _Load(msgspec.Struct, forbid_unknown_fields=True):
     name: str
     path: str
-    version: int = 0
+    version: Count = 0   # 0: the latest + 1
     format: str = "auto"
     config: dict[str, Any] = {}
 
@@ -78,7 +79,7 @@ class _Upload(msgspec.Struct, forbid_unknown_fields=True):
     weights: str
     name: str = DEFAULT_NAME
     config: dict[str, Any] = {}
-    version: int = 0
+    version: Count = 0
     format: str = "auto"
 
 

@@ -158,7 +158,7 @@ class SglangGenerateRequest(Struct, kw_only=True):
     return_logprob: bool = False
     top_logprobs_num: Annotated[int, Meta(ge=0, lt=INT32)] = 0
     return_text_in_logprobs: bool = False
-    logprob_start_len: int = -1
+    logprob_start_len: Annotated[int, Meta(ge=-1, lt=INT32)] = -1
     stream: bool = False
     rid: str | None = None
     lora_path: str | None = None    # the adapter's name, as SGLang's LoRA registry names them

@@ -44,7 +44,7 @@ from parallm.api.backend import Backend, BackendError
 from parallm.api.errors import APIError, invalid
 from parallm.api.http import json_response, read_body
 from parallm.config import ServerConfig
-from parallm.api.schemas import ChatCompletionRequest
+from parallm.api.schemas import ChatCompletionRequest, Count, Int64
 from parallm.api.translate import Plan, chat_plan
 from parallm.api.validate import Limits, decode
 from parallm.protocol import (AdapterPublish, RequestSpec, SamplingParams, TextSubmit, WeightsUpdate, WeightsUpdated,
@@ -82,7 +82,7 @@ class WeightsRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     """parallm's POST /v1/weights."""
 
     path: str
-    version: int = 0
+    version: Count = 0
 
 
 class LoadLora(msgspec.Struct, kw_only=True):
@@ -94,7 +94,7 @@ class LoadLora(msgspec.Struct, kw_only=True):
 
 class UnloadLora(msgspec.Struct, kw_only=True):
     lora_name: str
-    lora_int_id: int | None = None
+    lora_int_id: Int64 | None = None
 
 
 def _body(raw: bytes, kind: type) -> Any:

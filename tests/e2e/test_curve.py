@@ -1,5 +1,6 @@
 """Over tcp:// only allowed CURVE keys reach the server (issue 22): a local process without one cannot
-publish adapters, pause, abort, subscribe to rollouts, reach the tokenizer or forge heartbeats.
+publish or unload adapters, pause, abort, plant a trainer's status, subscribe to rollouts, reach the
+tokenizer or forge heartbeats.
 
 Each attack is also made with an allowed key through the same raw sockets, so that the test shows
 the attack would work without CURVE (as it did before it)."""
@@ -110,7 +111,10 @@ def test_a_publisher_without_an_allowed_key_loads_no_adapter(tcp):
     while "allowed" not in _adapter_names(tcp) and time.monotonic() < deadline:
         time.sleep(0.2)
     assert "allowed" in _adapter_names(tcp)
-    tcp.client.unload_adapter("allowed")
+    _push(tcp, _addr(tcp, "engine"), protocol.AdapterUnload(name="allowed"), None)  # the unload attack
+    assert "allowed" in _adapter_names(tcp)
+    _push(tcp, _addr(tcp, "engine"), protocol.AdapterUnload(name="allowed"), tcp.curve)
+    assert "allowed" not in _adapter_names(tcp)
 
 
 def _push(srv, address: str, message, curve: keys.Curve | None) -> None:
@@ -136,6 +140,22 @@ def test_pause_resume_and_abort_without_an_allowed_key_do_nothing(tcp):
     assert not tcp.client.resume().paused
     results = tcp.client.result(rid)
     assert [r.finish_reason for r in results] == ["length"] and len(results[0].token_ids) == 8
+
+
+def test_a_trainer_status_without_an_allowed_key_is_not_shown(tcp):
+    """The planted trainer: a TrainingStatus pushed to ingress' training socket shows in
+    /v1/training/status only when it came with an allowed key."""
+    import httpx
+
+    for who, curve in (("planted", None), ("allowed", tcp.curve)):
+        _push(tcp, _addr(tcp, "training"), protocol.TrainingStatus(trainer=who, adapter="pol", step=7), curve)
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        shown = {t["trainer"] for t in httpx.get(f"{tcp.url}/v1/training/status", timeout=10).json()["trainers"]}
+        if "allowed" in shown:
+            break
+        time.sleep(0.2)
+    assert shown == {"allowed"}
 
 
 def test_rollouts_reach_only_allowed_subscribers(tcp):
