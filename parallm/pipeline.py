@@ -81,6 +81,7 @@ class Pipeline:
         self._reading = False
         self._welcomed: asyncio.Future | None = None
         self._push: dict[str, zmq.Socket] = {}
+        self._engine_replicas = 1
 
     # ------------------------------------------------------------------ lifecycle
     async def connect(self) -> protocol.Welcome:
@@ -101,6 +102,7 @@ class Pipeline:
             await asyncio.wait([self._welcomed], timeout=min(HELLO_INTERVAL_S, left))
         self.welcome = self._welcomed.result()
         addrs = self.welcome.addresses
+        self._engine_replicas = int(addrs.get("engine_replicas") or 1)
         self._push = {"engine": self._open(zmq.PUSH, addrs["engine"]),
                       "tokenizer": self._open(zmq.PUSH, addrs["tokenizers"].split(","))}
         control = self._open(zmq.SUB, addrs["control"])
@@ -325,15 +327,21 @@ class Pipeline:
     def _on_control(self, message: Any) -> None:
         if type(message) is protocol.StageDown:
             self.stages_down.add(f"{message.stage}-{message.replica}")
-            self._fail_stage(message.stage)
+            self._fail_stage(message.stage, message.replica)
         elif type(message) is protocol.StageUp:
             self.stages_down.discard(f"{message.stage}-{message.replica}")
         for listener in self._listeners:
             self._guarded(listener, message)
 
-    def _fail_stage(self, stage: str) -> None:
+    def _fail_stage(self, stage: str, replica: int = 0) -> None:
         """Fail what a dead stage could hold (see the module docstring)."""
-        if stage in ("engine", "detokenizer"):
+        if stage == "engine" and self._engine_replicas > 1:
+            # one engine replica of several: the tokenizers and the detokenizer fail what was sent to it
+            # or held by it (parallm/routing.py); here what went straight to replica 0, and its control calls
+            if replica != 0:
+                return
+            lost = [s for s in self._streams.values() if not s.via_tokenizer]
+        elif stage in ("engine", "detokenizer"):
             lost = list(self._streams.values())
         elif stage == "tokenizer":
             lost = [s for s in self._streams.values() if s.via_tokenizer and not s.heard]

@@ -320,6 +320,7 @@ class Track(Message, tag="track"):
     reply_to: bytes
     prompt_ids: bytes
     spec: RequestSpec
+    replica: int = 0  # the engine replica that holds it: its death fails only its own requests
 
 
 class SeqDelta(Struct, kw_only=True, omit_defaults=True):

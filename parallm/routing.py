@@ -14,6 +14,12 @@ decayed with a half-life: it needs no message back from the engines. An n > 1 re
 message, so its samples stay on one replica. A replica the supervisor announced down takes nothing
 until it is back.
 
+A dead replica fails only its own requests: the detokenizer fails those it had admitted (each
+Track names its replica), and each tokenizer those it sent it lately (`Router.mark_down` returns
+them: they may have been lost on the way, or waiting in it for an adapter version), while clients
+fail nothing on their own for a replica of several (parallm/pipeline.py). A "lost" error for a
+request that had in fact finished is dropped by the detokenizer (`RecentIds`).
+
 Stats: replica i > 0 pushes its EngineStats to replica 0 about every second (`ReplicaReports`);
 replica 0 answers GetStats with its own and, in `replicas`, the others' latest (a replica silent for
 STALE_AFTER_S, e.g. a dead one, is left out until it reports again), so one GetStats (ingress's
@@ -31,6 +37,8 @@ from parallm import protocol
 from parallm.transport import Addresses, Sender
 
 HALF_LIFE_S = 2.0
+REMEMBER_S = 150.0  # how long a tokenizer remembers where it sent a request (> adapters.hold_timeout_s)
+MAX_REMEMBERED = 65536
 AFFINITY_SLACK = 2.0  # a prefix's replica keeps it while it carries at most this many times the cached tokens more
 MAX_PREFIXES = 65536
 REPORT_EVERY_S = 1.0
@@ -85,6 +93,7 @@ class Router:
         self.down: set[int] = set()
         self._stamp = clock()
         self._prefixes: OrderedDict[int, int] = OrderedDict()  # block hash -> replica, least recent first
+        self._sent: OrderedDict[str, tuple[float, int, bytes]] = OrderedDict()  # rid -> (when, replica, reply_to)
 
     def _age(self) -> None:
         now = self.clock()
@@ -92,8 +101,9 @@ class Router:
         self.load = [x * factor for x in self.load]
         self._stamp = now
 
-    def choose(self, ids: Sequence[int], cost: float, adapter: str = "") -> int:
-        """The replica for a request with prompt `ids` and `cost` tokens of work; counts it there."""
+    def choose(self, ids: Sequence[int], cost: float, adapter: str = "", rid: str = "", reply_to: bytes = b"") -> int:
+        """The replica for a request with prompt `ids` and `cost` tokens of work; counts it there (and
+        remembers where request `rid` went, for `mark_down`)."""
         self._age()
         up = [r for r in range(self.replicas) if r not in self.down] or list(range(self.replicas))
         lightest = min(up, key=lambda r: (self.load[r], self.routed[r]))
@@ -114,11 +124,25 @@ class Router:
             self._prefixes.popitem(last=False)
         self.load[choice] += cost
         self.routed[choice] += 1
+        if rid:
+            self._remember(rid, choice, reply_to)
         return choice
 
-    def mark_down(self, replica: int) -> None:
+    def _remember(self, rid: str, replica: int, reply_to: bytes) -> None:
+        now = self.clock()
+        self._sent[rid] = (now, replica, reply_to)
+        while self._sent and (len(self._sent) > MAX_REMEMBERED or next(iter(self._sent.values()))[0] < now - REMEMBER_S):
+            self._sent.popitem(last=False)
+
+    def mark_down(self, replica: int) -> list[tuple[str, bytes]]:
+        """Replica `replica` died: it takes nothing until `mark_up`. Returns (rid, reply_to) of the
+        requests sent to it in the last REMEMBER_S, forgotten here."""
         if 0 <= replica < self.replicas:
             self.down.add(replica)
+        lost = [(rid, reply_to) for rid, (_, r, reply_to) in self._sent.items() if r == replica]
+        for rid, _ in lost:
+            del self._sent[rid]
+        return lost
 
     def mark_up(self, replica: int) -> None:
         self.down.discard(replica)
@@ -153,3 +177,25 @@ class ReplicaReports:
         """The other replicas' latest stats, by replica, leaving out those silent for STALE_AFTER_S."""
         now = self.clock()
         return [stats for replica, (at, stats) in sorted(self._latest.items()) if now - at <= STALE_AFTER_S]
+
+
+def lost_error(rid: str, reply_to: bytes) -> protocol.RequestError:
+    """What a tokenizer tells the client of a request it sent to a replica that died."""
+    return protocol.RequestError(rid=rid, reply_to=reply_to, status=503, code="stage_restarted", retryable=True,
+                                 message="the engine replica this request was sent to restarted; retry it")
+
+
+class RecentIds:
+    """The last MAX_REMEMBERED request ids added (the detokenizer's requests that ended)."""
+
+    def __init__(self, limit: int = MAX_REMEMBERED) -> None:
+        self.limit = limit
+        self._ids: OrderedDict[str, None] = OrderedDict()
+
+    def add(self, rid: str) -> None:
+        self._ids[rid] = None
+        if len(self._ids) > self.limit:
+            self._ids.popitem(last=False)
+
+    def __contains__(self, rid: str) -> bool:
+        return rid in self._ids

@@ -27,6 +27,7 @@ import zmq
 from parallm import protocol
 from parallm.config import Config
 from parallm.logs import request_extra
+from parallm.routing import RecentIds
 from parallm.runtime import StageRuntime
 from parallm.text.sequence import DetokState
 from parallm.text.vocab import TokenizerView
@@ -40,6 +41,7 @@ class _Request:
     reply_to: bytes
     states: list[DetokState]
     remaining: int
+    replica: int = 0  # the engine replica that holds it (Track.replica)
 
 
 class DetokenizerStage:
@@ -57,6 +59,7 @@ class DetokenizerStage:
         self.rollouts.setsockopt(zmq.XPUB_NODROP, 1)
         self.to_engine = Sender(open_socket(ctx, zmq.PUSH, addrs.engine, bind=False, hwm=hwm))
         self.requests: dict[str, _Request] = {}
+        self.finished = RecentIds()  # requests that ended lately (parallm/routing.py)
         self.counts = protocol.DetokenizerStats()  # the counters; stats() adds the gauges
         self.last_batch_size = 0
 
@@ -64,7 +67,7 @@ class DetokenizerStage:
     def on_track(self, track: protocol.Track) -> None:
         n = track.spec.n
         self.requests[track.rid] = _Request(track.reply_to, [DetokState.from_track(self.tok, track, i) for i in range(n)],
-                                            n)
+                                            n, track.replica)
 
     def on_step(self, step: protocol.StepOutputs) -> None:
         now = time.time()
@@ -88,6 +91,7 @@ class DetokenizerStage:
                 request.remaining -= 1
                 if request.remaining == 0:
                     del self.requests[delta.rid]
+                    self.finished.add(delta.rid)
         for reply_to, items in by_client.items():
             self.router.send(reply_to, protocol.Outputs(items=items, batch_size=step.batch_size))
         if aborts:
@@ -96,6 +100,8 @@ class DetokenizerStage:
         self.counts.outputs += len(step.outputs)
 
     def on_error(self, error: protocol.RequestError) -> None:
+        if error.rid in self.finished and error.rid not in self.requests:
+            return  # a tokenizer's "sent to a replica that died" for a request that had finished
         log.info("%d %s: %s", error.status, error.code, error.message, extra=request_extra(error.rid))
         request = self.requests.pop(error.rid, None)
         reply_to = error.reply_to or (request.reply_to if request else b"")
@@ -113,7 +119,8 @@ class DetokenizerStage:
 
     def on_client(self, identity: bytes, message: Any) -> None:
         if isinstance(message, protocol.Hello):
-            self.router.send(identity, protocol.Welcome(model=self.model_name, addresses=self.rt.addrs.public()))
+            self.router.send(identity, protocol.Welcome(model=self.model_name, addresses={
+                **self.rt.addrs.public(), "engine_replicas": str(self.config.engine.replicas)}))
         elif isinstance(message, protocol.GetStats):
             self.router.send(identity, protocol.StatsReply(qid=message.qid, stats=self.stats()))
 
@@ -128,14 +135,16 @@ class DetokenizerStage:
             for rid in rids:
                 log.info("client %r went away: aborted", identity[:32], extra=request_extra(rid))
 
-    def on_engine_down(self) -> None:
-        """The engine died: every request it held is lost; tell each client, retryably."""
-        for rid, request in list(self.requests.items()):
+    def on_engine_down(self, replica: int = 0) -> None:
+        """An engine replica died: every request it held is lost; tell each client, retryably. (What a
+        tokenizer had sent it and it had not admitted yet, the tokenizer fails: parallm/routing.py.)"""
+        lost = [rid for rid, request in self.requests.items() if request.replica == replica]
+        for rid in lost:
+            request = self.requests.pop(rid)
             self.router.send(request.reply_to, protocol.RequestError(
                 rid=rid, status=503, code="stage_restarted", retryable=True,
                 message="the engine restarted while this request was in flight; retry it"))
-        log.warning("engine down: failed %d in-flight request(s)", len(self.requests))
-        self.requests.clear()
+        log.warning("engine replica %d down: failed %d in-flight request(s)", replica, len(lost))
 
     def handle(self, message: Any) -> None:
         if isinstance(message, protocol.StepOutputs):
@@ -183,7 +192,7 @@ class DetokenizerStage:
             if self.rt.control.sock in ready:
                 for message in self.rt.poll_control():
                     if isinstance(message, protocol.StageDown) and message.stage == "engine":
-                        self.on_engine_down()
+                        self.on_engine_down(message.replica)
             self.rt.heartbeat(lambda: len(self.requests))
         return 0
 

@@ -275,7 +275,7 @@ class EngineStage:
                 self.out.send(rejection(message.rid, message.reply_to, exc))
             return
         self.out.send(protocol.Track(rid=message.rid, reply_to=message.reply_to, prompt_ids=message.prompt_ids,
-                                     spec=spec))
+                                     spec=spec, replica=self.rt.replica))
 
     def send(self, outputs: list[SeqOutput | ScoreResult]) -> None:
         """A step's outputs: the sequences' in one StepOutputs, each finished score's reply to its client."""

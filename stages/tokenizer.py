@@ -73,8 +73,8 @@ class TokenizerStage:
             self.to_detok.send(exc.to_error(message.rid, message.reply_to))
             return
         spec = message.spec
-        replica = self.router.choose(ids, cost=len(ids) + (spec.params.max_tokens or 0) * spec.n,
-                                     adapter=spec.adapter) if len(self.to_engines) > 1 else 0
+        replica = self.router.choose(ids, cost=len(ids) + (spec.params.max_tokens or 0) * spec.n, adapter=spec.adapter,
+                                     rid=message.rid, reply_to=message.reply_to) if len(self.to_engines) > 1 else 0
         self.to_engines[replica].send(protocol.Submit(rid=message.rid, reply_to=message.reply_to,
                                                       prompt_ids=protocol.pack_ids(ids), spec=spec))
 
@@ -106,7 +106,8 @@ class TokenizerStage:
                     self.safely(queued)
             for control in self.rt.poll_control():  # a replica down takes no request until it is back
                 if isinstance(control, protocol.StageDown) and control.stage == "engine":
-                    self.router.mark_down(control.replica)
+                    for rid, reply_to in self.router.mark_down(control.replica):  # sent to it lately: maybe lost
+                        self.to_detok.send(routing.lost_error(rid, reply_to))
                 elif isinstance(control, protocol.StageUp) and control.stage == "engine":
                     self.router.mark_up(control.replica)
             self.rt.heartbeat()

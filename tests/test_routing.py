@@ -124,3 +124,25 @@ def test_replica_stats_reach_replica_0_and_go_stale():
     assert first.others() == []
     push.close(0)
     pull.close(0)
+
+
+def test_a_dead_replica_gives_back_only_the_requests_sent_to_it():
+    from parallm.routing import REMEMBER_S, RecentIds
+
+    clock = Clock()
+    router = Router(2, 16, clock=clock)
+    picks = {f"r{i}": router.choose(prompt(i), cost=100, rid=f"r{i}", reply_to=b"c%d" % i) for i in range(6)}
+    on_one = sorted(rid for rid, r in picks.items() if r == 1)
+    assert on_one and len(on_one) < 6
+    lost = router.mark_down(1)
+    assert sorted(rid for rid, _ in lost) == on_one and all(reply_to == b"c" + rid[1:].encode() for rid, reply_to in lost)
+    assert router.mark_down(1) == []  # given back once
+    router.mark_up(1)
+    router.choose(prompt(50), cost=1, rid="old", reply_to=b"x")
+    clock.t = REMEMBER_S + 1  # long enough ago that it was admitted (or failed) by now
+    router.choose(prompt(51), cost=1, rid="new", reply_to=b"y")
+    assert "old" not in {rid for rid, _ in router.mark_down(0) + router.mark_down(1)}
+    recent = RecentIds(limit=2)
+    for rid in ("a", "b", "c"):
+        recent.add(rid)
+    assert "a" not in recent and "b" in recent and "c" in recent

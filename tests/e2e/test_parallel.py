@@ -227,7 +227,7 @@ def test_a_model_whose_heads_do_not_split_is_refused_at_startup():
 @pytest.fixture(scope="module")
 def dp_server(model_dir):
     with Server("--model", str(model_dir), "--model.served-name", "m", "--engine.replicas", "2",
-                "--supervisor.restart-backoff-s", "3") as srv:
+                "--supervisor.restart-backoff-s", "8") as srv:
         yield srv
 
 
@@ -320,16 +320,55 @@ def test_every_replica_gets_every_adapter_version(dp_server):
     assert stats.replica == 0 and stats.replicas[0].replica == 1 and stats.adapters.latest["dp"] == 2
 
 
+def stream_until_end(url: str, prompt: str, max_tokens: int, results: list, started: threading.Event) -> None:
+    """One streamed completion; appends the error it ended with, or its number of text chunks."""
+    chunks = 0
+    try:
+        with httpx.stream("POST", f"{url}/v1/completions", timeout=120, json={
+                "model": "m", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
+                "stream": True}) as r:
+            for line in r.iter_lines():
+                if line.startswith("data:") and '"error"' in line:
+                    results.append(json.loads(line[5:])["error"])
+                    return
+                if line.startswith("data:") and '"text"' in line:
+                    chunks += 1
+                    if chunks == 2:
+                        started.set()
+        results.append(chunks)
+    except httpx.HTTPError as exc:
+        results.append(exc)
+    finally:
+        started.set()
+
+
 @pytest.mark.slow
-def test_a_killed_replica_leaves_the_other_serving(dp_server):
+def test_a_killed_replica_fails_only_its_own_requests_and_the_other_serves(dp_server):
     pids = engine_replica_pids(dp_server)
+    before = tokenizer_stats(dp_server).routed
+    results: list[list] = [[], []]
+    threads = []
+    for i in range(2):  # the second goes to the replica the first did not load
+        started = threading.Event()
+        threads.append(threading.Thread(target=stream_until_end, args=(
+            dp_server.url, f"Long story number {i}:", 600, results[i], started)))
+        threads[-1].start()
+        assert started.wait(60), dp_server.output()
+    assert [a - b for a, b in zip(tokenizer_stats(dp_server).routed, before)] == [1, 1]
     os.kill(pids[1], signal.SIGKILL)
+    for t in threads:
+        t.join(120)
+    assert not any(t.is_alive() for t in threads), "a stream hung after a replica was killed"
+    errors = [r[0] for r in results if isinstance(r[0], dict)]
+    finished = [r[0] for r in results if isinstance(r[0], int)]
+    assert len(errors) == 1 and errors[0]["code"] == "stage_restarted", results  # the killed replica's
+    assert finished and finished[0] > 500, results  # the other replica's stream ran to its end
     deadline = time.monotonic() + 10
     while "engine exited with code -9" not in dp_server.output() and time.monotonic() < deadline:
         time.sleep(0.1)
     time.sleep(0.5)  # the tokenizers hear StageDown
     routed = tokenizer_stats(dp_server).routed
-    for i in range(4):  # replica 1 stays down for the 3 s restart backoff
+    for i in range(4):  # replica 1 stays down for the 8 s restart backoff
         r = chat(dp_server.url, f"While one is down {i}")
         assert r.status_code == 200, r.text
     after = tokenizer_stats(dp_server).routed
