@@ -24,6 +24,7 @@ from parallm.adapters.formats import allowed_path
 from parallm.engine.weights import WeightsError
 from parallm.config import Config
 from parallm.engine import Engine, EngineModel, Request, RequestRejected, ScoreResult, SeqOutput, distributed
+from parallm.logs import request_extra
 from parallm.runtime import StageRuntime
 from parallm.transport import Receiver, Sender, open_socket
 
@@ -328,8 +329,8 @@ class EngineStage:
         try:
             self.handle(message)
         except Exception as exc:  # noqa: BLE001 - a bad message must not take the engine down
-            log.exception("could not handle a %s", type(message).__name__)
             rid = getattr(message, "rid", "") or getattr(message, "qid", "")
+            log.exception("could not handle a %s", type(message).__name__, extra=request_extra(rid) if rid else None)
             reply_to = getattr(message, "reply_to", b"")
             if rid and reply_to:
                 self.out.send(protocol.RequestError(rid=rid, reply_to=reply_to, status=400,

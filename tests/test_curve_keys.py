@@ -125,3 +125,19 @@ def test_the_adapter_publisher_reaches_the_engine_only_with_an_allowed_key_file(
     finally:
         stop_authenticators()
         ctx.destroy(0)
+
+
+def test_parallm_train_takes_the_key_files_in_pairs(key_files, tmp_path, capsys, monkeypatch):
+    """parallm-train --server.curve-server-key F --server.curve-client-key F.key_secret: both or
+    neither, and a key file it cannot read stops it with the file named (before any socket)."""
+    from parallm.training import cli
+
+    monkeypatch.setenv("PARALLM_NO_OPENBLAS", "1")  # main() would re-exec this process with OpenBLAS
+    router = ["--router", "tcp://127.0.0.1:1"]
+    with pytest.raises(SystemExit):
+        cli.parse([*router, "--server.curve-server-key", str(key_files / "allowed" / "client.key")])
+    assert "give both" in capsys.readouterr().err
+    missing = str(tmp_path / "nowhere.key")
+    assert cli.main([*router, "--server.curve-server-key", missing,
+                     "--server.curve-client-key", str(key_files / "allowed" / "client.key_secret")]) == 2
+    assert "nowhere.key" in capsys.readouterr().err
