@@ -18,6 +18,7 @@ FAMILIES = {
     "dbrx": "MoE with per-expert Linear modules",
     "gpt_oss": "MoE + alternating sliding/full attention + attention sinks",
     "cohere2": "sliding window, alternating local/global",
+    "llama4": "chunked local attention + NoPE layers with position-dependent temperature (an adapter)",
     "deepseek_v3": "MLA (latent cache) + MoE",
     "deepseek_v2": "MLA (expanded per-head cache)",
     "gemma4_text": "KV shared across layers (fewer cache slots than layers)",

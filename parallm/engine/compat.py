@@ -8,7 +8,8 @@ message naming the reason, what the views cannot serve:
 - a model type in REFUSED_MODEL_TYPES (known before loading: mlx-lm itself disagrees between a
   full prefill and step-by-step decoding, or the model needs a cache the views cannot stand in for);
 - a slot whose cache is neither an attention KV cache nor recurrent state (`ArraysCache`, served
-  by per-row state views, parallm.engine.state): several caches per slot, chunked attention;
+  by per-row state views, parallm.engine.state) or a cache a family adapter stands in for
+  (parallm.engine.families: llama4's chunked attention);
 - a model whose one-token probe forward fails on the views' protocol, or uses a slot more or less
   than once;
 - dynamic NTK RoPE (its frequencies depend on each sequence's length);
@@ -29,6 +30,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from .cache import LayerShape, LiveKV, PassContext
+from .families import KV_STAND_INS, adapt
 from .state import ListView, SlotLayout, StateShape
 
 # Refused before anything is loaded, with the reason (parallm.models checks this table too).
@@ -39,8 +41,6 @@ REFUSED_MODEL_TYPES: dict[str, str] = {
                  "sees future tokens; its outputs are not a causal model's",
     "deepseek_v41": "deepseek_v41 keeps compressed token groups in its own LayerCache (window, pending "
                     "tokens), which the engine's per-row KV rows cannot stand in for",
-    "llama4": "llama4's chunked attention reads ChunkedKVCache.start_position and trims the cache front "
-              "with integer offsets; it needs a chunk-mask adapter that is not written yet",
     "bitnet": "bitnet's ternary layers need Metal kernels (mx.fast.metal_kernel)",
     "muse_spark": "muse_spark needs Metal kernels (mx.fast.metal_kernel)",
 }
@@ -97,6 +97,7 @@ def check_model(model: nn.Module) -> ModelInfo:
         raise UnsupportedModel(f"model type {mt!r} is not served: {why}")
     from mlx_lm.models.rope_utils import DynamicNTKScalingRoPE
 
+    adapt(model, mt)  # families whose forward reads integer positions (parallm.engine.families)
     slots = cache_slots(model)
     kinds = [_slot_kind(c, i, mt) for i, c in enumerate(slots)]
     for _, module in model.named_modules():
@@ -126,7 +127,7 @@ def _slot_kind(c, i: int, model_type: str):
     """"kv", "state", or a tuple of those for a CacheList; UnsupportedModel for anything else."""
     from mlx_lm.models.cache import ArraysCache, CacheList, KVCache, RotatingKVCache
 
-    if type(c) in (KVCache, RotatingKVCache):
+    if type(c) in (KVCache, RotatingKVCache) or type(c).__name__ in KV_STAND_INS.get(model_type, ()):
         return "kv"
     if type(c) is ArraysCache:
         return "state"

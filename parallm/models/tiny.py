@@ -224,7 +224,8 @@ _o("gemma3n.TextConfig", model_type="gemma3n_text", num_hidden_layers=4, num_kv_
    altup_active_idx=0, laurel_rank=8)
 _o("llama4.TextArgs", model_type="llama4_text", attention_chunk_size=6, interleave_moe_layer_step=2,
    intermediate_size=64, intermediate_size_mlp=128, num_local_experts=4, num_experts_per_tok=1,
-   rope_scaling=None, use_qk_norm=True, num_hidden_layers=4)
+   rope_scaling=None, use_qk_norm=True, num_hidden_layers=4,
+   floor_scale=4)  # the NoPE layer's attention temperature then changes every 4 positions
 _o("longcat_flash_ngram", expert_ffn_hidden_size=32, zero_expert_num=2, mla_scale_q_lora=True,
    mla_scale_kv_lora=True, ngram_vocab_size_ratio=2, emb_neighbor_num=3, emb_split_num=2)
 _o("deepseek_v41", num_hidden_layers=3, head_dim=32, q_lora_rank=24, qk_rope_head_dim=8, o_groups=2,

@@ -1,0 +1,91 @@
+"""Adapters for the model families whose forward reads integer positions from its cache.
+
+The engine's cache views hand a model per-row offsets (an mx.array [rows]); a few mlx-lm
+families build masks or position-dependent scales from `cache.offset` as a Python integer and
+so cannot run batched rows as written. For each such family an adapter swaps the class of the
+affected modules (parameters, names and weights unchanged) for a subclass whose forward does
+the same arithmetic per row when the cache is an engine view, and calls mlx-lm's own forward
+otherwise (mlx-lm's caches: the reference decoding the tests and the load check compare with).
+
+- llama4: the text model's chunked-attention mask (keys in the query's own chunk of
+  `attention_chunk_size` tokens, causal) comes from `ChunkedKVCache.start_position` and an
+  integer offset; the views keep every key of a row (no front trimming), so the adapted forward
+  narrows the view's causal mask to each query's chunk instead. The NoPE layers' attention
+  temperature (`attn_temperature_tuning`) grows with each token's position: per row here.
+
+`adapt(model)` installs whatever applies (idempotent); `parallm.engine.compat.check_model` calls it.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import mlx.core as mx
+import mlx.nn as nn
+
+
+def _per_row(cache: Any) -> bool:
+    """Whether `cache` is an engine view (per-row offsets), not one of mlx-lm's own caches."""
+    return cache is not None and isinstance(getattr(cache, "offset", None), mx.array)
+
+
+@functools.cache
+def _llama4_classes():
+    from mlx_lm.models import llama4  # its functions are looked up per call: the engine's fast math patches them
+
+    class ChunkedLlamaModel(llama4.LlamaModel):
+        def __call__(self, inputs: mx.array, cache=None):
+            if cache is None or not _per_row(cache[0]):
+                return super().__call__(inputs, cache)
+            h = self.embed_tokens(inputs)
+            L = h.shape[1]
+            causal = cache[0].make_mask(L, return_array=True)  # [rows, 1, L, T] (or one row's [.., L, L])
+            T = causal.shape[-1]
+            queries = cache[0].offset.reshape(-1, 1) + mx.arange(L)  # [rows, L]
+            keys = mx.arange(T)
+            C = self.attention_chunk_size
+            same_chunk = (keys[None, None, :] // C) == (queries[:, :, None] // C)  # [rows, L, T]
+            chunk_mask = causal & same_chunk[:, None]
+            global_mask = llama4.create_attention_mask(h, cache[3])
+            for idx, (layer, c) in enumerate(zip(self.layers, cache)):
+                h = layer(h, chunk_mask if (idx + 1) % 4 != 0 else global_mask, cache=c)
+            return self.norm(h)
+
+    class RowsAttention(llama4.Attention):
+        def __call__(self, x: mx.array, mask=None, cache=None) -> mx.array:
+            if not _per_row(cache) or self.use_rope or not self.attn_temperature_tuning:
+                return super().__call__(x, mask, cache)
+            B, L, _ = x.shape  # a NoPE layer with temperature tuning: the scale per row and position
+            queries = self.q_proj(x).reshape(B, L, self.n_heads, -1).transpose(0, 2, 1, 3)
+            keys = self.k_proj(x).reshape(B, L, self.n_kv_heads, -1).transpose(0, 2, 1, 3)
+            values = self.v_proj(x).reshape(B, L, self.n_kv_heads, -1).transpose(0, 2, 1, 3)
+            positions = cache.offset.reshape(-1, 1) + mx.arange(1, L + 1)  # [rows, L]
+            scales = mx.log(mx.floor(positions / self.floor_scale) + 1.0) * self.attn_scale + 1.0
+            queries = (queries * scales[:, None, :, None]).astype(queries.dtype)
+            keys, values = cache.update_and_fetch(keys, values)
+            out = llama4.scaled_dot_product_attention(queries, keys, values, cache=cache, scale=self.scale, mask=mask)
+            return self.o_proj(out.transpose(0, 2, 1, 3).reshape(B, L, -1))
+
+    return {llama4.LlamaModel: ChunkedLlamaModel, llama4.Attention: RowsAttention}
+
+
+_ADAPTERS = {"llama4": _llama4_classes}
+# mlx-lm cache classes an adapted family's slots may use, served as plain KV rows
+KV_STAND_INS = {"llama4": ("ChunkedKVCache",)}
+
+
+def adapt(model: nn.Module, model_type: str) -> bool:
+    """Install `model_type`'s adapter on `model` if it has one; whether it has."""
+    make = _ADAPTERS.get(model_type)
+    if make is None:
+        return False
+    swaps = make()
+    adapted = set(swaps.values())
+    for _, module in model.named_modules():
+        cls = type(module)
+        if cls in swaps:
+            module.__class__ = swaps[cls]
+        elif cls not in adapted and any(isinstance(module, base) for base in swaps):
+            raise TypeError(f"{model_type}: {cls.__name__} subclasses a module the adapter replaces; not adapted")
+    return True
