@@ -174,8 +174,9 @@ def markdown(data: dict[str, Any]) -> str:
              "| shape | layers (state / attention) | state per sequence | KV per token | KV per block | "
              "state / block | KV tokens one snapshot would hold |", "|---|---|---:|---:|---:|---:|---:|"]
     for name, b in data["bytes"].items():
-        lines.append(f"| {name} | {b['state_layers']} / {b['attention_layers']} | {_mib(b['state_bytes_per_sequence'])} "
-                     f"| {_mib(b['kv_bytes_per_token'])} | {_mib(b['kv_bytes_per_block'])} | {b['state_over_block']:.0f}x "
+        lines.append(f"| {name} | {b['state_layers']} / {b['attention_layers']} "
+                     f"| {_mib(b['state_bytes_per_sequence'])} | {_mib(b['kv_bytes_per_token'])} "
+                     f"| {_mib(b['kv_bytes_per_block'])} | {b['state_over_block']:.0f}x "
                      f"| {b['kv_tokens_per_snapshot']:.0f} |")
     t = data.get("ttft")
     if t:

@@ -99,8 +99,8 @@ class AdapterManager:
                 if routable(block):
                     self.switches[path] = module
                 else:
-                    self.other_modules[path] = f"{type(module).__name__} inside a {type(block).__name__} (a MoE block " \
-                        "whose forward the engine cannot route per row)"
+                    self.other_modules[path] = (f"{type(module).__name__} inside a {type(block).__name__} (a MoE "
+                                                "block whose forward the engine cannot route per row)")
             elif path:
                 self.other_modules[path] = type(module).__name__
         # a tensor-parallel engine's slices of linear layers (sharded.py): adapters are checked against,
