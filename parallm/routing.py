@@ -131,7 +131,8 @@ class Router:
     def _remember(self, rid: str, replica: int, reply_to: bytes) -> None:
         now = self.clock()
         self._sent[rid] = (now, replica, reply_to)
-        while self._sent and (len(self._sent) > MAX_REMEMBERED or next(iter(self._sent.values()))[0] < now - REMEMBER_S):
+        while self._sent and (len(self._sent) > MAX_REMEMBERED or
+                              next(iter(self._sent.values()))[0] < now - REMEMBER_S):
             self._sent.popitem(last=False)
 
     def mark_down(self, replica: int) -> list[tuple[str, bytes]]:

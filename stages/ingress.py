@@ -182,7 +182,7 @@ class ZmqBackend:
         """Engine and detokenizer stats for /metrics, /health and the queue bound, every STATS_PERIOD_S."""
         while True:
             for stage in ("engine", "detokenizer"):
-                if any(down.startswith(stage) for down in self.stages_down):
+                if f"{stage}-0" in self.stages_down:  # replica 0 answers (with the other engine replicas' stats)
                     continue
                 try:
                     reply = await self.pipeline.call(stage, protocol.GetStats(qid=""), timeout=STATS_TIMEOUT_S)
@@ -200,7 +200,9 @@ class ZmqBackend:
 
     @property
     def engine_waiting(self) -> int:
-        return self.metrics.engine_stats.waiting
+        """Sequences waiting in every engine replica."""
+        stats = self.metrics.engine_stats
+        return stats.waiting + sum(r.waiting for r in stats.replicas)
 
     def _queue_full(self) -> bool:
         bound = self.config.server.max_queued_requests
@@ -298,7 +300,7 @@ class ZmqBackend:
             status = "ok"
         return {"status": status, "ready": status == "ok", "stages_down": sorted(self.stages_down),
                 "in_flight": in_flight, "waiting": self.engine_waiting,
-                "running": self.metrics.engine_stats.running}
+                "running": sum(e.running for e in [self.metrics.engine_stats, *self.metrics.engine_stats.replicas])}
 
 
 def main(config: Config, replica: int = 0) -> int:

@@ -318,6 +318,13 @@ def test_every_replica_gets_every_adapter_version(dp_server):
         assert time.monotonic() < deadline, stats.replicas
         time.sleep(0.2)
     assert stats.replica == 0 and stats.replicas[0].replica == 1 and stats.adapters.latest["dp"] == 2
+    deadline = time.monotonic() + 10  # ingress polls replica 0's stats for /metrics every 0.5 s
+    want = ['parallm_replica_adapter_version{adapter="dp",replica="0"} 2.0',
+            'parallm_replica_adapter_version{adapter="dp",replica="1"} 2.0', 'parallm_adapter_version{adapter="dp"} 2.0']
+    while not all(line in (text := httpx.get(f"{dp_server.url}/metrics").text) for line in want):
+        assert time.monotonic() < deadline, text
+        time.sleep(0.2)
+    assert 'parallm_replica_generation_tokens_total{replica="1"}' in text
 
 
 def stream_until_end(url: str, prompt: str, max_tokens: int, results: list, started: threading.Event) -> None:
