@@ -202,3 +202,29 @@ def test_heartbeats_and_control_are_never_on_an_open_tcp_port(tcp):
     """The supervisor's inbox is an ipc socket in the private run dir: nothing listens on its tcp port."""
     with pytest.raises(OSError):
         socket.create_connection(("127.0.0.1", tcp.base + 3), timeout=2).close()
+
+
+def test_the_control_channel_reaches_only_allowed_subscribers(tcp):
+    """The supervisor's control PUB (StageDown/StageUp, Drain) is on tcp like the others, so it is a
+    CURVE server too: a subscriber without an allowed key hears nothing of a stage's restart.
+    (Last in the module: it restarts the tokenizer.)"""
+    import os
+    import signal
+
+    ctx = zmq.Context()
+    try:
+        subs = {}
+        for who, curve in (("intruder", None), ("trainer", tcp.curve)):
+            subs[who] = _socket(ctx, zmq.SUB, _addr(tcp, "control"), curve)
+            subs[who].setsockopt(zmq.SUBSCRIBE, b"")
+        time.sleep(0.5)
+        os.kill(tcp.stage_pids()["tokenizer-0"], signal.SIGKILL)
+        heard, deadline = [], time.monotonic() + 30
+        while not any(isinstance(m, protocol.StageUp) for m in heard) and time.monotonic() < deadline:
+            if subs["trainer"].poll(500):
+                heard.append(protocol.decode(subs["trainer"].recv()))
+        assert [type(m) for m in heard if isinstance(m, (protocol.StageDown, protocol.StageUp))] == \
+            [protocol.StageDown, protocol.StageUp], heard
+        assert not subs["intruder"].poll(500)
+    finally:
+        ctx.destroy(linger=0)
