@@ -21,6 +21,7 @@ FAMILIES = {
     "llama4": "chunked local attention + NoPE layers with position-dependent temperature (an adapter)",
     "deepseek_v3": "MLA (latent cache) + MoE",
     "deepseek_v2": "MLA (expanded per-head cache)",
+    "deepseek_v32": "MLA + DeepSeek sparse attention: an indexer's top-k keys (an adapter)",
     "gemma4_text": "KV shared across layers (fewer cache slots than layers)",
     "gemma3n": "KV-sharing layers read the owner layer's keys_and_values()",
     "nanbeige+loops": "two loops over the layers (twice as many cache slots as layers)",
@@ -82,7 +83,8 @@ def test_family_matches_mlx_lm(name):
 
 
 @pytest.mark.parametrize("name, reason", [
-    ("mamba", "recurrent scan ignores a padded row's length"), ("deepseek_v32", "has no attribute 'keys'"), ("afm7", "reads per-row positions"),
+    ("mamba", "recurrent scan ignores a padded row's length"), ("deepseek_v41", "LayerCache"),
+    ("afm7", "reads per-row positions"),
     ("gpt_bigcode", "rows of different lengths"), ("plamo3", "window"),
 ])
 def test_what_cannot_be_served_is_refused_at_load(name, reason):

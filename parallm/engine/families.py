@@ -12,6 +12,13 @@ otherwise (mlx-lm's caches: the reference decoding the tests and the load check 
   integer offset; the views keep every key of a row (no front trimming), so the adapted forward
   narrows the view's causal mask to each query's chunk instead. The NoPE layers' attention
   temperature (`attn_temperature_tuning`) grows with each token's position: per row here.
+- deepseek_v32 / glm_moe_dsa (DeepSeek sparse attention): the indexer's key cache and the latent
+  KV are plain KV rows, but the attention reads `cache.keys` and assigns `cache.keys` /
+  `cache.values` (`mx.depends`, to keep mlx-lm's own caches evaluated). The adapted attention
+  hands its layer's views through `Assignable`: `keys`/`values` read what the view last fetched,
+  and assignments are dropped (the engine evaluates its buffers every step). Rows shorter than
+  `index_topk` keys select all of their own keys plus masked ones, which the mask drops: the same
+  dense attention mlx-lm runs for them.
 
 `adapt(model)` installs whatever applies (idempotent); `parallm.engine.compat.check_model` calls it.
 """
@@ -70,7 +77,51 @@ def _llama4_classes():
     return {llama4.LlamaModel: ChunkedLlamaModel, llama4.Attention: RowsAttention}
 
 
-_ADAPTERS = {"llama4": _llama4_classes}
+class Assignable:
+    """A cache view whose `keys` / `values` may be read (the last update_and_fetch's) and assigned (ignored)."""
+
+    def __init__(self, view: Any) -> None:
+        object.__setattr__(self, "_view", view)
+        object.__setattr__(self, "_fetched", None)
+
+    def update_and_fetch(self, keys: mx.array, values: mx.array):
+        fetched = self._view.update_and_fetch(keys, values)
+        object.__setattr__(self, "_fetched", fetched)
+        return fetched
+
+    @property
+    def keys(self) -> mx.array:
+        return self._fetched[0]
+
+    @property
+    def values(self) -> mx.array:
+        return self._fetched[1]
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if name not in ("keys", "values"):
+            raise AttributeError(f"a cache view's {name} is not assignable")
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._view, name)
+
+    def __bool__(self) -> bool:
+        return True
+
+
+@functools.cache
+def _dsa_classes():
+    from mlx_lm.models import deepseek_v32
+
+    class RowsDSAAttention(deepseek_v32.DeepseekV32Attention):
+        def __call__(self, x: mx.array, mask=None, cache=None) -> mx.array:
+            if cache is not None and _per_row(cache[0]):
+                cache = [Assignable(cache[0]), Assignable(cache[1])]
+            return super().__call__(x, mask, cache)
+
+    return {deepseek_v32.DeepseekV32Attention: RowsDSAAttention}
+
+
+_ADAPTERS = {"llama4": _llama4_classes, "deepseek_v32": _dsa_classes, "glm_moe_dsa": _dsa_classes}
 # mlx-lm cache classes an adapted family's slots may use, served as plain KV rows
 KV_STAND_INS = {"llama4": ("ChunkedKVCache",)}
 
