@@ -121,3 +121,19 @@ def test_adapter_paths_outside_the_roots_all_get_one_answer(keyed):
         assert r.status_code == 403, r.text
         answers.add(r.json()["error"]["message"].replace(repr(path), "PATH"))
     assert len(answers) == 1, answers
+
+
+def test_raw_adapter_loads_by_path_cannot_probe_server_paths_either(keyed):
+    """The raw client's AdapterPublish with a path (what `query adapter_load` was): one 403 for every
+    path outside the roots, existing or not, from the engine stage itself."""
+    from parallm.client import Client, ClientError
+
+    answers = set()
+    with Client(keyed.router, timeout=60) as client:
+        for path in ("/etc", "/etc/passwd", "/no/such/dir", keyed.run_dir):
+            with pytest.raises(ClientError) as info:
+                client.load_adapter("probe", weights=path)
+            assert (info.value.status, info.value.code) == (403, "adapter_path_not_allowed"), info.value
+            answers.add(str(info.value).replace(repr(path), "PATH"))
+        assert "probe" not in {a.name for a in client.list_adapters().adapters}
+    assert len(answers) == 1, answers
