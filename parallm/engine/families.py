@@ -12,6 +12,8 @@ otherwise (mlx-lm's caches: the reference decoding the tests and the load check 
   integer offset; the views keep every key of a row (no front trimming), so the adapted forward
   narrows the view's causal mask to each query's chunk instead. The NoPE layers' attention
   temperature (`attn_temperature_tuning`) grows with each token's position: per row here.
+- gpt_bigcode: learned position embeddings looked up at `np.arange(offset, offset + L)`; per
+  row here (each row's offset plus 0..L-1, as gpt2's forward already does).
 - deepseek_v32 / glm_moe_dsa (DeepSeek sparse attention): the indexer's key cache and the latent
   KV are plain KV rows, but the attention reads `cache.keys` and assigns `cache.keys` /
   `cache.values` (`mx.depends`, to keep mlx-lm's own caches evaluated). The adapted attention
@@ -121,7 +123,26 @@ def _dsa_classes():
     return {deepseek_v32.DeepseekV32Attention: RowsDSAAttention}
 
 
-_ADAPTERS = {"llama4": _llama4_classes, "deepseek_v32": _dsa_classes, "glm_moe_dsa": _dsa_classes}
+@functools.cache
+def _bigcode_classes():
+    from mlx_lm.models import gpt_bigcode
+
+    class RowsBigCodeModel(gpt_bigcode.GPTBigCodeModel):
+        def __call__(self, inputs: mx.array, cache=None):
+            if cache is None or not _per_row(cache[0]):
+                return super().__call__(inputs, cache)
+            h = self.wte(inputs)
+            mask = gpt_bigcode.create_attention_mask(h, cache[0])
+            h = h + self.wpe(cache[0].offset.reshape(-1, 1) + mx.arange(inputs.shape[1]))
+            for layer, c in zip(self.h, cache):
+                h = layer(h, mask, cache=c)
+            return self.ln_f(h)
+
+    return {gpt_bigcode.GPTBigCodeModel: RowsBigCodeModel}
+
+
+_ADAPTERS = {"llama4": _llama4_classes, "deepseek_v32": _dsa_classes, "glm_moe_dsa": _dsa_classes,
+             "gpt_bigcode": _bigcode_classes}
 # mlx-lm cache classes an adapted family's slots may use, served as plain KV rows
 KV_STAND_INS = {"llama4": ("ChunkedKVCache",)}
 
