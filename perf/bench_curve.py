@@ -3,9 +3,12 @@
 Two servers on tcp:// (parallm-launch, perf/harness.py), one with CURVE (the default) and one with
 `--transport.curve false`; on each, a raw `Client` sends `--rounds` 1-token token-id requests one
 after another (submit to the engine, the output back through the detokenizer's ROUTER), the two
-servers taking turns in blocks so that load from elsewhere falls on both alike. Also, without a
-server: a DEALER/ROUTER ping-pong of a 100-byte frame over tcp:// with and without CURVE, the
-encryption's own cost per hop pair.
+servers taking turns in blocks so that load from elsewhere falls on both alike. Between two
+requests the client also asks the engine for its adapter list (ListAdapters): the same hops as a
+request (client -> engine -> detokenizer's ROUTER -> client) without a model step, so that on a
+loaded CPU, where the step's jitter hides a few microseconds, CURVE's share of the path is still
+readable. Also, without a server: a DEALER/ROUTER ping-pong of a 100-byte frame over tcp:// with
+and without CURVE, the encryption's own cost per hop pair.
 
     python -m perf.bench_curve --rounds 1000       # -> perf/results/curve-cpu.json
 
@@ -111,6 +114,7 @@ def main(argv: list[str] | None = None) -> int:
         keys.main(["new", str(key_dir), "bench"])
         served = {name: serve(name == "curve", key_dir, model) for name in ("curve", "plain")}
         times: dict[str, list[float]] = {"curve": [], "plain": []}
+        control: dict[str, list[float]] = {"curve": [], "plain": []}
         try:
             for _, client in served.values():  # warm-up: compiled step, sockets connected
                 for _ in range(20):
@@ -121,6 +125,9 @@ def main(argv: list[str] | None = None) -> int:
                         t0 = time.perf_counter()
                         client.generate([1, 2, 3], params)
                         times[name].append(time.perf_counter() - t0)
+                        t0 = time.perf_counter()
+                        client.list_adapters()
+                        control[name].append(time.perf_counter() - t0)
         finally:
             for server, client in served.values():
                 client.close()
@@ -129,13 +136,17 @@ def main(argv: list[str] | None = None) -> int:
     data: dict[str, Any] = {
         "shape": args.shape or "default",
         "round_trip": {name: _summary(v) for name, v in times.items()},
+        "control_round_trip": {name: _summary(v) for name, v in control.items()},
         "ping_pong_100B": {name: _summary(v) for name, v in pings.items()},
     }
-    rt, pp = data["round_trip"], data["ping_pong_100B"]
+    rt, ct, pp = data["round_trip"], data["control_round_trip"], data["ping_pong_100B"]
     data["added_ms"] = {"round_trip_median": round(rt["curve"]["median_ms"] - rt["plain"]["median_ms"], 4),
+                        "control_round_trip_median": round(ct["curve"]["median_ms"] - ct["plain"]["median_ms"], 4),
                         "ping_pong_median": round(pp["curve"]["median_ms"] - pp["plain"]["median_ms"], 4)}
     md = ["| measure | CURVE off (median / p90 ms) | CURVE on (median / p90 ms) | added (median ms) |", "|---|---|---|---|"]
     for label, table, key in (("raw client 1-token round trip", rt, "round_trip_median"),
+                              ("raw client ListAdapters round trip (same hops, no step)", ct,
+                               "control_round_trip_median"),
                               ("DEALER/ROUTER 100-byte ping-pong", pp, "ping_pong_median")):
         md.append(f"| {label} | {table['plain']['median_ms']:.3f} / {table['plain']['p90_ms']:.3f} | "
                   f"{table['curve']['median_ms']:.3f} / {table['curve']['p90_ms']:.3f} | {data['added_ms'][key]:+.3f} |")
