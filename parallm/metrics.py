@@ -15,6 +15,7 @@ Nothing here imports ZeroMQ, Starlette or MLX.
 from __future__ import annotations
 
 import time
+import collections
 from typing import Any, Callable, Iterable
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
@@ -58,6 +59,8 @@ class _Snapshots:
                                     labels=["stage"])
         dropped.add_metric(["engine"], float(sum(e.dropped_frames for e in [engine, *engine.replicas])))
         dropped.add_metric(["detokenizer"], float(detok.dropped_frames))
+        for stage, count in sorted(self.server.dropped_frames.items()):
+            dropped.add_metric([stage], float(count))
         yield dropped
         yield from _training_metrics(self.server.training)
         age = GaugeMetricFamily(f"{PREFIX}_stats_age_seconds", "Seconds since each stage last reported stats",
@@ -212,6 +215,7 @@ class ServerMetrics:
         self.stage_restarts = Counter(f"{PREFIX}_stage_restarts", "Stage restarts announced by the supervisor",
                                       ["stage"], registry=r)
         self.stages_down = Gauge(f"{PREFIX}_stages_down", "Stages currently down (restarting)", registry=r)
+        self.dropped_frames: collections.Counter[str] = collections.Counter()  # malformed frames ingress dropped
         self.engine_stats = EngineStats()
         self.detok_stats = DetokenizerStats()
         self.engine_stats_at = 0.0

@@ -315,7 +315,7 @@ class EngineStage:
         stats.paused, stats.held_for_version, stats.received = self.paused, len(self.held), self.received
         stats.replica = self.rt.replica
         stats.replicas = self.reports.others()
-        stats.dropped_frames = self.inbox.dropped
+        stats.dropped_frames = self.inbox.dropped + self.adapter_sub.dropped
         stats.loop = protocol.LoopStats(steps=self.loop_steps, ms_mean={
             k[:-2]: 1000 * v / max(1, self.loop_steps) for k, v in self.loop_time.items()})
         if self.blas is not None:

@@ -166,6 +166,7 @@ class ZmqBackend:
             try:
                 status = self.training_decoder.decode(frame)
             except protocol.ProtocolError as exc:
+                self.metrics.dropped_frames["ingress"] += 1
                 log.warning("dropped a malformed training status: %s", exc)
                 continue
             self.trainers[status.trainer] = status

@@ -82,6 +82,32 @@ def test_a_message_that_breaks_the_engine_is_answered_and_dropped(config, caplog
     ctx.destroy(0)
 
 
+class CountingEngine(FakeEngine):
+    def stats(self) -> protocol.EngineStats:
+        return protocol.EngineStats()
+
+
+def test_malformed_frames_on_the_adapters_socket_are_counted_with_the_inbox(config):
+    """Issue 22: every decode failure dropped and counted — the trainers' PUB socket (adapters) as
+    well as the inbox add to EngineStats.dropped_frames (/metrics parallm_dropped_frames)."""
+    from parallm import routing
+    from parallm.stages.engine import EngineStage
+
+    ctx = zmq.Context()
+    rt = StageRuntime(config, "engine", ctx=ctx)
+    stage = EngineStage(config, rt, CountingEngine(), {})
+    pub = ctx.socket(zmq.PUB)
+    pub.connect(routing.adapters_address(rt.addrs, 0))
+    deadline = time.monotonic() + 5
+    while stage.adapter_sub.dropped == 0 and time.monotonic() < deadline:
+        pub.send(b"\xc1 not msgpack")  # PUB drops what it sends before the subscription arrives
+        list(stage.adapter_sub.drain())
+        time.sleep(0.02)
+    assert stage.adapter_sub.dropped >= 1
+    assert stage.stats().dropped_frames == stage.inbox.dropped + stage.adapter_sub.dropped
+    ctx.destroy(0)
+
+
 def _detok_stage(config, ctx):
     from parallm.stages.detokenizer import DetokenizerStage, _Request
 

@@ -48,3 +48,33 @@ def test_a_failed_training_reader_is_restarted(tmp_path, far):
         ctx.term()
     assert restarts == {"_read_training": 1}
     assert "second" in trainers and not any(done)
+
+
+def test_a_malformed_training_status_is_dropped_and_counted(tmp_path, far):
+    """Issue 22: every decode failure dropped and counted — ingress' training socket too
+    (/metrics parallm_dropped_frames{stage="ingress"}), and the reader goes on."""
+    backend = backend_for(tmp_path)
+    ctx = zmq.Context()
+    push = ctx.socket(zmq.PUSH)
+    push.connect(backend.rt.addrs.training)
+
+    async def main():
+        await backend.start()
+        try:
+            push.send(b"\x81\xa1a" * 100_000 + b"\xc0")  # a map nested 100,000 deep
+            push.send(protocol.encode(protocol.TrainingStatus(trainer="after", adapter="policy")))
+            for _ in range(200):
+                if "after" in backend.trainers:
+                    break
+                await asyncio.sleep(0.02)
+            return sorted(backend.trainers), backend.metrics.render().decode()
+        finally:
+            await backend.stop()
+
+    try:
+        trainers, text = run(main())
+    finally:
+        push.close(0)
+        ctx.term()
+    assert trainers == ["after"]
+    assert 'parallm_dropped_frames{stage="ingress"} 1.0' in text
