@@ -73,8 +73,9 @@ def test_the_probe_accepts_a_batched_kernels_own_rounding():
     check_model(_with_batch_rounding(_bf16(model), 0.5))
 
 
-@pytest.mark.parametrize("name", ["afm7"])  # gpt_bigcode's positions are per row since its family adapter
+@pytest.mark.parametrize("name", ["afm7", "gpt_bigcode"])
 def test_the_probe_still_refuses_position_errors_in_bfloat16(name):
     model, _ = tiny.build_any(name)
+    model.model_type = f"{name}-unadapted"  # mlx-lm's own forward, without parallm.engine.families' per-row positions
     with pytest.raises(UnsupportedModel, match="different lengths"):
         check_model(_bf16(model))

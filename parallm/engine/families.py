@@ -12,6 +12,9 @@ otherwise (mlx-lm's caches: the reference decoding the tests and the load check 
   integer offset; the views keep every key of a row (no front trimming), so the adapted forward
   narrows the view's causal mask to each query's chunk instead. The NoPE layers' attention
   temperature (`attn_temperature_tuning`) grows with each token's position: per row here.
+- afm7: the KV-reuse layers attend over the last cache's keys and rotate their queries at
+  `S - L` (S: the fetched keys' length, one sequence's); the views fetch the pass's span, so the
+  queries are rotated at each row's own offset instead.
 - gpt_bigcode: learned position embeddings looked up at `np.arange(offset, offset + L)`; per
   row here (each row's offset plus 0..L-1, as gpt2's forward already does).
 - deepseek_v32 / glm_moe_dsa (DeepSeek sparse attention): the indexer's key cache and the latent
@@ -27,6 +30,7 @@ otherwise (mlx-lm's caches: the reference decoding the tests and the load check 
 
 from __future__ import annotations
 
+import contextvars
 import functools
 from typing import Any
 
@@ -141,7 +145,38 @@ def _bigcode_classes():
     return {gpt_bigcode.GPTBigCodeModel: RowsBigCodeModel}
 
 
-_ADAPTERS = {"llama4": _llama4_classes, "deepseek_v32": _dsa_classes, "glm_moe_dsa": _dsa_classes,
+_kv_reuse_offsets: contextvars.ContextVar[mx.array | None] = contextvars.ContextVar("kv_reuse_offsets", default=None)
+
+
+@functools.cache
+def _afm7_classes():
+    from mlx_lm.models import afm7
+
+    class RowsAFMModel(afm7.AFMModel):
+        def __call__(self, inputs: mx.array, cache=None):
+            if cache is None or not _per_row(cache[-1]):
+                return super().__call__(inputs, cache)
+            token = _kv_reuse_offsets.set(cache[-1].offset)  # the rows' positions before this pass
+            try:
+                return super().__call__(inputs, cache)
+            finally:
+                _kv_reuse_offsets.reset(token)
+
+    class RowsKVReuseAttention(afm7.KVReuseAttention):
+        def __call__(self, x: mx.array, keys: mx.array, values: mx.array, mask=None) -> mx.array:
+            offsets = _kv_reuse_offsets.get()
+            if offsets is None:
+                return super().__call__(x, keys, values, mask)
+            B, L, _ = x.shape
+            queries = self.q_proj(x).reshape(B, L, self.n_heads, -1).transpose(0, 2, 1, 3)
+            queries = self.q_norm(self.rope(queries, offset=offsets))
+            out = afm7.scaled_dot_product_attention(queries, keys, values, cache=None, scale=self.scale, mask=mask)
+            return self.out_proj(out.transpose(0, 2, 1, 3).reshape(B, L, -1))
+
+    return {afm7.AFMModel: RowsAFMModel, afm7.KVReuseAttention: RowsKVReuseAttention}
+
+
+_ADAPTERS = {"llama4": _llama4_classes, "afm7": _afm7_classes, "deepseek_v32": _dsa_classes, "glm_moe_dsa": _dsa_classes,
              "gpt_bigcode": _bigcode_classes}
 # mlx-lm cache classes an adapted family's slots may use, served as plain KV rows
 KV_STAND_INS = {"llama4": ("ChunkedKVCache",)}
