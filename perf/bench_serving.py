@@ -281,6 +281,13 @@ def main(argv: list[str] | None = None) -> int:
     tokenizer = load_tokenizer(loaded.source)
     max_seqs = max(levels)
     runs: list[dict[str, Any]] = []
+    results = Results.from_args("serving", args, argv)
+
+    def keep(run: dict[str, Any]) -> None:
+        """Record a finished run and write what is done so far: a call cut short keeps its rows."""
+        runs.append(run)
+        print(json.dumps(run), flush=True)
+        results.write({"workload": args.workload, "max_tokens": args.max_tokens, "runs": runs, "partial": True})
 
     def workload_for(c: int) -> Workload:
         base = WORKLOADS[args.workload]
@@ -294,8 +301,7 @@ def main(argv: list[str] | None = None) -> int:
         for c in levels:
             w = workload_for(c)
             prompt_ids = chat_ids(tokenizer, make_prompts(w, prompt_seed(c, "inprocess")))
-            runs.append(run_inprocess(engine, prompt_ids, w, c, eos))
-            print(json.dumps(runs[-1]), flush=True)
+            keep(run_inprocess(engine, prompt_ids, w, c, eos))
         del engine
 
     if "batchgen" in targets:
@@ -304,8 +310,7 @@ def main(argv: list[str] | None = None) -> int:
         for c in levels:
             w = workload_for(c)
             prompt_ids = chat_ids(tokenizer, make_prompts(w, prompt_seed(c, "inprocess")))
-            runs.append(run_batchgen(loaded.model, prompt_ids, w, c))
-            print(json.dumps(runs[-1]), flush=True)
+            keep(run_batchgen(loaded.model, prompt_ids, w, c))
 
     if "http" in targets or "zmq" in targets:
         server = Server("--model.path", model_config.path, "--engine.max-num-seqs", str(max_seqs),
@@ -327,8 +332,7 @@ def main(argv: list[str] | None = None) -> int:
                         r = asyncio.run(run_zmq(router, w, c, eos, prompt_seed(c, "zmq")))
                     r["target"] = target
                     r["server_cpu_s"] = cpu_delta(before, server.cpu_seconds())
-                    runs.append(r)
-                    print(json.dumps(r), flush=True)
+                    keep(r)
         finally:
             server.stop()
 
@@ -351,8 +355,7 @@ def main(argv: list[str] | None = None) -> int:
                 r = asyncio.run(run_http(url, str(path), workload_for(c), c, eos, prompt_seed(c, "mlx_lm.server"),
                                          procs=client_procs(args, c)))
                 r["target"] = label
-                runs.append(r)
-                print(json.dumps(r), flush=True)
+                keep(r)
         finally:
             server.stop()
 
@@ -372,7 +375,7 @@ def main(argv: list[str] | None = None) -> int:
     result = {"workload": args.workload, "max_tokens": args.max_tokens,
               "mlx_lm_server_allocator": "mimalloc" if args.mlx_lm_allocator else "system",
               "runs": runs, "ratios": ratios}
-    write_report(result, Results.from_args("serving", args, argv))
+    write_report(result, results)
     print(json.dumps(ratios, indent=2))
     return 0
 
