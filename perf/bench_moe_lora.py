@@ -49,7 +49,8 @@ def expert_lora(model, rank: int, seed: int) -> tuple[dict, bytes]:
             tensors[f"{path}.lora_b"] = (mx.random.normal((experts, d_out, rank)) * 0.02).astype(dtype)
     if not tensors:
         raise SystemExit("the shape has no expert (switch) layers")
-    config = {"fine_tune_type": "lora", "num_layers": -1, "lora_parameters": {"rank": rank, "scale": 2.0, "dropout": 0.0}}
+    config = {"fine_tune_type": "lora", "num_layers": -1,
+              "lora_parameters": {"rank": rank, "scale": 2.0, "dropout": 0.0}}
     return config, save_bytes(tensors)
 
 
