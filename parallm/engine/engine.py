@@ -22,6 +22,7 @@ from parallm.protocol import EngineStats, SamplingParams
 from .blocks import BlockManager
 from .constraints import Constraints, GrammarError, tokenizer_from_file
 from .compat import check_model
+from .faults import PassState, log, prefill_passes
 from .memory import auto_kv_budget_bytes, limit_buffer_cache, set_wired_limit, weight_bytes
 from .model import EngineModel
 from .output import OutputProcessor, StepOutputs, unseen_versions
@@ -55,6 +56,8 @@ class Engine:
         info = check_model(self.model)
         if info.has_state:  # the recurrent state after a prefix is not in its KV blocks (engine/state.py)
             settings = msgspec.structs.replace(settings, prefix_cache=False)
+        if info.prefill_alone:  # its recurrent scan would run over a padded row's pad tokens (compat.py)
+            settings = msgspec.structs.replace(settings, max_prefill_rows=1)
         self.model_type = info.model_type
         self.vocab_size = model.resolved_vocab_size()
         self.eos_token_ids = [int(t) for t in model.eos_token_ids]
@@ -110,6 +113,7 @@ class Engine:
         self._timing = Counter()
         self._last_batch = 0
         self._mixed_passes = 0  # steps whose prompt chunks rode in the decode pass
+        self.failed_rows = 0  # requests ended by a pass that failed for them alone (faults.py)
 
     # ------------------------------------------------------------------ requests
     def add_request(self, request: Request) -> None:
@@ -163,7 +167,7 @@ class Engine:
             return False
         self.scheduler.abort(live)
         self.runner.execute(self.scheduler.take_ops())
-        self.output.defer_abort(live)
+        self.output.defer_abort(live, reason)
         return True
 
     def request_ids(self) -> list[str]:
@@ -217,8 +221,7 @@ class Engine:
 
     def _run(self, plan: Plan, out: StepOutputs, emit: Callable[[list[Output]], None] | None) -> None:
         t1 = time.perf_counter()
-        if plan.prefill is not None and self._can_mix(plan.prefill):
-            self._mixed(plan.prefill, out, emit)
+        if plan.prefill is not None and self._can_mix(plan.prefill) and self._mixed(plan.prefill, out, emit):
             self._timing["mixed_s"] += time.perf_counter() - t1
             return
         if plan.prefill is not None:
@@ -276,13 +279,21 @@ class Engine:
         lora = rows[0].lora
         return all(s.lora is lora for s in rows) and self.runner.can_pack
 
-    def _mixed(self, work: PrefillWork, out: StepOutputs, emit: Callable[[list[Output]], None] | None) -> None:
+    def _mixed(self, work: PrefillWork, out: StepOutputs, emit: Callable[[list[Output]], None] | None) -> bool:
         """Decode every running row and prefill this step's chunks in one pass, then account
         both as a prefill pass and a decode pass would be (the prompts first: a finish read from
-        the decode rows moves rows, and those moves copy what the prompts' rows have computed)."""
+        the decode rows moves rows, and those moves copy what the prompts' rows have computed).
+        False if the pass raised: it is undone and the step runs them as separate passes (faults.py)."""
         seqs = self.scheduler.running
-        launch, first = self.runner.mixed(seqs, self._decode_inputs(seqs), [s.scheduled_outputs for s in seqs], work,
-                                          self._launches[-1] if self._launches else None)
+        before = PassState.of(self.runner)
+        try:
+            launch, first = self.runner.mixed(seqs, self._decode_inputs(seqs), [s.scheduled_outputs for s in seqs],
+                                              work, self._launches[-1] if self._launches else None)
+        except Exception as exc:  # noqa: BLE001 - undone; the separate passes tell whose failure it is
+            before.restore(self.runner)
+            log.warning("a mixed pass failed (%s: %s); running its prompts and decode rows apart",
+                        type(exc).__name__, exc)
+            return False
         self._launched(seqs, launch)
         self._mixed_passes += 1
         firsts = StepOutputs() if emit is not None else out
@@ -291,12 +302,14 @@ class Engine:
             emit(firsts.items())
         while self._launches:
             self.output.read(self._launches.pop(0), out)
+        return True
 
     def _prefill(self, work: PrefillWork, out: StepOutputs, emit: Callable[[list[Output]], None] | None) -> None:
-        """Run a prefill pass; the first tokens it samples go to `emit`, else into `out`."""
-        prompt_lps, first = self.runner.prefill(work)
+        """Run a prefill pass; the first tokens it samples go to `emit`, else into `out`. A pass that
+        raises ends only its own prompts (faults.prefill_passes)."""
         firsts = StepOutputs() if emit is not None else out
-        self.output.prefill_done(work, prompt_lps, first, firsts)
+        for done, prompt_lps, first in prefill_passes(self, work):
+            self.output.prefill_done(done, prompt_lps, first, firsts)
         if emit is not None and firsts:
             emit(firsts.items())
 

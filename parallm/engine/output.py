@@ -54,14 +54,17 @@ class OutputProcessor:
         self.requests = requests
         self.execute = execute
         self.aborted: list[Sequence] = []  # aborted since the last step: reported by the next one
+        self.finish_as: dict[int, str] = {}  # seq_id -> finish reason of an abort that is not "abort"
         self.generated = 0
         self.prompt_computed = 0
         self.scored = 0  # positions scored by finished score requests
         self.swap_ms: deque[float] = deque(maxlen=64)  # adapter load -> its first token read, ms
 
     # ------------------------------------------------------------------ aborts
-    def defer_abort(self, seqs: list[Sequence]) -> None:
+    def defer_abort(self, seqs: list[Sequence], finish: str = "abort") -> None:
         self.aborted.extend(seqs)
+        if finish != "abort":
+            self.finish_as.update((s.seq_id, finish) for s in seqs)
         for rid in {s.rid for s in seqs}:
             self.forget_if_done(rid)
 
@@ -71,7 +74,7 @@ class OutputProcessor:
                 out.scores.append(ScoreResult(qid=seq.rid, ids=seq.prompt_ids, start=seq.score_start, logprobs=[],
                                               aborted=True))
             else:
-                out.seqs[seq.seq_id] = self.output(seq, finish="abort")
+                out.seqs[seq.seq_id] = self.output(seq, finish=self.finish_as.pop(seq.seq_id, "abort"))
         self.aborted.clear()
 
     # ------------------------------------------------------------------ passes read back
