@@ -35,10 +35,15 @@ FAMILIES = {
     "granitemoehybrid": "hybrid Mamba2 + attention + MoE (Granite 4)",
     "kimi_linear": "hybrid KDA + MLA + MoE (Kimi-Linear)",
     "falcon_h1": "parallel Mamba2 + attention in one layer (a CacheList of state and KV)",
+    # recurrent scans that ignore a padded row's length: one row per prefill pass (compat: prefill_alone)
+    "mamba": "pure SSM (Mamba 1)",
+    "nemotron_h": "hybrid Mamba2 + attention + MLP layers (Nemotron-H)",
+    "rwkv7": "RWKV-7 linear attention",
     # several caches per layer
     "longcat_flash": "two MLA attention sublayers per layer (a CacheList of two KV caches)",
 }
-STATEFUL = {"qwen3_next", "qwen3_5", "mamba2", "lfm2", "granitemoehybrid", "kimi_linear", "falcon_h1"}
+STATEFUL = {"qwen3_next", "qwen3_5", "mamba2", "lfm2", "granitemoehybrid", "kimi_linear", "falcon_h1", "mamba",
+            "nemotron_h", "rwkv7"}
 
 
 def _prompts(seed: int, lengths) -> list[list[int]]:
@@ -85,7 +90,7 @@ def test_family_matches_mlx_lm(name):
 
 
 @pytest.mark.parametrize("name, reason", [
-    ("mamba", "recurrent scan ignores a padded row's length"), ("deepseek_v41", "LayerCache"),
+    ("deepseek_v41", "LayerCache"),
     ("gpt_bigcode-unadapted", "rows of different lengths"), ("plamo3", "window"),
 ])
 def test_what_cannot_be_served_is_refused_at_load(name, reason):

@@ -24,6 +24,7 @@ tests (parallm.engine.matrix).
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import mlx.core as mx
@@ -61,6 +62,7 @@ class ModelInfo:
     dtype: mx.Dtype
     mask5d: bool
     layout: SlotLayout | None = None  # which slots hold recurrent state (None: all KV)
+    prefill_alone: bool = False  # a recurrent scan that ignores a padded row's length: one row per prefill pass
 
     @property
     def has_state(self) -> bool:
@@ -119,7 +121,16 @@ def check_model(model: nn.Module) -> ModelInfo:
         layout = SlotLayout(tuple(number(k) for k in kinds), tuple(states))
         dtype = dtype or mx.float32
     info = ModelInfo(model_type=mt, shapes=shapes, dtype=dtype, mask5d=mt in MASK_5D, layout=layout)
-    check_batched_rows(model, info)
+    try:
+        check_batched_rows(model, info)
+    except UnsupportedModel as padded_error:
+        if not info.has_state:
+            raise
+        try:  # a recurrent scan that runs over a padded row's pad tokens: each prompt in a pass of its own
+            check_batched_rows(model, info, padded=False)
+        except UnsupportedModel:
+            raise padded_error from None
+        info = dataclasses.replace(info, prefill_alone=True)
     return info
 
 
@@ -268,10 +279,11 @@ def _batch_noise(model: nn.Module, info: ModelInfo, prompt: list[int], nxt: int,
     return max(diffs)
 
 
-def check_batched_rows(model: nn.Module, info: ModelInfo) -> None:
-    """Two prompts of different lengths in one right-padded pass, then one decode pass, through
-    the engine's views: each row's logits must be those of the prompt run alone through mlx-lm's
-    own caches (raises UnsupportedModel naming the difference otherwise)."""
+def check_batched_rows(model: nn.Module, info: ModelInfo, *, padded: bool = True) -> None:
+    """Two prompts of different lengths in one right-padded pass (`padded`; else each prompt in a
+    pass of its own row), then one decode pass, through the engine's views: each row's logits must
+    be those of the prompt run alone through mlx-lm's own caches (raises UnsupportedModel naming
+    the difference otherwise)."""
     ids = max(1, min(50, _vocab_size(model) - 1))  # token ids 1..ids exist in any vocabulary
     prompts = [[(7 + 13 * j) % ids + 1 for j in range(5)], [(3 + 29 * j) % ids + 1 for j in range(8)]]
     nxt = [11 % ids + 1, 23 % ids + 1]
@@ -283,11 +295,17 @@ def check_batched_rows(model: nn.Module, info: ModelInfo) -> None:
     live = LiveKV(info.shapes, info.dtype, info.layout)
     live.resize(2, 16)
     L = max(map(len, prompts))
-    padded = mx.array([p + [0] * (L - len(p)) for p in prompts])
-    ctx = PassContext(0, [0, 0], L, L, mask5d=info.mask5d, lengths=list(map(len, prompts)))
     try:
-        out = _logits(model(padded, cache=live.views(ctx)))
-        got_prefill = [out[i, len(p) - 1] for i, p in enumerate(prompts)]
+        if padded:
+            ctx = PassContext(0, [0, 0], L, L, mask5d=info.mask5d, lengths=list(map(len, prompts)))
+            out = _logits(model(mx.array([p + [0] * (L - len(p)) for p in prompts]), cache=live.views(ctx)))
+            got_prefill = [out[i, len(p) - 1] for i, p in enumerate(prompts)]
+        else:
+            got_prefill = []
+            for i, p in enumerate(prompts):
+                ctx = PassContext(i, [0], len(p), len(p), mask5d=info.mask5d)
+                got_prefill.append(_logits(model(mx.array([p]), cache=live.views(ctx)))[0, -1])
+                mx.eval(got_prefill[-1], live.arrays())
         mx.eval(got_prefill, live.arrays())
         offsets = [len(p) for p in prompts]
         ctx = PassContext(0, offsets, 1, max(offsets) + 1, mask5d=info.mask5d)
