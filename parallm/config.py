@@ -217,6 +217,12 @@ class AdaptersConfig(Struct, frozen=True, kw_only=True, forbid_unknown_fields=Tr
                                           "directory (trainer.checkpointing.dir) and those of adapters.preload")] = []
     preload: Annotated[list[str], _d("NAME=PATH adapters loaded when the engine starts (--adapter, "
                                      "repeatable)")] = []
+    weights_chunk_timeout_s: Annotated[float, _d("a full-weight update sent in chunks over the trainer's PUB socket "
+                                                 "whose next chunk does not come within this many seconds is "
+                                                 "dropped (the served weights stay as they were)")] = 60.0
+    weights_staging_dir: Annotated[str, _d("where the chunks of a full-weight update wait until the last one has "
+                                           "come (they take the update's size on disk); empty = a temporary "
+                                           "directory")] = ""
 
 
 class DetokenizerConfig(Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -539,6 +545,8 @@ def _check(config: Config) -> None:
         problems.append("engine.prefix_pool_fraction must be in [0, 1)")
     if engine.priority_aging_s < 0:
         problems.append("engine.priority_aging_s must be >= 0 (0 = strict priority)")
+    if config.adapters.weights_chunk_timeout_s <= 0:
+        problems.append("adapters.weights_chunk_timeout_s must be > 0")
     if config.adapters.history < 1:
         problems.append("adapters.history must be >= 1")
     if config.engine.block_size < 1:

@@ -274,9 +274,10 @@ class WeightsUpdate(Message, tag="weights_update"):
     """A full-weight policy update of the base model (docs/rl.md): a directory of safetensors files
     readable by the engine (`path`, HF or mlx-lm tensor names), or chunk `chunk` of `chunks` of inline
     safetensors bytes (`weights`, about a layer each) sent by a trainer on the PUB socket under one
-    `update_id`. Applied at a step boundary, one layer at a time; generation is held from the first
-    chunk to the last. The update becomes policy version `version` (0: the current + 1) of the base
-    model; the prefix cache is invalidated. Answered by WeightsUpdated when `qid` is set."""
+    `update_id`. Chunks are checked and staged as they come; the update is applied at a step boundary,
+    one layer at a time, once the last chunk is in (one that fails midway changes nothing:
+    EngineStats.weights says why). The update becomes policy version `version` (0: the current + 1) of
+    the base model; the prefix cache is invalidated. Answered by WeightsUpdated when `qid` is set."""
 
     path: str = ""
     weights: bytes = b""
@@ -474,6 +475,20 @@ class RankState(Struct, kw_only=True):
     policy: dict[str, int] = {}  # adapter name -> the latest version it serves ("": the base weights' version)
 
 
+class WeightsStatus(Struct, kw_only=True):
+    """Chunked full-weight updates over the trainer's PUB socket, as the engine stage sees them (docs/rl.md):
+    the one being received (staged, not applied: the served weights change only once every chunk is in) and
+    why the last one was refused. A PUB publisher gets no reply: this is how it learns the outcome."""
+
+    receiving: str = ""          # update id of the update being received ("" = none)
+    received: int = 0            # its chunks received so far
+    chunks: int = 0              # of this many
+    rejected: int = 0            # updates refused or abandoned since start (the served weights unchanged)
+    last_error: str = ""         # why the last one was: "<update id>: <reason>"
+    last_error_code: str = ""    # e.g. chunk_missing, chunk_timeout, shape_mismatch, invalid_weights
+    last_error_at: float = 0.0   # unix time
+
+
 class LoopStats(Struct, kw_only=True):
     """Where a stage's loop spends its working iterations."""
 
@@ -525,6 +540,7 @@ class EngineStats(Struct, tag="engine", kw_only=True):
     weights_version: int = 0      # the base model's policy version (full-weight updates applied)
     weights_updates: int = 0
     # the engine stage's own
+    weights: WeightsStatus = msgspec.field(default_factory=WeightsStatus)
     paused: bool = False
     held_for_version: int = 0
     received: int = 0

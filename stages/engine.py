@@ -19,9 +19,9 @@ import msgspec
 import zmq
 
 from parallm import blas, protocol, routing
-from parallm.adapters import AdapterError, HeldRequests, load_bytes
+from parallm.adapters import AdapterError, HeldRequests
 from parallm.adapters.formats import allowed_path
-from parallm.engine.weights import WeightsError
+from parallm.engine.weights import Applied, ChunkStaging, WeightsError
 from parallm.config import Config
 from parallm.engine import Engine, EngineModel, Request, RequestRejected, ScoreResult, SeqOutput, distributed
 from parallm.logs import request_extra
@@ -141,7 +141,9 @@ class EngineStage:
         self.blas = blas.ThreadGovernor.for_this_process() if mx.default_device() == mx.cpu else None
         self.paused = False
         self.pause_mode = "keep"
-        self.weights_open: tuple[str, int] | None = None  # a chunked weight update in progress: (id, next chunk)
+        self.staging = ChunkStaging(lambda tensors: self.engine.weights.check_chunk(tensors),  # chunked weight updates
+                                    root=config.adapters.weights_staging_dir,
+                                    timeout_s=config.adapters.weights_chunk_timeout_s)
         self.held: HeldRequests[protocol.Submit] = HeldRequests(config.adapters)  # waiting for their version
         self.scores: dict[str, bytes] = {}  # qid -> reply_to of the score requests in the engine
         self.step_count = 0
@@ -224,25 +226,25 @@ class EngineStage:
 
     # ------------------------------------------------------------------ full-weight updates
     def on_weights(self, message: protocol.WeightsUpdate) -> None:
-        """Apply new base weights now (between two steps). Chunks of one update must come in order;
-        generation is held from the first chunk to the last (`weights_open`), a chunk 0 starts over."""
+        """Apply new base weights now (between two steps): a directory at once; the chunks of an update
+        sent over PUB are checked and staged as they come (weights.ChunkStaging) and applied from the
+        staging directory once the last is in, so generation goes on under the old weights meanwhile and
+        an update that fails midway changes nothing (why is in the stats' `weights` and the log)."""
         try:
             if message.path:
                 path = weights_path(message.path, adapter_roots(self.config))
                 applied, complete = self.engine.update_weights(path=path, version=message.version), True
             else:
-                if message.chunk == 0:
-                    self.weights_open = (message.update_id, 0)
-                if not 0 <= message.chunk < message.chunks or self.weights_open != (message.update_id, message.chunk):
-                    raise WeightsError(f"weights chunk {message.chunk} of update {message.update_id!r} is out of "
-                                       f"order (expected {self.weights_open})", status=409, code="chunk_out_of_order")
-                try:
-                    tensors = load_bytes(message.weights)
-                except AdapterError as exc:
-                    raise WeightsError(exc.message) from None
-                complete = message.chunk == message.chunks - 1
-                applied = self.engine.update_weights(tensors=tensors, version=message.version, complete=complete)
-                self.weights_open = None if complete else (message.update_id, message.chunk + 1)
+                staged = self.staging.add(message.update_id, message.chunk, message.chunks, message.weights,
+                                          version=message.version, current_version=self.engine.weights_version)
+                applied, complete = Applied(0, 0, 0.0), staged is not None
+                if staged is not None:
+                    try:
+                        applied = self.engine.update_weights(path=str(staged.directory), version=staged.version)
+                    except WeightsError as exc:
+                        self.staging.done(exc)
+                        raise
+                    self.staging.done()
         except WeightsError as exc:
             log.warning("weight update rejected: %s", exc.message)
             if message.qid and message.reply_to:
@@ -255,6 +257,12 @@ class EngineStage:
         self.reply(protocol.WeightsUpdated(qid=message.qid, reply_to=message.reply_to,
                                            version=self.engine.weights_version, tensors=applied.tensors,
                                            load_ms=applied.load_ms, complete=complete))
+
+    def expire_weights(self) -> None:
+        """Drop a chunked update whose next chunk is overdue (adapters.weights_chunk_timeout_s)."""
+        error = self.staging.expire()
+        if error is not None:
+            log.warning("weight update rejected: %s", error.message)
 
     def on_unload(self, message: protocol.AdapterUnload) -> None:
         try:
@@ -314,6 +322,11 @@ class EngineStage:
         stats = self.engine.stats()
         stats.paused, stats.held_for_version, stats.received = self.paused, len(self.held), self.received
         stats.replica = self.rt.replica
+        staging, pending = self.staging, self.staging.pending
+        stats.weights = protocol.WeightsStatus(
+            receiving=pending.update_id if pending else "", received=pending.received if pending else 0,
+            chunks=pending.chunks if pending else 0, rejected=staging.rejected, last_error=staging.last_error,
+            last_error_code=staging.last_error_code, last_error_at=staging.last_error_at)
         stats.replicas = self.reports.others()
         stats.dropped_frames = self.inbox.dropped + self.adapter_sub.dropped
         stats.loop = protocol.LoopStats(steps=self.loop_steps, ms_mean={
@@ -377,8 +390,10 @@ class EngineStage:
                     self.rt.poll_control()
             if self.held:
                 self.retry_held()
+            if self.staging.pending is not None:
+                self.expire_weights()
             paused_owing = self.paused and self.engine.owes_outputs()
-            if not (paused_owing or (self.engine.has_work() and not self.paused and self.weights_open is None)):
+            if not (paused_owing or (self.engine.has_work() and not self.paused)):
                 timeout = beat_ms  # idle: the next poll waits for a message
                 self.on_idle()
                 self.rt.heartbeat(self.in_flight)
@@ -451,4 +466,5 @@ def main(config: Config, replica: int = 0) -> int:
             engine.close()  # the other ranks return from their follower loop
         return code
     finally:
+        stage.staging.close()  # a chunked weight update still being received: its staged chunks
         runtime.close()

@@ -52,7 +52,7 @@ def model():
 
 def engine(model, max_logprobs: int = 20) -> Engine:
     return Engine(EngineModel(model, [0], 256, TINY_VOCAB),
-                  Config(engine=EngineConfig(block_size=8), server=ServerConfig(max_logprobs=max_logprobs)))
+                  Config(engine=EngineConfig(block_size=8, kv_budget_mb=16), server=ServerConfig(max_logprobs=max_logprobs)))
 
 
 def prompt_side(e: Engine, prompt: list[int], k: int):

@@ -17,7 +17,7 @@ PROMPT = list(range(5, 30))  # longer than a prefix-cache block
 
 
 def engine_on(model) -> Engine:
-    return Engine(EngineModel(model, [0], 256, 101), Config(engine=EngineConfig(block_size=8)))
+    return Engine(EngineModel(model, [0], 256, 101), Config(engine=EngineConfig(block_size=8, kv_budget_mb=16)))
 
 
 def params(model) -> dict[str, mx.array]:

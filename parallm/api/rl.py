@@ -17,11 +17,12 @@ from __future__ import annotations
 import logging
 from typing import Any
 
+import msgspec
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response
 from starlette.routing import Route
 
-from parallm.api.backend import Backend
+from parallm.api.backend import Backend, BackendError
 from parallm.api.errors import invalid
 from parallm.api.generation import backend_limits
 from parallm.api.http import REQUEST_ID, ClientGone, DisconnectWatch, json_response, read_body
@@ -117,8 +118,18 @@ class RLRoutes:
                               "default_adapter": adapters.default_adapter})
 
     async def training_status(self, request: Request) -> Response:
-        """Every trainer that reported to this server: its state, step, version, latest metrics."""
-        return json_response(self.backend.training_status())
+        """Every trainer that reported to this server: its state, step, version, latest metrics; and
+        `weights`, the engine's full-weight updates: the base version, a chunked update being received,
+        and why the last one was refused (a trainer publishing over PUB gets no other answer)."""
+        body = dict(self.backend.training_status())
+        try:
+            stats = await self.backend.engine_stats()
+        except BackendError:
+            body["weights"] = None                    # the engine did not answer: no news of it
+        else:
+            body["weights"] = {"version": stats.weights_version, "updates": stats.weights_updates,
+                               **msgspec.structs.asdict(stats.weights)}
+        return json_response(body)
 
     async def pause(self, request: Request) -> Response:
         req = _optional_body(await read_body(request, self.server.max_body_bytes), PauseRequest)

@@ -15,7 +15,7 @@ import mlx.core as mx
 import msgspec
 
 from parallm.adapters import AdapterError, AdapterManager, LoadedAdapter, VersionPolicy
-from parallm.engine.weights import Applied, WeightsError, WeightSwapper
+from parallm.engine.weights import Applied, WeightsError, WeightSwapper, rebase_adapters
 from parallm.config import Config, auto_adapter_merge_mb, auto_prefill_tokens, resolve_engine_config
 from parallm.protocol import EngineStats, SamplingParams
 
@@ -359,16 +359,14 @@ class Engine:
         steps), one layer at a time (weights.py). With `complete` (the last chunk of an update) the base
         model becomes policy version `version` (0: current + 1): running base-model sequences carry it
         from their next token, and requests admitted from then on use a new prefix-cache key (the
-        blocks cached under the old weights are dropped). Raises WeightsError, which leaves
-        the weights as they were (a directory or a chunk is checked whole before any is applied)."""
+        blocks cached under the old weights are dropped). Loaded adapters keep applying on top of the
+        new weights (weights.rebase_adapters). Raises WeightsError, which leaves the weights as they
+        were (a directory or a chunk is checked whole before any is applied)."""
         if version and version <= self.weights_version:
             raise WeightsError(f"version {version} is not newer than the base model's {self.weights_version}",
                                status=409, code="version_conflict")
-        if any(a.merged for adapters in self.adapters.versions.values() for a in adapters):
-            raise WeightsError("an adapter version is loaded merged into a copy of base weights; unload it (or "
-                               "run with adapters.merge_mb 0) before a full-weight update", status=409,
-                               code="merged_adapter_loaded")
         applied = self.weights.apply_dir(path) if path else self.weights.apply(tensors or {})
+        rebase_adapters(self.adapters)  # loaded adapters keep applying on top of the new weights (as vLLM's)
         if complete:
             self.weights_version = version or self.weights_version + 1
             self.weights_updates += 1

@@ -12,21 +12,31 @@ Every tensor is checked first (a known parameter name, the parameter's shape, fi
 directory is checked whole before anything is applied (it is read twice, lazily), so a bad file
 changes nothing. Names are the model's own (mlx-lm) or Hugging Face's, mapped by the model's
 `sanitize` when it has one.
+
+Chunks sent over the PUB socket (`ChunkStaging`) are checked as they come and written to a staging
+directory; the update is applied from there, as a directory is, only once its last chunk is in. So an
+update that fails midway (a corrupt or misshapen chunk, a chunk missing, the trainer gone quiet past
+adapters.weights_chunk_timeout_s) changes nothing, and every request is served on the old weights
+until the whole update is applied between two steps.
 """
 
 from __future__ import annotations
 
 import re
+import shutil
+import tempfile
 import time
-from collections.abc import Iterator, Mapping
-from dataclasses import dataclass
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten
 
-from parallm.adapters.sharded import is_sharded, shard_tensor
+from parallm.adapters import AdapterError, load_bytes
+from parallm.adapters.lora import compute_dtype, dense_weight
+from parallm.adapters.sharded import is_sharded, local_linear, shard_tensor
 
 _LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
 
@@ -126,6 +136,11 @@ class WeightSwapper:
             if mx.issubdtype(value.dtype, mx.floating) and not bool(mx.all(mx.isfinite(value)).item()):
                 raise WeightsError(f"tensor {name!r} holds NaN or infinite values", code="non_finite")
 
+    def check_chunk(self, tensors: Mapping[str, mx.array]) -> None:
+        """`check` of tensors under their names as given or Hugging Face's (a chunk of an update)."""
+        params = self._params()
+        self.check(self.named(self.sanitize(dict(tensors)), params), params)
+
     def apply(self, tensors: Mapping[str, mx.array]) -> Applied:
         """Check, then assign layer by layer (each evaluated before the next is read)."""
         t0 = time.perf_counter()
@@ -169,3 +184,157 @@ class WeightSwapper:
         mx.eval([v for _, v in values])
         for name, value in values:
             params[name] = value
+
+
+def rebase_adapters(manager) -> int:
+    """After new base weights: every loaded adapter version keeps applying on top of them, as vLLM's and
+    SGLang's LoRA adapters do (a LoRA is a delta, kept apart from the base). A factored version needs
+    nothing; a version merged into copies of base weights is folded again into the new ones, and a
+    DoRA version's gains (its magnitude over the norm of the adapted weight) are computed from them, as
+    loading it on the new base would (AdapterManager._bind); one module at a time. Returns the modules
+    rebuilt. `manager`: the engine's parallm.adapters.AdapterManager."""
+    for path, layer in manager.sharded.items():   # a tensor-parallel rank's views share the replaced arrays
+        manager.linears[path] = local_linear(layer)
+    rebuilt = 0
+    for adapters in manager.versions.values():
+        for adapter in adapters:
+            touched = False
+            for path, m in list(adapter.modules.items()):
+                if path in manager.switches or (m.merged is None and m.m is None):
+                    continue
+                linear = manager.linears[path]
+                dtype = compute_dtype(linear)
+                merged = None
+                if m.m is not None:
+                    adapted = dense_weight(linear).astype(mx.float32) + \
+                        (m.scale * m.b.T.astype(mx.float32)) @ m.a.T.astype(mx.float32)
+                    gain = m.m / mx.linalg.norm(adapted, axis=1)
+                    adapter.gains[path] = gain.astype(dtype)
+                    if m.merged is not None:
+                        merged = (gain[:, None] * adapted).astype(dtype)
+                else:
+                    merged = mx.addmm(linear.weight, m.b.T, m.a.T, alpha=m.scale)
+                adapter.modules[path] = replace(m, merged=merged)
+                mx.eval(merged, adapter.gains.get(path))
+                rebuilt, touched = rebuilt + 1, True
+            if touched:
+                manager.router.forget(adapter.uid)   # cached stacks hold its old gains
+    return rebuilt
+
+
+@dataclass
+class Staged:
+    """A chunked update being received: its chunks so far wait in `directory`."""
+
+    update_id: str
+    chunks: int
+    version: int
+    directory: Path
+    received: int = 0
+    deadline: float = 0.0
+
+
+class ChunkStaging:
+    """The chunks of full-weight updates sent over the trainer's PUB socket, checked as they come and
+    staged on disk until the last one is in (see the module docstring). One update at a time: a new chunk 0
+    abandons the one being received. Every refusal raises WeightsError and is remembered (`rejected`,
+    `last_error`), since a PUB publisher gets no reply."""
+
+    def __init__(self, check: Callable[[dict[str, mx.array]], None], *, root: str = "", timeout_s: float = 60.0,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        """`check`: raises WeightsError for tensors the served model cannot take (WeightSwapper.check_chunk)."""
+        self.check = check
+        self.root = root or None
+        self.timeout_s = timeout_s
+        self.clock = clock
+        self.pending: Staged | None = None
+        self.dropped = ""  # the last update dropped: its later chunks are refused without a new error
+        self.rejected = 0
+        self.last_error = self.last_error_code = ""
+        self.last_error_at = 0.0
+
+    def add(self, update_id: str, chunk: int, chunks: int, data: bytes, *, version: int = 0,
+            current_version: int = 0) -> Staged | None:
+        """Check and stage one chunk. Returns the update once its last chunk is in: apply it from its
+        directory, then call `done()`. Raises WeightsError (the update is dropped; nothing was applied)."""
+        pending = self.pending
+        if chunk == 0:
+            if pending is not None:
+                self._drop(f"abandoned: update {update_id!r} started before its last chunk came", "abandoned")
+            if chunks < 1:
+                raise self._refuse(update_id, f"an update of {chunks} chunks", "invalid_weights")
+            if version and version <= current_version:
+                raise self._refuse(update_id, f"version {version} is not newer than the base model's "
+                                   f"{current_version}", "version_conflict", status=409)
+            directory = Path(tempfile.mkdtemp(prefix="parallm-weights-", dir=self.root))
+            pending = self.pending = Staged(update_id, chunks, version, directory)
+        elif update_id == self.dropped and (pending is None or pending.update_id != update_id):
+            raise WeightsError(f"chunk {chunk} of full-weight update {update_id!r} ignored: the update was dropped "
+                               f"({self.last_error_code})", status=409, code="update_dropped")
+        elif pending is None or pending.update_id != update_id:
+            raise self._refuse(update_id, f"chunk {chunk} arrived without its update's chunk 0 (never sent, or the "
+                               "update was already dropped)", "chunk_out_of_order", status=409)
+        elif chunk != pending.received or chunks != pending.chunks:
+            what = (f"chunk {pending.received} of {pending.chunks} is missing (chunk {chunk} came next)"
+                    if chunks == pending.chunks else f"chunk {chunk} says {chunks} chunks, chunk 0 said {pending.chunks}")
+            raise self._drop(what, "chunk_missing" if chunks == pending.chunks else "invalid_weights")
+        try:
+            self.check(load_chunk(data))
+            (pending.directory / f"chunk-{chunk:06d}.safetensors").write_bytes(data)
+        except WeightsError as exc:
+            raise self._drop(f"chunk {chunk}: {exc.message}", exc.code) from None
+        except OSError as exc:
+            raise self._drop(f"chunk {chunk} could not be staged: {exc}", "staging_failed", status=507) from None
+        pending.received += 1
+        pending.deadline = self.clock() + self.timeout_s
+        return pending if pending.received == pending.chunks else None
+
+    def done(self, error: WeightsError | None = None) -> None:
+        """The update `add` returned was applied, or refused with `error` (its chunks are deleted either way)."""
+        staged, self.pending = self.pending, None
+        if staged is not None:
+            shutil.rmtree(staged.directory, ignore_errors=True)
+            if error is not None:
+                self._remember(staged.update_id, error)
+
+    def expire(self) -> WeightsError | None:
+        """Drop the update being received when its next chunk is overdue; the error, or None."""
+        staged = self.pending
+        if staged is None or self.clock() < staged.deadline:
+            return None
+        return self._drop(f"chunk {staged.received} of {staged.chunks} did not come within {self.timeout_s:g} s "
+                          "(adapters.weights_chunk_timeout_s)", "chunk_timeout", status=408)
+
+    def close(self) -> None:
+        if self.pending is not None:
+            shutil.rmtree(self.pending.directory, ignore_errors=True)
+            self.pending = None
+
+    def _drop(self, reason: str, code: str, status: int = 400) -> WeightsError:
+        staged = self.pending
+        self.pending = None
+        update_id = staged.update_id if staged is not None else ""
+        if staged is not None:
+            shutil.rmtree(staged.directory, ignore_errors=True)
+            self.dropped = update_id
+        error = WeightsError(f"full-weight update {update_id!r} dropped, the served weights unchanged: {reason}",
+                             status=status, code=code)
+        self._remember(update_id, error)
+        return error
+
+    def _refuse(self, update_id: str, reason: str, code: str, status: int = 400) -> WeightsError:
+        error = WeightsError(f"full-weight update {update_id!r} refused: {reason}", status=status, code=code)
+        self._remember(update_id, error)
+        return error
+
+    def _remember(self, update_id: str, error: WeightsError) -> None:
+        self.rejected += 1
+        self.last_error, self.last_error_code, self.last_error_at = error.message, error.code, time.time()
+
+
+def load_chunk(data: bytes) -> dict[str, mx.array]:
+    """A chunk's tensors (safetensors bytes); WeightsError when they are not readable."""
+    try:
+        return load_bytes(data)
+    except AdapterError as exc:
+        raise WeightsError(f"not readable safetensors bytes: {exc.message}", code="invalid_weights") from None

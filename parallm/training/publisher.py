@@ -64,10 +64,12 @@ class AdapterPublisher:
         self.published += 1
 
     def publish_weights(self, weights: Mapping[str, mx.array], version: int = 0) -> str:
-        """Send new base-model weights (a full-weight policy update) in chunks of one layer each:
-        the engine checks and applies each chunk as it comes, holding generation from the first to the
-        last, so it never holds more than one layer's new copy. `version` 0 lets the engine number it.
-        Returns the update id (the engine logs it, and counts the update in `weights_updates`)."""
+        """Send new base-model weights (a full-weight policy update) in chunks of one layer each: the
+        engine checks and stages each chunk as it comes and applies the update once the last is in,
+        never holding more than one layer's new copy in memory; an update that fails midway changes
+        nothing. `version` 0 lets the engine number it. Returns the update id: the engine counts the
+        update in `weights_updates`, or says why it refused it in its stats' `weights` (also in
+        GET /v1/training/status)."""
         wait = self._ready_at - time.monotonic()
         if wait > 0:
             time.sleep(wait)

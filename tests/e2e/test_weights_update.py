@@ -2,7 +2,8 @@
 
 Every stream's tokens after the update's step boundary carry the new base-model version; greedy
 output after the update equals a fresh server started on the new weights; a trainer's chunked
-publish over the PUB socket (one layer per message) gives the same weights again."""
+publish over the PUB socket (one layer per message) gives the same weights again, and one whose third
+chunk is corrupt changes nothing and is reported in /v1/training/status."""
 
 from __future__ import annotations
 
@@ -19,7 +20,9 @@ from mlx.utils import tree_flatten
 from parallm.client import Client
 from parallm.config import ModelConfig
 from parallm.models import load_model
-from parallm.protocol import SamplingParams
+from parallm.adapters import save_bytes
+from parallm.engine.weights import by_layer
+from parallm.protocol import SamplingParams, WeightsUpdate
 from parallm.training.publisher import AdapterPublisher
 
 from .server import Server
@@ -99,8 +102,21 @@ def test_update_while_16_streams_run_then_equal_to_a_fresh_server(server, new_we
         while client.stats().weights_version < 5:
             assert time.monotonic() < deadline, "the chunked update never completed"
             time.sleep(0.05)
-        publisher.close()
         assert greedy_all(client) == after
+
+        # an update that fails midway (its third chunk corrupt) changes nothing, and the trainer is told why
+        groups = by_layer({k: v * 0.5 for k, v in weights.items()})
+        for i, group in enumerate(groups):
+            blob = save_bytes(group)
+            publisher.sender.send(WeightsUpdate(weights=blob[:64] if i == 2 else blob, update_id="broken", chunk=i,
+                                                chunks=len(groups), version=6))
+        deadline = time.monotonic() + 120
+        while not (status := httpx.get(f"{server.url}/v1/training/status").json()["weights"])["rejected"]:
+            assert time.monotonic() < deadline, "the broken update was never refused"
+            time.sleep(0.05)
+        publisher.close()
+        assert status["last_error_code"] == "invalid_weights" and "'broken'" in status["last_error"], status
+        assert status["version"] == 5 and greedy_all(client) == after
 
     with Server("--model.path", str(path)) as fresh, Client(fresh.router, timeout=600) as c:
         assert greedy_all(c) == after
