@@ -95,6 +95,9 @@ class Constraint(Struct, kw_only=True, forbid_unknown_fields=True):
 
     kind: str
     value: str = ""
+    # the grammar begins after the model's reasoning (its thinking markers' end), not at the first token
+    # (a chat request with thinking on; parallm/engine/think_gate.py)
+    after_reasoning: bool = False
 
 
 class SamplingParams(Struct, kw_only=True, forbid_unknown_fields=True):

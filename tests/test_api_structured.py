@@ -40,6 +40,16 @@ def test_parse_with_a_pydantic_model_sends_its_schema_and_parses_the_content():
     assert c.kind == "json_schema" and json.loads(c.value)["required"] == ["name", "population"]
 
 
+def test_a_chat_constraint_begins_after_the_reasoning_unless_thinking_is_off():
+    client, backend = client_for(['{"name": "Paris", "population": 1}'])
+    client.chat.completions.parse(model=MODEL, messages=CHAT, response_format=City)
+    client.chat.completions.create(model=MODEL, messages=CHAT, tools=[WEATHER], tool_choice="required")
+    off = {"chat_template_kwargs": {"enable_thinking": False}}
+    client.chat.completions.parse(model=MODEL, messages=CHAT, response_format=City, extra_body=off)
+    client.completions.create(model=MODEL, prompt="x", extra_body={"guided_json": {"type": "object"}})
+    assert [s.spec.params.constraint.after_reasoning for s in backend.submits] == [True, True, False, False]
+
+
 def test_json_object_and_length_mid_json():
     client, backend = client_for(['{"a"'], finish="length")
     with pytest.raises(openai.LengthFinishReasonError):

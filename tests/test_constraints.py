@@ -228,3 +228,83 @@ def test_row_matcher_follows_outputs_and_the_token_in_flight():
     assert row.ids == [ids["c"], ids["c"]] and row.matcher.is_error()  # "cc" is outside the grammar
     row.sync([ids["c"], ids["d"]], pending=ids["!"])  # an errored matcher cannot roll back: replayed
     assert not row.matcher.is_error() and row.matcher.is_accepting()
+
+
+THINK, END = TOKENS.index(b"@"), TOKENS.index(b"#")  # this vocabulary's thinking markers in the tests below
+
+
+def thinking_engine(model, **kw):
+    engine = engine_on(model, **kw)
+    engine.constraints.use_thinking(((THINK,), (END,)))
+    return engine
+
+
+def split_thinking(ids: list[int]) -> tuple[list[int], str]:
+    """(the thinking tokens with their markers, the answer's text) of an output."""
+    j = ids.index(END) + 1
+    return ids[:j], text_of(ids[j:])
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_after_reasoning_the_grammar_begins_after_the_end_marker(model, overlap):
+    """The prompt opened a thinking segment: free tokens until its end marker, then the grammar
+    (vLLM's reasoning-aware structured output); logprobs exact in both parts."""
+    import llguidance
+
+    engine = thinking_engine(model, overlap=overlap)
+    c = Constraint(kind="json_schema", value=json.dumps(SCHEMA), after_reasoning=True)
+    prompt = [5, 6, THINK]
+    p = SamplingParams(temperature=1.0, max_tokens=120, seed=7, logprobs=True, logit_bias={END: 2.5}, constraint=c)
+    r = run_all(engine, [req("a", prompt, p)])[("a", 0)]
+    ids, lps = r["tokens"], r["logprobs"]
+    thinking, answer = split_thinking(ids)
+    assert r["finish"] == "stop" and len(thinking) > 2 and set(json.loads(answer)) == {"a", "b"}
+    assert set(text_of(thinking[:-1])) - set('{}[]",:') , "the thinking is free text, not JSON"
+    m = llguidance.LLMatcher(char_tokenizer(), grammar_text("json_schema", json.dumps(SCHEMA)))
+    for i, tok in enumerate(ids):
+        logits = np.array(model(mx.array([prompt + ids[:i]]))[0, -1].astype(mx.float32))
+        logits[END] += 2.5
+        allowed = _allowed(m) if i >= len(thinking) else np.ones(TINY_VOCAB, dtype=bool)
+        z = np.where(allowed, logits, -np.inf)
+        ref = z[tok] - np.log(np.sum(np.exp(z - z.max()))) - z.max()
+        assert abs(lps[i] - ref) < 1e-4, (i, lps[i], ref)
+        if i >= len(thinking):
+            assert m.consume_token(tok)
+
+
+def test_after_reasoning_the_first_token_may_open_thinking_or_answer_at_once(model):
+    c = Constraint(kind="json_schema", value=json.dumps(SCHEMA), after_reasoning=True)
+    opens = SamplingParams(temperature=1.0, max_tokens=120, seed=3, logit_bias={THINK: 30.0, END: 40.0}, constraint=c)
+    at_once = SamplingParams(temperature=1.0, max_tokens=60, seed=3, logit_bias={THINK: -30.0}, constraint=c)
+    closed = SamplingParams(temperature=1.0, max_tokens=60, seed=3, logit_bias={THINK: 30.0}, constraint=c)
+    res = run_all(thinking_engine(model), [req("opens", [5, 6], opens), req("now", [5, 6], at_once),
+                                           req("closed", [5, THINK, 9, END], closed),
+                                           req("plain", [5, 6], SamplingParams(temperature=1.0, max_tokens=60, seed=3,
+                                                                               logit_bias={THINK: 30.0},
+                                                                               constraint=c_schema()))])
+    ids = res[("opens", 0)]["tokens"]
+    thinking, answer = split_thinking(ids)  # "@" may start the output (the bias picks it), "#" ends the segment
+    assert thinking == [THINK, END] and set(json.loads(answer)) == {"a", "b"}
+    for key in ("now", "closed", "plain"):  # a first token that does not open, a prompt that closed it, no after_reasoning
+        ids = res[(key, 0)]["tokens"]
+        assert text_of(ids).startswith("{") and THINK not in ids and set(json.loads(text_of(ids))) == {"a", "b"}, key
+
+
+def test_think_gate_markers_from_a_tokenizer_json(tmp_path):
+    from parallm.engine.think_gate import ThinkGate, thinking_from_file
+
+    tok = {"added_tokens": [{"id": 7, "content": "<think>"}, {"id": 8, "content": "</think>"}], "model": {}}
+    (tmp_path / "tokenizer.json").write_text(json.dumps(tok))
+    markers = thinking_from_file(tmp_path / "tokenizer.json")
+    assert markers == ((7,), (8,))
+    (tmp_path / "none.json").write_text(json.dumps({"added_tokens": [{"id": 7, "content": "<think>"}]}))
+    assert thinking_from_file(tmp_path / "none.json") is None
+    gate = ThinkGate(markers, [1, 7, 2])  # the prompt opened it
+    assert gate.opener is None and gate.begin([3, 4]) is None and gate.begin([3, 4], pending=8) == 3
+    assert gate.begin([3, 4, 8, 5]) == 3
+    gate = ThinkGate(markers, [1, 7, 2, 8, 3, 4, 5])  # opened and closed (an earlier turn): the first token may open
+    assert gate.opener == 7 and gate.begin([]) is None and gate.begin([5]) == 0
+    gate = ThinkGate(markers, [1, 7, 2, 8, 3, 4, 5])
+    assert gate.begin([7, 3]) is None and gate.begin([7, 3, 8, 6]) == 3
+    gate = ThinkGate(markers, [1, 7, 8, 3])  # closed at the prompt's end (thinking off): the answer at once
+    assert gate.opener is None and gate.begin([]) == 0

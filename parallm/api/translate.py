@@ -144,6 +144,8 @@ def chat_plan(req: ChatCompletionRequest, limits: Limits, request_id: str = "") 
     top = (req.top_logprobs or 0) if req.logprobs else None
     tools, tool_constraint = tool_plan(req)
     params = sampling_params(req, max_tokens, top, req.prompt_logprobs, tool_constraint, limits.sampling_defaults)
+    if params.constraint is not None and thinking_on(req.chat_template_kwargs):
+        params.constraint.after_reasoning = True  # the model thinks first; the answer is constrained
     detok = detok_spec(req, token_strings=top is not None or req.prompt_logprobs is not None,
                        prompt_info=req.return_token_ids or req.prompt_logprobs is not None)
     detok.assistant = True
@@ -159,6 +161,13 @@ def chat_plan(req: ChatCompletionRequest, limits: Limits, request_id: str = "") 
                 include_usage=bool(req.stream_options and req.stream_options.include_usage),
                 logprobs=top, prompt_logprobs=req.prompt_logprobs, return_token_ids=req.return_token_ids,
                 tokens_as_ids=req.return_tokens_as_token_ids, tools=tools)
+
+
+def thinking_on(kwargs: Mapping[str, Any] | None) -> bool:
+    """Whether a chat request lets the model think (chat_template_kwargs enable_thinking, or the
+    `thinking` some templates read, not false): its constraint then begins after the reasoning."""
+    kwargs = kwargs or {}
+    return kwargs.get("enable_thinking", kwargs.get("thinking", True)) is not False
 
 
 def _template_kwargs(req: ChatCompletionRequest) -> dict[str, Any]:

@@ -30,6 +30,7 @@ from parallm.protocol import Constraint
 from parallm.text.grammar import GrammarError, compile_text
 
 from .sequence import Sequence
+from .think_gate import Markers, ThinkGate
 
 TokenizerSource = Callable[[], Any]
 
@@ -47,28 +48,46 @@ def tokenizer_from_file(path: str | Path, vocab_size: int, eos_ids: Seq[int]) ->
     return llguidance.LLTokenizer(text, n_vocab=vocab_size, eos_token=list(eos_ids) or None)
 
 
+FREE, GRAMMAR, GRAMMAR_OR_OPENER = 0, 1, 2  # what a row's next token may be (RowMatcher.sync)
+
+
 class RowMatcher:
-    """One sequence's matcher and the tokens it has consumed: the sequence's outputs, then the
-    token of the pass in flight when the mask was computed for the pass after it (overlap)."""
+    """One sequence's matcher and the tokens it has consumed: the sequence's outputs from where its
+    grammar begins (0, or after its reasoning: think_gate.py), then the token of the pass in flight
+    when the mask was computed for the pass after it (overlap)."""
 
-    __slots__ = ("template", "matcher", "ids", "confirmed")
+    __slots__ = ("template", "matcher", "ids", "confirmed", "gate", "origin")
 
-    def __init__(self, template: Any) -> None:
+    def __init__(self, template: Any, gate: ThinkGate | None = None) -> None:
         self.template = template  # the compiled grammar's matcher, copied (an errored matcher cannot reset)
         self.matcher = template.deep_copy()
         self.ids: list[int] = []
         self.confirmed = 0  # ids[:confirmed] are outputs the sequence kept
+        self.gate = gate
+        self.origin = 0  # the output index where the grammar begins
 
-    def sync(self, output_ids: list[int], pending: int | None = None) -> None:
+    def sync(self, output_ids: list[int], pending: int | None = None) -> int:
         """Bring the matcher to `output_ids` followed by `pending` (the token sampled by the pass in
-        flight). A pending token consumed last time that the sequence did not keep (its pass was
-        discarded by a preemption) is rolled back."""
-        k = self.confirmed
-        if len(output_ids) < k:  # never expected: outputs only grow; replay from the start
+        flight); returns what the next token may be: FREE while the row thinks, GRAMMAR, or
+        GRAMMAR_OR_OPENER (the first token, which may also open a thinking segment). A pending
+        token consumed last time that the sequence did not keep (its pass was discarded by a
+        preemption) is rolled back."""
+        mode = GRAMMAR
+        if self.gate is not None:
+            begin = self.gate.begin(output_ids, pending)
+            if begin is None:
+                if self.gate.opener is None:
+                    return FREE
+                begin, mode = 0, GRAMMAR_OR_OPENER
+            if begin != self.origin:
+                self.origin, self.matcher, self.ids, self.confirmed = begin, self.template.deep_copy(), [], 0
+        o, k = self.origin, self.confirmed
+        kept = max(0, len(output_ids) - o)  # outputs inside the grammar
+        if kept < k:  # never expected: outputs only grow; replay from the start
             self._replay(output_ids, pending)
-            return
-        target = output_ids[k:]
-        if pending is not None:
+            return mode
+        target = output_ids[o + k:]
+        if pending is not None and len(output_ids) >= o:
             target = [*target, pending]
         ours = self.ids[k:]
         common = 0
@@ -79,29 +98,40 @@ class RowMatcher:
         extra = len(ours) - common
         if extra and not self.matcher.rollback(extra):  # a matcher in error cannot roll back
             self._replay(output_ids, pending)
-            return
+            return mode
         del self.ids[k + common:]
         if common < len(target):
             self.matcher.consume_tokens(target[common:])
             self.ids.extend(target[common:])
-        self.confirmed = len(output_ids)
+        self.confirmed = kept
+        return mode
 
     def _replay(self, output_ids: list[int], pending: int | None) -> None:
+        o = self.origin
         self.matcher = self.template.deep_copy()
-        self.ids = [*output_ids, *([] if pending is None else [pending])]
+        self.ids = [*output_ids[o:], *([] if pending is None or len(output_ids) < o else [pending])]
         self.matcher.consume_tokens(self.ids)
-        self.confirmed = len(output_ids)
+        self.confirmed = max(0, len(output_ids) - o)
+
+
+def _allow(buf: np.ndarray, row: int, token: int) -> None:
+    buf[row, token >> 5] |= np.int32(np.uint32(1 << (token & 31)).view(np.int32))
 
 
 class Constraints:
     """Every constrained sequence of one engine. Empty (and free) while no request has a constraint."""
 
     def __init__(self, vocab_size: int, eos_ids: Seq[int], tokenizer: TokenizerSource | None = None,
-                 cache_size: int = 256) -> None:
+                 cache_size: int = 256, thinking: Callable[[], Markers | None] | None = None) -> None:
+        """`tokenizer`: builds the llguidance tokenizer when a first grammar compiles; `thinking`: gives
+        the model's thinking markers as token ids (think_gate.thinking_from_file) when a first
+        constraint begins after the reasoning."""
         self.vocab_size = vocab_size
         self.eos_ids = [int(t) for t in eos_ids]
         self._tokenizer_source = tokenizer
         self._tokenizer: Any = None
+        self._thinking_source = thinking
+        self._thinking: Markers | None | bool = False  # False: not looked up yet
         self._templates: OrderedDict[str, Any] = OrderedDict()  # grammar text -> compiled matcher (LRU)
         self.cache_size = cache_size
         self.rows: dict[int, tuple[Sequence, RowMatcher]] = {}
@@ -115,6 +145,16 @@ class Constraints:
     def use_tokenizer(self, tokenizer: Any) -> None:
         """Use this llguidance LLTokenizer (tests, or a tokenizer already built)."""
         self._tokenizer = tokenizer
+
+    def use_thinking(self, markers: Markers | None) -> None:
+        """Use these thinking markers (start ids, end ids), or none (tests, or markers already known)."""
+        self._thinking = markers
+
+    @property
+    def thinking(self) -> Markers | None:
+        if self._thinking is False:
+            self._thinking = self._thinking_source() if self._thinking_source is not None else None
+        return self._thinking  # type: ignore[return-value]
 
     @property
     def tokenizer(self) -> Any:
@@ -148,10 +188,13 @@ class Constraints:
 
     # ------------------------------------------------------------------ sequences
     def attach(self, seqs: Seq[Sequence], c: Constraint) -> None:
-        """Give each sequence (n > 1 siblings included) its own matcher of the compiled grammar."""
+        """Give each sequence (n > 1 siblings included) its own matcher of the compiled grammar, which
+        begins after the sequence's reasoning when the constraint says so and the model has thinking
+        markers."""
         template = self._template(c)
+        markers = self.thinking if c.after_reasoning else None
         for s in seqs:
-            self.rows[s.seq_id] = (s, RowMatcher(template))
+            self.rows[s.seq_id] = (s, RowMatcher(template, ThinkGate(markers, s.prompt_ids) if markers else None))
 
     def constrained(self, seqs: Seq[Sequence]) -> bool:
         rows = self.rows
@@ -177,23 +220,29 @@ class Constraints:
             self._buf = np.zeros((max(B, 2 * self._buf.shape[0]), self._buf.shape[1]), dtype=np.int32)
         buf = self._buf[:B]
         buf.fill(-1)
-        work = []
+        work, openers = [], []
         for i, s in enumerate(seqs):
             entry = self.rows.get(s.seq_id)
             if entry is None:
                 continue
             row = entry[1]
-            row.sync(s.output_ids, None if pending is None else pending[i])
+            mode = row.sync(s.output_ids, None if pending is None else pending[i])
+            if mode == FREE:  # thinking: the grammar begins after the end marker
+                continue
             if row.matcher.is_error():
                 buf[i] = 0
                 for t in self.eos_ids:  # a matcher in error (never expected) lets the row end
-                    buf[i, t >> 5] |= np.int32(np.uint32(1 << (t & 31)).view(np.int32))
+                    _allow(buf, i, t)
                 continue
             work.append((row.matcher, i))
+            if mode == GRAMMAR_OR_OPENER:
+                openers.append((i, row.gate.opener))
         if work:
             if self._executor is None:
                 self._executor = llguidance.LLExecutor()
             fill_next_token_bitmask_par(self._executor, work, buf)
+        for i, t in openers:
+            _allow(buf, i, t)
         return buf.copy()
 
     def submit(self, seqs: Seq[Sequence], pending: Seq[int | None] | None = None) -> Future:

@@ -21,6 +21,7 @@ from parallm.protocol import EngineStats, SamplingParams
 
 from .blocks import BlockManager
 from .constraints import Constraints, GrammarError, tokenizer_from_file
+from .think_gate import thinking_from_file
 from .compat import check_model
 from .faults import PassState, log, prefill_passes
 from .memory import auto_kv_budget_bytes, limit_buffer_cache, set_wired_limit, weight_bytes
@@ -99,7 +100,8 @@ class Engine:
                                    priority_aging_s=settings.priority_aging_s)
         self.runner.pool.allocate()
         self.constraints = Constraints(self.vocab_size, self.eos_token_ids, lambda: tokenizer_from_file(
-            _model_dir(config) / "tokenizer.json", self.vocab_size, self.eos_token_ids))
+            _model_dir(config) / "tokenizer.json", self.vocab_size, self.eos_token_ids),
+            thinking=lambda: thinking_from_file(_model_dir(config) / "tokenizer.json"))
         self.runner.constraints = self.constraints
         self._requests: dict[str, list[Sequence]] = {}
         self.output = OutputProcessor(self.scheduler, self.eos_token_ids, self._requests, self.runner.execute)
