@@ -97,6 +97,39 @@ def test_an_adapter_loaded_by_path_as_over_http(tmp_path):
     assert res[("b", 0)]["tokens"] == reference_greedy(base, prompt, 8)
 
 
+def _peft_per_expert(tensors: dict[str, mx.array], config: dict, skip_expert: int | None = None) -> tuple[dict, bytes]:
+    """The adapter as PEFT writes it on the Hugging Face model, whose experts are separate linears:
+    `...mlp.experts.<e>.gate_proj.lora_A.weight` [r, in] and `lora_B.weight` [out, r]."""
+    lp = config["lora_parameters"]
+    out = {}
+    for key, value in tensors.items():
+        module, leaf = key.rsplit(".", 1)
+        name = {"lora_a": "lora_A", "lora_b": "lora_B"}[leaf]
+        block, proj = module.rsplit(".switch_mlp.", 1)
+        for e in range(value.shape[0]):
+            if e != skip_expert:
+                out[f"base_model.model.{block}.experts.{e}.{proj}.{name}.weight"] = value[e]
+    cfg = {"peft_type": "LORA", "r": lp["rank"], "lora_alpha": lp["scale"] * lp["rank"],
+           "target_modules": ["gate_proj", "up_proj", "down_proj"], "bias": "none"}
+    return cfg, save_bytes(out)
+
+
+def test_a_peft_adapter_naming_each_expert_is_stacked_onto_the_expert_layers():
+    one, cfg = adapted("qwen3_moe", seed=4, rank=4)
+    tensors = adapter_tensors(one)
+    engine = make_engine(build("qwen3_moe"), block_size=4)
+    engine.load_adapter("peft", **dict(zip(("config", "weights"), _peft_per_expert(tensors, cfg))))
+    prompt = _prompts((13,))[0]
+    res = run_all(engine, [req("r", prompt, greedy(8), adapter="peft")])
+    assert res[("r", 0)]["tokens"] == reference_greedy(one, prompt, 8)
+    # an expert the adapter leaves out gets no update; the others keep their own index
+    key = "model.layers.0.mlp.switch_mlp.up_proj"
+    engine.load_adapter("missing", **dict(zip(("config", "weights"), _peft_per_expert(tensors, cfg, skip_expert=2))))
+    got = engine.adapters.latest("missing").modules[key]
+    assert float(mx.abs(got.b[2]).max()) == 0.0 and float(mx.abs(got.a[2]).max()) == 0.0
+    assert bool(mx.array_equal(got.b[3], tensors[f"{key}.lora_b"][3].T))
+
+
 def _tensors(name: str = "qwen3_moe") -> tuple[dict[str, mx.array], dict]:
     one, cfg = adapted(name, seed=1, rank=4)
     return adapter_tensors(one), cfg

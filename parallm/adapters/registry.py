@@ -29,7 +29,7 @@ from .errors import AdapterError
 from .formats import Format, ParsedAdapter, nonfinite_names, parse, read_dir
 from .lora import LoRARouter, MultiLoRALinear, PreparedLoRA, compute_dtype, dense_weight, linear_dims
 from .sharded import is_sharded, local_linear, shard_lora
-from .switch_lora import SWITCH_LINEARS, adopt, enable, routable, switch_dims
+from .switch_lora import SWITCH_LINEARS, adopt, enable, routable, stack_experts, switch_dims
 
 NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.\-/]{0,127}$")
 _LAYER_RE = re.compile(r"(?:^|\.)layers\.(\d+)\.")
@@ -213,6 +213,11 @@ class AdapterManager:
         if not weights:
             raise AdapterError("no adapter weights: give safetensors bytes inline or a path")
         parsed = parse(config or {}, weights, fmt, dtype=self.dtype)
+        if self.switches:  # a PEFT adapter names each expert's linear; mlx-lm's model holds them stacked
+            try:
+                parsed.modules = stack_experts(parsed.modules, self.switches)
+            except ValueError as exc:
+                raise AdapterError(f"adapter does not match the base model: {exc}") from None
         if self.sharded:
             parsed = self._local_part(parsed)
         modules, gains = self._bind(parsed)

@@ -18,16 +18,22 @@ the dense layers' mixed path does per row.
 
 from __future__ import annotations
 
+import re
 from typing import TYPE_CHECKING, Callable
 
 import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.switch_layers import QuantizedSwitchLinear, SwitchGLU, SwitchLinear, SwitchMLP, _scatter_unsort
 
+from .formats import ModuleLoRA
+
 if TYPE_CHECKING:
     from .lora import LoRARouter
 
 SWITCH_LINEARS = (SwitchLinear, QuantizedSwitchLinear)
+# a Hugging Face model's per-expert linear (what PEFT adapters name): <block>.experts.<e>.<projection>
+_HF_EXPERT = re.compile(r"^(?P<block>.+)\.experts\.(?P<e>\d+)\.(?P<proj>\w+)$")
+_HF_PROJECTIONS = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}  # Mixtral's names (mlx-lm's sanitize)
 Project = Callable[[str, mx.array, mx.array, bool], mx.array]
 
 
@@ -106,6 +112,41 @@ def enable(block: nn.Module, path: str, router: "LoRARouter") -> None:
         block.__class__ = SWAPS[type(block)]
     block._lora_router = router
     block._lora_path = path
+
+
+def stack_experts(modules: dict, switches: dict[str, nn.Module]) -> dict:
+    """`modules` (path -> formats.ModuleLoRA) with per-expert updates of a Hugging Face layout
+    (`mlp.experts.3.gate_proj`, PEFT's names) stacked into the expert layer mlx-lm's model holds
+    (`mlp.switch_mlp.gate_proj`: a [E, in, r], b [E, r, out]; experts the adapter leaves out get
+    zeros). Paths that map to no expert layer are left as they are (the binding names them)."""
+    groups: dict[str, dict[int, object]] = {}
+    out = {}
+    for path, m in modules.items():
+        match = _HF_EXPERT.match(path)
+        target = None
+        if match and m.a.ndim == 2:
+            proj = match["proj"]
+            target = f"{match['block']}.switch_mlp.{_HF_PROJECTIONS.get(proj, proj)}"
+        if target in switches:
+            groups.setdefault(target, {})[int(match["e"])] = m
+        else:
+            out[path] = m
+    for target, by_expert in groups.items():
+        experts, d_in, d_out = switch_dims(switches[target])
+        first = next(iter(by_expert.values()))
+        ranks, scales = {m.rank for m in by_expert.values()}, {m.scale for m in by_expert.values()}
+        if len(ranks) > 1 or len(scales) > 1 or any(m.m is not None for m in by_expert.values()):
+            raise ValueError(f"{target}: the per-expert updates differ in rank or scale, or carry DoRA magnitudes")
+        if max(by_expert) >= experts:
+            raise ValueError(f"{target}: the adapter updates expert {max(by_expert)} but the layer has {experts}")
+        if first.a.shape[0] != d_in or first.b.shape[1] != d_out:
+            raise ValueError(f"{target}: the experts' updates map {first.a.shape[0]} -> {first.b.shape[1]} features "
+                             f"but the layer maps {d_in} -> {d_out}")
+        zeros_a, zeros_b = mx.zeros_like(first.a), mx.zeros_like(first.b)
+        a = mx.stack([by_expert[e].a if e in by_expert else zeros_a for e in range(experts)])
+        b = mx.stack([by_expert[e].b if e in by_expert else zeros_b for e in range(experts)])
+        out[target] = ModuleLoRA(a=a, b=b, scale=first.scale)
+    return out
 
 
 def adopt(model: nn.Module, router: "LoRARouter") -> list[str]:
