@@ -6,14 +6,15 @@ The fuzzer reads /openapi.json, and for every operation with a JSON request body
   (max_tokens, n, prompt lists and logprob counts capped), and
 - invalid ones: a valid body with one field replaced by arbitrary JSON, arbitrary JSON
   documents, and bytes that are not JSON at all;
-then posts each one and requires a status below 500. GET routes get random path segments and
-query strings. PARALLM_FUZZ_EXAMPLES sets hypothesis' max_examples per strategy (default 10,
+then posts each one and requires a status below 500. GET and DELETE routes get random path
+segments and query strings. PARALLM_FUZZ_EXAMPLES sets hypothesis' max_examples per strategy (default 10,
 about a minute on a laptop CPU).
 """
 
 from __future__ import annotations
 
 import os
+import re
 from urllib.parse import quote
 
 import httpx
@@ -127,15 +128,19 @@ def test_valid_and_invalid_bodies_never_get_a_5xx(fuzz_server, spec, path):
     anything()
 
 
-def test_gets_with_random_paths_and_queries_never_get_a_5xx(fuzz_server, spec):
-    gets = [path for path, methods in spec["paths"].items() if "get" in methods]
+def test_gets_and_deletes_with_random_paths_and_queries_never_get_a_5xx(fuzz_server, spec):
+    """Every bodiless operation (GET, DELETE) with random path parameters and query strings."""
+    ops = [(method, path) for path, methods in spec["paths"].items() for method in methods
+           if method in ("get", "delete")]
+    assert ("delete", "/v1/adapters/{name}") in ops
 
     @FUZZ
-    @given(st.sampled_from(gets), st.text(max_size=30), st.dictionaries(st.text(max_size=8), st.text(max_size=8),
-                                                                          max_size=3))
-    def run(path, segment, query):
-        url = f"{fuzz_server.url}{path.replace('{model}', quote(segment, safe='') or 'x')}"
-        check(httpx.get(url, params=query, timeout=60), (path, segment, query))
+    @given(st.sampled_from(ops), st.text(max_size=30), st.dictionaries(st.text(max_size=8), st.text(max_size=8),
+                                                                         max_size=3))
+    def run(op, segment, query):
+        method, path = op
+        url = fuzz_server.url + re.sub(r"\{\w+\}", quote(segment, safe="") or "x", path)
+        check(httpx.request(method.upper(), url, params=query, timeout=60), (op, segment, query))
 
     run()
 
