@@ -9,7 +9,13 @@ the `rl-clients` extra, ~1 GB with atroposlib):
   `token_id:<id>` and logprob itself;
 - an Atropos loop: atroposlib's run-api, a minimal environment written here (it samples through
   parallm's /generate and scores by the share of even token ids), and `parallm-train
-  --rl-training.rollout-source atropos` for a few steps: batches consumed, policy versions rising.
+  --rl-training.rollout-source atropos` for a few steps: batches consumed, policy versions rising;
+- skyrl 0.3.0: `RemoteInferenceClient` (SkyRL's vLLM-server client) generate, sample with prompt
+  logprobs, tokenize / detokenize, pause / resume, its LoRA load and unload, get_world_size,
+  reset_prefix_cache. It needs Python >= 3.12 (on 3.11 pydantic refuses skyrl/tinker/types.py's
+  typing.TypedDict) and its dependencies pull torch (through peft) while the client needs none of
+  them: the test makes a venv once (pytest's cache) from python3.12 or python3.13 on PATH with
+  `pip install --no-deps skyrl==0.3.0` then `pip install aiohttp pydantic`, or takes PARALLM_SKYRL_PYTHON.
 
 The packages may live in another interpreter: PARALLM_RL_CLIENTS_PYTHON names it (default: this one),
 and ATROPOS_RUN_API the run-api executable (default: the one on PATH next to it).
@@ -17,6 +23,7 @@ and ATROPOS_RUN_API the run-api executable (default: the one on PATH next to it)
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import subprocess
@@ -110,9 +117,49 @@ asyncio.run(main())
 """
 
 
+SKYRL = """
+import asyncio, json, sys, urllib.request
+from skyrl.backends.skyrl_train.inference_servers.remote_inference_client import RemoteInferenceClient
+
+url, tok, adapter_dir = sys.argv[1], sys.argv[2], sys.argv[3]
+model = json.load(urllib.request.urlopen(url + "/v1/models"))["data"][0]["id"]
+PARAMS = {"max_tokens": 6, "temperature": 0.0, "top_p": 1.0, "top_k": -1, "min_p": 0.0, "logprobs": 0,
+          "min_tokens": 1, "skip_special_tokens": True, "include_stop_str_in_output": True, "stop": None}
+
+async def main():
+    sky = RemoteInferenceClient(proxy_url=url, server_urls=[url], data_parallel_size=1, model_name=model)
+    batch = {"prompt_token_ids": [[1, 504, 3458, 282, 2], [1, 9690, 30]], "sampling_params": PARAMS,
+             "session_ids": ["s1", "s2"], "cache_salt": "v0"}
+    out = await sky.generate(batch)
+    assert all(len(ids) == len(lps) == 6 for ids, lps in zip(out["response_ids"], out["response_logprobs"])), out
+    assert out["stop_reasons"] == ["length", "length"] and all(out["responses"]), out
+    ids = (await sky.tokenize(["Hello there"]))[0]
+    text = (await sky.detokenize([ids]))[0]
+    sample = await sky.sample({"json": {"prompt": {"chunks": [{"type": "encoded_text", "tokens": [1, 504, 3458, 282]}]},
+                                        "num_samples": 2, "sampling_params": {"temperature": 1.0, "max_tokens": 4,
+                                                                              "seed": 7},
+                                        "prompt_logprobs": True, "topk_prompt_logprobs": 2}})
+    assert len(sample["sequences"]) == 2 and all(len(s["tokens"]) == len(s["logprobs"]) == 4
+                                                 for s in sample["sequences"]), sample
+    assert sample["prompt_logprobs"][0] is None and len(sample["topk_prompt_logprobs"][1]) == 2, sample
+    await sky.pause()
+    await sky.resume()
+    await sky.load_lora_adapter("sky-lora", adapter_dir)
+    lora = await sky.generate(batch, model="sky-lora")
+    await sky.unload_lora_adapter("sky-lora")
+    world = await sky.get_world_size()
+    await sky.reset_prefix_cache()
+    await sky.teardown()
+    print(json.dumps({"base": out["response_ids"], "lora": lora["response_ids"], "tokenized": ids, "text": text,
+                      "prompt_logprobs": sample["prompt_logprobs"], "world": list(world)}))
+
+asyncio.run(main())
+"""
+
+
 @pytest.fixture(scope="module")
-def http_server():
-    with Server("--engine.max-num-seqs", "16") as srv:
+def http_server(tmp_path_factory):
+    with Server("--engine.max-num-seqs", "16", "--adapters.allowed-dirs", str(tmp_path_factory.getbasetemp())) as srv:
         yield srv
 
 
@@ -127,6 +174,59 @@ def test_renderers_generate_as_verifiers_calls_it(http_server):
     if not has("renderers"):
         pytest.skip(f"renderers is not installed for {PYTHON} (pip install -e '.[rl-clients]'; make test-slow does)")
     assert "renderers" in drive(RENDERERS, http_server)
+
+
+def skyrl_python(cache) -> str:
+    """A Python >= 3.12 where skyrl 0.3.0's client imports (see the module docstring), or a skip saying why."""
+    given = os.environ.get("PARALLM_SKYRL_PYTHON")
+    if given:
+        return given
+    pyenv = Path(os.environ.get("PYENV_ROOT", Path.home() / ".pyenv")) / "versions"
+    found = [shutil.which(name) for name in ("python3.13", "python3.12")] + \
+        sorted(str(p) for p in pyenv.glob("3.1[2-9]*/bin/python3"))   # installed, if not enabled
+    base = next((p for p in found if p and subprocess.run([p, "-c", "import venv"], capture_output=True).returncode == 0),
+                None)   # a pyenv shim of a version not enabled is on PATH but fails
+    if base is None:
+        pytest.skip("SkyRL's client needs Python >= 3.12: none on PATH (python3.12, python3.13) or under pyenv "
+                    "(or set PARALLM_SKYRL_PYTHON)")
+    venv = cache.mkdir("skyrl-0.3.0-venv")
+    python = str(venv / "bin" / "python")
+    probe = [python, "-c", "import skyrl.backends.skyrl_train.inference_servers.remote_inference_client"]
+    if not Path(python).exists() or subprocess.run(probe, capture_output=True).returncode:
+        for step in ([base, "-m", "venv", "--clear", str(venv)],
+                     [python, "-m", "pip", "install", "-q", "--no-deps", "skyrl==0.3.0"],
+                     [python, "-m", "pip", "install", "-q", "aiohttp", "pydantic"]):
+            made = subprocess.run(step, capture_output=True, text=True, timeout=600)
+            if made.returncode:
+                pytest.skip(f"could not make SkyRL's venv ({' '.join(step[:4])}...): {made.stderr[-500:]}")
+        made = subprocess.run(probe, capture_output=True, text=True)
+        assert made.returncode == 0, f"skyrl's client does not import in {venv}: {made.stderr[-2000:]}"
+    return python
+
+
+def test_skyrl_remote_inference_client_against_parallm(http_server, request, tmp_path):
+    from parallm.adapters import save_bytes
+    from parallm.client import Client
+    from parallm.protocol import SamplingParams
+
+    from .test_adapters import CONFIG, weights
+
+    python = skyrl_python(request.config.cache)
+    (tmp_path / "adapters.safetensors").write_bytes(save_bytes(weights(5)))
+    (tmp_path / "adapter_config.json").write_text(json.dumps(CONFIG))
+    tokenizer = str(resolve_model(ModelConfig()).path)
+    proc = subprocess.run([python, "-c", textwrap.dedent(SKYRL), http_server.url, tokenizer, str(tmp_path)],
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, f"{proc.stdout}\n{proc.stderr[-4000:]}"
+    got = json.loads(proc.stdout.strip().splitlines()[-1])
+    greedy = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    with Client(http_server.router, timeout=300) as raw:
+        want = [r.token_ids for [r] in raw.generate_group([[1, 504, 3458, 282, 2], [1, 9690, 30]], greedy)]
+        assert got["base"] == want and got["lora"] != want        # the adapter, by its name as the model
+        assert got["tokenized"] == raw.tokenize("Hello there") and got["text"] == "Hello there"
+        scored = raw.score([1, 504, 3458, 282], start=1)["logprobs"]
+    assert max(abs(a - b) for a, b in zip(got["prompt_logprobs"][1:], scored)) < 1e-3
+    assert got["world"] == [1, 1]
 
 
 def run_api_command() -> list[str]:
