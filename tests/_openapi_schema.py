@@ -9,8 +9,8 @@ from typing import Any
 
 from hypothesis import strategies as st
 
-JSON = st.recursive(st.none() | st.booleans() | st.integers(-2**70, 2**70) | st.floats(allow_nan=False, allow_infinity=False)
-                    | st.text(max_size=20),
+JSON = st.recursive(st.none() | st.booleans() | st.integers(-2**70, 2**70)
+                    | st.floats(allow_nan=False, allow_infinity=False) | st.text(max_size=20),
                     lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=10), inner,
                                                                                max_size=4),
                     max_leaves=12)
