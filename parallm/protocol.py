@@ -634,6 +634,9 @@ class Output(Struct, kw_only=True, omit_defaults=True):
     prompt_ranks: bytes = b""                     # int32 per prompt position (0: none): vLLM's rank
     reasoning: str = ""                           # DetokSpec.assistant: thinking text (left out of `text`)
     tool_calls: list[dict[str, Any]] = []         # DetokSpec.assistant: complete calls {id, type, function}
+    # DetokSpec.assistant: the calls as OpenAI delta.tool_calls fragments ({index, id, type, function: {name,
+    # arguments}} first, then {index, function: {arguments}} pieces), accumulating to tool_calls
+    tool_call_deltas: list[dict[str, Any]] = []
 
 
 class Outputs(Message, tag="outputs"):

@@ -136,10 +136,10 @@ def _assistant_script(pieces):
     def script(submit):
         assert submit.spec.detok.assistant and submit.spec.detok.tool_parser == "auto"
         outs = []
-        for k, (reasoning, text, calls) in enumerate(pieces):
+        for k, (reasoning, text, calls, deltas) in enumerate(pieces):
             last = k == len(pieces) - 1
             outs.append(Output(rid=submit.rid, token_ids=pack_ids([100 + k]), text=text, reasoning=reasoning,
-                               tool_calls=calls, finish_reason="stop" if last else None,
+                               tool_calls=calls, tool_call_deltas=deltas, finish_reason="stop" if last else None,
                                usage=Usage(prompt_tokens=3, completion_tokens=len(pieces)) if last else None))
         return outs
     return script
@@ -148,8 +148,13 @@ def _assistant_script(pieces):
 def test_auto_tool_calls_and_reasoning_streamed_and_not():
     call = lambda i, city: {"id": f"chatcmpl-tool-{i}", "type": "function",  # noqa: E731
                             "function": {"name": "get_weather", "arguments": json.dumps({"city": city})}}
-    pieces = [("The user", "", []), (" wants weather.", "", []), ("", "Checking.", []),
-              ("", "", [call(1, "Paris")]), ("", "", [call(2, "Lyon")])]
+    # as the detokenizer sends them: the first call streamed (name, then argument pieces), the second whole
+    pieces = [("The user", "", [], []), (" wants weather.", "", [], []), ("", "Checking.", [], []),
+              ("", "", [], [{"index": 0, "id": "chatcmpl-tool-1", "type": "function",
+                             "function": {"name": "get_weather", "arguments": ""}}]),
+              ("", "", [], [{"index": 0, "function": {"arguments": '{"city": '}}]),
+              ("", "", [call(1, "Paris")], [{"index": 0, "function": {"arguments": '"Paris"}'}}]),
+              ("", "", [call(2, "Lyon")], [{"index": 1, **call(2, "Lyon")}])]
     backend = FakeBackend(script=_assistant_script(pieces))
     http = TestClient(build_app(backend, ServerConfig()), base_url="http://test")
     client = openai.OpenAI(base_url="http://test/v1", api_key="x", http_client=http, max_retries=0)

@@ -42,6 +42,7 @@ def run(splitter: AssistantSplitter, text: str, step: int | None) -> Split:
         total.content += part.content
         total.reasoning += part.reasoning
         total.tool_calls += part.tool_calls
+        total.tool_call_deltas += part.tool_call_deltas
     return total
 
 
@@ -212,3 +213,53 @@ def test_a_marker_that_is_a_special_token_reaches_the_parser_while_content_hides
     assert got == [("get_weather", {"city": "Paris"}), ("get_time", {"tz": "CET"})]
     # without a split, skip_special_tokens hides every special token, markers included
     assert "".join(o.text for o in plain) == 'Let me check.get_weather{"city": "Paris"}get_time{"tz": "CET"}'
+
+
+# --------------------------------------------------------------------------- calls streamed as fragments
+
+STREAMED = {  # formats whose arguments are streamed as they come (tool_stream.CallStream)
+    "json_tools": f'Sure.<tool_call>\n{{"name": "multiply", "arguments": {{"a": {A}, "b": {B}}}}}\n</tool_call>'
+                  '<tool_call>\n{"name": "note", "arguments": {"text": "a \\"}\\" brace"}}\n</tool_call>',
+    "mistral": f'[TOOL_CALLS]multiply[ARGS]{{"a": {A}, "b": {B}}}[TOOL_CALLS]note[ARGS]{{"text": "a \\"}}\\" brace"}}',
+    "llama3_json": f'<|python_tag|>{{"name": "multiply", "parameters": {{"a": {A}, "b": {B}}}}}; '
+                   '{"name": "note", "parameters": {"text": "a \\"}\\" brace"}}',
+}
+WANT2 = [("multiply", {"a": A, "b": B}), ("note", {"text": 'a "}" brace'})]
+
+
+def merged(deltas: list[dict]) -> list[dict]:
+    """What a client accumulates (the openai SDK's stream state: strings concatenate, by index)."""
+    calls: list[dict] = []
+    for d in deltas:
+        if d["index"] == len(calls):
+            calls.append({"id": d["id"], "type": d["type"], "function": {"name": d["function"]["name"], "arguments": ""}})
+        calls[d["index"]]["function"]["arguments"] += d["function"].get("arguments", "")
+    return calls
+
+
+@pytest.mark.parametrize("name", sorted(STREAMED))
+@pytest.mark.parametrize("step", [1, 3, 7])
+def test_calls_stream_name_first_then_argument_pieces(name, step):
+    text = STREAMED[name]
+    splitter = AssistantSplitter(parser=tool_parser(name), tools=TOOLS)
+    pieces = [text[i:i + step] for i in range(0, len(text), step)]
+    deltas, whole, fed_when = [], [], {}
+    for k, part in enumerate([*(splitter.feed(p) for p in pieces), splitter.finish()]):
+        for d in part.tool_call_deltas:
+            fed_when.setdefault(d["index"], k)
+        deltas += part.tool_call_deltas
+        whole += part.tool_calls
+    assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in whole] == WANT2
+    assert merged(deltas) == whole  # the fragments accumulate to the calls reported whole
+    first = [d for d in deltas if d["index"] == 0]
+    assert "id" in first[0] and first[0]["function"] == {"name": "multiply", "arguments": ""}
+    assert len(first) >= 3 and all(set(d) == {"index", "function"} for d in first[1:])  # then argument pieces
+    end_of_first = text.index(str(B)) + len(str(B))
+    assert fed_when[0] * step < end_of_first  # the name went out before the arguments were complete
+
+
+def test_a_format_not_read_incrementally_streams_each_call_whole():
+    splitter = AssistantSplitter(parser=tool_parser("qwen3_coder"), tools=TOOLS)
+    split = run(splitter, SAMPLES["qwen3_coder"], 3)
+    assert calls(split) == WANT and merged(split.tool_call_deltas) == split.tool_calls
+    assert len(split.tool_call_deltas) == 1 and split.tool_call_deltas[0]["index"] == 0

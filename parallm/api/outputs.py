@@ -118,6 +118,7 @@ class Piece:
     prompt: PromptInfo | None
     reasoning: str = ""
     tool_calls: list[dict] = field(default_factory=list)
+    tool_call_deltas: list[dict] = field(default_factory=list)
 
     @classmethod
     def of(cls, out: Output, prompt_top_k: int = 0, echo_only: bool = False, as_ids: bool = False) -> "Piece":
@@ -128,7 +129,7 @@ class Piece:
         piece = cls(out.text, ids, lps, _strings(out.tokens, ids) if lps else [],
                     _rows(out.top_ids, out.top_logprobs, out.top_tokens, len(ids)) if lps else [],
                     out.finish_reason, out.stop_reason, PromptInfo.of(out, prompt_top_k), out.reasoning,
-                    list(out.tool_calls))
+                    list(out.tool_calls), list(out.tool_call_deltas))
         if as_ids:
             piece.tokens = _strings([], ids) if lps else []
             piece.top = [_id_names(row) for row in piece.top]

@@ -36,8 +36,8 @@ def event(chunk: Any) -> bytes:
 
 def _worth_sending(piece: Piece, logprobs: bool, echo_first: bool) -> bool:
     """Skip outputs that add nothing visible (e.g. text held back at a possible stop string)."""
-    return bool(piece.text or piece.reasoning or piece.tool_calls or piece.finish_reason is not None
-                or (logprobs and piece.ids) or echo_first)
+    return bool(piece.text or piece.reasoning or piece.tool_calls or piece.tool_call_deltas
+                or piece.finish_reason is not None or (logprobs and piece.ids) or echo_first)
 
 
 class ChunkBuilder:
@@ -125,12 +125,9 @@ class ChunkBuilder:
                 stream = self.tool_streams[state.index] = ToolStream(plan.tools)
             content, calls, finish = stream.feed(piece.text, piece.finish_reason)
             delta = ChatDelta(content=content, tool_calls=calls)
-        if piece.tool_calls:  # the model's own syntax (tool_choice auto): whole calls, numbered per choice
-            first = len(state.tool_calls) - len(piece.tool_calls)
-            delta.tool_calls = [{"index": first + i, **c} for i, c in enumerate(piece.tool_calls)]
-            if finish == "stop":
-                finish = "tool_calls"
-        elif finish == "stop" and state.tool_calls and not (plan.tools is not None and plan.tools.constrained):
+        if piece.tool_call_deltas:  # the model's own syntax (tool_choice auto): fragments, indexed per choice
+            delta.tool_calls = piece.tool_call_deltas
+        if finish == "stop" and state.tool_calls and not (plan.tools is not None and plan.tools.constrained):
             finish = "tool_calls"
         if piece.reasoning:
             delta.reasoning = delta.reasoning_content = piece.reasoning

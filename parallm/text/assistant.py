@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Container
 
 from parallm.text.segments import MarkerSplitter
+from parallm.text.tool_stream import CallStream
 
 # mlx-lm's _infer_tool_parser order: (parser, test on the chat template)
 _TEMPLATE_RULES: list[tuple[str, Callable[[str], bool]]] = [
@@ -141,18 +142,23 @@ def _as_calls(parsed: Any) -> list[dict[str, Any]]:
 class Split:
     content: str = ""
     reasoning: str = ""
-    tool_calls: list[dict[str, Any]] = field(default_factory=list)
+    tool_calls: list[dict[str, Any]] = field(default_factory=list)  # complete calls, once complete
+    tool_call_deltas: list[dict[str, Any]] = field(default_factory=list)  # OpenAI delta.tool_calls fragments
 
     def __bool__(self) -> bool:
-        return bool(self.content or self.reasoning or self.tool_calls)
+        return bool(self.content or self.reasoning or self.tool_calls or self.tool_call_deltas)
 
 
 class AssistantSplitter:
-    """Streamed assistant text -> content, reasoning and complete tool calls.
+    """Streamed assistant text -> content, reasoning and tool calls: each call whole once complete
+    (`tool_calls`) and as the fragments a stream sends (`tool_call_deltas`: name first, then
+    pieces of the arguments as they are generated where tool_stream.CallStream reads the format,
+    else the whole call at its end marker), which accumulate to the whole calls.
 
     `thinking`: the (start, end) markers, or None; `in_reasoning`: the prompt opened a thinking
     segment (the template ended with the start marker). `parser`: the tool syntax, or None. A tool
-    call's text that does not parse is given back as content, markers included."""
+    call's text that does not parse, and none of which was streamed, is given back as content,
+    markers included."""
 
     def __init__(self, thinking: tuple[str, str] | None = None, parser: ToolParser | None = None, *,
                  in_reasoning: bool = False, tools: Any = None) -> None:
@@ -167,6 +173,8 @@ class AssistantSplitter:
         self.parser, self.tools, self.thinking = parser, tools, thinking
         self._sm = MarkerSplitter(tr, "reasoning" if in_reasoning and thinking else "content")
         self._call = ""
+        self._stream: CallStream | None = None  # the current tool segment's incremental calls
+        self._count = 0  # calls begun: the next call's index
         self._llama_bare = parser is not None and parser.name == "llama3_json"
         self._seen_text = False
         self._bare: list[str] | None = None  # llama3_json: output that began with "{", held as a possible call
@@ -191,18 +199,36 @@ class AssistantSplitter:
             out.reasoning += piece
         elif state == "tool":
             self._call += piece
+            if self._stream is None:
+                assert self.parser is not None
+                self._stream = CallStream(self.parser.name, self._count, new_call_id)
+            if piece:
+                out.tool_call_deltas += self._stream.feed(self._call)
         else:
-            if self._call:
+            if self._call or self._stream is not None:
                 self._end_call(out)
             out.content += piece
 
     def _end_call(self, out: Split) -> None:
+        """The segment ended: its calls whole. The calls streamed keep the text they were streamed
+        with; any further call the parser finds goes out whole (one fragment each)."""
         text, self._call = self._call, ""
+        streamed = self._stream.streamed_calls if self._stream is not None else []
+        self._stream = None
         assert self.parser is not None
         try:
-            out.tool_calls += _as_calls(self.parser.parse(text, self.tools))
-        except Exception:  # noqa: BLE001 - a malformed call stays visible as text
-            out.content += self.parser.start + text + self.parser.end
+            parsed = _as_calls(self.parser.parse(text, self.tools)) if text.strip() else []
+        except Exception:  # noqa: BLE001 - a malformed call stays visible as text (unless streamed)
+            if not streamed:
+                out.content += self.parser.start + text + self.parser.end
+                return
+            parsed = []
+        self._add_calls(out, streamed, parsed[len(streamed):])
+
+    def _add_calls(self, out: Split, streamed: list[dict[str, Any]], whole: list[dict[str, Any]]) -> None:
+        out.tool_calls += streamed + whole
+        out.tool_call_deltas += [{"index": self._count + len(streamed) + i, **c} for i, c in enumerate(whole)]
+        self._count += len(streamed) + len(whole)
 
     def finish(self) -> Split:
         """What the end of the text completes: held-back text, an open call (Mistral, Llama-3)."""
@@ -210,16 +236,14 @@ class AssistantSplitter:
         if self._bare is not None:
             text, self._bare = "".join(self._bare), None
             try:
-                out.tool_calls = _as_calls(_llama3_parse(text))
+                self._add_calls(out, [], _as_calls(_llama3_parse(text)))
             except Exception:  # noqa: BLE001 - plain JSON content, not a call
                 out.content = text
             return out
         for state, piece in self._sm.flush():
             self._route(out, state, piece)
-        if self._sm.state == "tool" or self._call:
-            if self._call.strip():
-                self._end_call(out)
-            self._call = ""
+        if self._sm.state == "tool" or self._call or self._stream is not None:
+            self._end_call(out)
         return out
 
 

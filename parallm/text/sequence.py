@@ -147,6 +147,7 @@ class DetokState:
         out.text = out.text + split.content if add else split.content
         out.reasoning += split.reasoning
         out.tool_calls = out.tool_calls + split.tool_calls
+        out.tool_call_deltas = out.tool_call_deltas + split.tool_call_deltas
 
     def _slice_tokens(self, out: Output, delta: SeqDelta, ids: list[int], keep: int) -> None:
         """Ids, logprobs and top-k of the first `keep` tokens, and their strings when asked."""
