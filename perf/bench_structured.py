@@ -10,6 +10,7 @@ Measures:
 The issue's goal is >= 0.9x the unconstrained tok/s at batch 16.
 
     python -m perf.bench_structured [--quick]          # -> perf/results/structured-<device>.{json,md}
+    python -m perf.bench_structured --shape llama-3.2-3b --batches 1,16,64 --tokenizer-dir DIR   # a GPU host
 """
 
 from __future__ import annotations
@@ -36,12 +37,12 @@ def log(msg: str) -> None:
     print(f"[bench {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
 
 
-def make_engine(max_num_seqs: int):
+def make_engine(max_num_seqs: int, model_config=None):
     from parallm.config import Config, EngineConfig, ModelConfig
     from parallm.engine import Engine, EngineModel
     from parallm.models import load_model
 
-    model_config = ModelConfig(dtype="float32")  # as perf/bench_engine: the CPU's quantized matmul is slow
+    model_config = model_config or ModelConfig(dtype="float32")  # as perf/bench_engine: the CPU's quantized matmul is slow
     loaded = load_model(model_config)
     config = Config(model=model_config, engine=EngineConfig(max_num_seqs=max_num_seqs, prefix_cache=False))
     return Engine(EngineModel.of(loaded), config)
@@ -105,6 +106,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--batches", default="1,16")
     ap.add_argument("--max-tokens", type=int, default=0, help="decode tokens per row (default 128, quick 48)")
     ap.add_argument("--repeats", type=int, default=0, help="repeats per point (default 3, quick 1)")
+    ap.add_argument("--shape", default="", help="a perf.bench_gpu shape with random weights instead of the default "
+                    "model (a GPU host has not the default model's package): the default tokenizer's vocabulary")
+    ap.add_argument("--tokenizer-dir", default="", help="tokenizer files for --shape (perf/bench_serving.py)")
+    ap.add_argument("--work-dir", default="", help="where --shape's model is built (reused if there)")
     add_results_options(ap, default_help="none")
     args = ap.parse_args(argv)
     results = Results.from_args("structured", args, argv)
@@ -112,10 +117,14 @@ def main(argv: list[str] | None = None) -> int:
     batches = [int(b) for b in args.batches.split(",")]
     max_tokens = args.max_tokens or (48 if args.quick else 128)
     repeats = args.repeats or (1 if args.quick else 3)
-    engine = make_engine(max(batches))
     from parallm.config import ModelConfig
     from parallm.models import load_tokenizer, resolve_model
-    source = resolve_model(ModelConfig())
+    shaped = None
+    if args.shape:
+        from perf.bench_serving import shape_model_dir
+        shaped = ModelConfig(path=str(shape_model_dir(args)))
+    engine = make_engine(max(batches), shaped)
+    source = resolve_model(shaped or ModelConfig())
     tok = load_tokenizer(source)
     text = tok.apply_chat_template([{"role": "user", "content": PROMPT}], add_generation_prompt=True, tokenize=False)
     prompt_ids = tok.encode(text, add_special_tokens=False)
