@@ -244,7 +244,7 @@ class EngineStage:
                     except WeightsError as exc:
                         self.staging.done(exc)
                         raise
-                    self.staging.done()
+                    self.staging.done(version=self.engine.weights_version)
         except WeightsError as exc:
             log.warning("weight update rejected: %s", exc.message)
             if message.qid and message.reply_to:
@@ -259,10 +259,15 @@ class EngineStage:
                                            load_ms=applied.load_ms, complete=complete))
 
     def expire_weights(self) -> None:
-        """Drop a chunked update whose next chunk is overdue (adapters.weights_chunk_timeout_s)."""
+        """Drop a chunked update whose next chunk is overdue (adapters.weights_chunk_timeout_s); delete the
+        staged chunks of applied updates once every rank serves them (a tensor-parallel group's other
+        ranks confirm the weights version in their step digests: stats' `ranks`)."""
         error = self.staging.expire()
         if error is not None:
             log.warning("weight update rejected: %s", error.message)
+        if self.staging.spent:
+            ranks = self.engine.stats().ranks[1:]
+            self.staging.sweep(lambda version: all(r.policy.get("", 0) >= version for r in ranks))
 
     def on_unload(self, message: protocol.AdapterUnload) -> None:
         try:
@@ -390,7 +395,7 @@ class EngineStage:
                     self.rt.poll_control()
             if self.held:
                 self.retry_held()
-            if self.staging.pending is not None:
+            if self.staging.pending is not None or self.staging.spent:
                 self.expire_weights()
             paused_owing = self.paused and self.engine.owes_outputs()
             if not (paused_owing or (self.engine.has_work() and not self.paused)):

@@ -84,6 +84,7 @@ def test_chunks_are_applied_only_when_the_last_one_is_in(stage):
     assert (status.receiving, status.received, status.chunks) == ("u1", len(chunks) - 1, len(chunks))
     stage.handle(chunks[-1])
     assert engine.weights_version == 1 and stage.stats().weights.receiving == ""
+    stage.expire_weights()                                    # the loop's sweep: one rank, it serves version 1
     assert not any(stage.staging_root.iterdir())                                  # the staged chunks are gone
     assert engine.stats().weights_updates == 1
     out = []
@@ -183,3 +184,25 @@ def test_training_status_tells_why_the_last_update_was_refused():
     weights = client.get("/v1/training/status").json()["weights"]
     assert weights["version"] == 3 and weights["rejected"] == 1 and weights["last_error_code"] == "chunk_missing"
     assert "chunk 4 of 9 is missing" in weights["last_error"]
+
+
+def test_staged_chunks_stay_until_every_tensor_parallel_rank_serves_the_update(stage, monkeypatch):
+    """Rank 0 applies the update from the staging directory; the other ranks read it when they replay
+    the call, after rank 0: it is deleted once their step digests report the new weights version."""
+    engine, follower = stage.engine, protocol.RankState(rank=1, policy={"": 0})
+    stats = engine.stats
+
+    def group_stats():
+        out = stats()
+        out.ranks = [protocol.RankState(rank=0, policy={"": engine.weights_version}), follower]
+        return out
+
+    monkeypatch.setattr(engine, "stats", group_stats)
+    for c in chunks_of(tiny_model("llama", 1)):
+        stage.handle(c)
+    assert engine.weights_version == 1
+    stage.expire_weights()
+    assert len(list(stage.staging_root.iterdir())) == 1       # rank 1 has not replayed it yet
+    follower.policy = {"": 1}
+    stage.expire_weights()
+    assert not any(stage.staging_root.iterdir())

@@ -248,6 +248,7 @@ class ChunkStaging:
         self.timeout_s = timeout_s
         self.clock = clock
         self.pending: Staged | None = None
+        self.spent: list[tuple[Path, int]] = []  # applied updates' directories, kept until every rank has read them
         self.dropped = ""  # the last update dropped: its later chunks are refused without a new error
         self.rejected = 0
         self.last_error = self.last_error_code = ""
@@ -289,13 +290,28 @@ class ChunkStaging:
         pending.deadline = self.clock() + self.timeout_s
         return pending if pending.received == pending.chunks else None
 
-    def done(self, error: WeightsError | None = None) -> None:
-        """The update `add` returned was applied, or refused with `error` (its chunks are deleted either way)."""
+    def done(self, error: WeightsError | None = None, *, version: int = 0) -> None:
+        """The update `add` returned was refused with `error` (its chunks are deleted), or applied as base
+        version `version`: its directory is kept until `sweep` sees every rank serve that version (a
+        tensor-parallel group's other ranks read it when they replay the update, after rank 0)."""
         staged, self.pending = self.pending, None
-        if staged is not None:
+        if staged is None:
+            return
+        if error is not None:
             shutil.rmtree(staged.directory, ignore_errors=True)
-            if error is not None:
-                self._remember(staged.update_id, error)
+            self._remember(staged.update_id, error)
+        else:
+            self.spent.append((staged.directory, version))
+
+    def sweep(self, served: Callable[[int], bool]) -> None:
+        """Delete the directories of applied updates whose version every rank serves (`served(version)`)."""
+        keep = []
+        for directory, version in self.spent:
+            if served(version):
+                shutil.rmtree(directory, ignore_errors=True)
+            else:
+                keep.append((directory, version))
+        self.spent = keep
 
     def expire(self) -> WeightsError | None:
         """Drop the update being received when its next chunk is overdue; the error, or None."""
@@ -309,6 +325,7 @@ class ChunkStaging:
         if self.pending is not None:
             shutil.rmtree(self.pending.directory, ignore_errors=True)
             self.pending = None
+        self.sweep(lambda version: True)
 
     def _drop(self, reason: str, code: str, status: int = 400) -> WeightsError:
         staged = self.pending
