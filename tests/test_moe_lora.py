@@ -16,6 +16,7 @@ from mlx_lm.models.switch_layers import SwitchLinear
 
 from parallm import protocol
 from parallm.adapters import AdapterError, save_bytes
+from parallm.engine import UnsupportedModel
 from parallm.models import tiny
 from parallm.models.preload import load_adapters_at_start
 from parallm.stages.engine import load_adapter as publish
@@ -176,3 +177,38 @@ def test_unloading_the_last_expert_adapter_serves_the_base_model_again():
     prompt = _prompts((9,))[0]
     res = run_all(engine, [req("b", prompt, greedy(6))])
     assert res[("b", 0)]["tokens"] == reference_greedy(build("qwen3_moe"), prompt, 6)
+
+
+def _modules() -> list[str]:
+    from parallm.engine.matrix import model_modules
+
+    return [*model_modules(), "gemma4_text+moe+keqv"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", _modules())
+def test_every_served_moe_module_takes_expert_adapters_per_row(name):
+    """Every served mlx-lm module with expert (switch) layers: base + two expert LoRAs in one batch."""
+    try:
+        base = build(name)
+    except BaseException as exc:  # noqa: BLE001 - a module that cannot be built on this machine (Metal, packages)
+        pytest.skip(f"{name} cannot be built here: {exc!r}")
+    if not expert_keys(base):
+        pytest.skip(f"{name} has no expert layers in its tiny config")
+    try:
+        engine = make_engine(base, max_prefill_tokens=64, block_size=4)
+    except UnsupportedModel as exc:
+        pytest.skip(f"{name} is not served: {exc}")
+    one, _ = adapted(name, seed=1, rank=4)
+    two, _ = adapted(name, seed=2, rank=8)
+    for label, model in (("one", one), ("two", two)):
+        cfg = {"fine_tune_type": "lora", "num_layers": len(model.layers),
+               "lora_parameters": {"rank": 4 if label == "one" else 8, "scale": 2.0, "dropout": 0.0}}
+        engine.load_adapter(label, config=cfg, weights=save_bytes(adapter_tensors(model)))
+    prompts = _prompts((5, 17, 30, 9))
+    which = [None, "one", "two", "one"]
+    models = {None: base, "one": one, "two": two}
+    reqs = [req(f"r{i}", p, greedy(6), **({"adapter": w} if w else {})) for i, (w, p) in enumerate(zip(which, prompts))]
+    res = run_all(engine, reqs[:2], arrivals={2: reqs[2:]})
+    for i, (w, p) in enumerate(zip(which, prompts)):
+        assert res[(f"r{i}", 0)]["tokens"] == reference_greedy(models[w], p, 6), f"{name}: row {i} under {w}"
