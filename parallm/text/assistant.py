@@ -22,11 +22,13 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any, Callable, Container
 
+from parallm.text.harmony import HarmonySplitter
 from parallm.text.segments import MarkerSplitter
 from parallm.text.tool_stream import CallStream
 
 # mlx-lm's _infer_tool_parser order: (parser, test on the chat template)
 _TEMPLATE_RULES: list[tuple[str, Callable[[str], bool]]] = [
+    ("harmony", lambda t: "<|channel|>" in t and "<|message|>" in t),  # gpt-oss (parallm's: text/harmony.py)
     ("minimax_m2", lambda t: "<minimax:tool_call>" in t),
     ("gemma4", lambda t: "<|tool_call>" in t and "<tool_call|>" in t),
     ("function_gemma", lambda t: "<start_function_call>" in t),
@@ -109,6 +111,8 @@ def _llama3_parse(text: str, tools: Any = None) -> Any:
 
 
 def tool_parser(name: str) -> ToolParser:
+    if name == "harmony":
+        raise ValueError("harmony is split by parallm.text.harmony.HarmonySplitter, not a ToolParser")
     if name == "llama3_json":
         return ToolParser(name, "<|python_tag|>", "", _llama3_parse)
     if name not in PARSERS:
@@ -171,6 +175,7 @@ class AssistantSplitter:
             if parser.end:
                 tr["tool"].append((parser.end, "content"))
         self.parser, self.tools, self.thinking = parser, tools, thinking
+        self.markers = tuple(m for m in (*(thinking or ()), *((parser.start, parser.end) if parser else ())) if m)
         self._sm = MarkerSplitter(tr, "reasoning" if in_reasoning and thinking else "content")
         self._call = ""
         self._stream: CallStream | None = None  # the current tool segment's incremental calls
@@ -258,10 +263,10 @@ def kept_special_ids(tok: Any, splitter: AssistantSplitter) -> frozenset[int]:
     `<|tool_call_begin|>`). They reach the splitter, which consumes the markers, so `content`
     still shows no special token."""
     parser, thinking = splitter.parser, splitter.thinking
-    key = (id(tok), parser.name if parser else None, thinking)
+    key = (id(tok), parser.name if parser else getattr(splitter, "name", None), thinking)
     kept = _KEPT.get(key)
     if kept is None:
-        markers = [m for m in (*(thinking or ()), *((parser.start, parser.end) if parser else ())) if m]
+        markers = splitter.markers
         source = parser.source if parser else ""
         kept = frozenset(i for i in tok.special_ids if (text := tok.added.get(i))
                          and (any(text in m for m in markers) or text in source))
@@ -282,11 +287,14 @@ def model_syntax(tok: Any) -> tuple[tuple[str, str] | None, str | None]:
     return found
 
 
-def splitter_for(tok: Any, spec: Any, prompt_ids: list[int]) -> AssistantSplitter:
+def splitter_for(tok: Any, spec: Any, prompt_ids: list[int]) -> AssistantSplitter | HarmonySplitter:
     """The splitter of a request (DetokSpec.assistant): the model's thinking markers, and its tool
-    parser when the request parses tool calls (spec.tool_parser "auto" or a name)."""
+    parser when the request parses tool calls (spec.tool_parser "auto" or a name). A harmony model
+    (gpt-oss) has its own, which splits its reasoning whether or not tool calls are parsed."""
     thinking, inferred = model_syntax(tok)
     name = inferred if spec.tool_parser == "auto" else spec.tool_parser or None
+    if name == "harmony" or (inferred == "harmony" and not spec.tool_parser):
+        return HarmonySplitter(Split, new_call_id, calls=name == "harmony")
     parser = tool_parser(name) if name else None
     in_reasoning = False
     if thinking is not None and prompt_ids:
