@@ -1,8 +1,8 @@
 """End to end: parallm-launch on tiny random-weight model directories of a mixture-of-experts and
 a hybrid (gated delta-net + attention) model (built like perf/bench_gpu.py's shapes, with the
 default model's tokenizer) answers the official openai client, greedy tokens equal to mlx-lm's
-own decoding of the same directory; a request without sampling fields follows the directory's
-generation_config.json; on the MoE, a LoRA on the experts loaded over /v1/adapters gives mlx-lm's
+own decoding of the same directory; an OpenAI request without sampling fields follows the
+directory's generation_config.json (a raw client's does not); on the MoE, a LoRA on the experts loaded over /v1/adapters gives mlx-lm's
 own LoRA model's tokens."""
 
 from __future__ import annotations
@@ -54,6 +54,13 @@ def test_tiny_model_served_to_the_openai_client(model_dir):
         out = client.completions.create(model=name, prompt=PROMPT, extra_body={"ignore_eos": True,
                                                                                "return_token_ids": True})
         assert out.choices[0].model_extra["token_ids"] == want[:5]
+        # a raw client gets exactly the parameters it sends: the protocol's max_tokens (16), not the file's 5
+        from parallm.client import Client
+        from parallm.protocol import SamplingParams
+
+        with Client(srv.router, timeout=120) as raw:
+            [seq] = raw.generate(PROMPT, SamplingParams(ignore_eos=True, seed=1))
+        assert len(seq.token_ids) == SamplingParams().max_tokens != 5
         if model_dir.name == "tiny-moe":  # LoRA on the experts, loaded over HTTP (/v1/adapters)
             adapter = _expert_lora(model_dir, model_dir / "adapters" / "experts")
             r = httpx.post(f"{srv.url}/v1/adapters", json={"name": "experts", "path": str(adapter[0])}, timeout=60)
