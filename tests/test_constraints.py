@@ -162,7 +162,7 @@ def test_same_seed_gives_the_same_constrained_tokens_alone_in_a_batch_and_overla
     while kept.has_work():
         kept.step()
         in_flight.append(len(kept._launches))
-    assert in_flight.count(1) >= len(alone) - 2  # the constrained row's passes stay in flight across steps (overlap kept)
+    assert in_flight.count(1) >= len(alone) - 2  # the constrained row's passes stay in flight (overlap kept)
 
 
 def test_max_tokens_mid_json_ends_with_length_and_the_partial_text(model):
@@ -285,7 +285,8 @@ def test_after_reasoning_the_first_token_may_open_thinking_or_answer_at_once(mod
     ids = res[("opens", 0)]["tokens"]
     thinking, answer = split_thinking(ids)  # "@" may start the output (the bias picks it), "#" ends the segment
     assert thinking == [THINK, END] and set(json.loads(answer)) == {"a", "b"}
-    for key in ("now", "closed", "plain"):  # a first token that does not open, a prompt that closed it, no after_reasoning
+    # a first token that does not open, a prompt that closed it, no after_reasoning
+    for key in ("now", "closed", "plain"):
         ids = res[(key, 0)]["tokens"]
         assert text_of(ids).startswith("{") and THINK not in ids and set(json.loads(text_of(ids))) == {"a", "b"}, key
 

@@ -232,7 +232,8 @@ def merged(deltas: list[dict]) -> list[dict]:
     calls: list[dict] = []
     for d in deltas:
         if d["index"] == len(calls):
-            calls.append({"id": d["id"], "type": d["type"], "function": {"name": d["function"]["name"], "arguments": ""}})
+            function = {"name": d["function"]["name"], "arguments": ""}
+            calls.append({"id": d["id"], "type": d["type"], "function": function})
         calls[d["index"]]["function"]["arguments"] += d["function"].get("arguments", "")
     return calls
 

@@ -48,7 +48,8 @@ def accumulated(deltas: list[dict]) -> list[dict]:
     calls: list[dict] = []
     for d in deltas:
         if d["index"] == len(calls):
-            calls.append({"id": d["id"], "type": d["type"], "function": {"name": d["function"]["name"], "arguments": ""}})
+            function = {"name": d["function"]["name"], "arguments": ""}
+            calls.append({"id": d["id"], "type": d["type"], "function": function})
         calls[d["index"]]["function"]["arguments"] += d["function"].get("arguments", "")
     return calls
 
@@ -68,7 +69,7 @@ def test_channels_split_whole_and_streamed(case, step):
 def test_without_tool_parsing_a_call_stays_content_and_harmony_is_inferred():
     got = split_all(HarmonySplitter(Split, new_call_id, calls=False), CALL, 5)
     assert got.tool_calls == [] and got.content == '{"location":"San Francisco"}'
-    template = "{% for m in messages %}<|start|>{{ m.role }}<|channel|>final<|message|>{{ m.content }}<|end|>{% endfor %}"
+    template = "{% for m in messages %}<|start|>{{ m.role }}<|channel|>final<|message|>{{ m.content }}{% endfor %}"
     assert infer_tool_parser(template) == "harmony"
 
 
@@ -106,4 +107,5 @@ def test_the_detokenizer_splits_harmony_with_its_markers_as_special_tokens(harmo
         assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in calls] == \
             [("generate_file", {"template": "basic_html", "path": "index.html"})]
     else:  # no tools asked: the call's arguments are text, the markers still hidden
-        assert text == '**Action plan**: generate the file{"template": "basic_html", "path": "index.html"}' and not calls
+        assert not calls
+        assert text == '**Action plan**: generate the file{"template": "basic_html", "path": "index.html"}'
