@@ -79,3 +79,23 @@ def test_the_probe_still_refuses_position_errors_in_bfloat16(name):
     model.model_type = f"{name}-unadapted"  # mlx-lm's own forward, without parallm.engine.families' per-row positions
     with pytest.raises(UnsupportedModel, match="different lengths"):
         check_model(_bf16(model))
+
+
+def test_recurrent_state_rows_are_fitted_to_the_budget():
+    """A hybrid model's per-row state may take half the KV budget: max_num_seqs shrinks to what fits
+    and every request is still served (on the H200, 256 rows of a 4B hybrid's state took the whole
+    budget and every request was refused with a 400)."""
+    from _engine_helpers import greedy, make_engine, reference_greedy, run_all
+
+    from parallm.engine import make_request
+
+    model, _ = tiny.build_any("qwen3_5")
+    row = make_engine(model, max_num_seqs=1).runner.info.layout.state_bytes_per_row
+    engine = make_engine(model, max_num_seqs=64, kv_budget_bytes=8 * row)
+    assert engine.config.max_num_seqs == 4
+    prompts = [[3 + i, 9, 4, 1 + i, 7][: 3 + i % 3] for i in range(6)]
+    results = run_all(engine, [make_request(f"r{i}", p, greedy(6)) for i, p in enumerate(prompts)])
+    for i, p in enumerate(prompts):
+        assert results[(f"r{i}", 0)]["tokens"] == reference_greedy(model, p, 6)
+    with pytest.raises(ValueError, match="recurrent state"):
+        make_engine(model, kv_budget_bytes=row)

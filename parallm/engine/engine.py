@@ -24,7 +24,7 @@ from .constraints import Constraints, GrammarError, tokenizer_from_file
 from .think_gate import thinking_from_file
 from .compat import check_model
 from .faults import PassState, log, prefill_passes
-from .memory import auto_kv_budget_bytes, limit_buffer_cache, set_wired_limit, weight_bytes
+from .memory import auto_kv_budget_bytes, fit_state_rows, limit_buffer_cache, set_wired_limit, weight_bytes
 from .model import EngineModel
 from .output import OutputProcessor, StepOutputs, unseen_versions
 from .plan import KVBudget, Plan, PrefillWork
@@ -67,6 +67,14 @@ class Engine:
         self.kv_budget_bytes = (int(settings.kv_budget_mb * (1 << 20)) if settings.kv_budget_mb
                                 else auto_kv_budget_bytes(weight_bytes(self.model)))
         bytes_per_token = max(1, sum(s.elems_per_token for s in info.shapes) * info.dtype.size)
+        if info.has_state:
+            rows = fit_state_rows(self.kv_budget_bytes, info.layout.state_bytes_per_row, settings.max_num_seqs)
+            if rows < settings.max_num_seqs:
+                log.warning("engine.max_num_seqs %d -> %d: a row of recurrent state takes %.1f MiB and the state may "
+                            "use half of the %.0f MiB KV budget (raise --engine.kv-budget-mb for more rows)",
+                            settings.max_num_seqs, rows, info.layout.state_bytes_per_row / (1 << 20),
+                            self.kv_budget_bytes / (1 << 20))
+                settings = msgspec.structs.replace(settings, max_num_seqs=rows)
         state_bytes = info.layout.state_bytes_per_row * settings.max_num_seqs if info.has_state else 0
         total_tokens = max(0, self.kv_budget_bytes - state_bytes) // bytes_per_token
         bs = settings.block_size

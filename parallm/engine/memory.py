@@ -70,6 +70,23 @@ def auto_kv_budget_bytes(weight_bytes: int = 0) -> int:
     return max(64 << 20, min(int(avail * AUTO_BUDGET_FRACTION), AUTO_BUDGET_CAP))
 
 
+STATE_BUDGET_SHARE = 0.5  # recurrent state may take this much of the KV budget; the rest holds KV
+
+
+def fit_state_rows(budget_bytes: int, state_bytes_per_row: int, max_num_seqs: int) -> int:
+    """How many rows of recurrent state (hybrid/SSM models: tens of MiB per row, held for every
+    running sequence whatever its length) the engine can hold beside the KV: at most
+    STATE_BUDGET_SHARE of the budget. Raises ValueError when not even one row fits, naming the sizes.
+    Without this, 256 rows of a Qwen3.5-4B-like model (49 MiB each) took the whole 8 GiB budget and
+    every request was refused for want of KV (found on the H200)."""
+    fits = int(budget_bytes * STATE_BUDGET_SHARE) // max(1, state_bytes_per_row)
+    if fits < 1:
+        raise ValueError(f"one sequence's recurrent state ({state_bytes_per_row / (1 << 20):.1f} MiB) does not fit in "
+                         f"{STATE_BUDGET_SHARE:.0%} of the KV budget ({budget_bytes / (1 << 20):.0f} MiB); raise "
+                         "--engine.kv-budget-mb")
+    return min(max_num_seqs, fits)
+
+
 def weight_bytes(model) -> int:
     """Bytes of the model's parameters."""
     from mlx.utils import tree_flatten
