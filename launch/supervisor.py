@@ -26,7 +26,7 @@ from parallm.config import Config
 from parallm.keys import CurveKeyError, stage_curve, supervisor_keys
 from parallm.transport import Receiver, Sender, addresses, open_socket, set_curve, stop_authenticators
 
-from .group import Followers
+from .group import Followers, HostfileError, RemoteReplicas, hostfile_hosts
 from .process import StageProcess, StageSpec
 from .rundir import RunDir
 
@@ -90,6 +90,7 @@ class Supervisor:
         self._stop_requested = 0
         self._draining_until: float | None = None
         self.groups: dict[int, Followers] = {}  # engine replica -> its ranks > 0 (engine.tensor_parallel > 1)
+        self.remotes = RemoteReplicas(config.engine.replicas, len(config.engine.remote_replicas))
 
     # ------------------------------------------------------------------ setup
     def _prepare(self) -> None:
@@ -144,7 +145,11 @@ class Supervisor:
             if tp > 1:
                 from parallm.engine.distributed import default_backend
 
-                self.groups[replica] = Followers(tp, replica, env, self.run_dir, default_backend())
+                try:  # engine.hostfile: where each rank's ring address is (this machine's only, for now)
+                    hosts = hostfile_hosts(self.config.engine.hostfile, tp) if self.config.engine.hostfile else None
+                except HostfileError as exc:
+                    raise StartupError(str(exc)) from None
+                self.groups[replica] = Followers(tp, replica, env, self.run_dir, default_backend(), hosts=hosts)
         specs += [StageSpec("tokenizer", replica=i) for i in range(self.config.tokenizer.replicas)]
         specs.append(StageSpec("ingress"))
         if self.config.trainer.enabled:
@@ -252,6 +257,8 @@ class Supervisor:
     def _handle(self, message) -> None:
         """A message from a stage: believed only from the process the supervisor started for it."""
         stage = self._find(message.stage, message.replica)
+        if stage is None and self.remotes.hear(message, time.monotonic()):  # an engine replica started elsewhere
+            return
         if stage is None or stage.proc is None or message.pid != stage.pid:
             log.warning("ignored a %s claiming to be %s %d from pid %d", type(message).__name__, message.stage,
                         message.replica, message.pid)
@@ -288,6 +295,8 @@ class Supervisor:
                     log.exception("could not handle a %s", type(message).__name__)
                 message = next(self.inbox.drain(1), None)
             now = time.monotonic()
+            for announcement in self.remotes.check(now, sup.dead_after_s):
+                self.control.send(announcement)
             for stage in self.stages:
                 if stage.finished:
                     continue

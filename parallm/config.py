@@ -90,6 +90,15 @@ class EngineConfig(Struct, frozen=True, kw_only=True, forbid_unknown_fields=True
                                        "process")] = 1
     replicas: Annotated[int, _d("engine replicas behind the tokenizers (data parallel; one per GPU on a CUDA "
                                 "host): each request goes to one, chosen by load and prefix-cache affinity")] = 1
+    remote_replicas: Annotated[list[str], _d("engine replicas started on other machines (python -m "
+                                             "parallm.launch.remote), numbered after engine.replicas: the tcp://"
+                                             "HOST:PORT each one's requests socket binds (its adapters socket: PORT+1)"
+                                             "; needs transport.kind tcp")] = []
+    remote_client_key: Annotated[str, _d("on a remote engine replica: its CURVE key pair (NAME.key_secret) whose "
+                                         "public key is in the server's transport.curve_clients")] = ""
+    hostfile: Annotated[str, _d("MLX's hostfile (as mlx.launch --hostfile reads it: a JSON list of {\"ssh\": "
+                                "HOST, \"ips\": [ADDRESS]}, one per tensor-parallel rank): the address each "
+                                "rank's ring connection uses; every rank on this machine for now")] = ""
 
 
 def auto_prefill_tokens(on_cpu: bool, mixed: bool) -> int:
@@ -555,6 +564,14 @@ def _check(config: Config) -> None:
         problems.append("engine.tensor_parallel must be >= 1")
     if config.engine.replicas < 1:
         problems.append("engine.replicas must be >= 1")
+    if config.engine.hostfile and config.engine.tensor_parallel < 2:
+        problems.append("engine.hostfile places tensor-parallel ranks: it needs engine.tensor_parallel >= 2")
+    if config.engine.remote_replicas and config.transport.kind != "tcp":
+        problems.append("engine.remote_replicas needs transport.kind tcp")
+    for remote in config.engine.remote_replicas:
+        host, _, port = remote.removeprefix("tcp://").rpartition(":")
+        if not remote.startswith("tcp://") or not host or not port.isdigit() or not 0 < int(port) < 65535:
+            problems.append(f"engine.remote_replicas entry {remote!r} is not tcp://HOST:PORT (PORT below 65535)")
     if config.tokenizer.replicas < 1:
         problems.append("tokenizer.replicas must be >= 1")
     if config.transport.max_message_mb < 1:

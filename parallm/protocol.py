@@ -591,6 +591,7 @@ class ReplicaStats(Message, tag="replica_stats"):
 
     replica: int
     stats: EngineStats
+    pid: int = 0  # its process (a remote replica's liveness and restarts reach the supervisor through replica 0)
 
 
 # --------------------------------------------------------------------------- to clients

@@ -29,11 +29,15 @@ STALE_AFTER_S, e.g. a dead one, is left out until it reports again), so one GetS
 from __future__ import annotations
 
 import math
+import os
+import threading
 import time
 from collections import OrderedDict
 from typing import Callable, Sequence
 
 from parallm import protocol
+from parallm.config import Config, EngineConfig
+from parallm.keys import Curve, stage_curve
 from parallm.transport import Addresses, Sender
 
 HALF_LIFE_S = 2.0
@@ -66,21 +70,44 @@ def _sibling(address: str, kind: str, replica: int, n_tokenizers: int) -> str:
     return f"{host}:{base + 9 + n_tokenizers + 2 * (replica - 1) + (kind == 'adapters')}"
 
 
-def engine_address(addrs: Addresses, replica: int) -> str:
-    """Replica `replica`'s engine PULL (replica 0: the engine's usual address)."""
+def replica_count(engine: EngineConfig) -> int:
+    """Every engine replica: engine.replicas local ones, then engine.remote_replicas."""
+    return engine.replicas + len(engine.remote_replicas)
+
+
+def engine_address(addrs: Addresses, replica: int, engine: EngineConfig | None = None) -> str:
+    """Replica `replica`'s engine PULL (replica 0: the engine's usual address; a remote one: its entry
+    of engine.remote_replicas)."""
+    if engine is not None and replica >= engine.replicas:
+        return engine.remote_replicas[replica - engine.replicas]
     return _sibling(addrs.engine, "engine", replica, len(addrs.tokenizers))
 
 
-def adapters_address(addrs: Addresses, replica: int) -> str:
-    """Replica `replica`'s adapters SUB (replica 0: the usual one, which trainers publish to)."""
+def adapters_address(addrs: Addresses, replica: int, engine: EngineConfig | None = None) -> str:
+    """Replica `replica`'s adapters SUB (replica 0: the usual one, which trainers publish to; a remote
+    one: the port after its engine PULL's)."""
+    if engine is not None and replica >= engine.replicas:
+        host, port = engine.remote_replicas[replica - engine.replicas].rsplit(":", 1)
+        return f"{host}:{int(port) + 1}"
     return _sibling(addrs.adapters, "adapters", replica, len(addrs.tokenizers))
+
+
+def replica_curve(config: Config, replica: int) -> Curve | None:
+    """The CURVE keys for connecting to replica `replica`: None (this process's own) for a local one; for
+    a remote one, the server's key pair as the client's too (a remote engine binds with the server's
+    pair and admits the server's public key: parallm/launch/remote.py)."""
+    keys = stage_curve(config.transport.curve_keys)
+    if replica < config.engine.replicas or keys is None or keys.server_secret is None:
+        return None
+    return Curve(server_public=keys.server_public, public=keys.server_public, secret=keys.server_secret)
 
 
 class Router:
     """Chooses a replica per request (module docstring); pure Python, one per tokenizer."""
 
     def __init__(self, replicas: int, block_size: int, *, clock: Callable[[], float] = time.monotonic,
-                 half_life_s: float = HALF_LIFE_S) -> None:
+                 half_life_s: float = HALF_LIFE_S, down: Sequence[int] = ()) -> None:
+        """`down`: replicas that take nothing until `mark_up` (remote ones, until the supervisor has heard them)."""
         if replicas < 1:
             raise ValueError("a router needs at least one replica")
         self.replicas = replicas
@@ -90,7 +117,7 @@ class Router:
         self.load = [0.0] * replicas
         self.routed = [0] * replicas
         self.affinity_hits = 0
-        self.down: set[int] = set()
+        self.down: set[int] = set(down)
         self._stamp = clock()
         self._prefixes: OrderedDict[int, int] = OrderedDict()  # block hash -> replica, least recent first
         self._sent: OrderedDict[str, tuple[float, int, bytes]] = OrderedDict()  # rid -> (when, replica, reply_to)
@@ -151,15 +178,22 @@ class Router:
 
 class ReplicaReports:
     """Replica i > 0: its stats pushed to replica 0 every REPORT_EVERY_S (`tick`). Replica 0: the
-    latest stats of each other replica (`receive`, `others`)."""
+    latest stats of each other replica (`receive`, `others`), and for a remote one (replica >=
+    `remote_from`) a Heartbeat on its behalf to the supervisor (`to_supervisor`), whose socket only
+    local processes reach: that is how the supervisor hears remote replicas (launch/group.py)."""
 
     def __init__(self, replica: int, to_first: Sender | None = None, *,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic, to_supervisor: Sender | None = None,
+                 remote_from: int = 1 << 30) -> None:
         self.replica = replica
         self.to_first = to_first
         self.clock = clock
+        self.to_supervisor = to_supervisor
+        self.remote_from = remote_from
         self._due = 0.0
         self._latest: dict[int, tuple[float, protocol.EngineStats]] = {}
+        self._last: protocol.ReplicaStats | None = None
+        self._beating = False
 
     def tick(self, stats: Callable[[], protocol.EngineStats]) -> None:
         """Push this replica's stats when due (never blocks: replica 0 may be down)."""
@@ -168,11 +202,32 @@ class ReplicaReports:
         now = self.clock()
         if now >= self._due:
             self._due = now + REPORT_EVERY_S
-            self.to_first.send(protocol.ReplicaStats(replica=self.replica, stats=stats()), block=False)
+            self._last = protocol.ReplicaStats(replica=self.replica, stats=stats(), pid=os.getpid())
+            if not self._beating:
+                self.to_first.send(self._last, block=False)
+
+    def beat_from_thread(self, open_sender: Callable[[], Sender]) -> None:
+        """Send the latest stats every REPORT_EVERY_S from a thread, on a socket of its own (`open_sender`),
+        rather than from the loop: a remote replica's liveness (the supervisor hears it through these)
+        must not wait for a long step, as a local stage's heartbeat thread does not."""
+        self._beating = True
+
+        def beat() -> None:
+            sender = open_sender()
+            while True:
+                if self._last is not None:
+                    sender.send(self._last, block=False)
+                time.sleep(REPORT_EVERY_S)
+
+        threading.Thread(target=beat, name="replica-stats", daemon=True).start()
 
     def receive(self, message: protocol.ReplicaStats) -> None:
         message.stats.replicas = []
         self._latest[message.replica] = (self.clock(), message.stats)
+        if self.to_supervisor is not None and message.replica >= self.remote_from:
+            self.to_supervisor.send(protocol.Heartbeat(stage="engine", replica=message.replica, pid=message.pid,
+                                                       in_flight=message.stats.running + message.stats.waiting),
+                                    block=False)
 
     def others(self) -> list[protocol.EngineStats]:
         """The other replicas' latest stats, by replica, leaving out those silent for STALE_AFTER_S."""

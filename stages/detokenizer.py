@@ -27,7 +27,7 @@ import zmq
 from parallm import protocol
 from parallm.config import Config
 from parallm.logs import request_extra
-from parallm.routing import RecentIds
+from parallm.routing import RecentIds, replica_count
 from parallm.runtime import StageRuntime
 from parallm.text.sequence import DetokState
 from parallm.text.vocab import TokenizerView
@@ -120,7 +120,7 @@ class DetokenizerStage:
     def on_client(self, identity: bytes, message: Any) -> None:
         if isinstance(message, protocol.Hello):
             self.router.send(identity, protocol.Welcome(model=self.model_name, addresses={
-                **self.rt.addrs.public(), "engine_replicas": str(self.config.engine.replicas)}))
+                **self.rt.addrs.public(), "engine_replicas": str(replica_count(self.config.engine))}))
         elif isinstance(message, protocol.GetStats):
             self.router.send(identity, protocol.StatsReply(qid=message.qid, stats=self.stats()))
 

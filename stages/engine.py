@@ -122,16 +122,24 @@ class EngineStage:
         ctx = runtime.ctx
         hwm = config.transport.hwm
         replica = runtime.replica
-        self.inbox: Receiver = Receiver(open_socket(ctx, zmq.PULL, routing.engine_address(runtime.addrs, replica),
-                                                    bind=True, hwm=hwm), protocol.EngineInbound, name="engine")
+        self.inbox: Receiver = Receiver(open_socket(ctx, zmq.PULL, routing.engine_address(
+            runtime.addrs, replica, config.engine), bind=True, hwm=hwm), protocol.EngineInbound, name="engine")
         self.out = Sender(open_socket(ctx, zmq.PUSH, runtime.addrs.detok, bind=False, hwm=hwm))
         # replica 0 hands aborts, adapter versions and pauses on to the other replicas (parallm/routing.py)
-        self.peers = [Sender(open_socket(ctx, zmq.PUSH, routing.engine_address(runtime.addrs, i), bind=False, hwm=hwm))
-                      for i in range(1, config.engine.replicas)] if replica == 0 else []
+        self.peers = [Sender(open_socket(ctx, zmq.PUSH, routing.engine_address(runtime.addrs, i, config.engine),
+                                         bind=False, hwm=hwm, curve=routing.replica_curve(config, i)))
+                      for i in range(1, routing.replica_count(config.engine))] if replica == 0 else []
         to_first = Sender(open_socket(ctx, zmq.PUSH, routing.engine_address(runtime.addrs, 0), bind=False, hwm=hwm)) \
             if replica > 0 else None
-        self.reports = routing.ReplicaReports(replica, to_first)  # replica i > 0's stats reach replica 0
-        sub = open_socket(ctx, zmq.SUB, routing.adapters_address(runtime.addrs, replica), bind=True, hwm=hwm)
+        to_supervisor = (Sender(open_socket(ctx, zmq.PUSH, runtime.addrs.supervisor, bind=False))
+                         if replica == 0 and config.engine.remote_replicas else None)
+        self.reports = routing.ReplicaReports(replica, to_first, to_supervisor=to_supervisor,
+                                              remote_from=config.engine.replicas)  # replica i > 0's stats reach 0
+        if replica >= config.engine.replicas:  # a remote replica: the supervisor hears it through its stats
+            self.reports.beat_from_thread(lambda: Sender(open_socket(
+                ctx, zmq.PUSH, routing.engine_address(runtime.addrs, 0), bind=False, hwm=hwm)))
+        sub = open_socket(ctx, zmq.SUB, routing.adapters_address(runtime.addrs, replica, config.engine), bind=True,
+                          hwm=hwm)
         sub.setsockopt(zmq.SUBSCRIBE, b"")
         self.adapter_sub: Receiver = Receiver(sub, protocol.EngineInbound, name="adapters")
         self.poller = zmq.Poller()

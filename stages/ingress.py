@@ -22,6 +22,7 @@ import zmq
 import zmq.asyncio
 
 from parallm import protocol
+from parallm.routing import replica_count
 from parallm.api.app import build_app
 from parallm.api.backend import BackendError
 from parallm.config import Config
@@ -197,7 +198,7 @@ class ZmqBackend:
         the tokenizers route around it)."""
         engines_down = sum(1 for down in self.stages_down if down.startswith("engine-"))
         others = any(not down.startswith("engine-") for down in self.stages_down)
-        return others or engines_down >= self.config.engine.replicas
+        return others or engines_down >= replica_count(self.config.engine)
 
     @property
     def engine_waiting(self) -> int:

@@ -32,10 +32,12 @@ class TokenizerStage:
         self.inbox = Receiver(open_socket(ctx, zmq.PULL, addrs.tokenizers[runtime.replica], bind=True, hwm=hwm),
                               protocol.TokenizerInbound, name="tokenizer")
         # one PUSH per engine replica; Router picks one per request (load, prefix affinity)
-        self.to_engines = [Sender(open_socket(ctx, zmq.PUSH, routing.engine_address(addrs, i), bind=False, hwm=hwm))
-                           for i in range(config.engine.replicas)]
+        replicas = routing.replica_count(config.engine)  # remote ones take nothing until the supervisor hears them
+        self.to_engines = [Sender(open_socket(ctx, zmq.PUSH, routing.engine_address(addrs, i, config.engine),
+                                              bind=False, hwm=hwm, curve=routing.replica_curve(config, i)))
+                           for i in range(replicas)]
         self.to_engine = self.to_engines[0]
-        self.router = Router(config.engine.replicas, config.engine.block_size)
+        self.router = Router(replicas, config.engine.block_size, down=range(config.engine.replicas, replicas))
         self.to_detok = Sender(open_socket(ctx, zmq.PUSH, addrs.detok, bind=False, hwm=hwm))
         self.handled = 0
         self.rejected = 0

@@ -146,3 +146,43 @@ def test_calls_round_trip():
 
 if __name__ == "__main__":
     sys.exit(rank_main(sys.argv[1]))
+
+
+def test_a_hostfile_places_the_ranks_on_this_machines_addresses(tmp_path):
+    from parallm.launch.group import HostfileError, hostfile_hosts
+
+    local = tmp_path / "hosts.json"
+    local.write_text(json.dumps([{"ssh": "localhost"}, {"ssh": "localhost", "ips": ["127.0.0.1"]}]))
+    assert hostfile_hosts(str(local), 2) == ["127.0.0.1", "127.0.0.1"]
+    ring = json.loads(write_ring_hostfile(tmp_path / "ring.json", 2, hosts=["127.0.0.1", "127.0.0.1"]).read_text())
+    assert len(ring) == 2 and ring[0] != ring[1] and all(r[0].startswith("127.0.0.1:") for r in ring)
+    with pytest.raises(HostfileError, match="names 2 rank"):
+        hostfile_hosts(str(local), 3)
+    other = tmp_path / "other.json"
+    other.write_text(json.dumps([{"ssh": "localhost"}, {"ssh": "gpu2", "ips": ["192.0.2.7"]}]))  # TEST-NET-1
+    with pytest.raises(HostfileError, match="rank 1 is on 192.0.2.7, not an address of this machine"):
+        hostfile_hosts(str(other), 2)
+    (tmp_path / "bad.json").write_text("{}")
+    with pytest.raises(HostfileError, match="not MLX's hostfile"):
+        hostfile_hosts(str(tmp_path / "bad.json"), 2)
+
+
+def test_the_supervisor_announces_remote_replicas_up_and_down():
+    from parallm import protocol
+    from parallm.launch.group import RemoteReplicas
+
+    remotes = RemoteReplicas(first=2, count=1)
+    beat = protocol.Heartbeat(stage="engine", replica=2, pid=100)
+    assert not remotes.hear(protocol.Heartbeat(stage="engine", replica=1, pid=5), 0.0)  # a local one: not ours
+    assert remotes.check(0.0, 10.0) == []  # never heard: nothing to announce
+    assert remotes.hear(beat, 1.0)
+    [up] = remotes.check(1.5, 10.0)
+    assert isinstance(up, protocol.StageUp) and up.replica == 2
+    assert remotes.check(5.0, 10.0) == []
+    [down] = remotes.check(11.5, 10.0)  # silent for more than 10 s
+    assert isinstance(down, protocol.StageDown) and down.replica == 2 and down.restarts == 1
+    remotes.hear(beat, 12.0)
+    assert [type(m) for m in remotes.check(12.0, 10.0)] == [protocol.StageUp]
+    remotes.hear(protocol.Heartbeat(stage="engine", replica=2, pid=101), 13.0)  # a new process: its requests are lost
+    assert [type(m) for m in remotes.check(13.0, 10.0)] == [protocol.StageDown]
+    assert [type(m) for m in remotes.check(13.5, 10.0)] == [protocol.StageUp]

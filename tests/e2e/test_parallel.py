@@ -81,7 +81,10 @@ def tp_args(model_dir: Path, adapter_dir: Path) -> list[str]:
 
 @pytest.fixture(scope="module")
 def tp_server(model_dir, adapter_dir):
-    with Server(*tp_args(model_dir, adapter_dir), "--engine.tensor-parallel", "2",
+    """Two ranks placed by an MLX hostfile that names this machine twice (engine.hostfile)."""
+    hostfile = model_dir / "hosts.json"
+    hostfile.write_text(json.dumps([{"ssh": "localhost", "ips": ["127.0.0.1"]}, {"ssh": "localhost"}]))
+    with Server(*tp_args(model_dir, adapter_dir), "--engine.tensor-parallel", "2", "--engine.hostfile", str(hostfile),
                 "--supervisor.restart-backoff-s", "0.2") as srv:
         yield srv
 
