@@ -664,23 +664,25 @@ def coalesce_outputs(items: Sequence[Output]) -> list[Output]:
 
 
 _OUTPUT_IDENTITY = ("rid", "index", "adapter", "version")  # equal in outputs that merge
+# (name, default, is identity) of every Output field, in order (read once: fields() builds new objects)
+_OUTPUT_FIELDS = tuple((f.name, f.default if f.default is not msgspec.NODEFAULT else None, f.name in _OUTPUT_IDENTITY)
+                       for f in msgspec.structs.fields(Output))
+_CONCATENATED = (bytes, str, list)
 
 
 def _merged(a: Output, b: Output) -> Output | None:
-    if any(getattr(a, name) != getattr(b, name) for name in _OUTPUT_IDENTITY):
+    if a.rid != b.rid or a.index != b.index or a.adapter != b.adapter or a.version != b.version:
         return None
     values: dict[str, Any] = {}
-    for field in msgspec.structs.fields(Output):
-        x, y = getattr(a, field.name), getattr(b, field.name)
-        default = field.default if field.default is not msgspec.NODEFAULT else None
-        if field.name in _OUTPUT_IDENTITY:
-            values[field.name] = x
-        elif isinstance(x, (bytes, str, list)) and type(x) is type(y):
-            values[field.name] = x + y
+    for (name, default, identity), x, y in zip(_OUTPUT_FIELDS, msgspec.structs.astuple(a), msgspec.structs.astuple(b)):
+        if identity:
+            values[name] = x
+        elif type(x) is type(y) and isinstance(x, _CONCATENATED):
+            values[name] = x + y
         elif x == y or y == default:
-            values[field.name] = x
+            values[name] = x
         elif x == default:
-            values[field.name] = y
+            values[name] = y
         else:
             return None
     return Output(**values)
