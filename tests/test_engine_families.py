@@ -76,14 +76,19 @@ def test_family_matches_mlx_lm(name):
         assert engine.stats().prefix_hit_tokens - hits >= 16, name
     assert res[("p", 0)]["tokens"] == reference_greedy(model, follow, 10), f"{name}: after a prefix hit"
 
-    # 96 live token slots for four sequences that grow to 27-54 tokens: one is preempted and recomputed
-    # (a quarter of 128 holds the prefix cache; a model with state has none, but the state of 8 rows)
-    bpt = max(1, engine.runner.live.bytes_per_token)  # a pure SSM counts a byte per token
-    layout = engine.runner.info.layout
-    budget = bpt * 96 + 8 * layout.state_bytes_per_row if layout and layout.states else bpt * 128
-    tight = make_engine(model, max_prefill_tokens=16, block_size=4, kv_budget_bytes=budget,
-                        prefix_pool_fraction=0.25, max_num_seqs=8)
-    res = run_all(tight, [req(f"t{i}", p, greedy(24)) for i, p in enumerate(prompts)])
+    if name in STATEFUL:
+        # the state rows may take only half the budget (memory.fit_state_rows), so the KV left is never
+        # short here: a high-priority arrival takes one of the two rows instead, preempting a running row
+        tight = make_engine(model, max_prefill_tokens=16, block_size=4, max_num_seqs=2, priority_aging_s=0)
+        reqs = [req(f"t{i}", p, greedy(24), priority=5) for i, p in enumerate(prompts)]
+        res = run_all(tight, reqs[:2], arrivals={6: [reqs[2]], 7: [req("t3", prompts[3], greedy(24), priority=-3)]})
+    else:
+        # 96 live token slots for four sequences that grow to 27-54 tokens: one is preempted and
+        # recomputed (a quarter of 128 holds the prefix cache)
+        bpt = engine.runner.live.bytes_per_token
+        tight = make_engine(model, max_prefill_tokens=16, block_size=4, kv_budget_bytes=bpt * 128,
+                            prefix_pool_fraction=0.25, max_num_seqs=8)
+        res = run_all(tight, [req(f"t{i}", p, greedy(24)) for i, p in enumerate(prompts)])
     assert tight.stats().preemptions > 0, name
     for i, p in enumerate(prompts):
         assert res[(f"t{i}", 0)]["tokens"] == reference_greedy(model, p, 24), f"{name}: preempted prompt {i}"
