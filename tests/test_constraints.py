@@ -309,3 +309,29 @@ def test_think_gate_markers_from_a_tokenizer_json(tmp_path):
     assert gate.begin([7, 3]) is None and gate.begin([7, 3, 8, 6]) == 3
     gate = ThinkGate(markers, [1, 7, 8, 3])  # closed at the prompt's end (thinking off): the answer at once
     assert gate.opener is None and gate.begin([]) == 0
+
+
+def test_think_gate_of_a_harmony_vocabulary_begins_at_the_final_message(tmp_path):
+    """gpt-oss: the answer is the final channel's message; analysis before it is free."""
+    from tokenizers import Tokenizer
+
+    from parallm.config import ModelConfig
+    from parallm.engine.think_gate import ThinkGate, thinking_from_file
+    from parallm.models import resolve_model
+
+    tok = json.loads((resolve_model(ModelConfig()).path / "tokenizer.json").read_text())
+    names = ["<|start|>", "<|end|>", "<|message|>", "<|channel|>"]
+    base = 49152
+    tok["added_tokens"] += [{"id": base + i, "content": n, "single_word": False, "lstrip": False, "rstrip": False,
+                             "normalized": False, "special": True} for i, n in enumerate(names)]
+    path = tmp_path / "tokenizer.json"
+    path.write_text(json.dumps(tok))
+    start, end = thinking_from_file(path)
+    hf = Tokenizer.from_file(str(path))
+    ids = lambda text: hf.encode(text, add_special_tokens=False).ids  # noqa: E731
+    assert start == (base,) and end == tuple(ids("<|channel|>final<|message|>"))
+    assert end[0] == base + 3 and end[-1] == base + 2
+    gate = ThinkGate((start, end), ids("<|start|>user<|message|>hi<|end|><|start|>assistant"))
+    assert gate.opener is None
+    out = ids("<|channel|>analysis<|message|>Think.<|end|><|start|>assistant<|channel|>final<|message|>{")
+    assert gate.begin(out[:-1]) == len(out) - 1 and gate.begin(out) == len(out) - 1

@@ -66,6 +66,12 @@ def test_channels_split_whole_and_streamed(case, step):
         assert len(got.tool_call_deltas) > 3 and got.tool_call_deltas[0]["function"]["arguments"] == ""
 
 
+def test_text_outside_any_message_is_content():
+    """A constrained answer from the first token (no channel header) is not lost."""
+    got = split_all(HarmonySplitter(Split, new_call_id), '{"city": "Paris"}', 4)
+    assert got.content == '{"city": "Paris"}' and not got.reasoning
+
+
 def test_without_tool_parsing_a_call_stays_content_and_harmony_is_inferred():
     got = split_all(HarmonySplitter(Split, new_call_id, calls=False), CALL, 5)
     assert got.tool_calls == [] and got.content == '{"location":"San Francisco"}'

@@ -10,7 +10,11 @@ prompt that ends with a segment just closed (a template turning thinking off wri
 gets the grammar from the first token.
 
 The markers are those of the vocabulary (parallm.text.assistant.THINK_PAIRS, as mlx-lm finds
-them), as token ids; a marker several tokens long is matched as that id sequence.
+them), as token ids; a marker several tokens long is matched as that id sequence. gpt-oss's
+harmony format has no thinking pair: its answer is the message after `<|channel|>final<|message|>`
+(the prompt ends inside an assistant message's header, `<|start|>assistant`), so that sequence is
+its end marker; a final message with a `<|constrain|>` in its header is not recognised and stays
+unconstrained.
 """
 
 from __future__ import annotations
@@ -38,6 +42,12 @@ def thinking_from_file(path: str | Path) -> Markers | None:
 
         thought = Tokenizer.from_str(text).encode("thought", add_special_tokens=False).ids
         return (added["<|channel>"], *thought), (added["<channel|>"],)
+    if all(m in added for m in ("<|start|>", "<|channel|>", "<|message|>")):
+        # gpt-oss harmony: the prompt ends with "<|start|>assistant"; the answer is the final channel's message
+        from tokenizers import Tokenizer
+
+        final = Tokenizer.from_str(text).encode("final", add_special_tokens=False).ids
+        return (added["<|start|>"],), (added["<|channel|>"], *final, added["<|message|>"])
     return None
 
 

@@ -64,6 +64,9 @@ class HarmonySplitter:
             self._route(out, state, piece)
         if self._sm.state == "body":
             self._close(out)  # the stop token (<|return|>, <|call|>) is not in the text
+        elif self._header and "<|channel|>" not in self._header:
+            out.content += self._header  # text outside any message (e.g. a constraint from the first token)
+            self._header = ""
         return out
 
     def _route(self, out: Any, state: str, piece: str) -> None:
