@@ -344,6 +344,15 @@ def main(config: Config, replica: int = 0) -> int:
             await asyncio.sleep(0.1)
         await backend.stop()
 
+    profile = os.environ.get("PARALLM_PROFILE_INGRESS", "")  # perf/bench_ingress.py --profile
+    profiler = None
+    if profile:  # written at exit and on SIGUSR2 (a stage may be killed before its exit)
+        import cProfile
+        import signal
+
+        profiler = cProfile.Profile(time.process_time)  # CPU time: the machine may be shared
+        signal.signal(signal.SIGUSR2, lambda *_: profiler.dump_stats(profile))
+        profiler.enable()
     try:
         if _has_uvloop():
             import uvloop
@@ -354,6 +363,10 @@ def main(config: Config, replica: int = 0) -> int:
     except OSError as exc:
         runtime.fatal(f"cannot serve HTTP on {config.server.host}:{config.server.port}: {exc}")
         return 2
+    finally:
+        if profiler is not None:
+            profiler.disable()
+            profiler.dump_stats(profile)
     return 0
 
 
