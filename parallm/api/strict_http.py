@@ -13,8 +13,11 @@ from __future__ import annotations
 import asyncio
 import logging
 
+from typing import Any
+
 import h11
-from uvicorn.protocols.http.h11_impl import H11Protocol
+from h11._writers import ChunkedWriter
+from uvicorn.protocols.http.h11_impl import H11Protocol, RequestResponseCycle
 
 log = logging.getLogger("parallm.api")
 
@@ -35,6 +38,9 @@ class StrictH11Protocol(H11Protocol):
 
     def data_received(self, data: bytes) -> None:
         super().data_received(data)
+        cycle = self.cycle
+        if cycle is not None and "send" not in cycle.__dict__:  # its ASGI task reads cycle.send when it starts
+            cycle.send = lambda message: _send(cycle, message)  # type: ignore[method-assign]
         self._track()
 
     def on_response_complete(self) -> None:
@@ -83,6 +89,20 @@ class StrictH11Protocol(H11Protocol):
         if self.cycle is None or not self.cycle.response_started or self.cycle.response_complete:
             self.transport.write(_TIMEOUT_408)
         self.transport.close()
+
+
+async def _send(cycle: RequestResponseCycle, message: Any) -> None:
+    """uvicorn's ASGI send, with a streamed response's body chunks written straight to the socket:
+    what h11 writes for a Data event in a chunked body (its state does not change there), without
+    its event objects and state checks, which were ~a quarter of ingress' CPU per SSE event."""
+    if (message["type"] == "http.response.body" and message.get("more_body", False) and cycle.response_started
+            and not cycle.response_complete and not cycle.disconnected and not cycle.flow.write_paused
+            and type(getattr(cycle.conn, "_writer", None)) is ChunkedWriter and cycle.scope["method"] != "HEAD"):
+        body = message.get("body", b"")
+        if body:
+            cycle.transport.write(b"%x\r\n%b\r\n" % (len(body), body))
+        return
+    await RequestResponseCycle.send(cycle, message)
 
 
 def strict_protocol(header_timeout_s: float, body_timeout_s: float) -> type[StrictH11Protocol]:
