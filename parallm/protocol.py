@@ -470,7 +470,7 @@ class AdapterStats(Struct, kw_only=True):
 
 class RankState(Struct, kw_only=True):
     """A tensor-parallel rank's state as rank 0 last confirmed it (parallm/engine/distributed.py): the
-    rank's state digest, sent in the step broadcast, equalled rank 0's at rank 0's step `step`."""
+    rank's state digest, sent in its ack of rank 0's calls, equalled rank 0's at rank 0's step `step`."""
 
     rank: int = 0
     step: int = 0

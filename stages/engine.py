@@ -466,12 +466,12 @@ def main(config: Config, replica: int = 0) -> int:
         distributed.freeze_clock(engine)
     log.info("warm-up took %.2f s", engine.warm_up())
     if group is not None:
-        engine = distributed.Leader(engine, group, distributed.doorbell_address(config.transport.run_dir, replica))
+        engine = distributed.Leader(engine, group, distributed.control_addresses(config.transport.run_dir, replica))
     info = {"model": config.model.served_name, "path": str(loaded.source.path), "dtype": loaded.dtype,
             "max_model_len": loaded.max_model_len, "vocab_size": loaded.vocab_size}
     stage = EngineStage(config, runtime, engine, info)
     if group is not None:
-        stage.on_idle = engine.idle  # the other ranks wait on a doorbell, not in a collective
+        stage.on_idle = engine.idle  # takes the other ranks' acks while no step does
     runtime.ready(info)
     try:
         code = stage.run()

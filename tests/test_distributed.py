@@ -8,14 +8,20 @@ import json
 import os
 import subprocess
 import sys
+import threading
+import time
 from pathlib import Path
 
 import mlx.core as mx
+import msgspec
 import pytest
+import zmq
 from mlx_lm.models import llama
 
 from parallm.launch.group import rank_env, write_ring_hostfile
-from parallm.engine.distributed import Batch, Call, TensorParallelError, broadcast, shard_model, shard_refusal
+from parallm.engine import distributed
+from parallm.engine.distributed import (Ack, Batch, Call, Leader, TensorParallelError, control_addresses, follow,
+                                        shard_model, shard_refusal, state_digest)
 from parallm.protocol import SamplingParams
 from tests._engine_helpers import greedy, make_engine, req, run_all, tiny_model
 
@@ -67,9 +73,10 @@ def rank_main(out: str) -> int:
     engine = make_engine(model)
     distributed.freeze_clock(engine)
     engine.warm_up()
+    addresses = distributed.control_addresses(str(Path(out).parent))
     if group.rank() > 0:
-        return distributed.follow(engine, group)
-    leader = distributed.Leader(engine, group)
+        return distributed.follow(engine, group, addresses)
+    leader = distributed.Leader(engine, group, addresses)
     results = both_phases(leader)
     leader.close()
     Path(out).write_text(json.dumps(results))
@@ -129,19 +136,99 @@ def test_a_model_without_shard_is_refused():
         shard_model(model, mx.distributed.init())
 
 
-def test_broadcast_on_a_single_rank_returns_the_payload():
-    group = mx.distributed.init()
-    big = bytes(range(256)) * 40  # past the inline header: two collectives
-    assert broadcast(group, b"hello", echo=7) == (b"hello", [7])
-    assert broadcast(group, big) == (big, [0])
-    assert broadcast(group, b"") == (b"", [0])
-
-
 def test_calls_round_trip():
-    import msgspec
-
-    batch = Batch([Call("add_request", 1.5, ["r", [1, 2], b"\x80"]), Call("step", 2.0)], digest=7)
+    batch = Batch([Call("add_request", 1.5, ["r", [1, 2], b"\x80"]), Call("step", 2.0)], digest=7, seq=3)
     assert msgspec.msgpack.decode(msgspec.msgpack.encode(batch), type=Batch) == batch
+
+
+def test_the_leader_sends_its_calls_without_a_collective(tmp_path, monkeypatch):
+    """Rank 0's step must not read back a device value for the calls (an all-sum on the default
+    stream waits for the pass launched last step, which undoes the engine's overlap): with one rank
+    and an unsharded model, no collective may run at all while the Leader serves."""
+    collectives = []
+    for name in ("all_sum", "all_gather", "send", "recv"):
+        monkeypatch.setattr(mx.distributed, name, lambda *a, _name=name, **k: collectives.append(_name))
+    leader = Leader(make_engine(tiny_model("llama")), mx.distributed.init(), control_addresses(str(tmp_path)))
+    got = tokens(run_all(leader, workload()))
+    leader.close()
+    assert collectives == []
+    assert got == tokens(run_all(make_engine(tiny_model("llama")), workload()))
+
+
+class TwoRanks:
+    """A group of two as rank 0 sees it, for a Leader whose follower is this test (no collective runs:
+    the model is not sharded)."""
+
+    def size(self) -> int:
+        return 2
+
+    def rank(self) -> int:
+        return 0
+
+
+def rank_1_after(leader, seconds: float = 10.0):
+    """Rank 1's state in the leader's stats once an ack was taken (acks arrive asynchronously)."""
+    deadline = time.monotonic() + seconds
+    while (state := leader.stats().ranks[1]).step == 0 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return state
+
+
+def test_rank_0_checks_the_followers_acks_without_waiting(tmp_path, monkeypatch):
+    calls_at, acks_at = control_addresses(str(tmp_path))
+    ctx = zmq.Context.instance()
+    sub, push = ctx.socket(zmq.SUB), ctx.socket(zmq.PUSH)
+    sub.setsockopt(zmq.SUBSCRIBE, b"")
+    sub.connect(calls_at)
+    push.connect(acks_at)
+    engine = make_engine(tiny_model("llama"))
+    leader = Leader(engine, TwoRanks(), (calls_at, acks_at))
+    try:
+        start = state_digest(engine)
+        leader.add_request(req("r", [1, 2, 3], greedy(8)))
+        leader.step()  # returns with no ack heard
+        first = msgspec.msgpack.decode(sub.recv(), type=Batch)
+        assert first.seq == 1 and first.digest == start and [c.method for c in first.calls] == ["add_request", "step"]
+        push.send(msgspec.msgpack.encode(Ack(1, 1, state_digest(engine))))
+        state = rank_1_after(leader)
+        assert state.agrees and state.step == 1
+        leader.step()
+        assert msgspec.msgpack.decode(sub.recv(), type=Batch).seq == 2
+        push.send(msgspec.msgpack.encode(Ack(1, 2, 12345)))  # a follower whose state differs
+        with pytest.raises(TensorParallelError, match="rank 1 diverged from rank 0 after batch 2"):
+            for _ in range(1000):
+                leader.stats()
+                time.sleep(0.01)
+        monkeypatch.setattr(distributed, "SILENT_AFTER_S", 0.0)
+        monkeypatch.setattr(distributed, "ACK_GRACE_S", 0.05)
+        leader.step()  # batch 3, never acknowledged
+        with pytest.raises(TensorParallelError, match=r"rank\(s\) \[1\] have not answered rank 0's batch 3"):
+            leader.step()
+    finally:
+        leader.close()
+        sub.close()
+        push.close()
+
+
+def test_a_follower_that_misses_a_batch_exits(tmp_path):
+    calls_at, _ = control_addresses(str(tmp_path))
+    engine = make_engine(tiny_model("llama"))
+    pub = zmq.Context.instance().socket(zmq.XPUB)
+    pub.bind(calls_at)
+
+    def rank_0():
+        if pub.poll(30_000):  # the follower subscribed
+            pub.recv()
+            pub.send(msgspec.msgpack.encode(Batch([Call("step", 0.0)], state_digest(engine), seq=2)))
+
+    sender = threading.Thread(target=rank_0)
+    sender.start()
+    try:
+        with pytest.raises(TensorParallelError, match="got rank 0's batch 2, expected 1"):
+            follow(engine, mx.distributed.init(), control_addresses(str(tmp_path)))
+    finally:
+        sender.join()
+        pub.close(linger=0)
 
 
 if __name__ == "__main__":

@@ -105,10 +105,11 @@ def rank_main(out_dir: str) -> int:
     distributed.freeze_clock(engine)
     engine.warm_up()
     out = Path(out_dir)
+    addresses = distributed.control_addresses(out_dir)
     if group.rank() > 0:
-        code = distributed.follow(engine, group)
+        code = distributed.follow(engine, group, addresses)
     else:
-        leader = distributed.Leader(engine, group)
+        leader = distributed.Leader(engine, group, addresses)
         (out / "tokens.json").write_text(json.dumps(drive(leader, str(out / "weights"))))
         (out / "ranks.json").write_text(json.dumps(msgspec.to_builtins(leader.stats().ranks)))
         leader.close()

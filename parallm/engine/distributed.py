@@ -4,21 +4,36 @@ Every rank loads the model, shards it with mlx-lm's `model.shard(group)` (each r
 of the attention heads and MLP columns; the layers' `sharded-to-all` projections all-sum their
 outputs) and builds the same `Engine`. Rank 0 serves: the engine stage wraps its engine in a
 `Leader`, which records every call that changes the engine's state (a request added, an abort,
-an adapter loaded, a step, ...) and, before each step, broadcasts the calls since the last one
-with `mx.distributed.all_sum` (the other ranks contribute zeros). The other ranks run `follow`:
-they replay the same calls on their own engine, so every rank schedules the same plan and runs the
-same passes in lockstep. The scheduler's clock (priority aging) is rank 0's, sent with each call.
+an adapter loaded, a step, ...) and, before each step, sends the calls since the last one to the
+other ranks as one numbered `Batch` over ZeroMQ (an XPUB socket in the run dir). The other ranks
+run `follow`: they replay the same calls on their own engine, so every rank schedules the same plan
+and runs the same passes in lockstep (the passes' own all-sums, in mlx-lm's sharded layers, keep
+them in step: those stay on `mx.distributed`). The scheduler's clock (priority aging) is rank 0's,
+sent with each call.
 
 Sampling runs on every rank, on the same logits: the all-sum leaves identical logits on every
 rank, and a row's sampler is seeded by its request, so each rank draws the same tokens without a
-per-step broadcast of them (what mlx-lm's server does too); only rank 0's outputs leave the
-process. Each broadcast carries a digest of rank 0's state after its previous step, which a
-follower compares with its own: a rank that diverged exits, and the supervisor restarts the group.
+per-step exchange of them (what mlx-lm's server does too); only rank 0's outputs leave the
+process. Each batch carries a digest of rank 0's state after its previous step, which a follower
+compares with its own (a rank that diverged exits), and each follower sends its digest after each
+batch back to rank 0 (`Ack`, over a PUSH socket to rank 0's PULL), which drains what arrived
+without waiting before each step: a digest that differs from rank 0's at that batch, or a follower
+that has not answered a batch for SILENT_AFTER_S, ends the group (rank 0 raises, the supervisor
+restarts every rank); a gap in the batch numbers ends a follower.
 
-A rank waiting in a collective polls its sockets (about 40 % of a core on the ring backend), so
-while rank 0 has nothing to do it says so (`Leader.idle`) and the others wait on a ZeroMQ doorbell
-instead, which rank 0 rings before its next broadcast: the doorbell carries no data, the calls still
-travel in the collective.
+Why not a collective for the calls (as before): an all-sum on the default stream queues behind the
+pass rank 0 launched last step, and reading its result back on the host waits for that pass, so
+the engine's overlapped schedule (launch pass N+1 before reading pass N) was lost and each step
+cost the GPU time plus every rank's CPU time in series (on two H200s, Llama-3.2-3B shape: TP=2
+gave 0.20x one engine at 64 streams). Sending bytes over ZeroMQ touches no device. It also makes the
+old doorbell unnecessary: an idle follower blocks in a ZeroMQ receive (no core burned, unlike a
+rank waiting in a ring collective, which polls), so `Leader.idle` only drains the acks.
+
+The channel is ipc in the run dir because the supervisor starts every rank of a group itself, on
+this machine (launch/group.py); ranks on other machines would need it over tcp with CURVE
+(parallm/keys.py). GPU check of this design (perf/bench_parallel.py):
+`python -m perf.bench_parallel --shape llama-3.2-3b --layouts 1x1,2x1 --concurrency 1,64 --max-tokens 128`
+on nvidia-h100-x2 (NCCL_NVLS_ENABLE=0).
 
 Nothing here waits forever on its own: a dead rank ends the group's collectives with an error or
 leaves them blocked, and the supervisor, which watches every rank's process and rank 0's
@@ -29,7 +44,6 @@ from __future__ import annotations
 
 import logging
 import os
-import struct
 import time
 import zlib
 from typing import Any, Callable
@@ -47,8 +61,9 @@ from .request import Request
 
 log = logging.getLogger("parallm.engine.distributed")
 
-BELL_WAIT_S = 60
-HEADER_BYTES = 4096  # the first all-sum of a broadcast: 8 bytes of length, the payload if it fits, 8 bytes per rank
+CONNECT_WAIT_S = 60  # for every follower to subscribe to rank 0's calls
+SILENT_AFTER_S = 60.0  # a follower that has not acknowledged a batch for this long ends the group
+ACK_GRACE_S = 2.0  # waited for a late ack before that (rank 0 may itself have been blocked, e.g. in a weight load)
 
 
 class TensorParallelError(RuntimeError):
@@ -85,33 +100,6 @@ def join(size: int, backend: str = "any") -> mx.distributed.Group:
     return group
 
 
-def broadcast(group: mx.distributed.Group, payload: bytes | None = None, echo: int = 0) -> tuple[bytes, list[int]]:
-    """Rank 0's `payload` on every rank (the others pass None), and every rank's `echo` (a 63-bit
-    number) on every rank: an all-sum to which rank 0 contributes the payload and each rank its echo
-    in its own slot, one collective for a payload that fits the header, two past it."""
-    size = group.size()
-    inline_max = HEADER_BYTES - 8 - 8 * size
-    head = bytearray(HEADER_BYTES)
-    if group.rank() == 0:
-        data = payload or b""
-        head[:8] = struct.pack("<Q", len(data))
-        inline = data[:inline_max]
-        head[8:8 + len(inline)] = inline
-    slot = HEADER_BYTES - 8 * (size - group.rank())
-    head[slot:slot + 8] = struct.pack("<Q", echo)
-    got = mx.distributed.all_sum(mx.array(memoryview(head), dtype=mx.uint8), group=group)
-    got_bytes = bytes(memoryview(got))
-    echoes = list(struct.unpack(f"<{size}Q", got_bytes[HEADER_BYTES - 8 * size:]))
-    n = struct.unpack("<Q", got_bytes[:8])[0]
-    if n <= inline_max:
-        return got_bytes[8:8 + n], echoes
-    tail = mx.zeros((n - inline_max,), dtype=mx.uint8)
-    if group.rank() == 0:
-        tail = mx.array(memoryview(payload[inline_max:]), dtype=mx.uint8)
-    tail = mx.distributed.all_sum(tail, group=group)
-    return got_bytes[8:8 + inline_max] + bytes(memoryview(tail)), echoes
-
-
 def agree_min(group: mx.distributed.Group, value: float) -> float:
     """The smallest of every rank's `value` (e.g. the KV budget each rank's free memory allows)."""
     gathered = mx.distributed.all_gather(mx.array([value], dtype=mx.float32), group=group)
@@ -146,7 +134,7 @@ def shard_model(model: nn.Module, group: mx.distributed.Group) -> None:
     mx.eval(model.parameters())
 
 
-# ------------------------------------------------------------------ the calls rank 0 broadcasts
+# ------------------------------------------------------------------ the calls rank 0 sends
 
 class Call(msgspec.Struct, array_like=True):
     """One engine call: its name, rank 0's clock when it was made, and its arguments."""
@@ -158,15 +146,25 @@ class Call(msgspec.Struct, array_like=True):
 
 
 class Batch(msgspec.Struct, array_like=True):
-    """What rank 0 broadcasts before a step: the calls since the last broadcast (the step last) and
-    the digest of its state after the previous step."""
+    """What rank 0 sends before a step: the calls since the last batch (the step last), the digest
+    of its state after the previous step, and its number (1, 2, ...: a follower that sees a gap exits)."""
 
     calls: list[Call]
+    digest: int
+    seq: int = 0
+
+
+class Ack(msgspec.Struct, array_like=True):
+    """A follower's state digest after replaying batch `seq`."""
+
+    rank: int
+    seq: int
     digest: int
 
 
 _encoder = msgspec.msgpack.Encoder()
 _decoder = msgspec.msgpack.Decoder(Batch)
+_ack_decoder = msgspec.msgpack.Decoder(Ack)
 
 
 def served_policy(engine) -> dict[str, int]:
@@ -186,24 +184,32 @@ def state_digest(engine) -> int:
 
 
 class Leader:
-    """Rank 0's engine: the real `Engine`, with every state-changing call recorded and broadcast to
-    the other ranks before each step (module docstring). Reads (stats, has_work, ...) pass through."""
+    """Rank 0's engine: the real `Engine`, with every state-changing call recorded and sent to the
+    other ranks before each step (module docstring). Reads (stats, has_work, ...) pass through."""
 
-    def __init__(self, engine, group: mx.distributed.Group, doorbell: str | None = None) -> None:
-        """`doorbell`: the address (doorbell_address) the other ranks wait on while this one is idle."""
+    def __init__(self, engine, group: mx.distributed.Group, addresses: tuple[str, str]) -> None:
+        """`addresses`: where to send the calls and hear the followers' acks (control_addresses)."""
         self._engine = engine
         self._group = group
-        self._bell = zmq.Context.instance().socket(zmq.XPUB) if doorbell else None
-        if self._bell is not None:
-            self._bell.setsockopt(zmq.LINGER, 0)
-            self._bell.setsockopt(zmq.XPUB_VERBOSE, 1)
-            self._bell.bind(doorbell)
-            for _ in range(group.size() - 1):  # every other rank listens before a ring can be lost
-                if not self._bell.poll(BELL_WAIT_S * 1000):
-                    raise TensorParallelError(f"the other ranks did not connect to {doorbell} within "
-                                              f"{BELL_WAIT_S} s")
-                self._bell.recv()
-        self._idle = False
+        ctx = zmq.Context.instance()
+        self._calls = ctx.socket(zmq.XPUB)
+        self._calls.setsockopt(zmq.LINGER, 0)
+        self._calls.setsockopt(zmq.SNDHWM, 0)  # never drop a batch for a slow follower
+        self._calls.setsockopt(zmq.XPUB_VERBOSE, 1)
+        self._calls.bind(addresses[0])
+        self._acks = ctx.socket(zmq.PULL)
+        self._acks.setsockopt(zmq.LINGER, 0)
+        self._acks.bind(addresses[1])
+        for _ in range(group.size() - 1):  # every other rank subscribes before the first batch
+            if not self._calls.poll(CONNECT_WAIT_S * 1000):
+                self.close_sockets()
+                raise TensorParallelError(f"the other ranks did not connect to {addresses[0]} within "
+                                          f"{CONNECT_WAIT_S} s")
+            self._calls.recv()
+        self._seq = 0
+        self._sent: dict[int, float] = {}  # batch -> when it was sent, until every follower acked it
+        self._after: dict[int, tuple[int, int, dict[str, int]]] = {}  # batch -> rank 0's (digest, steps, policy)
+        self._acked = {r: 0 for r in range(1, group.size())}
         self._pending: list[Call] = []
         self._now = time.monotonic()
         self._digest = state_digest(engine)
@@ -229,28 +235,58 @@ class Leader:
         return result
 
     def _send(self, *calls: Call) -> None:
-        """Broadcast the pending calls and `calls` (ringing the doorbell first if the others wait on it)."""
-        if self._idle:
-            self._bell.send(b"")
-            self._idle = False
+        """Send the pending calls and `calls` as the next batch; no device work, no wait."""
+        self._drain_acks()
         self._pending.extend(calls)
-        batch, self._pending = Batch(self._pending, self._digest), []
-        _, echoes = broadcast(self._group, _encoder.encode(batch), self._digest)
-        for r in range(1, len(echoes)):  # each rank's digest after the step rank 0's digest is of
-            self._ranks[r] = RankState(rank=r, step=self._engine._steps, agrees=echoes[r] == self._digest,
-                                       policy=self._digest_policy)
+        self._seq += 1
+        batch, self._pending = Batch(self._pending, self._digest, self._seq), []
+        self._calls.send(_encoder.encode(batch))
+        if self._acked:
+            self._sent[self._seq] = time.monotonic()
+
+    def _drain_acks(self) -> None:
+        """Take the followers' acks that arrived (without waiting): raises TensorParallelError for a
+        follower whose digest differs from rank 0's at the same batch, or that is silent too long."""
+        while self._acks.poll(0):
+            ack = _ack_decoder.decode(self._acks.recv())
+            self._acked[ack.rank] = max(self._acked.get(ack.rank, 0), ack.seq)
+            if ack.seq not in self._after:  # a batch whose call raised here: this rank is on its way out
+                continue
+            digest, steps, policy = self._after[ack.seq]
+            self._ranks[ack.rank] = RankState(rank=ack.rank, step=steps, agrees=ack.digest == digest, policy=policy)
+            if ack.digest != digest:
+                raise TensorParallelError(f"rank {ack.rank} diverged from rank 0 after batch {ack.seq} (state "
+                                          f"digest {ack.digest} vs {digest}); the group must restart")
+        if not self._acked:
+            return
+        done = min(self._acked.values())
+        for seq in [q for q in self._sent if q <= done]:
+            del self._sent[seq]
+            self._after.pop(seq, None)
+        if self._sent:
+            oldest = min(self._sent)
+            silent = time.monotonic() - self._sent[oldest]
+            if silent > SILENT_AFTER_S:
+                if self._acks.poll(int(ACK_GRACE_S * 1000)):
+                    return self._drain_acks()
+                late = [r for r, q in self._acked.items() if q < oldest]
+                raise TensorParallelError(f"rank(s) {late} have not answered rank 0's batch {oldest} for "
+                                          f"{silent:.0f} s; the group must restart")
 
     def _sync(self, method: str, *args: Any, **kwargs: Any) -> Any:
-        """Broadcast the pending calls and this one, then run it here (the others do the same)."""
+        """Send the pending calls and this one, then run it here (the others do the same)."""
         self._now = time.monotonic()
         self._send(Call(method, self._now))
         result = getattr(self._engine, method)(*args, **kwargs)
         self._digest = state_digest(self._engine)
         self._digest_policy = served_policy(self._engine)
+        if self._acked:
+            self._after[self._seq] = (self._digest, self._engine._steps, self._digest_policy)
         return result
 
     def stats(self):
-        """The engine's stats, with what each rank serves as its last step broadcast confirmed."""
+        """The engine's stats, with what each rank serves as its last acknowledged batch confirmed."""
+        self._drain_acks()
         stats = self._engine.stats()
         stats.ranks = [RankState(rank=0, step=self._engine._steps, policy=served_policy(self._engine)),
                        *self._ranks[1:]]
@@ -306,16 +342,18 @@ class Leader:
                                   "and step()")
 
     def idle(self) -> None:
-        """Nothing to do for now: the other ranks wait on the doorbell until the next broadcast."""
-        if self._bell is not None and not self._idle:
-            self._send(Call("idle", time.monotonic()))
-            self._idle = True
+        """Nothing to do for now: the other ranks block in their receive until the next batch; take
+        the acks that arrived meanwhile."""
+        self._drain_acks()
 
     def close(self) -> None:
         """Tell the other ranks to return from `follow` (the stage is shutting down)."""
-        self._send(Call("stop", time.monotonic()))
-        if self._bell is not None:
-            self._bell.close()
+        self._calls.send(_encoder.encode(Batch([Call("stop", time.monotonic())], self._digest, self._seq + 1)))
+        self.close_sockets()
+
+    def close_sockets(self) -> None:
+        self._calls.close(linger=1000)  # the stop batch still goes out
+        self._acks.close()
 
 
 class _RecordingAdapters:
@@ -393,7 +431,7 @@ def follower_main(config, replica: int = 0) -> int:
     load_adapters_at_start(engine, config.adapters.preload)  # as rank 0 does, in the same order
     freeze_clock(engine)
     engine.warm_up()
-    return follow(engine, group, doorbell_address(config.transport.run_dir, replica))
+    return follow(engine, group, control_addresses(config.transport.run_dir, replica))
 
 
 def freeze_clock(engine) -> None:
@@ -402,36 +440,49 @@ def freeze_clock(engine) -> None:
     engine.scheduler.policy.clock = lambda: 0.0
 
 
-def doorbell_address(run_dir: str, replica: int = 0) -> str:
-    return f"ipc://{os.path.abspath(run_dir)}/engine-{replica}-doorbell.sock"
+def control_addresses(run_dir: str, replica: int = 0) -> tuple[str, str]:
+    """The ipc sockets of replica `replica`'s group in the run dir: rank 0's calls, the followers' acks."""
+    base = f"ipc://{os.path.abspath(run_dir)}/engine-{replica}"
+    return f"{base}-calls.sock", f"{base}-acks.sock"
 
 
-def follow(engine, group: mx.distributed.Group, doorbell: str | None = None) -> int:
-    """A rank other than 0: replay rank 0's calls on this rank's engine until it says stop. Returns
-    0 then; raises TensorParallelError when this rank's state no longer matches rank 0's."""
-    bell = None
-    if doorbell:
-        bell = zmq.Context.instance().socket(zmq.SUB)
-        bell.setsockopt(zmq.LINGER, 0)
-        bell.setsockopt(zmq.SUBSCRIBE, b"")
-        bell.connect(doorbell)
+def follow(engine, group: mx.distributed.Group, addresses: tuple[str, str]) -> int:
+    """A rank other than 0: replay rank 0's calls (from `addresses`, as control_addresses) on this
+    rank's engine until it says stop, acknowledging each batch with this rank's digest. Returns 0
+    then; raises TensorParallelError when this rank's state no longer matches rank 0's or a batch
+    went missing."""
+    ctx = zmq.Context.instance()
+    calls = ctx.socket(zmq.SUB)
+    calls.setsockopt(zmq.LINGER, 0)
+    calls.setsockopt(zmq.RCVHWM, 0)
+    calls.setsockopt(zmq.SUBSCRIBE, b"")
+    calls.connect(addresses[0])
+    acks = ctx.socket(zmq.PUSH)
+    acks.setsockopt(zmq.LINGER, 0)
+    acks.connect(addresses[1])
     now = time.monotonic()
     engine.scheduler.policy.clock = lambda: now
     digest = state_digest(engine)
-    log.info("rank %d of %d follows rank 0", group.rank(), group.size())
-    while True:
-        data, _ = broadcast(group, echo=digest)
-        batch = _decoder.decode(data)
-        if batch.digest != digest:
-            raise TensorParallelError(f"rank {group.rank()} diverged from rank 0 (state digest {digest} vs "
-                                      f"{batch.digest}); the group must restart")
-        for call in batch.calls:
-            if call.method == "stop":
-                return 0
-            if call.method == "idle":
-                bell.recv()  # rank 0 rings before its next broadcast
-                continue
-            now = call.now
-            _replay(engine, call)
-            if call.method in ("step", "flush"):
-                digest = state_digest(engine)
+    rank, expected = group.rank(), 1
+    log.info("rank %d of %d follows rank 0", rank, group.size())
+    try:
+        while True:
+            batch = _decoder.decode(calls.recv())  # blocks without polling while rank 0 is idle
+            if batch.seq != expected:
+                raise TensorParallelError(f"rank {rank} got rank 0's batch {batch.seq}, expected {expected}: "
+                                          "calls were lost; the group must restart")
+            expected += 1
+            if batch.digest != digest:
+                raise TensorParallelError(f"rank {rank} diverged from rank 0 (state digest {digest} vs "
+                                          f"{batch.digest}); the group must restart")
+            for call in batch.calls:
+                if call.method == "stop":
+                    return 0
+                now = call.now
+                _replay(engine, call)
+                if call.method in ("step", "flush"):
+                    digest = state_digest(engine)
+            acks.send(_encoder.encode(Ack(rank, batch.seq, digest)))
+    finally:
+        calls.close()
+        acks.close()

@@ -210,7 +210,7 @@ def test_adapters_and_weight_updates_reach_both_ranks(tp_server, model_dir, adap
         want = adapters_and_weights(single, model_dir)
     assert got == want
     assert len({tuple(t) for t in [before, *got.values()]}) == 5, "each adapter and the update change the text"
-    ranks = engine_stats(tp_server).ranks  # what each rank serves, as its last step broadcast confirmed
+    ranks = engine_stats(tp_server).ranks  # what each rank serves, as its last ack confirmed
     assert [r.rank for r in ranks] == [0, 1] and ranks[1].agrees
     assert ranks[0].policy == ranks[1].policy == {"": 1, "pre": 1, "up": 1, "pub": 1}
 
