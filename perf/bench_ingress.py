@@ -17,10 +17,10 @@ the base commit) whose `parallm/stages` and `parallm/launch` resolve (the script
     python -m perf.bench_ingress --concurrency 256 --requests 512 --max-tokens 64 \\
         --source base=/tmp/ingress-base            # -> perf/results/ingress-cpu.json
 
-On a GPU machine the same measurement at the real rates (what the lead runs):
+On a GPU machine the same measurement at the real rates (`bash perf/gpu_runs.sh ingress`):
 
     python -m perf.bench_ingress --shape llama-3.2-3b --tokenizer-dir .gpu-tok --concurrency 256 \\
-        --requests 512 --max-tokens 128 --rounds 3
+        --requests 512 --max-tokens 128 --rounds 4 --experiment llama-3.2-3b
 """
 
 from __future__ import annotations

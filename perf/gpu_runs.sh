@@ -13,8 +13,10 @@
 #   serving   llama-3.2-3b with the default tokenizer's vocabulary (real text): in-process engine, BatchGenerator,
 #             HTTP, raw ZeroMQ and mlx_lm.server at c=1,64,256 (perf/bench_serving.py), ~6 min
 #   waves     10 waves of 512 streaming requests at c=256, a fresh server each (perf/stress_waves.py), ~6 min
+#   ingress   ingress' CPU per SSE event and per token at c=256, 4 waves of 512 on one server (perf/bench_ingress.py),
+#             ~3 min
 set -uo pipefail
-case "${1:-}" in diag|llama|adapters|qwen-a|qwen-b|launch|serving|waves) ;; *) sed -n 2,15p "$0"; exit 2 ;; esac
+case "${1:-}" in diag|llama|adapters|qwen-a|qwen-b|launch|serving|waves|ingress) ;; *) sed -n 2,17p "$0"; exit 2 ;; esac
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
 if [ -d /tmp/site/mlx ] && [ ! -f .gpu/b/install.sh ]; then
@@ -44,6 +46,8 @@ case "${1:-}" in
   waves)    python3 -m perf.stress_waves --shape llama-3.2-3b --waves 10 --requests 512 --concurrency 256 \
               --max-tokens 128 --client-procs 4 --deadline-s 480 --tokenizer-dir $TOK --work-dir $WORK \
               --out-dir "$OUT" ;;
+  ingress)  python3 -m perf.bench_ingress --shape llama-3.2-3b --concurrency 256 --requests 512 --max-tokens 128 \
+              --rounds 4 --tokenizer-dir $TOK --work-dir $WORK --experiment llama-3.2-3b --out-dir "$OUT" ;;
   launch)   python3 -m perf.profile_launch --tokenizer-dir $TOK --work-dir $WORK --served \
               --out-dir "$OUT" ;;
 esac
