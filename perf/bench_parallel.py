@@ -50,15 +50,16 @@ reached every rank (2x1: v1..v30 at c=1, both ranks on v30 0.75 s after the run)
 
 Tensor parallel's calls travel over ZeroMQ, not in an all-sum on the device (parallm/engine/distributed.py:
 the all-sum waited for the pass launched the step before, undoing the engine's overlap; TP=2 was 0.20x
-one engine at c=64 on two H200s). On this CPU, old code (5c28d7a) and new side by side, twice in
-alternating order, load average ~10 from other work (so only the ratio within a run means much):
+one engine at c=64 on two H200s). On this CPU, old code (5c28d7a) and new side by side, four pairs of
+runs in alternating order, load average 4-10 from other work (so noisy):
 
     python -m perf.bench_parallel --shape tiny --layouts 1x1,2x1 --concurrency 1,8 --max-tokens 32 \
         --requests 4 --requests-per-stream 2
 
-2x1 vs 1x1 in the same run, c=1 / c=8: old 0.11x / 0.13x and 0.13x / 0.06x (2x1 6.4 / 26.1 and 7.7 /
-18.8 tok/s, ITL p50 104 / 223 and 97 / 366 ms); new 0.25x / 0.23x and 0.18x / 0.15x (10.2 / 64.3 and
-4.4 / 19.3 tok/s, ITL p50 68 / 96 and 195 / 390 ms). The measurement that matters is the GPU's: call 1
+2x1 tok/s old -> new, pair by pair: c=8 26.1 -> 64.3, 18.8 -> 19.3, 51.0 -> 62.5, 63.6 -> 71.6 (new ahead
+in all four); c=1 6.4 -> 10.2, 7.7 -> 4.4, 10.6 -> 15.8, 32.6 -> 23.0 (noise). On a CPU the ring
+all-sums of every layer dominate and the calls' all-sum waited for little: this shows that nothing got slower
+rather than the GPU's gain. The measurement that matters is the GPU's: call 1
 above (TP=2 vs TP=1 on `nvidia-h100-x2`), against docs/performance.md's 0.20x at c=64.
 """
 
