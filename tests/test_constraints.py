@@ -326,12 +326,21 @@ def test_think_gate_of_a_harmony_vocabulary_begins_at_the_final_message(tmp_path
                              "normalized": False, "special": True} for i, n in enumerate(names)]
     path = tmp_path / "tokenizer.json"
     path.write_text(json.dumps(tok))
-    start, end = thinking_from_file(path)
+    markers = thinking_from_file(path)
+    start, end, then = markers
     hf = Tokenizer.from_file(str(path))
     ids = lambda text: hf.encode(text, add_special_tokens=False).ids  # noqa: E731
-    assert start == (base,) and end == tuple(ids("<|channel|>final<|message|>"))
-    assert end[0] == base + 3 and end[-1] == base + 2
-    gate = ThinkGate((start, end), ids("<|start|>user<|message|>hi<|end|><|start|>assistant"))
+    assert start == (base,) and end == tuple(ids("<|channel|>final")) and then == base + 2
+    assert end[0] == base + 3
+    prompt = ids("<|start|>user<|message|>hi<|end|><|start|>assistant")
+    gate = ThinkGate(markers, prompt)
     assert gate.opener is None
     out = ids("<|channel|>analysis<|message|>Think.<|end|><|start|>assistant<|channel|>final<|message|>{")
+    assert gate.begin(out[:-2]) is None
+    assert gate.begin(out[:-1]) == len(out) - 1 and gate.begin(out) == len(out) - 1
+    # gpt-oss's header for a response format: the grammar begins after its <|message|>, not inside it
+    gate = ThinkGate(markers, prompt)
+    out = ids("<|channel|>analysis<|message|>Think.<|end|><|start|>assistant<|channel|>final <|constrain|>json"
+              "<|message|>{")
+    assert gate.begin(out[:-2]) is None
     assert gate.begin(out[:-1]) == len(out) - 1 and gate.begin(out) == len(out) - 1

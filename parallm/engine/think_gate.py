@@ -11,10 +11,11 @@ gets the grammar from the first token.
 
 The markers are those of the vocabulary (parallm.text.assistant.THINK_PAIRS, as mlx-lm finds
 them), as token ids; a marker several tokens long is matched as that id sequence. gpt-oss's
-harmony format has no thinking pair: its answer is the message after `<|channel|>final<|message|>`
-(the prompt ends inside an assistant message's header, `<|start|>assistant`), so that sequence is
-its end marker; a final message with a `<|constrain|>` in its header is not recognised and stays
-unconstrained.
+harmony format has no thinking pair: its answer is the message after `<|channel|>final`, its
+header, and `<|message|>` (the prompt ends inside an assistant message's header, `<|start|>assistant`):
+the end marker is `<|channel|>final` and the grammar begins after the next `<|message|>`, so a header
+such as `<|channel|>final <|constrain|>json<|message|>` (what gpt-oss writes for a response format)
+is left free as well.
 """
 
 from __future__ import annotations
@@ -23,7 +24,9 @@ import json
 from pathlib import Path
 from typing import Sequence as Seq
 
-Markers = tuple[tuple[int, ...], tuple[int, ...]]  # (start ids, end ids)
+# (start ids, end ids) or (start ids, end ids, then): with `then`, the grammar begins after the first
+# `then` token following the end marker (harmony's header between "<|channel|>final" and "<|message|>")
+Markers = tuple[tuple[int, ...], tuple[int, ...]] | tuple[tuple[int, ...], tuple[int, ...], int]
 CLOSED_TAIL = 2  # tokens after a prompt's end marker that still count as "closed at the end"
 
 
@@ -47,7 +50,7 @@ def thinking_from_file(path: str | Path) -> Markers | None:
         from tokenizers import Tokenizer
 
         final = Tokenizer.from_str(text).encode("final", add_special_tokens=False).ids
-        return (added["<|start|>"],), (added["<|channel|>"], *final, added["<|message|>"])
+        return (added["<|start|>"],), (added["<|channel|>"], *final), added["<|message|>"]
     return None
 
 
@@ -73,10 +76,11 @@ class ThinkGate:
     """One row's thinking state: `begin(outputs, pending)` gives the output index where its grammar
     starts, or None while the row thinks (its tokens are then unconstrained)."""
 
-    __slots__ = ("start", "end", "inside", "may_open", "scanned", "_begin")
+    __slots__ = ("start", "end", "then", "inside", "may_open", "scanned", "_begin")
 
     def __init__(self, markers: Markers, prompt_ids: Seq[int]) -> None:
-        self.start, self.end = markers
+        self.start, self.end = markers[0], markers[1]
+        self.then = markers[2] if len(markers) > 2 else None
         last_end = _rfind(prompt_ids, self.end)
         self.inside = _rfind(prompt_ids, self.start) > last_end  # the prompt opened it
         # an empty segment closed in the prompt's last tokens is a template turning thinking off
@@ -115,5 +119,11 @@ class ThinkGate:
         if j < 0:
             self.scanned = max(self.scanned, len(outputs) - len(self.end) + 1)
             return None
-        self._begin = j + len(self.end)
+        begin = j + len(self.end)
+        if self.then is not None:  # the rest of the header: the grammar begins after its `then` token
+            k = _find(ids, (self.then,), begin)
+            if k < 0:
+                return None
+            begin = k + 1
+        self._begin = begin
         return self._begin
