@@ -165,7 +165,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     from perf.bench_serving import shape_model_dir
 
-    results = Results.from_args("bench_parallel", args, argv, experiment=args.shape)
+    results = Results.from_args("parallel", args, argv, experiment=args.shape)
     model_dir = shape_model_dir(args)
     concurrency = [int(c) for c in args.concurrency.split(",")]
     workload = workload_for(args.max_tokens, args.requests)

@@ -13,7 +13,9 @@ import pytest
 from perf import harness
 
 PERF = Path(__file__).resolve().parents[1] / "perf"
-SCRIPTS = sorted(p.stem for p in PERF.glob("*.py") if p.stem not in ("__init__", "harness"))
+# the runnable scripts (perf/harness.py and helpers such as parallel_adapters.py are imported by them)
+SCRIPTS = sorted(p.stem for p in PERF.glob("*.py") if p.stem not in ("__init__", "harness")
+                 and "__name__ == \"__main__\"" in p.read_text())
 DEVICE = r"(?:cpu|g?[ah]\d{2,3}|l4\d?s?|g?b\d00|rtx-\d+|apple-m\d+(?:-pro|-max|-ultra)?)"  # harness.device_slug's
 RESULT_NAME = re.compile(rf"^[a-z0-9.]+(-[a-z0-9.]+)*-{DEVICE}\.(json|md|png|log)$")
 
