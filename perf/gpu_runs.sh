@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The GPU measurements of issues 5 and 8, one `run` call each (../shared/GPU.md says how MLX gets
+# The GPU measurements of the issues, one `run` call each (../shared/GPU.md says how MLX gets
 # there). Call 1 of a fresh machine: carry [".gpu/a"], `mkdir -p /tmp/gpu && cp .gpu/a/* /tmp/gpu/`;
 # the next call carries [".gpu/b", ".gpu-tok"] (install) and later ones only [".gpu-tok"] while the
 # machine stays warm:   bash perf/gpu_runs.sh <what>     (results land in $OUT, named as in perf/results:
@@ -15,8 +15,17 @@
 #   waves     10 waves of 512 streaming requests at c=256, a fresh server each (perf/stress_waves.py), ~6 min
 #   ingress   ingress' CPU per SSE event and per token at c=256, 4 waves of 512 on one server (perf/bench_ingress.py),
 #             ~3 min
+#   moe       Qwen3-30B-A3B-shaped 4-bit MoE: BatchGenerator vs HTTP at c=1,64,256, one request per stream (issue 19;
+#             with two per stream the H200 needed more than 10 minutes), ~8 min
+#   hybrid    the Qwen3.5-4B-like hybrid shape, the same way (issue 19), ~5 min
+#   structured json_schema vs unconstrained decode at batch 1,16,64, and this code with the serial schedule for
+#             constrained rows (issue 20), ~3 min
+#   tp        (nvidia-h100-x2) TP=2 vs one engine, llama-3.2-3b, c=1 and 64, adapters republished every 2 s (issue 23), ~5 min
+#   dp        (nvidia-h100-x2) two replicas vs one engine at c=256 (issue 23; goal 1.8x), ~4 min
+# A fresh server per wave: `waves` fits 6-7 waves in one 10-minute call; run it twice for ten.
 set -uo pipefail
-case "${1:-}" in diag|llama|adapters|qwen-a|qwen-b|launch|serving|waves|ingress) ;; *) sed -n 2,17p "$0"; exit 2 ;; esac
+case "${1:-}" in diag|llama|adapters|qwen-a|qwen-b|launch|serving|waves|ingress|moe|hybrid|structured|tp|dp) ;;
+  *) sed -n 2,25p "$0"; exit 2 ;; esac
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
 if [ -d /tmp/site/mlx ] && [ ! -f .gpu/b/install.sh ]; then
@@ -50,4 +59,16 @@ case "${1:-}" in
               --rounds 4 --tokenizer-dir $TOK --work-dir $WORK --experiment llama-3.2-3b --out-dir "$OUT" ;;
   launch)   python3 -m perf.profile_launch --tokenizer-dir $TOK --work-dir $WORK --served \
               --out-dir "$OUT" ;;
+  moe|hybrid) shape=$([ "$1" = moe ] && echo qwen3-30b-a3b || echo qwen3.5-4b-hybrid)
+            python3 -m perf.bench_serving --shape $shape --concurrency 1,64,256 --requests-per-client 1 \
+              --max-tokens 128 --client-procs 4 --targets batchgen,http --tokenizer-dir $TOK --work-dir $WORK \
+              --experiment $shape --out-dir "$OUT" ;;
+  structured) python3 -m perf.bench_structured --shape llama-3.2-3b --batches 1,16,64 --max-tokens 128 --repeats 2 \
+              --serial --tokenizer-dir $TOK --work-dir $WORK --out-dir "$OUT" ;;
+  tp)       NCCL_NVLS_ENABLE=0 python3 -m perf.bench_parallel --shape llama-3.2-3b --layouts 1x1,2x1 --concurrency 1,64 \
+              --max-tokens 128 --requests 4 --requests-per-stream 2 --client-procs 4 --publish-adapter-every 2 \
+              --tokenizer-dir $TOK --work-dir $WORK --experiment tp-3b --out-dir "$OUT" ;;
+  dp)       python3 -m perf.bench_parallel --shape llama-3.2-3b --layouts 1x1,1x2 --concurrency 256 --max-tokens 128 \
+              --requests-per-stream 2 --client-procs 8 --publish-adapter-every 2 --tokenizer-dir $TOK \
+              --work-dir $WORK --experiment dp --out-dir "$OUT" ;;
 esac
