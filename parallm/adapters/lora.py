@@ -150,12 +150,19 @@ class _Stacks:
         self.slots = slots
         self.by_path: dict[str, tuple | None] = {}
 
-    def get(self, path: str, linear: nn.Module) -> tuple | None:
-        if path in self.by_path:
-            return self.by_path[path]
+    def _modules(self, path: str) -> list | None:
+        """Each slot's adapter module at `path` (None where a slot has none), or None when no slot
+        adapts it (remembered, as the built stacks are)."""
         mods = [None if a is None else a.modules.get(path) for a in self.slots]
         if all(m is None for m in mods):
             self.by_path[path] = None
+            return None
+        return mods
+
+    def get(self, path: str, linear: nn.Module) -> tuple | None:
+        if path in self.by_path:
+            return self.by_path[path]
+        if (mods := self._modules(path)) is None:
             return None
         in_dims, out_dims = linear_dims(linear)
         dtype = next(m.a.dtype for m in mods if m is not None)
@@ -183,9 +190,7 @@ class _Stacks:
         """(A [S*E, in, r], B [S*E, r, out], scale per (slot, expert) [S*E]) of an expert projection."""
         if path in self.by_path:
             return self.by_path[path]
-        mods = [None if a is None else a.modules.get(path) for a in self.slots]
-        if all(m is None for m in mods):
-            self.by_path[path] = None
+        if (mods := self._modules(path)) is None:
             return None
         experts, in_dims, out_dims = switch_dims(linear)
         dtype = next(m.a.dtype for m in mods if m is not None)
