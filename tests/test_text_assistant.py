@@ -12,6 +12,8 @@ import pytest
 from parallm.text.assistant import AssistantSplitter, Split, infer_thinking, infer_tool_parser, tool_parser
 from parallm.text.segments import MarkerSplitter
 
+from _split_helpers import accumulated, split_all
+
 TOOLS = [{"type": "function", "function": {"name": "multiply", "parameters": {
     "type": "object", "required": ["a", "b"], "properties": {"a": {"type": "number"}, "b": {"type": "number"}}}}}]
 A, B = 12234585, 48838483920
@@ -35,17 +37,6 @@ SAMPLES = {
 }
 
 
-def run(splitter: AssistantSplitter, text: str, step: int | None) -> Split:
-    total = Split()
-    pieces = [text] if step is None else [text[i:i + step] for i in range(0, len(text), step)]
-    for part in [*(splitter.feed(p) for p in pieces), splitter.finish()]:
-        total.content += part.content
-        total.reasoning += part.reasoning
-        total.tool_calls += part.tool_calls
-        total.tool_call_deltas += part.tool_call_deltas
-    return total
-
-
 def calls(split: Split) -> list[tuple[str, dict]]:
     return [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in split.tool_calls]
 
@@ -54,7 +45,7 @@ def calls(split: Split) -> list[tuple[str, dict]]:
 @pytest.mark.parametrize("name", SAMPLES)
 def test_each_family_parses_whole_and_streamed(name, step):
     text = "<think>the user wants a product</think>" + SAMPLES[name]
-    split = run(AssistantSplitter(("<think>", "</think>"), tool_parser(name), tools=TOOLS), text, step)
+    split = split_all(AssistantSplitter(("<think>", "</think>"), tool_parser(name), tools=TOOLS), text, step)
     assert calls(split) == WANT, split
     assert split.reasoning == "the user wants a product"
     assert split.content.strip() == "", split.content
@@ -73,34 +64,34 @@ def test_parsers_load_without_importing_mlx_lm():
 def test_several_calls_with_text_around(step):
     text = ('I will call two tools.<tool_call>\n{"name": "multiply", "arguments": {"a": 1, "b": 2}}\n</tool_call>\n'
             '<tool_call>\n{"name": "multiply", "arguments": {"a": 3, "b": 4}}\n</tool_call>')
-    split = run(AssistantSplitter(None, tool_parser("json_tools")), text, step)
+    split = split_all(AssistantSplitter(None, tool_parser("json_tools")), text, step)
     assert calls(split) == [("multiply", {"a": 1, "b": 2}), ("multiply", {"a": 3, "b": 4})]
     assert split.content.strip() == "I will call two tools."
 
 
 def test_llama3_bare_json_and_plain_json_content():
     bare = '{"name": "multiply", "parameters": {"a": 1, "b": 2}}'
-    assert calls(run(AssistantSplitter(None, tool_parser("llama3_json")), bare, 5)) == [("multiply", {"a": 1, "b": 2})]
+    assert calls(split_all(AssistantSplitter(None, tool_parser("llama3_json")), bare, 5)) == [("multiply", {"a": 1, "b": 2})]
     plain = '{"answer": 42}'
-    split = run(AssistantSplitter(None, tool_parser("llama3_json")), plain, 3)
+    split = split_all(AssistantSplitter(None, tool_parser("llama3_json")), plain, 3)
     assert split.content == plain and not split.tool_calls
 
 
 def test_a_malformed_call_stays_text():
     text = "<tool_call>{not json</tool_call> done"
-    split = run(AssistantSplitter(None, tool_parser("json_tools")), text, 2)
+    split = split_all(AssistantSplitter(None, tool_parser("json_tools")), text, 2)
     assert not split.tool_calls and split.content == text
 
 
 @pytest.mark.parametrize("step", [None, 1, 2, 5])
 def test_reasoning_split_streamed_and_not(step):
-    split = run(AssistantSplitter(("<think>", "</think>")), "<think>a < b, so </thin k</think>The answer is 4.", step)
+    split = split_all(AssistantSplitter(("<think>", "</think>")), "<think>a < b, so </thin k</think>The answer is 4.", step)
     assert (split.reasoning, split.content) == ("a < b, so </thin k", "The answer is 4.")
     # the template opened the thinking segment (Qwen3 with enable_thinking): no start marker in the output
-    split = run(AssistantSplitter(("<think>", "</think>"), in_reasoning=True), "hmm</think>\n\n4", step)
+    split = split_all(AssistantSplitter(("<think>", "</think>"), in_reasoning=True), "hmm</think>\n\n4", step)
     assert (split.reasoning, split.content) == ("hmm", "\n\n4")
     # an unclosed thinking segment (max_tokens) is all reasoning
-    split = run(AssistantSplitter(("<think>", "</think>")), "<think>still thinking <", step)
+    split = split_all(AssistantSplitter(("<think>", "</think>")), "<think>still thinking <", step)
     assert (split.reasoning, split.content) == ("still thinking <", "")
 
 
@@ -227,17 +218,6 @@ STREAMED = {  # formats whose arguments are streamed as they come (tool_stream.C
 WANT2 = [("multiply", {"a": A, "b": B}), ("note", {"text": 'a "}" brace'})]
 
 
-def merged(deltas: list[dict]) -> list[dict]:
-    """What a client accumulates (the openai SDK's stream state: strings concatenate, by index)."""
-    calls: list[dict] = []
-    for d in deltas:
-        if d["index"] == len(calls):
-            function = {"name": d["function"]["name"], "arguments": ""}
-            calls.append({"id": d["id"], "type": d["type"], "function": function})
-        calls[d["index"]]["function"]["arguments"] += d["function"].get("arguments", "")
-    return calls
-
-
 @pytest.mark.parametrize("name", sorted(STREAMED))
 @pytest.mark.parametrize("step", [1, 3, 7])
 def test_calls_stream_name_first_then_argument_pieces(name, step):
@@ -251,7 +231,7 @@ def test_calls_stream_name_first_then_argument_pieces(name, step):
         deltas += part.tool_call_deltas
         whole += part.tool_calls
     assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in whole] == WANT2
-    assert merged(deltas) == whole  # the fragments accumulate to the calls reported whole
+    assert accumulated(deltas) == whole  # the fragments accumulate to the calls reported whole
     first = [d for d in deltas if d["index"] == 0]
     assert "id" in first[0] and first[0]["function"] == {"name": "multiply", "arguments": ""}
     assert len(first) >= 3 and all(set(d) == {"index", "function"} for d in first[1:])  # then argument pieces
@@ -261,6 +241,6 @@ def test_calls_stream_name_first_then_argument_pieces(name, step):
 
 def test_a_format_not_read_incrementally_streams_each_call_whole():
     splitter = AssistantSplitter(parser=tool_parser("qwen3_coder"), tools=TOOLS)
-    split = run(splitter, SAMPLES["qwen3_coder"], 3)
-    assert calls(split) == WANT and merged(split.tool_call_deltas) == split.tool_calls
+    split = split_all(splitter, SAMPLES["qwen3_coder"], 3)
+    assert calls(split) == WANT and accumulated(split.tool_call_deltas) == split.tool_calls
     assert len(split.tool_call_deltas) == 1 and split.tool_call_deltas[0]["index"] == 0

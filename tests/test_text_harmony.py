@@ -11,6 +11,8 @@ import pytest
 from parallm.text.assistant import Split, infer_tool_parser, new_call_id
 from parallm.text.harmony import HarmonySplitter
 
+from _split_helpers import accumulated, split_all
+
 REASON = ('<|channel|>analysis<|message|>User asks: "What is 2 + 2?" Simple arithmetic. Provide answer.<|end|>'
           '<|start|>assistant<|channel|>final<|message|>2 + 2 = 4.')
 CALL = ('<|channel|>analysis<|message|>Need to use function get_weather.<|end|><|start|>assistant<|channel|>'
@@ -31,27 +33,6 @@ CASES = {  # text -> (reasoning, content, calls)
     "role_recipient": (ROLE_RECIPIENT, "Look it up.", "", [("get_weather", {"location": "Paris"})]),
     "browser": (BROWSER, '{"query": "gpt-oss"}', "Found it.", []),
 }
-
-
-def split_all(splitter: HarmonySplitter, text: str, step: int | None) -> Split:
-    total = Split()
-    pieces = [text] if step is None else [text[i:i + step] for i in range(0, len(text), step)]
-    for part in [*(splitter.feed(p) for p in pieces), splitter.finish()]:
-        total.content += part.content
-        total.reasoning += part.reasoning
-        total.tool_calls += part.tool_calls
-        total.tool_call_deltas += part.tool_call_deltas
-    return total
-
-
-def accumulated(deltas: list[dict]) -> list[dict]:
-    calls: list[dict] = []
-    for d in deltas:
-        if d["index"] == len(calls):
-            function = {"name": d["function"]["name"], "arguments": ""}
-            calls.append({"id": d["id"], "type": d["type"], "function": function})
-        calls[d["index"]]["function"]["arguments"] += d["function"].get("arguments", "")
-    return calls
 
 
 @pytest.mark.parametrize("case", sorted(CASES))
