@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 import threading
 import time
@@ -18,12 +17,13 @@ import pytest
 import zmq
 from mlx_lm.models import llama
 
-from parallm.launch.group import rank_env, write_ring_hostfile
+from parallm.launch.group import write_ring_hostfile
 from parallm.engine import distributed
 from parallm.engine.distributed import (Ack, Batch, Call, Leader, TensorParallelError, control_addresses, follow,
                                         shard_model, shard_refusal, state_digest)
 from parallm.protocol import SamplingParams
 from tests._engine_helpers import greedy, make_engine, req, run_all, tiny_model
+from tests._ring_helpers import run_ring
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -86,17 +86,8 @@ def rank_main(out: str) -> int:
 def run_group(tmp_path: Path, ranks: int, model: str) -> dict[str, list[int]]:
     """`ranks` processes on the ring over localhost; rank 0's tokens."""
     out = tmp_path / "tokens.json"
-    hostfile = write_ring_hostfile(tmp_path / "ring.json", ranks)
     env = {**os.environ, "TP_SIZE": str(ranks), "TP_MODEL": model, "PYTHONPATH": str(ROOT)}
-    procs = [subprocess.Popen([sys.executable, __file__, str(out)], env=rank_env(env, r, hostfile), cwd=ROOT)
-             for r in range(ranks)]
-    try:
-        codes = [p.wait(timeout=600) for p in procs]
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-    assert codes == [0] * ranks
+    assert run_ring(__file__, str(out), tmp_path, ranks, env) == [0] * ranks
     return json.loads(out.read_text())
 
 

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -21,10 +20,10 @@ from mlx.utils import tree_flatten
 from parallm.adapters import save_bytes
 from parallm.adapters.sharded import full_dims, local_linear, shard_lora, shard_tensor, split
 from parallm.adapters.formats import ModuleLoRA
-from parallm.launch.group import rank_env, write_ring_hostfile
 from parallm.protocol import SamplingParams
 from tests._adapter_helpers import adapter_tensors, lora_model
 from tests._engine_helpers import greedy, make_engine, req, tiny_model
+from tests._ring_helpers import run_ring
 
 ROOT = Path(__file__).resolve().parents[1]
 EVERY_PROJECTION = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj", "mlp.gate_proj",
@@ -122,17 +121,9 @@ def test_adapters_and_weight_updates_on_two_ranks_match_one(tmp_path):
     (tmp_path / "weights").mkdir()
     mx.save_safetensors(str(tmp_path / "weights" / "model.safetensors"),
                         {k: v * 1.1 for k, v in new_weights().items()})
-    hostfile = write_ring_hostfile(tmp_path / "ring.json", 2)
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    procs = [subprocess.Popen([sys.executable, __file__, str(tmp_path)], env=rank_env(env, r, hostfile), cwd=ROOT)
-             for r in range(2)]
-    try:
-        codes = [p.wait(timeout=600) for p in procs]
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-    assert codes == [0, 0]  # a follower whose state digest differed from rank 0's would have exited 1
+    # a follower whose state digest differed from rank 0's would have exited 1
+    assert run_ring(__file__, str(tmp_path), tmp_path, 2, env) == [0, 0]
     got = json.loads((tmp_path / "tokens.json").read_text())
     single = make_engine(tiny_model("llama"))
     want = drive(single, str(tmp_path / "weights"))
