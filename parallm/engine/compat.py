@@ -265,18 +265,36 @@ def _batch_noise(model: nn.Module, info: ModelInfo, prompt: list[int], nxt: int,
     H200), which the padded-rows check must not read as a position error."""
     if info.dtype == mx.float32:
         return 0.0
+    try:
+        pre, dec = _two_row_passes(model, info, [prompt, prompt], [nxt, nxt])
+    except Exception:
+        return 0.0  # the padded check reports the failure with its reason
+    return max(mx.abs(got.astype(mx.float32) - want.astype(mx.float32)).max().item()
+               for got, want in ((pre[0], want_prefill), (dec[0], want_decode)))
+
+
+def _two_row_passes(model: nn.Module, info: ModelInfo, prompts: list[list[int]], nxt: list[int],
+                    padded: bool = True) -> tuple[list[mx.array], list[mx.array]]:
+    """Each row's last prefill logits and its logits for `nxt`, through the engine's views: both prompts
+    in one right-padded pass (`padded`; else each in a pass of its own row), then one decode pass."""
     live = LiveKV(info.shapes, info.dtype, info.layout)
     live.resize(2, 16)
-    try:
-        ctx = PassContext(0, [0, 0], len(prompt), len(prompt), mask5d=info.mask5d, lengths=[len(prompt)] * 2)
-        pre = _logits(model(mx.array([prompt, prompt]), cache=live.views(ctx)))[:, -1]
-        ctx = PassContext(0, [len(prompt)] * 2, 1, len(prompt) + 1, mask5d=info.mask5d)
-        dec = _logits(model(mx.array([[nxt], [nxt]]), cache=live.views(ctx)))[:, -1]
-    except Exception:
-        return 0.0  # the padded check below reports the failure with its reason
-    diffs = [mx.abs(got.astype(mx.float32) - want.astype(mx.float32)).max().item()
-             for got, want in ((pre[0], want_prefill), (dec[0], want_decode))]
-    return max(diffs)
+    L = max(map(len, prompts))
+    if padded:
+        ctx = PassContext(0, [0, 0], L, L, mask5d=info.mask5d, lengths=list(map(len, prompts)))
+        out = _logits(model(mx.array([p + [0] * (L - len(p)) for p in prompts]), cache=live.views(ctx)))
+        got_prefill = [out[i, len(p) - 1] for i, p in enumerate(prompts)]
+    else:
+        got_prefill = []
+        for i, p in enumerate(prompts):
+            ctx = PassContext(i, [0], len(p), len(p), mask5d=info.mask5d)
+            got_prefill.append(_logits(model(mx.array([p]), cache=live.views(ctx)))[0, -1])
+            mx.eval(got_prefill[-1], live.arrays())
+    mx.eval(got_prefill, live.arrays())
+    offsets = [len(p) for p in prompts]
+    ctx = PassContext(0, offsets, 1, max(offsets) + 1, mask5d=info.mask5d)
+    out = _logits(model(mx.array([[t] for t in nxt]), cache=live.views(ctx)))
+    return got_prefill, [out[i, -1] for i in range(2)]
 
 
 def check_batched_rows(model: nn.Module, info: ModelInfo, *, padded: bool = True) -> None:
@@ -292,25 +310,8 @@ def check_batched_rows(model: nn.Module, info: ModelInfo, *, padded: bool = True
         caches = cache_slots(model)
         want_prefill.append(_logits(model(mx.array([p]), cache=caches))[0, -1])
         want_decode.append(_logits(model(mx.array([[t]]), cache=caches))[0, -1])
-    live = LiveKV(info.shapes, info.dtype, info.layout)
-    live.resize(2, 16)
-    L = max(map(len, prompts))
     try:
-        if padded:
-            ctx = PassContext(0, [0, 0], L, L, mask5d=info.mask5d, lengths=list(map(len, prompts)))
-            out = _logits(model(mx.array([p + [0] * (L - len(p)) for p in prompts]), cache=live.views(ctx)))
-            got_prefill = [out[i, len(p) - 1] for i, p in enumerate(prompts)]
-        else:
-            got_prefill = []
-            for i, p in enumerate(prompts):
-                ctx = PassContext(i, [0], len(p), len(p), mask5d=info.mask5d)
-                got_prefill.append(_logits(model(mx.array([p]), cache=live.views(ctx)))[0, -1])
-                mx.eval(got_prefill[-1], live.arrays())
-        mx.eval(got_prefill, live.arrays())
-        offsets = [len(p) for p in prompts]
-        ctx = PassContext(0, offsets, 1, max(offsets) + 1, mask5d=info.mask5d)
-        out = _logits(model(mx.array([[t] for t in nxt]), cache=live.views(ctx)))
-        got_decode = [out[i, -1] for i in range(2)]
+        got_prefill, got_decode = _two_row_passes(model, info, prompts, nxt, padded)
     except Exception as e:
         raise UnsupportedModel(f"model type {info.model_type!r} is not served: a batched pass over rows of "
                                f"different lengths fails ({type(e).__name__}: {e})") from e
