@@ -505,6 +505,49 @@ class BlasStats(Struct, kw_only=True):
     thread_changes: int
 
 
+class StepRecord(Struct, kw_only=True):
+    """One engine step (parallm/engine/trace.py): what it ran and where its time went."""
+
+    step: int = 0
+    ms: float = 0.0
+    kind: str = ""                # decode, prefill, prefill+decode, mixed, read
+    decode_rows: int = 0
+    prefill_rows: int = 0
+    prefill_tokens: int = 0       # real prompt tokens of the step's prefill pass
+    prefill_padded: int = 0       # rows x padded chunk length L
+    prefill_length: int = 0       # L
+    admitted: int = 0
+    preempted: int = 0
+    new_shape: bool = False       # the first step of this (kind, decode rows, prefill rows, L)
+    phase_ms: dict[str, float] = {}  # schedule (with row ops), prefill, launch, read, mixed
+    ops: dict[str, int] = {}      # row operations run, by kind (Resize, CopyRow, WriteBack, ...)
+
+
+class BurstStats(Struct, kw_only=True):
+    """The engine's steps from the first one after it had nothing to do to the one that left it with
+    nothing (parallm/engine/trace.py): a benchmark run's figures, read after the run."""
+
+    done: bool = False
+    first_step: int = 0
+    steps: int = 0
+    wall_s: float = 0.0
+    step_ms_p50: float = 0.0
+    step_ms_p99: float = 0.0
+    step_ms_max: float = 0.0
+    passes: dict[str, int] = {}   # steps by what they ran (StepRecord.kind)
+    phase_ms: dict[str, float] = {}
+    ops: dict[str, int] = {}
+    prefill_passes: int = 0
+    prefill_tokens_per_pass: float = 0.0
+    prefill_padded_per_pass: float = 0.0
+    new_shapes: int = 0           # steps whose pass shape the engine ran for the first time (a GPU compiles)
+    new_shape_ms: float = 0.0
+    admitted: int = 0
+    preempted: int = 0
+    max_decode_rows: int = 0
+    slowest: list[StepRecord] = []
+
+
 class EngineStats(Struct, tag="engine", kw_only=True):
     """The engine's state and counters since it started (GetStats; ingress polls it for /metrics)."""
 
@@ -542,6 +585,10 @@ class EngineStats(Struct, tag="engine", kw_only=True):
     adapter_settings: AdaptersConfig | None = None
     weights_version: int = 0      # the base model's policy version (full-weight updates applied)
     weights_updates: int = 0
+    recomputed_tokens: int = 0    # computed tokens preemptions threw away (recomputed when readmitted)
+    oom_retries: int = 0          # allocations retried after freeing MLX's buffer cache (engine/memory.py)
+    burst: BurstStats | None = None       # the steps of the work in progress (engine/trace.py)
+    last_burst: BurstStats | None = None  # the last burst of steps that ended with nothing left to do
     # the engine stage's own
     weights: WeightsStatus = msgspec.field(default_factory=WeightsStatus)
     paused: bool = False

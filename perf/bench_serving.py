@@ -33,6 +33,11 @@ server with HTTP, gets a seed of its own. (Before, every level reused the same f
 the ZeroMQ run repeated the HTTP run's prompts on a warm cache: its TTFT read 0.99 s against a
 cold 1.69 s on the same server.)
 
+After each served run the engine's own figures are kept with it (perf/engine_figures.py: its
+steps by kind, step-time percentiles, prefill tokens per pass, preemptions and recomputed tokens,
+OOM retries, KV budget and live buffer, row operations, first-seen pass shapes and the slowest
+steps with their phases), so a slow run says where its time went.
+
 Writes perf/results/serving[-EXPERIMENT]-DEVICE.json (every number, the machine and the command),
 a markdown table (.md) and plots (.png).
 """
@@ -50,6 +55,7 @@ from collections import deque
 from pathlib import Path
 from typing import Any
 
+from perf import engine_figures
 from perf.harness import Process, Results, Server, add_results_options, cpu_delta, describe, free_port
 from perf.loadgen import WORKLOADS, RequestRecord, Workload, make_prompts, run_http, run_zmq, summarize
 
@@ -188,9 +194,13 @@ def write_report(result: dict[str, Any], results: Results) -> None:
     cpu = [f"- {r['target']} c={r['concurrency']}: client {r.get('client_cpu_s', 0):.1f} s, "
            + ", ".join(f"{k} {v:.1f} s" for k, v in sorted(r["server_cpu_s"].items()))
            + f" (wall {r['wall_s']:.1f} s)" for r in result["runs"] if r.get("server_cpu_s")]
+    engine = [line for r in result["runs"] if r.get("engine")
+              for line in engine_figures.lines(f"{r['target']} c={r['concurrency']}", r["engine"])]
     md = [f"# Served vs in-process ({result['workload']}, {result['max_tokens']} output tokens)", "",
           f"Machine: {describe(results.machine)}", "", f"Command: `{results.command}`", "", *rows, "", "Ratios:",
-          *ratios, *(["", "CPU seconds per process during each served run:", *cpu] if cpu else [])]
+          *ratios, *(["", "CPU seconds per process during each served run:", *cpu] if cpu else []),
+          *(["", "The engine's own figures during each served run (perf/engine_figures.py; the slowest steps "
+             "with their phases in ms):", *engine] if engine else [])]
     results.write(result, "\n".join(md))
     try:
         import matplotlib
@@ -324,6 +334,8 @@ def main(argv: list[str] | None = None) -> int:
                 for target in ("http", "zmq"):
                     if target not in targets:
                         continue
+                    engine_figures.settle()  # the run's burst of engine steps is its own
+                    stats_before = engine_figures.snapshot(router)
                     before = server.cpu_seconds()
                     if target == "http":
                         r = asyncio.run(run_http(url, "bench", w, c, eos, prompt_seed(c, "http"),
@@ -332,6 +344,8 @@ def main(argv: list[str] | None = None) -> int:
                         r = asyncio.run(run_zmq(router, w, c, eos, prompt_seed(c, "zmq")))
                     r["target"] = target
                     r["server_cpu_s"] = cpu_delta(before, server.cpu_seconds())
+                    engine_figures.settle()
+                    r["engine"] = engine_figures.figures(stats_before, engine_figures.snapshot(router))
                     keep(r)
         finally:
             server.stop()

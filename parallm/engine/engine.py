@@ -24,7 +24,8 @@ from .constraints import Constraints, GrammarError, tokenizer_from_file
 from .think_gate import thinking_from_file
 from .compat import check_model
 from .faults import PassState, log, prefill_passes
-from .memory import auto_kv_budget_bytes, fit_state_rows, limit_buffer_cache, set_wired_limit, weight_bytes
+from .memory import (auto_kv_budget_bytes, fit_state_rows, limit_buffer_cache, oom_retries, set_wired_limit,
+                     weight_bytes)
 from .model import EngineModel
 from .output import OutputProcessor, StepOutputs, unseen_versions
 from .plan import KVBudget, Plan, PrefillWork
@@ -32,6 +33,7 @@ from .request import Request, RequestRejected, ScoreResult, SeqOutput, validate,
 from .runner import Launch, ModelRunner
 from .sampling import splitmix64
 from .scheduler import Scheduler
+from .trace import StepTracer
 from .sequence import Sequence
 from .warmup import warm_up
 
@@ -112,7 +114,7 @@ class Engine:
             thinking=lambda: thinking_from_file(_model_dir(config) / "tokenizer.json"))
         self.runner.constraints = self.constraints
         self._requests: dict[str, list[Sequence]] = {}
-        self.output = OutputProcessor(self.scheduler, self.eos_token_ids, self._requests, self.runner.execute)
+        self.output = OutputProcessor(self.scheduler, self.eos_token_ids, self._requests, self._execute)
         self._launches: list[Launch] = []
         self._owed: list[Output] = []  # outputs of steps that score() ran, for the next step()
         self._score_counter = 0
@@ -124,6 +126,7 @@ class Engine:
         self._last_batch = 0
         self._mixed_passes = 0  # steps whose prompt chunks rode in the decode pass
         self.failed_rows = 0  # requests ended by a pass that failed for them alone (faults.py)
+        self.trace = StepTracer()  # what each step ran and where its time went, a burst at a time (trace.py)
 
     # ------------------------------------------------------------------ requests
     def add_request(self, request: Request) -> None:
@@ -221,21 +224,34 @@ class Engine:
         prompt chunks and the decode rows share one pass."""
         t0 = time.perf_counter()
         self._steps += 1
+        self.trace.begin(self._steps)
         out = StepOutputs()
         self.output.report_aborts(out)
         plan = self.scheduler.schedule()
-        self.runner.execute(plan.ops)
+        self.trace.plan(len(plan.admitted), len(plan.preempted))
+        self._execute(plan.ops)
         self._timing["schedule_s"] += time.perf_counter() - t0
-        self._run(plan, out, emit)  # each pass's tokens go through self.output as it is read
+        self.trace.phase("schedule", time.perf_counter() - t0)
+        kind = self._run(plan, out, emit)  # each pass's tokens go through self.output as it is read
+        self.trace.end(kind, self.has_work())
         return self._with_owed(out)
 
-    def _run(self, plan: Plan, out: StepOutputs, emit: Callable[[list[Output]], None] | None) -> None:
+    def _execute(self, ops: list) -> None:
+        self.trace.ops(ops)
+        self.runner.execute(ops)
+
+    def _run(self, plan: Plan, out: StepOutputs, emit: Callable[[list[Output]], None] | None) -> str:
+        """Run the step's passes; what they were (a StepRecord kind, trace.py)."""
         t1 = time.perf_counter()
-        if plan.prefill is not None and self._can_mix(plan.prefill) and self._mixed(plan.prefill, out, emit):
+        work = plan.prefill
+        if work is not None:
+            self.trace.prefill(len(work.seqs), sum(work.lengths), work.length)
+        if work is not None and self._can_mix(work) and self._mixed(work, out, emit):
             self._timing["mixed_s"] += time.perf_counter() - t1
-            return
-        if plan.prefill is not None:
-            self._prefill(plan.prefill, out, emit)
+            self.trace.phase("mixed", time.perf_counter() - t1)
+            return "mixed"
+        if work is not None:
+            self._prefill(work, out, emit)
         t2 = time.perf_counter()
         launched = self._launch()
         t3 = time.perf_counter()
@@ -250,6 +266,9 @@ class Engine:
         self._timing["prefill_s"] += t2 - t1
         self._timing["launch_s"] += t3 - t2
         self._timing["read_s"] += t4 - t3
+        for name, seconds in (("prefill", t2 - t1), ("launch", t3 - t2), ("read", t4 - t3)):
+            self.trace.phase(name, seconds)
+        return "+".join(k for k, ran in (("prefill", work is not None), ("decode", launched)) if ran) or "read"
 
     def _wants_decode(self) -> bool:
         seqs = self.scheduler.running
@@ -274,6 +293,7 @@ class Engine:
             s.num_computed += 1
             s.inflight += 1
         self._launches.append(launch)
+        self.trace.decode(len(seqs))
         self._hist[len(seqs)] += 1
         self._last_batch = len(seqs)
 
@@ -338,6 +358,7 @@ class Engine:
         self.output.prompt_computed = self.output.generated = self.output.scored = 0
         self._hist.clear()
         self._timing.clear()
+        self.trace.reset()
         self._seq_counter = self._seed_counter = self._score_counter = 0
         self.scheduler.prefix_queried_tokens = self.scheduler.prefix_hit_tokens = 0
 
@@ -450,6 +471,7 @@ class Engine:
         adapters = self.adapters.stats()
         swap_ms = self.output.swap_ms
         adapters.load_to_first_token_ms = sorted(swap_ms)[len(swap_ms) // 2] if swap_ms else None
+        burst, last_burst = self.trace.stats()
         return EngineStats(
             running=len(s.running), waiting=len(s.waiting), prefilling=len(s.prefilling),
             kv_blocks_total=b.num_blocks if b else 0, kv_blocks_used=b.num_used if b else 0,
@@ -465,7 +487,8 @@ class Engine:
             live_rows=r.live.rows, live_capacity=r.live.capacity, live_bytes=r.live.nbytes, pool_bytes=r.pool.nbytes,
             bytes_per_token=r.live.bytes_per_token, penalty_state=r.penalties.active, adapters=adapters,
             settings=self.config, adapter_settings=self.adapter_settings,
-            weights_version=self.weights_version, weights_updates=self.weights_updates)
+            weights_version=self.weights_version, weights_updates=self.weights_updates,
+            recomputed_tokens=s.recomputed_tokens, oom_retries=oom_retries(), burst=burst, last_burst=last_burst)
 
     def check_integrity(self) -> None:
         self.scheduler.check_integrity()

@@ -109,14 +109,24 @@ def is_out_of_memory(exc: BaseException) -> bool:
     return isinstance(exc, RuntimeError) and any(s in str(exc) for s in OUT_OF_MEMORY)
 
 
+_oom_retries = 0
+
+
+def oom_retries() -> int:
+    """How many allocations `retry_out_of_memory` retried in this process."""
+    return _oom_retries
+
+
 def retry_out_of_memory(allocate: Callable[[], T]) -> T:
     """`allocate()`, once more after MLX's buffer cache went back to the device if it ran out of
     memory. `allocate` must change nothing before its allocations are evaluated."""
+    global _oom_retries
     try:
         return allocate()
     except RuntimeError as exc:
         if not is_out_of_memory(exc):
             raise
+        _oom_retries += 1
         cached = mx.get_cache_memory()
         mx.clear_cache()
         log.warning("out of device memory (%s); retrying with MLX's buffer cache (%.0f MiB) freed", exc,

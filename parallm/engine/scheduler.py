@@ -56,6 +56,7 @@ class Scheduler(RowLayout):
         self._admissions = 0
         self._arrivals = 0
         self.preemptions = 0
+        self.recomputed_tokens = 0  # computed tokens that preemptions threw away
         self.priority_preemptions = 0
         self.prefix_queried_tokens = 0
         self.prefix_hit_tokens = 0
@@ -173,6 +174,7 @@ class Scheduler(RowLayout):
         """Free the row, keep its computed full blocks in the prefix cache, requeue it at its arrival's place."""
         self._release(seq, writeback=True)
         seq.status = Status.WAITING
+        self.recomputed_tokens += seq.num_computed
         seq.num_computed = 0
         seq.epoch += 1
         self.preemptions += 1
