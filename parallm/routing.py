@@ -38,6 +38,7 @@ from typing import Callable, Sequence
 from parallm import protocol
 from parallm.config import Config, EngineConfig
 from parallm.keys import Curve, stage_curve
+from parallm.threads import name_os_thread
 from parallm.transport import Addresses, Sender
 
 HALF_LIFE_S = 2.0
@@ -213,6 +214,7 @@ class ReplicaReports:
         self._beating = True
 
         def beat() -> None:
+            name_os_thread()
             sender = open_sender()
             while True:
                 if self._last is not None:

@@ -23,6 +23,7 @@ import zmq
 from . import protocol
 from .config import Config
 from .keys import stage_curve
+from .threads import name_os_thread
 from .transport import Addresses, Receiver, Sender, addresses, open_socket, set_curve, set_max_message_bytes
 
 log = logging.getLogger(__name__)
@@ -43,6 +44,7 @@ def die_with_parent(parent_fd: int | None) -> None:
         return
 
     def watch() -> None:
+        name_os_thread()
         try:
             while os.read(parent_fd, 1):
                 pass
@@ -109,6 +111,7 @@ class StageRuntime:
                                        in_flight=self._in_flight), block=False)
 
     def _beat(self) -> None:
+        name_os_thread()
         sender = Sender(open_socket(self.ctx, zmq.PUSH, self.addrs.supervisor, bind=False))
         while True:
             self._send_beat(sender)

@@ -22,10 +22,13 @@
 #             constrained rows (issue 20), ~3 min
 #   tp        (nvidia-h100-x2) TP=2 vs one engine, llama-3.2-3b, c=1 and 64, adapters republished every 2 s (issue 23), ~5 min
 #   dp        (nvidia-h100-x2) two replicas vs one engine at c=256 (issue 23; goal 1.8x), ~4 min
+#   threads   CPU seconds of every thread of every stage process, served llama-3.2-3b over HTTP at c=1 and 256, with
+#             the stages' thread samplers and py-spy if staged (the py_spy wheel in .gpu/b puts it in /tmp/site/bin)
+#             (perf/profile_threads.py, issue 24), ~4 min
 # A fresh server per wave: `waves` fits 6-7 waves in one 10-minute call; run it twice for ten.
 set -uo pipefail
-case "${1:-}" in diag|llama|adapters|qwen-a|qwen-b|launch|serving|waves|ingress|moe|hybrid|structured|tp|dp) ;;
-  *) sed -n 2,25p "$0"; exit 2 ;; esac
+case "${1:-}" in diag|llama|adapters|qwen-a|qwen-b|launch|serving|waves|ingress|moe|hybrid|structured|tp|dp|threads) ;;
+  *) sed -n 2,28p "$0"; exit 2 ;; esac
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
 if [ -d /tmp/site/mlx ] && [ ! -f .gpu/b/install.sh ]; then
@@ -71,4 +74,7 @@ case "${1:-}" in
   dp)       python3 -m perf.bench_parallel --shape llama-3.2-3b --layouts 1x1,1x2 --concurrency 256 --max-tokens 128 \
               --requests-per-stream 2 --client-procs 8 --publish-adapter-every 2 --tokenizer-dir $TOK \
               --work-dir $WORK --experiment dp --out-dir "$OUT" ;;
+  threads)  PATH=/tmp/site/bin:$PATH python3 -m perf.profile_threads --shape llama-3.2-3b --concurrency 1,256 \
+              --max-tokens 128 --requests-per-client 1 --min-requests 8 --client-procs 4 --tokenizer-dir $TOK \
+              --work-dir $WORK --experiment llama-3.2-3b --out-dir "$OUT" ;;
 esac

@@ -16,6 +16,7 @@ from parallm.config import Config
 from parallm.keys import stage_curve
 from parallm.logs import setup_logging
 from parallm.runtime import die_with_parent
+from parallm.threads import start_sampler
 from parallm.transport import set_curve
 
 STAGES = ("ingress", "tokenizer", "engine", "detokenizer", "trainer")
@@ -37,6 +38,7 @@ def main() -> int:
     else:
         config = Config.decode(Path(args.config_file).read_bytes())
     setup_logging(config.log_level, args.stage, config.log_format)
+    start_sampler(args.stage if args.replica == 0 else f"{args.stage}-{args.replica}")  # PARALLM_THREAD_SAMPLES
     set_curve(stage_curve(config.transport.curve_keys))  # every tcp:// socket of this stage
     module = importlib.import_module(f"parallm.stages.{args.stage}")
     return module.main(config, args.replica)
