@@ -4,15 +4,26 @@ every line about a request.
 A line about a request passes `extra={"request_id": rid}` (use `request_extra(rid)`); both
 formats show it, so one id can be followed from the ingress access log through the tokenizer
 and the engine to the detokenizer with `grep` or a log pipeline's filter.
+
+A stage's stderr is a pipe its supervisor drains; a write to it blocks the writing thread while the
+pipe is full or the CPU is busy, and the thread that logs is the stage's loop (the ingress event
+loop writes one access line per request). So lines are formatted and written by a thread of their
+own (`log-writer`): the loop only renders the message and queues the record.
 """
 
 from __future__ import annotations
 
+import atexit
 import json
 import logging
+import queue
 import sys
+import threading
 import time
+from logging.handlers import QueueHandler, QueueListener
 from typing import Any, Literal
+
+from .threads import name_os_thread
 
 LogFormat = Literal["text", "json"]
 _STANDARD = set(vars(logging.LogRecord("", 0, "", 0, "", None, None))) | {"message", "asctime"}
@@ -56,7 +67,44 @@ class TextFormatter(logging.Formatter):
         return line
 
 
-def setup_logging(level: str, stage: str, fmt: LogFormat = "text") -> None:
+class _Enqueue(QueueHandler):
+    """Queues a record for the writer thread with its message rendered now (its arguments may change
+    later); the exception, if any, is formatted there."""
+
+    def prepare(self, record: logging.LogRecord) -> logging.LogRecord:
+        record.msg, record.args = record.getMessage(), None
+        return record
+
+
+class _Writer(QueueListener):
+    def _monitor(self) -> None:
+        threading.current_thread().name = "log-writer"
+        name_os_thread()
+        super()._monitor()
+
+
+_writer: _Writer | None = None
+
+
+def _stop_writer() -> None:
+    """Write what is queued and stop the writer thread (at exit, or before logging is set up again)."""
+    global _writer
+    if _writer is not None:
+        _writer.stop()
+        _writer = None
+
+
+def setup_logging(level: str, stage: str, fmt: LogFormat = "text", *, background: bool = True) -> None:
+    """Log to stderr as `fmt`; with `background`, through the log-writer thread (see the module docstring)."""
+    global _writer
     handler = logging.StreamHandler(sys.stderr)
     handler.setFormatter(JsonFormatter(stage) if fmt == "json" else TextFormatter())
+    _stop_writer()
+    if background:
+        lines: queue.SimpleQueue[logging.LogRecord] = queue.SimpleQueue()
+        _writer = _Writer(lines, handler)
+        _writer.start()
+        atexit.unregister(_stop_writer)
+        atexit.register(_stop_writer)
+        handler = _Enqueue(lines)
     logging.basicConfig(level=getattr(logging, level.upper(), logging.INFO), handlers=[handler], force=True)

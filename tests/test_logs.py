@@ -59,3 +59,28 @@ def test_the_supervisor_keeps_json_lines_json():
     out = io.StringIO()
     _pump(io.BytesIO(b"plain\n"), "engine", out, json_lines=False)
     assert out.getvalue() == "[engine] plain\n"
+
+
+def test_lines_go_through_the_writer_thread_rendered_when_logged_with_their_exception(tmp_path):
+    import subprocess
+    import sys
+
+    script = """
+import logging, threading
+from parallm.logs import request_extra, setup_logging
+setup_logging("info", "ingress", "json")
+log = logging.getLogger("parallm.x")
+items = ["before"]
+log.info("items %s", items, extra=request_extra("cmpl-9"))
+items[0] = "after"
+try:
+    raise ValueError("boom")
+except ValueError:
+    log.exception("failed")
+print(sorted(t.name for t in threading.enumerate()))
+"""
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60, check=True)
+    first, second = (json.loads(line) for line in done.stderr.splitlines())
+    assert (first["message"], first["request_id"], first["stage"]) == ("items ['before']", "cmpl-9", "ingress")
+    assert second["message"] == "failed" and "ValueError: boom" in second["exception"]
+    assert "log-writer" in done.stdout
