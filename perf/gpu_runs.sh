@@ -21,14 +21,18 @@
 #   structured json_schema vs unconstrained decode at batch 1,16,64, and this code with the serial schedule for
 #             constrained rows (issue 20), ~3 min
 #   tp        (nvidia-h100-x2) TP=2 vs one engine, llama-3.2-3b, c=1 and 64, adapters republished every 2 s (issue 23), ~5 min
-#   dp        (nvidia-h100-x2) two replicas vs one engine at c=256 (issue 23; goal 1.8x), ~4 min
+#   tp8b      (nvidia-h100-x2) TP=2 vs one engine, qwen3-8b 4-bit, c=1 and 64, adapters republished every 2 s (issue 23),
+#             ~7 min
+#   dp        (nvidia-h100-x2) two replicas vs one engine at c=256, 3 requests per stream, adapter republished every 2 s
+#             then still; steady-state rate, requests/tokens/busy share per replica, CPU per process per token
+#             (issue 23; goal 1.8x), ~6 min
 #   threads   CPU seconds of every thread of every stage process, served llama-3.2-3b over HTTP at c=1 and 256, with
 #             the stages' thread samplers and py-spy if staged (the py_spy wheel in .gpu/b puts it in /tmp/site/bin)
 #             (perf/profile_threads.py, issue 24), ~4 min
 # A fresh server per wave: `waves` fits 6-7 waves in one 10-minute call; run it twice for ten.
 set -uo pipefail
-case "${1:-}" in diag|llama|adapters|qwen-a|qwen-b|launch|serving|waves|ingress|moe|hybrid|structured|tp|dp|threads) ;;
-  *) sed -n 2,28p "$0"; exit 2 ;; esac
+case "${1:-}" in diag|llama|adapters|qwen-a|qwen-b|launch|serving|waves|ingress|moe|hybrid|structured|tp|tp8b|dp|threads) ;;
+  *) sed -n 2,32p "$0"; exit 2 ;; esac
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
 if [ -d /tmp/site/mlx ] && [ ! -f .gpu/b/install.sh ]; then
@@ -71,8 +75,11 @@ case "${1:-}" in
   tp)       NCCL_NVLS_ENABLE=0 python3 -m perf.bench_parallel --shape llama-3.2-3b --layouts 1x1,2x1 --concurrency 1,64 \
               --max-tokens 128 --requests 4 --requests-per-stream 2 --client-procs 4 --publish-adapter-every 2 \
               --tokenizer-dir $TOK --work-dir $WORK --experiment tp-3b --out-dir "$OUT" ;;
+  tp8b)     NCCL_NVLS_ENABLE=0 python3 -m perf.bench_parallel --shape qwen3-8b --layouts 1x1,2x1 --concurrency 1,64 \
+              --max-tokens 128 --requests 4 --requests-per-stream 2 --client-procs 4 --publish-adapter-every 2 \
+              --tokenizer-dir $TOK --work-dir $WORK --experiment tp-8b --out-dir "$OUT" ;;
   dp)       python3 -m perf.bench_parallel --shape llama-3.2-3b --layouts 1x1,1x2 --concurrency 256 --max-tokens 128 \
-              --requests-per-stream 2 --client-procs 8 --publish-adapter-every 2 --tokenizer-dir $TOK \
+              --requests-per-stream 3 --client-procs 8 --publish-adapter-every 2 --still --tokenizer-dir $TOK \
               --work-dir $WORK --experiment dp --out-dir "$OUT" ;;
   threads)  PATH=/tmp/site/bin:$PATH python3 -m perf.profile_threads --shape llama-3.2-3b --concurrency 1,256 \
               --max-tokens 128 --requests-per-client 1 --min-requests 8 --client-procs 4 --tokenizer-dir $TOK \

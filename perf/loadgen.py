@@ -68,6 +68,7 @@ class RequestRecord:
     latency: float = 0.0
     itls: list[float] = field(default_factory=list)
     error: str = ""
+    started: float = 0.0       # wall clock (time.time()) when it was sent; 0 where not recorded
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -92,7 +93,31 @@ def summarize(records: list[RequestRecord], wall: float, workload: Workload, con
         "ttft_p50_s": percentile(ttfts, 0.5), "ttft_p99_s": percentile(ttfts, 0.99),
         "itl_p50_s": percentile(itls, 0.5), "itl_p99_s": percentile(itls, 0.99),
         "latency_p50_s": percentile([r.latency for r in ok], 0.5),
+        **steady_state(ok, concurrency),
     }
+
+
+def steady_state(records: list[RequestRecord], concurrency: int) -> dict[str, float]:
+    """Output tokens/s in the window where every stream is running: from the first token of the last of
+    the first `concurrency` requests to the first end after the last request was sent (the run's ramp-up
+    and tail left out). {} without send times or with fewer requests than 2 * concurrency."""
+    if len(records) < 2 * concurrency or any(not r.started for r in records):
+        return {}
+    by_start = sorted(records, key=lambda r: r.started)
+    full = max(r.started + r.ttft for r in by_start[:concurrency])
+    last_sent = by_start[-1].started
+    drain = min((r.started + r.latency for r in records if r.started + r.latency > last_sent), default=0.0)
+    if drain <= full:
+        return {}
+    tokens = 0.0
+    for r in records:
+        per_event = r.tokens / (1 + len(r.itls))  # an event can carry several tokens of a stream behind
+        at = r.started + r.ttft
+        for gap in (0.0, *r.itls):
+            at += gap
+            tokens += per_event if full <= at < drain else 0.0
+    return {"steady_tok_s": tokens / (drain - full), "steady_window_s": drain - full,
+            "steady_from_s": full - by_start[0].started}
 
 
 # ---------------------------------------------------------------------------- HTTP
@@ -113,7 +138,7 @@ async def _http_one(client, url: str, model: str, prompt: str, workload: Workloa
         path = "/v1/completions"
     start = time.perf_counter()
     last = None
-    record = RequestRecord(ok=False)
+    record = RequestRecord(ok=False, started=time.time())
     chunks = 0
     try:
         async with client.stream("POST", url + path, json=body, timeout=3600) as response:

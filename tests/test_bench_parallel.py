@@ -1,9 +1,11 @@
-"""perf/bench_parallel.py's run sizes and perf/parallel_adapters.py's reading of per-replica, per-rank versions."""
+"""perf/bench_parallel.py's run sizes and per-replica counts, perf/loadgen.py's steady-state window, and
+perf/parallel_adapters.py's reading of per-replica, per-rank versions."""
 
 from __future__ import annotations
 
 from parallm import protocol
-from perf.bench_parallel import requests_at
+from perf.bench_parallel import load_line, replica_delta, requests_at
+from perf.loadgen import RequestRecord, steady_state
 from perf.parallel_adapters import NAME, lora_tensors, served_versions
 
 
@@ -12,6 +14,37 @@ def test_each_run_is_sized_by_its_concurrency():
     assert requests_at(64, 4, 4) == 256
     assert requests_at(256, 1024, 0) == 1024
     assert requests_at(8, 2, 0) == 8  # never fewer requests than streams
+
+
+def record(started: float, ttft: float, tokens: int, gap: float) -> RequestRecord:
+    return RequestRecord(ok=True, tokens=tokens, ttft=ttft, latency=ttft + gap * (tokens - 1),
+                         itls=[gap] * (tokens - 1), started=started)
+
+
+def test_the_steady_window_leaves_out_ramp_up_and_tail():
+    # two streams, two requests each of 5 tokens 0.25 s apart, sent at T + 0, 0, 2 and 3 s
+    t = 1000.0
+    records = [record(t, 1.0, 5, 0.25), record(t, 2.0, 5, 0.25),  # tokens 1..2 and 2..3 s
+               record(t + 2, 0.5, 5, 0.25), record(t + 3, 0.5, 5, 0.25)]  # 2.5..3.5 and 3.5..4.5 s
+    steady = steady_state(records, concurrency=2)
+    assert steady["steady_from_s"] == 2.0  # both streams have their first token
+    assert steady["steady_window_s"] == 1.5  # until the first end after the last send (3.5 s)
+    # in [2, 3.5): the first request's last token, the second's 5, the third's first 4, none of the fourth's
+    assert abs(steady["steady_tok_s"] * 1.5 - 10) < 1e-9
+    assert steady_state(records[:3], concurrency=2) == {}  # fewer than two requests per stream
+    assert steady_state([RequestRecord(ok=True, tokens=3)] * 4, concurrency=2) == {}  # no send times
+
+
+def test_per_replica_counts_are_the_runs_own():
+    before = {"requests": [3, 4], "tokens": [10, 20], "steps": [1, 1], "phase_s": [{"read": 1.0}, {}],
+              "decode_batches": [{8: 2}, {}]}
+    after = {"requests": [13, 14], "tokens": [110, 220], "steps": [5, 9], "phase_s": [{"read": 3.0}, {"read": 1.0}],
+             "decode_batches": [{8: 2, 4: 1, 2: 1}, {16: 4}]}
+    split = replica_delta(before, after, wall_s=4.0)
+    assert split == {"requests": [10, 10], "tokens": [100, 200], "steps": [4, 8], "phase_s": [{"read": 2.0}, {"read": 1.0}],
+                     "busy": [0.5, 0.25], "decode_batch_mean": [3.0, 16.0]}
+    line = load_line({"per_replica": split, "cpu_s": {"ingress": 0.5}, "cpu_us_per_token": {"ingress": 1666.7}})
+    assert "requests per replica [10, 10], tokens [100, 200]" in line and "ingress 0.50 s (1667 us/token)" in line
 
 
 def test_served_versions_name_every_replica_and_rank():
