@@ -80,6 +80,10 @@ class EngineConfig(Struct, frozen=True, kw_only=True, forbid_unknown_fields=True
     mixed_passes: Annotated[bool, _d("prefill prompt chunks in the same pass as the running rows' decode tokens "
                                      "(one read of the weights instead of two) where the model's layers allow it; "
                                      "needs fast_math")] = True
+    compiled_decode: Annotated[bool, _d("run pure-decode passes (no prompt chunk) under mx.compile, traced once per "
+                                        "(rows bucket, key-span bucket), fewer kernel launches per step for small "
+                                        "batches on a GPU; rows under an adapter and models it cannot trace run "
+                                        "eagerly")] = False
     default_max_tokens: Annotated[int, _d("max_tokens when a request gives none")] = 256
     seed: Annotated[int, _d("seed for requests that give none")] = 0
     priority_aging_s: Annotated[float, _d("a waiting request's priority improves by one level per this many seconds "

@@ -580,6 +580,7 @@ class EngineStats(Struct, tag="engine", kw_only=True):
     pool_bytes: int = 0
     bytes_per_token: int = 0
     penalty_state: bool = False
+    compiled_decode: dict[str, int] = {}  # engine.compiled_decode: passes run compiled, traces, eager_<reason> fallbacks
     adapters: AdapterStats = msgspec.field(default_factory=AdapterStats)
     settings: EngineConfig | None = None  # the engine settings, with every unset one resolved
     adapter_settings: AdaptersConfig | None = None

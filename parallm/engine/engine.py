@@ -94,7 +94,7 @@ class Engine:
         self.weights_updates = 0
         self.runner = ModelRunner(self.model, info, vocab_size=self.vocab_size, pool_blocks=pool_blocks, block_size=bs,
                                   eos_ids=self.eos_token_ids, lora=self.adapters.router, compile=settings.compile,
-                                  fast_math=bool(settings.fast_math))
+                                  fast_math=bool(settings.fast_math), compiled_decode=settings.compiled_decode)
         if info.layout is not None:  # recurrent state (a packed pass is one sequence: a scan would run
             self.runner._packing = False  # across rows) or several caches per layer: no packed views
         resolved: dict = {"kv_budget_mb": self.kv_budget_bytes / (1 << 20)}
@@ -486,6 +486,7 @@ class Engine:
             step_ms_mean={k[:-2]: 1000 * v / n for k, v in t.items()},
             live_rows=r.live.rows, live_capacity=r.live.capacity, live_bytes=r.live.nbytes, pool_bytes=r.pool.nbytes,
             bytes_per_token=r.live.bytes_per_token, penalty_state=r.penalties.active, adapters=adapters,
+            compiled_decode=r.compiled.stats() if r.compiled else {},
             settings=self.config, adapter_settings=self.adapter_settings,
             weights_version=self.weights_version, weights_updates=self.weights_updates,
             recomputed_tokens=s.recomputed_tokens, oom_retries=oom_retries(), burst=burst, last_burst=last_burst)

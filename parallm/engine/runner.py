@@ -12,6 +12,7 @@ from parallm.adapters.lora import LoRARouter
 
 from .cache import KVPool, LiveKV, PackedContext, PassContext
 from .compat import ModelInfo
+from .compiled import CompiledDecode
 from .fastmath import FastMath
 from .head import OutputHead
 from .plan import CopyRow, InitRow, LoadPrefix, PrefillWork, Resize, RowOp, SwapRows, WriteBack
@@ -69,9 +70,10 @@ def _launch_of(seqs: list[Sequence], out: SampleOut) -> Launch:
 class ModelRunner:
     def __init__(self, model: nn.Module, info: ModelInfo, *, vocab_size: int, pool_blocks: int, block_size: int,
                  eos_ids: Iterable[int] = (), lora: LoRARouter | None = None, compile: bool = True,
-                 fast_math: bool = False) -> None:
+                 fast_math: bool = False, compiled_decode: bool = False) -> None:
         """`eos_ids`: the tokens `min_tokens` masks until reached (with each request's stop ids);
-        `lora`: the router that tells the adapted layers which adapter each row of a pass uses."""
+        `lora`: the router that tells the adapted layers which adapter each row of a pass uses;
+        `compiled_decode`: pure-decode passes under mx.compile where they fit (compiled.py)."""
         self.model = model
         self.info = info
         self.vocab_size = vocab_size
@@ -88,6 +90,7 @@ class ModelRunner:
         self.head = OutputHead(model)
         self._packing: bool | None = None
         self.constraints = None  # constraints.Constraints: the grammar masks of constrained rows
+        self.compiled = CompiledDecode(model, self.call_model, mask5d=info.mask5d) if compiled_decode else None
 
     def _mask_job(self, seqs: list[Sequence]):
         """The grammar masks of `seqs`, started on the worker thread; None when no row is constrained."""
@@ -265,10 +268,14 @@ class ModelRunner:
     def decode(self, seqs: list[Sequence], inputs: mx.array, positions: list[int], prev: Launch | None = None) -> Launch:
         """Build and launch one decode pass over rows [0, len(seqs)); `prev`: the pass launched before,
         not read yet, whose tokens a grammar-constrained row's mask needs. Nothing else is waited for."""
-        offsets = [s.num_computed for s in seqs]
-        ctx = PassContext(0, offsets, 1, max(offsets) + 1, mask5d=self.info.mask5d)
-        logits, bitmask = self._forward_masked(
-            seqs, prev, lambda: self._forward(seqs, inputs[:, None], self.live.views(ctx))[:, -1, :])
+        def run() -> mx.array:
+            if self.compiled is not None and (logits := self.compiled.run(seqs, inputs, self.live)) is not None:
+                return logits
+            offsets = [s.num_computed for s in seqs]
+            ctx = PassContext(0, offsets, 1, max(offsets) + 1, mask5d=self.info.mask5d)
+            return self._forward(seqs, inputs[:, None], self.live.views(ctx))[:, -1, :]
+
+        logits, bitmask = self._forward_masked(seqs, prev, run)
         out = self._sample_rows(seqs, logits, positions, bitmask)
         mx.async_eval(out.arrays(), self.penalties.arrays())
         return _launch_of(seqs, out)

@@ -1,0 +1,205 @@
+"""Decode passes under `mx.compile`, traced once per (rows bucket, key-span bucket) (`engine.compiled_decode`).
+
+A small model's decode pass on a GPU is launch-bound: building the graph in Python and launching
+~300-500 kernels takes longer than the GPU work (docs/performance.md). Compiled, the pass runs no
+Python per step and MLX fuses its elementwise chains; on an H100 (smollm2-135m shape, 16 rows,
+perf/profile_compiled_pass.py) 13.3 -> 7.9 ms at a 256-slot KV.
+
+A compiled function needs fixed shapes, so a pure-decode pass of n rows runs as one of B rows
+(n rounded up to a bucket: 1, 2, 4, ... 32, then multiples of 32, at most the live buffer's rows)
+attending over T key positions (the longest row's span rounded up to a power of two, at least
+MIN_SPAN, at most the buffer's capacity), with a mask hiding each row's unused tail. The live
+buffers themselves are its inputs and outputs (each row's new K/V is scattered at its own
+position, as the eager pass does: no gather into a temporary). A padded row (n <= r < B) reads
+row r of the buffer (another sequence's, or none) and its logits are dropped; it writes nothing of
+its own: its store repeats row n-1's (same row, position and values, so the scatter's duplicate
+indices agree). It does not read the old value to write it back: a read of the buffer in the pass
+stops MLX from updating it in place, and every step would copy the whole KV (measured: 0.03 ms ->
+211 ms for one layer's scatter at 16 rows x 32,768 slots on the CPU). The model's weights are inputs too (`mx.compile(..., inputs=model)`), so a full-weight
+update needs no retrace.
+
+What falls back to the eager pass, counted in stats (`compiled_decode`): a row under an adapter
+(the adapter router's per-pass Python state is not an input here), a model with recurrent state or
+several caches per layer, a pass the buckets do not fit, and a model whose pass does not trace
+(then never tried again). At most MAX_TRACES traces are kept (least recently used first out).
+
+The math differs from the eager pass only in shapes: rows are padded, keys span T >= the longest
+row (masked), and the mask is always applied (the eager pass skips it when every row is at the same
+position). Matrix products and reductions over other shapes may round differently, so logits
+agree to float rounding, not bit for bit (tests/test_engine_compiled.py: greedy tokens equal,
+logprobs within 1e-4).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import Counter, OrderedDict
+from typing import Any, Callable
+
+import mlx.core as mx
+import mlx.nn as nn
+
+log = logging.getLogger("parallm.engine")
+
+MIN_SPAN = 128
+MAX_TRACES = 32
+ROW_STEP = 32  # past this many rows, buckets are its multiples
+
+
+def row_bucket(n: int, rows: int) -> int:
+    """The padded row count of an n-row pass over a live buffer of `rows` rows."""
+    b = 1 << max(0, n - 1).bit_length() if n <= ROW_STEP else -(-n // ROW_STEP) * ROW_STEP
+    return min(b, rows)
+
+
+def span_bucket(span: int, capacity: int) -> int:
+    """The key positions a pass attends over: `span` rounded up to a power of two (>= MIN_SPAN),
+    at most the buffer's capacity."""
+    return min(max(MIN_SPAN, 1 << max(0, span - 1).bit_length()), capacity)
+
+
+class StaticRowsView:
+    """One layer's cache in a compiled pass over rows [0, B) of the live buffers: row r stores its
+    token at offsets[r] (a padded row repeats row n-1's store) and attends over [0, T)."""
+
+    def __init__(self, keys: mx.array, values: mx.array, pass_: "_PassInputs") -> None:
+        self.keys, self.values, self._pass = keys, values, pass_
+        self._fetched: tuple[mx.array, mx.array] | None = None
+
+    def __bool__(self) -> bool:
+        return True
+
+    @property
+    def offset(self) -> mx.array:
+        return self._pass.offsets
+
+    def is_trimmable(self) -> bool:
+        return False
+
+    def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
+        p = self._pass
+        if keys.shape[0] != p.rows or keys.shape[2] != 1:
+            raise ValueError(f"compiled decode view expected [{p.rows}, heads, 1, dim] keys, got {keys.shape}")
+        self.keys = _store(self.keys, keys, p)
+        self.values = _store(self.values, values, p)
+        self._fetched = self.keys[:p.rows, :, :p.span], self.values[:p.rows, :, :p.span]
+        return self._fetched
+
+    def keys_and_values(self) -> tuple[mx.array, mx.array]:
+        if self._fetched is None:
+            raise ValueError("keys_and_values() before this pass stored any keys")
+        return self._fetched
+
+    def make_mask(self, N: int, return_array: bool = False, window_size: int | None = None) -> mx.array:
+        if N != 1:
+            raise ValueError(f"mask for {N} tokens requested in a decode pass")
+        return self._pass.mask(window_size)
+
+    @property
+    def state(self) -> tuple[mx.array, mx.array]:
+        return self.keys, self.values
+
+
+def _store(buf: mx.array, new: mx.array, p: "_PassInputs") -> mx.array:
+    buf[p.src, :, p.offsets] = new[:, :, 0, :][p.src]  # [B, heads, dim]; a padded row repeats row n-1
+    return buf
+
+
+class _PassInputs:
+    """The traced per-pass inputs the layer views share (tracers inside the compiled function)."""
+
+    def __init__(self, offsets: mx.array, src: mx.array, span: int, mask5d: bool) -> None:
+        self.offsets, self.src, self.span, self.mask5d = offsets, src, span, mask5d
+        self.rows = int(src.shape[0])  # B
+        self._masks: dict[int | None, mx.array] = {}
+
+    def mask(self, window: int | None) -> mx.array:
+        m = self._masks.get(window)
+        if m is None:
+            k = mx.arange(self.span, dtype=mx.int32)[None, None, :]
+            q = self.offsets[:, None, None]
+            m = k <= q  # [B, 1, T]
+            if window is not None:
+                m = m & (k > q - window)
+            m = m[:, None] if not self.mask5d else m[:, None, None]
+            self._masks[window] = m
+        return m
+
+
+class CompiledDecode:
+    """The compiled decode passes of one model over one engine's live KV (see module docstring)."""
+
+    def __init__(self, model: nn.Module, call_model: Callable[[mx.array, list], mx.array], *, mask5d: bool,
+                 supported: bool = True) -> None:
+        self.model = model
+        self.call_model = call_model
+        self.mask5d = mask5d
+        self.unsupported = "" if supported else "model"  # why this model never runs compiled
+        self._fns: OrderedDict[tuple, Callable] = OrderedDict()
+        self.counts: Counter[str] = Counter()
+
+    def stats(self) -> dict[str, int]:
+        return dict(sorted(self.counts.items()))
+
+    def why_not(self, seqs: list, live: Any) -> str:
+        """Why these rows' decode pass runs eagerly ('' when it can run compiled)."""
+        if self.unsupported:
+            return self.unsupported
+        if live.layout is not None or live.states:
+            return "state"
+        if any(s.lora is not None for s in seqs):
+            return "adapter"
+        if len(seqs) > live.rows:
+            return "rows"
+        return ""
+
+    def run(self, seqs: list, tokens: mx.array, live: Any) -> mx.array | None:
+        """The logits [n, vocab] of one decode pass over rows [0, n) of `live`, its K/V written, or
+        None when it must run eagerly (the reason counted)."""
+        reason = self.why_not(seqs, live)
+        if reason:
+            self.counts[f"eager_{reason}"] += 1
+            return None
+        n = len(seqs)
+        offsets = [s.num_computed for s in seqs]
+        B, T = row_bucket(n, live.rows), span_bucket(max(offsets) + 1, live.capacity)
+        key = (live.rows, live.capacity, B, T)
+        fn = self._fns.get(key)
+        if fn is None:
+            fn = self._fns[key] = mx.compile(self._pass_fn(T), inputs=self.model)
+            self.counts["traces"] += 1
+            while len(self._fns) > MAX_TRACES:
+                self._fns.popitem(last=False)
+                self.counts["evicted"] += 1
+        else:
+            self._fns.move_to_end(key)
+        pad = B - n
+        if pad:
+            tokens = mx.concatenate([tokens.astype(mx.int32), mx.zeros((pad,), mx.int32)])
+        offs = mx.array(offsets + offsets[-1:] * pad, dtype=mx.int32)
+        src = mx.array(list(range(n)) + [n - 1] * pad, dtype=mx.int32)
+        try:
+            logits, keys, values = fn(tokens.astype(mx.int32), offs, src, live.keys, live.values)
+        except Exception as exc:  # noqa: BLE001 - a layer that does not trace: this model runs eagerly from now on
+            self._fns.pop(key, None)
+            self.unsupported = "trace_failed"
+            self.counts["eager_trace_failed"] += 1
+            log.warning("compiled decode disabled: the model's decode pass did not trace (%s: %s)",
+                        type(exc).__name__, exc)
+            return None
+        live.keys, live.values = list(keys), list(values)
+        self.counts["compiled"] += 1
+        self.counts["padded"] += bool(pad)
+        return logits[:n] if pad else logits
+
+    def _pass_fn(self, span: int) -> Callable:
+        """A new function object per trace key (mx.compile caches by function, so dropping one frees its traces)."""
+        call_model, mask5d = self.call_model, self.mask5d
+
+        def decode_pass(tokens: mx.array, offsets: mx.array, src: mx.array, keys: list, values: list):
+            p = _PassInputs(offsets, src, span, mask5d)
+            views = [StaticRowsView(k, v, p) for k, v in zip(keys, values)]
+            logits = call_model(tokens[:, None], views)[:, -1, :]
+            return logits, [v.keys for v in views], [v.values for v in views]
+
+        return decode_pass

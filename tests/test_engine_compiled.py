@@ -1,0 +1,132 @@
+"""Compiled decode (`engine.compiled_decode`, parallm/engine/compiled.py): the tokens and logprobs of
+the eager engine, with rows padded to buckets, staggered arrivals, n > 1, preemption, adapters
+(run eagerly), full-weight updates (no retrace) and a bounded number of traces."""
+
+from __future__ import annotations
+
+import random
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from mlx.utils import tree_flatten
+
+import parallm.engine.compiled as compiled
+from _engine_helpers import TINY_VOCAB, greedy, make_engine, run_all, tiny_model, req
+from parallm.adapters import save_bytes
+from parallm.engine.compiled import row_bucket, span_bucket
+from parallm.protocol import SamplingParams
+from tests._adapter_helpers import adapter_tensors, lora_model
+
+# Measured on this CPU: every token and logprob below was bit-identical to the eager engine's; the
+# math differs only in shapes (padded rows, keys masked up to a power-of-two span), so other BLAS
+# builds may round differently: the tolerance allows float32 rounding.
+ATOL = 1e-5
+
+
+def prompt(n: int, seed: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(TINY_VOCAB) for _ in range(n)]
+
+
+def workload(adapter: str = ""):
+    """Rows decoding while others arrive (3 rows -> a padded pass of 4), n = 2, seeded sampling,
+    logprobs with alternatives, penalties."""
+    first = [req("a", prompt(6, 1), greedy(14, logprobs=True, top_logprobs=3)),
+             req("b", prompt(9, 2), SamplingParams(temperature=0.8, top_p=0.9, max_tokens=9, seed=5,
+                                                   ignore_eos=True, logprobs=True), adapter=adapter),
+             req("c", prompt(4, 3), greedy(3, logprobs=True))]
+    arrivals = {2: [req("d", prompt(3, 4), greedy(8, logprobs=True)),
+                    req("h", prompt(5, 8), SamplingParams(temperature=0.7, max_tokens=7, seed=3, ignore_eos=True,
+                                                          logprobs=True), n=2)],
+                5: [req("g", prompt(21, 7), greedy(6, presence_penalty=0.7, repetition_penalty=1.3, logprobs=True))]}
+    return first, arrivals
+
+
+def assert_same(got: dict, want: dict) -> None:
+    assert got.keys() == want.keys()
+    for key, w in want.items():
+        g = got[key]
+        assert g["tokens"] == w["tokens"], key
+        assert g["finish"] == w["finish"] and g["usage"] == w["usage"], key
+        np.testing.assert_allclose(g["logprobs"], w["logprobs"], rtol=0, atol=ATOL)
+        assert [[t for t, _ in top] for top in g["top"]] == [[t for t, _ in top] for top in w["top"]], key
+
+
+def both(model, setup=None, workload_args=(), **engine) -> tuple[dict, dict, object]:
+    """The workload on an eager and a compiled engine; returns (eager, compiled, compiled engine's stats)."""
+    out = {}
+    for on in (False, True):
+        e = make_engine(model, compiled_decode=on, **engine)
+        if setup is not None:
+            setup(e)
+        first, arrivals = workload(*workload_args)
+        out[on] = run_all(e, first, arrivals=arrivals)
+        stats = e.stats()
+    return out[False], out[True], stats
+
+
+def test_buckets():
+    assert [row_bucket(n, 64) for n in (1, 2, 3, 5, 17, 33, 64)] == [1, 2, 4, 8, 32, 64, 64]
+    assert row_bucket(3, 3) == 3 and row_bucket(70, 256) == 96
+    assert [span_bucket(s, 4096) for s in (1, 128, 129, 700)] == [128, 128, 256, 1024] and span_bucket(700, 640) == 640
+
+
+@pytest.mark.parametrize("name,mixed", [("llama", False), ("llama", True), ("llama-sliding", False),
+                                        ("qwen3", False)])
+def test_compiled_decode_gives_the_eager_tokens_and_logprobs(name, mixed):
+    eager, comp, stats = both(tiny_model(name), mixed_passes=mixed, max_prefill_tokens=24)
+    assert_same(comp, eager)
+    counts = stats.compiled_decode
+    assert counts["compiled"] >= 10 and counts["padded"] >= 1 and counts["traces"] <= 8, counts
+    assert not any(k.startswith("eager_") for k in counts), counts
+
+
+def test_preemption_under_a_tight_budget():
+    """96 live token slots for four sequences that grow to 27-54 tokens: one is preempted and recomputed."""
+    model = tiny_model("llama")
+    bpt = make_engine(model).runner.live.bytes_per_token
+    out, counts = {}, {}
+    for on in (False, True):
+        e = make_engine(model, compiled_decode=on, mixed_passes=False, max_prefill_tokens=16, block_size=4,
+                        kv_budget_bytes=bpt * 128, prefix_pool_fraction=0.25, max_num_seqs=8)
+        out[on] = run_all(e, [req(f"t{i}", prompt(n, i), greedy(24, logprobs=True))
+                              for i, n in enumerate((3, 10, 20, 30))])
+        assert e.stats().preemptions > 0
+        counts[on] = e.stats().compiled_decode
+    assert counts[True]["compiled"] >= 10, counts
+    assert_same(out[True], out[False])
+
+
+def test_adapter_rows_run_eagerly_and_match():
+    model = tiny_model("llama")
+    ref = tiny_model("llama")
+    config = lora_model(ref, rank=4)
+    blob = save_bytes(adapter_tensors(ref))
+    eager, comp, stats = both(model, setup=lambda e: e.load_adapter("pol", config=config, weights=blob),
+                              workload_args=("pol",), mixed_passes=False, max_prefill_tokens=24)
+    assert_same(comp, eager)
+    counts = stats.compiled_decode
+    assert counts["eager_adapter"] >= 1 and counts["compiled"] >= 1, counts
+
+
+def test_weight_update_needs_no_retrace():
+    old, new = tiny_model("llama", 0), tiny_model("llama", 1)
+    weights = dict(tree_flatten(new.parameters()))
+    want = run_all(make_engine(new, mixed_passes=False), [req("a", prompt(7, 9), greedy(8, logprobs=True))])
+    e = make_engine(old, compiled_decode=True, mixed_passes=False)
+    before = run_all(e, [req("a", prompt(7, 9), greedy(8, logprobs=True))])
+    traces = e.stats().compiled_decode["traces"]
+    e.update_weights(tensors=weights)
+    after = run_all(e, [req("b", prompt(7, 9), greedy(8, logprobs=True))])
+    assert before[("a", 0)]["tokens"] != want[("a", 0)]["tokens"]
+    assert after[("b", 0)]["tokens"] == want[("a", 0)]["tokens"]
+    np.testing.assert_allclose(after[("b", 0)]["logprobs"], want[("a", 0)]["logprobs"], rtol=0, atol=ATOL)
+    assert e.stats().compiled_decode["traces"] == traces
+
+
+def test_traces_are_bounded(monkeypatch):
+    monkeypatch.setattr(compiled, "MAX_TRACES", 2)
+    eager, comp, stats = both(tiny_model("llama"), mixed_passes=False, max_prefill_tokens=24)
+    assert_same(comp, eager)
+    assert stats.compiled_decode["evicted"] >= 1 and stats.compiled_decode["traces"] >= 3
