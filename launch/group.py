@@ -1,6 +1,7 @@
 """An engine stage as a group of tensor-parallel ranks (parallm/engine/distributed.py).
 
-The supervisor starts every rank itself, as `mlx.launch` would on one host: with the ring backend
+The supervisor starts every rank itself, as `mlx.launch` would (ranks that engine.hostfile puts on
+other machines over ssh: launch/remote_rank.py): with the ring backend
 (CPUs) each rank process gets MLX_RANK and MLX_HOSTFILE (a JSON list of each rank's ring address,
 fresh ports on every start so a restart never meets the last group's sockets); with NCCL (CUDA GPUs)
 MLX_RANK, MLX_WORLD_SIZE, NCCL_HOST_IP/NCCL_PORT and its own GPU (CUDA_VISIBLE_DEVICES = its rank),
@@ -13,6 +14,7 @@ from __future__ import annotations
 
 import json
 import logging
+import random
 import socket
 from pathlib import Path
 from typing import IO
@@ -20,6 +22,7 @@ from typing import IO
 from parallm import protocol
 
 from .process import StageProcess, StageSpec
+from .remote_rank import HostCheckError, RankHost, RemoteRank, check_hosts
 
 log = logging.getLogger("parallm.supervisor")
 
@@ -40,40 +43,81 @@ def free_ports(n: int, host: str = LOCALHOST) -> list[int]:
             s.close()
 
 
-def write_ring_hostfile(path: Path, ranks: int, host: str = LOCALHOST, hosts: list[str] | None = None) -> Path:
+def write_ring_hostfile(path: Path, ranks: int, host: str = LOCALHOST, hosts: list[str] | None = None,
+                        remote: frozenset[str] = frozenset()) -> Path:
     """MLX's ring hostfile for `ranks` processes: one `ip:port` list per rank, each at `hosts[rank]`
-    (default: all at `host`), on ports free right now."""
+    (default: all at `host`), on ports free right now (on an address in `remote`, another machine's,
+    which cannot be probed from here: a random port of REMOTE_PORTS, fresh on every start)."""
     hosts = hosts or [host] * ranks
-    ports: dict[str, list[int]] = {h: free_ports(hosts.count(h), h) for h in set(hosts)}
+    ports: dict[str, list[int]] = {h: random.sample(REMOTE_PORTS, hosts.count(h)) if h in remote
+                                   else free_ports(hosts.count(h), h) for h in set(hosts)}
     path.write_text(json.dumps([[f"{h}:{ports[h].pop()}"] for h in hosts]))
     return path
+
+
+REMOTE_PORTS = range(20000, 30000)  # ring ports on another machine (below Linux's ephemeral range)
 
 
 class HostfileError(ValueError):
     """engine.hostfile cannot place the tensor-parallel ranks."""
 
 
-def hostfile_hosts(path: str, ranks: int) -> list[str]:
-    """The address of each rank from MLX's hostfile (what `mlx.launch --hostfile` reads: a JSON list
-    of {"ssh": host, "ips": [address, ...]}, one entry per rank, rank 0 first). Every address must be
-    this machine's for now: parallm starts the ranks itself (HostfileError otherwise)."""
+def hostfile_ranks(path: str, ranks: int) -> list[RankHost]:
+    """Where each rank runs, from MLX's hostfile (what `mlx.launch --hostfile` reads: a JSON list of
+    {"ssh": host, "ips": [address, ...]} entries, or {"hosts": [...]}, one per rank, rank 0 first;
+    parallm also reads an entry's optional "python" and "cwd" for a remote rank). Rank 0 is this
+    server's engine stage, so its entry must be this machine; the others may be anywhere ssh reaches
+    (HostfileError otherwise)."""
     try:
-        entries = json.loads(Path(path).read_text())
+        data = json.loads(Path(path).read_text())
     except (OSError, ValueError) as exc:
         raise HostfileError(f"cannot read engine.hostfile {path!r}: {exc}") from None
+    entries = data.get("hosts") if isinstance(data, dict) else data
     if not isinstance(entries, list) or not all(isinstance(e, dict) and (e.get("ips") or e.get("ssh"))
                                                 for e in entries):
         raise HostfileError(f"engine.hostfile {path!r} is not MLX's hostfile: a JSON list of "
                             '{"ssh": HOST, "ips": [ADDRESS]} entries, one per rank')
     if len(entries) != ranks:
         raise HostfileError(f"engine.hostfile {path!r} names {len(entries)} rank(s); engine.tensor_parallel is {ranks}")
-    hosts = [str((e.get("ips") or [e["ssh"]])[0]) for e in entries]
-    for rank, host in enumerate(hosts):
-        if not _local(host):
-            raise HostfileError(f"engine.hostfile: rank {rank} is on {host}, not an address of this machine; parallm "
-                                "starts every rank of a tensor-parallel engine on this machine for now (ranks on "
-                                "other machines need mlx.launch over ssh: docs/operations.md)")
-    return [socket.gethostbyname(host) for host in hosts]
+    out = []
+    for rank, e in enumerate(entries):
+        address = str((e.get("ips") or [e.get("ssh")])[0])
+        try:
+            ip = socket.gethostbyname(address)
+        except OSError as exc:
+            raise HostfileError(f"engine.hostfile: rank {rank}'s address {address!r} does not resolve: {exc}") from None
+        local = _local(ip)
+        if rank == 0 and not local:
+            raise HostfileError(f"engine.hostfile: rank 0 is on {address}, not an address of this machine; rank 0 is "
+                                "this server's engine stage, so the first entry must be this machine")
+        out.append(RankHost(rank=rank, ip=ip, ssh=str(e.get("ssh") or address), local=local,
+                            python=str(e.get("python") or ""), cwd=str(e.get("cwd") or "")))
+    return out
+
+
+def place_ranks(config, ranks: int) -> list[RankHost] | None:
+    """engine.hostfile's ranks, checked for this configuration (None without a hostfile). Ranks on other
+    machines need the tcp transport with CURVE (rank 0's calls carry prompts and weights), one replica
+    (the hostfile places one group), and ssh to each host where the model directory exists (checked now,
+    so a missing one fails the start, naming the host). Raises HostfileError."""
+    if not config.engine.hostfile:
+        return None
+    hosts = hostfile_ranks(config.engine.hostfile, ranks)
+    remote = [h for h in hosts if not h.local]
+    if not remote:
+        return hosts
+    where = ", ".join(f"rank {h.rank} on {h.ssh}" for h in remote)
+    if config.transport.kind != "tcp" or not config.transport.curve_keys:
+        raise HostfileError(f"engine.hostfile puts {where}: ranks on other machines need --transport.kind tcp "
+                            "with CURVE on (transport.curve), since rank 0's calls to them carry prompts and weights")
+    if config.engine.replicas != 1 or config.engine.remote_replicas:
+        raise HostfileError(f"engine.hostfile puts {where}: ranks on other machines serve one engine replica "
+                            "(engine.replicas=1, no engine.remote_replicas)")
+    try:
+        check_hosts(hosts, config.model.path)
+    except HostCheckError as exc:
+        raise HostfileError(f"engine.hostfile: {exc}") from None
+    return hosts
 
 
 def _local(host: str) -> bool:
@@ -91,48 +135,76 @@ def rank_env(base: dict[str, str], rank: int, hostfile: Path) -> dict[str, str]:
     return {**base, "MLX_RANK": str(rank), "MLX_HOSTFILE": str(hostfile)}
 
 
-def nccl_rank_env(base: dict[str, str], rank: int, ranks: int, port: int, first_gpu: int = 0) -> dict[str, str]:
-    """The environment of rank `rank` of an NCCL group on this host: one GPU per rank (NVLink
-    multicast off unless the environment says otherwise)."""
-    return {**base, "MLX_RANK": str(rank), "MLX_WORLD_SIZE": str(ranks), "NCCL_HOST_IP": LOCALHOST,
-            "NCCL_PORT": str(port), "CUDA_VISIBLE_DEVICES": str(first_gpu + rank),
+def nccl_rank_env(base: dict[str, str], rank: int, ranks: int, port: int, gpu: int = 0,
+                  host_ip: str = LOCALHOST) -> dict[str, str]:
+    """The environment of rank `rank` of an NCCL group whose rank 0 is at `host_ip`: its own GPU `gpu`
+    (of its machine), NVLink multicast off unless the environment says otherwise."""
+    return {**base, "MLX_RANK": str(rank), "MLX_WORLD_SIZE": str(ranks), "NCCL_HOST_IP": host_ip,
+            "NCCL_PORT": str(port), "CUDA_VISIBLE_DEVICES": str(gpu),
             "NCCL_NVLS_ENABLE": base.get("NCCL_NVLS_ENABLE", "0")}
 
 
 class Followers:
-    """Ranks 1..N-1 of one engine replica's group (rank 0 is the supervisor's engine StageProcess)."""
+    """Ranks 1..N-1 of one engine replica's group (rank 0 is the supervisor's engine StageProcess);
+    those engine.hostfile puts on other machines start over ssh (launch/remote_rank.py)."""
 
     def __init__(self, ranks: int, replica: int, env: dict[str, str], run_dir: Path, backend: str = "ring",
-                 hosts: list[str] | None = None) -> None:
-        """`hosts`: each rank's ring address (engine.hostfile); default: all on 127.0.0.1."""
+                 hosts: list[RankHost] | None = None) -> None:
+        """`hosts`: where each rank runs (engine.hostfile); default: all on 127.0.0.1."""
         self.ranks = ranks
         self.replica = replica
         self.env = env
         self.backend = backend
-        self.hosts = hosts
+        self.hosts = hosts or [RankHost(rank=r, ip=LOCALHOST, ssh=LOCALHOST, local=True) for r in range(ranks)]
+        self.remote = any(not h.local for h in self.hosts)
         self.hostfile = Path(run_dir) / f"engine-{replica}-ring.json"
         self.nccl_port = 0
-        self.procs: list[StageProcess] = []
+        self.control = ""  # rank 0's call channel over tcp, when a rank is on another machine
+        self.procs: list[StageProcess | RemoteRank] = []
 
     def env_of(self, rank: int) -> dict[str, str]:
+        """Rank `rank`'s launcher variables over `self.env` (for a remote rank, `rank_env_only` of them)."""
+        from parallm.engine.rank_group import CONTROL_ENV
+
         if self.backend == "nccl":
-            return nccl_rank_env(self.env, rank, self.ranks, self.nccl_port, first_gpu=self.replica * self.ranks)
-        return rank_env(self.env, rank, self.hostfile)
+            host = self.hosts[rank]
+            if self.remote:  # its GPU: its index among the ranks on its machine
+                gpu, at = sum(1 for h in self.hosts[:rank] if h.ip == host.ip), self.hosts[0].ip
+            else:
+                gpu, at = self.replica * self.ranks + rank, LOCALHOST
+            env = nccl_rank_env(self.env, rank, self.ranks, self.nccl_port, gpu=gpu, host_ip=at)
+        else:
+            env = rank_env(self.env, rank, self.hostfile)
+        return {**env, CONTROL_ENV: self.control} if self.control else env
 
     def prepare(self) -> dict[str, str]:
         """Fresh addresses for the next start of the group; returns rank 0's environment."""
         if self.backend == "nccl":
-            self.nccl_port = free_ports(1)[0]
+            self.nccl_port = free_ports(1, self.hosts[0].ip)[0]
         else:
-            write_ring_hostfile(self.hostfile, self.ranks, hosts=self.hosts)
+            write_ring_hostfile(self.hostfile, self.ranks, hosts=[h.ip for h in self.hosts],
+                                remote=frozenset(h.ip for h in self.hosts if not h.local))
+        if self.remote:
+            calls, acks = free_ports(2, self.hosts[0].ip)
+            self.control = f"tcp://{self.hosts[0].ip}:{calls},tcp://{self.hosts[0].ip}:{acks}"
         return self.env_of(0)
+
+    def remote_header(self, rank: int) -> dict:
+        """What a remote rank gets on stdin besides the configuration: its replica, the launcher's variables
+        (not this machine's whole environment) and, on the ring backend, the ring hostfile's text."""
+        env = {k: v for k, v in self.env_of(rank).items() if self.env.get(k) != v or k == "NCCL_NVLS_ENABLE"}
+        files = {}
+        if self.backend != "nccl":
+            files["MLX_HOSTFILE"] = Path(env.pop("MLX_HOSTFILE")).read_text()
+        return {"replica": self.replica, "env": env, "files": files}
 
     def start(self, config: bytes, parent_read_fd: int, log_out: IO[str], json_logs: bool) -> None:
         """Start ranks 1..N-1 (after `prepare`, beside rank 0)."""
         self.procs = []
         for rank in range(1, self.ranks):
             spec = StageSpec("engine", replica=self.replica, env=self.env_of(rank))
-            proc = StageProcess(spec)
+            host = self.hosts[rank]
+            proc = StageProcess(spec) if host.local else RemoteRank(spec, host, self.remote_header(rank))
             proc.start(config, parent_read_fd, log_out, json_logs)
             self.procs.append(proc)
 

@@ -26,7 +26,7 @@ from parallm.config import Config
 from parallm.keys import CurveKeyError, stage_curve, supervisor_keys
 from parallm.transport import Receiver, Sender, addresses, open_socket, set_curve, stop_authenticators
 
-from .group import Followers, HostfileError, RemoteReplicas, hostfile_hosts
+from .group import Followers, HostfileError, RemoteReplicas, place_ranks
 from .process import StageProcess, StageSpec
 from .rundir import RunDir
 
@@ -145,8 +145,8 @@ class Supervisor:
             if tp > 1:
                 from parallm.engine.distributed import default_backend
 
-                try:  # engine.hostfile: where each rank's ring address is (this machine's only, for now)
-                    hosts = hostfile_hosts(self.config.engine.hostfile, tp) if self.config.engine.hostfile else None
+                try:  # engine.hostfile: where each rank runs (ranks on other machines start over ssh)
+                    hosts = place_ranks(self.config, tp)
                 except HostfileError as exc:
                     raise StartupError(str(exc)) from None
                 self.groups[replica] = Followers(tp, replica, env, self.run_dir, default_backend(), hosts=hosts)

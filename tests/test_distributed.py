@@ -227,22 +227,14 @@ if __name__ == "__main__":
 
 
 def test_a_hostfile_places_the_ranks_on_this_machines_addresses(tmp_path):
-    from parallm.launch.group import HostfileError, hostfile_hosts
+    from parallm.launch.group import hostfile_ranks
 
     local = tmp_path / "hosts.json"
     local.write_text(json.dumps([{"ssh": "localhost"}, {"ssh": "localhost", "ips": ["127.0.0.1"]}]))
-    assert hostfile_hosts(str(local), 2) == ["127.0.0.1", "127.0.0.1"]
+    assert [(h.ip, h.local) for h in hostfile_ranks(str(local), 2)] == [("127.0.0.1", True)] * 2
     ring = json.loads(write_ring_hostfile(tmp_path / "ring.json", 2, hosts=["127.0.0.1", "127.0.0.1"]).read_text())
     assert len(ring) == 2 and ring[0] != ring[1] and all(r[0].startswith("127.0.0.1:") for r in ring)
-    with pytest.raises(HostfileError, match="names 2 rank"):
-        hostfile_hosts(str(local), 3)
-    other = tmp_path / "other.json"
-    other.write_text(json.dumps([{"ssh": "localhost"}, {"ssh": "gpu2", "ips": ["192.0.2.7"]}]))  # TEST-NET-1
-    with pytest.raises(HostfileError, match="rank 1 is on 192.0.2.7, not an address of this machine"):
-        hostfile_hosts(str(other), 2)
-    (tmp_path / "bad.json").write_text("{}")
-    with pytest.raises(HostfileError, match="not MLX's hostfile"):
-        hostfile_hosts(str(tmp_path / "bad.json"), 2)
+    # ranks on other machines and the refusals: tests/test_distributed_remote.py
 
 
 def test_the_supervisor_announces_remote_replicas_up_and_down():

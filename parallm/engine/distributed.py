@@ -29,9 +29,11 @@ gave 0.20x one engine at 64 streams). Sending bytes over ZeroMQ touches no devic
 old doorbell unnecessary: an idle follower blocks in a ZeroMQ receive (no core burned, unlike a
 rank waiting in a ring collective, which polls), so `Leader.idle` only drains the acks.
 
-The channel is ipc in the run dir because the supervisor starts every rank of a group itself, on
-this machine (launch/group.py); ranks on other machines would need it over tcp with CURVE
-(parallm/keys.py). GPU check of this design (perf/bench_parallel.py):
+The channel is ipc in the run dir while every rank runs on this machine; when engine.hostfile puts a
+rank on another machine (the supervisor starts it over ssh: launch/remote_rank.py) it is tcp:// at
+rank 0's hostfile address, on ports the supervisor picks for each start and hands every rank in
+CONTROL_ENV, with CURVE (the stages' keys, parallm/keys.py: rank 0 binds as the server, the others
+connect with the stage pair it admits). GPU check of this design (perf/bench_parallel.py):
 `python -m perf.bench_parallel --shape llama-3.2-3b --layouts 1x1,2x1 --concurrency 1,64 --max-tokens 128`
 on nvidia-h100-x2 (NCCL_NVLS_ENABLE=0).
 
@@ -43,7 +45,6 @@ heartbeats, kills and restarts the whole group (docs/operations.md, "More than o
 from __future__ import annotations
 
 import logging
-import os
 import time
 import zlib
 from typing import Any, Callable
@@ -56,7 +57,8 @@ from parallm.adapters import load_bytes, save_bytes
 from parallm.protocol import RankState, RequestSpec
 
 from .rank_group import (  # noqa: F401 - re-exported: the engine stage and tests use distributed.<name>
-    TensorParallelError, agree_min, agreed_config, default_backend, join, rank_from_env, shard_model, shard_refusal)
+    CONTROL_ENV, TensorParallelError, agree_min, agreed_config, channel_socket, control_addresses, default_backend,
+    join, rank_from_env, shard_model, shard_refusal)
 from .request import Request
 
 log = logging.getLogger("parallm.engine.distributed")
@@ -123,15 +125,9 @@ class Leader:
         """`addresses`: where to send the calls and hear the followers' acks (control_addresses)."""
         self._engine = engine
         self._group = group
-        ctx = zmq.Context.instance()
-        self._calls = ctx.socket(zmq.XPUB)
-        self._calls.setsockopt(zmq.LINGER, 0)
-        self._calls.setsockopt(zmq.SNDHWM, 0)  # never drop a batch for a slow follower
+        self._calls = channel_socket(zmq.XPUB, addresses[0], bind=True)  # never drops a batch for a slow follower
         self._calls.setsockopt(zmq.XPUB_VERBOSE, 1)
-        self._calls.bind(addresses[0])
-        self._acks = ctx.socket(zmq.PULL)
-        self._acks.setsockopt(zmq.LINGER, 0)
-        self._acks.bind(addresses[1])
+        self._acks = channel_socket(zmq.PULL, addresses[1], bind=True)
         for _ in range(group.size() - 1):  # every other rank subscribes before the first batch
             if not self._calls.poll(CONNECT_WAIT_S * 1000):
                 self.close_sockets()
@@ -360,26 +356,14 @@ def freeze_clock(engine) -> None:
     engine.scheduler.policy.clock = lambda: 0.0
 
 
-def control_addresses(run_dir: str, replica: int = 0) -> tuple[str, str]:
-    """The ipc sockets of replica `replica`'s group in the run dir: rank 0's calls, the followers' acks."""
-    base = f"ipc://{os.path.abspath(run_dir)}/engine-{replica}"
-    return f"{base}-calls.sock", f"{base}-acks.sock"
-
-
 def follow(engine, group: mx.distributed.Group, addresses: tuple[str, str]) -> int:
     """A rank other than 0: replay rank 0's calls (from `addresses`, as control_addresses) on this
     rank's engine until it says stop, acknowledging each batch with this rank's digest. Returns 0
     then; raises TensorParallelError when this rank's state no longer matches rank 0's or a batch
     went missing."""
-    ctx = zmq.Context.instance()
-    calls = ctx.socket(zmq.SUB)
-    calls.setsockopt(zmq.LINGER, 0)
-    calls.setsockopt(zmq.RCVHWM, 0)
+    calls = channel_socket(zmq.SUB, addresses[0], bind=False)
     calls.setsockopt(zmq.SUBSCRIBE, b"")
-    calls.connect(addresses[0])
-    acks = ctx.socket(zmq.PUSH)
-    acks.setsockopt(zmq.LINGER, 0)
-    acks.connect(addresses[1])
+    acks = channel_socket(zmq.PUSH, addresses[1], bind=False)
     now = time.monotonic()
     engine.scheduler.policy.clock = lambda: now
     digest = state_digest(engine)

@@ -1,6 +1,6 @@
-"""The rank group of a tensor-parallel engine: joining the group MLX's launcher set up, sharding
-the model with mlx-lm's own `shard`, and the settings every rank must agree on. What the ranks do
-once formed (rank 0's calls replayed by the others) is parallm/engine/distributed.py."""
+"""The rank group of a tensor-parallel engine: joining the group MLX's launcher set up, where rank 0's
+call channel is, sharding the model with mlx-lm's own `shard`, and the settings every rank must agree
+on. What the ranks do once formed (rank 0's calls replayed by the others) is parallm/engine/distributed.py."""
 
 from __future__ import annotations
 
@@ -8,8 +8,12 @@ import os
 
 import mlx.core as mx
 import mlx.nn as nn
+import zmq
 
 from parallm.adapters.sharded import recording_segments
+
+
+CONTROL_ENV = "PARALLM_TP_CONTROL"  # "CALLS,ACKS": the channel's tcp:// addresses when a rank is on another machine
 
 
 class TensorParallelError(RuntimeError):
@@ -50,6 +54,41 @@ def agree_min(group: mx.distributed.Group, value: float) -> float:
     """The smallest of every rank's `value` (e.g. the KV budget each rank's free memory allows)."""
     gathered = mx.distributed.all_gather(mx.array([value], dtype=mx.float32), group=group)
     return float(mx.min(gathered).item())
+
+
+def control_addresses(run_dir: str, replica: int = 0) -> tuple[str, str]:
+    """Where replica `replica`'s group talks: rank 0's calls, the followers' acks. The ipc sockets in
+    the run dir, unless the supervisor set CONTROL_ENV (a rank on another machine: tcp://)."""
+    given = os.environ.get(CONTROL_ENV, "")
+    if given:
+        calls, _, acks = given.partition(",")
+        if not (calls.startswith("tcp://") and acks.startswith("tcp://")):
+            raise TensorParallelError(f"{CONTROL_ENV}={given!r} is not two tcp:// addresses, calls then acks")
+        return calls, acks
+    base = f"ipc://{os.path.abspath(run_dir)}/engine-{replica}"
+    return f"{base}-calls.sock", f"{base}-acks.sock"
+
+
+def channel_socket(kind: int, address: str, *, bind: bool) -> zmq.Socket:
+    """A socket of the group's call channel: no high-water mark (a batch is never dropped), no size limit
+    on what a follower receives (a batch can carry a weight update); over tcp:// with this process's
+    CURVE keys (parallm/transport.py; the supervisor refuses ranks on other machines without them)."""
+    ctx = zmq.Context.instance()
+    if address.startswith("tcp://"):
+        from parallm.transport import open_socket, set_max_message_bytes
+
+        if not bind:
+            set_max_message_bytes(-1)  # a follower opens no other socket
+        return open_socket(ctx, kind, address, bind=bind, hwm=0)
+    sock = ctx.socket(kind)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.SNDHWM, 0)
+    sock.setsockopt(zmq.RCVHWM, 0)
+    if bind:
+        sock.bind(address)
+    else:
+        sock.connect(address)
+    return sock
 
 
 # ------------------------------------------------------------------ sharding

@@ -225,6 +225,20 @@ def test_a_model_whose_heads_do_not_split_is_refused_at_startup():
     assert "num_attention_heads (9) is not divisible by engine.tensor_parallel (2)" in out, out
 
 
+def test_a_rank_on_an_unreachable_machine_fails_the_start_naming_it(model_dir):
+    """A hostfile rank on another machine is started over ssh (launch/remote_rank.py); its host is checked
+    first, with the real ssh client: here ssh reaches no server (none listens on this host)."""
+    hostfile = model_dir / "remote-hosts.json"
+    hostfile.write_text(json.dumps([{"ssh": "localhost"}, {"ssh": "127.0.0.1", "ips": ["192.0.2.7"]}]))
+    srv = Server("--model", str(model_dir), "--engine.tensor-parallel", "2", "--engine.hostfile", str(hostfile),
+                 "--transport.kind", "tcp", ready_timeout=120)
+    with pytest.raises(Exception):
+        srv.start()
+    out = srv.output()
+    srv.stop()
+    assert "cannot reach rank 1's host '127.0.0.1' over ssh" in out, out
+
+
 # ------------------------------------------------------------------ data-parallel replicas
 
 @pytest.fixture(scope="module")

@@ -1,0 +1,208 @@
+"""Tensor-parallel ranks on other machines (launch/remote_rank.py, launch/group.py): the hostfile's
+placement and its refusals, the ssh command lines, what a remote rank reads on stdin, rank 0's call
+channel over tcp:// with CURVE, and the failure paths that need no second machine (an unreachable
+host, a missing model, the supervisor's end of stdin closing). No test here reaches another machine:
+there is no ssh server on the CI host (docs/operations.md says what was not run)."""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import sys
+import threading
+import time
+from pathlib import Path
+
+import msgspec
+import pytest
+import zmq
+
+from parallm.config import Config
+from parallm.engine import distributed
+from parallm.engine.distributed import CONTROL_ENV, Leader, TensorParallelError, follow
+from parallm.keys import Curve
+from parallm.launch.group import Followers, HostfileError, hostfile_ranks, place_ranks
+from parallm.launch.process import StageSpec
+from parallm.launch.remote_rank import RankHost, RemoteRank, read_payload, ssh_argv, write_payload
+from parallm.transport import set_curve, stop_authenticators
+from tests._engine_helpers import greedy, make_engine, req, run_all, tiny_model
+
+ROOT = Path(__file__).resolve().parents[1]
+UNROUTED = "192.0.2.7"  # TEST-NET-1: never an address of this machine
+
+
+def hostfile(tmp_path: Path, entries: list[dict]) -> str:
+    path = tmp_path / "hosts.json"
+    path.write_text(json.dumps(entries))
+    return str(path)
+
+
+def config_with(**sections) -> Config:
+    config = Config()
+    return msgspec.structs.replace(config, **{name: msgspec.structs.replace(getattr(config, name), **fields)
+                                              for name, fields in sections.items()})
+
+
+def test_the_hostfile_places_ranks_here_and_on_other_machines(tmp_path):
+    path = hostfile(tmp_path, [{"ssh": "localhost"}, {"ssh": "gpu2", "ips": [UNROUTED], "python": "/opt/py/bin/python",
+                                                      "cwd": "/srv/parallm"}])
+    here, there = hostfile_ranks(path, 2)
+    assert here == RankHost(rank=0, ip="127.0.0.1", ssh="localhost", local=True)
+    assert there == RankHost(rank=1, ip=UNROUTED, ssh="gpu2", local=False, python="/opt/py/bin/python",
+                             cwd="/srv/parallm")
+    assert [h.local for h in hostfile_ranks(hostfile(tmp_path, [{"ssh": "localhost"}] * 2), 2)] == [True, True]
+    mlx_form = tmp_path / "mlx.json"  # mlx.launch's {"backend", "envs", "hosts"} form
+    mlx_form.write_text(json.dumps({"backend": "ring", "hosts": [{"ssh": "localhost"}, {"ssh": "localhost"}]}))
+    assert len(hostfile_ranks(str(mlx_form), 2)) == 2
+    with pytest.raises(HostfileError, match="rank 0 is on 192.0.2.7, not an address of this machine"):
+        hostfile_ranks(hostfile(tmp_path, [{"ssh": "gpu2", "ips": [UNROUTED]}, {"ssh": "localhost"}]), 2)
+    with pytest.raises(HostfileError, match="names 2 rank"):
+        hostfile_ranks(path, 3)
+    with pytest.raises(HostfileError, match="not MLX's hostfile"):
+        hostfile_ranks(hostfile(tmp_path, [{"port": 1}]), 1)
+
+
+def test_ranks_on_other_machines_need_curve_one_replica_and_a_reachable_host(tmp_path):
+    # ssh goes to 127.0.0.1, where no ssh server listens: refused at once, by the real ssh client
+    path = hostfile(tmp_path, [{"ssh": "localhost"}, {"ssh": "127.0.0.1", "ips": [UNROUTED]}])
+    with pytest.raises(HostfileError, match="rank 1 on 127.0.0.1: ranks on other machines need --transport.kind tcp"):
+        place_ranks(config_with(engine={"hostfile": path, "tensor_parallel": 2}), 2)
+    keys = ["k"] * 4
+    with pytest.raises(HostfileError, match=r"serve one engine replica \(engine.replicas=1"):
+        place_ranks(config_with(engine={"hostfile": path, "tensor_parallel": 2, "replicas": 2},
+                                transport={"kind": "tcp", "curve_keys": keys}), 2)
+    with pytest.raises(HostfileError, match="cannot reach rank 1's host '127.0.0.1' over ssh"):
+        place_ranks(config_with(engine={"hostfile": path, "tensor_parallel": 2},
+                                transport={"kind": "tcp", "curve_keys": keys}, model={"path": str(tmp_path)}), 2)
+    local = hostfile(tmp_path, [{"ssh": "localhost"}, {"ssh": "127.0.0.1"}])  # this machine: no ssh, no check
+    assert len(place_ranks(config_with(engine={"hostfile": local, "tensor_parallel": 2}), 2)) == 2
+
+
+def test_a_remote_rank_is_started_over_ssh_with_its_payload_on_stdin(tmp_path):
+    host = RankHost(rank=1, ip=UNROUTED, ssh="gpu2", local=False, python="/opt/py/bin/python", cwd="/srv/my dir")
+    argv = ssh_argv(host)
+    assert argv[0] == "ssh" and "BatchMode=yes" in argv and "ServerAliveInterval=5" in argv and argv[-2] == "gpu2"
+    assert argv[-1] == "cd '/srv/my dir' && exec /opt/py/bin/python -m parallm.launch.remote_rank"
+    hosts = [RankHost(rank=0, ip="127.0.0.1", ssh="localhost", local=True), host]
+    group = Followers(2, 0, {"PATH": "/usr/bin", "LD_PRELOAD": "here-only.so"}, tmp_path, "ring", hosts=hosts)
+    rank0 = group.prepare()
+    calls, acks = rank0[CONTROL_ENV].split(",")
+    assert calls.startswith("tcp://127.0.0.1:") and acks.startswith("tcp://127.0.0.1:") and calls != acks
+    header = group.remote_header(1)
+    assert header["replica"] == 0 and header["env"] == {"MLX_RANK": "1", CONTROL_ENV: rank0[CONTROL_ENV]}
+    ring = json.loads(header["files"]["MLX_HOSTFILE"])  # the ring hostfile's text, not this machine's path
+    assert ring[0][0].startswith("127.0.0.1:") and ring[1][0].startswith(f"{UNROUTED}:")
+    buffer = io.BytesIO()
+    write_payload(buffer, header, b"\x00config\xff")
+    buffer.seek(0)
+    assert read_payload(buffer) == (header, b"\x00config\xff")
+    nccl = Followers(2, 0, {}, tmp_path, "nccl", hosts=hosts)
+    nccl.prepare()
+    env = nccl.remote_header(1)["env"]
+    assert env["NCCL_HOST_IP"] == "127.0.0.1" and env["CUDA_VISIBLE_DEVICES"] == "0" and env["MLX_WORLD_SIZE"] == "2"
+    assert nccl.remote_header(1)["files"] == {}
+
+
+def local_entry(host: RankHost) -> list[str]:
+    """The remote entry run here without ssh (there is no ssh server on this host)."""
+    return [sys.executable, "-m", "parallm.launch.remote_rank"]
+
+
+def remote_rank(tmp_path: Path, model_path: str) -> RemoteRank:
+    hosts = [RankHost(rank=0, ip="127.0.0.1", ssh="localhost", local=True),
+             RankHost(rank=1, ip="127.0.0.1", ssh="gpu2", local=False)]
+    group = Followers(2, 0, dict(os.environ), tmp_path, "ring", hosts=hosts)
+    group.prepare()
+    rank = RemoteRank(StageSpec("engine", env=group.env_of(1)), hosts[1], group.remote_header(1), argv=local_entry)
+    log = open(tmp_path / "rank.log", "w")
+    rank.start(config_with(model={"path": model_path}).encode(), -1, log, False)
+    return rank
+
+
+def test_a_remote_rank_without_the_model_exits_saying_so(tmp_path):
+    rank = remote_rank(tmp_path, str(tmp_path / "absent-model"))
+    rank.proc.wait(timeout=60)
+    assert rank.exit_code() == 2 and not rank.alive()
+    assert "absent-model' does not exist on this machine; copy it there" in (tmp_path / "rank.log").read_text()
+
+
+def test_a_remote_rank_ends_when_the_supervisor_side_closes(tmp_path):
+    rank = remote_rank(tmp_path, str(tmp_path))  # joins the ring and waits there for rank 0, which never comes
+    time.sleep(3)
+    assert rank.alive(), (tmp_path / "rank.log").read_text()
+    t0 = time.monotonic()
+    rank.terminate(timeout=30)  # closes its stdin, as the supervisor's death or a dropped connection does
+    assert not rank.alive() and time.monotonic() - t0 < 10
+
+
+class RankOf:
+    def __init__(self, rank: int) -> None:
+        self._rank = rank
+
+    def size(self) -> int:
+        return 2
+
+    def rank(self) -> int:
+        return self._rank
+
+
+@pytest.fixture
+def curve_keys():
+    server_public, server_secret = zmq.curve_keypair()
+    public, secret = zmq.curve_keypair()
+    keys = Curve(server_public=server_public, server_secret=server_secret, public=public, secret=secret,
+                 allowed=frozenset([public]))
+    set_curve(keys)
+    yield keys
+    set_curve(None)
+    stop_authenticators()
+
+
+def tcp_channel() -> tuple[str, str]:
+    from parallm.launch.group import free_ports
+
+    calls, acks = free_ports(2)
+    return f"tcp://127.0.0.1:{calls}", f"tcp://127.0.0.1:{acks}"
+
+
+def test_rank_0s_calls_over_tcp_with_curve_keep_a_follower_in_step(curve_keys):
+    addresses = tcp_channel()
+    follower = make_engine(tiny_model("llama"))
+    result: list = []
+    thread = threading.Thread(target=lambda: result.append(follow(follower, RankOf(1), addresses)), daemon=True)
+    thread.start()
+    leader = Leader(make_engine(tiny_model("llama")), RankOf(0), addresses)
+    work = [req(f"r{i}", [i + 1, 7, 9, 11], greedy(6)) for i in range(3)]
+    got = run_all(leader, work)
+    deadline = time.monotonic() + 10
+    while (state := leader.stats().ranks[1]).step < leader._engine._steps and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert state.agrees and state.step == leader._engine._steps
+    leader.close()
+    thread.join(30)
+    assert result == [0]
+    assert {k: d["tokens"] for k, d in got.items()} == \
+        {k: d["tokens"] for k, d in run_all(make_engine(tiny_model("llama")), work).items()}
+
+
+def test_a_peer_without_the_keys_cannot_follow_rank_0(curve_keys, monkeypatch):
+    monkeypatch.setattr(distributed, "CONNECT_WAIT_S", 1)
+    addresses = tcp_channel()
+    stranger = zmq.Context.instance().socket(zmq.SUB)  # no CURVE keys: the handshake fails, no subscription
+    stranger.setsockopt(zmq.SUBSCRIBE, b"")
+    stranger.connect(addresses[0])
+    try:
+        with pytest.raises(TensorParallelError, match="did not connect"):
+            Leader(make_engine(tiny_model("llama")), RankOf(0), addresses)
+    finally:
+        stranger.close(0)
+
+
+def test_the_control_channel_comes_from_the_launchers_environment(tmp_path, monkeypatch):
+    assert distributed.control_addresses(str(tmp_path), 1)[0] == f"ipc://{tmp_path}/engine-1-calls.sock"
+    monkeypatch.setenv(CONTROL_ENV, "tcp://10.0.0.1:5000,tcp://10.0.0.1:5001")
+    assert distributed.control_addresses(str(tmp_path), 1) == ("tcp://10.0.0.1:5000", "tcp://10.0.0.1:5001")
+    monkeypatch.setenv(CONTROL_ENV, "ipc:///x")
+    with pytest.raises(TensorParallelError, match="is not two tcp:// addresses"):
+        distributed.control_addresses(str(tmp_path), 1)
