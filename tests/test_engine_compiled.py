@@ -1,6 +1,7 @@
 """Compiled decode (`engine.compiled_decode`, parallm/engine/compiled.py): the tokens and logprobs of
 the eager engine, with rows padded to buckets, staggered arrivals, n > 1, preemption, adapters
-(run eagerly), full-weight updates (no retrace) and a bounded number of traces."""
+(their arrays inputs of the trace: a new version needs no retrace), full-weight updates (no
+retrace) and a bounded number of traces."""
 
 from __future__ import annotations
 
@@ -98,16 +99,43 @@ def test_preemption_under_a_tight_budget():
     assert_same(out[True], out[False])
 
 
-def test_adapter_rows_run_eagerly_and_match():
-    model = tiny_model("llama")
-    ref = tiny_model("llama")
-    config = lora_model(ref, rank=4)
+@pytest.mark.parametrize("dora,merge_mb", [(False, 0), (True, 0), (False, 64)], ids=["lora", "dora", "merged"])
+def test_adapter_rows_run_compiled_and_match(dora, merge_mb):
+    """One adapter beside base rows (a mixed plan: per-row slots into stacks), the adapter alone (a
+    single plan), factored, DoRA or merged into a copy of the weights."""
+    model, ref = tiny_model("llama"), tiny_model("llama")
+    config = lora_model(ref, rank=4, dora=dora)
     blob = save_bytes(adapter_tensors(ref))
     eager, comp, stats = both(model, setup=lambda e: e.load_adapter("pol", config=config, weights=blob),
-                              workload_args=("pol",), mixed_passes=False, max_prefill_tokens=24)
+                              workload_args=("pol",), mixed_passes=False, max_prefill_tokens=24,
+                              adapter_merge_mb=merge_mb)
     assert_same(comp, eager)
     counts = stats.compiled_decode
-    assert counts["eager_adapter"] >= 1 and counts["compiled"] >= 1, counts
+    assert counts["adapter"] >= 3 and counts["compiled"] >= 10, counts
+    assert not any(k.startswith("eager_") for k in counts), counts
+
+
+def test_new_adapter_version_needs_no_retrace():
+    model = tiny_model("llama")
+    versions = []
+    for seed in (1, 2):
+        ref = tiny_model("llama")
+        config = lora_model(ref, rank=4, seed=seed)
+        versions.append((config, save_bytes(adapter_tensors(ref))))
+    out, traces = {}, []
+    for on in (False, True):
+        e = make_engine(model, compiled_decode=on, mixed_passes=False)
+        for v, (config, blob) in enumerate(versions):
+            e.load_adapter("pol", config=config, weights=blob)
+            out[on, v] = run_all(e, [req(f"v{v}", prompt(7, 9), greedy(8, logprobs=True), adapter="pol")])
+            if on:
+                traces.append(e.stats().compiled_decode["traces"])
+    assert out[False, 0][("v0", 0)]["tokens"] != out[False, 1][("v1", 0)]["tokens"]
+    for v in (0, 1):
+        assert_same(out[True, v], out[False, v])
+    counts = e.stats().compiled_decode
+    assert counts["adapter"] >= 12 and not any(k.startswith("eager_") for k in counts), counts
+    assert traces[1] == traces[0] >= 1
 
 
 def test_weight_update_needs_no_retrace():
@@ -130,3 +158,24 @@ def test_traces_are_bounded(monkeypatch):
     eager, comp, stats = both(tiny_model("llama"), mixed_passes=False, max_prefill_tokens=24)
     assert_same(comp, eager)
     assert stats.compiled_decode["evicted"] >= 1 and stats.compiled_decode["traces"] >= 3
+
+
+def test_expert_adapters_run_eagerly():
+    """A MoE model: base rows compile; a pass with a row under an adapter on expert projections runs eagerly."""
+    from mlx_lm.models.switch_layers import SwitchLinear
+
+    from _engine_helpers import reference_greedy
+    from parallm.models import tiny
+
+    base, _ = tiny.build_any("qwen3_moe")
+    lora, _ = tiny.build_any("qwen3_moe")
+    keys = sorted({p for layer in lora.layers for p, m in layer.named_modules() if isinstance(m, SwitchLinear)})
+    config = lora_model(lora, keys=tuple(keys), seed=1, rank=4)
+    ids = [(7 * j + 3) % tiny.V for j in range(9)]
+    e = make_engine(base, compiled_decode=True, mixed_passes=False)
+    e.load_adapter("experts", config=config, weights=save_bytes(adapter_tensors(lora)))
+    out = {**run_all(e, [req("base", ids, greedy(6))]), **run_all(e, [req("lora", ids, greedy(6), adapter="experts")])}
+    assert out[("base", 0)]["tokens"] == reference_greedy(base, ids, 6)
+    assert out[("lora", 0)]["tokens"] == reference_greedy(lora, ids, 6)
+    counts = e.stats().compiled_decode
+    assert counts["eager_adapter"] >= 5 and counts["compiled"] >= 1, counts

@@ -18,10 +18,12 @@ stops MLX from updating it in place, and every step would copy the whole KV (mea
 211 ms for one layer's scatter at 16 rows x 32,768 slots on the CPU). The model's weights are inputs too (`mx.compile(..., inputs=model)`), so a full-weight
 update needs no retrace.
 
-What falls back to the eager pass, counted in stats (`compiled_decode`): a row under an adapter
-(the adapter router's per-pass Python state is not an input here), a model with recurrent state or
-several caches per layer, a pass the buckets do not fit, and a model whose pass does not trace
-(then never tried again). At most MAX_TRACES traces are kept (least recently used first out).
+Adapters: the router's plan for the pass's rows (padded rows take row n-1's adapter) is an input
+too (compiled_lora.py), so a trainer's next version of an adapter runs in the same trace. What
+falls back to the eager pass, counted in stats (`compiled_decode`): adapters on expert (MoE)
+projections, a model with recurrent state or several caches per layer, a pass the buckets do not
+fit, and a model whose pass does not trace (then never tried again). At most MAX_TRACES traces are
+kept (least recently used first out).
 
 The math differs from the eager pass only in shapes: rows are padded, keys span T >= the longest
 row (masked), and the mask is always applied (the eager pass skips it when every row is at the same
@@ -38,6 +40,10 @@ from typing import Any, Callable
 
 import mlx.core as mx
 import mlx.nn as nn
+
+from parallm.adapters.lora import LoRARouter
+
+from .compiled_lora import AdaptedLayers, Captured, capture, rebuild
 
 log = logging.getLogger("parallm.engine")
 
@@ -130,11 +136,13 @@ class CompiledDecode:
     """The compiled decode passes of one model over one engine's live KV (see module docstring)."""
 
     def __init__(self, model: nn.Module, call_model: Callable[[mx.array, list], mx.array], *, mask5d: bool,
-                 supported: bool = True) -> None:
+                 router: LoRARouter | None = None) -> None:
         self.model = model
         self.call_model = call_model
         self.mask5d = mask5d
-        self.unsupported = "" if supported else "model"  # why this model never runs compiled
+        self.router = router
+        self.layers = AdaptedLayers(model)
+        self.unsupported = ""  # why this model never runs compiled (set when its pass does not trace)
         self._fns: OrderedDict[tuple, Callable] = OrderedDict()
         self.counts: Counter[str] = Counter()
 
@@ -142,15 +150,15 @@ class CompiledDecode:
         return dict(sorted(self.counts.items()))
 
     def why_not(self, seqs: list, live: Any) -> str:
-        """Why these rows' decode pass runs eagerly ('' when it can run compiled)."""
+        """Why these rows' decode pass runs eagerly ('' when it may run compiled)."""
         if self.unsupported:
             return self.unsupported
         if live.layout is not None or live.states:
             return "state"
-        if any(s.lora is not None for s in seqs):
-            return "adapter"
         if len(seqs) > live.rows:
             return "rows"
+        if self.router is None and any(s.lora is not None for s in seqs):
+            return "adapter"
         return ""
 
     def run(self, seqs: list, tokens: mx.array, live: Any) -> mx.array | None:
@@ -163,25 +171,28 @@ class CompiledDecode:
         n = len(seqs)
         offsets = [s.num_computed for s in seqs]
         B, T = row_bucket(n, live.rows), span_bucket(max(offsets) + 1, live.capacity)
-        key = (live.rows, live.capacity, B, T)
-        fn = self._fns.get(key)
-        if fn is None:
-            fn = self._fns[key] = mx.compile(self._pass_fn(T), inputs=self.model)
-            self.counts["traces"] += 1
-            while len(self._fns) > MAX_TRACES:
-                self._fns.popitem(last=False)
-                self.counts["evicted"] += 1
-        else:
-            self._fns.move_to_end(key)
         pad = B - n
+        adapted = any(s.lora is not None for s in seqs)
+        captured: Captured | None = (("base",), [])
+        if adapted:
+            self.router.bind([s.lora for s in seqs] + [seqs[-1].lora] * pad)  # a padded row runs row n-1's adapter
+            try:
+                captured = capture(self.router, self.layers)
+            finally:
+                self.router.unbind()
+            if captured is None:
+                self.counts["eager_adapter"] += 1
+                return None
+        signature, lora_arrays = captured
+        fn = self._trace(live, B, T, signature)
         if pad:
             tokens = mx.concatenate([tokens.astype(mx.int32), mx.zeros((pad,), mx.int32)])
         offs = mx.array(offsets + offsets[-1:] * pad, dtype=mx.int32)
         src = mx.array(list(range(n)) + [n - 1] * pad, dtype=mx.int32)
         try:
-            logits, keys, values = fn(tokens.astype(mx.int32), offs, src, live.keys, live.values)
+            logits, keys, values = fn(tokens.astype(mx.int32), offs, src, live.keys, live.values, lora_arrays)
         except Exception as exc:  # noqa: BLE001 - a layer that does not trace: this model runs eagerly from now on
-            self._fns.pop(key, None)
+            self._fns.clear()
             self.unsupported = "trace_failed"
             self.counts["eager_trace_failed"] += 1
             log.warning("compiled decode disabled: the model's decode pass did not trace (%s: %s)",
@@ -190,16 +201,37 @@ class CompiledDecode:
         live.keys, live.values = list(keys), list(values)
         self.counts["compiled"] += 1
         self.counts["padded"] += bool(pad)
+        self.counts["adapter"] += adapted
         return logits[:n] if pad else logits
 
-    def _pass_fn(self, span: int) -> Callable:
-        """A new function object per trace key (mx.compile caches by function, so dropping one frees its traces)."""
-        call_model, mask5d = self.call_model, self.mask5d
+    def _trace(self, live: Any, B: int, T: int, signature: tuple) -> Callable:
+        """The compiled pass of this key, made on first use; at most MAX_TRACES kept."""
+        key = (live.rows, live.capacity, B, T, signature)
+        fn = self._fns.get(key)
+        if fn is not None:
+            self._fns.move_to_end(key)
+            return fn
+        fn = self._fns[key] = mx.compile(self._pass_fn(T, signature), inputs=self.model)
+        self.counts["traces"] += 1
+        while len(self._fns) > MAX_TRACES:
+            self._fns.popitem(last=False)
+            self.counts["evicted"] += 1
+        return fn
 
-        def decode_pass(tokens: mx.array, offsets: mx.array, src: mx.array, keys: list, values: list):
+    def _pass_fn(self, span: int, signature: tuple) -> Callable:
+        """A new function object per trace key (mx.compile caches by function, so dropping one frees its traces)."""
+        call_model, mask5d, router = self.call_model, self.mask5d, self.router
+
+        def decode_pass(tokens: mx.array, offsets: mx.array, src: mx.array, keys: list, values: list, lora: list):
             p = _PassInputs(offsets, src, span, mask5d)
             views = [StaticRowsView(k, v, p) for k, v in zip(keys, values)]
-            logits = call_model(tokens[:, None], views)[:, -1, :]
+            if router is not None:
+                router.plan = rebuild(signature, lora)
+            try:
+                logits = call_model(tokens[:, None], views)[:, -1, :]
+            finally:
+                if router is not None:
+                    router.unbind()
             return logits, [v.keys for v in views], [v.values for v in views]
 
         return decode_pass

@@ -90,7 +90,8 @@ class ModelRunner:
         self.head = OutputHead(model)
         self._packing: bool | None = None
         self.constraints = None  # constraints.Constraints: the grammar masks of constrained rows
-        self.compiled = CompiledDecode(model, self.call_model, mask5d=info.mask5d) if compiled_decode else None
+        self.compiled = (CompiledDecode(model, self.call_model, mask5d=info.mask5d, router=lora)
+                         if compiled_decode else None)
 
     def _mask_job(self, seqs: list[Sequence]):
         """The grammar masks of `seqs`, started on the worker thread; None when no row is constrained."""
