@@ -67,6 +67,11 @@ def rank_main(out: str) -> int:
     Leader, writing what it produced to `out`) or follow."""
     from parallm.engine import distributed
 
+    if os.environ.get("TP_CURVE"):  # the call channel over tcp: the stages' keys, as the supervisor hands them
+        from parallm.keys import stage_curve
+        from parallm.transport import set_curve
+
+        set_curve(stage_curve(os.environ["TP_CURVE"].split(",")))
     group = distributed.join(int(os.environ["TP_SIZE"]), backend="ring")
     model = model_of(os.environ["TP_MODEL"])
     shard_model(model, group)
@@ -83,10 +88,10 @@ def rank_main(out: str) -> int:
     return 0
 
 
-def run_group(tmp_path: Path, ranks: int, model: str) -> dict[str, list[int]]:
+def run_group(tmp_path: Path, ranks: int, model: str, **extra_env: str) -> dict[str, list[int]]:
     """`ranks` processes on the ring over localhost; rank 0's tokens."""
     out = tmp_path / "tokens.json"
-    env = {**os.environ, "TP_SIZE": str(ranks), "TP_MODEL": model, "PYTHONPATH": str(ROOT)}
+    env = {**os.environ, "TP_SIZE": str(ranks), "TP_MODEL": model, "PYTHONPATH": str(ROOT), **extra_env}
     assert run_ring(__file__, str(out), tmp_path, ranks, env) == [0] * ranks
     return json.loads(out.read_text())
 
@@ -96,6 +101,19 @@ def test_two_ring_ranks_match_the_single_rank_engine(tmp_path):
     want = both_phases(make_engine(tiny_model("llama")))
     assert got == want
     assert len(got) == 14 and all(len(t) >= 6 for t in got.values())
+
+
+@pytest.mark.slow
+def test_two_ring_ranks_with_rank_0s_calls_over_tcp_and_curve_match_one(tmp_path):
+    """The channel ranks on other machines use (PARALLM_TP_CONTROL, as the supervisor sets it for them),
+    here between two rank processes of this machine."""
+    from parallm.launch.group import free_ports
+
+    keys = [k.decode() for pair in (zmq.curve_keypair(), zmq.curve_keypair()) for k in pair]
+    calls, acks = free_ports(2)
+    got = run_group(tmp_path, 2, "tiny", TP_CURVE=",".join(keys),
+                    **{distributed.CONTROL_ENV: f"tcp://127.0.0.1:{calls},tcp://127.0.0.1:{acks}"})
+    assert got == both_phases(make_engine(tiny_model("llama")))
 
 
 @pytest.mark.slow

@@ -129,7 +129,7 @@ def test_a_remote_rank_without_the_model_exits_saying_so(tmp_path):
 
 def test_a_remote_rank_ends_when_the_supervisor_side_closes(tmp_path):
     rank = remote_rank(tmp_path, str(tmp_path))  # joins the ring and waits there for rank 0, which never comes
-    time.sleep(3)
+    time.sleep(1.5)
     assert rank.alive(), (tmp_path / "rank.log").read_text()
     t0 = time.monotonic()
     rank.terminate(timeout=30)  # closes its stdin, as the supervisor's death or a dropped connection does
