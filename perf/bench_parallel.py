@@ -36,7 +36,10 @@ tok/s that is ~0.4 of a core over three processes, not a limit. Republishing the
 second cost one engine 29 % (1,205 -> 854 tok/s, ITL p50 21 -> 30 ms): a slower step throughout, not
 a pause (each load takes 1-8 ms; while rows of two versions share a decode pass, it runs
 parallm/adapters/lora.py's stacked gather_mm path instead of the one merged weight), and each replica pays it alike, so it lowers both layouts rather
-than the ratio. The GPU run (`bash perf/gpu_runs.sh dp`) records the same figures at c=256.
+than the ratio. The GPU run (`bash perf/gpu_runs.sh dp`) records the same figures at c=256; the one to
+read first is ingress' share of a core in 1x2: issue 24's waves (docs/performance.md) found one server's
+c=256 HTTP rate set by ingress' per-event cost (~4,700 tok/s while it keeps up, ~3,000-3,400 once it falls
+behind), and DP=2's 3,514 tok/s on two H200s sits in that band, with both engines behind one ingress.
 
     python -m perf.bench_parallel --shape tiny --layouts 1x1,1x2 --concurrency 32 --max-tokens 64 \
         --requests-per-stream 4 --publish-adapter-every 1 --still --experiment dp
@@ -210,9 +213,12 @@ def replica_delta(before: dict[str, list], after: dict[str, list], wall_s: float
 
 
 def load_line(r: dict[str, Any]) -> str:
-    """Where the run's work went and what each process spent on it."""
+    """Where the run's work went and what each process spent on it (a process near 100 % of a core is
+    saturated: the shared ingress at ~100 % would cap every layout alike)."""
     split = r["per_replica"]
-    cpu = ", ".join(f"{k} {v:.2f} s ({r['cpu_us_per_token'].get(k, 0):.0f} us/token)" for k, v in r["cpu_s"].items())
+    wall = r.get("wall_s") or 0.0
+    cpu = ", ".join(f"{k} {v:.2f} s ({r['cpu_us_per_token'].get(k, 0):.0f} us/token"
+                    + (f", {v / wall:.0%} of a core)" if wall else ")") for k, v in r["cpu_s"].items())
     return (f"requests per replica {split['requests']}, tokens {split['tokens']}, steps {split['steps']}, "
             f"busy {split.get('busy')}, mean decode batch {split['decode_batch_mean']}; CPU {cpu or 'n/a'}")
 

@@ -43,8 +43,10 @@ def test_per_replica_counts_are_the_runs_own():
     split = replica_delta(before, after, wall_s=4.0)
     assert split == {"requests": [10, 10], "tokens": [100, 200], "steps": [4, 8], "phase_s": [{"read": 2.0}, {"read": 1.0}],
                      "busy": [0.5, 0.25], "decode_batch_mean": [3.0, 16.0]}
-    line = load_line({"per_replica": split, "cpu_s": {"ingress": 0.5}, "cpu_us_per_token": {"ingress": 1666.7}})
-    assert "requests per replica [10, 10], tokens [100, 200]" in line and "ingress 0.50 s (1667 us/token)" in line
+    line = load_line({"per_replica": split, "cpu_s": {"ingress": 0.5}, "cpu_us_per_token": {"ingress": 1666.7},
+                      "wall_s": 4.0})
+    assert "requests per replica [10, 10], tokens [100, 200]" in line
+    assert "ingress 0.50 s (1667 us/token, 12% of a core)" in line
 
 
 def test_served_versions_name_every_replica_and_rank():
