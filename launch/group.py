@@ -193,6 +193,7 @@ class Followers:
         """What a remote rank gets on stdin besides the configuration: its replica, the launcher's variables
         (not this machine's whole environment) and, on the ring backend, the ring hostfile's text."""
         env = {k: v for k, v in self.env_of(rank).items() if self.env.get(k) != v or k == "NCCL_NVLS_ENABLE"}
+        env["PYTHONUNBUFFERED"] = "1"  # its log lines reach the supervisor as they are written
         files = {}
         if self.backend != "nccl":
             files["MLX_HOSTFILE"] = Path(env.pop("MLX_HOSTFILE")).read_text()

@@ -200,6 +200,7 @@ def watch_stdin() -> None:
 def main() -> int:
     """On the rank's machine: read the payload on stdin, check the model, join the group, follow rank 0."""
     header, config_bytes = read_payload(sys.stdin.buffer)
+    os.environ.update(header["env"])  # before MLX is imported (CUDA_VISIBLE_DEVICES)
     from parallm.config import Config
 
     config = Config.decode(config_bytes)
@@ -212,7 +213,6 @@ def main() -> int:
         with os.fdopen(fd, "w") as f:
             f.write(text)
         os.environ[name] = path
-    os.environ.update(header["env"])
     from parallm.keys import stage_curve
     from parallm.logs import setup_logging
     from parallm.transport import set_curve

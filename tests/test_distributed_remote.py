@@ -90,7 +90,8 @@ def test_a_remote_rank_is_started_over_ssh_with_its_payload_on_stdin(tmp_path):
     calls, acks = rank0[CONTROL_ENV].split(",")
     assert calls.startswith("tcp://127.0.0.1:") and acks.startswith("tcp://127.0.0.1:") and calls != acks
     header = group.remote_header(1)
-    assert header["replica"] == 0 and header["env"] == {"MLX_RANK": "1", CONTROL_ENV: rank0[CONTROL_ENV]}
+    assert header["replica"] == 0 and header["env"] == {"MLX_RANK": "1", CONTROL_ENV: rank0[CONTROL_ENV],
+                                                        "PYTHONUNBUFFERED": "1"}
     ring = json.loads(header["files"]["MLX_HOSTFILE"])  # the ring hostfile's text, not this machine's path
     assert ring[0][0].startswith("127.0.0.1:") and ring[1][0].startswith(f"{UNROUTED}:")
     buffer = io.BytesIO()
