@@ -74,7 +74,7 @@ def test_buckets():
 
 
 @pytest.mark.parametrize("name,mixed", [("llama", False), ("llama", True), ("llama-sliding", False),
-                                        ("qwen3", False)])
+                                        ("llama3-rope", False), ("qwen3", False)])
 def test_compiled_decode_gives_the_eager_tokens_and_logprobs(name, mixed):
     eager, comp, stats = both(tiny_model(name), mixed_passes=mixed, max_prefill_tokens=24)
     assert_same(comp, eager)

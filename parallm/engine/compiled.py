@@ -200,8 +200,9 @@ class CompiledDecode:
             return None
         live.keys, live.values = list(keys), list(values)
         self.counts["compiled"] += 1
-        self.counts["padded"] += bool(pad)
-        self.counts["adapter"] += adapted
+        for name, happened in (("padded", pad), ("adapter", adapted)):
+            if happened:
+                self.counts[name] += 1
         return logits[:n] if pad else logits
 
     def _trace(self, live: Any, B: int, T: int, signature: tuple) -> Callable:

@@ -181,8 +181,13 @@ class FastRoPE:
         self.tables = tables
         self.dims = rope.dims
         self.base = getattr(rope, "base", None)
-        self.freqs = getattr(rope, "_freqs", None)
         self.scale = float(getattr(rope, "scale", 1.0))
+
+    @property
+    def freqs(self) -> mx.array | None:
+        """Read from the module on each call: under mx.compile(inputs=model) the module's own entry is
+        the traced input, and a reference kept here would be an uncaptured input (compiled.py)."""
+        return getattr(self.rope, "_freqs", None)
 
     def __call__(self, x: mx.array, offset: Any = 0) -> mx.array:
         if x.dtype != mx.float32 or x.ndim != 4:
