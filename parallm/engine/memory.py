@@ -21,6 +21,8 @@ AUTO_BUDGET_CAP = 8 << 30
 # Apple silicon: the share of Metal's recommended working set left after the weights that the KV
 # gets (the rest: activations, logits, MLX's buffer cache)
 METAL_KV_FRACTION = 0.7
+# a CUDA GPU: the share of the device memory free once the weights are loaded that the KV gets
+CUDA_KV_FRACTION = 0.5
 
 
 def metal_working_set() -> int | None:
@@ -30,6 +32,17 @@ def metal_working_set() -> int | None:
         if mx.default_device() != mx.gpu or not mx.metal.is_available():
             return None
         return int(mx.device_info()["max_recommended_working_set_size"])
+    except Exception:  # noqa: BLE001 - backend specific
+        return None
+
+
+def cuda_memory() -> tuple[int, int] | None:
+    """(free, total) bytes of the CUDA device MLX computes on, else None."""
+    try:
+        if mx.default_device() != mx.gpu or not mx.cuda.is_available():
+            return None
+        info = mx.device_info()
+        return int(info["free_memory"]), int(info["total_memory"])
     except Exception:  # noqa: BLE001 - backend specific
         return None
 
@@ -47,11 +60,22 @@ def set_wired_limit() -> int | None:
 
 def auto_kv_budget_bytes(weight_bytes: int = 0) -> int:
     """The KV budget when engine.kv_budget_mb is unset. On Apple silicon: a share of Metal's
-    recommended working set minus the weights (`weight_bytes`). Elsewhere: a share of the memory
-    available now (the model is already loaded; /proc/meminfo on Linux), capped."""
+    recommended working set minus the weights (`weight_bytes`). On a CUDA GPU: a share of the
+    device memory free now (less the weights if they are not resident yet). Elsewhere: a share of
+    the memory available now (the model is already loaded; /proc/meminfo on Linux), capped.
+
+    The CPU rule (at most 8 GiB) was the GPU's too: on the H200 it held the Qwen3.5-4B-like hybrid
+    to 83 rows of recurrent state (49 MiB each, half the budget) against --engine.max-num-seqs 256,
+    so at 256 streams most requests queued for a row (TTFT p50 18.5 s against BatchGenerator's 8.9
+    s, perf/results/serving-qwen3.5-4b-hybrid-h200.md), and the MoE's 256 rows x 256 tokens filled
+    its live slots to within 5."""
     working_set = metal_working_set()
     if working_set is not None:
         return max(64 << 20, int((working_set - weight_bytes) * METAL_KV_FRACTION))
+    cuda = cuda_memory()
+    if cuda is not None:
+        free, total = cuda
+        return max(64 << 20, int(min(free, total - weight_bytes) * CUDA_KV_FRACTION))
     avail = 0
     if sys.platform.startswith("linux"):
         try:

@@ -25,19 +25,26 @@ class KVBudget:
     def fits(self, rows: int, cap: int) -> bool:
         return rows * cap <= self.budget_tokens and rows <= self.max_rows and cap <= self.max_len
 
-    def shape_for(self, rows: int, cap: int, current: tuple[int, int]) -> tuple[int, int] | None:
-        """The allocation to use for `rows` x `cap`: the current one when it is enough,
-        else grown in quanta (capacity by at least a quarter, so copies stay rare), else the
-        tightest that fits the budget; None if even the exact need does not fit."""
+    def shape_for(self, rows: int, cap: int, current: tuple[int, int], demand: int = 0) -> tuple[int, int] | None:
+        """The allocation to use for `rows` x `cap`: the current one when it is enough, else grown
+        in quanta (capacity by at least a quarter; rows by at least half, and at once to `demand`,
+        the rows the queued sequences will want, so a burst of arrivals costs one or two copies of
+        the buffer instead of one per step of admissions), else as many of those rows as the budget
+        allows, else the tightest that fits; None if even the exact need does not fit.
+
+        Every resize allocates a new buffer and copies the old one, which MLX keeps in its buffer
+        cache at its own size: growing 256 rows four at a time churned ~190 GB through the cache
+        for the Qwen3-30B-A3B shape (docs/scheduling.md, "Growing the live buffer")."""
         r0, c0 = current
         if rows > self.max_rows or cap > self.max_len:
             return None
         if rows <= r0 and cap <= c0:
             return current
-        grown_r = r0 if rows <= r0 else min(self.max_rows, round_up(rows, self.row_quantum))
+        grown_r = r0 if rows <= r0 else min(self.max_rows, round_up(max(rows, demand, r0 + r0 // 2), self.row_quantum))
         grown_c = c0 if cap <= c0 else min(self.max_len, round_up(max(cap, c0 + c0 // 4), self.cap_quantum))
         tight_r = min(self.max_rows, round_up(rows, self.row_quantum))
-        for r in dict.fromkeys((grown_r, tight_r, rows)):
+        fit_r = min(grown_r, self.budget_tokens // cap // self.row_quantum * self.row_quantum)  # as many as fit
+        for r in dict.fromkeys((grown_r, fit_r, tight_r, rows)):
             if r < rows:
                 continue
             # the grown capacity, or as much of it as the budget allows with r rows

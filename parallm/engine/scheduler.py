@@ -118,12 +118,20 @@ class Scheduler(RowLayout):
         self._resize_at = len(self._pending)  # a grow goes before the admissions that write into new rows
         self._admit(plan, now)
         self._order_prefilling(now)
-        shape = self.budget.shape_for(self.rows_in_use, self.capacity_needed(now), self.shape)
+        rows = self.rows_in_use
+        demand = self.row_demand() if rows > self.shape[0] else 0
+        shape = self.budget.shape_for(rows, self.capacity_needed(now), self.shape, demand)
         assert shape is not None, "admission/preemption left a plan that does not fit"
         self._grow(shape)
         plan.ops = self.take_ops()
         plan.prefill = self._prefill_work(now)
         return plan
+
+    def row_demand(self) -> int:
+        """Rows in use and the rows the waiting sequences want (their n > 1 siblings too): what a
+        grow of the live buffer's rows should cover at once."""
+        return self.rows_in_use + sum(1 + (len(s.group.followers) if s.group is not None and s.group.leader is s else 0)
+                                      for s in self.waiting)
 
     def _grow(self, shape: tuple[int, int]) -> None:
         if shape != self.shape:
