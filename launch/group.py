@@ -17,12 +17,12 @@ import logging
 import random
 import socket
 from pathlib import Path
-from typing import IO
+from typing import IO, Callable
 
 from parallm import protocol
 
 from .process import StageProcess, StageSpec
-from .remote_rank import HostCheckError, RankHost, RemoteRank, check_hosts
+from .remote_rank import HostCheckError, RankHost, RemoteRank, check_hosts, ssh_argv
 
 log = logging.getLogger("parallm.supervisor")
 
@@ -149,8 +149,9 @@ class Followers:
     those engine.hostfile puts on other machines start over ssh (launch/remote_rank.py)."""
 
     def __init__(self, ranks: int, replica: int, env: dict[str, str], run_dir: Path, backend: str = "ring",
-                 hosts: list[RankHost] | None = None) -> None:
-        """`hosts`: where each rank runs (engine.hostfile); default: all on 127.0.0.1."""
+                 hosts: list[RankHost] | None = None, reach: Callable[[RankHost], list[str]] = ssh_argv) -> None:
+        """`hosts`: where each rank runs (engine.hostfile); default: all on 127.0.0.1. `reach`: the command
+        that starts a remote rank's entry on its host (ssh)."""
         self.ranks = ranks
         self.replica = replica
         self.env = env
@@ -160,6 +161,7 @@ class Followers:
         self.hostfile = Path(run_dir) / f"engine-{replica}-ring.json"
         self.nccl_port = 0
         self.control = ""  # rank 0's call channel over tcp, when a rank is on another machine
+        self.reach = reach
         self.procs: list[StageProcess | RemoteRank] = []
 
     def env_of(self, rank: int) -> dict[str, str]:
@@ -205,7 +207,7 @@ class Followers:
         for rank in range(1, self.ranks):
             spec = StageSpec("engine", replica=self.replica, env=self.env_of(rank))
             host = self.hosts[rank]
-            proc = StageProcess(spec) if host.local else RemoteRank(spec, host, self.remote_header(rank))
+            proc = StageProcess(spec) if host.local else RemoteRank(spec, host, self.remote_header(rank), self.reach)
             proc.start(config, parent_read_fd, log_out, json_logs)
             self.procs.append(proc)
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import io
 import json
 import os
+import subprocess
 import sys
 import threading
 import time
@@ -200,6 +201,66 @@ def test_a_peer_without_the_keys_cannot_follow_rank_0(curve_keys, monkeypatch):
         stranger.close(0)
 
 
+WORK = [([5, 9, 14, 3], 10), ([7, 7, 8, 21, 30, 2, 4], 12), ([11, 40], 8)]
+
+
+def rank_0_main(config_file: str, out: str) -> int:
+    """Rank 0 as the engine stage builds it (stages/engine.py main), serving WORK through the Leader."""
+    from parallm.engine import Engine, EngineModel
+    from parallm.keys import stage_curve
+    from parallm.models import load_model
+
+    config = Config.decode(Path(config_file).read_bytes())
+    set_curve(stage_curve(config.transport.curve_keys))
+    group = distributed.join(2, "ring")
+    loaded = load_model(config.model)
+    distributed.shard_model(loaded.model, group)
+    config = distributed.agreed_config(config, group)
+    engine = Engine(EngineModel.of(loaded), config)
+    distributed.freeze_clock(engine)
+    engine.warm_up()
+    leader = Leader(engine, group, distributed.control_addresses(config.transport.run_dir, 0))
+    got = run_all(leader, [req(f"w{i}", ids, greedy(n)) for i, (ids, n) in enumerate(WORK)])
+    leader.close()
+    Path(out).write_text(json.dumps({f"{rid}/{index}": d["tokens"] for (rid, index), d in sorted(got.items())}))
+    return 0
+
+
+@pytest.mark.slow
+def test_a_rank_started_through_the_remote_entry_serves_with_rank_0(tmp_path):
+    """Rank 1 goes the whole remote way but for ssh (its payload on stdin, the ring hostfile as text, the
+    calls over tcp with CURVE, parallm.launch.remote_rank's follower); its tokens are the one engine's."""
+    from parallm.engine import Engine, EngineModel
+    from parallm.models import load_model
+    from tests.e2e.test_parallel import build_tiny_llama
+
+    model_dir = build_tiny_llama(tmp_path / "tiny-llama")
+    keys = [k.decode() for pair in (zmq.curve_keypair(), zmq.curve_keypair()) for k in pair]
+    config = config_with(model={"path": str(model_dir)}, engine={"tensor_parallel": 2},
+                         transport={"kind": "tcp", "curve_keys": keys, "run_dir": str(tmp_path)})
+    (tmp_path / "config.bin").write_bytes(config.encode())
+    hosts = [RankHost(rank=0, ip="127.0.0.1", ssh="localhost", local=True),
+             RankHost(rank=1, ip="127.0.0.1", ssh="gpu2", local=False)]
+    group = Followers(2, 0, dict(os.environ), tmp_path, "ring", hosts=hosts, reach=local_entry)
+    env = {**group.prepare(), "PYTHONPATH": str(ROOT)}
+    rank0 = subprocess.Popen([sys.executable, __file__, str(tmp_path / "config.bin"), str(tmp_path / "out.json")],
+                             env=env, cwd=ROOT)
+    with open(tmp_path / "rank1.log", "w") as log:
+        group.start(config.encode(), -1, log, False)
+        try:
+            assert rank0.wait(timeout=300) == 0
+            group.procs[0].proc.wait(timeout=60)
+            assert group.exit_code(1) == 0, (tmp_path / "rank1.log").read_text()
+        finally:
+            rank0.kill()
+            group.terminate(5)
+    one = Engine(EngineModel.of(load_model(config.model)), config_with(model={"path": str(model_dir)}))
+    want = run_all(one, [req(f"w{i}", ids, greedy(n)) for i, (ids, n) in enumerate(WORK)])
+    assert [len(want[(f"w{i}", 0)]["tokens"]) for i in range(len(WORK))] == [n for _, n in WORK]
+    assert json.loads((tmp_path / "out.json").read_text()) == \
+        {f"{rid}/{index}": d["tokens"] for (rid, index), d in sorted(want.items())}
+
+
 def test_the_control_channel_comes_from_the_launchers_environment(tmp_path, monkeypatch):
     assert distributed.control_addresses(str(tmp_path), 1)[0] == f"ipc://{tmp_path}/engine-1-calls.sock"
     monkeypatch.setenv(CONTROL_ENV, "tcp://10.0.0.1:5000,tcp://10.0.0.1:5001")
@@ -207,3 +268,7 @@ def test_the_control_channel_comes_from_the_launchers_environment(tmp_path, monk
     monkeypatch.setenv(CONTROL_ENV, "ipc:///x")
     with pytest.raises(TensorParallelError, match="is not two tcp:// addresses"):
         distributed.control_addresses(str(tmp_path), 1)
+
+
+if __name__ == "__main__":
+    sys.exit(rank_0_main(sys.argv[1], sys.argv[2]))
