@@ -77,6 +77,7 @@ class PassContext:
         self.span = span  # T: key positions attended (max offset + L)
         self.offsets = mx.array(offsets, dtype=mx.int32)
         self.all_fresh = max(offsets) == 0
+        self.any_fresh = min(offsets) == 0
         # each row's real tokens where a right-padded pass has shorter rows (recurrent state reads it)
         padded = lengths is not None and any(n != length for n in lengths)
         self.lengths = mx.array(lengths, dtype=mx.int32) if padded else None
@@ -346,7 +347,7 @@ class LiveKV:
             if kind == "kv":
                 return RowsView(self, i, ctx)
             if kind == "state":
-                return RowsState(self.states[i], ctx.row0, ctx.offsets, ctx.all_fresh, ctx.lengths)
+                return RowsState(self.states[i], ctx.row0, ctx.offsets, ctx.all_fresh, ctx.lengths, ctx.any_fresh)
             return ListView([view(*sub) for sub in i])
 
         return [view(*slot) for slot in self.layout.slots]

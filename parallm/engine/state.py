@@ -63,15 +63,22 @@ def allocate(shape: StateShape, rows: int) -> list[mx.array | None]:
 
 
 class RowsState(ArraysCache):
-    """One ArraysCache slot's view for one pass (module docstring)."""
+    """One ArraysCache slot's view for one pass (module docstring).
+
+    What a decode step does not need costs it nothing: when no row of the pass starts its
+    sequence (every decode pass) a read is the rows' slice alone, with no zeroing of fresh rows;
+    a read is built once until the entry is written (a gated delta-net layer reads its conv state
+    twice); a write casts only when the dtype differs (perf/profile_state_views.py counts it)."""
 
     def __init__(self, arrays: list[mx.array | None], row0: int, offsets: mx.array, all_fresh: bool,
-                 lengths: mx.array | None) -> None:
+                 lengths: mx.array | None, any_fresh: bool = True) -> None:
         self._arrays = arrays  # the live list: writes replace its entries
         self._r0, self._r1 = row0, row0 + offsets.shape[0]
-        self._fresh = offsets == 0
+        self._offsets = offsets
+        self._any_fresh = any_fresh  # some row of the pass is at position 0 (reads zeros)
         self._all_fresh = all_fresh
         self._written: set[int] = set()
+        self._read: dict[int, mx.array] = {}
         self.lengths = lengths
         self.left_padding = None
 
@@ -87,19 +94,23 @@ class RowsState(ArraysCache):
         a = self._arrays[i]
         if a is None or (self._all_fresh and i not in self._written):
             return None
-        rows = a[self._r0:self._r1]
-        if i in self._written:
-            return rows
-        fresh = self._fresh.reshape((-1,) + (1,) * (rows.ndim - 1))
-        return mx.where(fresh, mx.zeros_like(rows), rows)
+        rows = self._read.get(i)
+        if rows is None:
+            rows = a[self._r0:self._r1]
+            if self._any_fresh and i not in self._written:
+                fresh = (self._offsets == 0).reshape((-1,) + (1,) * (rows.ndim - 1))
+                rows = mx.where(fresh, mx.zeros_like(rows), rows)
+            self._read[i] = rows
+        return rows
 
     def __setitem__(self, i: int, value: mx.array) -> None:
         a = self._arrays[i]
         if a is None:
             raise ValueError(f"state entry {i} was not seen when the model was probed")
-        a[self._r0:self._r1] = value.astype(a.dtype)
+        a[self._r0:self._r1] = value if value.dtype == a.dtype else value.astype(a.dtype)
         self._arrays[i] = a
         self._written.add(i)
+        self._read.pop(i, None)
 
     def advance(self, N: int) -> None:
         if self.lengths is not None:
