@@ -33,6 +33,11 @@ server with HTTP, gets a seed of its own. (Before, every level reused the same f
 the ZeroMQ run repeated the HTTP run's prompts on a warm cache: its TTFT read 0.99 s against a
 cold 1.69 s on the same server.)
 
+Issue 19's GPU runs, one 10-minute call each: `bash perf/gpu_runs.sh moe` (the Qwen3-30B-A3B-shaped
+4-bit MoE at c=1,64,256, BatchGenerator vs HTTP), `bash perf/gpu_runs.sh moe256` (c=256 only, then
+HTTP again with MLX_CUDA_USE_CUDNN_SDPA=0) and `bash perf/gpu_runs.sh hybrid` (the Qwen3.5-4B-like
+hybrid, the same way).
+
 After each served run the engine's own figures are kept with it (perf/engine_figures.py: its
 steps by kind, step-time percentiles, prefill tokens per pass, preemptions and recomputed tokens,
 OOM retries, KV budget and live buffer, row operations, first-seen pass shapes and the slowest

@@ -16,8 +16,13 @@
 #   ingress   ingress' CPU per SSE event and per token at c=256, 4 waves of 512 on one server (perf/bench_ingress.py),
 #             ~3 min
 #   moe       Qwen3-30B-A3B-shaped 4-bit MoE: BatchGenerator vs HTTP at c=1,64,256, one request per stream (issue 19;
-#             with two per stream the H200 needed more than 10 minutes), ~8 min
-#   hybrid    the Qwen3.5-4B-like hybrid shape, the same way (issue 19), ~5 min
+#             with two per stream the H200 needed more than 10 minutes); each served run keeps the engine's own
+#             figures (steps by kind, slowest steps and their phases, resizes, preemptions: perf/engine_figures.py), ~8 min
+#   moe256    the MoE at c=256 only: BatchGenerator and HTTP, then HTTP again with cuDNN's attention off
+#             (MLX_CUDA_USE_CUDNN_SDPA=0: is a new prefill shape's cuDNN graph build what stalls the engine?) (issue 19),
+#             ~7 min
+#   hybrid    the Qwen3.5-4B-like hybrid shape, the same way, then one decode step's graph over the engine's state
+#             views vs mlx-lm's caches (perf/profile_state_views.py) (issue 19), ~6 min
 #   structured json_schema vs unconstrained decode at batch 1,16,64, and this code with the serial schedule for
 #             constrained rows (issue 20), ~3 min
 #   tp        (nvidia-h100-x2) TP=2 vs one engine, llama-3.2-3b, c=1 and 64, adapters republished every 2 s (issue 23), ~5 min
@@ -31,8 +36,8 @@
 #             (perf/profile_threads.py, issue 24), ~4 min
 # A fresh server per wave: `waves` fits 6-7 waves in one 10-minute call; run it twice for ten.
 set -uo pipefail
-case "${1:-}" in diag|llama|adapters|qwen-a|qwen-b|launch|serving|waves|ingress|moe|hybrid|structured|tp|tp8b|dp|threads) ;;
-  *) sed -n 2,32p "$0"; exit 2 ;; esac
+case "${1:-}" in diag|llama|adapters|qwen-a|qwen-b|launch|serving|waves|ingress|moe|moe256|hybrid|structured|tp|tp8b|dp|threads) ;;
+  *) sed -n 2,37p "$0"; exit 2 ;; esac
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
 if [ -d /tmp/site/mlx ] && [ ! -f .gpu/b/install.sh ]; then
@@ -69,7 +74,14 @@ case "${1:-}" in
   moe|hybrid) shape=$([ "$1" = moe ] && echo qwen3-30b-a3b || echo qwen3.5-4b-hybrid)
             python3 -m perf.bench_serving --shape $shape --concurrency 1,64,256 --requests-per-client 1 \
               --max-tokens 128 --client-procs 4 --targets batchgen,http --tokenizer-dir $TOK --work-dir $WORK \
-              --experiment $shape --out-dir "$OUT" ;;
+              --experiment $shape --out-dir "$OUT"
+            if [ "$1" = hybrid ]; then python3 -m perf.profile_state_views --out-dir "$OUT"; fi ;;
+  moe256)   for cudnn in 1 0; do
+              MLX_CUDA_USE_CUDNN_SDPA=$cudnn python3 -m perf.bench_serving --shape qwen3-30b-a3b --concurrency 256 \
+                --requests-per-client 1 --max-tokens 128 --client-procs 4 \
+                --targets $([ $cudnn = 1 ] && echo batchgen,http || echo http) --tokenizer-dir $TOK --work-dir $WORK \
+                --experiment qwen3-30b-a3b-c256$([ $cudnn = 1 ] || echo -nocudnn) --out-dir "$OUT"
+            done ;;
   structured) python3 -m perf.bench_structured --shape llama-3.2-3b --batches 1,16,64 --max-tokens 128 --repeats 2 \
               --serial --tokenizer-dir $TOK --work-dir $WORK --out-dir "$OUT" ;;
   tp)       NCCL_NVLS_ENABLE=0 python3 -m perf.bench_parallel --shape llama-3.2-3b --layouts 1x1,2x1 --concurrency 1,64 \
