@@ -34,10 +34,13 @@
 #   threads   CPU seconds of every thread of every stage process, served llama-3.2-3b over HTTP at c=1 and 256, with
 #             the stages' thread samplers and py-spy if staged (the py_spy wheel in .gpu/b puts it in /tmp/site/bin)
 #             (perf/profile_threads.py, issue 24), ~4 min
+#   compiled  engine.compiled_decode off vs on, llama-3.2-3b: in-process decode steps at 1, 16, 64 rows, then a single
+#             HTTP stream against an eager and a compiled server, alternating (perf/profile_compiled_decode.py;
+#             issue 24), ~6 min
 # A fresh server per wave: `waves` fits 6-7 waves in one 10-minute call; run it twice for ten.
 set -uo pipefail
-case "${1:-}" in diag|llama|adapters|qwen-a|qwen-b|launch|serving|waves|ingress|moe|moe256|hybrid|structured|tp|tp8b|dp|threads) ;;
-  *) sed -n 2,37p "$0"; exit 2 ;; esac
+case "${1:-}" in diag|llama|adapters|qwen-a|qwen-b|launch|serving|waves|ingress|moe|moe256|hybrid|structured|tp|tp8b|dp|threads|compiled) ;;
+  *) sed -n 2,40p "$0"; exit 2 ;; esac
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
 if [ -d /tmp/site/mlx ] && [ ! -f .gpu/b/install.sh ]; then
@@ -96,4 +99,6 @@ case "${1:-}" in
   threads)  PATH=/tmp/site/bin:$PATH python3 -m perf.profile_threads --shape llama-3.2-3b --concurrency 1,256 \
               --max-tokens 128 --requests-per-client 1 --min-requests 8 --client-procs 4 --tokenizer-dir $TOK \
               --work-dir $WORK --experiment llama-3.2-3b --out-dir "$OUT" ;;
+  compiled) python3 -m perf.profile_compiled_decode --shape llama-3.2-3b --rows 1,16,64 --steps 32 --rounds 3 --served \
+              --served-tokens 128 --served-requests 3 --tokenizer-dir $TOK --work-dir $WORK --out-dir "$OUT" ;;
 esac
