@@ -143,20 +143,24 @@ def serve_and_measure(model_dir: Path, layout: str, concurrency: list[int], work
                 w = Workload(workload.name, workload.prompt_words, workload.max_tokens,
                              requests_at(c, workload.requests, per_stream))
 
-                def run(c=c, w=w) -> dict[str, Any]:
-                    return asyncio.run(run_http(server.url, "bench", w, c, [], seed=c,
-                                                procs=client_procs if c >= 16 else 1))
+                before: dict[str, Any] = {}
+
+                def run(c=c, w=w, before=before) -> dict[str, Any]:
+                    """The load alone (publishing.during publishes and settles around it): counters from here."""
+                    before.update(replicas=per_replica(client, replicas), cpu=server.cpu_seconds())
+                    r = asyncio.run(run_http(server.url, "bench", w, c, [], seed=c,
+                                             procs=client_procs if c >= 16 else 1))
+                    r["cpu_s"] = cpu_delta(before["cpu"], server.cpu_seconds())
+                    return r
 
                 for republish in ([True, False] if publishing is not None and still else [publishing is not None]):
-                    before, cpu_before = per_replica(client, replicas), server.cpu_seconds()
                     if republish:
                         r, r["adapter"] = publishing.during(run)
                     else:
                         r = run()
-                    cpu = cpu_delta(cpu_before, server.cpu_seconds())
                     time.sleep(REPORT_EVERY_S + 0.5)  # replica i > 0's pushed stats are up to a second old
-                    r["per_replica"] = replica_delta(before, per_replica(client, replicas), r["wall_s"])
-                    r["cpu_s"] = cpu
+                    r["per_replica"] = replica_delta(before["replicas"], per_replica(client, replicas), r["wall_s"])
+                    cpu = r["cpu_s"]
                     r["cpu_us_per_token"] = {k: round(1e6 * v / r["output_tokens"], 1) for k, v in cpu.items()} \
                         if r["output_tokens"] else {}
                     r.update(layout=layout, tp=tp, replicas=replicas, concurrency=c, requests=w.requests,
