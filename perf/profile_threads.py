@@ -15,8 +15,13 @@ threads that native libraries (MLX, OpenBLAS) start carry the process's name). I
   the GIL holder's (`gil`), with the innermost frames of each;
 - the engine stage loop's split per step (stats' `loop`: inbox, step, send, beat).
 
-    python -m perf.profile_threads --concurrency 1,16           # -> perf/results/threads-cpu.{json,md}
-    bash perf/gpu_runs.sh threads                               # llama-3.2-3b shape at c=1 and 256 on a GPU
+    python -m perf.profile_threads --concurrency 1,16 --max-tokens 64   # -> perf/results/threads-cpu.{json,md}
+    bash perf/gpu_runs.sh threads          # llama-3.2-3b shape at c=1 and 256 -> threads-llama-3.2-3b-<gpu>.*
+
+py-spy on the GPU machine (no registry): put its wheel beside the staged ones before the install
+call, `cp /opt/pypi/files/py_spy-0.4.2-*.whl .gpu/b/` (or `pip download --no-deps -d .gpu/b
+py-spy==0.4.2`); install.sh then puts the binary in /tmp/site/bin. Without it (or where ptrace is not
+allowed) the rest of the profile still runs and the py-spy fields say why they are empty.
 """
 
 from __future__ import annotations
@@ -44,8 +49,9 @@ TICK = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
 
 # ---------------------------------------------------------------------------- /proc
 
-def threads_of(pid: int) -> dict[int, tuple[str, float]]:
-    """tid -> (OS thread name, CPU seconds so far) of every thread of `pid`."""
+def threads_of(pid: int) -> dict[int, tuple[str, float, int]]:
+    """tid -> (OS thread name, CPU seconds so far, context switches so far: each a wake-up or a
+    preemption) of every thread of `pid`."""
     out = {}
     try:
         tids = os.listdir(f"/proc/{pid}/task")
@@ -56,7 +62,9 @@ def threads_of(pid: int) -> dict[int, tuple[str, float]]:
             with open(f"/proc/{pid}/task/{tid}/stat") as f:
                 head, _, tail = f.read().rpartition(")")
             fields = tail.split()
-            out[int(tid)] = (head.partition("(")[2], (int(fields[11]) + int(fields[12])) / TICK)
+            with open(f"/proc/{pid}/task/{tid}/status") as f:
+                switches = sum(int(line.split()[1]) for line in f if "ctxt_switches:" in line)
+            out[int(tid)] = (head.partition("(")[2], (int(fields[11]) + int(fields[12])) / TICK, switches)
         except (OSError, IndexError, ValueError):
             continue
     return out
@@ -70,7 +78,7 @@ def processes(server: Server) -> dict[str, int]:
     return found
 
 
-def snapshot(procs: dict[str, int]) -> dict[str, dict[int, tuple[str, float]]]:
+def snapshot(procs: dict[str, int]) -> dict[str, dict[int, tuple[str, float, int]]]:
     return {label: threads_of(pid) for label, pid in procs.items()}
 
 
@@ -132,10 +140,12 @@ def thread_table(procs: dict[str, int], before: dict, after: dict, wall: float, 
     table = {}
     for label, pid in procs.items():
         rows = []
-        for tid, (comm, cpu) in after.get(label, {}).items():
-            spent = cpu - before.get(label, {}).get(tid, (comm, 0.0))[1]
+        for tid, (comm, cpu, switches) in after.get(label, {}).items():
+            _, cpu0, switches0 = before.get(label, {}).get(tid, (comm, 0.0, 0))
+            spent = cpu - cpu0
             name = "main" if tid == pid else py_names.get(tid) or comm
             rows.append({"tid": tid, "name": name, "cpu_s": round(spent, 3), "cpu_pct_of_wall": round(100 * spent / wall, 1),
+                         "switches_per_token": round((switches - switches0) / max(1, tokens), 2),
                          **({"states": states.of(label, tid)} if states is not None else {})})
         rows.sort(key=lambda r: -r["cpu_s"])
         total = sum(r["cpu_s"] for r in rows)
@@ -252,16 +262,16 @@ def markdown(report: dict[str, Any], results: Results, min_pct: float = 1.0) -> 
                    f"in {level['wall_s']} s"), "",
                   (f"Engine loop ms per working iteration: {level['engine_loop_ms_per_step']} ({level['engine_steps']} "
                    f"iterations, {level['engine_own_steps']} engine steps)"), "",
-                  "| process | thread | tid | CPU s | % of wall | process CPU ms per token | states (share of samples) |",
-                  "|---|---|---:|---:|---:|---:|---|"]
+                  ("| process | thread | tid | CPU s | % of wall | process CPU ms per token | context switches per token "
+                   "| states (share of samples) |"), "|---|---|---:|---:|---:|---:|---:|---|"]
         for label, proc in level["processes"].items():
             lines.append(f"| **{label}** | (all) | {proc['pid']} | {proc['cpu_s']} | {proc['cpu_pct_of_wall']} | "
-                         f"{proc['cpu_ms_per_token']} | |")
+                         f"{proc['cpu_ms_per_token']} | | |")
             for row in proc["threads"]:
                 if row["cpu_pct_of_wall"] >= min_pct:
                     states = ", ".join(f"{k} {v:.0%}" for k, v in row.get("states", {}).items())
                     lines.append(f"| {label} | {row['name']} | {row['tid']} | {row['cpu_s']} | {row['cpu_pct_of_wall']} | "
-                                 f"| {states} |")
+                                 f"| {row['switches_per_token']} | {states} |")
         for stage, s in level["samplers"].items():
             lines += ["", (f"Sampler `{stage}`: {s['samples']} samples, GIL/CPU wait {s['late_ms_per_sample']} ms "
                            f"per sample (max so far {s['late_max_ms_so_far']} ms)")]
@@ -274,7 +284,8 @@ def markdown(report: dict[str, Any], results: Results, min_pct: float = 1.0) -> 
         if level.get("native_dumps"):
             dumps = level["native_dumps"]
             errors = f", errors: {'; '.join(dumps['errors'])}" if dumps["errors"] else ""
-            lines += ["", f"py-spy dump --native of the engine stage ({dumps['dumps']} dumps{errors}):"]
+            took = f"{dumps['dumps']} dumps taking {dumps['dump_s']} s{errors}"
+            lines += ["", f"py-spy dump --native of the engine stage ({took}):"]
             for thread, stacks in dumps["stacks"].items():
                 lines.append(f"- {thread}: " + "; ".join(f"{n}x {stack}" for stack, n in stacks.items()))
         lines.append("")
@@ -293,7 +304,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--sample-ms", type=float, default=5.0, help="the stages' thread samplers' interval (0: off)")
     parser.add_argument("--py-spy", default="auto", help="py-spy binary, 'auto' (PATH, /tmp/site/bin) or 'off'")
     parser.add_argument("--py-spy-rate", type=int, default=200)
-    parser.add_argument("--native-dumps", type=int, default=10,
+    parser.add_argument("--native-dumps", type=int, default=5,
                         help="py-spy dump --native of the engine stage, every 0.5 s of each run, at most this many "
                              "(each stops it for a moment; 0: none)")
     parser.add_argument("--server-args", default="", help="extra parallm-launch arguments")

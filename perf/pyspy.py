@@ -12,6 +12,7 @@ import shutil
 import signal
 import subprocess
 import threading
+import time
 from collections import Counter
 from pathlib import Path
 from typing import Any, Self
@@ -68,6 +69,7 @@ class NativeDumps:
         self.stacks: dict[str, Counter[str]] = {}
         self.errors: list[str] = []
         self.taken = 0
+        self.seconds: list[float] = []  # each dump's duration (py-spy's run; the process stops for part of it)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="native-dumps", daemon=True)
 
@@ -81,6 +83,7 @@ class NativeDumps:
 
     def _run(self) -> None:
         while self.taken < self.count and not self._stop.wait(self.every_s):
+            t0 = time.perf_counter()
             try:
                 done = subprocess.run(self.argv, capture_output=True, text=True, timeout=20, check=False)
             except (OSError, subprocess.SubprocessError) as exc:
@@ -90,12 +93,13 @@ class NativeDumps:
                 self.errors.append((done.stderr or done.stdout).strip()[-300:])
                 return
             self.taken += 1
+            self.seconds.append(round(time.perf_counter() - t0, 3))
             for thread, frames in parse_dump(done.stdout).items():
                 name, _, status = thread.rpartition(" ")
                 self.stacks.setdefault(name, Counter())[f"{status} " + " <- ".join(frames[:4])] += 1
 
     def report(self, top: int = 4) -> dict[str, Any]:
-        return {"dumps": self.taken, "errors": self.errors[:3],
+        return {"dumps": self.taken, "dump_s": self.seconds, "errors": self.errors[:3],
                 "stacks": {t: dict(c.most_common(top)) for t, c in self.stacks.items()}}
 
 

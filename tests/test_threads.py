@@ -32,7 +32,8 @@ def test_a_thread_names_itself_for_the_os_and_the_proc_reader_sees_it():
         with open(f"/proc/self/task/{thread.native_id}/comm") as f:
             assert f.read().strip() == "parked-worker-l"  # the kernel keeps 15 bytes
         seen = threads_of(os.getpid())
-        assert seen[thread.native_id][0] == "parked-worker-l" and seen[thread.native_id][1] >= 0.0
+        name, cpu, switches = seen[thread.native_id]
+        assert name == "parked-worker-l" and cpu >= 0.0 and switches >= 1
         assert os.getpid() in seen  # the main thread
     finally:
         stop.set()
@@ -72,14 +73,15 @@ def test_py_spy_raw_lines_become_samples_per_thread_and_their_innermost_frames()
 
 
 def test_thread_table_gives_each_thread_its_cpu_over_the_run_and_names_the_main_thread():
-    before = {"engine": {100: ("python3", 1.0), 101: ("ZMQbg/IO/0", 0.5)}}
-    after = {"engine": {100: ("python3", 3.0), 101: ("ZMQbg/IO/0", 0.7), 102: ("python3", 0.4)}}
+    before = {"engine": {100: ("python3", 1.0, 10), 101: ("ZMQbg/IO/0", 0.5, 7)}}
+    after = {"engine": {100: ("python3", 3.0, 30), 101: ("ZMQbg/IO/0", 0.7, 407), 102: ("python3", 0.4, 5)}}
     table = thread_table({"engine": 100}, before, after, wall=2.0, tokens=100, py_names={102: "heartbeat"})
     engine = table["engine"]
     assert engine["cpu_s"] == pytest.approx(2.6) and engine["cpu_ms_per_token"] == pytest.approx(26.0)
     assert [(r["name"], r["cpu_s"]) for r in engine["threads"]] == [("main", 2.0), ("heartbeat", 0.4),
                                                                     ("ZMQbg/IO/0", 0.2)]
     assert engine["threads"][0]["cpu_pct_of_wall"] == 100.0
+    assert [r["switches_per_token"] for r in engine["threads"]] == [0.2, 0.05, 4.0]
 
 
 def test_py_spy_dumps_become_each_threads_frames_innermost_first():

@@ -28,6 +28,7 @@ import numpy as np
 
 from parallm.protocol import Constraint
 from parallm.text.grammar import GrammarError, compile_text
+from parallm.threads import name_os_thread
 
 from .sequence import Sequence
 from .think_gate import Markers, ThinkGate
@@ -248,7 +249,7 @@ class Constraints:
     def submit(self, seqs: Seq[Sequence], pending: Seq[int | None] | None = None) -> Future:
         """Compute `masks(seqs, pending)` on the worker thread (llguidance drops the GIL while it fills)."""
         if self._pool is None:
-            self._pool = ThreadPoolExecutor(1, thread_name_prefix="parallm-masks")
+            self._pool = ThreadPoolExecutor(1, thread_name_prefix="parallm-masks", initializer=name_os_thread)
         return self._pool.submit(self.masks, list(seqs), None if pending is None else list(pending))
 
     def stats(self) -> dict[str, int]:
