@@ -73,8 +73,14 @@ def test_buckets():
     assert [span_bucket(s, 4096) for s in (1, 128, 129, 700)] == [128, 128, 256, 1024] and span_bucket(700, 640) == 640
 
 
-@pytest.mark.parametrize("name,mixed", [("llama", False), ("llama", True), ("llama-sliding", False),
-                                        ("llama3-rope", False), ("qwen3", False)])
+# other families are slow-marked: on a fresh machine each compiles its own fused kernels (~1-2 s each)
+SLOW = pytest.mark.slow
+
+
+@pytest.mark.parametrize("name,mixed", [("llama", False), pytest.param("llama", True, marks=SLOW),
+                                        pytest.param("llama-sliding", False, marks=SLOW),
+                                        pytest.param("llama3-rope", False, marks=SLOW),
+                                        pytest.param("qwen3", False, marks=SLOW)])
 def test_compiled_decode_gives_the_eager_tokens_and_logprobs(name, mixed):
     eager, comp, stats = both(tiny_model(name), mixed_passes=mixed, max_prefill_tokens=24)
     assert_same(comp, eager)
@@ -160,6 +166,7 @@ def test_traces_are_bounded(monkeypatch):
     assert stats.compiled_decode["evicted"] >= 1 and stats.compiled_decode["traces"] >= 3
 
 
+@SLOW
 def test_expert_adapters_run_eagerly():
     """A MoE model: base rows compile; a pass with a row under an adapter on expert projections runs eagerly."""
     from mlx_lm.models.switch_layers import SwitchLinear
@@ -179,3 +186,21 @@ def test_expert_adapters_run_eagerly():
     assert out[("lora", 0)]["tokens"] == reference_greedy(lora, ids, 6)
     counts = e.stats().compiled_decode
     assert counts["eager_adapter"] >= 5 and counts["compiled"] >= 1, counts
+
+
+@SLOW
+def test_default_model_rows_arriving_over_time():
+    """The embedded default model (SmolLM2-135M, float32): 8 rows arriving over four steps, n = 2."""
+    from _default_model import default_model
+
+    model = default_model()
+    rng = random.Random(3)
+    ids = [[rng.randrange(1000, 40000) for _ in range(5 + 3 * i)] for i in range(8)]
+    out = {}
+    for on in (False, True):
+        e = make_engine(model, compiled_decode=on, max_model_len=1024)
+        reqs = [req(f"r{i}", p, greedy(12, logprobs=True), n=2 if i == 3 else 1) for i, p in enumerate(ids)]
+        out[on] = run_all(e, reqs[:2], arrivals={1: reqs[2:4], 2: reqs[4:6], 3: reqs[6:]})
+        if on:
+            assert e.stats().compiled_decode["compiled"] >= 5
+    assert_same(out[True], out[False])
