@@ -63,8 +63,9 @@ class EngineConfig(Struct, frozen=True, kw_only=True, forbid_unknown_fields=True
     max_prefill_rows: Annotated[int, _d("sequences prefilled together in one pass")] = 16
     kv_budget_mb: Annotated[float | None, _d("KV memory for live rows and the prefix cache, MiB; unset = a share "
                                              "of the memory available once the model is loaded")] = None
-    buffer_cache_mb: Annotated[float | None, _d("memory MLX may keep in its cache of freed buffers, MiB; unset = MLX's "
-                                                "own limit. Bound it when other processes share the GPU")] = None
+    buffer_cache_mb: Annotated[float | None, _d("memory MLX may keep in its cache of freed buffers, MiB; unset = on a "
+                                                "CUDA GPU 0.8 of the device memory left free after the weights and "
+                                                "the KV budget, elsewhere MLX's own limit")] = None
     prefix_pool_fraction: Annotated[float, _d("share of the KV budget that holds the prefix cache (the rest holds "
                                               "the live rows)")] = 0.25
     writeback_interval: Annotated[int, _d("a long-running sequence writes its new full blocks to the prefix cache "

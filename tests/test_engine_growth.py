@@ -46,3 +46,32 @@ def test_the_auto_kv_budget_on_a_cuda_gpu_is_half_its_free_memory(monkeypatch):
     assert memory.auto_kv_budget_bytes() == 64 << 20  # the floor
     monkeypatch.setattr(mx, "default_device", lambda: mx.cpu)
     assert memory.cuda_memory() is None  # MLX's CPU device: the host's memory rule
+
+
+def test_on_a_cuda_gpu_the_buffer_cache_is_capped_at_what_the_kv_leaves(monkeypatch):
+    import mlx.core as mx
+
+    from parallm.engine import memory
+
+    GiB = 1 << 30
+    limits = []
+    monkeypatch.setattr(memory, "cuda_memory", lambda: (100 * GiB, 141 * GiB))
+    monkeypatch.setattr(mx, "set_cache_limit", lambda n: limits.append(n) or 0)
+    assert memory.bound_cuda_cache(50 * GiB, weight_bytes=17 * GiB) == int(50 * GiB * memory.CUDA_CACHE_SHARE)
+    assert memory.bound_cuda_cache(98 * GiB) is None  # under the floor: MLX's own limit stays
+    assert limits == [int(50 * GiB * memory.CUDA_CACHE_SHARE)]
+    monkeypatch.setattr(memory, "cuda_memory", lambda: None)
+    assert memory.bound_cuda_cache(1 * GiB) is None and len(limits) == 1
+
+
+def test_the_engine_reports_the_cache_cap_it_set(monkeypatch):
+    import mlx.core as mx
+
+    from parallm.engine import memory
+
+    GiB = 1 << 30
+    monkeypatch.setattr(memory, "cuda_memory", lambda: (10 * GiB, 141 * GiB))
+    monkeypatch.setattr(mx, "set_cache_limit", lambda n: 0)
+    engine = make_engine(tiny_model("llama"), kv_budget_bytes=64 << 20)
+    assert engine.config.buffer_cache_mb == (10 * GiB - (64 << 20)) * memory.CUDA_CACHE_SHARE // 1 / (1 << 20)
+    assert make_engine(tiny_model("llama"), buffer_cache_mb=512).config.buffer_cache_mb == 512  # as configured

@@ -24,8 +24,8 @@ from .constraints import Constraints, GrammarError, tokenizer_from_file
 from .think_gate import thinking_from_file
 from .compat import check_model
 from .faults import PassState, log, prefill_passes
-from .memory import (auto_kv_budget_bytes, fit_state_rows, limit_buffer_cache, oom_retries, set_wired_limit,
-                     weight_bytes)
+from .memory import (auto_kv_budget_bytes, bound_cuda_cache, fit_state_rows, limit_buffer_cache, oom_retries,
+                     set_wired_limit, weight_bytes)
 from .model import EngineModel
 from .output import OutputProcessor, StepOutputs, unseen_versions
 from .plan import KVBudget, Plan, PrefillWork
@@ -98,6 +98,9 @@ class Engine:
         if info.layout is not None:  # recurrent state (a packed pass is one sequence: a scan would run
             self.runner._packing = False  # across rows) or several caches per layer: no packed views
         resolved: dict = {"kv_budget_mb": self.kv_budget_bytes / (1 << 20)}
+        if settings.buffer_cache_mb is None and (cap := bound_cuda_cache(self.kv_budget_bytes,
+                                                                         weight_bytes(self.model))) is not None:
+            resolved["buffer_cache_mb"] = cap / (1 << 20)
         if settings.max_prefill_tokens is None:
             resolved["max_prefill_tokens"] = auto_prefill_tokens(on_cpu, settings.mixed_passes and self.runner.can_pack)
         self.config = settings = msgspec.structs.replace(settings, **resolved)

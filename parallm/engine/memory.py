@@ -47,6 +47,12 @@ def cuda_memory() -> tuple[int, int] | None:
         return None
 
 
+def cuda_free_after_weights(weight_bytes: int) -> int | None:
+    """The CUDA device's free memory, less the weights if they are not resident yet; None off CUDA."""
+    cuda = cuda_memory()
+    return None if cuda is None else min(cuda[0], cuda[1] - weight_bytes)
+
+
 def set_wired_limit() -> int | None:
     """Wire Metal's recommended working set, as mlx-lm does while it generates, so the weights and
     KV stay resident instead of being paged out between steps; the size set, or None off Metal."""
@@ -72,10 +78,9 @@ def auto_kv_budget_bytes(weight_bytes: int = 0) -> int:
     working_set = metal_working_set()
     if working_set is not None:
         return max(64 << 20, int((working_set - weight_bytes) * METAL_KV_FRACTION))
-    cuda = cuda_memory()
-    if cuda is not None:
-        free, total = cuda
-        return max(64 << 20, int(min(free, total - weight_bytes) * CUDA_KV_FRACTION))
+    free = cuda_free_after_weights(weight_bytes)
+    if free is not None:
+        return max(64 << 20, int(free * CUDA_KV_FRACTION))
     avail = 0
     if sys.platform.startswith("linux"):
         try:
@@ -126,6 +131,34 @@ def limit_buffer_cache(limit_mb: float | None) -> None:
     (perf/results/stress-waves-llama-3.2-3b-h100.json), so none is set by default."""
     if limit_mb is not None:
         mx.set_cache_limit(int(limit_mb * (1 << 20)))
+
+
+CUDA_CACHE_SHARE = 0.8  # of the device memory free after the weights and the KV budget
+CUDA_CACHE_FLOOR = 4 << 30
+
+
+def bound_cuda_cache(kv_budget_bytes: int, weight_bytes: int = 0) -> int | None:
+    """On a CUDA GPU with engine.buffer_cache_mb unset: cap MLX's buffer cache at a share of the
+    device memory left free once the weights are loaded and the KV budget is set aside; the cap in
+    bytes, or None where nothing was set (not CUDA, or less than CUDA_CACHE_FLOOR would be left).
+
+    MLX's own cap is 95% of the device's memory, which it assumes is all its own: beside another
+    process holding memory (the serving benchmark's in-process BatchGenerator keeps its copy of the
+    weights, 17 GB for the Qwen3-30B-A3B shape), a cache of dead buffers from earlier runs' shapes
+    runs the device out, and the allocation that finds it out fails (an engine step) or is
+    retried after freeing the whole cache at once (a resize, retry_out_of_memory), a stall. A cap
+    makes MLX return the oldest buffers a few at a time as it goes; it is tens of GB on an
+    H100/H200, far from the 2 GiB cap that halved the H100's c=256 throughput."""
+    free = cuda_free_after_weights(weight_bytes)
+    if free is None:
+        return None
+    limit = int((free - kv_budget_bytes) * CUDA_CACHE_SHARE)
+    if limit < CUDA_CACHE_FLOOR:
+        return None
+    mx.set_cache_limit(limit)
+    log.info("MLX buffer cache capped at %.1f GiB (%.0f%% of the device memory left after the weights and the "
+             "KV budget)", limit / (1 << 30), 100 * CUDA_CACHE_SHARE)
+    return limit
 
 
 def is_out_of_memory(exc: BaseException) -> bool:
