@@ -56,3 +56,16 @@ def test_bursts_are_split_by_an_idle_gap(model, monkeypatch):
     run_all(engine, [req("y", [4, 5, 6], SamplingParams(max_tokens=3))])
     s = engine.stats()
     assert s.last_burst.first_step > first_steps and s.last_burst.steps == s.steps - s.last_burst.first_step + 1
+
+
+def test_step_time_percentiles_come_from_a_bounded_histogram():
+    from parallm.protocol import StepRecord
+
+    burst = trace.Burst(1)
+    for i in range(20_000):
+        burst.add(StepRecord(step=i + 1, ms=float(i % 1000 + 1), kind="decode"))
+    r = burst.report(done=True)
+    assert r.steps == 20_000 and r.step_ms_max == 1000.0
+    assert 500 <= r.step_ms_p50 <= 550 and 990 <= r.step_ms_p99 <= 1000
+    assert len(burst.step_hist) < 100 and len(r.slowest) == trace.SLOWEST_KEPT
+    assert all(s.ms == 1000.0 for s in r.slowest)

@@ -43,7 +43,7 @@ class KVBudget:
         grown_r = r0 if rows <= r0 else min(self.max_rows, round_up(max(rows, demand, r0 + r0 // 2), self.row_quantum))
         grown_c = c0 if cap <= c0 else min(self.max_len, round_up(max(cap, c0 + c0 // 4), self.cap_quantum))
         tight_r = min(self.max_rows, round_up(rows, self.row_quantum))
-        fit_r = min(grown_r, self.budget_tokens // cap // self.row_quantum * self.row_quantum)  # as many as fit
+        fit_r = min(grown_r, self.budget_tokens // max(1, cap) // self.row_quantum * self.row_quantum)  # as many as fit
         for r in dict.fromkeys((grown_r, fit_r, tight_r, rows)):
             if r < rows:
                 continue

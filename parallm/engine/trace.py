@@ -6,13 +6,15 @@ the last one before such a pause: a benchmark's run (its closed loop leaves the 
 for a client's round trip between requests), once its requests are done and the gap has passed,
 is the last burst, so its figures can be read from stats() after the run without resetting
 anything (ingress polls stats too).
-Cheap: a few perf_counter reads and a small record per step; the per-step times are kept for the
-percentiles (a float per step of the burst).
+Cheap: a few perf_counter reads and a small record per step; step times go into a histogram of
+10%-wide buckets for the percentiles, so a burst that never ends (a server never idle) keeps a
+bounded record.
 """
 
 from __future__ import annotations
 
 import heapq
+import math
 import time
 from collections import Counter
 
@@ -22,12 +24,22 @@ from .plan import RowOp
 
 SLOWEST_KEPT = 8
 BURST_GAP_S = 1.0
+SHAPES_KEPT = 100_000  # distinct pass shapes remembered (past it, no shape is called new)
+_BUCKET = math.log(1.1)  # step-time histogram: buckets 10% wide from 0.01 ms
 
 
-def _percentile(sorted_ms: list[float], q: float) -> float:
-    if not sorted_ms:
-        return 0.0
-    return sorted_ms[min(len(sorted_ms) - 1, int(q * len(sorted_ms)))]
+def _bucket(ms: float) -> int:
+    return max(0, int(math.log(max(ms, 0.01) / 0.01) / _BUCKET))
+
+
+def _percentile(hist: Counter[int], n: int, q: float) -> float:
+    """The upper edge of the bucket holding the q-quantile (within 10% of it)."""
+    seen, want = 0, q * n
+    for b in sorted(hist):
+        seen += hist[b]
+        if seen > want:
+            return round(0.01 * math.exp(_BUCKET * (b + 1)), 3)
+    return 0.0
 
 
 class Burst:
@@ -37,7 +49,9 @@ class Burst:
         self.first_step = first_step
         self.started = time.perf_counter()
         self.ended = self.started
-        self.step_ms: list[float] = []
+        self.steps = 0
+        self.step_hist: Counter[int] = Counter()
+        self.step_ms_max = 0.0
         self.passes: Counter[str] = Counter()
         self.phase_ms: Counter[str] = Counter()
         self.ops: Counter[str] = Counter()
@@ -53,7 +67,9 @@ class Burst:
 
     def add(self, record: StepRecord) -> None:
         self.ended = time.perf_counter()
-        self.step_ms.append(record.ms)
+        self.steps += 1
+        self.step_hist[_bucket(record.ms)] += 1
+        self.step_ms_max = max(self.step_ms_max, record.ms)
         self.passes[record.kind] += 1
         for k, v in record.phase_ms.items():
             self.phase_ms[k] += v
@@ -75,12 +91,11 @@ class Burst:
             heapq.heapreplace(self.slowest, item)
 
     def report(self, done: bool) -> BurstStats:
-        ms = sorted(self.step_ms)
         n = max(1, self.prefill_passes)
+        p50, p99 = (min(_percentile(self.step_hist, self.steps, q), self.step_ms_max) for q in (0.5, 0.99))
         return BurstStats(
-            done=done, first_step=self.first_step, steps=len(ms), wall_s=round(self.ended - self.started, 3),
-            step_ms_p50=round(_percentile(ms, 0.5), 3), step_ms_p99=round(_percentile(ms, 0.99), 3),
-            step_ms_max=ms[-1] if ms else 0.0,
+            done=done, first_step=self.first_step, steps=self.steps, wall_s=round(self.ended - self.started, 3),
+            step_ms_p50=p50, step_ms_p99=p99, step_ms_max=self.step_ms_max,
             passes=dict(self.passes), phase_ms={k: round(v, 3) for k, v in self.phase_ms.items()},
             ops=dict(self.ops), prefill_passes=self.prefill_passes, prefill_tokens_per_pass=self.prefill_tokens / n,
             prefill_padded_per_pass=self.prefill_padded / n, new_shapes=self.new_shapes,
@@ -152,7 +167,7 @@ class StepTracer:
         r.ms = round(1000 * (time.perf_counter() - self._t0), 3)
         r.phase_ms = {k: round(v, 3) for k, v in r.phase_ms.items()}
         shape = (kind, r.decode_rows, r.prefill_rows, r.prefill_length)
-        if kind != "read" and shape not in self._shapes:
+        if kind != "read" and shape not in self._shapes and len(self._shapes) < SHAPES_KEPT:
             self._shapes.add(shape)
             r.new_shape = True
         burst.add(r)
