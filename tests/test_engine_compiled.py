@@ -204,3 +204,22 @@ def test_default_model_rows_arriving_over_time():
         if on:
             assert e.stats().compiled_decode["compiled"] >= 5
     assert_same(out[True], out[False])
+
+
+def test_a_pass_that_does_not_trace_runs_eagerly_from_then_on():
+    model = tiny_model("llama")
+    e = make_engine(model, compiled_decode=True, mixed_passes=False)
+    compiled_pass = e.runner.compiled
+    traced_model = compiled_pass.call_model
+
+    def reads_a_value(tokens, cache):  # a model that reads an array's value mid-pass cannot be traced
+        if int(tokens[0, 0].item()) < 0:
+            raise AssertionError("unreachable")
+        return traced_model(tokens, cache)
+
+    compiled_pass.call_model = reads_a_value
+    got = run_all(e, [req("a", prompt(6, 1), greedy(8, logprobs=True))])
+    want = run_all(make_engine(model, mixed_passes=False), [req("a", prompt(6, 1), greedy(8, logprobs=True))])
+    assert_same(got, want)
+    counts = e.stats().compiled_decode
+    assert counts["eager_trace_failed"] >= 7 and "compiled" not in counts, counts

@@ -15,8 +15,10 @@ row r of the buffer (another sequence's, or none) and its logits are dropped; it
 its own: its store repeats row n-1's (same row, position and values, so the scatter's duplicate
 indices agree). It does not read the old value to write it back: a read of the buffer in the pass
 stops MLX from updating it in place, and every step would copy the whole KV (measured: 0.03 ms ->
-211 ms for one layer's scatter at 16 rows x 32,768 slots on the CPU). The model's weights are inputs too (`mx.compile(..., inputs=model)`), so a full-weight
-update needs no retrace.
+211 ms for one layer's scatter at 16 rows x 32,768 slots on the CPU). The model's weights are
+inputs too (`mx.compile(..., inputs=model)`), so a full-weight update needs no retrace; a module
+must therefore read its arrays from the model's tree when called, not through a reference kept
+elsewhere (MLX refuses such an "uncaptured input"; fastmath.FastRoPE reads its RoPE's `_freqs`).
 
 Adapters: the router's plan for the pass's rows (padded rows take row n-1's adapter) is an input
 too (compiled_lora.py), so a trainer's next version of an adapter runs in the same trace. What
@@ -27,9 +29,9 @@ kept (least recently used first out).
 
 The math differs from the eager pass only in shapes: rows are padded, keys span T >= the longest
 row (masked), and the mask is always applied (the eager pass skips it when every row is at the same
-position). Matrix products and reductions over other shapes may round differently, so logits
-agree to float rounding, not bit for bit (tests/test_engine_compiled.py: greedy tokens equal,
-logprobs within 1e-4).
+position). On the CPU every token and logprob the tests compare came out bit-identical; matrix
+products and reductions over other shapes may round differently elsewhere, so the tests allow 1e-5
+on logprobs (tests/test_engine_compiled.py).
 """
 
 from __future__ import annotations
@@ -40,6 +42,7 @@ from typing import Any, Callable
 
 import mlx.core as mx
 import mlx.nn as nn
+from mlx.utils import tree_flatten, tree_unflatten
 
 from parallm.adapters.lora import LoRARouter
 
@@ -184,7 +187,8 @@ class CompiledDecode:
                 self.counts["eager_adapter"] += 1
                 return None
         signature, lora_arrays = captured
-        fn = self._trace(live, B, T, signature)
+        fn, fresh = self._trace(live, B, T, signature)
+        saved = tree_flatten(self.model) if fresh else None  # a failed trace leaves its tracers in the model
         if pad:
             tokens = mx.concatenate([tokens.astype(mx.int32), mx.zeros((pad,), mx.int32)])
         offs = mx.array(offsets + offsets[-1:] * pad, dtype=mx.int32)
@@ -192,6 +196,8 @@ class CompiledDecode:
         try:
             logits, keys, values = fn(tokens.astype(mx.int32), offs, src, live.keys, live.values, lora_arrays)
         except Exception as exc:  # noqa: BLE001 - a layer that does not trace: this model runs eagerly from now on
+            if saved is not None:
+                self.model.update(tree_unflatten(saved), strict=False)
             self._fns.clear()
             self.unsupported = "trace_failed"
             self.counts["eager_trace_failed"] += 1
@@ -205,19 +211,22 @@ class CompiledDecode:
                 self.counts[name] += 1
         return logits[:n] if pad else logits
 
-    def _trace(self, live: Any, B: int, T: int, signature: tuple) -> Callable:
-        """The compiled pass of this key, made on first use; at most MAX_TRACES kept."""
+    def _trace(self, live: Any, B: int, T: int, signature: tuple) -> tuple[Callable, bool]:
+        """The compiled pass of this key, and whether it is new (traced on this call); at most
+        MAX_TRACES kept. MLX does not put the model's own arrays back when a trace raises, so the
+        caller saves them around a new one (a trace MLX redoes inside a kept function, for a model
+        whose tree an adapter load reshaped, is of a pass that traced before)."""
         key = (live.rows, live.capacity, B, T, signature)
         fn = self._fns.get(key)
         if fn is not None:
             self._fns.move_to_end(key)
-            return fn
+            return fn, False
         fn = self._fns[key] = mx.compile(self._pass_fn(T, signature), inputs=self.model)
         self.counts["traces"] += 1
         while len(self._fns) > MAX_TRACES:
             self._fns.popitem(last=False)
             self.counts["evicted"] += 1
-        return fn
+        return fn, True
 
     def _pass_fn(self, span: int, signature: tuple) -> Callable:
         """A new function object per trace key (mx.compile caches by function, so dropping one frees its traces)."""
