@@ -390,8 +390,9 @@ class EngineStage:
     def run(self) -> int:
         """The loop: one poll of every socket (without waiting while there is work; up to a
         heartbeat while idle), drain the ready ones, one engine step, its outputs out.
-        `loop_time` splits each working iteration into inbox (polling and handling messages),
-        step (the engine), send (encoding and pushing the outputs) and beat."""
+        `loop_time` splits each working iteration into inbox (polling and handling messages; not
+        the wait of a poll made while idle), step (the engine), send (encoding and pushing the
+        outputs) and beat."""
         beat_ms = max(1, int(self.config.supervisor.heartbeat_s * 1000))
         clock, spent = time.perf_counter, self.loop_time
         control = self.rt.control.sock
@@ -402,6 +403,8 @@ class EngineStage:
                 self.blas.tick()
             self.reports.tick(self.stats)
             ready = dict(self.poller.poll(timeout))
+            if timeout:
+                t0 = clock()  # the wait of an idle poll is not the loop's work
             if ready:
                 if self.adapter_sub.sock in ready:
                     for message in self.adapter_sub.drain():
