@@ -32,8 +32,8 @@
 #             then still; steady-state rate, requests/tokens/busy share per replica, CPU per process per token
 #             (issue 23; goal 1.8x), ~6 min
 #   threads   CPU seconds of every thread of every stage process, served llama-3.2-3b over HTTP at c=1 and 256, with
-#             the stages' thread samplers and py-spy if staged (the py_spy wheel in .gpu/b puts it in /tmp/site/bin)
-#             (perf/profile_threads.py, issue 24), ~4 min
+#             the stages' thread samplers and py-spy if staged (carry .gpu/tools holding the py-spy binary, or put
+#             the py_spy wheel in .gpu/b before installing) (perf/profile_threads.py, issue 24), ~4 min
 #   compiled  engine.compiled_decode off vs on, llama-3.2-3b: in-process decode steps at 1, 16, 64 rows, then a single
 #             HTTP stream against an eager and a compiled server, alternating (perf/profile_compiled_decode.py;
 #             issue 24), ~6 min
@@ -96,7 +96,7 @@ case "${1:-}" in
   dp)       python3 -m perf.bench_parallel --shape llama-3.2-3b --layouts 1x1,1x2 --concurrency 256 --max-tokens 128 \
               --requests-per-stream 3 --client-procs 8 --publish-adapter-every 2 --still --tokenizer-dir $TOK \
               --work-dir $WORK --experiment dp --out-dir "$OUT" ;;
-  threads)  PATH=/tmp/site/bin:$PATH python3 -m perf.profile_threads --shape llama-3.2-3b --concurrency 1,256 \
+  threads)  PATH=$PWD/.gpu/tools:/tmp/site/bin:$PATH python3 -m perf.profile_threads --shape llama-3.2-3b --concurrency 1,256 \
               --max-tokens 128 --requests-per-client 1 --min-requests 8 --client-procs 4 --tokenizer-dir $TOK \
               --work-dir $WORK --experiment llama-3.2-3b --out-dir "$OUT" ;;
   compiled) python3 -m perf.profile_compiled_decode --shape llama-3.2-3b --rows 1,16,64 --steps 32 --rounds 3 --served \

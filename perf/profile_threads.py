@@ -18,10 +18,11 @@ threads that native libraries (MLX, OpenBLAS) start carry the process's name). I
     python -m perf.profile_threads --concurrency 1,16 --max-tokens 64   # -> perf/results/threads-cpu.{json,md}
     bash perf/gpu_runs.sh threads          # llama-3.2-3b shape at c=1 and 256 -> threads-llama-3.2-3b-<gpu>.*
 
-py-spy on the GPU machine (no registry): put its wheel beside the staged ones before the install
-call, `cp /opt/pypi/files/py_spy-0.4.2-*.whl .gpu/b/` (or `pip download --no-deps -d .gpu/b
-py-spy==0.4.2`); install.sh then puts the binary in /tmp/site/bin. Without it (or where ptrace is not
-allowed) the rest of the profile still runs and the py-spy fields say why they are empty.
+py-spy on the GPU machine (no registry): its binary (static, any Python) in the git-ignored
+.gpu/tools, carried with the call (`pip install --no-deps --target /tmp/pyspy py-spy==0.4.2 && cp
+/tmp/pyspy/bin/py-spy .gpu/tools/`), or its wheel put beside the staged ones in .gpu/b before the
+install call (install.sh puts the binary in /tmp/site/bin); gpu_runs.sh looks in both. Without it (or
+where ptrace is not allowed) the rest of the profile still runs and the py-spy fields say why.
 """
 
 from __future__ import annotations
