@@ -33,7 +33,8 @@
 #             (issue 23; goal 1.8x), ~6 min
 #   threads   CPU seconds of every thread of every stage process, served llama-3.2-3b over HTTP at c=1 and 256, with
 #             the stages' thread samplers and py-spy if staged (carry .gpu/tools holding the py-spy binary, or put
-#             the py_spy wheel in .gpu/b before installing) (perf/profile_threads.py, issue 24), ~4 min
+#             the py_spy wheel in .gpu/b before installing), then c=1 again on a fresh server without samplers or
+#             py-spy (what they cost) (perf/profile_threads.py, issue 24), ~6 min
 #   compiled  engine.compiled_decode off vs on, llama-3.2-3b: in-process decode steps at 1, 16, 64 rows, then a single
 #             HTTP stream against an eager and a compiled server, alternating (perf/profile_compiled_decode.py;
 #             issue 24), ~6 min
@@ -98,7 +99,10 @@ case "${1:-}" in
               --work-dir $WORK --experiment dp --out-dir "$OUT" ;;
   threads)  PATH=$PWD/.gpu/tools:/tmp/site/bin:$PATH python3 -m perf.profile_threads --shape llama-3.2-3b --concurrency 1,256 \
               --max-tokens 128 --requests-per-client 1 --min-requests 8 --client-procs 4 --tokenizer-dir $TOK \
-              --work-dir $WORK --experiment llama-3.2-3b --out-dir "$OUT" ;;
+              --work-dir $WORK --experiment llama-3.2-3b --out-dir "$OUT"
+            python3 -m perf.profile_threads --shape llama-3.2-3b --concurrency 1 --max-tokens 128 --min-requests 8 \
+              --sample-ms 0 --py-spy off --tokenizer-dir $TOK --work-dir $WORK --experiment llama-3.2-3b-bare \
+              --out-dir "$OUT" ;;
   compiled) python3 -m perf.profile_compiled_decode --shape llama-3.2-3b --rows 1,16,64 --steps 32 --rounds 3 --served \
               --served-tokens 128 --served-requests 3 --tokenizer-dir $TOK --work-dir $WORK --out-dir "$OUT" ;;
 esac
