@@ -212,9 +212,9 @@ def _versions_engine(history=64, **config):
     passes: list[list[tuple[str, int]]] = []
     bind = engine.adapters.router.bind
 
-    def recording_bind(adapters):
+    def recording_bind(adapters, packed=False):
         passes.append([("", 0) if a is None else (a.name, a.version) for a in adapters])
-        bind(adapters)
+        bind(adapters, packed)
 
     engine.adapters.router.bind = recording_bind
     return model, engine, passes

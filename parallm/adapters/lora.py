@@ -12,10 +12,13 @@ Three cases per pass:
 - every row has the same adapter: x @ W'^T with the update merged into a copy of the base weight
   when the adapter has one (`PreparedLoRA.merged`: the pass then costs what the base model's
   does), else base(x) + scale * (x @ a) @ b as one matmul and one addmm;
-- mixed: the adapters of the pass (plus a zero slot when some rows have none) are stacked per
-  layer, A [S, in, r], B [S, r, out] (ranks zero-padded to the largest, each slot's B times its
-  scale), and two `mx.gather_mm` calls apply each row's own slot. Stacks are cached per set of
-  adapters, so a steady mix costs no copies after its first pass.
+- mixed: the adapters of the pass (plus a zero slot when some rows have none) are laid side by
+  side along the rank per layer, A [in, S*r], B [S*r, out] (ranks zero-padded to the set's
+  largest, each slot's B times its scale), and the update is `((x @ A) * mask) @ B`: two dense
+  matmuls and a multiply per layer, `mask` [rows, S*r] (each row's own slot's columns) made once
+  per pass. Stacks are cached per set of adapters, slots in a fixed order (rows move as others
+  finish; the same set must find the same stacks), so a steady mix costs no copies after its
+  first pass. The same plan serves a packed pass (runner.mixed) with a slot per token.
 DoRA rows are rescaled by their precomputed magnitude / norm gain per output feature.
 Expert projections of MoE layers take the same three cases through `apply_switch`
 (parallm.adapters.switch_lora: the stacks there are per (slot, expert)).
@@ -148,6 +151,7 @@ class _Stacks:
 
     def __init__(self, slots: list["LoadedAdapter | None"]) -> None:
         self.slots = slots
+        self.rank = max((m.rank for a in slots if a is not None for m in a.modules.values()), default=1)
         self.by_path: dict[str, tuple | None] = {}
 
     def _modules(self, path: str) -> list | None:
@@ -160,13 +164,16 @@ class _Stacks:
         return mods
 
     def get(self, path: str, linear: nn.Module) -> tuple | None:
+        """(A [in, S*r], B [S*r, out], DoRA gains [S, out] or None) of a dense layer: slot s owns
+        columns / rows s*r .. s*r+r (its rank zero-padded to the set's largest), B times its scale;
+        a slot without an update at `path` (or the base model's slot) is zeros."""
         if path in self.by_path:
             return self.by_path[path]
         if (mods := self._modules(path)) is None:
             return None
         in_dims, out_dims = linear_dims(linear)
         dtype = next(m.a.dtype for m in mods if m is not None)
-        r = max(m.rank for m in mods if m is not None)
+        r = self.rank
         A, B, scales, gains = [], [], [], []
         any_dora = any(m is not None and m.m is not None for m in mods)
         for adapter, m in zip(self.slots, mods):
@@ -181,8 +188,9 @@ class _Stacks:
             B.append(m.b if not pad else mx.pad(m.b, [(0, pad), (0, 0)]))
             scales.append(m.scale)
             gains.append(adapter.gains[path].astype(mx.float32) if m.m is not None else mx.ones((out_dims,), mx.float32))
-        B_scaled = (mx.stack(B) * mx.array(scales, dtype=mx.float32)[:, None, None]).astype(dtype)
-        entry = (mx.stack(A), B_scaled, mx.stack(gains) if any_dora else None)
+        row_scales = mx.repeat(mx.array(scales, dtype=mx.float32), r)[:, None]
+        B_scaled = (mx.concatenate(B, axis=0) * row_scales).astype(dtype)
+        entry = (mx.concatenate(A, axis=1), B_scaled, mx.stack(gains) if any_dora else None)
         self.by_path[path] = entry
         return entry
 
@@ -212,9 +220,35 @@ class _Stacks:
 
 
 class _Mixed:
-    def __init__(self, stacks: _Stacks, idx: mx.array) -> None:
+    """Rows (or, in a packed pass, tokens) of several adapters: `idx` [n] is each one's slot in the
+    stacks. A dense layer adds `((x @ A) * mask) @ B` with the stacks' slots side by side along the
+    rank (A [in, S*r], B [S*r, out]) and `mask` [n, S*r] keeping each row's own slot's columns: two
+    dense matmuls and a multiply, the mask made once per pass and shared by every layer."""
+
+    def __init__(self, stacks: "_Stacks", idx: mx.array, nslots: int | None = None, packed: bool = False) -> None:
         self.stacks = stacks
         self.idx = idx
+        self.nslots = len(stacks.slots) if nslots is None else nslots
+        self.packed = packed  # idx is per token of one packed row [1, n, ...] (runner.mixed)
+        self._masks: dict[tuple, mx.array] = {}
+        self._where: dict[int, mx.array] = {}
+
+    def _lead(self, ndim: int) -> mx.array:
+        """idx shaped to broadcast over an activation of `ndim` dimensions ([n, 1, ...] or [1, n])."""
+        got = self._where.get(ndim)
+        if got is None:
+            n = self.idx.shape[0]
+            shape = (1, n) + (1,) * (ndim - 3) if self.packed else (n,) + (1,) * (ndim - 2)
+            got = self._where[ndim] = self.idx.reshape(shape)
+        return got
+
+    def _mask(self, ndim: int, cols: int, dtype: mx.Dtype) -> mx.array:
+        key = (ndim, cols, dtype)
+        got = self._masks.get(key)
+        if got is None:
+            slot_of_col = mx.arange(cols, dtype=mx.uint32) // (cols // self.nslots)
+            got = self._masks[key] = (self._lead(ndim)[..., None] == slot_of_col).astype(dtype)
+        return got
 
     def apply(self, path: str, linear: nn.Module, x: mx.array) -> mx.array:
         y = linear(x)
@@ -222,16 +256,16 @@ class _Mixed:
         if st is None:
             return y
         A, B, gains = st
-        idx = self.idx
-        y = y + mx.gather_mm(mx.gather_mm(x, A, rhs_indices=idx), B, rhs_indices=idx)
+        y = mx.addmm(y, (x @ A) * self._mask(x.ndim, A.shape[-1], x.dtype), B)
         if gains is not None:
-            g = gains[idx].reshape((idx.shape[0],) + (1,) * (y.ndim - 2) + (gains.shape[-1],))
-            y = _dora(y, linear, g)
+            y = _dora(y, linear, gains[self._lead(y.ndim)])
         return y
 
     def token_slots(self, indices: mx.array) -> mx.array:
         """The stack slot of every routed token: `indices` [rows, ..., k] as the pass's rows, or
         [rows * tokens, k] when the model flattened its rows first (olmoe, minimax_m3)."""
+        if self.packed:
+            raise ValueError("expert-layer adapters cannot share a packed pass (lora.packable)")
         rows, n = self.idx.shape[0], indices.shape[0]
         if n == rows:
             per = self.idx
@@ -254,6 +288,16 @@ class _Mixed:
         return y + (scales[comb].reshape(comb.shape + (1, 1)) * z).astype(x.dtype)
 
 
+def packable(adapters: Sequence["LoadedAdapter | None"]) -> bool:
+    """Whether rows under these adapters can share one packed pass (tokens of several rows in one
+    sequence, runner.mixed): one adapter (or none) for all, or no adapter with expert-layer
+    updates (an MoE block sorts its tokens by expert, and their slots are per row)."""
+    first = adapters[0] if adapters else None
+    if all(a is first for a in adapters):
+        return True
+    return not any(a.experts for a in adapters if a is not None)
+
+
 class LoRARouter:
     """Which adapter each batch row uses during the pass being built; None outside passes."""
 
@@ -262,7 +306,9 @@ class LoRARouter:
         self._stacks: OrderedDict[tuple, _Stacks] = OrderedDict()
         self.passes = {"base": 0, "single": 0, "mixed": 0}
 
-    def bind(self, adapters: Sequence["LoadedAdapter | None"]) -> None:
+    def bind(self, adapters: Sequence["LoadedAdapter | None"], packed: bool = False) -> None:
+        """The plan of the pass being built: `adapters[i]` is row i's (None: the base model); with
+        `packed`, token i's of a packed pass's one row (runner.mixed; see `packable`)."""
         distinct: dict[int, "LoadedAdapter"] = {}
         has_base = False
         for a in adapters:
@@ -277,18 +323,19 @@ class LoRARouter:
             self.plan = _Single(next(iter(distinct.values())))
             self.passes["single"] += 1
         else:
-            slots: list = ([None] if has_base else []) + list(distinct.values())
-            key = tuple(0 if a is None else a.uid for a in slots)
+            # slots in uid order, whatever the rows' order: rows move as others finish, and the same
+            # set of versions must find the same stacks
+            key = ((0,) if has_base else ()) + tuple(sorted(distinct))
             stacks = self._stacks.get(key)
             if stacks is None:
-                stacks = self._stacks[key] = _Stacks(slots)
+                stacks = self._stacks[key] = _Stacks([None if uid == 0 else distinct[uid] for uid in key])
                 while len(self._stacks) > STACK_CACHE_SETS:
                     self._stacks.popitem(last=False)
             else:
                 self._stacks.move_to_end(key)
-            where = {k: i for i, k in enumerate(key)}
+            where = {uid: i for i, uid in enumerate(key)}
             idx = mx.array([where[0 if a is None else a.uid] for a in adapters], dtype=mx.uint32)
-            self.plan = _Mixed(stacks, idx)
+            self.plan = _Mixed(stacks, idx, packed=packed)
             self.passes["mixed"] += 1
 
     def unbind(self) -> None:

@@ -50,6 +50,7 @@ class LoadedAdapter:
     loaded_at: float = 0.0
     uid: int = field(default_factory=lambda: next(_uids))
     first_token_at: float = 0.0  # when the engine read the first token sampled under this version
+    experts: bool = False  # it updates expert (MoE) layers
 
     @property
     def identity(self) -> str:
@@ -223,7 +224,8 @@ class AdapterManager:
         modules, gains = self._bind(parsed)
         nbytes = sum(m.nbytes for m in modules.values()) + sum(g.nbytes for g in gains.values())
         return LoadedAdapter(name=name, version=version, kind=parsed.kind, format=parsed.format, rank=parsed.rank,
-                             modules=modules, gains=gains, nbytes=nbytes, source=source, loaded_at=time.time())
+                             modules=modules, gains=gains, nbytes=nbytes, source=source, loaded_at=time.time(),
+                             experts=any(m.experts for m in modules.values()))
 
     def _bind(self, parsed: ParsedAdapter) -> tuple[dict[str, PreparedLoRA], dict[str, mx.array]]:
         """Check every module against the base model; the weights in the layer's compute type."""

@@ -118,4 +118,4 @@ def rebuild(signature: tuple, arrays: list[Any]) -> _Single | _Mixed | None:
     for path, dora in signature[2]:
         A, B = next(it), next(it)
         entries[path] = (A, B, next(it) if dora else None)
-    return _Mixed(_StackTable(entries), idx)
+    return _Mixed(_StackTable(entries), idx, nslots=signature[1])

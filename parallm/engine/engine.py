@@ -15,6 +15,7 @@ import mlx.core as mx
 import msgspec
 
 from parallm.adapters import AdapterError, AdapterManager, LoadedAdapter, VersionPolicy
+from parallm.adapters.lora import packable
 from parallm.engine.weights import Applied, WeightsError, WeightSwapper, rebase_adapters
 from parallm.config import Config, auto_adapter_merge_mb, auto_prefill_tokens, resolve_engine_config
 from parallm.protocol import EngineStats, SamplingParams
@@ -303,14 +304,13 @@ class Engine:
     def _can_mix(self, work: PrefillWork) -> bool:
         """Whether this step's prefill chunks can ride in the decode pass (runner.mixed): rows
         to decode, fast-math kernels that read packed passes, no prompt logprobs asked for, and
-        one adapter (or none) for every row."""
+        adapters that can share a packed pass (lora.packable: any mix without expert-layer updates)."""
         if not self.config.mixed_passes or not self._wants_decode():
             return False
         rows = self.scheduler.running + work.seqs
         if any(s.prompt_logprobs is not None for s in work.seqs):
             return False
-        lora = rows[0].lora
-        return all(s.lora is lora for s in rows) and self.runner.can_pack
+        return packable([s.lora for s in rows]) and self.runner.can_pack
 
     def _mixed(self, work: PrefillWork, out: StepOutputs, emit: Callable[[list[Output]], None] | None) -> bool:
         """Decode every running row and prefill this step's chunks in one pass, then account

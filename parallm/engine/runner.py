@@ -117,11 +117,12 @@ class ModelRunner:
             job = c.submit(seqs, pending_tokens(seqs, prev))
         return logits, mx.array(job.result())
 
-    def _forward(self, seqs: list[Sequence], tokens: mx.array, cache) -> mx.array:
-        """The model over `tokens`, row i under seqs[i]'s adapter; the graph is fixed on return."""
+    def _forward(self, seqs: list[Sequence], tokens: mx.array, cache, per_token: list | None = None) -> mx.array:
+        """The model over `tokens`, row i under seqs[i]'s adapter (`per_token`: a packed pass's one
+        row, token i under per_token[i]); the graph is fixed on return."""
         lora = self.lora
         if lora is not None:
-            lora.bind([s.lora for s in seqs])
+            lora.bind([s.lora for s in seqs] if per_token is None else per_token, packed=per_token is not None)
         try:
             return self.call_model(tokens, cache)
         finally:
@@ -313,8 +314,8 @@ class ModelRunner:
         """One packed pass (cache.PackedContext): a decode token of every running row [0,
         len(seqs)), as `decode` samples it, and the next prompt chunk of every prefilling row, with
         the first token of each prompt it finishes, as `prefill` samples it (no prompt logprobs:
-        the head projects only the sampled positions). All rows share one adapter (or none).
-        Waits for the pass."""
+        the head projects only the sampled positions). Each token runs under its row's adapter
+        (lora.packable says which mixes can). Waits for the pass."""
         n = len(seqs)
         ctx = PackedContext([s.num_computed for s in seqs], work.row0, work.starts, work.lengths)
         prompt = [t for seq, start, k in zip(work.seqs, work.starts, work.lengths) for t in seq.token_ids[start:start + k]]
@@ -327,9 +328,11 @@ class ModelRunner:
             if k and start + k == seq.prefill_target:
                 finishing.append((i, seq))
                 picked.append(end - 1)
+        per_token = [s.lora for s in seqs] + [seq.lora for seq, k in zip(work.seqs, work.lengths) for _ in range(k)]
+
         def run() -> mx.array:
             with self.head.select(mx.array(picked, dtype=mx.int32)):
-                return self._forward(seqs[:1], tokens, self.live.views(ctx))[0]
+                return self._forward(seqs, tokens, self.live.views(ctx), per_token)[0]
 
         logits, bitmask = self._forward_masked(seqs, prev, run)
         out = self._sample_rows(seqs, logits[:n], positions, bitmask)
