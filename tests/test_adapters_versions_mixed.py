@@ -6,8 +6,10 @@ from __future__ import annotations
 
 import mlx.core as mx
 import numpy as np
+import pytest
 
 from parallm.adapters import save_bytes
+from parallm.adapters import lora
 from parallm.adapters.lora import _Single
 from tests._engine_helpers import greedy, make_engine, req, run_all, tiny_model
 
@@ -27,7 +29,14 @@ def _version(model, seed: int, rank: int = 4) -> tuple[dict, bytes]:
             "lora_parameters": {"rank": rank, "scale": 2.0, "dropout": 0.0}}, save_bytes(w)
 
 
-def test_a_set_of_versions_keeps_its_stacks_whatever_the_row_order_and_rows_get_their_own_update():
+# a set's update is dense up to DENSE_COLUMNS slots x rank, per-row gather_mm past it
+FORMS = pytest.mark.parametrize("dense_columns", [lora.DENSE_COLUMNS, 0], ids=["dense", "gather"])
+
+
+@FORMS
+def test_a_set_of_versions_keeps_its_stacks_whatever_the_row_order_and_rows_get_their_own_update(
+        dense_columns, monkeypatch):
+    monkeypatch.setattr(lora, "DENSE_COLUMNS", dense_columns)
     model = tiny_model("llama")
     engine = make_engine(model, adapter_merge_mb=0)
     v = [engine.load_adapter("pol", config=c, weights=b) for c, b in (_version(model, s, r) for s, r in
@@ -42,6 +51,8 @@ def test_a_set_of_versions_keeps_its_stacks_whatever_the_row_order_and_rows_get_
         router.unbind()
         outs.append(out[mx.array(np.argsort(order))])
     assert len(router._stacks) == 1  # one set of versions, one set of stacks
+    A = next(iter(router._stacks.values())).by_path["model.layers.0.self_attn.q_proj"][0]
+    assert A.ndim == (2 if dense_columns else 3)
     for out in outs[1:]:
         assert mx.allclose(out, outs[0], atol=1e-5, rtol=1e-5).item()
     for i, adapter in enumerate(rows):  # each row as its adapter alone would compute it (factored)
@@ -93,7 +104,10 @@ def _run(mixed_passes: bool) -> tuple[dict, dict, object]:
     return results, seen, engine
 
 
-def test_versions_published_mid_run_share_packed_passes_and_keep_each_rows_tokens_and_version():
+@FORMS
+def test_versions_published_mid_run_share_packed_passes_and_keep_each_rows_tokens_and_version(
+        dense_columns, monkeypatch):
+    monkeypatch.setattr(lora, "DENSE_COLUMNS", dense_columns)
     packed, seen, engine = _run(mixed_passes=True)
     assert engine.packed_mixes >= 2  # packed passes whose tokens ran under several versions
     separate, seen_separate, other = _run(mixed_passes=False)

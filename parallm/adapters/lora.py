@@ -44,6 +44,7 @@ if TYPE_CHECKING:
     from .registry import LoadedAdapter
 
 STACK_CACHE_SETS = 8
+DENSE_COLUMNS = 256  # slots x rank up to which a mixed pass's update is dense; past it, per-row gather_mm
 
 
 def linear_dims(linear: nn.Module) -> tuple[int, int]:
@@ -166,7 +167,9 @@ class _Stacks:
     def get(self, path: str, linear: nn.Module) -> tuple | None:
         """(A [in, S*r], B [S*r, out], DoRA gains [S, out] or None) of a dense layer: slot s owns
         columns / rows s*r .. s*r+r (its rank zero-padded to the set's largest), B times its scale;
-        a slot without an update at `path` (or the base model's slot) is zeros."""
+        a slot without an update at `path` (or the base model's slot) is zeros. Past
+        DENSE_COLUMNS (the dense update's cost grows with S, a gather's does not): A [S, in, r],
+        B [S, r, out]."""
         if path in self.by_path:
             return self.by_path[path]
         if (mods := self._modules(path)) is None:
@@ -188,9 +191,13 @@ class _Stacks:
             B.append(m.b if not pad else mx.pad(m.b, [(0, pad), (0, 0)]))
             scales.append(m.scale)
             gains.append(adapter.gains[path].astype(mx.float32) if m.m is not None else mx.ones((out_dims,), mx.float32))
-        row_scales = mx.repeat(mx.array(scales, dtype=mx.float32), r)[:, None]
-        B_scaled = (mx.concatenate(B, axis=0) * row_scales).astype(dtype)
-        entry = (mx.concatenate(A, axis=1), B_scaled, mx.stack(gains) if any_dora else None)
+        gain = mx.stack(gains) if any_dora else None
+        if len(self.slots) * r > DENSE_COLUMNS:  # many adapters: per-row gather_mm, [S, in, r] / [S, r, out]
+            B_scaled = (mx.stack(B) * mx.array(scales, dtype=mx.float32)[:, None, None]).astype(dtype)
+            entry = (mx.stack(A), B_scaled, gain)
+        else:
+            row_scales = mx.repeat(mx.array(scales, dtype=mx.float32), r)[:, None]
+            entry = (mx.concatenate(A, axis=1), (mx.concatenate(B, axis=0) * row_scales).astype(dtype), gain)
         self.by_path[path] = entry
         return entry
 
@@ -223,7 +230,8 @@ class _Mixed:
     """Rows (or, in a packed pass, tokens) of several adapters: `idx` [n] is each one's slot in the
     stacks. A dense layer adds `((x @ A) * mask) @ B` with the stacks' slots side by side along the
     rank (A [in, S*r], B [S*r, out]) and `mask` [n, S*r] keeping each row's own slot's columns: two
-    dense matmuls and a multiply, the mask made once per pass and shared by every layer."""
+    dense matmuls and a multiply, the mask made once per pass and shared by every layer. Sets too
+    wide for that (`DENSE_COLUMNS`) take two per-row `gather_mm` instead."""
 
     def __init__(self, stacks: "_Stacks", idx: mx.array, nslots: int | None = None, packed: bool = False) -> None:
         self.stacks = stacks
@@ -256,7 +264,13 @@ class _Mixed:
         if st is None:
             return y
         A, B, gains = st
-        y = mx.addmm(y, (x @ A) * self._mask(x.ndim, A.shape[-1], x.dtype), B)
+        if A.ndim == 2:
+            y = mx.addmm(y, (x @ A) * self._mask(x.ndim, A.shape[-1], x.dtype), B)
+        elif self.packed:  # tokens of one row: each token its own gather_mm batch entry
+            t = x.swapaxes(0, 1)
+            y = y + mx.gather_mm(mx.gather_mm(t, A, rhs_indices=self.idx), B, rhs_indices=self.idx).swapaxes(0, 1)
+        else:
+            y = y + mx.gather_mm(mx.gather_mm(x, A, rhs_indices=self.idx), B, rhs_indices=self.idx)
         if gains is not None:
             y = _dora(y, linear, gains[self._lead(y.ndim)])
         return y
