@@ -38,10 +38,13 @@
 #   compiled  engine.compiled_decode off vs on, llama-3.2-3b: in-process decode steps at 1, 16, 64 rows, then a single
 #             HTTP stream against an eager and a compiled server, alternating (perf/profile_compiled_decode.py;
 #             issue 24), ~6 min
+#   republish one engine at c=256, llama-3.2-3b, every request under one adapter (rank-16 LoRA on q/o), a new version
+#             every 2 s then still (perf/bench_parallel.py --layouts 1x1 --still), then the in-process engine at 256
+#             rows still vs a new version every 25 steps (perf/bench_republish.py) (issue 23), ~6 min
 # A fresh server per wave: `waves` fits 6-7 waves in one 10-minute call; run it twice for ten.
 set -uo pipefail
-case "${1:-}" in diag|llama|adapters|qwen-a|qwen-b|launch|serving|waves|ingress|moe|moe256|hybrid|structured|tp|tp8b|dp|threads|compiled) ;;
-  *) sed -n 2,40p "$0"; exit 2 ;; esac
+case "${1:-}" in diag|llama|adapters|qwen-a|qwen-b|launch|serving|waves|ingress|moe|moe256|hybrid|structured|tp|tp8b|dp|threads|compiled|republish) ;;
+  *) sed -n 2,43p "$0"; exit 2 ;; esac
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
 if [ -d /tmp/site/mlx ] && [ ! -f .gpu/b/install.sh ]; then
@@ -97,6 +100,11 @@ case "${1:-}" in
   dp)       python3 -m perf.bench_parallel --shape llama-3.2-3b --layouts 1x1,1x2 --concurrency 256 --max-tokens 128 \
               --requests-per-stream 3 --client-procs 8 --publish-adapter-every 2 --still --tokenizer-dir $TOK \
               --work-dir $WORK --experiment dp --out-dir "$OUT" ;;
+  republish) python3 -m perf.bench_parallel --shape llama-3.2-3b --layouts 1x1 --concurrency 256 --max-tokens 128 \
+              --requests-per-stream 3 --client-procs 8 --publish-adapter-every 2 --still --tokenizer-dir $TOK \
+              --work-dir $WORK --experiment republish --out-dir "$OUT"
+            python3 -m perf.bench_republish --shape llama-3.2-3b --rows 256 --tokens 128 --every 25 --steps 150 \
+              --warm 60 --rounds 1 --kv-budget-mb 16384 --out-dir "$OUT" ;;
   threads)  PATH=$PWD/.gpu/tools:/tmp/site/bin:$PATH python3 -m perf.profile_threads --shape llama-3.2-3b --concurrency 1,256 \
               --max-tokens 128 --requests-per-client 1 --min-requests 8 --client-procs 4 --tokenizer-dir $TOK \
               --work-dir $WORK --experiment llama-3.2-3b --out-dir "$OUT"

@@ -328,11 +328,13 @@ class ModelRunner:
             if k and start + k == seq.prefill_target:
                 finishing.append((i, seq))
                 picked.append(end - 1)
-        per_token = [s.lora for s in seqs] + [seq.lora for seq, k in zip(work.seqs, work.lengths) for _ in range(k)]
+        lora = seqs[0].lora
+        per_token = None if all(s.lora is lora for s in (*seqs, *work.seqs)) else \
+            [s.lora for s in seqs] + [seq.lora for seq, k in zip(work.seqs, work.lengths) for _ in range(k)]
 
         def run() -> mx.array:
             with self.head.select(mx.array(picked, dtype=mx.int32)):
-                return self._forward(seqs, tokens, self.live.views(ctx), per_token)[0]
+                return self._forward(seqs[:1] if per_token is None else seqs, tokens, self.live.views(ctx), per_token)[0]
 
         logits, bitmask = self._forward_masked(seqs, prev, run)
         out = self._sample_rows(seqs, logits[:n], positions, bitmask)
