@@ -195,8 +195,8 @@ def main() -> int:
             res["model"] = run.pop("model")
             res["runs"].append({"round": rnd, "tree": label, **run})
             print(json.dumps(res["runs"][-1]), flush=True)
-    res["loadavg_at_end"] = [round(x, 1) for x in os.getloadavg()]
-    results.write(res, report(res, results.command))
+            res["loadavg_at_end"] = [round(x, 1) for x in os.getloadavg()]
+            results.write(res, report(res, results.command))  # after every run: a cut-short run keeps its rounds
     return 0
 
 
