@@ -102,7 +102,18 @@ class MultiLoRALinear(nn.Module):
         self._shard = ShardedBase(linear) if is_sharded(linear) else None  # a tensor-parallel slice (sharded.py)
 
     def __call__(self, x: mx.array) -> mx.array:
+        return self._apply(self._router.plan, x)
+
+    def at_positions(self, picked: mx.array, rows: mx.array, length: int) -> mx.array:
+        """self over `picked`, the positions `rows` of the pass's flattened [batch x length] positions
+        ([1, len(rows), in]: engine.head projects only the positions it samples); a mixed pass's
+        slots, per row or per packed token, follow the positions picked."""
         plan = self._router.plan
+        if isinstance(plan, _Mixed):
+            plan = plan.at_positions(rows, length)
+        return self._apply(plan, picked)
+
+    def _apply(self, plan: "_Single | _Mixed | None", x: mx.array) -> mx.array:
         if plan is None:
             return self.linear(x)
         if self._shard is not None:
@@ -274,6 +285,12 @@ class _Mixed:
         if gains is not None:
             y = _dora(y, linear, gains[self._lead(y.ndim)])
         return y
+
+    def at_positions(self, rows: mx.array, length: int) -> "_Mixed":
+        """This plan over positions `rows` of the pass's flattened [batch x `length`] positions (or a
+        packed row's tokens), laid out as a packed row [1, len(rows)]: a slot per position picked."""
+        per = self.idx[rows] if self.packed else self.idx[rows // length]
+        return _Mixed(self.stacks, per, self.nslots, packed=True)
 
     def token_slots(self, indices: mx.array) -> mx.array:
         """The stack slot of every routed token: `indices` [rows, ..., k] as the pass's rows, or

@@ -30,7 +30,9 @@ class _Gathered(nn.Module):
         self._rows = rows
 
     def __call__(self, x: mx.array) -> mx.array:
-        return self.inner(_gather(x, self._rows))
+        picked = _gather(x, self._rows)
+        at_positions = getattr(self.inner, "at_positions", None)  # an adapted head: its rows' slots follow the rows
+        return self.inner(picked) if at_positions is None else at_positions(picked, self._rows, x.shape[1])
 
 
 def _gather(x: mx.array, rows: mx.array) -> mx.array:
