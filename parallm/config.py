@@ -85,6 +85,11 @@ class EngineConfig(Struct, frozen=True, kw_only=True, forbid_unknown_fields=True
                                         "(rows bucket, key-span bucket), fewer kernel launches per step for small "
                                         "batches on a GPU; rows under an adapter and models it cannot trace run "
                                         "eagerly")] = False
+    prefill_buckets: Annotated[bool | None, _d("pad a prefill pass's chunk length up to a power of two from 16 (at "
+                                               "most the prefill budget), so its pass shapes are few, and warm up "
+                                               "each (rows, length) shape at start: a new shape builds its "
+                                               "kernels on first use on MLX CUDA; models prefilled one row per "
+                                               "pass are never padded; unset = off")] = None
     default_max_tokens: Annotated[int, _d("max_tokens when a request gives none")] = 256
     seed: Annotated[int, _d("seed for requests that give none")] = 0
     priority_aging_s: Annotated[float, _d("a waiting request's priority improves by one level per this many seconds "
@@ -143,6 +148,8 @@ def resolve_engine_config(config: EngineConfig, on_cpu: bool) -> EngineConfig:
         changes["overlap"] = not on_cpu
     if config.fast_math is None:
         changes["fast_math"] = on_cpu
+    if config.prefill_buckets is None:
+        changes["prefill_buckets"] = False  # a GPU default waits for `bash perf/gpu_runs.sh buckets`
     return msgspec.structs.replace(config, **changes) if changes else config
 
 

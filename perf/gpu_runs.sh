@@ -41,10 +41,13 @@
 #   republish one engine at c=256, llama-3.2-3b, every request under one adapter (rank-16 LoRA on q/o), a new version
 #             every 2 s then still (perf/bench_parallel.py --layouts 1x1 --still), then the in-process engine at 256
 #             rows still vs a new version every 25 steps (perf/bench_republish.py) (issue 23), ~6 min
+#   buckets   the MoE at c=256 over HTTP, engine.prefill_buckets off then on (each server warms up every bucket
+#             shape at start: 58 for the 512-token budget and 16 prefill rows); the engine's figures give the
+#             first-seen shapes and their time either way, ~7 min
 # A fresh server per wave: `waves` fits 6-7 waves in one 10-minute call; run it twice for ten.
 set -uo pipefail
-case "${1:-}" in diag|llama|adapters|qwen-a|qwen-b|launch|serving|waves|ingress|moe|moe256|hybrid|structured|tp|tp8b|dp|threads|compiled|republish) ;;
-  *) sed -n 2,43p "$0"; exit 2 ;; esac
+case "${1:-}" in diag|llama|adapters|qwen-a|qwen-b|launch|serving|waves|ingress|moe|moe256|hybrid|structured|tp|tp8b|dp|threads|compiled|republish|buckets) ;;
+  *) sed -n 2,46p "$0"; exit 2 ;; esac
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
 if [ -d /tmp/site/mlx ] && [ ! -f .gpu/b/install.sh ]; then
@@ -88,6 +91,11 @@ case "${1:-}" in
                 --requests-per-client 1 --max-tokens 128 --client-procs 4 \
                 --targets $([ $cudnn = 1 ] && echo batchgen,http || echo http) --tokenizer-dir $TOK --work-dir $WORK \
                 --experiment qwen3-30b-a3b-c256$([ $cudnn = 1 ] || echo -nocudnn) --out-dir "$OUT"
+            done ;;
+  buckets)  for on in false true; do
+              python3 -m perf.bench_serving --shape qwen3-30b-a3b --concurrency 256 --requests-per-client 1 \
+                --max-tokens 128 --client-procs 4 --targets http --server-args "--engine.prefill-buckets $on" \
+                --tokenizer-dir $TOK --work-dir $WORK --experiment qwen3-30b-a3b-c256-buckets-$on --out-dir "$OUT"
             done ;;
   structured) python3 -m perf.bench_structured --shape llama-3.2-3b --batches 1,16,64 --max-tokens 128 --repeats 2 \
               --serial --tokenizer-dir $TOK --work-dir $WORK --out-dir "$OUT" ;;

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .plan import KVBudget
+from .plan import KVBudget, length_bucket
 from .priority import PriorityPolicy
 from .sequence import Sequence
 
@@ -15,16 +15,20 @@ from .sequence import Sequence
 @dataclass(slots=True)
 class PassShape:
     """A prefill pass over a region in priority order: its first `top` rows are of the best
-    effective priority and share the budget, the pass takes the first `k` rows, padded to `length`."""
+    effective priority and share the budget, the pass takes the first `k` rows, chunks of at most
+    `length` tokens, every row padded to `padded` (`length`, or its bucket: plan.length_bucket)."""
 
     top: int
     k: int
     length: int
+    padded: int
 
 
 class AdmissionPolicy:
-    def __init__(self, *, budget: KVBudget, max_prefill_tokens: int, headroom: int, priority: PriorityPolicy) -> None:
+    def __init__(self, *, budget: KVBudget, max_prefill_tokens: int, headroom: int, priority: PriorityPolicy,
+                 buckets: bool = False) -> None:
         self.budget = budget
+        self.buckets = buckets  # pad a pass's length to its bucket (engine.prefill_buckets)
         self.max_prefill_tokens = max_prefill_tokens
         self.headroom = headroom
         self.priority = priority
@@ -40,7 +44,8 @@ class AdmissionPolicy:
         best priority's rows share the budget, and worse rows ride along only while k x L stays
         within it and each fills half its chunk."""
         if not self.priority.mixed(region):
-            return PassShape(len(region), len(region), self.chunk_len(rems))
+            length = self.chunk_len(rems)
+            return PassShape(len(region), len(region), length, self._padded(length))
         effs = [self.priority.effective(s, now) for s in region]
         top = 1
         while top < len(region) and effs[top] == effs[0]:
@@ -49,15 +54,18 @@ class AdmissionPolicy:
         k = top
         while k < len(region) and (k + 1) * length <= self.max_prefill_tokens and 2 * min(rems[k], length) >= length:
             k += 1
-        return PassShape(top, k, length)
+        return PassShape(top, k, length, self._padded(length))
+
+    def _padded(self, length: int) -> int:
+        return length_bucket(length, self.max_prefill_tokens) if self.buckets and length else length
 
     def capacity(self, running: list[Sequence], starts: list[int], shape: PassShape) -> int:
         """Token slots per row the next passes write: decode at num_computed; a prefill row in the
-        pass writes its whole padded chunk (pad positions are overwritten later, never attended);
+        pass writes its whole padded chunk (to the bucket's length) (pad positions are overwritten later, never attended);
         rows outside the pass keep what they hold."""
         need = max((s.num_computed + 1 for s in running), default=0)
         if shape.k:
-            need = max(need, max(starts[:shape.k]) + shape.length + 1)
+            need = max(need, max(starts[:shape.k]) + shape.padded + 1)
         return max([need] + starts[shape.k:])
 
     def with_candidate(self, prefilling: list[Sequence], seq: Sequence, remaining: int,

@@ -111,7 +111,8 @@ class Engine:
         self.scheduler = Scheduler(budget=self.budget, max_prefill_tokens=settings.max_prefill_tokens,
                                    blocks=self.blocks, block_size=bs, max_prefill_rows=settings.max_prefill_rows,
                                    writeback_interval=settings.writeback_interval,
-                                   priority_aging_s=settings.priority_aging_s)
+                                   priority_aging_s=settings.priority_aging_s,
+                                   prefill_buckets=bool(settings.prefill_buckets) and not info.prefill_alone)
         self.runner.pool.allocate()
         self.constraints = Constraints(self.vocab_size, self.eos_token_ids, lambda: tokenizer_from_file(
             _model_dir(config) / "tokenizer.json", self.vocab_size, self.eos_token_ids),

@@ -12,6 +12,25 @@ def round_up(x: int, q: int) -> int:
     return -(-x // q) * q
 
 
+MIN_BUCKET = 16
+
+
+def length_bucket(n: int, most: int) -> int:
+    """The padded length of a prefill pass whose longest chunk is `n` tokens: the next power of two
+    from MIN_BUCKET, at most `most` (the prefill budget, itself the top bucket) and never below `n`,
+    so the passes of a run take a handful of shapes (engine.prefill_buckets)."""
+    b = MIN_BUCKET
+    while b < n:
+        b *= 2
+    return max(n, min(b, most))
+
+
+def length_buckets(most: int) -> list[int]:
+    """Every length `length_bucket` gives for chunks of 1 .. `most` tokens."""
+    return sorted({length_bucket(n, most) for n in [1] + [1 << e for e in range(most.bit_length() + 1)] + [most]
+                   if n <= most})
+
+
 @dataclass(frozen=True, slots=True)
 class KVBudget:
     """How large the dense live buffer (rows x capacity token slots) may be."""

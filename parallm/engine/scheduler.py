@@ -41,7 +41,7 @@ from .sequence import SeqGroup, Sequence, Status
 class Scheduler(RowLayout):
     def __init__(self, *, budget: KVBudget, max_prefill_tokens: int, blocks: BlockManager | None,
                  block_size: int, max_prefill_rows: int = 16, writeback_interval: int = 16,
-                 headroom: int = 16, priority_aging_s: float = 0.0,
+                 headroom: int = 16, priority_aging_s: float = 0.0, prefill_buckets: bool = False,
                  clock: Callable[[], float] = time.monotonic) -> None:
         super().__init__(blocks, block_size)
         self.budget = budget
@@ -51,7 +51,7 @@ class Scheduler(RowLayout):
         self.headroom = headroom  # decode steps a new admission must be able to take without a grow
         self.policy = PriorityPolicy(priority_aging_s, clock)
         self.admission = AdmissionPolicy(budget=budget, max_prefill_tokens=max_prefill_tokens, headroom=headroom,
-                                         priority=self.policy)
+                                         priority=self.policy, buckets=prefill_buckets)
         self.waiting = WaitingQueue(self.policy)
         self._admissions = 0
         self._arrivals = 0
@@ -277,7 +277,7 @@ class Scheduler(RowLayout):
         shape = self._pass(now)
         seqs = self.prefilling[:shape.k]
         return PrefillWork(row0=self.nrun, seqs=seqs, starts=[s.num_computed for s in seqs],
-                           lengths=[min(s.prefill_remaining, shape.length) for s in seqs], length=shape.length)
+                           lengths=[min(s.prefill_remaining, shape.length) for s in seqs], length=shape.padded)
 
     def complete_prefill(self, work: PrefillWork) -> list[RowOp]:
         """Account the chunks just computed; finished prompts join the running rows (and fork),

@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING
 
 from parallm.protocol import RequestSpec, SamplingParams
 
+from .plan import length_bucket, length_buckets
 from .request import Request, RequestRejected
 
 if TYPE_CHECKING:
@@ -44,4 +45,43 @@ def warm_up(engine: "Engine") -> float:
         engine.score([(7 * j + 3) % vocab for j in range(short + 1)], start=1, top_logprobs=1)
     except RequestRejected:
         pass
+    if engine.scheduler.admission.buckets:
+        warm_up_buckets(engine)
     return time.perf_counter() - t0
+
+
+def bucket_shapes(max_prefill_tokens: int, max_rows: int) -> list[tuple[int, int, int]]:
+    """(rows k, prompt length, padded length) of every prefill pass shape the buckets allow: k rows
+    of up to max_prefill_tokens // k tokens each, padded to a bucket (plan.length_bucket)."""
+    shapes = []
+    for k in range(1, max_rows + 1):
+        top = length_bucket(max(1, max_prefill_tokens // k), max_prefill_tokens)
+        for b in length_buckets(max_prefill_tokens):
+            if b <= top:
+                shapes.append((k, min(b, max(1, max_prefill_tokens // k)), b))
+    return shapes
+
+
+def warm_up_buckets(engine: "Engine") -> int:
+    """Run one prefill pass of every bucketed shape (engine.prefill_buckets): k prompts of the same
+    length, one token each, then forget the prefix blocks they cached (the next wave's prompts
+    must not hit them). Rows are not padded, so
+    every row count up to max_prefill_rows is a shape of its own. Returns the shapes run."""
+    cfg, vocab, ran = engine.config, max(2, engine.vocab_size), 0
+    rows = min(cfg.max_prefill_rows, cfg.max_num_seqs)
+    for k, n, _ in bucket_shapes(cfg.max_prefill_tokens, rows):
+        if n + 1 > engine.max_model_len:
+            continue
+        params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
+        try:
+            for i in range(k):
+                ids = [(11 * i + 5 * j + n) % vocab for j in range(n)]
+                engine.add_request(Request(f"__warm_up_bucket_{k}_{n}_{i}", ids, RequestSpec(params=params)))
+        except RequestRejected:
+            pass
+        while engine.has_work():
+            engine.step()
+        if engine.blocks is not None:  # the next wave's prompts must not hit these
+            engine.blocks.reset()
+        ran += 1
+    return ran
