@@ -2,7 +2,7 @@
 issue 19's fix, in one run, interleaved.
 
 The H200 run of the Qwen3-30B-A3B-shaped MoE at 256 concurrent streams (perf/results/
-serving-qwen3-30b-a3b-89d2841-h200.*) stalled for ~7 s at a time. The engine grew its dense live buffer
+git show 7a49aa5:perf/results/serving-qwen3-30b-a3b-h200.md) stalled for ~7 s at a time. The engine grew its dense live buffer
 four rows at a time as the burst was admitted, and every grow allocates a new buffer of a new size
 and copies the old one, which MLX keeps in its buffer cache. This benchmark drives the in-process
 engine (a tiny random-weight MoE with the default tokenizer's vocabulary) through the same burst

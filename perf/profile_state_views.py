@@ -3,7 +3,7 @@ step against mlx-lm's own caches (ArraysCache + KVCache), at batch 1 and 64.
 
 A Qwen3.5-4B-like hybrid (perf/bench_gpu.py's qwen3.5-4b-hybrid: 32 layers, gated delta-net with
 full attention every 4th) served at 10.2 ms a token against BatchGenerator's 8.3 at c=1 on the
-H200 (perf/results/serving-qwen3.5-4b-hybrid-89d2841-h200.md). On a GPU a decode step of a small batch is
+H200 (git show 7a49aa5:perf/results/serving-qwen3.5-4b-hybrid-h200.md). On a GPU a decode step of a small batch is
 bound by kernel launches and graph building, so this counts, for one decode step's logits, the
 nodes of MLX's graph (mx.export_to_dot) and the seconds to build it, on a model of that layer
 structure with small widths (the counts do not depend on the widths), both ways:
