@@ -12,6 +12,8 @@ import time
 from dataclasses import dataclass
 from typing import IO
 
+from parallm.logs import write_line
+
 
 @dataclass
 class StageSpec:
@@ -40,12 +42,11 @@ def _pump(stream: IO[bytes], label: str, out: IO[str], json_lines: bool) -> None
     for raw in iter(stream.readline, b""):
         line = raw.decode("utf-8", "replace").rstrip("\n")
         if not json_lines:
-            out.write(f"[{label}] {line}\n")
+            write_line(f"[{label}] {line}", out)
         elif line.startswith("{") and line.endswith("}"):
-            out.write(line + "\n")
+            write_line(line, out)
         else:
-            out.write(json.dumps({"level": "info", "stage": label, "logger": "output", "message": line}) + "\n")
-        out.flush()
+            write_line(json.dumps({"level": "info", "stage": label, "logger": "output", "message": line}), out)
     stream.close()
 
 

@@ -24,6 +24,7 @@ import zmq
 from parallm import protocol
 from parallm.config import Config
 from parallm.keys import CurveKeyError, stage_curve, supervisor_keys
+from parallm.logs import write_line
 from parallm.transport import Receiver, Sender, addresses, open_socket, set_curve, stop_authenticators
 
 from .group import Followers, HostfileError, RemoteReplicas, place_ranks
@@ -163,7 +164,7 @@ class Supervisor:
         try:
             self._prepare()
         except StartupError as exc:
-            print(f"parallm-launch: {exc}", file=sys.stderr)
+            write_line(f"parallm-launch: {exc}")
             if self._run_dir is not None:
                 self._run_dir.close()
             return 2
@@ -182,7 +183,7 @@ class Supervisor:
             self._print_ready()
             return self._monitor()
         except StartupError as exc:
-            print(f"parallm-launch: {exc}", file=sys.stderr)
+            write_line(f"parallm-launch: {exc}")
             return 3
         finally:
             for sig, handler in old_handlers.items():
@@ -199,7 +200,7 @@ class Supervisor:
         if self.config.log_format == "json":
             line = json.dumps({"level": "info", "stage": "supervisor", "logger": "parallm.supervisor", "message": line,
                                "url": f"http://{server.host}:{server.port}/v1", "router": self.addrs.router})
-        print(line, file=self.log_out, flush=True)
+        write_line(line, self.log_out)
 
     def _curve_note(self) -> str:
         """Where a raw client finds the server's CURVE public key (tcp only)."""

@@ -21,7 +21,7 @@ import sys
 import threading
 import time
 from logging.handlers import QueueHandler, QueueListener
-from typing import Any, Literal
+from typing import IO, Any, Literal
 
 from .threads import name_os_thread
 
@@ -92,6 +92,22 @@ def _stop_writer() -> None:
     if _writer is not None:
         _writer.stop()
         _writer = None
+
+
+def write_line(line: str, stream: IO[str] | None = None) -> None:
+    """Write `line` to `stream` (stderr) whole beside the log-writer thread's lines: `print` writes
+    its text and its newline in two calls, between which that thread may write a record (a JSON
+    log line then holds two objects), so the line goes in one write under the writer's handler lock."""
+    stream = stream if stream is not None else sys.stderr
+    handler = _writer.handlers[0] if _writer is not None and _writer.handlers else None
+    if handler is not None:
+        handler.acquire()
+    try:
+        stream.write(line + "\n")
+        stream.flush()
+    finally:
+        if handler is not None:
+            handler.release()
 
 
 def setup_logging(level: str, stage: str, fmt: LogFormat = "text", *, background: bool = True) -> None:

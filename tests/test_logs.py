@@ -84,3 +84,29 @@ print(sorted(t.name for t in threading.enumerate()))
     assert (first["message"], first["request_id"], first["stage"]) == ("items ['before']", "cmpl-9", "ingress")
     assert second["message"] == "failed" and "ValueError: boom" in second["exception"]
     assert "log-writer" in done.stdout
+
+
+def test_lines_written_beside_the_writer_thread_stay_whole():
+    """The supervisor's own lines (its ready line, the stages' relayed lines) share stderr with the
+    log-writer thread: each must come out as a line of its own, never split by a record (a clean
+    clone's e2e run once got the ready line and a log record on one JSON line)."""
+    import subprocess
+    import sys
+
+    script = """
+import json, logging, sys, threading
+from parallm.logs import setup_logging, write_line
+setup_logging("info", "supervisor", "json")
+log = logging.getLogger("parallm.x")
+def records():
+    for i in range(3000):
+        log.info("record %d", i)
+t = threading.Thread(target=records)
+t.start()
+for i in range(3000):
+    write_line(json.dumps({"message": "direct %d" % i}))
+t.join()
+"""
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60, check=True)
+    messages = [json.loads(line)["message"] for line in done.stderr.splitlines()]
+    assert sorted(messages) == sorted([f"record {i}" for i in range(3000)] + [f"direct {i}" for i in range(3000)])
