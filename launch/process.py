@@ -50,8 +50,26 @@ def _pump(stream: IO[bytes], label: str, out: IO[str], json_lines: bool) -> None
     stream.close()
 
 
+class ChildProcess:
+    """What the supervisor asks of a process it started (`proc`): a local stage, or the ssh process
+    that stands for a rank on another machine (launch/remote_rank.py)."""
+
+    proc: subprocess.Popen | None
+
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def exit_code(self) -> int | None:
+        return None if self.proc is None else self.proc.poll()
+
+    def kill(self) -> None:
+        if self.alive():
+            self.proc.kill()
+            self.proc.wait(timeout=10)
+
+
 @dataclass
-class StageProcess:
+class StageProcess(ChildProcess):
     """A running (or dead) stage and its restart bookkeeping."""
 
     spec: StageSpec
@@ -91,17 +109,6 @@ class StageProcess:
         self.in_flight = 0
         threading.Thread(target=_pump, args=(self.proc.stdout, self.spec.label, log_out, json_logs),
                          daemon=True, name=f"log-{self.spec.label}").start()
-
-    def alive(self) -> bool:
-        return self.proc is not None and self.proc.poll() is None
-
-    def exit_code(self) -> int | None:
-        return None if self.proc is None else self.proc.poll()
-
-    def kill(self) -> None:
-        if self.alive():
-            self.proc.kill()
-            self.proc.wait(timeout=10)
 
     def terminate(self, timeout: float) -> None:
         if not self.alive():

@@ -38,7 +38,7 @@ import threading
 from dataclasses import dataclass
 from typing import IO, BinaryIO, Callable, Sequence
 
-from .process import StageSpec, _pump
+from .process import ChildProcess, StageSpec, _pump
 
 CONNECT_TIMEOUT_S = 10
 SSH_OPTIONS = ("-o", "BatchMode=yes", "-o", f"ConnectTimeout={CONNECT_TIMEOUT_S}", "-o", "ServerAliveInterval=5",
@@ -89,7 +89,7 @@ def read_payload(stream: BinaryIO) -> tuple[dict, bytes]:
     return header, exactly(_LENGTH.unpack(exactly(_LENGTH.size))[0])
 
 
-class RemoteRank:
+class RemoteRank(ChildProcess):
     """A rank on another machine as the supervisor holds it: its ssh process (the same interface as a
     local StageProcess for the group: start, alive, exit_code, kill, terminate)."""
 
@@ -121,17 +121,9 @@ class RemoteRank:
         except OSError:  # ssh exited first (unreachable host): its exit is the rank's death
             pass
 
-    def alive(self) -> bool:
-        return self.proc is not None and self.proc.poll() is None
-
-    def exit_code(self) -> int | None:
-        return None if self.proc is None else self.proc.poll()
-
     def kill(self) -> None:
         """End the ssh process: the connection closes, the remote rank reads the end of stdin and exits."""
-        if self.alive():
-            self.proc.kill()
-            self.proc.wait(timeout=10)
+        super().kill()
         self._close_stdin()
 
     def terminate(self, timeout: float) -> None:
