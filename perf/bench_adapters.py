@@ -42,11 +42,13 @@ from parallm.protocol import SamplingParams
 from perf.harness import Results, add_results_options, describe
 
 
-def lora_blob(model, rank: int, seed: int) -> tuple[dict, bytes]:
+def lora_blob(model, rank: int, seed: int,
+              targets: tuple[str, ...] = ("self_attn.q_proj", "self_attn.v_proj")) -> tuple[dict, bytes]:
+    """A random rank-`rank` LoRA on the layers whose path ends with one of `targets`."""
     mx.random.seed(seed)
     w = {}
     for path, module in model.named_modules():
-        if path.endswith(("self_attn.q_proj", "self_attn.v_proj")):
+        if path.endswith(targets):
             lin = getattr(module, "linear", module)
             o, i = lin.weight.shape
             w[f"{path}.lora_a"] = mx.random.normal((i, rank)) * (1 / i ** 0.5)

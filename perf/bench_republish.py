@@ -55,23 +55,6 @@ def _model(shape: str):
     return model, spec["vocab_size"], f"random weights of the {shape} shape, {dtype}"
 
 
-def _blob(model, seed: int) -> tuple[dict, bytes]:
-    import mlx.core as mx
-
-    from parallm.adapters import save_bytes
-
-    mx.random.seed(seed)
-    w = {}
-    for path, module in model.named_modules():
-        if path.endswith(("self_attn.q_proj", "self_attn.o_proj")):
-            lin = getattr(module, "linear", module)
-            o, i = lin.weight.shape
-            w[f"{path}.lora_a"] = mx.random.normal((i, 16)) * (1 / i ** 0.5)
-            w[f"{path}.lora_b"] = mx.random.normal((16, o)) * 0.02
-    return {"fine_tune_type": "lora", "num_layers": -1,
-            "lora_parameters": {"rank": 16, "scale": 2.0, "dropout": 0.0}}, save_bytes(w)
-
-
 def child(args: argparse.Namespace) -> dict:
     """Both phases in this process, with whichever `parallm` is on the path."""
     import parallm
@@ -79,9 +62,10 @@ def child(args: argparse.Namespace) -> dict:
     from parallm.config import AdaptersConfig, Config, EngineConfig
     from parallm.engine import Engine, EngineModel, make_request
     from parallm.protocol import SamplingParams
+    from perf.bench_adapters import lora_blob
 
     model, vocab, described = _model(args.shape)
-    blobs = [_blob(model, k) for k in range(4)]
+    blobs = [lora_blob(model, 16, k, targets=("self_attn.q_proj", "self_attn.o_proj")) for k in range(4)]
     engine = Engine(EngineModel(model, (), 4096, vocab),
                     Config(engine=EngineConfig(max_num_seqs=args.rows, prefix_cache=False, kv_budget_mb=args.kv_budget_mb),
                            adapters=AdaptersConfig(merge_mb=0, history=64)))
