@@ -44,10 +44,12 @@
 #   buckets   the MoE at c=256 over HTTP, engine.prefill_buckets off then on (each server warms up every bucket
 #             shape at start: 58 for the 512-token budget and 16 prefill rows); the engine's figures give the
 #             first-seen shapes and their time either way, ~7 min
+#   serve256  llama-3.2-3b at c=256: the in-process engine and HTTP with the defaults, then HTTP with
+#             engine.prefill_buckets on, then with engine.compiled_decode on as well (issue 24's c=256 goal), ~7 min
 # A fresh server per wave: `waves` fits 6-7 waves in one 10-minute call; run it twice for ten.
 set -uo pipefail
-case "${1:-}" in diag|llama|adapters|qwen-a|qwen-b|launch|serving|waves|ingress|moe|moe256|hybrid|structured|tp|tp8b|dp|threads|compiled|republish|buckets) ;;
-  *) sed -n 2,46p "$0"; exit 2 ;; esac
+case "${1:-}" in diag|llama|adapters|qwen-a|qwen-b|launch|serving|waves|ingress|moe|moe256|hybrid|structured|tp|tp8b|dp|threads|compiled|republish|buckets|serve256) ;;
+  *) sed -n 2,49p "$0"; exit 2 ;; esac
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
 if [ -d /tmp/site/mlx ] && [ ! -f .gpu/b/install.sh ]; then
@@ -96,6 +98,12 @@ case "${1:-}" in
               python3 -m perf.bench_serving --shape qwen3-30b-a3b --concurrency 256 --requests-per-client 1 \
                 --max-tokens 128 --client-procs 4 --targets http --server-args "--engine.prefill-buckets $on" \
                 --tokenizer-dir $TOK --work-dir $WORK --experiment qwen3-30b-a3b-c256-buckets-$on --out-dir "$OUT"
+            done ;;
+  serve256) for args in "" "--engine.prefill-buckets true" "--engine.prefill-buckets true --engine.compiled-decode true"; do
+              name=$(echo "$args" | sed -e 's/--engine.prefill-buckets true/buckets/' -e 's/--engine.compiled-decode true/compiled/' -e 's/ /-/g')
+              python3 -m perf.bench_serving --shape llama-3.2-3b --concurrency 256 --max-tokens 128 --client-procs 4 \
+                --targets $([ -z "$args" ] && echo inprocess,http || echo http) --server-args "$args" \
+                --tokenizer-dir $TOK --work-dir $WORK --experiment llama-3.2-3b-c256${name:+-$name} --out-dir "$OUT"
             done ;;
   structured) python3 -m perf.bench_structured --shape llama-3.2-3b --batches 1,16,64 --max-tokens 128 --repeats 2 \
               --serial --tokenizer-dir $TOK --work-dir $WORK --out-dir "$OUT" ;;
