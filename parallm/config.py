@@ -74,6 +74,11 @@ class EngineConfig(Struct, frozen=True, kw_only=True, forbid_unknown_fields=True
     prefix_cache: Annotated[bool, _d("reuse the KV of shared prompt prefixes")] = True
     overlap: Annotated[bool | None, _d("build and launch step t+1 before reading step t's tokens; unset = on with "
                                        "a GPU, off on MLX's CPU device")] = None
+    in_place_kv_mb: Annotated[float, _d("from this size of the live KV buffers (MiB) on, a pass that writes into "
+                                        "them first waits for the pass still running: MLX copies a buffer that a "
+                                        "running kernel holds before writing into it, so with overlap every step "
+                                        "would copy the whole live KV; below it that copy costs less than the "
+                                        "device's idle time while the next pass is launched; -1 = never wait")] = 256
     compile: Annotated[bool, _d("compile the sampler's elementwise kernels (the seeded Gumbel noise, the "
                                 "penalties) with mx.compile")] = True
     fast_math: Annotated[bool | None, _d("exp without libm in the model's SwiGLU and attention softmax (float32, "

@@ -46,10 +46,13 @@
 #             first-seen shapes and their time either way, ~7 min
 #   serve256  llama-3.2-3b at c=256: the in-process engine and HTTP with the defaults, then HTTP with
 #             engine.prefill_buckets on, then with engine.compiled_decode on as well (issue 24's c=256 goal), ~7 min
+#   inplace   the overlapped decode step with the live KV copied by every pass vs written in place
+#             (engine.in_place_kv_mb -1 vs 0), in-process at 16, 64 and 256 rows, then HTTP at c=256 with
+#             in_place_kv_mb -1 and with the default (issue 24), ~8 min
 # A fresh server per wave: `waves` fits 6-7 waves in one 10-minute call; run it twice for ten.
 set -uo pipefail
-case "${1:-}" in diag|llama|adapters|qwen-a|qwen-b|launch|serving|waves|ingress|moe|moe256|hybrid|structured|tp|tp8b|dp|threads|compiled|republish|buckets|serve256) ;;
-  *) sed -n 2,49p "$0"; exit 2 ;; esac
+case "${1:-}" in diag|llama|adapters|qwen-a|qwen-b|launch|serving|waves|ingress|moe|moe256|hybrid|structured|tp|tp8b|dp|threads|compiled|republish|buckets|serve256|inplace) ;;
+  *) sed -n 2,52p "$0"; exit 2 ;; esac
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
 if [ -d /tmp/site/mlx ] && [ ! -f .gpu/b/install.sh ]; then
@@ -104,6 +107,15 @@ case "${1:-}" in
               python3 -m perf.bench_serving --shape llama-3.2-3b --concurrency 256 --max-tokens 128 --client-procs 4 \
                 --targets $([ -z "$args" ] && echo inprocess,http || echo http) --server-args "$args" \
                 --tokenizer-dir $TOK --work-dir $WORK --experiment llama-3.2-3b-c256${name:+-$name} --out-dir "$OUT"
+            done ;;
+  inplace)  python3 -m perf.profile_compiled_decode --compare in-place --shape llama-3.2-3b --rows 16,64,256 --steps 24 \
+              --rounds 3 --tokenizer-dir $TOK --work-dir $WORK --out-dir "$OUT"
+            for kv in -1 default; do
+              python3 -m perf.bench_serving --shape llama-3.2-3b --concurrency 256 --max-tokens 128 --client-procs 4 \
+                --targets $([ $kv = default ] && echo inprocess,http || echo http) \
+                --server-args "$([ $kv = default ] || echo --engine.in-place-kv-mb $kv)" --tokenizer-dir $TOK \
+                --work-dir $WORK --experiment llama-3.2-3b-c256-inplace-$([ $kv = default ] && echo on || echo off) \
+                --out-dir "$OUT"
             done ;;
   structured) python3 -m perf.bench_structured --shape llama-3.2-3b --batches 1,16,64 --max-tokens 128 --repeats 2 \
               --serial --tokenizer-dir $TOK --work-dir $WORK --out-dir "$OUT" ;;

@@ -1,4 +1,6 @@
-"""The engine's decode step eager vs compiled (`engine.compiled_decode`), in-process and served.
+"""The engine's decode step eager vs compiled (`engine.compiled_decode`), in-process and served;
+with `--compare in-place`, the overlapped decode step with the live KV copied every pass vs written
+in place (`engine.in_place_kv_mb`), in-process.
 
 In-process: for each row count, two engines on the same model object (eager, compiled) are
 filled with the same prompts; once every row decodes, `--steps` pure decode steps are timed on
@@ -34,13 +36,29 @@ from perf.bench_gpu import SHAPES
 from perf.harness import Results, Server, add_results_options
 
 
-def _engine(model, rows: int, max_len: int, compiled: bool):
+# the two engines each comparison times: name -> EngineConfig settings
+COMPARISONS = {
+    "compiled": {"eager": {"compiled_decode": False}, "compiled": {"compiled_decode": True}},
+    # the overlapped schedule with the live KV copied by every pass (never waiting) vs written in place
+    "in-place": {"copy": {"overlap": True, "in_place_kv_mb": -1}, "in_place": {"overlap": True, "in_place_kv_mb": 0}},
+}
+
+
+def _engine(model, rows: int, max_len: int, settings: dict[str, Any]):
     from parallm.config import Config, EngineConfig
     from parallm.engine import Engine, EngineModel
 
-    config = EngineConfig(max_num_seqs=rows, max_prefill_tokens=8192, max_prefill_rows=64, kv_budget_mb=4096,
-                          compiled_decode=compiled)
+    kv_mb = max(4096, 2 * rows * max_len * _bytes_per_token(model) / 2**20)
+    config = EngineConfig(max_num_seqs=rows, max_prefill_tokens=8192, max_prefill_rows=64, kv_budget_mb=kv_mb,
+                          **settings)
     return Engine(EngineModel(model, (), max_len), Config(engine=config))
+
+
+def _bytes_per_token(model) -> int:
+    from parallm.engine.compat import check_model
+
+    info = check_model(model)
+    return sum(s.elems_per_token for s in info.shapes) * info.dtype.size
 
 
 def _fill(engine, prompts: list[list[int]], max_tokens: int) -> dict[str, list[int]]:
@@ -81,27 +99,34 @@ def inprocess(model, rows: int, args: argparse.Namespace, vocab: int) -> dict[st
     if span_bucket(args.prompt_len + warm + 1, 1 << 30) != span_bucket(args.prompt_len + total, 1 << 30):
         print(f"note: spans {args.prompt_len}..{args.prompt_len + total} cross a key-span bucket: the compiled engine "
               "traces again during the timed steps (fewer --rounds x --steps, or another --prompt-len)", flush=True)
-    engines = {name: _engine(model, rows, args.prompt_len + total + 16, name == "compiled")
-               for name in ("eager", "compiled")}
+    engines = {name: _engine(model, rows, args.prompt_len + total + 16, settings)
+               for name, settings in COMPARISONS[args.compare].items()}
+    base, new = engines
     tokens = {name: _fill(e, prompts, total) for name, e in engines.items()}
     first = {name: 1000 * _steps(e, warm, tokens[name]) / warm for name, e in engines.items()}
-    traced = dict(engines["compiled"].stats().compiled_decode)
-    per_step: dict[str, list[float]] = {"eager": [], "compiled": []}
+    traced = dict(engines[new].stats().compiled_decode)
+    per_step: dict[str, list[float]] = {name: [] for name in engines}
+    peak: dict[str, float] = {name: 0.0 for name in engines}  # device memory above the steps' start
     for _ in range(args.rounds):
         for name, e in engines.items():
+            mx.synchronize()
+            mx.reset_peak_memory()
+            start = mx.get_active_memory()
             per_step[name].append(1000 * _steps(e, args.steps, tokens[name]) / args.steps)
+            peak[name] = max(peak[name], (mx.get_peak_memory() - start) / 1e9)
     for name, e in engines.items():
         while e.has_work():
             _collect(e.step(), tokens[name])
-    same = sum(tokens["eager"][k] == tokens["compiled"][k] for k in tokens["eager"]) / rows
+    same = sum(tokens[base][k] == tokens[new][k] for k in tokens[base]) / rows
     entry: dict[str, Any] = {"rows": rows, "same_tokens": same, "compiled_decode_after_warm_up": traced}
     for name, e in engines.items():
         ms = statistics.median(per_step[name])
         stats = e.stats()
         entry[name] = {"step_ms": ms, "step_ms_rounds": per_step[name], "tok_s": rows * 1000 / ms,
                        "first_steps_ms": first[name], "phases_ms": stats.step_ms_mean,
-                       "compiled_decode": stats.compiled_decode}
-    entry["speedup"] = entry["eager"]["step_ms"] / entry["compiled"]["step_ms"]
+                       "compiled_decode": stats.compiled_decode, "peak_above_start_gb": peak[name],
+                       "live_kv_gb": e.runner.live.nbytes / 1e9}
+    entry["speedup"] = entry[base]["step_ms"] / entry[new]["step_ms"]
     return entry
 
 
@@ -142,6 +167,9 @@ def served(model_dir: Path, args: argparse.Namespace) -> dict[str, Any]:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--shape", choices=sorted(SHAPES), default="tiny")
+    parser.add_argument("--compare", choices=sorted(COMPARISONS), default="compiled",
+                        help="compiled: engine.compiled_decode off vs on; in-place: the overlapped schedule with "
+                             "engine.in_place_kv_mb -1 (every pass copies the live KV) vs 0 (written in place)")
     parser.add_argument("--rows", default="1,16,64")
     parser.add_argument("--steps", type=int, default=32, help="decode steps timed per engine per round")
     parser.add_argument("--rounds", type=int, default=3)
@@ -165,8 +193,9 @@ def main(argv: list[str] | None = None) -> int:
 
     model_dir = shape_model_dir(args)
     loaded = load_model(ModelConfig(path=str(model_dir)))
-    results = Results.from_args("compiled-decode", args, argv, experiment=args.experiment or args.shape)
-    report: dict[str, Any] = {"shape": args.shape, "prompt_len": args.prompt_len, "steps": args.steps,
+    bench = "compiled-decode" if args.compare == "compiled" else "in-place-kv"
+    results = Results.from_args(bench, args, argv, experiment=args.experiment or args.shape)
+    report: dict[str, Any] = {"compare": args.compare, "shape": args.shape, "prompt_len": args.prompt_len, "steps": args.steps,
                               "rounds": args.rounds, "inprocess": []}
     for rows in [int(r) for r in args.rows.split(",")]:
         entry = inprocess(loaded.model, rows, args, loaded.vocab_size)
@@ -174,7 +203,7 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(entry), flush=True)
         results.write(report)
         gc.collect()
-    if args.served:
+    if args.served and args.compare == "compiled":
         del loaded
         gc.collect()
         mx.clear_cache()

@@ -244,6 +244,7 @@ class LiveKV:
         self.keys: list[mx.array] = []
         self.values: list[mx.array] = []
         self.states: list[list[mx.array | None]] = []  # per state slot, per entry: [rows, ...]
+        self.settle_bytes: float | None = None  # see settle()
 
     @property
     def bytes_per_token(self) -> int:
@@ -253,6 +254,16 @@ class LiveKV:
     def nbytes(self) -> int:
         state = self.rows * self.layout.state_bytes_per_row if self.layout else 0
         return self.rows * self.capacity * self.bytes_per_token + state
+
+    def settle(self) -> None:
+        """Wait for the device's work in flight when the buffers are `settle_bytes` or larger, before a
+        pass that writes into them is launched. MLX writes a slice into a buffer in place only when
+        nothing else holds it, and a kernel still running (the overlapped schedule's pass in flight, or
+        one whose completion MLX has not processed yet) holds its inputs until MLX's completion handler
+        runs: the write then copies the whole buffer, every layer's, every step. mx.synchronize returns
+        after those handlers ran (on CUDA: the stream, then a handler queued behind theirs)."""
+        if self.settle_bytes is not None and self.rows and self.nbytes >= self.settle_bytes:
+            mx.synchronize()
 
     def arrays(self) -> list[mx.array]:
         """Every buffer (KV, then recurrent state): what a pass updates."""

@@ -70,15 +70,18 @@ def _launch_of(seqs: list[Sequence], out: SampleOut) -> Launch:
 class ModelRunner:
     def __init__(self, model: nn.Module, info: ModelInfo, *, vocab_size: int, pool_blocks: int, block_size: int,
                  eos_ids: Iterable[int] = (), lora: LoRARouter | None = None, compile: bool = True,
-                 fast_math: bool = False, compiled_decode: bool = False) -> None:
+                 fast_math: bool = False, compiled_decode: bool = False, in_place_kv_mb: float = -1) -> None:
         """`eos_ids`: the tokens `min_tokens` masks until reached (with each request's stop ids);
         `lora`: the router that tells the adapted layers which adapter each row of a pass uses;
-        `compiled_decode`: pure-decode passes under mx.compile where they fit (compiled.py)."""
+        `compiled_decode`: pure-decode passes under mx.compile where they fit (compiled.py);
+        `in_place_kv_mb`: from this live KV size on, a pass writing into it waits for the work in
+        flight first (LiveKV.settle); negative: never."""
         self.model = model
         self.info = info
         self.vocab_size = vocab_size
         self.block_size = block_size
         self.live = LiveKV(info.shapes, info.dtype, info.layout)
+        self.live.settle_bytes = in_place_kv_mb * 2**20 if in_place_kv_mb >= 0 else None
         self.pool = KVPool(info.shapes, info.dtype, pool_blocks, block_size)
         self.penalties = PenaltyState(vocab_size)
         self.sampler = Sampler(vocab_size, compiled=compile)
@@ -112,6 +115,7 @@ class ModelRunner:
         waits = prev is not None and any(s.inflight for s in seqs)
         job = None if waits else c.submit(seqs)
         logits = run()
+        self.live.settle()
         mx.async_eval(logits)
         if waits:
             job = c.submit(seqs, pending_tokens(seqs, prev))
@@ -175,6 +179,7 @@ class ModelRunner:
         for op in ops:
             pos = mx.array([j * bs + t for j, _ in op.blocks for t in range(bs)], dtype=mx.int32)
             reads.append(self.live.read_positions(op.row, pos, materialize=False))
+        self.live.settle()  # the reads also run the step's row writes before them
         mx.eval(reads)
         for op, data in zip(ops, reads):
             self.pool.write([bid for _, bid in op.blocks], data)
@@ -221,6 +226,7 @@ class ModelRunner:
             ranks = None if seq.prefill_only else rank_of(lp, chosen)  # vLLM's prompt-logprob rank
             wanted.append((seq, lo, chosen, *top, ranks))
         first = self._sample_first(finishing, last_logits) if finishing else None
+        self.live.settle()
         mx.eval(self.live.arrays(), [w[2:] for w in wanted], first.arrays() if first else [])
         del logits
         out = {}
@@ -279,6 +285,7 @@ class ModelRunner:
 
         logits, bitmask = self._forward_masked(seqs, prev, run)
         out = self._sample_rows(seqs, logits, positions, bitmask)
+        self.live.settle()  # the graph is built while the pass in flight runs; its launch waits for it
         mx.async_eval(out.arrays(), self.penalties.arrays())
         return _launch_of(seqs, out)
 
@@ -339,6 +346,7 @@ class ModelRunner:
         logits, bitmask = self._forward_masked(seqs, prev, run)
         out = self._sample_rows(seqs, logits[:n], positions, bitmask)
         first = self._sample_first(finishing, logits[n:]) if finishing else None
+        self.live.settle()
         mx.eval(out.arrays(), self.penalties.arrays(), self.live.arrays(), first.arrays() if first else [])
         return _launch_of(seqs, out), FirstTokens(first_seqs(finishing), first.read()) if first else None
 
