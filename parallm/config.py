@@ -84,8 +84,8 @@ class EngineConfig(Struct, frozen=True, kw_only=True, forbid_unknown_fields=True
     fast_math: Annotated[bool | None, _d("exp without libm in the model's SwiGLU and attention softmax (float32, "
                                          "relative error <= 4e-7); unset = on on MLX's CPU device")] = None
     mixed_passes: Annotated[bool, _d("prefill prompt chunks in the same pass as the running rows' decode tokens "
-                                     "(one read of the weights instead of two) where the model's layers allow it; "
-                                     "needs fast_math")] = True
+                                     "(one read of the weights and one pass instead of two) where the model's "
+                                     "layers allow it")] = True
     compiled_decode: Annotated[bool, _d("run pure-decode passes (no prompt chunk) under mx.compile, traced once per "
                                         "(rows bucket, key-span bucket), fewer kernel launches per step for small "
                                         "batches on a GPU; rows under an adapter and models it cannot trace run "

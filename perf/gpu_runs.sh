@@ -49,10 +49,12 @@
 #   inplace   the overlapped decode step with the live KV copied by every pass vs written in place
 #             (engine.in_place_kv_mb -1 vs 0), in-process at 16, 64 and 256 rows, then HTTP at c=256 with
 #             in_place_kv_mb -1 and with the default (issue 24), ~8 min
+#   mixed     llama-3.2-3b at c=64 and 256: the in-process engine and HTTP with the defaults (mixed passes: prompt
+#             chunks in the decode pass, stock kernels), then HTTP with engine.mixed_passes off (issue 24), ~6 min
 # A fresh server per wave: `waves` fits 6-7 waves in one 10-minute call; run it twice for ten.
 set -uo pipefail
-case "${1:-}" in diag|llama|adapters|qwen-a|qwen-b|launch|serving|waves|ingress|moe|moe256|hybrid|structured|tp|tp8b|dp|threads|compiled|republish|buckets|serve256|inplace) ;;
-  *) sed -n 2,52p "$0"; exit 2 ;; esac
+case "${1:-}" in diag|llama|adapters|qwen-a|qwen-b|launch|serving|waves|ingress|moe|moe256|hybrid|structured|tp|tp8b|dp|threads|compiled|republish|buckets|serve256|inplace|mixed) ;;
+  *) sed -n 2,54p "$0"; exit 2 ;; esac
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
 if [ -d /tmp/site/mlx ] && [ ! -f .gpu/b/install.sh ]; then
@@ -116,6 +118,11 @@ case "${1:-}" in
                 --server-args "$([ $kv = default ] || echo --engine.in-place-kv-mb $kv)" --tokenizer-dir $TOK \
                 --work-dir $WORK --experiment llama-3.2-3b-c256-inplace-$([ $kv = default ] && echo on || echo off) \
                 --out-dir "$OUT"
+            done ;;
+  mixed)    for on in true false; do
+              python3 -m perf.bench_serving --shape llama-3.2-3b --concurrency 64,256 --max-tokens 128 --client-procs 4 \
+                --targets $([ $on = true ] && echo inprocess,http || echo http) --server-args "--engine.mixed-passes $on" \
+                --tokenizer-dir $TOK --work-dir $WORK --experiment llama-3.2-3b-mixed-$on --out-dir "$OUT"
             done ;;
   structured) python3 -m perf.bench_structured --shape llama-3.2-3b --batches 1,16,64 --max-tokens 128 --repeats 2 \
               --serial --tokenizer-dir $TOK --work-dir $WORK --out-dir "$OUT" ;;

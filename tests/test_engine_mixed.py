@@ -37,12 +37,15 @@ def workload() -> tuple[list[Request], dict[int, list[Request]]]:
     return first, arrivals
 
 
-@pytest.mark.parametrize("name", ["llama", "qwen3", "llama-sliding", "gemma3_text", "phi3"])
-def test_mixed_passes_give_the_tokens_and_logprobs_of_separate_passes(name):
+@pytest.mark.parametrize("name,fast_math", [(n, True) for n in ("llama", "qwen3", "llama-sliding", "gemma3_text", "phi3")]
+                         + [(n, False) for n in ("llama", "llama-sliding", "phi3")])
+def test_mixed_passes_give_the_tokens_and_logprobs_of_separate_passes(name, fast_math):
+    """With fast math (the CPU) and without it (a GPU: the stock kernels, packed attention one
+    segment at a time, RoPE at each token's own position)."""
     model = tiny_model(name)
     results, mixed = {}, {}
     for on in (True, False):
-        engine = make_engine(model, mixed_passes=on, max_prefill_tokens=24)
+        engine = make_engine(model, mixed_passes=on, max_prefill_tokens=24, fast_math=fast_math)
         first, arrivals = workload()
         results[on] = run_all(engine, first, arrivals=arrivals)
         mixed[on] = engine.stats().mixed_passes
@@ -101,8 +104,17 @@ def test_a_packed_layout_the_model_does_not_follow_turns_mixing_off(monkeypatch)
     assert res[("q", 0)]["tokens"] == reference_greedy(model, q, 6)
 
 
-def test_mixing_needs_fast_math():
-    engine = make_engine(tiny_model("llama"), fast_math=False)
-    assert not engine.runner.can_pack
-    run_all(engine, [req("p", prompt(6, 1), greedy(5))], arrivals={2: [req("q", prompt(4, 2), greedy(5))]})
-    assert engine.stats().mixed_passes == 0
+def test_half_precision_mixes_with_the_stock_kernels():
+    """A bfloat16 model (what a GPU serves) without fast math: packed passes, mlx-lm's greedy tokens."""
+    import mlx.core as mx
+
+    model = tiny_model("llama3-rope")
+    model.set_dtype(mx.bfloat16)
+    prompts = [prompt(n, 20 + n) for n in (5, 2, 13, 8)]
+    engine = make_engine(model, max_prefill_tokens=10, fast_math=False)
+    assert engine.runner.can_pack and engine.runner.fast_math is None
+    reqs = [req(f"r{i}", p, greedy(8)) for i, p in enumerate(prompts)]
+    res = run_all(engine, reqs[:2], arrivals={1: reqs[2:3], 3: reqs[3:]})
+    assert engine.stats().mixed_passes >= 2
+    for i, p in enumerate(prompts):
+        assert res[(f"r{i}", 0)]["tokens"] == reference_greedy(model, p, 8), i

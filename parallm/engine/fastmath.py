@@ -172,11 +172,24 @@ class RopeTables:
         return table[1], table[2]
 
 
-class FastRoPE:
-    """Stands in for one nn.RoPE / mlx-lm Llama3RoPE module (rotate-half layout) while fast math
-    is entered; any other input (half precision, interleaved layout) goes to the module itself."""
+def packed_sdpa(queries: mx.array, keys: mx.array, values: mx.array, cache: Any, scale: float, mask: Any,
+                sinks: mx.array | None = None) -> mx.array:
+    """mlx-lm's stock attention, which also runs a packed pass (each segment with the stock kernel):
+    what FastMath(exp=False) puts in the model's module, for packed passes in any dtype on a GPU."""
+    if isinstance(mask, PackedMask):
+        if sinks is not None:
+            raise ValueError("packed passes take attention without sinks")
+        return cache.packed.attend(queries, keys, values, scale, mask.window, _stock_sdpa)
+    return _stock_sdpa(queries, keys, values, cache, scale, mask, sinks)
 
-    def __init__(self, rope: nn.Module, tables: RopeTables) -> None:
+
+class FastRoPE:
+    """Stands in for one nn.RoPE / mlx-lm Llama3RoPE module while fast math is entered: float32
+    rotate-half inputs from the tables (with `tables`), a packed pass's per-token positions
+    (TokenPositions) as a batch of one-token rows with the module's own kernel (array offsets:
+    the same rotation as each token alone), anything else to the module itself."""
+
+    def __init__(self, rope: nn.Module, tables: RopeTables | None) -> None:
         self.rope = rope
         self.tables = tables
         self.dims = rope.dims
@@ -190,9 +203,9 @@ class FastRoPE:
         return getattr(self.rope, "_freqs", None)
 
     def __call__(self, x: mx.array, offset: Any = 0) -> mx.array:
-        if x.dtype != mx.float32 or x.ndim != 4:
+        if self.tables is None or x.dtype != mx.float32 or x.ndim != 4:
             if isinstance(offset, TokenPositions):
-                raise ValueError("packed passes take float32 [batch, heads, length, dim] RoPE inputs")
+                return self._per_token(x, offset.positions)
             return self.rope(x, offset=offset)
         dims, half = self.dims, self.dims // 2
         cos, signed_sin = self.tables.get(offset, x.shape[2], dims, self.base, self.scale, self.freqs)
@@ -201,14 +214,22 @@ class FastRoPE:
         return out if dims == x.shape[-1] else mx.concatenate([out, x[..., dims:]], -1)
 
 
-def _fast_ropes(model: nn.Module, tables: RopeTables) -> list[tuple[nn.Module, str, nn.Module, FastRoPE]]:
-    """(parent, attribute, module, stand-in) for each RoPE of the model that FastRoPE can take."""
+    def _per_token(self, x: mx.array, positions: mx.array) -> mx.array:
+        if x.ndim != 4 or x.shape[0] != 1:
+            raise ValueError(f"a packed pass's RoPE takes [1, heads, tokens, dim] inputs, got {x.shape}")
+        rows = x[0].transpose(1, 0, 2)[:, :, None]  # [tokens, heads, 1, dim]
+        return self.rope(rows, offset=positions)[:, :, 0].transpose(1, 0, 2)[None]
+
+
+def _fast_ropes(model: nn.Module, tables: RopeTables | None) -> list[tuple[nn.Module, str, nn.Module, FastRoPE]]:
+    """(parent, attribute, module, stand-in) for each RoPE of the model that FastRoPE can take
+    (with tables: rotate-half ones only)."""
     from mlx_lm.models.rope_utils import Llama3RoPE
 
     out = []
     for _, parent in model.named_modules():
         for attr, child in parent.children().items():
-            if not isinstance(child, nn.Module) or getattr(child, "traditional", True):
+            if not isinstance(child, nn.Module) or (tables is not None and getattr(child, "traditional", True)):
                 continue
             plain = type(child) is nn.RoPE
             llama3 = type(child) is Llama3RoPE and getattr(child, "_freqs", None) is not None
@@ -231,21 +252,26 @@ def _stock_sdpa(*args: Any) -> mx.array:
 
 class FastMath:
     """While entered, the model's mlx-lm module uses the functions above (a no-op for modules
-    that do not use mlx-lm's stock `swiglu` / `scaled_dot_product_attention`)."""
+    that do not use mlx-lm's stock `swiglu` / `scaled_dot_product_attention`). With `exp` False
+    only what packed passes need: the stock kernels for everything else (a GPU's mixed passes)."""
 
-    def __init__(self, model: nn.Module) -> None:
+    def __init__(self, model: nn.Module, *, exp: bool = True) -> None:
         from mlx_lm.models import activations, base
 
         self.module = sys.modules.get(type(model).__module__)
-        stock = {"swiglu": (activations.swiglu, swiglu),
-                 "scaled_dot_product_attention": (base.scaled_dot_product_attention, scaled_dot_product_attention)}
+        if exp:
+            stock = {"swiglu": (activations.swiglu, swiglu),
+                     "scaled_dot_product_attention": (base.scaled_dot_product_attention,
+                                                      scaled_dot_product_attention)}
+        else:
+            stock = {"scaled_dot_product_attention": (base.scaled_dot_product_attention, packed_sdpa)}
         self.replaced: dict[str, tuple[Any, Any]] = {}
         if self.module is not None:
             for name, (original, fast) in stock.items():
                 if getattr(self.module, name, None) is original:
                     self.replaced[name] = (original, fast)
         self.rope_tables = RopeTables()
-        self.ropes = _fast_ropes(model, self.rope_tables)
+        self.ropes = _fast_ropes(model, self.rope_tables if exp else None)
         self._depth = 0
 
     @property

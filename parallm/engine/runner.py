@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 from typing import Callable, Iterable
 
@@ -10,7 +11,7 @@ import mlx.nn as nn
 
 from parallm.adapters.lora import LoRARouter
 
-from .cache import KVPool, LiveKV, PackedContext, PassContext
+from .cache import KVPool, LiveKV, PackedContext, PackedView, PassContext
 from .compat import ModelInfo
 from .compiled import CompiledDecode
 from .fastmath import FastMath
@@ -19,6 +20,8 @@ from .plan import CopyRow, InitRow, LoadPrefix, PrefillWork, Resize, RowOp, Swap
 from .sampling import (BatchParams, PenaltyState, SampledLists, SampleOut, Sampler, log_softmax, penalty_rows, rank_of,
                        top_of)
 from .sequence import Sequence
+
+log = logging.getLogger("parallm.engine")
 
 
 def _leads(seq: Sequence) -> bool:
@@ -90,6 +93,8 @@ class ModelRunner:
         self.eos_ids = [int(t) for t in eos_ids]
         self.lora = lora
         self.fast_math = FastMath(model) if fast_math else None
+        # what runs a packed pass (mixed): the fast-math functions, or only their packed-pass parts
+        self.packing = self.fast_math or FastMath(model, exp=False)
         self.head = OutputHead(model)
         self._packing: bool | None = None
         self.constraints = None  # constraints.Constraints: the grammar masks of constrained rows
@@ -128,16 +133,18 @@ class ModelRunner:
         if lora is not None:
             lora.bind([s.lora for s in seqs] if per_token is None else per_token, packed=per_token is not None)
         try:
-            return self.call_model(tokens, cache)
+            return self.call_model(tokens, cache, packed=isinstance(cache[0], PackedView) if cache else False)
         finally:
             if lora is not None:
                 lora.unbind()
 
-    def call_model(self, tokens: mx.array, cache) -> mx.array:
-        """The model's graph over `tokens`, built with the fast-math kernels where enabled."""
-        if self.fast_math is None:
+    def call_model(self, tokens: mx.array, cache, *, packed: bool = False) -> mx.array:
+        """The model's graph over `tokens`, built with the fast-math kernels where enabled (a
+        `packed` pass: with the functions that read its layout)."""
+        context = self.packing if packed else self.fast_math
+        if context is None:
             return self.model(tokens, cache=cache)
-        with self.fast_math:
+        with context:
             return self.model(tokens, cache=cache)
 
     # ------------------------------------------------------------------ row operations
@@ -353,7 +360,7 @@ class ModelRunner:
     def _check_packing(self) -> bool:
         """Logits of a packed pass (two decode rows, two prompts of different lengths) against
         the same rows run as a decode pass and a padded prefill pass, on scratch buffers."""
-        if self.fast_math is None or not self.fast_math.active or not self.head.usable:
+        if not self.packing.active or not self.head.usable:
             return False
         vocab = self.vocab_size
 
@@ -376,8 +383,22 @@ class ModelRunner:
             mx.eval(want, scratch.arrays())
             tokens = mx.array(step[:, 0].tolist() + p2 + p3)[None]
             with self.head.select(mx.array([0, 1, 7, 10], dtype=mx.int32)):
-                got = self.call_model(tokens, scratch.views(PackedContext([5, 7], 2, [0, 0], [6, 3])))[0]
-            return got.shape == want.shape and bool(mx.allclose(got, want, rtol=1e-3, atol=1e-2).item())
-        except Exception:  # noqa: BLE001 - an architecture whose layers do not fit packed passes
+                got = self.call_model(tokens, scratch.views(PackedContext([5, 7], 2, [0, 0], [6, 3])), packed=True)[0]
+            atol = 1e-2
+            if self.info.dtype != mx.float32:
+                # half precision: a matmul over another number of rows rounds differently by itself
+                # (a GPU's bf16 kernels), so allow 4x what one prompt alone differs from its batch
+                alone = self.call_model(mx.array([p2]), scratch.views(PassContext(2, [0], 6, 6, mask5d=m5)))[0, 5]
+                noise = mx.abs(alone.astype(mx.float32) - full[0, 5].astype(mx.float32)).max().item()
+                atol = max(atol, 4 * noise)
+            if got.shape != want.shape:
+                return False
+            ok = bool(mx.allclose(got, want, rtol=1e-3, atol=atol).item())
+            diff = mx.abs(got.astype(mx.float32) - want.astype(mx.float32)).max().item()
+            log.info("packed passes %s: logits within %.4g of separate passes (allowed %.4g + 1e-3 relative)",
+                     "on" if ok else "off", diff, atol)
+            return ok
+        except Exception as e:  # noqa: BLE001 - an architecture whose layers do not fit packed passes
+            log.info("packed passes off: %s: %s", type(e).__name__, e)
             return False
 
