@@ -83,9 +83,11 @@ class EngineConfig(Struct, frozen=True, kw_only=True, forbid_unknown_fields=True
                                 "penalties) with mx.compile")] = True
     fast_math: Annotated[bool | None, _d("exp without libm in the model's SwiGLU and attention softmax (float32, "
                                          "relative error <= 4e-7); unset = on on MLX's CPU device")] = None
-    mixed_passes: Annotated[bool, _d("prefill prompt chunks in the same pass as the running rows' decode tokens "
-                                     "(one read of the weights and one pass instead of two) where the model's "
-                                     "layers allow it")] = True
+    mixed_passes: Annotated[bool | None, _d("prefill prompt chunks in the same pass as the running rows' decode "
+                                            "tokens (one read of the weights and one pass instead of two) where the "
+                                            "model's layers allow it; unset = on on MLX's CPU device, off on a GPU "
+                                            "(where a packed pass's ever-new shape costs more than the second "
+                                            "pass)")] = None
     compiled_decode: Annotated[bool, _d("run pure-decode passes (no prompt chunk) under mx.compile, traced once per "
                                         "(rows bucket, key-span bucket), fewer kernel launches per step for small "
                                         "batches on a GPU; rows under an adapter and models it cannot trace run "
@@ -153,6 +155,8 @@ def resolve_engine_config(config: EngineConfig, on_cpu: bool) -> EngineConfig:
         changes["overlap"] = not on_cpu
     if config.fast_math is None:
         changes["fast_math"] = on_cpu
+    if config.mixed_passes is None:
+        changes["mixed_passes"] = on_cpu
     if config.prefill_buckets is None:
         changes["prefill_buckets"] = False  # a GPU default waits for `bash perf/gpu_runs.sh buckets`
     return msgspec.structs.replace(config, **changes) if changes else config
