@@ -516,9 +516,11 @@ class StepRecord(Struct, kw_only=True):
     prefill_tokens: int = 0       # real prompt tokens of the step's prefill pass
     prefill_padded: int = 0       # rows x padded chunk length L
     prefill_length: int = 0       # L
+    prefill_span: int = 0         # key positions the prefill pass attends (its longest start + L)
     admitted: int = 0
     preempted: int = 0
     new_shape: bool = False       # the first step of this (kind, decode rows, prefill rows, L)
+    new_prefill_shape: bool = False  # its prefill pass is the first of this (rows, L, span): new kernel shapes
     phase_ms: dict[str, float] = {}  # schedule (with row ops), prefill, launch, read, mixed
     ops: dict[str, int] = {}      # row operations run, by kind (Resize, CopyRow, WriteBack, ...)
 
@@ -542,6 +544,12 @@ class BurstStats(Struct, kw_only=True):
     prefill_padded_per_pass: float = 0.0
     new_shapes: int = 0           # steps whose pass shape the engine ran for the first time (a GPU compiles)
     new_shape_ms: float = 0.0
+    # prefill passes (or mixed passes) by whether their (rows, L, span) was new: count and the time
+    # of their prefill (or mixed) phase, so a new shape's own cost is the difference of the means
+    new_prefill_shapes: int = 0
+    new_prefill_ms: float = 0.0
+    known_prefill_passes: int = 0
+    known_prefill_ms: float = 0.0
     admitted: int = 0
     preempted: int = 0
     max_decode_rows: int = 0

@@ -71,7 +71,8 @@ def _step(r: dict[str, Any]) -> str:
     phases = ", ".join(f"{k} {v:.0f}" for k, v in sorted(r.get("phase_ms", {}).items(), key=lambda kv: -kv[1])
                        if v >= 0.5)
     ops = ", ".join(f"{k} {v}" for k, v in r.get("ops", {}).items())
-    prefill = f", prefill {r['prefill_rows']}x{r['prefill_length']} ({r['prefill_tokens']} tokens)" \
+    prefill = f", prefill {r['prefill_rows']}x{r['prefill_length']} ({r['prefill_tokens']} tokens, span " \
+        f"{r.get('prefill_span', 0)}{', a new prefill shape' if r.get('new_prefill_shape') else ''})" \
         if r.get("prefill_rows") else ""
     return (f"step {r['step']}: {r['ms']:.0f} ms {r['kind']}, {r['decode_rows']} decode rows{prefill}"
             f"{', first of its shape' if r.get('new_shape') else ''}; ms: {phases}" + (f"; ops: {ops}" if ops else ""))
@@ -91,5 +92,9 @@ def lines(label: str, f: dict[str, Any]) -> list[str]:
            f"KV budget {f['kv_budget_mib']} MiB ({f['live_token_slots']} live slots), live {live['rows']}x"
            f"{live['capacity']} ({live['mib']} MiB); row ops {b.get('ops', {})}; step phases ms "
            f"{ {k: round(v) for k, v in b.get('phase_ms', {}).items()} }"]
+    new, known = b.get("new_prefill_shapes", 0), b.get("known_prefill_passes", 0)
+    if new or known:
+        out.append(f"  - prefill passes of a new (rows, L, span): {new}, {b.get('new_prefill_ms', 0) / max(new, 1):.1f} ms "
+                   f"each; of a known one: {known}, {b.get('known_prefill_ms', 0) / max(known, 1):.1f} ms each")
     out += [f"  - {_step(r)}" for r in b.get("slowest", [])[:5]]
     return out

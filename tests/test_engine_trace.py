@@ -69,3 +69,21 @@ def test_step_time_percentiles_come_from_a_bounded_histogram():
     assert 500 <= r.step_ms_p50 <= 550 and 990 <= r.step_ms_p99 <= 1000
     assert len(burst.step_hist) < 100 and len(r.slowest) == trace.SLOWEST_KEPT
     assert all(s.ms == 1000.0 for s in r.slowest)
+
+
+def test_prefill_passes_are_told_apart_by_whether_their_shape_is_new(model, monkeypatch):
+    """(rows, L, span) of each prefill pass: the same prompt length twice is one new shape then a
+    known one, and the two tallies hold every prefill pass with its phase time."""
+    monkeypatch.setattr(trace, "BURST_GAP_S", 0.0)
+    engine = make_engine(model, prefix_cache=False, mixed_passes=False)
+    run_all(engine, _requests(1, length=12, max_tokens=2))
+    run_all(engine, [req("again", [(5 * j) % 97 + 1 for j in range(12)],
+                         SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True))])
+    burst = engine.stats().last_burst
+    assert (burst.new_prefill_shapes, burst.known_prefill_passes) == (0, 1)
+    assert burst.known_prefill_ms > 0
+    assert any(r.prefill_rows and r.prefill_span == 12 and not r.new_prefill_shape for r in burst.slowest)
+    run_all(engine, _requests(2, length=9, max_tokens=2))
+    burst = engine.stats().last_burst
+    assert burst.new_prefill_shapes == 1 and burst.new_prefill_ms > 0
+    assert burst.new_prefill_shapes + burst.known_prefill_passes == burst.prefill_passes

@@ -60,6 +60,7 @@ class Burst:
         self.prefill_passes = 0
         self.new_shapes = 0
         self.new_shape_ms = 0.0
+        self.prefill_ms = {True: [0, 0.0], False: [0, 0.0]}  # new prefill shape -> [passes, phase ms]
         self.admitted = 0
         self.preempted = 0
         self.max_decode_rows = 0
@@ -75,6 +76,9 @@ class Burst:
             self.phase_ms[k] += v
         self.ops.update(record.ops)
         if record.prefill_rows:
+            tally = self.prefill_ms[record.new_prefill_shape]
+            tally[0] += 1
+            tally[1] += record.phase_ms.get("prefill", 0.0) + record.phase_ms.get("mixed", 0.0)
             self.prefill_passes += 1
             self.prefill_tokens += record.prefill_tokens
             self.prefill_padded += record.prefill_padded
@@ -99,7 +103,9 @@ class Burst:
             passes=dict(self.passes), phase_ms={k: round(v, 3) for k, v in self.phase_ms.items()},
             ops=dict(self.ops), prefill_passes=self.prefill_passes, prefill_tokens_per_pass=self.prefill_tokens / n,
             prefill_padded_per_pass=self.prefill_padded / n, new_shapes=self.new_shapes,
-            new_shape_ms=round(self.new_shape_ms, 3), admitted=self.admitted, preempted=self.preempted,
+            new_shape_ms=round(self.new_shape_ms, 3), new_prefill_shapes=self.prefill_ms[True][0],
+            new_prefill_ms=round(self.prefill_ms[True][1], 3), known_prefill_passes=self.prefill_ms[False][0],
+            known_prefill_ms=round(self.prefill_ms[False][1], 3), admitted=self.admitted, preempted=self.preempted,
             max_decode_rows=self.max_decode_rows,
             slowest=[r for _, _, r in sorted(self.slowest, key=lambda x: (-x[0], x[1]))])
 
@@ -111,6 +117,7 @@ class StepTracer:
         self.current: Burst | None = None
         self.last: Burst | None = None
         self._shapes: set[tuple] = set()
+        self._prefill_shapes: set[tuple[int, int, int]] = set()
         self._record: StepRecord | None = None
         self._t0 = 0.0
         self._idle = False  # the last step left the engine with nothing to do
@@ -122,6 +129,7 @@ class StepTracer:
     def reset(self) -> None:
         self.current = self.last = None
         self._shapes.clear()
+        self._prefill_shapes.clear()
         self._idle = False
 
     def begin(self, step: int) -> None:
@@ -146,11 +154,17 @@ class StepTracer:
             self._record.admitted += admitted
             self._record.preempted += preempted
 
-    def prefill(self, rows: int, tokens: int, length: int) -> None:
-        """A prefill pass (or the prompt chunks of a mixed one): rows, real tokens, padded length L."""
+    def prefill(self, rows: int, tokens: int, length: int, span: int = 0) -> None:
+        """A prefill pass (or the prompt chunks of a mixed one): rows, real tokens, padded length L,
+        key positions attended."""
         if self._record is not None:
             self._record.prefill_rows, self._record.prefill_tokens = rows, tokens
             self._record.prefill_padded, self._record.prefill_length = rows * length, length
+            self._record.prefill_span = span
+            shape = (rows, length, span)
+            if shape not in self._prefill_shapes and len(self._prefill_shapes) < SHAPES_KEPT:
+                self._prefill_shapes.add(shape)
+                self._record.new_prefill_shape = True
 
     def decode(self, rows: int) -> None:
         if self._record is not None:
