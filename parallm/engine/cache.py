@@ -305,17 +305,19 @@ class LiveKV:
         mx.eval(new)
         return new
 
-    def copy_rows(self, pairs: list[tuple[int, int]], ntokens: int) -> None:
-        """Row dst := row src (positions [0, ntokens)) for every (src, dst), reading all sources
-        before writing any destination (so a swap is two pairs)."""
-        n = max(1, min(ntokens, self.capacity))
-        srcs = [[mx.contiguous(buf[s, :, :n]) for s, _ in pairs] for buf in self._kv()]
+    def copy_rows(self, pairs: list[tuple[int, int]], ntokens: int | list[int]) -> None:
+        """Row dst := row src (positions [0, ntokens), one count for all pairs or one per pair) for
+        every (src, dst), reading all sources before writing any destination (so a swap is two
+        pairs), in one evaluation."""
+        counts = ntokens if isinstance(ntokens, list) else [ntokens] * len(pairs)
+        ns = [max(1, min(n, self.capacity)) for n in counts]
+        srcs = [[mx.contiguous(buf[s, :, :n]) for (s, _), n in zip(pairs, ns)] for buf in self._kv()]
         state_srcs = [[[None if a is None else mx.contiguous(a[s]) for s, _ in pairs] for a in slot]
                       for slot in self.states]
         mx.eval(srcs, state_srcs)
         bufs = self._kv()
         for j, buf in enumerate(bufs):
-            for (_, d), src in zip(pairs, srcs[j]):
+            for (_, d), src, n in zip(pairs, srcs[j], ns):
                 buf[d, :, :n] = src
         self._set(bufs)
         for slot, slot_srcs in zip(self.states, state_srcs):
@@ -456,12 +458,20 @@ class KVPool:
 
     def read(self, block_ids: list[int]) -> list[mx.array]:
         """Materialized [heads, n * block_size, dim] per layer (K then V) of these blocks, in order."""
+        return self.read_many([block_ids])[0]
+
+    def read_many(self, groups: list[list[int]]) -> list[list[mx.array]]:
+        """`read` of each group of blocks, all materialized in one evaluation."""
         self._ensure()
-        ids = mx.array(block_ids, dtype=mx.int32)
-        n, bs = len(block_ids), self.block_size
+        bs = self.block_size
         out = []
-        for buf in self.arrays:
-            g = buf[ids]  # [n, heads, bs, dim]
-            out.append(g.transpose(1, 0, 2, 3).reshape(g.shape[1], n * bs, g.shape[3]))
+        for block_ids in groups:
+            ids = mx.array(block_ids, dtype=mx.int32)
+            n = len(block_ids)
+            group = []
+            for buf in self.arrays:
+                g = buf[ids]  # [n, heads, bs, dim]
+                group.append(g.transpose(1, 0, 2, 3).reshape(g.shape[1], n * bs, g.shape[3]))
+            out.append(group)
         mx.eval(out)
         return out

@@ -70,6 +70,18 @@ def _launch_of(seqs: list[Sequence], out: SampleOut) -> Launch:
                   row_of={s.seq_id: i for i, s in enumerate(seqs)}, versions=[s.adapter_version for s in seqs])
 
 
+def _joins(run: list[RowOp], op: RowOp) -> bool:
+    """Whether `op` can run in one batch with the ops of `run` (ModelRunner.execute)."""
+    kind = type(run[0])
+    if kind is LoadPrefix:
+        return isinstance(op, (LoadPrefix, InitRow))
+    if type(op) is not kind:
+        return False
+    if kind is CopyRow:  # reading a row the run writes would read it before that write
+        return op.src not in {o.dst for o in run}
+    return True
+
+
 class ModelRunner:
     def __init__(self, model: nn.Module, info: ModelInfo, *, vocab_size: int, pool_blocks: int, block_size: int,
                  eos_ids: Iterable[int] = (), lora: LoRARouter | None = None, compile: bool = True,
@@ -149,34 +161,45 @@ class ModelRunner:
 
     # ------------------------------------------------------------------ row operations
     def execute(self, ops: list[RowOp]) -> None:
-        write_backs: list[WriteBack] = []
+        """Run a step's row operations in order, as if one at a time. Runs of write-backs, of row
+        copies and of prefix loads each read the device in one evaluation (on a GPU each evaluation
+        waits a round trip, the first for the pass in flight): a copy joins the run unless it reads a
+        row the run has written; a sampling-state reset (InitRow) touches no KV and joins a run of
+        prefix loads."""
+        run: list[RowOp] = []
         for op in ops:
-            if isinstance(op, WriteBack):
-                write_backs.append(op)
-                continue
-            if write_backs:
-                self._write_back(write_backs)
-                write_backs = []
-            if isinstance(op, Resize):
-                self.live.resize(op.rows, op.capacity)
-                self.penalties.resize(op.rows)
-            elif isinstance(op, CopyRow):
-                self.live.copy_rows([(op.src, op.dst)], op.ntokens)
-                self.penalties.copy_rows([(op.src, op.dst)])
-            elif isinstance(op, SwapRows):
-                pairs = [(op.a, op.b), (op.b, op.a)]
-                self.live.copy_rows(pairs, op.ntokens)
-                self.penalties.copy_rows(pairs)
-            elif isinstance(op, LoadPrefix):
-                self.live.write_prefix(op.row, self.pool.read(op.block_ids))
+            if run and not _joins(run, op):
+                self._run_batch(run)
+                run = []
+            if isinstance(op, (WriteBack, CopyRow, LoadPrefix)):
+                run.append(op)
             elif isinstance(op, InitRow):
                 if op.seq.uses_penalties:
                     self.penalties.activate(self.live.rows)
                     self.penalties.init_row(op.row, op.seq.prompt_ids, op.seq.output_ids)
+            elif isinstance(op, Resize):
+                self.live.resize(op.rows, op.capacity)
+                self.penalties.resize(op.rows)
+            elif isinstance(op, SwapRows):
+                pairs = [(op.a, op.b), (op.b, op.a)]
+                self.live.copy_rows(pairs, op.ntokens)
+                self.penalties.copy_rows(pairs)
             else:  # pragma: no cover
                 raise TypeError(f"unknown row op {op!r}")
-        if write_backs:
-            self._write_back(write_backs)
+        if run:
+            self._run_batch(run)
+
+    def _run_batch(self, run: list[RowOp]) -> None:
+        if isinstance(run[0], WriteBack):
+            self._write_back(run)
+        elif isinstance(run[0], CopyRow):
+            pairs = [(op.src, op.dst) for op in run]
+            self.live.copy_rows(pairs, [op.ntokens for op in run])
+            self.penalties.copy_rows(pairs)
+        else:
+            loads = [op for op in run if isinstance(op, LoadPrefix)]
+            for op, data in zip(loads, self.pool.read_many([op.block_ids for op in loads])):
+                self.live.write_prefix(op.row, data)
 
     def _write_back(self, ops: list[WriteBack]) -> None:
         """Copy blocks of live rows into the prefix pool: every read is materialized in one
