@@ -77,8 +77,8 @@ class EngineConfig(Struct, frozen=True, kw_only=True, forbid_unknown_fields=True
     in_place_kv_mb: Annotated[float, _d("from this size of the live KV buffers (MiB) on, a pass that writes into "
                                         "them first waits for the pass still running: MLX copies a buffer that a "
                                         "running kernel holds before writing into it, so with overlap every step "
-                                        "would copy the whole live KV; below it that copy costs less than the "
-                                        "device's idle time while the next pass is launched; -1 = never wait")] = 256
+                                        "copied the whole live KV (H200, 256 rows: the same step time either way, "
+                                        "3.5 GB less peak memory waiting); -1 = never wait")] = 256
     compile: Annotated[bool, _d("compile the sampler's elementwise kernels (the seeded Gumbel noise, the "
                                 "penalties) with mx.compile")] = True
     fast_math: Annotated[bool | None, _d("exp without libm in the model's SwiGLU and attention softmax (float32, "
