@@ -16,7 +16,8 @@ from .compat import ModelInfo
 from .compiled import CompiledDecode
 from .fastmath import FastMath
 from .head import OutputHead
-from .plan import CopyRow, InitRow, LoadPrefix, PrefillWork, Resize, RowOp, SwapRows, WriteBack
+from .plan import PrefillWork, RowOp
+from .row_ops import execute_row_ops
 from .sampling import (BatchParams, PenaltyState, SampledLists, SampleOut, Sampler, log_softmax, penalty_rows, rank_of,
                        top_of)
 from .sequence import Sequence
@@ -68,18 +69,6 @@ class Launch:
 def _launch_of(seqs: list[Sequence], out: SampleOut) -> Launch:
     return Launch(seqs=list(seqs), epochs=[s.epoch for s in seqs], out=out,
                   row_of={s.seq_id: i for i, s in enumerate(seqs)}, versions=[s.adapter_version for s in seqs])
-
-
-def _joins(run: list[RowOp], op: RowOp) -> bool:
-    """Whether `op` can run in one batch with the ops of `run` (ModelRunner.execute)."""
-    kind = type(run[0])
-    if kind is LoadPrefix:
-        return isinstance(op, (LoadPrefix, InitRow))
-    if type(op) is not kind:
-        return False
-    if kind is CopyRow:  # reading a row the run writes would read it before that write
-        return op.src not in {o.dst for o in run}
-    return True
 
 
 class ModelRunner:
@@ -161,58 +150,9 @@ class ModelRunner:
 
     # ------------------------------------------------------------------ row operations
     def execute(self, ops: list[RowOp]) -> None:
-        """Run a step's row operations in order, as if one at a time. Runs of write-backs, of row
-        copies and of prefix loads each read the device in one evaluation (on a GPU each evaluation
-        waits a round trip, the first for the pass in flight): a copy joins the run unless it reads a
-        row the run has written; a sampling-state reset (InitRow) touches no KV and joins a run of
-        prefix loads."""
-        run: list[RowOp] = []
-        for op in ops:
-            if run and not _joins(run, op):
-                self._run_batch(run)
-                run = []
-            if isinstance(op, (WriteBack, CopyRow, LoadPrefix)):
-                run.append(op)
-            elif isinstance(op, InitRow):
-                if op.seq.uses_penalties:
-                    self.penalties.activate(self.live.rows)
-                    self.penalties.init_row(op.row, op.seq.prompt_ids, op.seq.output_ids)
-            elif isinstance(op, Resize):
-                self.live.resize(op.rows, op.capacity)
-                self.penalties.resize(op.rows)
-            elif isinstance(op, SwapRows):
-                pairs = [(op.a, op.b), (op.b, op.a)]
-                self.live.copy_rows(pairs, op.ntokens)
-                self.penalties.copy_rows(pairs)
-            else:  # pragma: no cover
-                raise TypeError(f"unknown row op {op!r}")
-        if run:
-            self._run_batch(run)
-
-    def _run_batch(self, run: list[RowOp]) -> None:
-        if isinstance(run[0], WriteBack):
-            self._write_back(run)
-        elif isinstance(run[0], CopyRow):
-            pairs = [(op.src, op.dst) for op in run]
-            self.live.copy_rows(pairs, [op.ntokens for op in run])
-            self.penalties.copy_rows(pairs)
-        else:
-            loads = [op for op in run if isinstance(op, LoadPrefix)]
-            for op, data in zip(loads, self.pool.read_many([op.block_ids for op in loads])):
-                self.live.write_prefix(op.row, data)
-
-    def _write_back(self, ops: list[WriteBack]) -> None:
-        """Copy blocks of live rows into the prefix pool: every read is materialized in one
-        evaluation (one device round trip for the whole step, not one per row)."""
-        bs = self.block_size
-        reads = []
-        for op in ops:
-            pos = mx.array([j * bs + t for j, _ in op.blocks for t in range(bs)], dtype=mx.int32)
-            reads.append(self.live.read_positions(op.row, pos, materialize=False))
-        self.live.settle()  # the reads also run the step's row writes before them
-        mx.eval(reads)
-        for op, data in zip(ops, reads):
-            self.pool.write([bid for _, bid in op.blocks], data)
+        """Run a step's row operations on the live KV, the prefix pool and the penalty state
+        (row_ops.execute)."""
+        execute_row_ops(ops, self.live, self.pool, self.penalties, self.block_size)
 
     # ------------------------------------------------------------------ prefill
     def prefill(self, work: PrefillWork) -> tuple[dict[int, tuple], FirstTokens | None]:
