@@ -6,7 +6,8 @@ import pytest
 from mlx_lm.models.base import create_attention_mask, create_causal_mask
 from mlx_lm.models.cache import KVCache, can_trim_prompt_cache
 
-from parallm.engine.cache import KVCacheProtocol, KVPool, LayerShape, LiveKV, PassContext
+from parallm.engine.cache import KVCacheProtocol, LayerShape, LiveKV, PassContext
+from parallm.engine.pool import KVPool
 
 H, D = 2, 8
 

@@ -7,7 +7,7 @@ collisions. Blocks are reference-counted by the live sequences that matched or w
 A block whose count drops to zero keeps its hash (it can still be hit) and sits in an LRU list,
 evicted only when a new block is needed; never-hashed free blocks are used first.
 
-Physical storage (per-layer pool arrays) lives in `cache.KVPool`; this module only decides
+Physical storage (per-layer pool arrays) lives in `pool.KVPool`; this module only decides
 which block ids hold what.
 """
 

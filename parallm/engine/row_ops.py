@@ -6,8 +6,9 @@ from __future__ import annotations
 
 import mlx.core as mx
 
-from .cache import KVPool, LiveKV
+from .cache import LiveKV
 from .plan import CopyRow, InitRow, LoadPrefix, Resize, RowOp, SwapRows, WriteBack
+from .pool import KVPool
 from .sampling import PenaltyState
 
 

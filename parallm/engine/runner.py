@@ -11,12 +11,13 @@ import mlx.nn as nn
 
 from parallm.adapters.lora import LoRARouter
 
-from .cache import KVPool, LiveKV, PackedContext, PackedView, PassContext
+from .cache import LiveKV, PackedContext, PackedView, PassContext
 from .compat import ModelInfo
 from .compiled import CompiledDecode
 from .fastmath import FastMath
 from .head import OutputHead
 from .plan import PrefillWork, RowOp
+from .pool import KVPool
 from .row_ops import execute_row_ops
 from .sampling import (BatchParams, PenaltyState, SampledLists, SampleOut, Sampler, log_softmax, penalty_rows, rank_of,
                        top_of)

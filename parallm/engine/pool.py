@@ -1,0 +1,68 @@
+"""The prefix cache's physical storage: per layer, K and V blocks of block_size tokens that live
+rows copy into (write-backs) and out of (prefix loads)."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+
+from .cache import LayerShape
+
+
+class KVPool:
+    """Physical storage of prefix-cache blocks: per layer [num_blocks, heads, block_size, dim]."""
+
+    def __init__(self, shapes: list[LayerShape], dtype: mx.Dtype, num_blocks: int, block_size: int) -> None:
+        self.shapes = shapes
+        self.dtype = dtype
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.arrays: list[mx.array] = []  # K of every layer, then V
+
+    def allocate(self) -> None:
+        """Commit the pool's memory now (zero-filling GBs takes a while: do it at start-up)."""
+        self._ensure()
+
+    @property
+    def nbytes(self) -> int:
+        return self.num_blocks * self.block_size * sum(s.elems_per_token for s in self.shapes) * self.dtype.size
+
+    def _ensure(self) -> None:
+        if self.arrays or not self.num_blocks:
+            return
+        bs = self.block_size
+        ks = [mx.zeros((self.num_blocks, s.k_heads, bs, s.k_dim), self.dtype) for s in self.shapes]
+        vs = [mx.zeros((self.num_blocks, s.v_heads, bs, s.v_dim), self.dtype) for s in self.shapes]
+        self.arrays = ks + vs
+        mx.eval(self.arrays)
+
+    def write(self, block_ids: list[int], data: list[mx.array]) -> None:
+        """Blocks := data (per layer, K then V: [heads, n * block_size, dim], already materialized)."""
+        self._ensure()
+        ids = mx.array(block_ids, dtype=mx.int32)
+        n, bs = len(block_ids), self.block_size
+        out = []
+        for buf, d in zip(self.arrays, data):
+            h, _, dim = d.shape
+            buf[ids] = d.reshape(h, n, bs, dim).transpose(1, 0, 2, 3)
+            out.append(buf)
+        self.arrays = out
+
+    def read(self, block_ids: list[int]) -> list[mx.array]:
+        """Materialized [heads, n * block_size, dim] per layer (K then V) of these blocks, in order."""
+        return self.read_many([block_ids])[0]
+
+    def read_many(self, groups: list[list[int]]) -> list[list[mx.array]]:
+        """`read` of each group of blocks, all materialized in one evaluation."""
+        self._ensure()
+        bs = self.block_size
+        out = []
+        for block_ids in groups:
+            ids = mx.array(block_ids, dtype=mx.int32)
+            n = len(block_ids)
+            group = []
+            for buf in self.arrays:
+                g = buf[ids]  # [n, heads, bs, dim]
+                group.append(g.transpose(1, 0, 2, 3).reshape(g.shape[1], n * bs, g.shape[3]))
+            out.append(group)
+        mx.eval(out)
+        return out
