@@ -79,6 +79,11 @@ class EngineConfig(Struct, frozen=True, kw_only=True, forbid_unknown_fields=True
                                         "running kernel holds before writing into it, so with overlap every step "
                                         "copied the whole live KV (H200, 256 rows: the same step time either way, "
                                         "3.5 GB less peak memory waiting); -1 = never wait")] = 256
+    unfused_prefill_keys: Annotated[int, _d("a prefill pass whose rows attend at most this many key positions "
+                                            "computes attention as matmuls and a softmax instead of MLX's fused "
+                                            "kernel, whose CUDA version (cuDNN) builds a graph for every new "
+                                            "shape and stride; 0 = always the fused kernel (docs/performance.md, "
+                                            "not yet measured on a GPU)")] = 0
     compile: Annotated[bool, _d("compile the sampler's elementwise kernels (the seeded Gumbel noise, the "
                                 "penalties) with mx.compile")] = True
     fast_math: Annotated[bool | None, _d("exp without libm in the model's SwiGLU and attention softmax (float32, "

@@ -51,12 +51,13 @@
 #             in_place_kv_mb -1 and with the default (issue 24), ~8 min
 #   mixed     llama-3.2-3b at c=64 and 256: the in-process engine and HTTP with the defaults (mixed passes: prompt
 #             chunks in the decode pass, stock kernels), then HTTP with engine.mixed_passes off (issue 24), ~6 min
-#   cudnn     llama-3.2-3b over HTTP at c=256 with MLX's cuDNN attention on, then off (MLX_CUDA_USE_CUDNN_SDPA=0): is a
-#             new prefill shape's cuDNN graph build what the first-seen pass shapes cost? (issue 24), ~4 min
+#   cudnn     llama-3.2-3b over HTTP at c=256 with MLX's cuDNN attention on, then off (MLX_CUDA_USE_CUDNN_SDPA=0), then
+#             on with engine.unfused_prefill_keys 4096 (prefills of short spans attend without the fused kernel): is a
+#             new prefill shape's cuDNN graph build what the first-seen pass shapes cost? (issue 24), ~6 min
 # A fresh server per wave: `waves` fits 6-7 waves in one 10-minute call; run it twice for ten.
 set -uo pipefail
 case "${1:-}" in diag|llama|adapters|qwen-a|qwen-b|launch|serving|waves|ingress|moe|moe256|hybrid|structured|tp|tp8b|dp|threads|compiled|republish|buckets|serve256|inplace|mixed|cudnn) ;;
-  *) sed -n 2,56p "$0"; exit 2 ;; esac
+  *) sed -n 2,57p "$0"; exit 2 ;; esac
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
 if [ -d /tmp/site/mlx ] && [ ! -f .gpu/b/install.sh ]; then
@@ -126,10 +127,11 @@ case "${1:-}" in
                 --targets $([ $on = true ] && echo inprocess,http || echo http) --server-args "--engine.mixed-passes $on" \
                 --tokenizer-dir $TOK --work-dir $WORK --experiment llama-3.2-3b-mixed-$on --out-dir "$OUT"
             done ;;
-  cudnn)    for cudnn in 1 0; do
-              MLX_CUDA_USE_CUDNN_SDPA=$cudnn python3 -m perf.bench_serving --shape llama-3.2-3b --concurrency 256 \
-                --max-tokens 128 --client-procs 4 --targets http --tokenizer-dir $TOK --work-dir $WORK \
-                --experiment llama-3.2-3b-c256-cudnn-$([ $cudnn = 1 ] && echo on || echo off) --out-dir "$OUT"
+  cudnn)    for run in on off unfused; do
+              MLX_CUDA_USE_CUDNN_SDPA=$([ $run = off ] && echo 0 || echo 1) python3 -m perf.bench_serving \
+                --shape llama-3.2-3b --concurrency 256 --max-tokens 128 --client-procs 4 --targets http \
+                --server-args "$([ $run = unfused ] && echo --engine.unfused-prefill-keys 4096)" \
+                --tokenizer-dir $TOK --work-dir $WORK --experiment llama-3.2-3b-c256-cudnn-$run --out-dir "$OUT"
             done ;;
   structured) python3 -m perf.bench_structured --shape llama-3.2-3b --batches 1,16,64 --max-tokens 128 --repeats 2 \
               --serial --tokenizer-dir $TOK --work-dir $WORK --out-dir "$OUT" ;;

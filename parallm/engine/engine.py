@@ -96,7 +96,8 @@ class Engine:
         self.runner = ModelRunner(self.model, info, vocab_size=self.vocab_size, pool_blocks=pool_blocks, block_size=bs,
                                   eos_ids=self.eos_token_ids, lora=self.adapters.router, compile=settings.compile,
                                   fast_math=bool(settings.fast_math), compiled_decode=settings.compiled_decode,
-                                  in_place_kv_mb=settings.in_place_kv_mb)
+                                  in_place_kv_mb=settings.in_place_kv_mb,
+                                  unfused_prefill_keys=settings.unfused_prefill_keys)
         if info.layout is not None:  # recurrent state (a packed pass is one sequence: a scan would run
             self.runner._packing = False  # across rows) or several caches per layer: no packed views
         resolved: dict = {"kv_budget_mb": self.kv_budget_bytes / (1 << 20)}

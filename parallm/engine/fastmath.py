@@ -97,6 +97,25 @@ def scaled_dot_product_attention(queries: mx.array, keys: mx.array, values: mx.a
         return cache.packed.attend(queries, keys, values, scale, mask.window, scaled_dot_product_attention)
     if sinks is not None or hasattr(cache, "bits") or queries.dtype != mx.float32:
         return _stock_sdpa(queries, keys, values, cache, scale, mask, sinks)
+    scores, boolean = _grouped_scores(queries, keys, scale, mask)
+    frac, bits = _exp_parts_shifted(scores, scores.max(-1, keepdims=True))
+    scale_bits = bits.view(mx.float32)
+    weights = _masked_weights(frac, scale_bits, boolean) if boolean is not None else frac * scale_bits
+    weights = weights / weights.sum(-1, keepdims=True)
+    return _attend_values(weights, values, queries.shape)
+
+
+def unfused_sdpa(queries: mx.array, keys: mx.array, values: mx.array, scale: float, mask: Any) -> mx.array:
+    """Attention as plain matmuls and a softmax (float32 inside, in any dtype): what a prefill pass of
+    a short span uses with engine.unfused_prefill_keys, instead of MLX's fused kernel, whose CUDA
+    version (cuDNN) builds a graph per shape and strides."""
+    scores, _ = _grouped_scores(queries, keys, scale, mask)
+    return _attend_values(mx.softmax(scores, axis=-1, precise=True), values, queries.shape)
+
+
+def _grouped_scores(queries: mx.array, keys: mx.array, scale: float, mask: Any) -> tuple[mx.array, mx.array | None]:
+    """Masked scores [B, kv_heads, rep, L, T] of queries [B, heads, L, dim] against keys [B,
+    kv_heads, T, dim], and the boolean mask (None when there is none or it is additive)."""
     B, H, L, D = queries.shape
     kv_heads, T = keys.shape[1], keys.shape[2]
     rep = H // kv_heads
@@ -118,11 +137,13 @@ def scaled_dot_product_attention(queries: mx.array, keys: mx.array, values: mx.a
             scores = mx.where(mask, scores, mx.finfo(scores.dtype).min)
         else:
             scores = scores + mask.astype(scores.dtype)
-    frac, bits = _exp_parts_shifted(scores, scores.max(-1, keepdims=True))
-    scale_bits = bits.view(mx.float32)
-    weights = _masked_weights(frac, scale_bits, boolean) if boolean is not None else frac * scale_bits
-    weights = weights / weights.sum(-1, keepdims=True)
-    return (weights.reshape(B, kv_heads, rep * L, T) @ values).reshape(B, H, L, -1)
+    return scores, boolean
+
+
+def _attend_values(weights: mx.array, values: mx.array, shape: tuple[int, ...]) -> mx.array:
+    B, H, L, _ = shape
+    kv_heads, T = values.shape[1], values.shape[2]
+    return (weights.reshape(B, kv_heads, (H // kv_heads) * L, T) @ values).reshape(B, H, L, -1)
 
 
 @partial(mx.compile, shapeless=True)
@@ -173,13 +194,17 @@ class RopeTables:
 
 
 def packed_sdpa(queries: mx.array, keys: mx.array, values: mx.array, cache: Any, scale: float, mask: Any,
-                sinks: mx.array | None = None) -> mx.array:
-    """mlx-lm's stock attention, which also runs a packed pass (each segment with the stock kernel):
-    what FastMath(exp=False) puts in the model's module, for packed passes in any dtype on a GPU."""
+                sinks: mx.array | None = None, *, unfused_keys: int = 0) -> mx.array:
+    """mlx-lm's stock attention, which also runs a packed pass (each segment with the stock kernel),
+    and, for more than one query per row over at most `unfused_keys` keys, `unfused_sdpa`: what
+    FastMath(exp=False) puts in the model's module (a GPU's mixed passes and short prefills)."""
     if isinstance(mask, PackedMask):
         if sinks is not None:
             raise ValueError("packed passes take attention without sinks")
         return cache.packed.attend(queries, keys, values, scale, mask.window, _stock_sdpa)
+    if (unfused_keys and sinks is None and queries.shape[2] > 1 and keys.shape[2] <= unfused_keys
+            and not hasattr(cache, "bits")):
+        return unfused_sdpa(queries, keys, values, scale, mask)
     return _stock_sdpa(queries, keys, values, cache, scale, mask, sinks)
 
 
@@ -253,9 +278,10 @@ def _stock_sdpa(*args: Any) -> mx.array:
 class FastMath:
     """While entered, the model's mlx-lm module uses the functions above (a no-op for modules
     that do not use mlx-lm's stock `swiglu` / `scaled_dot_product_attention`). With `exp` False
-    only what packed passes need: the stock kernels for everything else (a GPU's mixed passes)."""
+    only what packed passes need, and unfused attention for short prefills (`unfused_keys`): the
+    stock kernels for everything else (a GPU's mixed passes and prefills)."""
 
-    def __init__(self, model: nn.Module, *, exp: bool = True) -> None:
+    def __init__(self, model: nn.Module, *, exp: bool = True, unfused_keys: int = 0) -> None:
         from mlx_lm.models import activations, base
 
         self.module = sys.modules.get(type(model).__module__)
@@ -264,7 +290,8 @@ class FastMath:
                      "scaled_dot_product_attention": (base.scaled_dot_product_attention,
                                                       scaled_dot_product_attention)}
         else:
-            stock = {"scaled_dot_product_attention": (base.scaled_dot_product_attention, packed_sdpa)}
+            stock = {"scaled_dot_product_attention": (base.scaled_dot_product_attention,
+                                                      partial(packed_sdpa, unfused_keys=unfused_keys))}
         self.replaced: dict[str, tuple[Any, Any]] = {}
         if self.module is not None:
             for name, (original, fast) in stock.items():
