@@ -520,7 +520,7 @@ class StepRecord(Struct, kw_only=True):
     admitted: int = 0
     preempted: int = 0
     new_shape: bool = False       # the first step of this (kind, decode rows, prefill rows, L)
-    new_prefill_shape: bool = False  # its prefill pass is the first of this (rows, L, span): new kernel shapes
+    new_prefill_shape: bool = False  # its prefill pass is the first of this (rows, L, span, live capacity)
     phase_ms: dict[str, float] = {}  # schedule (with row ops), prefill, launch, read, mixed
     ops: dict[str, int] = {}      # row operations run, by kind (Resize, CopyRow, WriteBack, ...)
 
@@ -544,7 +544,7 @@ class BurstStats(Struct, kw_only=True):
     prefill_padded_per_pass: float = 0.0
     new_shapes: int = 0           # steps whose pass shape the engine ran for the first time (a GPU compiles)
     new_shape_ms: float = 0.0
-    # prefill passes (or mixed passes) by whether their (rows, L, span) was new: count and the time
+    # prefill passes (or mixed passes) by whether their (rows, L, span, capacity) was new: count and the time
     # of their prefill (or mixed) phase, so a new shape's own cost is the difference of the means
     new_prefill_shapes: int = 0
     new_prefill_ms: float = 0.0

@@ -94,7 +94,7 @@ def lines(label: str, f: dict[str, Any]) -> list[str]:
            f"{ {k: round(v) for k, v in b.get('phase_ms', {}).items()} }"]
     new, known = b.get("new_prefill_shapes", 0), b.get("known_prefill_passes", 0)
     if new or known:
-        out.append(f"  - prefill passes of a new (rows, L, span): {new}, {b.get('new_prefill_ms', 0) / max(new, 1):.1f} ms "
+        out.append(f"  - prefill passes of a new (rows, L, span, capacity): {new}, {b.get('new_prefill_ms', 0) / max(new, 1):.1f} ms "
                    f"each; of a known one: {known}, {b.get('known_prefill_ms', 0) / max(known, 1):.1f} ms each")
     out += [f"  - {_step(r)}" for r in b.get("slowest", [])[:5]]
     return out

@@ -48,9 +48,9 @@ def _run(model, buckets: bool, mixed: bool):
     shapes = set()
     record = engine.trace.prefill
 
-    def prefill(rows: int, tokens: int, length: int, span: int = 0) -> None:
+    def prefill(rows: int, tokens: int, length: int, span: int = 0, capacity: int = 0) -> None:
         shapes.add((rows, length))
-        record(rows, tokens, length, span)
+        record(rows, tokens, length, span, capacity)
 
     engine.trace.prefill = prefill
     out = run_all(engine, arrivals=_workload(engine.vocab_size))
@@ -77,8 +77,8 @@ def test_models_prefilled_alone_are_not_padded():
     assert engine.runner.info.prefill_alone and not engine.scheduler.admission.buckets
     lengths = []
     record = engine.trace.prefill
-    engine.trace.prefill = lambda rows, tokens, length, span=0: (lengths.append((tokens, length)),
-                                                                  record(rows, tokens, length, span))
+    engine.trace.prefill = lambda rows, tokens, length, span=0, capacity=0: (lengths.append((tokens, length)),
+                                                                  record(rows, tokens, length, span, capacity))
     run_all(engine, [req("a", list(range(1, 20)), SamplingParams(temperature=0.0, max_tokens=2))])
     assert lengths == [(19, 19)]
 
@@ -88,8 +88,8 @@ def test_warm_up_runs_every_bucket_shape_and_leaves_nothing_cached():
                          max_prefill_rows=4, block_size=8)
     shapes = set()
     record = engine.trace.prefill
-    engine.trace.prefill = lambda rows, tokens, length, span=0: (shapes.add((rows, length)),
-                                                                  record(rows, tokens, length, span))
+    engine.trace.prefill = lambda rows, tokens, length, span=0, capacity=0: (shapes.add((rows, length)),
+                                                                  record(rows, tokens, length, span, capacity))
     engine.warm_up()
     assert {(k, b) for k, _, b in bucket_shapes(32, 4)} <= shapes
     assert engine.blocks.num_cached == 0 and not engine.has_work()

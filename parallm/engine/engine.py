@@ -252,7 +252,8 @@ class Engine:
         t1 = time.perf_counter()
         work = plan.prefill
         if work is not None:
-            self.trace.prefill(len(work.seqs), sum(work.lengths), work.length, max(work.starts) + work.length)
+            self.trace.prefill(len(work.seqs), sum(work.lengths), work.length, max(work.starts) + work.length,
+                               self.runner.live.capacity)
         if work is not None and self._can_mix(work) and self._mixed(work, out, emit):
             self._timing["mixed_s"] += time.perf_counter() - t1
             self.trace.phase("mixed", time.perf_counter() - t1)

@@ -117,7 +117,7 @@ class StepTracer:
         self.current: Burst | None = None
         self.last: Burst | None = None
         self._shapes: set[tuple] = set()
-        self._prefill_shapes: set[tuple[int, int, int]] = set()
+        self._prefill_shapes: set[tuple[int, int, int, int]] = set()
         self._record: StepRecord | None = None
         self._t0 = 0.0
         self._idle = False  # the last step left the engine with nothing to do
@@ -154,14 +154,15 @@ class StepTracer:
             self._record.admitted += admitted
             self._record.preempted += preempted
 
-    def prefill(self, rows: int, tokens: int, length: int, span: int = 0) -> None:
+    def prefill(self, rows: int, tokens: int, length: int, span: int = 0, capacity: int = 0) -> None:
         """A prefill pass (or the prompt chunks of a mixed one): rows, real tokens, padded length L,
-        key positions attended."""
+        key positions attended, and the live buffer's capacity (its K/V slices' strides: MLX's cuDNN
+        attention builds a graph per shape and stride)."""
         if self._record is not None:
             self._record.prefill_rows, self._record.prefill_tokens = rows, tokens
             self._record.prefill_padded, self._record.prefill_length = rows * length, length
             self._record.prefill_span = span
-            shape = (rows, length, span)
+            shape = (rows, length, span, capacity)
             if shape not in self._prefill_shapes and len(self._prefill_shapes) < SHAPES_KEPT:
                 self._prefill_shapes.add(shape)
                 self._record.new_prefill_shape = True
