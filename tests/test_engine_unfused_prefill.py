@@ -48,3 +48,15 @@ def test_longer_spans_keep_the_fused_kernel(monkeypatch):
     monkeypatch.setattr(fastmath, "unfused_sdpa", lambda q, *a: (calls.append(q.shape[2]), real(q, *a))[1])
     _run(tiny_model("llama"), 8, calls)
     assert calls and max(calls) <= 8  # chunks of at most 8 positions; the longer ones went to the fused kernel
+
+
+@pytest.mark.parametrize("name", ["llama-sliding", "gemma3_text", "qwen3", "phi3"])
+def test_other_families_and_sliding_windows_keep_their_tokens(monkeypatch, name):
+    calls: list[int] = []
+    real = fastmath.unfused_sdpa
+    monkeypatch.setattr(fastmath, "unfused_sdpa", lambda q, *a: (calls.append(q.shape[2]), real(q, *a))[1])
+    model = tiny_model(name)
+    model.set_dtype(mx.bfloat16)
+    unfused, stock = _run(model, 4096, calls), _run(model, 0, [])
+    assert calls
+    assert {k: v["tokens"] for k, v in unfused.items()} == {k: v["tokens"] for k, v in stock.items()}
