@@ -55,10 +55,11 @@ def _engine(model, rows: int, max_len: int, settings: dict[str, Any]):
 
 
 def _bytes_per_token(model) -> int:
+    from parallm.engine.cache import LiveKV
     from parallm.engine.compat import check_model
 
     info = check_model(model)
-    return sum(s.elems_per_token for s in info.shapes) * info.dtype.size
+    return LiveKV(info.shapes, info.dtype).bytes_per_token
 
 
 def _fill(engine, prompts: list[list[int]], max_tokens: int) -> dict[str, list[int]]:

@@ -47,6 +47,7 @@ from mlx.utils import tree_flatten, tree_unflatten
 from parallm.adapters.lora import LoRARouter
 
 from .compiled_lora import AdaptedLayers, Captured, capture, rebuild
+from .plan import power_of_two_bucket
 
 log = logging.getLogger("parallm.engine")
 
@@ -64,7 +65,7 @@ def row_bucket(n: int, rows: int) -> int:
 def span_bucket(span: int, capacity: int) -> int:
     """The key positions a pass attends over: `span` rounded up to a power of two (>= MIN_SPAN),
     at most the buffer's capacity."""
-    return min(max(MIN_SPAN, 1 << max(0, span - 1).bit_length()), capacity)
+    return power_of_two_bucket(span, MIN_SPAN, capacity)
 
 
 class StaticRowsView:

@@ -15,14 +15,16 @@ def round_up(x: int, q: int) -> int:
 MIN_BUCKET = 16
 
 
+def power_of_two_bucket(n: int, least: int, most: int) -> int:
+    """`n` rounded up to a power of two, at least `least` (itself a power of two), at most `most`."""
+    return min(max(least, 1 << max(0, n - 1).bit_length()), most)
+
+
 def length_bucket(n: int, most: int) -> int:
     """The padded length of a prefill pass whose longest chunk is `n` tokens: the next power of two
     from MIN_BUCKET, at most `most` (the prefill budget, itself the top bucket) and never below `n`,
     so the passes of a run take a handful of shapes (engine.prefill_buckets)."""
-    b = MIN_BUCKET
-    while b < n:
-        b *= 2
-    return max(n, min(b, most))
+    return max(n, power_of_two_bucket(n, MIN_BUCKET, most))
 
 
 def length_buckets(most: int) -> list[int]:

@@ -59,9 +59,8 @@ def _run_batch(run: list[RowOp], live: LiveKV, pool: KVPool, penalties: PenaltyS
         pairs = [(op.src, op.dst) for op in run]
         live.copy_rows(pairs, [op.ntokens for op in run])
         penalties.copy_rows(pairs)
-    else:
-        loads = [op for op in run if isinstance(op, LoadPrefix)]
-        for op, data in zip(loads, pool.read_many([op.block_ids for op in loads])):
+    else:  # prefix loads (the InitRows between them ran as they came)
+        for op, data in zip(run, pool.read_many([op.block_ids for op in run])):
             live.write_prefix(op.row, data)
 
 
