@@ -206,6 +206,24 @@ def test_a_marker_that_is_a_special_token_reaches_the_parser_while_content_hides
     assert "".join(o.text for o in plain) == 'Let me check.get_weather{"city": "Paris"}get_time{"tz": "CET"}'
 
 
+def test_a_views_inferred_markers_die_with_it(mistral_like):
+    """The inferred markers were once cached by id(view): a later view given a dead one's id (the
+    suite's order made one) read the other tokenizer's markers, and [TOOL_CALLS] stayed text."""
+    import gc
+
+    from parallm.text import assistant
+    from parallm.text.vocab import TokenizerView
+
+    gc.collect()
+    before = len(assistant._MODEL_SYNTAX)
+    view = TokenizerView(mistral_like)
+    assert assistant.model_syntax(view)[1] == "mistral"
+    assert view in assistant._MODEL_SYNTAX
+    del view
+    gc.collect()
+    assert len(assistant._MODEL_SYNTAX) <= before
+
+
 # --------------------------------------------------------------------------- calls streamed as fragments
 
 STREAMED = {  # formats whose arguments are streamed as they come (tool_stream.CallStream)

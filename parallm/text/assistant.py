@@ -19,6 +19,7 @@ import json
 import sys
 import types
 import uuid
+import weakref
 from dataclasses import dataclass, field
 from typing import Any, Callable, Container
 
@@ -252,8 +253,10 @@ class AssistantSplitter:
         return out
 
 
-_MODEL_SYNTAX: dict[int, tuple[tuple[str, str] | None, str | None]] = {}
-_KEPT: dict[tuple, frozenset[int]] = {}
+# Keyed by the view object itself, weakly: an id() key outlives its view, and a later view given the
+# same id (another tokenizer or template) would read the dead one's markers.
+_MODEL_SYNTAX: weakref.WeakKeyDictionary[Any, tuple[tuple[str, str] | None, str | None]] = weakref.WeakKeyDictionary()
+_KEPT: weakref.WeakKeyDictionary[Any, dict[tuple, frozenset[int]]] = weakref.WeakKeyDictionary()
 
 
 def kept_special_ids(tok: Any, splitter: AssistantSplitter) -> frozenset[int]:
@@ -263,27 +266,27 @@ def kept_special_ids(tok: Any, splitter: AssistantSplitter) -> frozenset[int]:
     `<|tool_call_begin|>`). They reach the splitter, which consumes the markers, so `content`
     still shows no special token."""
     parser, thinking = splitter.parser, splitter.thinking
-    key = (id(tok), parser.name if parser else getattr(splitter, "name", None), thinking)
-    kept = _KEPT.get(key)
+    key = (parser.name if parser else getattr(splitter, "name", None), thinking)
+    per_view = _KEPT.setdefault(tok, {})
+    kept = per_view.get(key)
     if kept is None:
         markers = splitter.markers
         source = parser.source if parser else ""
         kept = frozenset(i for i in tok.special_ids if (text := tok.added.get(i))
                          and (any(text in m for m in markers) or text in source))
-        _KEPT[key] = kept
+        per_view[key] = kept
     return kept
 
 
 def model_syntax(tok: Any) -> tuple[tuple[str, str] | None, str | None]:
     """(thinking markers, tool parser name) of a TokenizerView's model, inferred once per view."""
-    key = id(tok)
-    found = _MODEL_SYNTAX.get(key)
+    found = _MODEL_SYNTAX.get(tok)
     if found is None:
         vocab = set(tok.added.values())
         template = tok.chat_template
         if isinstance(template, dict):  # several named templates
             template = "\n".join(str(v) for v in template.values())
-        found = _MODEL_SYNTAX[key] = (infer_thinking(vocab), infer_tool_parser(template, vocab))
+        found = _MODEL_SYNTAX[tok] = (infer_thinking(vocab), infer_tool_parser(template, vocab))
     return found
 
 
