@@ -54,10 +54,13 @@
 #   cudnn     llama-3.2-3b over HTTP at c=256 with MLX's cuDNN attention on, then off (MLX_CUDA_USE_CUDNN_SDPA=0), then
 #             on with engine.unfused_prefill_keys 4096 (prefills of short spans attend without the fused kernel): is a
 #             new prefill shape's cuDNN graph build what the first-seen pass shapes cost? (issue 24), ~6 min
+#   kvwrites  one decode pass's kernels and step time with the live KV written as buf[rows, :, positions] = kv vs
+#             one Scatter over indices built once per pass (cache.write_index), llama-3.2-3b bf16 at 1, 16, 64 and 256
+#             rows, alternating in one process (perf/profile_kv_writes.py; issue 24's single stream), ~3 min
 # A fresh server per wave: `waves` fits 6-7 waves in one 10-minute call; run it twice for ten.
 set -uo pipefail
-case "${1:-}" in diag|llama|adapters|qwen-a|qwen-b|launch|serving|waves|ingress|moe|moe256|hybrid|structured|tp|tp8b|dp|threads|compiled|republish|buckets|serve256|inplace|mixed|cudnn) ;;
-  *) sed -n 2,57p "$0"; exit 2 ;; esac
+case "${1:-}" in diag|llama|adapters|qwen-a|qwen-b|launch|serving|waves|ingress|moe|moe256|hybrid|structured|tp|tp8b|dp|threads|compiled|republish|buckets|serve256|inplace|mixed|cudnn|kvwrites) ;;
+  *) sed -n 2,60p "$0"; exit 2 ;; esac
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
 if [ -d /tmp/site/mlx ] && [ ! -f .gpu/b/install.sh ]; then
@@ -133,6 +136,8 @@ case "${1:-}" in
                 --server-args "$([ $run = unfused ] && echo --engine.unfused-prefill-keys 4096)" \
                 --tokenizer-dir $TOK --work-dir $WORK --experiment llama-3.2-3b-c256-cudnn-$run --out-dir "$OUT"
             done ;;
+  kvwrites) python3 -m perf.profile_kv_writes --shape llama-3.2-3b --dtype bfloat16 --batches 1,16,64,256 --steps 32 \
+              --rounds 3 --out-dir "$OUT" ;;
   structured) python3 -m perf.bench_structured --shape llama-3.2-3b --batches 1,16,64 --max-tokens 128 --repeats 2 \
               --serial --tokenizer-dir $TOK --work-dir $WORK --out-dir "$OUT" ;;
   tp)       NCCL_NVLS_ENABLE=0 python3 -m perf.bench_parallel --shape llama-3.2-3b --layouts 1x1,2x1 --concurrency 1,64 \

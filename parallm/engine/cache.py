@@ -32,6 +32,21 @@ from .memory import retry_out_of_memory
 from .state import ListView, RowsState, SlotLayout, allocate
 
 
+def write_index(rows: mx.array, positions: mx.array, heads: int) -> tuple[mx.array, mx.array, mx.array]:
+    """(row, head, position) int32 indices, each of shape positions.shape + [heads], that store
+    the new K/V of every (row, position) in every head with one Scatter and nothing else.
+
+    The obvious `buf[rows, :, positions] = kv` turns the head slice between two index arrays into a
+    uint32 arange, so MLX promotes all three indices to int64 and broadcasts and casts each: 13
+    graph nodes and 5 kernels per write, twice per layer and pass (a batch-1 decode of a 28-layer
+    model launched ~280 kernels for them, on a GPU where the decode step is launch-bound). Built
+    once per pass and head count, the layers' writes are one Scatter each (perf/profile_kv_writes)."""
+    shape = (*positions.shape, heads)
+    row_idx = rows.reshape(*rows.shape, *[1] * (positions.ndim - rows.ndim), 1)
+    return (mx.broadcast_to(row_idx, shape), mx.broadcast_to(mx.arange(heads, dtype=mx.int32), shape),
+            mx.broadcast_to(positions[..., None], shape))
+
+
 @runtime_checkable
 class KVCacheProtocol(Protocol):
     """What an mlx-lm attention layer uses of its cache (mlx_lm.models.cache.KVCache)."""
@@ -92,6 +107,15 @@ class PassContext:
         else:
             self.positions = self.offsets[:, None] + mx.arange(length, dtype=mx.int32)[None]
         self._masks: dict[int | None, mx.array] = {}
+        self._writes: dict[int, tuple[mx.array, mx.array, mx.array]] = {}
+
+    def write_index(self, heads: int) -> tuple[mx.array, mx.array, mx.array]:
+        """Where this pass's new K/V of `heads` heads go (module-level write_index), built once."""
+        found = self._writes.get(heads)
+        if found is None:
+            rows = self.rows if self.length == 1 else self.rows[:, None]
+            found = self._writes[heads] = write_index(rows, self.positions, heads)
+        return found
 
     def mask(self, window: int | None) -> mx.array:
         m = self._masks.get(window)
@@ -147,6 +171,7 @@ class PackedContext:
         self.size = len(rows)
         self.rows = mx.array(rows, dtype=mx.int32)
         self.positions = TokenPositions(mx.array(pos, dtype=mx.int32))
+        self._writes: dict[int, tuple[mx.array, mx.array, mx.array]] = {}
         if not self.uniform:
             # prompt token j of prefill row i sits at packed index first[i] + j; a padded
             # [k, L] view repeats each row's last token past its end (those outputs are dropped)
@@ -154,6 +179,13 @@ class PackedContext:
             self.pad_index = mx.array([first[i] + min(t, n - 1) for i, n in enumerate(lengths) for t in range(L)],
                                       dtype=mx.int32)
             self.unpad_index = mx.array([i * L + t for i, n in enumerate(lengths) for t in range(n)], dtype=mx.int32)
+
+    def write_index(self, heads: int) -> tuple[mx.array, mx.array, mx.array]:
+        """Where each packed token's K/V of `heads` heads go (module-level write_index), built once."""
+        found = self._writes.get(heads)
+        if found is None:
+            found = self._writes[heads] = write_index(self.rows, self.positions.positions, heads)
+        return found
 
     def attend(self, queries: mx.array, keys: mx.array, values: mx.array, scale: float, window: int | None,
                sdpa: Any) -> mx.array:
@@ -217,8 +249,9 @@ class PackedView(_LayerView):
         if keys.shape[0] != 1 or keys.shape[2] != ctx.size:
             raise ValueError(f"packed cache view expected [1, heads, {ctx.size}, dim] keys, got {keys.shape}")
         k_buf, v_buf = live.keys[i], live.values[i]
-        k_buf[ctx.rows, :, ctx.positions.positions] = keys[0].transpose(1, 0, 2)
-        v_buf[ctx.rows, :, ctx.positions.positions] = values[0].transpose(1, 0, 2)
+        where = ctx.write_index(keys.shape[1])
+        k_buf[where] = keys[0].transpose(1, 0, 2)
+        v_buf[where] = values[0].transpose(1, 0, 2)
         live.keys[i], live.values[i] = k_buf, v_buf
         return k_buf, v_buf
 
@@ -384,13 +417,13 @@ class RowsView(_LayerView):
         if keys.shape[0] != ctx.n or keys.shape[2] != ctx.length:
             raise ValueError(f"cache view expected [{ctx.n}, heads, {ctx.length}, dim] keys, got {keys.shape}")
         k_buf, v_buf = live.keys[i], live.values[i]
+        where = ctx.write_index(keys.shape[1])
         if ctx.length == 1:
-            k_buf[ctx.rows, :, ctx.positions] = keys[:, :, 0, :]
-            v_buf[ctx.rows, :, ctx.positions] = values[:, :, 0, :]
+            k_buf[where] = keys[:, :, 0, :]
+            v_buf[where] = values[:, :, 0, :]
         else:
-            rows = mx.broadcast_to(ctx.rows[:, None], ctx.positions.shape)
-            k_buf[rows, :, ctx.positions] = keys.transpose(0, 2, 1, 3)
-            v_buf[rows, :, ctx.positions] = values.transpose(0, 2, 1, 3)
+            k_buf[where] = keys.transpose(0, 2, 1, 3)
+            v_buf[where] = values.transpose(0, 2, 1, 3)
         live.keys[i], live.values[i] = k_buf, v_buf
         r0, r1, t = ctx.row0, ctx.row0 + ctx.n, ctx.span
         self._fetched = k_buf[r0:r1, :, :t], v_buf[r0:r1, :, :t]
