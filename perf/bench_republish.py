@@ -173,9 +173,12 @@ def main() -> int:
     for rnd in range(args.rounds):
         for label, tree in trees:
             env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tree), str(ROOT)])}
-            got = subprocess.run([sys.executable, str(ROOT / "perf" / "bench_republish.py"), *forwarded, "--child"],
-                                 env=env, cwd=str(ROOT), check=True, capture_output=True, text=True).stdout
-            run = json.loads(got.strip().splitlines()[-1])
+            child_run = subprocess.run([sys.executable, str(ROOT / "perf" / "bench_republish.py"), *forwarded,
+                                        "--child"], env=env, cwd=str(ROOT), capture_output=True, text=True)
+            if child_run.returncode != 0:  # the child's own traceback, not only the parent's CalledProcessError
+                sys.stderr.write(child_run.stderr[-6000:])
+                raise SystemExit(f"bench_republish: the {label} child exited with {child_run.returncode}")
+            run = json.loads(child_run.stdout.strip().splitlines()[-1])
             res["model"] = run.pop("model")
             res["runs"].append({"round": rnd, "tree": label, **run})
             print(json.dumps(res["runs"][-1]), flush=True)
