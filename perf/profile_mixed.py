@@ -29,7 +29,8 @@ def passes(engine, repeats: int) -> dict[str, float]:
     """Model passes through the engine's own cache views, with its fast math entered."""
     import mlx.core as mx
 
-    from parallm.engine.cache import LiveKV, PackedContext, PassContext
+    from parallm.engine.cache import LiveKV, PassContext
+    from parallm.engine.packed import PackedContext
 
     runner = engine.runner
     live = LiveKV(runner.info.shapes, runner.info.dtype)

@@ -7,7 +7,7 @@ import pytest
 
 from _engine_helpers import TINY_VOCAB, greedy, make_engine, reference_greedy, run_all, tiny_model, req
 from parallm.engine import Request
-from parallm.engine.cache import PackedContext
+from parallm.engine.packed import PackedContext
 from parallm.protocol import SamplingParams
 
 

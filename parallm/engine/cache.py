@@ -1,4 +1,5 @@
-"""The live KV cache: one dense buffer per layer, one row per live sequence (the prefix pool: pool.py).
+"""The live KV cache: one dense buffer per layer, one row per live sequence (the prefix pool: pool.py;
+packed passes' views: packed.py).
 
 `LiveKV` holds per-layer K and V arrays of shape [rows, kv_heads, capacity, head_dim]. Each
 row belongs to one sequence and has its own length (no left padding). A pass over a range of
@@ -130,91 +131,7 @@ class PassContext:
         return m
 
 
-class TokenPositions:
-    """The `offset` a packed pass hands to RoPE: the position of every token of the pass [N]
-    (parallm.engine.fastmath's RoPE reads it; anything else that touches it fails loudly)."""
-
-    __slots__ = ("positions",)
-
-    def __init__(self, positions: mx.array) -> None:
-        self.positions = positions
-
-
-@dataclass(frozen=True, slots=True)
-class PackedMask:
-    """The `mask` of one layer in a packed pass: which sliding window (if any) the layer uses;
-    each segment of the pass builds its own boolean mask from it."""
-
-    window: int | None
-
-
-class PackedContext:
-    """One forward pass over a flat run of tokens from two kinds of rows: one new token of each
-    running row [0, n_dec) (decode), then the next prompt chunk of each prefilling row
-    [row0, row0 + k) (prefill), in that order and without padding.
-
-    The model sees a batch of one sequence of N tokens, so every weight is read once for the
-    decode tokens and the prompt chunks together (on the CPU the weights' memory traffic is most
-    of a decode step: a separate prefill pass reads them all again). Only attention is per
-    segment: `attend` splits the queries back into [rows, heads, L, dim] for the decode rows
-    and the prefill rows and attends each over its own rows of the live KV."""
-
-    def __init__(self, decode_offsets: list[int], row0: int, starts: list[int], lengths: list[int]) -> None:
-        self.n_dec = len(decode_offsets)
-        self.decode = PassContext(0, decode_offsets, 1, max(decode_offsets) + 1) if decode_offsets else None
-        L = max(lengths)
-        self.prefill = PassContext(row0, starts, L, max(starts) + L)
-        self.lengths = lengths
-        self.uniform = all(n == L for n in lengths)
-        rows = list(range(self.n_dec)) + [row0 + j for j, n in enumerate(lengths) for _ in range(n)]
-        pos = list(decode_offsets) + [s + t for s, n in zip(starts, lengths) for t in range(n)]
-        self.size = len(rows)
-        self.rows = mx.array(rows, dtype=mx.int32)
-        self.positions = TokenPositions(mx.array(pos, dtype=mx.int32))
-        self._writes: dict[int, tuple[mx.array, mx.array, mx.array]] = {}
-        if not self.uniform:
-            # prompt token j of prefill row i sits at packed index first[i] + j; a padded
-            # [k, L] view repeats each row's last token past its end (those outputs are dropped)
-            first = [sum(lengths[:i]) for i in range(len(lengths))]
-            self.pad_index = mx.array([first[i] + min(t, n - 1) for i, n in enumerate(lengths) for t in range(L)],
-                                      dtype=mx.int32)
-            self.unpad_index = mx.array([i * L + t for i, n in enumerate(lengths) for t in range(n)], dtype=mx.int32)
-
-    def write_index(self, heads: int) -> tuple[mx.array, mx.array, mx.array]:
-        """Where each packed token's K/V of `heads` heads go (module-level write_index), built once."""
-        found = self._writes.get(heads)
-        if found is None:
-            found = self._writes[heads] = write_index(self.rows, self.positions.positions, heads)
-        return found
-
-    def attend(self, queries: mx.array, keys: mx.array, values: mx.array, scale: float, window: int | None,
-               sdpa: Any) -> mx.array:
-        """Attention of the packed queries [1, heads, N, dim] over the live K/V buffers, with
-        `sdpa(q, k, v, cache, scale, mask)` for [rows, heads, L, dim] queries."""
-        q = queries[0]
-        H, _, D = q.shape
-        outs = []
-        if self.decode is not None:
-            ctx, n = self.decode, self.n_dec
-            mask = None if ctx.unmasked and (window is None or ctx.span <= window) else ctx.mask(window)
-            qd = q[:, :n].transpose(1, 0, 2)[:, :, None]
-            od = sdpa(qd, keys[:n, :, :ctx.span], values[:n, :, :ctx.span], None, scale, mask)
-            outs.append(od[:, :, 0].transpose(1, 0, 2))
-        ctx, k, L = self.prefill, len(self.lengths), self.prefill.length
-        qp = q[:, self.n_dec:]
-        if not self.uniform:
-            qp = qp[:, self.pad_index]
-        qp = qp.reshape(H, k, L, D).transpose(1, 0, 2, 3)
-        r0, r1 = ctx.row0, ctx.row0 + k
-        op = sdpa(qp, keys[r0:r1, :, :ctx.span], values[r0:r1, :, :ctx.span], None, scale, ctx.mask(window))
-        op = op.transpose(1, 0, 2, 3).reshape(H, k * L, -1)
-        if not self.uniform:
-            op = op[:, self.unpad_index]
-        outs.append(op)
-        return mx.concatenate(outs, axis=1)[None]
-
-
-class _LayerView:
+class LayerView:
     """What both kinds of layer view answer alike (a truthy cache, sized, never trimmed)."""
 
     def __init__(self, live: "LiveKV", layer: int) -> None:
@@ -230,39 +147,6 @@ class _LayerView:
 
     def is_trimmable(self) -> bool:
         return False
-
-
-class PackedView(_LayerView):
-    """One layer's cache in a packed pass (see PackedContext): stores every token's K/V at its
-    own (row, position) with one scatter and leaves attention to `PackedContext.attend`."""
-
-    def __init__(self, live: "LiveKV", layer: int, ctx: PackedContext) -> None:
-        super().__init__(live, layer)
-        self.packed = ctx
-
-    @property
-    def offset(self) -> TokenPositions:
-        return self.packed.positions
-
-    def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
-        ctx, live, i = self.packed, self._live, self._layer
-        if keys.shape[0] != 1 or keys.shape[2] != ctx.size:
-            raise ValueError(f"packed cache view expected [1, heads, {ctx.size}, dim] keys, got {keys.shape}")
-        k_buf, v_buf = live.keys[i], live.values[i]
-        where = ctx.write_index(keys.shape[1])
-        k_buf[where] = keys[0].transpose(1, 0, 2)
-        v_buf[where] = values[0].transpose(1, 0, 2)
-        live.keys[i], live.values[i] = k_buf, v_buf
-        return k_buf, v_buf
-
-    def make_mask(self, N: int, return_array: bool = False, window_size: int | None = None) -> PackedMask:
-        if N != self.packed.size:
-            raise ValueError(f"mask for {N} tokens requested in a packed pass of {self.packed.size}")
-        return PackedMask(window_size)
-
-    @property
-    def state(self) -> tuple[mx.array, mx.array]:
-        return self._live.keys[self._layer], self._live.values[self._layer]
 
 
 class LiveKV:
@@ -381,12 +265,11 @@ class LiveKV:
             buf[row, :, :d.shape[1]] = d
         self._set(bufs)
 
-    def views(self, ctx: PassContext | PackedContext) -> list["RowsView | PackedView | RowsState"]:
-        """One view per cache slot of the model for this pass."""
-        if isinstance(ctx, PackedContext):
-            if self.layout:
-                raise ValueError("a model with recurrent state cannot run packed passes")
-            return [PackedView(self, i, ctx) for i in range(len(self.shapes))]
+    def views(self, ctx: Any) -> list[Any]:
+        """One view per cache slot of the model for this pass (a PassContext; a packed pass's
+        context, packed.PackedContext, makes its own)."""
+        if not isinstance(ctx, PassContext):
+            return ctx.views(self)
         if not self.layout:
             return [RowsView(self, i, ctx) for i in range(len(self.shapes))]
 
@@ -400,7 +283,7 @@ class LiveKV:
         return [view(*slot) for slot in self.layout.slots]
 
 
-class RowsView(_LayerView):
+class RowsView(LayerView):
     """One layer's cache for one pass over rows [ctx.row0, ctx.row0 + ctx.n)."""
 
     def __init__(self, live: LiveKV, layer: int, ctx: PassContext) -> None:

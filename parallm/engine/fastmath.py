@@ -17,7 +17,7 @@ own module only while `FastMath` is entered (the engine enters it around its pas
 other use of mlx-lm in the process (mlx_lm.generate, a trainer's loss) keeps the stock kernels.
 They take float32 only; every other case (half precision, attention sinks, a quantized KV cache)
 goes to the stock function. Likewise the model's rotate-half RoPE modules are stood in for by
-`FastRoPE` (see `RopeTables`), and the attention runs packed passes (cache.PackedContext), which
+`FastRoPE` (see `RopeTables`), and the attention runs packed passes (packed.PackedContext), which
 only these functions understand.
 """
 
@@ -31,7 +31,7 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn as nn
 
-from .cache import PackedMask, TokenPositions
+from .packed import PackedMask, TokenPositions
 
 LOG2E = 1.4426950408889634
 # 2^f on [0, 1): minimax coefficients (degree 5), highest first
@@ -91,7 +91,7 @@ def scaled_dot_product_attention(queries: mx.array, keys: mx.array, values: mx.a
     """mlx-lm's `base.scaled_dot_product_attention` for float32 queries [B, heads, L, dim] and
     keys/values [B, kv_heads, T, dim] (grouped-query heads share their kv head); `mask` is None,
     "causal", a boolean array (True = visible) or an additive one, broadcastable to the scores."""
-    if isinstance(mask, PackedMask):  # a packed pass (parallm.engine.cache.PackedContext)
+    if isinstance(mask, PackedMask):  # a packed pass (parallm.engine.packed.PackedContext)
         if sinks is not None or queries.dtype != mx.float32:
             raise ValueError("packed passes take float32 attention without sinks")
         return cache.packed.attend(queries, keys, values, scale, mask.window, scaled_dot_product_attention)

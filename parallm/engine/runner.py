@@ -11,11 +11,12 @@ import mlx.nn as nn
 
 from parallm.adapters.lora import LoRARouter
 
-from .cache import LiveKV, PackedContext, PackedView, PassContext
+from .cache import LiveKV, PassContext
 from .compat import ModelInfo
 from .compiled import CompiledDecode
 from .fastmath import FastMath
 from .head import OutputHead
+from .packed import PackedContext, PackedView
 from .plan import PrefillWork, RowOp
 from .pool import KVPool
 from .row_ops import execute_row_ops
@@ -292,7 +293,7 @@ class ModelRunner:
 
     def mixed(self, seqs: list[Sequence], inputs: mx.array, positions: list[int],
               work: PrefillWork, prev: Launch | None = None) -> tuple[Launch, FirstTokens | None]:
-        """One packed pass (cache.PackedContext): a decode token of every running row [0,
+        """One packed pass (packed.PackedContext): a decode token of every running row [0,
         len(seqs)), as `decode` samples it, and the next prompt chunk of every prefilling row, with
         the first token of each prompt it finishes, as `prefill` samples it (no prompt logprobs:
         the head projects only the sampled positions). Each token runs under its row's adapter
