@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+import time
 from pathlib import Path
 
 import mlx.core as mx
@@ -110,7 +111,12 @@ def rank_main(out_dir: str) -> int:
     else:
         leader = distributed.Leader(engine, group, addresses)
         (out / "tokens.json").write_text(json.dumps(drive(leader, str(out / "weights"))))
-        (out / "ranks.json").write_text(json.dumps(msgspec.to_builtins(leader.stats().ranks)))
+        # rank 1's acks arrive when it has replayed each batch; steps with no pass have no collective, so
+        # it may still be replaying (an adapter or weights load) when rank 0 is done: wait for its last ack
+        deadline = time.monotonic() + 30
+        while (ranks := leader.stats().ranks)[1].step < ranks[0].step and time.monotonic() < deadline:
+            time.sleep(0.02)
+        (out / "ranks.json").write_text(json.dumps(msgspec.to_builtins(ranks)))
         leader.close()
         code = 0
     (out / f"state-{group.rank()}.json").write_text(json.dumps(final_state(engine)))
