@@ -57,10 +57,13 @@
 #   kvwrites  one decode pass's kernels and step time with the live KV written as buf[rows, :, positions] = kv vs
 #             one Scatter over indices built once per pass (cache.write_index), llama-3.2-3b bf16 at 1, 16, 64 and 256
 #             rows, alternating in one process (perf/profile_kv_writes.py; issue 24's single stream), ~3 min
+#   decodeattn  decode attention over 28 layers of llama-3.2-3b's shape at 1, 16, 64 and 256 rows and spans 256 and
+#             1024: the engine's masked call (MLX's CUDA fallback: its vector kernel takes no array mask) vs unmasked
+#             (the fused kernel) vs fastmath.unfused_sdpa (perf/profile_decode_attention.py; issue 24's c=256), ~2 min
 # A fresh server per wave: `waves` fits 6-7 waves in one 10-minute call; run it twice for ten.
 set -uo pipefail
-case "${1:-}" in diag|llama|adapters|qwen-a|qwen-b|launch|serving|waves|ingress|moe|moe256|hybrid|structured|tp|tp8b|dp|threads|compiled|republish|buckets|serve256|inplace|mixed|cudnn|kvwrites) ;;
-  *) sed -n 2,60p "$0"; exit 2 ;; esac
+case "${1:-}" in diag|llama|adapters|qwen-a|qwen-b|launch|serving|waves|ingress|moe|moe256|hybrid|structured|tp|tp8b|dp|threads|compiled|republish|buckets|serve256|inplace|mixed|cudnn|kvwrites|decodeattn) ;;
+  *) sed -n 2,63p "$0"; exit 2 ;; esac
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
 if [ -d /tmp/site/mlx ] && [ ! -f .gpu/b/install.sh ]; then
@@ -138,6 +141,8 @@ case "${1:-}" in
             done ;;
   kvwrites) python3 -m perf.profile_kv_writes --shape llama-3.2-3b --dtype bfloat16 --batches 1,16,64,256 --steps 32 \
               --rounds 3 --out-dir "$OUT" ;;
+  decodeattn) python3 -m perf.profile_decode_attention --rows 1,16,64,256 --spans 256,1024 --repeats 10 \
+              --out-dir "$OUT" ;;
   structured) python3 -m perf.bench_structured --shape llama-3.2-3b --batches 1,16,64 --max-tokens 128 --repeats 2 \
               --serial --tokenizer-dir $TOK --work-dir $WORK --out-dir "$OUT" ;;
   tp)       NCCL_NVLS_ENABLE=0 python3 -m perf.bench_parallel --shape llama-3.2-3b --layouts 1x1,2x1 --concurrency 1,64 \
