@@ -84,6 +84,10 @@ class EngineConfig(Struct, frozen=True, kw_only=True, forbid_unknown_fields=True
                                             "kernel, whose CUDA version (cuDNN) builds a graph for every new "
                                             "shape and stride; 0 = always the fused kernel (docs/performance.md, "
                                             "not yet measured on a GPU)")] = 0
+    unfused_decode: Annotated[bool, _d("a decode pass of rows at different lengths (an array mask) computes "
+                                       "attention as matmuls and a float32 softmax instead of MLX's own call, "
+                                       "which on CUDA has no fused kernel for a masked decode and composes one "
+                                       "(docs/performance.md, not yet measured on a GPU)")] = False
     compile: Annotated[bool, _d("compile the sampler's elementwise kernels (the seeded Gumbel noise, the "
                                 "penalties) with mx.compile")] = True
     fast_math: Annotated[bool | None, _d("exp without libm in the model's SwiGLU and attention softmax (float32, "

@@ -60,10 +60,12 @@
 #   decodeattn  decode attention over 28 layers of llama-3.2-3b's shape at 1, 16, 64 and 256 rows and spans 256 and
 #             1024: the engine's masked call (MLX's CUDA fallback: its vector kernel takes no array mask) vs unmasked
 #             (the fused kernel) vs fastmath.unfused_sdpa (perf/profile_decode_attention.py; issue 24's c=256), ~2 min
+#   unfuseddecode  llama-3.2-3b over HTTP at c=256 with the defaults, then with engine.unfused_decode on (masked
+#             decode attention as matmuls and a float32 softmax instead of MLX's CUDA fallback) (issue 24), ~6 min
 # A fresh server per wave: `waves` fits 6-7 waves in one 10-minute call; run it twice for ten.
 set -uo pipefail
-case "${1:-}" in diag|llama|adapters|qwen-a|qwen-b|launch|serving|waves|ingress|moe|moe256|hybrid|structured|tp|tp8b|dp|threads|compiled|republish|buckets|serve256|inplace|mixed|cudnn|kvwrites|decodeattn) ;;
-  *) sed -n 2,63p "$0"; exit 2 ;; esac
+case "${1:-}" in diag|llama|adapters|qwen-a|qwen-b|launch|serving|waves|ingress|moe|moe256|hybrid|structured|tp|tp8b|dp|threads|compiled|republish|buckets|serve256|inplace|mixed|cudnn|kvwrites|decodeattn|unfuseddecode) ;;
+  *) sed -n 2,65p "$0"; exit 2 ;; esac
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
 if [ -d /tmp/site/mlx ] && [ ! -f .gpu/b/install.sh ]; then
@@ -143,6 +145,11 @@ case "${1:-}" in
               --rounds 3 --out-dir "$OUT" ;;
   decodeattn) python3 -m perf.profile_decode_attention --rows 1,16,64,256 --spans 256,1024 --repeats 10 \
               --out-dir "$OUT" ;;
+  unfuseddecode) for on in false true; do
+              python3 -m perf.bench_serving --shape llama-3.2-3b --concurrency 256 --max-tokens 128 --client-procs 4 \
+                --targets http --server-args "--engine.unfused-decode $on" --tokenizer-dir $TOK --work-dir $WORK \
+                --experiment llama-3.2-3b-c256-unfused-decode-$on --out-dir "$OUT"
+            done ;;
   structured) python3 -m perf.bench_structured --shape llama-3.2-3b --batches 1,16,64 --max-tokens 128 --repeats 2 \
               --serial --tokenizer-dir $TOK --work-dir $WORK --out-dir "$OUT" ;;
   tp)       NCCL_NVLS_ENABLE=0 python3 -m perf.bench_parallel --shape llama-3.2-3b --layouts 1x1,2x1 --concurrency 1,64 \

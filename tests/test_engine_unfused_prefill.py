@@ -60,3 +60,33 @@ def test_other_families_and_sliding_windows_keep_their_tokens(monkeypatch, name)
     unfused, stock = _run(model, 4096, calls), _run(model, 0, [])
     assert calls
     assert {k: v["tokens"] for k, v in unfused.items()} == {k: v["tokens"] for k, v in stock.items()}
+
+
+@pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16])
+def test_masked_decode_attends_unfused_with_the_stock_tokens(monkeypatch, dtype):
+    """engine.unfused_decode: decode passes of rows at different lengths (an array mask) attend with
+    unfused_sdpa; a lone row's decode (no mask) keeps the stock call; the tokens are the stock ones."""
+    model = tiny_model("llama3-rope")
+    model.set_dtype(dtype)
+    calls: list[tuple[int, bool]] = []
+    real = fastmath.unfused_sdpa
+    monkeypatch.setattr(fastmath, "unfused_sdpa",
+                        lambda q, k, v, scale, mask: (calls.append((q.shape[2], mask is not None)),
+                                                      real(q, k, v, scale, mask))[1])
+
+    def run(on: bool) -> dict:
+        engine = make_engine(model, fast_math=False, unfused_decode=on, mixed_passes=False, max_prefill_tokens=24)
+        reqs = [req(f"r{i}", p, greedy(8, logprobs=True)) for i, p in enumerate(PROMPTS)]
+        out = run_all(engine, reqs[:1], arrivals={3: reqs[1:3], 5: reqs[3:]})
+        assert engine.stats().kv_blocks_used == 0
+        return out
+
+    unfused = run(True)
+    assert calls and all(n == 1 and masked for n, masked in calls)  # decode under a mask only
+    n_unfused = len(calls)
+    stock = run(False)
+    assert len(calls) == n_unfused
+    for key, want in stock.items():
+        assert unfused[key]["tokens"] == want["tokens"], key
+        if dtype == mx.float32:
+            np.testing.assert_allclose(unfused[key]["logprobs"], want["logprobs"], rtol=1e-4, atol=1e-5)

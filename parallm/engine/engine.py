@@ -97,7 +97,8 @@ class Engine:
                                   eos_ids=self.eos_token_ids, lora=self.adapters.router, compile=settings.compile,
                                   fast_math=bool(settings.fast_math), compiled_decode=settings.compiled_decode,
                                   in_place_kv_mb=settings.in_place_kv_mb,
-                                  unfused_prefill_keys=settings.unfused_prefill_keys)
+                                  unfused_prefill_keys=settings.unfused_prefill_keys,
+                                  unfused_decode=settings.unfused_decode)
         if info.layout is not None:  # recurrent state (a packed pass is one sequence: a scan would run
             self.runner._packing = False  # across rows) or several caches per layer: no packed views
         resolved: dict = {"kv_budget_mb": self.kv_budget_bytes / (1 << 20)}

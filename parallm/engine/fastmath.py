@@ -194,16 +194,18 @@ class RopeTables:
 
 
 def packed_sdpa(queries: mx.array, keys: mx.array, values: mx.array, cache: Any, scale: float, mask: Any,
-                sinks: mx.array | None = None, *, unfused_keys: int = 0) -> mx.array:
+                sinks: mx.array | None = None, *, unfused_keys: int = 0, unfused_decode: bool = False) -> mx.array:
     """mlx-lm's stock attention, which also runs a packed pass (each segment with the stock kernel),
-    and, for more than one query per row over at most `unfused_keys` keys, `unfused_sdpa`: what
-    FastMath(exp=False) puts in the model's module (a GPU's mixed passes and short prefills)."""
+    and `unfused_sdpa` for more than one query per row over at most `unfused_keys` keys, and (with
+    `unfused_decode`) for one query per row under an array mask: what FastMath(exp=False) puts in
+    the model's module (a GPU's mixed passes, short prefills, masked decode)."""
     if isinstance(mask, PackedMask):
         if sinks is not None:
             raise ValueError("packed passes take attention without sinks")
         return cache.packed.attend(queries, keys, values, scale, mask.window, _stock_sdpa)
-    if (unfused_keys and sinks is None and queries.shape[2] > 1 and keys.shape[2] <= unfused_keys
-            and not hasattr(cache, "bits")):
+    if sinks is None and not hasattr(cache, "bits") and (
+            (unfused_keys and queries.shape[2] > 1 and keys.shape[2] <= unfused_keys)
+            or (unfused_decode and queries.shape[2] == 1 and isinstance(mask, mx.array))):
         return unfused_sdpa(queries, keys, values, scale, mask)
     return _stock_sdpa(queries, keys, values, cache, scale, mask, sinks)
 
@@ -278,10 +280,12 @@ def _stock_sdpa(*args: Any) -> mx.array:
 class FastMath:
     """While entered, the model's mlx-lm module uses the functions above (a no-op for modules
     that do not use mlx-lm's stock `swiglu` / `scaled_dot_product_attention`). With `exp` False
-    only what packed passes need, and unfused attention for short prefills (`unfused_keys`): the
-    stock kernels for everything else (a GPU's mixed passes and prefills)."""
+    only what packed passes need, and unfused attention for short prefills (`unfused_keys`) and
+    masked decode (`unfused_decode`): the stock kernels for everything else (a GPU's mixed passes,
+    prefills and decode)."""
 
-    def __init__(self, model: nn.Module, *, exp: bool = True, unfused_keys: int = 0) -> None:
+    def __init__(self, model: nn.Module, *, exp: bool = True, unfused_keys: int = 0,
+                 unfused_decode: bool = False) -> None:
         from mlx_lm.models import activations, base
 
         self.module = sys.modules.get(type(model).__module__)
@@ -291,7 +295,8 @@ class FastMath:
                                                       scaled_dot_product_attention)}
         else:
             stock = {"scaled_dot_product_attention": (base.scaled_dot_product_attention,
-                                                      partial(packed_sdpa, unfused_keys=unfused_keys))}
+                                                      partial(packed_sdpa, unfused_keys=unfused_keys,
+                                                              unfused_decode=unfused_decode))}
         self.replaced: dict[str, tuple[Any, Any]] = {}
         if self.module is not None:
             for name, (original, fast) in stock.items():

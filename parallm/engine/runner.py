@@ -77,13 +77,14 @@ class ModelRunner:
     def __init__(self, model: nn.Module, info: ModelInfo, *, vocab_size: int, pool_blocks: int, block_size: int,
                  eos_ids: Iterable[int] = (), lora: LoRARouter | None = None, compile: bool = True,
                  fast_math: bool = False, compiled_decode: bool = False, in_place_kv_mb: float = -1,
-                 unfused_prefill_keys: int = 0) -> None:
+                 unfused_prefill_keys: int = 0, unfused_decode: bool = False) -> None:
         """`eos_ids`: the tokens `min_tokens` masks until reached (with each request's stop ids);
         `lora`: the router that tells the adapted layers which adapter each row of a pass uses;
         `compiled_decode`: pure-decode passes under mx.compile where they fit (compiled.py);
         `in_place_kv_mb`: from this live KV size on, a pass writing into it waits for the work in
         flight first (LiveKV.settle); negative: never; `unfused_prefill_keys`: prefill passes over at
-        most this many keys attend without the fused kernel (fastmath.unfused_sdpa)."""
+        most this many keys attend without the fused kernel (fastmath.unfused_sdpa); `unfused_decode`:
+        decode passes under a mask (rows at different lengths) do too."""
         self.model = model
         self.info = info
         self.vocab_size = vocab_size
@@ -99,8 +100,10 @@ class ModelRunner:
         self.lora = lora
         self.fast_math = FastMath(model) if fast_math else None
         # what runs a packed pass (mixed): the fast-math functions, or only their packed-pass parts
-        self.packing = self.fast_math or FastMath(model, exp=False, unfused_keys=unfused_prefill_keys)
+        self.packing = self.fast_math or FastMath(model, exp=False, unfused_keys=unfused_prefill_keys,
+                                                  unfused_decode=unfused_decode)
         self.unfused_prefill = self.fast_math is None and unfused_prefill_keys > 0
+        self.unfused_decode = self.fast_math is None and unfused_decode
         self.head = OutputHead(model)
         self._packing: bool | None = None
         self.constraints = None  # constraints.Constraints: the grammar masks of constrained rows
@@ -147,7 +150,9 @@ class ModelRunner:
     def call_model(self, tokens: mx.array, cache, *, packed: bool = False) -> mx.array:
         """The model's graph over `tokens`, built with the fast-math kernels where enabled (a
         `packed` pass: with the functions that read its layout)."""
-        context = self.packing if packed or (self.unfused_prefill and tokens.shape[-1] > 1) else self.fast_math
+        length = tokens.shape[-1]
+        unfused = (self.unfused_prefill and length > 1) or (self.unfused_decode and length == 1)
+        context = self.packing if packed or unfused else self.fast_math
         if context is None:
             return self.model(tokens, cache=cache)
         with context:
