@@ -344,3 +344,25 @@ def test_think_gate_of_a_harmony_vocabulary_begins_at_the_final_message(tmp_path
               "<|message|>{")
     assert gate.begin(out[:-2]) is None
     assert gate.begin(out[:-1]) == len(out) - 1 and gate.begin(out) == len(out) - 1
+
+
+def test_a_constrained_decode_waits_for_the_device_once_before_its_pass(model, monkeypatch):
+    """With the live KV written in place (engine.in_place_kv_mb 0: always wait), a constrained decode
+    pass is launched (after the wait) before its masks are read; the sampling launched after it writes
+    no KV and must not wait for that pass too, or the pass stops overlapping the next step."""
+    from parallm.engine import cache
+
+    waits = []
+    real = cache.mx.synchronize
+    monkeypatch.setattr(cache.mx, "synchronize", lambda *a: (waits.append(1), real(*a))[1])
+    engine = engine_on(model, in_place_kv_mb=0)
+    p = SamplingParams(temperature=1.0, max_tokens=40, seed=3, constraint=c_schema())
+    engine.add_request(req("c", [5, 6, 7], p))
+    for _ in range(4):
+        engine.step()
+    counts = []
+    for _ in range(5):
+        waits.clear()
+        engine.step()
+        counts.append(len(waits))
+    assert counts == [1] * 5

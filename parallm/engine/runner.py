@@ -265,7 +265,8 @@ class ModelRunner:
 
         logits, bitmask = self._forward_masked(seqs, prev, run)
         out = self._sample_rows(seqs, logits, positions, bitmask)
-        self.live.settle()  # the graph is built while the pass in flight runs; its launch waits for it
+        if bitmask is None:  # else _forward_masked launched the forward pass, and settled before it
+            self.live.settle()  # the graph is built while the pass in flight runs; its launch waits for it
         mx.async_eval(out.arrays(), self.penalties.arrays())
         return _launch_of(seqs, out)
 
