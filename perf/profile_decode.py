@@ -26,7 +26,9 @@ from perf.bench_gpu import SHAPES, build_model_dir, prompts
 from perf.harness import Results, add_results_options
 
 
-def decode_steps(model, batch: int, steps: int, prompt_len: int, **engine_options) -> tuple[object, float]:
+def decoding_engine(model, batch: int, steps: int, prompt_len: int, **engine_options):
+    """An in-process engine whose `batch` rows have all prefilled and decoded 5 steps, with room for
+    `steps` more greedy decode steps (EngineConfig fields in `engine_options`)."""
     from parallm.config import Config, EngineConfig
     from parallm.engine import Engine, EngineModel, make_request
     from parallm.protocol import SamplingParams
@@ -40,6 +42,11 @@ def decode_steps(model, batch: int, steps: int, prompt_len: int, **engine_option
         engine.step()
     for _ in range(5):
         engine.step()
+    return engine
+
+
+def decode_steps(model, batch: int, steps: int, prompt_len: int, **engine_options) -> tuple[object, float]:
+    engine = decoding_engine(model, batch, steps, prompt_len, **engine_options)
     engine._timing.clear()
     start = time.perf_counter()
     for _ in range(steps):

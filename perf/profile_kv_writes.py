@@ -30,8 +30,9 @@ from typing import Any
 
 import mlx.core as mx
 
-from perf.bench_gpu import SHAPES, prompts
+from perf.bench_gpu import SHAPES
 from perf.harness import Results, add_results_options, describe
+from perf.profile_decode import decoding_engine
 
 VIEWS = {"Broadcast", "Reshape", "Squeeze", "ExpandDims", "Slice", "Transpose", "Flatten", "Unflatten",
          "AsStrided", "Copy"}  # primitives that share their input's buffer (a Copy of a contiguous input)
@@ -79,23 +80,6 @@ def build_model(shape: str, dtype: str):
     model.set_dtype(getattr(mx, dtype))
     mx.eval(model.parameters())
     return model
-
-
-def decode_engine(model, batch: int, prompt_len: int, steps: int):
-    from parallm.config import Config, EngineConfig
-    from parallm.engine import Engine, EngineModel, make_request
-    from parallm.protocol import SamplingParams
-
-    engine = Engine(EngineModel(model, (), prompt_len + steps + 64),
-                    Config(engine=EngineConfig(max_num_seqs=max(batch, 4), prefix_cache=False)))
-    params = SamplingParams(max_tokens=steps + 16, temperature=0.0, ignore_eos=True)
-    for i, ids in enumerate(prompts(batch, prompt_len, 1)):
-        engine.add_request(make_request(rid=str(i), prompt_ids=ids, params=params))
-    while engine.stats().running < batch or engine.stats().prefilling:
-        engine.step()
-    for _ in range(3):
-        engine.step()
-    return engine
 
 
 def one_pass(engine) -> dict[str, int]:
@@ -151,7 +135,7 @@ def main(argv: list[str] | None = None) -> int:
         engines, times, counts = {}, {name: [] for name in forms}, {}
         for name, form in forms.items():
             RowsView.update_and_fetch = form
-            engines[name] = decode_engine(model, batch, args.prompt_len, args.steps * args.rounds + 8)
+            engines[name] = decoding_engine(model, batch, args.steps * args.rounds + 8, args.prompt_len, prefix_cache=False)
             counts[name] = one_pass(engines[name])
         for _ in range(args.rounds):
             for name, form in forms.items():
