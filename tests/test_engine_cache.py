@@ -161,20 +161,14 @@ def test_kv_writes_are_one_scatter_each_and_land_where_the_slice_form_puts_them(
     """`buf[rows, :, positions] = kv` made MLX add an arange, three int64 index casts and their
     broadcasts to every write (5 kernels, twice per layer and pass); write_index's indices, built
     once per pass, leave one Scatter per write."""
-    import collections
-    import re
-    import tempfile
-    from pathlib import Path
+    from perf.profile_kv_writes import primitives
 
     kv = live(rows=4, cap=32, layers=2)
     mx.eval(kv.arrays())
     ctx = PassContext(1, [3, 7, 0], length, 7 + length)
     for view in kv.views(ctx):
         view.update_and_fetch(rand(3, H, length, D, seed=1), rand(3, H, length, D, seed=2))
-    with tempfile.NamedTemporaryFile("r+", suffix=".dot") as f:
-        mx.export_to_dot(f.name, *kv.arrays())
-        ops = collections.Counter(m.group(1) for line in Path(f.name).read_text().splitlines()
-                                  if "shape=rectangle" in line and (m := re.search(r'label ="([^"]*)"', line)))
+    ops = primitives(kv.arrays())
     assert ops["Scatter"] == 4 and ops["AsType"] == 0 and ops["Arange"] <= 3, ops  # the pass's rows, heads, positions
     expected = []
     for buf, seed in ((mx.zeros_like(kv.keys[0]), 1), (mx.zeros_like(kv.values[0]), 2)):
