@@ -154,7 +154,7 @@ class StepTracer:
             self._record.admitted += admitted
             self._record.preempted += preempted
 
-    def prefill(self, rows: int, tokens: int, length: int, span: int = 0, capacity: int = 0) -> None:
+    def prefill(self, rows: int, tokens: int, length: int, span: int, capacity: int) -> None:
         """A prefill pass (or the prompt chunks of a mixed one): rows, real tokens, padded length L,
         key positions attended, and the live buffer's capacity (its K/V slices' strides: MLX's cuDNN
         attention builds a graph per shape and stride)."""
