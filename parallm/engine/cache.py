@@ -48,6 +48,20 @@ def write_index(rows: mx.array, positions: mx.array, heads: int) -> tuple[mx.arr
             mx.broadcast_to(positions[..., None], shape))
 
 
+class WriteIndex:
+    """A pass's `write_index` of its rows and positions, built once per head count the layers ask for."""
+
+    def __init__(self, rows: mx.array, positions: mx.array) -> None:
+        self._rows, self._positions = rows, positions
+        self._built: dict[int, tuple[mx.array, mx.array, mx.array]] = {}
+
+    def __call__(self, heads: int) -> tuple[mx.array, mx.array, mx.array]:
+        found = self._built.get(heads)
+        if found is None:
+            found = self._built[heads] = write_index(self._rows, self._positions, heads)
+        return found
+
+
 @runtime_checkable
 class KVCacheProtocol(Protocol):
     """What an mlx-lm attention layer uses of its cache (mlx_lm.models.cache.KVCache)."""
@@ -108,15 +122,7 @@ class PassContext:
         else:
             self.positions = self.offsets[:, None] + mx.arange(length, dtype=mx.int32)[None]
         self._masks: dict[int | None, mx.array] = {}
-        self._writes: dict[int, tuple[mx.array, mx.array, mx.array]] = {}
-
-    def write_index(self, heads: int) -> tuple[mx.array, mx.array, mx.array]:
-        """Where this pass's new K/V of `heads` heads go (module-level write_index), built once."""
-        found = self._writes.get(heads)
-        if found is None:
-            rows = self.rows if self.length == 1 else self.rows[:, None]
-            found = self._writes[heads] = write_index(rows, self.positions, heads)
-        return found
+        self.write_index = WriteIndex(self.rows, self.positions)  # where the new K/V of `heads` heads go
 
     def mask(self, window: int | None) -> mx.array:
         m = self._masks.get(window)

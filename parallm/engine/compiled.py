@@ -46,7 +46,7 @@ from mlx.utils import tree_flatten, tree_unflatten
 
 from parallm.adapters.lora import LoRARouter
 
-from .cache import write_index
+from .cache import WriteIndex
 from .compiled_lora import AdaptedLayers, Captured, capture, rebuild
 from .plan import power_of_two_bucket
 
@@ -123,13 +123,7 @@ class _PassInputs:
         self.offsets, self.src, self.span, self.mask5d = offsets, src, span, mask5d
         self.rows = int(src.shape[0])  # B
         self._masks: dict[int | None, mx.array] = {}
-        self._writes: dict[int, tuple[mx.array, mx.array, mx.array]] = {}
-
-    def write_index(self, heads: int) -> tuple[mx.array, mx.array, mx.array]:
-        found = self._writes.get(heads)
-        if found is None:
-            found = self._writes[heads] = write_index(self.src, self.offsets, heads)
-        return found
+        self.write_index = WriteIndex(src, offsets)  # a padded row repeats row n-1's (row, position)
 
     def mask(self, window: int | None) -> mx.array:
         m = self._masks.get(window)

@@ -11,7 +11,7 @@ from typing import Any
 
 import mlx.core as mx
 
-from .cache import LayerView, LiveKV, PassContext, write_index
+from .cache import LayerView, LiveKV, PassContext, WriteIndex
 
 
 class TokenPositions:
@@ -55,7 +55,7 @@ class PackedContext:
         self.size = len(rows)
         self.rows = mx.array(rows, dtype=mx.int32)
         self.positions = TokenPositions(mx.array(pos, dtype=mx.int32))
-        self._writes: dict[int, tuple[mx.array, mx.array, mx.array]] = {}
+        self.write_index = WriteIndex(self.rows, self.positions.positions)  # each token's K/V, per head count
         if not self.uniform:
             # prompt token j of prefill row i sits at packed index first[i] + j; a padded
             # [k, L] view repeats each row's last token past its end (those outputs are dropped)
@@ -69,13 +69,6 @@ class PackedContext:
         if live.layout:
             raise ValueError("a model with recurrent state cannot run packed passes")
         return [PackedView(live, i, self) for i in range(len(live.shapes))]
-
-    def write_index(self, heads: int) -> tuple[mx.array, mx.array, mx.array]:
-        """Where each packed token's K/V of `heads` heads go (cache.write_index), built once."""
-        found = self._writes.get(heads)
-        if found is None:
-            found = self._writes[heads] = write_index(self.rows, self.positions.positions, heads)
-        return found
 
     def attend(self, queries: mx.array, keys: mx.array, values: mx.array, scale: float, window: int | None,
                sdpa: Any) -> mx.array:
