@@ -136,7 +136,7 @@ def test_pool_round_trip_through_rows():
     kv.write_prefix(0, data)
     pos = mx.array([4, 5, 6, 7, 0, 1, 2, 3], dtype=mx.int32)  # blocks 1 then 0 of the row
     pool.write([5, 2], kv.read_positions(0, pos))
-    back = pool.read([2, 5])  # block 0 then block 1 of the row
+    back = pool.read_many([[2, 5]])[0]  # block 0 then block 1 of the row
     kv.write_prefix(1, back)
     for buf in kv.arrays():
         assert mx.array_equal(buf[1, :, :8], buf[0, :, :8])

@@ -47,12 +47,9 @@ class KVPool:
             out.append(buf)
         self.arrays = out
 
-    def read(self, block_ids: list[int]) -> list[mx.array]:
-        """Materialized [heads, n * block_size, dim] per layer (K then V) of these blocks, in order."""
-        return self.read_many([block_ids])[0]
-
     def read_many(self, groups: list[list[int]]) -> list[list[mx.array]]:
-        """`read` of each group of blocks, all materialized in one evaluation."""
+        """Per group of blocks, [heads, n * block_size, dim] per layer (K then V) of those blocks in
+        order, all materialized in one evaluation."""
         self._ensure()
         bs = self.block_size
         out = []
