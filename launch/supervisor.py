@@ -1,8 +1,10 @@
-"""The supervisor: starts the stages in order, watches them, restarts the dead, drains on SIGTERM.
+"""The supervisor: starts the stages, watches them, restarts the dead, drains on SIGTERM.
 
-Start order is detokenizer, engine, tokenizers, ingress (then the trainer, when configured);
-each must report READY before the next starts, so that by the time HTTP is served every stage
-behind it is up. A stage that dies
+The stages behind ingress (detokenizer, engine replicas, tokenizers) start together, since none
+needs another to load; ingress starts once each of them has reported READY, so that by the time
+HTTP is served every stage behind it is up; the trainer, when configured, starts last. Starting
+them together puts the tokenizer and detokenizer imports beside the engine's model load instead of
+after it. A stage that dies
 (or stops heartbeating) is announced on the control channel (StageDown) so that ingress and
 clients fail its in-flight requests with a retryable error, then restarted with exponential
 backoff and announced again when READY (StageUp).
@@ -33,7 +35,8 @@ from .rundir import RunDir
 
 log = logging.getLogger("parallm.supervisor")
 
-START_ORDER = ("detokenizer", "engine", "tokenizer", "ingress", "trainer")
+# Stages started together (each wave once the one before it is READY)
+START_WAVES = (("detokenizer", "engine", "tokenizer"), ("ingress",), ("trainer",))
 # Stages no request passes through: their death fails nothing in flight, so it is not announced,
 # and one that exits with 0 has finished its work and is not restarted.
 OFF_PATH = frozenset({"trainer"})
@@ -176,8 +179,8 @@ class Supervisor:
         old_handlers = {sig: signal.signal(sig, self._on_signal) for sig in (signal.SIGTERM, signal.SIGINT)}
         try:
             self.stages = [StageProcess(spec) for spec in self._specs()]
-            for stage in self.stages:
-                self._start_and_wait(stage)
+            for names in START_WAVES:
+                self._start_and_wait([s for s in self.stages if s.spec.name in names])
             server = self.config.server
             log.info("serving %s on http://%s:%d", self.config.model.served_name, server.host, server.port)
             self._print_ready()
@@ -235,22 +238,26 @@ class Supervisor:
             return False
         return stage.alive()
 
-    def _start_and_wait(self, stage: StageProcess) -> None:
-        self._launch(stage)
+    def _start_and_wait(self, stages: list[StageProcess]) -> None:
+        """Launch `stages` at once and wait until every one has reported READY."""
+        for stage in stages:
+            self._launch(stage)
         deadline = time.monotonic() + self.config.supervisor.ready_timeout_s
-        while time.monotonic() < deadline:
+        waiting = list(stages)
+        while waiting:
+            if time.monotonic() > deadline:
+                raise StartupError(f"stage {waiting[0].spec.label} did not report READY within "
+                                   f"{self.config.supervisor.ready_timeout_s:.0f} s")
             if self._stop_requested:
                 raise StartupError("interrupted during startup")
             message = self.inbox.recv(timeout_ms=100)
             if message is not None:
                 self._handle(message)
-                if stage.ready:
-                    return
-            if not self._alive(stage):
-                raise StartupError(f"stage {stage.spec.label} exited with code {stage.exit_code()} during "
-                                   "startup (its log is above)")
-        raise StartupError(f"stage {stage.spec.label} did not report READY within "
-                           f"{self.config.supervisor.ready_timeout_s:.0f} s")
+            for stage in waiting:
+                if not stage.ready and not self._alive(stage):
+                    raise StartupError(f"stage {stage.spec.label} exited with code {stage.exit_code()} during "
+                                       "startup (its log is above)")
+            waiting = [stage for stage in waiting if not stage.ready]
 
     def _find(self, name: str, replica: int) -> StageProcess | None:
         return next((s for s in self.stages if s.spec.name == name and s.spec.replica == replica), None)
