@@ -316,7 +316,9 @@ def main(argv: list[str] | None = None) -> int:
         for c in levels:
             w = workload_for(c)
             prompt_ids = chat_ids(tokenizer, make_prompts(w, prompt_seed(c, "inprocess")))
-            keep(run_inprocess(engine, prompt_ids, w, c, eos))
+            r = run_inprocess(engine, prompt_ids, w, c, eos)
+            r["settings"] = {k: getattr(engine.config, k) for k in engine_figures.SETTINGS}  # as resolved here
+            keep(r)
         del engine
 
     if "batchgen" in targets:

@@ -62,10 +62,13 @@
 #             (the fused kernel) vs fastmath.unfused_sdpa (perf/profile_decode_attention.py; issue 24's c=256), ~2 min
 #   unfuseddecode  llama-3.2-3b over HTTP at c=256 with the defaults, then with engine.unfused_decode on (masked
 #             decode attention as matmuls and a float32 softmax instead of MLX's CUDA fallback) (issue 24), ~6 min
+#   defaults  llama-3.2-3b with the backend's defaults (on CUDA: unfused masked decode, unfused prefills up to 4096
+#             keys): the in-process engine and HTTP at c=1, 64, 256 (issue 37), then, while the call has time, HTTP
+#             at c=256 with both off (the defaults before) and the decode attention alone (decodeattn), ~9 min
 # A fresh server per wave: `waves` fits 6-7 waves in one 10-minute call; run it twice for ten.
 set -uo pipefail
-case "${1:-}" in diag|llama|adapters|qwen-a|qwen-b|launch|serving|waves|ingress|moe|moe256|hybrid|structured|tp|tp8b|dp|threads|compiled|republish|buckets|serve256|inplace|mixed|cudnn|kvwrites|decodeattn|unfuseddecode) ;;
-  *) sed -n 2,65p "$0"; exit 2 ;; esac
+case "${1:-}" in diag|llama|adapters|qwen-a|qwen-b|launch|serving|waves|ingress|moe|moe256|hybrid|structured|tp|tp8b|dp|threads|compiled|republish|buckets|serve256|inplace|mixed|cudnn|kvwrites|decodeattn|unfuseddecode|defaults) ;;
+  *) sed -n 2,68p "$0"; exit 2 ;; esac
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
 if [ -d /tmp/site/mlx ] && [ ! -f .gpu/b/install.sh ]; then
@@ -145,6 +148,22 @@ case "${1:-}" in
               --rounds 3 --out-dir "$OUT" ;;
   decodeattn) python3 -m perf.profile_decode_attention --rows 1,16,64,256 --spans 256,1024 --repeats 10 \
               --out-dir "$OUT" ;;
+  defaults) SECONDS=0
+            python3 -m perf.bench_serving --shape llama-3.2-3b --concurrency 1,64,256 --max-tokens 128 --client-procs 4 \
+              --targets inprocess,http --tokenizer-dir $TOK --work-dir $WORK --experiment llama-3.2-3b-defaults \
+              --out-dir "$OUT"
+            echo "defaults: ${SECONDS} s"
+            if [ $SECONDS -lt 380 ]; then
+              timeout $((500 - SECONDS)) python3 -m perf.bench_serving --shape llama-3.2-3b --concurrency 256 \
+                --max-tokens 128 --client-procs 4 --targets http \
+                --server-args "--engine.unfused-decode false --engine.unfused-prefill-keys 0" --tokenizer-dir $TOK \
+                --work-dir $WORK --experiment llama-3.2-3b-c256-fused --out-dir "$OUT"
+              echo "fused: ${SECONDS} s"
+            fi
+            if [ $SECONDS -lt 470 ]; then
+              timeout $((530 - SECONDS)) python3 -m perf.profile_decode_attention --rows 1,16,64,256 --spans 256,1024 \
+                --repeats 10 --out-dir "$OUT"
+            fi ;;
   unfuseddecode) for on in false true; do
               python3 -m perf.bench_serving --shape llama-3.2-3b --concurrency 256 --max-tokens 128 --client-procs 4 \
                 --targets http --server-args "--engine.unfused-decode $on" --tokenizer-dir $TOK --work-dir $WORK \

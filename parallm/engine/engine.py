@@ -25,8 +25,8 @@ from .constraints import Constraints, GrammarError, tokenizer_from_file
 from .think_gate import thinking_from_file
 from .compat import check_model
 from .faults import PassState, log, prefill_passes
-from .memory import (auto_kv_budget_bytes, bound_cuda_cache, fit_state_rows, limit_buffer_cache, oom_retries,
-                     set_wired_limit, weight_bytes)
+from .memory import (auto_kv_budget_bytes, bound_cuda_cache, compute_device, fit_state_rows, limit_buffer_cache,
+                     oom_retries, set_wired_limit, weight_bytes)
 from .model import EngineModel
 from .output import OutputProcessor, StepOutputs, unseen_versions
 from .plan import KVBudget, Plan, PrefillWork
@@ -54,8 +54,9 @@ class Engine:
         """The engine over `model`, with the `engine` and `adapters` sections of `config`. Every
         setting left unset is resolved here, once, and reported in stats (`settings`)."""
         self.model = model.module
-        on_cpu = mx.default_device() == mx.cpu
-        settings = resolve_engine_config(config.engine, on_cpu)
+        device = compute_device()
+        on_cpu = device == "cpu"
+        settings = resolve_engine_config(config.engine, device)
         limit_buffer_cache(settings.buffer_cache_mb)
         info = check_model(self.model)
         if info.has_state:  # the recurrent state after a prefix is not in its KV blocks (engine/state.py)

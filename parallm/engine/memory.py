@@ -1,5 +1,5 @@
-"""How much memory the KV gets when `engine.kv_budget_mb` is unset, and how the engine keeps MLX's
-buffer cache from running a GPU out of memory."""
+"""Which backend MLX computes on, how much memory the KV gets when `engine.kv_budget_mb` is unset,
+and how the engine keeps MLX's buffer cache from running a GPU out of memory."""
 
 from __future__ import annotations
 
@@ -23,6 +23,14 @@ AUTO_BUDGET_CAP = 8 << 30
 METAL_KV_FRACTION = 0.7
 # a CUDA GPU: the share of the device memory free once the weights are loaded that the KV gets
 CUDA_KV_FRACTION = 0.5
+
+
+def compute_device() -> str:
+    """The backend MLX computes on: "cpu" (MLX's CPU device), "cuda" or "metal" (config.ComputeDevice),
+    which decides the engine's unset settings (config.resolve_engine_config)."""
+    if mx.default_device() == mx.cpu:
+        return "cpu"
+    return "cuda" if mx.cuda.is_available() else "metal"
 
 
 def metal_working_set() -> int | None:

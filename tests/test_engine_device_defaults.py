@@ -1,0 +1,79 @@
+"""The engine's unset settings resolved per backend (config.resolve_engine_config): on CUDA masked
+decode and short prefills attend unfused (docs/performance.md has the H200 figures); the CPU's and
+Metal's resolutions are what they were before."""
+
+import mlx.core as mx
+import msgspec
+import pytest
+
+from parallm.config import CUDA_UNFUSED_PREFILL_KEYS, EngineConfig, resolve_engine_config
+from parallm.engine import engine as engine_module
+from parallm.engine import fastmath, memory
+
+from _engine_helpers import greedy, make_engine, reference_greedy, req, run_all, tiny_model
+
+CPU_BEFORE = {"overlap": False, "fast_math": True, "mixed_passes": True, "prefill_buckets": False,
+              "unfused_decode": False, "unfused_prefill_keys": 0}  # the CPU's resolution before CUDA's defaults
+
+
+def _resolved(device: str, **given) -> dict:
+    config = resolve_engine_config(EngineConfig(**given), device)
+    return {name: getattr(config, name) for name in CPU_BEFORE}
+
+
+def test_cpu_resolution_is_unchanged():
+    assert _resolved("cpu") == CPU_BEFORE
+    unset = msgspec.structs.asdict(EngineConfig())
+    resolved = msgspec.structs.asdict(resolve_engine_config(EngineConfig(), "cpu"))
+    assert {k: v for k, v in resolved.items() if v != unset[k]} == {k: v for k, v in CPU_BEFORE.items()
+                                                                    if unset[k] is None}
+
+
+def test_cuda_attends_unfused_and_metal_keeps_mlx_calls():
+    gpu = {"overlap": True, "fast_math": False, "mixed_passes": False, "prefill_buckets": False}
+    assert _resolved("cuda") == {**gpu, "unfused_decode": True, "unfused_prefill_keys": CUDA_UNFUSED_PREFILL_KEYS}
+    assert CUDA_UNFUSED_PREFILL_KEYS == 4096
+    assert _resolved("metal") == {**gpu, "unfused_decode": False, "unfused_prefill_keys": 0}
+
+
+@pytest.mark.parametrize("device", ["cpu", "cuda", "metal"])
+def test_given_settings_win_on_every_device(device):
+    got = _resolved(device, unfused_decode=False, unfused_prefill_keys=0)
+    assert (got["unfused_decode"], got["unfused_prefill_keys"]) == (False, 0)
+    got = _resolved(device, unfused_decode=True, unfused_prefill_keys=64)
+    assert (got["unfused_decode"], got["unfused_prefill_keys"]) == (True, 64)
+
+
+@pytest.mark.parametrize(("default", "cuda", "want"), [("cpu", False, "cpu"), ("cpu", True, "cpu"),
+                                                       ("gpu", True, "cuda"), ("gpu", False, "metal")])
+def test_compute_device_reads_mlx(monkeypatch, default, cuda, want):
+    monkeypatch.setattr(mx, "default_device", lambda: getattr(mx, default))
+    monkeypatch.setattr(mx.cuda, "is_available", lambda: cuda)
+    assert memory.compute_device() == want
+
+
+def test_engine_on_cuda_runs_the_unfused_forms_with_the_stock_tokens(monkeypatch):
+    """The engine asks compute_device once and reports what it resolved; with the query answering
+    "cuda" (here on MLX's CPU device) it runs masked decode and prefills unfused and keeps mlx-lm's
+    greedy tokens; unstubbed on this CPU it keeps MLX's calls."""
+    model = tiny_model("llama3-rope")
+    model.set_dtype(mx.bfloat16)
+    prompts = [[(5 * i + 3 * j) % 89 + 2 for j in range(n)] for i, n in enumerate((6, 13, 3))]
+
+    cpu = make_engine(model, max_prefill_tokens=24)
+    assert (cpu.config.unfused_decode, cpu.config.unfused_prefill_keys) == (False, 0)
+    assert not cpu.runner.unfused_decode and not cpu.runner.unfused_prefill
+
+    calls: list[int] = []
+    real = fastmath.unfused_sdpa
+    monkeypatch.setattr(fastmath, "unfused_sdpa", lambda q, *a: (calls.append(q.shape[2]), real(q, *a))[1])
+    monkeypatch.setattr(engine_module, "compute_device", lambda: "cuda")
+    cuda = make_engine(model, max_prefill_tokens=24)
+    settings = cuda.stats().settings
+    assert (settings.unfused_decode, settings.unfused_prefill_keys) == (True, CUDA_UNFUSED_PREFILL_KEYS)
+    assert cuda.runner.unfused_decode and cuda.runner.unfused_prefill
+    reqs = [req(f"r{i}", p, greedy(6)) for i, p in enumerate(prompts)]
+    out = run_all(cuda, reqs[:1], arrivals={2: reqs[1:]})
+    for i, p in enumerate(prompts):
+        assert out[(f"r{i}", 0)]["tokens"] == reference_greedy(model, p, 6), i
+    assert 1 in calls and max(calls) > 1  # decode under a mask and prefills both went unfused
