@@ -65,10 +65,13 @@
 #   defaults  llama-3.2-3b with the backend's defaults (on CUDA: unfused masked decode, unfused prefills up to 4096
 #             keys): the in-process engine and HTTP at c=1, 64, 256 (issue 37), then, while the call has time, HTTP
 #             at c=256 with both off (the defaults before) and the decode attention alone (decodeattn), ~9 min
+#   defaultsab  llama-3.2-3b over HTTP at c=64 and 256, a fresh server each: the old defaults (unfused decode and
+#             prefill keys off) and the new alternating, fused first, four servers while the call has time; each
+#             run's JSON to $OUT/ab-<i>-<way>.json (an A/B: assembled into perf/results by hand), ~9 min
 # A fresh server per wave: `waves` fits 6-7 waves in one 10-minute call; run it twice for ten.
 set -uo pipefail
-case "${1:-}" in diag|llama|adapters|qwen-a|qwen-b|launch|serving|waves|ingress|moe|moe256|hybrid|structured|tp|tp8b|dp|threads|compiled|republish|buckets|serve256|inplace|mixed|cudnn|kvwrites|decodeattn|unfuseddecode|defaults) ;;
-  *) sed -n 2,68p "$0"; exit 2 ;; esac
+case "${1:-}" in diag|llama|adapters|qwen-a|qwen-b|launch|serving|waves|ingress|moe|moe256|hybrid|structured|tp|tp8b|dp|threads|compiled|republish|buckets|serve256|inplace|mixed|cudnn|kvwrites|decodeattn|unfuseddecode|defaults|defaultsab) ;;
+  *) sed -n 2,71p "$0"; exit 2 ;; esac
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
 if [ -d /tmp/site/mlx ] && [ ! -f .gpu/b/install.sh ]; then
@@ -164,6 +167,17 @@ case "${1:-}" in
               timeout $((530 - SECONDS)) python3 -m perf.profile_decode_attention --rows 1,16,64,256 --spans 256,1024 \
                 --repeats 10 --out-dir "$OUT"
             fi ;;
+  defaultsab) SECONDS=0; i=0
+            for way in fused defaults fused defaults; do
+              i=$((i + 1))
+              [ $SECONDS -lt 420 ] || break
+              timeout $((540 - SECONDS)) python3 -m perf.bench_serving --shape llama-3.2-3b --concurrency 64,256 \
+                --max-tokens 128 --client-procs 4 --targets http --tokenizer-dir $TOK --work-dir $WORK \
+                --server-args "$([ $way = fused ] && echo --engine.unfused-decode false --engine.unfused-prefill-keys 0)" \
+                --out "$OUT/ab-$i-$way.json" | grep -v '^{"target"'
+              echo "$i $way: ${SECONDS} s"
+            done
+            rm -f "$OUT"/ab-*.md "$OUT"/ab-*.png ;;
   unfuseddecode) for on in false true; do
               python3 -m perf.bench_serving --shape llama-3.2-3b --concurrency 256 --max-tokens 128 --client-procs 4 \
                 --targets http --server-args "--engine.unfused-decode $on" --tokenizer-dir $TOK --work-dir $WORK \
