@@ -1,0 +1,136 @@
+"""The Responses API's translation (parallm/api/responses_*.py): input items to chat messages, the
+request to the chat route's Plan, and output items checked against the openai package's own types."""
+
+from __future__ import annotations
+
+import json
+
+import msgspec
+import pytest
+from openai.types.responses import Response
+
+from parallm.api import schemas as chat
+from parallm.api.errors import APIError
+from parallm.api.responses_input import items_to_messages, responses_plan
+from parallm.api.responses_output import finished_response, output_messages
+from parallm.api.responses_schemas import InputItem, ResponsesRequest
+from parallm.api.validate import Limits, decode
+
+LIMITS = Limits(model_name="m", max_model_len=4096)
+
+
+def request(**body) -> ResponsesRequest:
+    return decode(json.dumps({"model": "m", **body}).encode(), ResponsesRequest)
+
+
+def items(*raw) -> list[InputItem]:
+    return msgspec.convert(list(raw), list[InputItem])
+
+
+def test_string_input_and_instructions_are_the_chat_messages():
+    rp = responses_plan(request(input="Hi", instructions="Be brief.", max_output_tokens=9, temperature=0), LIMITS)
+    submit = rp.plan.submits[0]
+    assert submit.messages == [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]
+    assert submit.spec.params.max_tokens == 9 and submit.spec.params.temperature == 0
+    assert rp.plan.id.startswith("resp_") and submit.rid == rp.plan.id
+    assert [m.role for m in rp.messages] == ["user"]  # instructions are not carried to a continuing response
+    assert rp.input_items[0]["type"] == "message" and rp.input_items[0]["content"][0]["text"] == "Hi"
+
+
+def test_a_tool_round_trip_becomes_one_assistant_message_and_a_tool_message():
+    msgs = items_to_messages(items(
+        {"role": "user", "content": [{"type": "input_text", "text": "Weather in Paris?"}]},
+        {"type": "reasoning", "id": "rs_1", "summary": [], "content": [{"type": "reasoning_text", "text": "think"}]},
+        {"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": "Let me look."}]},
+        {"type": "function_call", "call_id": "call_1", "name": "weather", "arguments": "{\"city\": \"Paris\"}"},
+        {"type": "function_call_output", "call_id": "call_1", "output": "sunny"}))
+    assert [m.role for m in msgs] == ["user", "assistant", "tool"]
+    assistant = msgs[1]
+    assert assistant.content == "Let me look." and assistant.reasoning_content == "think"
+    assert assistant.tool_calls == [{"id": "call_1", "type": "function",
+                                     "function": {"name": "weather", "arguments": "{\"city\": \"Paris\"}"}}]
+    assert (msgs[2].tool_call_id, msgs[2].name, msgs[2].content) == ("call_1", "weather", "sunny")
+
+
+@pytest.mark.parametrize("body, param", [
+    ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "http://x/a.png"}]}]},
+     "input[0].content[0].type"),
+    ({"input": [{"type": "item_reference", "id": "msg_1"}]}, "input[0].type"),
+    ({"input": [{"type": "computer_call_output", "call_id": "c"}]}, "input[0].type"),
+    ({"input": "x", "tools": [{"type": "web_search"}]}, "tools[0].type"),
+    ({"input": "x", "tools": [{"type": "file_search", "vector_store_ids": ["v"]}]}, "tools[0].type"),
+    ({"input": "x", "tool_choice": {"type": "web_search_preview"}}, "tool_choice"),
+    ({"input": "x", "include": ["file_search_call.results"]}, "include[0]"),
+    ({"input": "x", "text": {"format": {"type": "grammar"}}}, "text.format.type"),
+    ({"input": "x", "text": {"verbosity": "low"}}, "text.verbosity"),
+    ({"input": "x", "conversation": "conv_1"}, "conversation"),
+    ({"input": "x", "truncation": "auto"}, "truncation"),
+    ({"input": "x", "background": True, "store": False}, "background"),
+    ({"input": "x", "max_output_tokens": 100000}, "max_output_tokens"),
+    ({"input": "x", "tools": [{"type": "function", "name": "f"}], "tool_choice": {"type": "function", "name": "g"}},
+     "tool_choice"),
+    ({"input": "x", "text": {"format": {"type": "json_schema", "name": "n", "schema": {"not": {}}}}},
+     "text.format"),
+    ({"input": []}, "input"),
+    ({"input": [{"role": "robot", "content": "x"}]}, "input[0].role"),
+])
+def test_what_cannot_be_served_is_a_400_naming_the_field(body, param):
+    with pytest.raises(APIError) as err:
+        responses_plan(request(**body), LIMITS)
+    assert err.value.status == 400 and err.value.param == param, err.value.message
+    assert param.split("[")[0].split(".")[0] in err.value.message
+
+
+def test_tools_tool_choice_and_text_format_use_the_chat_constraints():
+    tool = {"type": "function", "name": "weather", "parameters": {"type": "object",
+                                                                  "properties": {"city": {"type": "string"}}}}
+    rp = responses_plan(request(input="x", tools=[tool], tool_choice={"type": "function", "name": "weather"}), LIMITS)
+    assert rp.plan.tools.mode == "named" and rp.plan.tools.name == "weather"
+    assert json.loads(rp.plan.submits[0].spec.params.constraint.value) == tool["parameters"]
+    assert rp.plan.submits[0].chat_template_kwargs["tools"][0]["function"]["name"] == "weather"
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+    rp = responses_plan(request(input="x", text={"format": {"type": "json_schema", "name": "A", "schema": schema}}),
+                        LIMITS)
+    c = rp.plan.submits[0].spec.params.constraint
+    assert c.kind == "json_schema" and json.loads(c.value) == schema
+    rp = responses_plan(request(input="x", include=["message.output_text.logprobs"], top_logprobs=3), LIMITS)
+    assert rp.plan.logprobs == 3 and rp.plan.submits[0].spec.params.top_logprobs == 3
+    rp = responses_plan(request(input="x", reasoning={"effort": "none"}), LIMITS)
+    assert rp.plan.submits[0].chat_template_kwargs == {"enable_thinking": False}
+
+
+def _answer(message: chat.AssistantMessage, finish: str, logprobs=None) -> chat.ChatCompletionResponse:
+    return chat.ChatCompletionResponse(
+        id="x", created=1, model="m",
+        choices=[chat.ChatChoice(index=0, message=message, finish_reason=finish,
+                                 logprobs=chat.ChatLogprobs(content=logprobs) if logprobs else None)],
+        usage=chat.UsageInfo(prompt_tokens=10, completion_tokens=6, total_tokens=16,
+                             prompt_tokens_details=chat.PromptTokensDetails(cached_tokens=8)))
+
+
+def _validated(body) -> Response:
+    """The body as the openai package's Response, validated strictly (not constructed leniently)."""
+    return Response.model_validate(json.loads(msgspec.json.encode(body)))
+
+
+def test_output_items_validate_as_the_sdk_response():
+    rp = responses_plan(request(input="x", metadata={"k": "v"}, include=["message.output_text.logprobs"]), LIMITS)
+    lp = [chat.TokenLogprob(token="Hi", logprob=-0.1, bytes=[72, 105],
+                            top_logprobs=[chat.TopLogprob(token="Hi", logprob=-0.1, bytes=[72, 105])])]
+    message = chat.AssistantMessage(content="Hi")
+    message.reasoning = "hmm"
+    body = finished_response(rp, _answer(message, "stop", lp), reasoning_tokens=3)
+    sdk = _validated(body)
+    assert [o.type for o in sdk.output] == ["reasoning", "message"]
+    assert sdk.output_text == "Hi" and sdk.output[1].content[0].logprobs[0].token == "Hi"
+    assert sdk.output[0].content[0].text == "hmm"
+    assert (sdk.usage.input_tokens_details.cached_tokens, sdk.usage.output_tokens_details.reasoning_tokens) == (8, 3)
+    assert sdk.status == "completed" and sdk.metadata == {"k": "v"}
+    assert output_messages(body.output)[0].content == "Hi"
+
+    calls = chat.AssistantMessage(content=None)
+    calls.tool_calls = [{"id": "call_9", "type": "function", "function": {"name": "f", "arguments": "{}"}}]
+    sdk = _validated(finished_response(rp, _answer(calls, "tool_calls"), 0))
+    assert [(o.type, o.call_id, o.name) for o in sdk.output] == [("function_call", "call_9", "f")]
+    cut = _validated(finished_response(rp, _answer(chat.AssistantMessage(content="He"), "length"), 0))
+    assert cut.status == "incomplete" and cut.incomplete_details.reason == "max_output_tokens"
