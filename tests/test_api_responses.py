@@ -134,3 +134,26 @@ def test_output_items_validate_as_the_sdk_response():
     assert [(o.type, o.call_id, o.name) for o in sdk.output] == [("function_call", "call_9", "f")]
     cut = _validated(finished_response(rp, _answer(chat.AssistantMessage(content="He"), "length"), 0))
     assert cut.status == "incomplete" and cut.incomplete_details.reason == "max_output_tokens"
+
+
+# --------------------------------------------------------------------------- the routes, over a scripted backend
+
+def _client(**server):
+    from starlette.testclient import TestClient
+
+    from parallm.api.app import build_app
+    from parallm.config import ServerConfig
+    from test_api_fakes import FakeBackend
+
+    backend = FakeBackend()
+    return TestClient(build_app(backend, ServerConfig(**server))), backend
+
+
+def test_route_answers_a_whole_response_the_sdk_validates():
+    client, backend = _client()
+    whole = client.post("/v1/responses", json={"input": "hi", "instructions": "Be brief."}).json()
+    assert Response.model_validate(whole).output_text == "Hello world"
+    assert backend.submits[-1].messages == [{"role": "system", "content": "Be brief."},
+                                            {"role": "user", "content": "hi"}]
+    r = client.post("/v1/responses", json={"input": "hi", "tools": [{"type": "web_search"}]})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "tools[0].type"

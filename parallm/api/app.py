@@ -19,7 +19,7 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response
 from starlette.routing import Route
 
-from parallm.api import adapters, vllm_admin
+from parallm.api import adapters, responses_routes, vllm_admin
 from parallm.api.auth import BearerAuth, api_keys
 from parallm.api.backend import Backend, BackendError
 from parallm.api.errors import APIError, error_response, model_not_found
@@ -163,6 +163,7 @@ def build_app(backend: Backend, server: ServerConfig, metrics: ServerMetrics | N
         Route("/readyz", endpoint(health.readyz), methods=["GET"]),
         Route("/metrics", endpoint(MetricsRoute(metrics).metrics_text), methods=["GET"]),
         Route("/openapi.json", endpoint(misc.openapi_json), methods=["GET"]),
+        *responses_routes.routes(backend, server, gen, endpoint),
         *rl_routes(backend, server, gen.gate, endpoint),
         *adapters.routes(backend, server, endpoint),
         *vllm_admin.routes(backend, server, endpoint),

@@ -8,7 +8,7 @@ long, a stage down) gets its real HTTP status rather than a 200 stream holding a
 from __future__ import annotations
 
 from dataclasses import replace
-from typing import Any, Callable
+from typing import Any, Callable, TypeVar
 
 from starlette.requests import Request
 from starlette.responses import Response
@@ -25,6 +25,8 @@ from parallm.api.validate import Limits, decode
 from parallm.api.vllm_admin import chat_tokens_plan
 from parallm.config import ServerConfig
 from parallm.metrics import ServerMetrics
+
+P = TypeVar("P")
 
 
 class Gate:
@@ -78,7 +80,7 @@ class GenerationRoutes:
         """POST /v1/chat/completions/tokens: a chat body with the prompt's ids (vllm_admin.chat_tokens_plan)."""
         return await self._serve(request, chat_tokens_plan)
 
-    async def _plan(self, body: bytes, make_plan: Callable[[bytes, Limits], Plan]) -> Plan:
+    async def plan(self, body: bytes, make_plan: Callable[[bytes, Limits], P]) -> P:
         """The request's Plan; a `model` that is not the served one may name a loaded adapter (vLLM's
         LoRA convention), so the adapters are listed before it is refused."""
         try:
@@ -90,7 +92,7 @@ class GenerationRoutes:
         return make_plan(body, replace(self.limits(), adapters=names))
 
     async def _serve(self, request: Request, make_plan: Callable[[bytes, Limits], Plan]) -> Response:
-        plan = await self._plan(await read_body(request, self.server.max_body_bytes), make_plan)
+        plan = await self.plan(await read_body(request, self.server.max_body_bytes), make_plan)
         request.scope[REQUEST_ID] = plan.id
         self.gate.enter()
         handed_off = False

@@ -11,6 +11,7 @@ from typing import Annotated, Any, NamedTuple
 
 import msgspec
 
+from parallm.api import responses_schemas as responses
 from parallm.api import schemas
 from parallm.api.errors import ErrorResponse
 from parallm.api.openapi_generate import GenerateBodies, exactly_one_prompt
@@ -104,6 +105,8 @@ ROUTES: list[RouteDoc] = [
            schemas.ChatCompletionRequest, {200: schemas.ChatCompletionResponse}),
     _route("post", "/v1/chat/completions/tokens", "Chat completion from token ids (prime-rl)", ChatTokensRequest,
            {200: schemas.ChatCompletionResponse}),
+    _route("post", "/v1/responses", "OpenAI Responses API", responses.ResponsesRequest,
+           {200: responses.ResponseObject}),
     _route("get", "/v1/models", "The served model and its adapters", None, {200: schemas.ModelList}),
     _route("get", "/v1/models/{model}", "One model", None, {200: schemas.ModelCard}),
     _route("post", "/v1/tokenize", "Token ids of a prompt or of chat messages", schemas.TokenizeRequest,

@@ -63,10 +63,11 @@ def _reasoning_text(item: InputItem, at: str) -> str:
 
 
 def _last_assistant(messages: list[ChatMessage]) -> ChatMessage:
-    """The assistant message a function_call or reasoning item belongs to (a new one unless the last
-    message is an assistant's)."""
+    """The assistant message a function_call belongs to (a new one unless the last message is an
+    assistant's). Its content is "" rather than null: templates that concatenate `content` (SmolLM2's,
+    among others) fail on null."""
     if not messages or messages[-1].role != "assistant":
-        messages.append(ChatMessage(role="assistant", content=None))
+        messages.append(ChatMessage(role="assistant", content=""))
     return messages[-1]
 
 
@@ -83,17 +84,9 @@ def items_to_messages(items: list[InputItem], where: str = "input") -> list[Chat
             if item.role not in MESSAGE_ROLES:
                 raise invalid(f"{at}.role must be one of {', '.join(MESSAGE_ROLES)}.", f"{at}.role")
             text = _text_of(item.content, f"{at}.content")
-            if item.role == "assistant":
-                msg = ChatMessage(role="assistant", content=text)
-                if messages and messages[-1].role == "assistant" and not messages[-1].tool_calls \
-                        and messages[-1].content is None:
-                    messages[-1].content = text  # it followed its own reasoning item
-                else:
-                    messages.append(msg)
-                if reasoning is not None:
-                    messages[-1].reasoning_content, reasoning = reasoning, None
-            else:
-                messages.append(ChatMessage(role=item.role, content=text))  # type: ignore[arg-type]
+            messages.append(ChatMessage(role=item.role, content=text))  # type: ignore[arg-type]
+            if item.role == "assistant" and reasoning is not None:
+                messages[-1].reasoning_content, reasoning = reasoning, None
         elif kind == "function_call":
             if not item.call_id or not item.name or item.arguments is None:
                 raise invalid(f"{at}: a function_call needs call_id, name and arguments.", at)
@@ -112,9 +105,6 @@ def items_to_messages(items: list[InputItem], where: str = "input") -> list[Chat
             messages.append(msg)
         elif kind == "reasoning":
             reasoning = _reasoning_text(item, at)
-            if messages and messages[-1].role == "assistant" and messages[-1].content is None \
-                    and not messages[-1].tool_calls:
-                messages[-1].reasoning_content, reasoning = reasoning, None
         elif kind is None:
             raise invalid(f"{at} needs a type (or a role, for a message).", f"{at}.type")
         else:
@@ -140,8 +130,9 @@ def input_item_dicts(req: ResponsesRequest) -> list[dict[str, Any]]:
             out: dict[str, Any] = {"type": kind}
             if kind == "message":
                 out["role"] = item.role
+                kind_of_text = "output_text" if item.role == "assistant" else "input_text"
                 parts = item.content if isinstance(item.content, list) else \
-                    [InputPart(type="output_text" if item.role == "assistant" else "input_text", text=item.content or "")]
+                    [InputPart(type=kind_of_text, text=item.content or "")]
                 out["content"] = [{"type": p.type, "text": p.text or "",
                                    **({"annotations": []} if p.type == "output_text" else {})} for p in parts]
             elif kind == "function_call":

@@ -33,14 +33,17 @@ class ReasoningTokens:
 
 
 def response_logprobs(items: list[chat.TokenLogprob] | None) -> list[TokenLogprob]:
+    def top(a: chat.TopLogprob) -> TopLogprob:
+        return TopLogprob(token=a.token, logprob=a.logprob, bytes=a.bytes or list(a.token.encode()))
+
     return [TokenLogprob(token=t.token, logprob=t.logprob, bytes=t.bytes or list(t.token.encode()),
-                         top_logprobs=[TopLogprob(token=a.token, logprob=a.logprob, bytes=a.bytes or list(a.token.encode()))
-                                       for a in t.top_logprobs])
+                         top_logprobs=[top(a) for a in t.top_logprobs])
             for t in items or []]
 
 
 def status_of(finish: str | None) -> Status:
-    return {"length": "incomplete", "abort": "cancelled"}.get(finish or "stop", "completed")  # type: ignore[return-value]
+    status = {"length": "incomplete", "abort": "cancelled"}.get(finish or "stop", "completed")
+    return status  # type: ignore[return-value]
 
 
 def function_call_item(call: dict[str, Any], status: str = "completed") -> FunctionCall:
@@ -59,8 +62,8 @@ def output_items(message: chat.AssistantMessage, logprobs: list[chat.TokenLogpro
         items.append(ReasoningItem(id=new_id("rs"), content=[ReasoningText(text=reasoning)],
                                    status=item_status))  # type: ignore[arg-type]
     if message.content or not (isinstance(message.tool_calls, list) and message.tool_calls):
-        items.append(OutputMessage(id=new_id("msg"), status=item_status,  # type: ignore[arg-type]
-                                   content=[OutputText(text=message.content or "", logprobs=response_logprobs(logprobs))]))
+        text = OutputText(text=message.content or "", logprobs=response_logprobs(logprobs))
+        items.append(OutputMessage(id=new_id("msg"), status=item_status, content=[text]))  # type: ignore[arg-type]
     if isinstance(message.tool_calls, list):
         items += [function_call_item(c) for c in message.tool_calls]
     return items
@@ -68,7 +71,8 @@ def output_items(message: chat.AssistantMessage, logprobs: list[chat.TokenLogpro
 
 def response_usage(usage: chat.UsageInfo, reasoning_tokens: int) -> ResponseUsage:
     cached = usage.prompt_tokens_details.cached_tokens if usage.prompt_tokens_details is not None else 0
-    return ResponseUsage(input_tokens=usage.prompt_tokens, input_tokens_details=InputTokensDetails(cached_tokens=cached),
+    return ResponseUsage(input_tokens=usage.prompt_tokens,
+                         input_tokens_details=InputTokensDetails(cached_tokens=cached),
                          output_tokens=usage.completion_tokens,
                          output_tokens_details=OutputTokensDetails(reasoning_tokens=reasoning_tokens),
                          total_tokens=usage.total_tokens)
@@ -111,7 +115,7 @@ def finished_response(rp: ResponsesPlan, answer: chat.ChatCompletionResponse, re
 def output_messages(output: list[OutputItem]) -> list[ChatMessage]:
     """A response's output as the chat messages a continuing response (previous_response_id) sends
     the template: one assistant message with its reasoning, text and tool calls."""
-    msg = ChatMessage(role="assistant", content=None)
+    msg = ChatMessage(role="assistant", content="")  # "" with tool calls too (see responses_input._last_assistant)
     for item in output:
         if isinstance(item, ReasoningItem):
             msg.reasoning_content = "".join(c.text for c in item.content)
@@ -120,6 +124,4 @@ def output_messages(output: list[OutputItem]) -> list[ChatMessage]:
         elif isinstance(item, FunctionCall):
             msg.tool_calls = [*(msg.tool_calls or []), {"id": item.call_id, "type": "function",
                                                          "function": {"name": item.name, "arguments": item.arguments}}]
-    if msg.content is None and not msg.tool_calls:
-        msg.content = ""
     return [msg]

@@ -41,7 +41,8 @@ class InputItem(Struct, kw_only=True):
 
 
 class TextConfig(Struct, kw_only=True):
-    format: Annotated[dict[str, Any] | None, _d("{type: text | json_object | json_schema (name, schema, strict)}")] = None
+    format: Annotated[dict[str, Any] | None,
+                      _d("{type: text | json_object | json_schema (name, schema, strict)}")] = None
     verbosity: Annotated[str | None, _d("not supported: a 400 unless null")] = None
 
 
@@ -73,7 +74,8 @@ class ResponsesRequest(ResponsesNotSupported, kw_only=True):
     model: Annotated[str | None, _d("the served model id (or a loaded adapter); omitted: the served model")] = None
     input: Annotated[str | list[InputItem], _d("a string (one user message) or a list of items")] = ""
     instructions: Annotated[str | None, _d("a system message first; not carried to a continuing response")] = None
-    max_output_tokens: Annotated[int, _d("tokens to generate at most, reasoning included", ge=1, lt=INT32)] | None = None
+    max_output_tokens: Annotated[int, _d("tokens to generate at most, reasoning included",
+                                         ge=1, lt=INT32)] | None = None
     temperature: Annotated[float, _d("0 = greedy", ge=0.0, le=2.0)] | None = None
     top_p: Annotated[float, Meta(gt=0.0, le=1.0)] | None = None
     tools: Annotated[list[dict[str, Any]] | None, _d("function tools {type: function, name, parameters, "

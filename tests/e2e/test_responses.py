@@ -1,0 +1,93 @@
+"""End to end: /v1/responses on the session server (the default model), driven by the official openai
+client (its version is in docs/openai-api.md). Assertions are grouped so the file costs a few
+generations of a 135M model, not a server start of its own."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from openai.types.responses import Response
+from pydantic import BaseModel
+
+from .test_openai_api import chat_prompt_tokens, server_model
+
+pytestmark = pytest.mark.e2e
+
+QUESTION = "What is the capital of France?"
+INSTRUCTIONS = "Answer in one short sentence."
+WEATHER = {"type": "function", "name": "get_weather", "description": "The weather in a city.",
+           "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"],
+                          "additionalProperties": False}}
+
+
+def _strict(response: Response) -> Response:
+    """The response validated as the SDK's type (the client itself builds it leniently)."""
+    return Response.model_validate(response.to_dict(mode="json"))
+
+
+def test_text_instructions_logprobs_and_chat_equality(server, openai_client):
+    model = server_model(openai_client)
+    kwargs = dict(model=model, input=QUESTION, instructions=INSTRUCTIONS, max_output_tokens=40, temperature=0)
+    whole = _strict(openai_client.responses.create(**kwargs))
+    assert whole.id.startswith("resp_") and whole.status in ("completed", "incomplete") and whole.object == "response"
+    assert "Paris" in whole.output_text and whole.instructions == INSTRUCTIONS
+    messages = [{"role": "system", "content": INSTRUCTIONS}, {"role": "user", "content": QUESTION}]
+    assert whole.usage.input_tokens == chat_prompt_tokens(server, messages)
+    assert whole.usage.total_tokens == whole.usage.input_tokens + whole.usage.output_tokens
+
+    # greedy: the same answer as /v1/chat/completions for the same messages
+    chat = openai_client.chat.completions.create(model=model, messages=messages, max_tokens=40, temperature=0)
+    assert whole.output_text == chat.choices[0].message.content
+    assert whole.usage.output_tokens == chat.usage.completion_tokens
+
+    # logprobs of the output text, greedy: the sampled token is the most likely one
+    lp = openai_client.responses.create(**kwargs, include=["message.output_text.logprobs"], top_logprobs=2)
+    tokens = lp.output[0].content[0].logprobs
+    assert len(tokens) == lp.usage.output_tokens and all(len(t.top_logprobs) == 2 for t in tokens)
+    assert all(t.logprob == pytest.approx(t.top_logprobs[0].logprob, abs=1e-4) for t in tokens)
+
+
+def test_forced_tool_round_trip_and_parse(openai_client):
+    model = server_model(openai_client)
+    ask = [{"role": "user", "content": "What is the weather in Paris?"}]
+    forced = dict(model=model, tools=[WEATHER], tool_choice={"type": "function", "name": "get_weather"},
+                  max_output_tokens=40, temperature=0)
+    call_response = _strict(openai_client.responses.create(input=ask, **forced))
+    [call] = call_response.output
+    assert call.type == "function_call" and call.name == "get_weather" and call.call_id
+    assert set(json.loads(call.arguments)) == {"city"}
+
+    # the call and its output go back as items; the model answers in text
+    follow = _strict(openai_client.responses.create(
+        model=model, tools=[WEATHER], max_output_tokens=30, temperature=0,
+        input=[*ask, call.to_dict(mode="json"),
+               {"type": "function_call_output", "call_id": call.call_id, "output": "Sunny, 21 degrees."}]))
+    assert follow.output[-1].type == "message" and follow.output_text
+    assert follow.usage.input_tokens > call_response.usage.input_tokens
+
+    class City(BaseModel):
+        name: str
+        country: str
+
+    parsed = openai_client.responses.parse(model=model, input="Name one city in France.", text_format=City,
+                                           max_output_tokens=60, temperature=0)
+    assert isinstance(parsed.output_parsed, City) and parsed.output_parsed.name
+
+
+@pytest.mark.parametrize("body, status, param", [
+    ({"input": [{"role": "user", "content": [{"type": "input_text", "text": "What is this?"},
+                                             {"type": "input_image", "image_url": "https://example.com/a.png"}]}]},
+     400, "input[0].content[1].type"),
+    ({"input": "x", "tools": [{"type": "web_search"}]}, 400, "tools[0].type"),
+    ({"input": "x", "tools": [{"type": "file_search", "vector_store_ids": ["vs_1"]}]}, 400, "tools[0].type"),
+    ({"input": [{"type": "local_shell_call_output", "id": "x", "output": "y"}]}, 400, "input[0].type"),
+    ({"input": "x", "max_output_tokens": 0}, 400, "max_output_tokens"),
+])
+def test_errors_name_the_field(server, body, status, param):
+    import httpx
+
+    r = httpx.post(f"{server.url}/v1/responses", json=body, timeout=30)
+    assert r.status_code == status, r.text
+    error = r.json()["error"]
+    assert error["param"] == param and error["message"]
