@@ -149,11 +149,83 @@ def _client(**server):
     return TestClient(build_app(backend, ServerConfig(**server))), backend
 
 
-def test_route_answers_a_whole_response_the_sdk_validates():
-    client, backend = _client()
-    whole = client.post("/v1/responses", json={"input": "hi", "instructions": "Be brief."}).json()
+def _events(text: str) -> list[dict]:
+    """The SSE events of a body, each checked to be `event: <type>` over data of that type."""
+    out = []
+    for block in text.strip().split("\n\n"):
+        head, data = block.split("\n", 1)
+        event = json.loads(data.removeprefix("data: "))
+        assert head == f"event: {event['type']}"
+        out.append(event)
+    return out
+
+
+def test_route_stream_events_parse_as_the_sdk_types_and_end_as_the_whole_response():
+    from openai.types.responses import ResponseStreamEvent
+    from pydantic import TypeAdapter
+
+    client, _ = _client()
+    whole = client.post("/v1/responses", json={"input": "hi"}).json()
     assert Response.model_validate(whole).output_text == "Hello world"
-    assert backend.submits[-1].messages == [{"role": "system", "content": "Be brief."},
-                                            {"role": "user", "content": "hi"}]
-    r = client.post("/v1/responses", json={"input": "hi", "tools": [{"type": "web_search"}]})
-    assert r.status_code == 400 and r.json()["error"]["param"] == "tools[0].type"
+    r = client.post("/v1/responses", json={"input": "hi", "stream": True})
+    assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+    events = _events(r.text)
+    adapter = TypeAdapter(ResponseStreamEvent)
+    parsed = [adapter.validate_python(e) for e in events]
+    assert [e.sequence_number for e in parsed] == list(range(len(parsed)))
+    assert [e.type for e in parsed] == [
+        "response.created", "response.in_progress", "response.output_item.added", "response.content_part.added",
+        "response.output_text.delta", "response.output_text.delta", "response.output_text.done",
+        "response.content_part.done", "response.output_item.done", "response.incomplete"]
+    assert "".join(e.delta for e in parsed if e.type == "response.output_text.delta") == "Hello world"
+    final = parsed[-1].response
+    assert final.output_text == whole["output"][0]["content"][0]["text"] and final.status == whole["status"]
+
+
+def _thinking_script(fail: bool = False):
+    from parallm.api.backend import BackendError
+    from parallm.protocol import Output, Usage, pack_ids
+
+    def script(submit):
+        outs = [Output(rid=submit.rid, token_ids=pack_ids([5]), reasoning="Let me "),
+                Output(rid=submit.rid, token_ids=pack_ids([6]), reasoning="think."),
+                Output(rid=submit.rid, token_ids=pack_ids([7])),  # the end marker: neither
+                Output(rid=submit.rid, token_ids=pack_ids([8]), text="Paris")]
+        if fail:
+            return [*outs[:2], BackendError(503, "stage_restarted", "The engine restarted.", retryable=True)]
+        outs.append(Output(rid=submit.rid, token_ids=pack_ids([9]), text=".", finish_reason="stop",
+                           usage=Usage(prompt_tokens=4, completion_tokens=5)))
+        return outs
+
+    return script
+
+
+def test_reasoning_is_its_own_item_streamed_or_not_and_a_failure_mid_stream_is_error_then_failed():
+    from openai.types.responses import ResponseStreamEvent
+    from pydantic import TypeAdapter
+    from starlette.testclient import TestClient
+
+    from parallm.api.app import build_app
+    from parallm.config import ServerConfig
+    from test_api_fakes import FakeBackend
+
+    client = TestClient(build_app(FakeBackend(script=_thinking_script()), ServerConfig()))
+    whole = Response.model_validate(client.post("/v1/responses", json={"input": "hi"}).json())
+    assert [o.type for o in whole.output] == ["reasoning", "message"]
+    assert whole.output[0].content[0].text == "Let me think." and whole.output_text == "Paris."
+    assert whole.usage.output_tokens_details.reasoning_tokens == 2 and whole.status == "completed"
+    adapter = TypeAdapter(ResponseStreamEvent)
+    events = [adapter.validate_python(e) for e in _events(client.post("/v1/responses",
+                                                                      json={"input": "hi", "stream": True}).text)]
+    kinds = [e.type for e in events]
+    assert kinds.count("response.reasoning_text.delta") == 2 and kinds[-1] == "response.completed"
+    assert kinds.index("response.reasoning_text.done") < kinds.index("response.output_text.delta")
+    final = events[-1].response
+    assert [o.type for o in final.output] == ["reasoning", "message"] and final.output_text == "Paris."
+    assert final.usage.output_tokens_details.reasoning_tokens == 2
+
+    broken = TestClient(build_app(FakeBackend(script=_thinking_script(fail=True)), ServerConfig()))
+    events = [adapter.validate_python(e) for e in _events(broken.post("/v1/responses",
+                                                                      json={"input": "hi", "stream": True}).text)]
+    assert [e.type for e in events[-3:]] == ["response.output_item.done", "error", "response.failed"]
+    assert events[-2].code == "stage_restarted" and events[-1].response.status == "failed"

@@ -7,8 +7,8 @@ from __future__ import annotations
 import json
 
 import pytest
-from openai.types.responses import Response
-from pydantic import BaseModel
+from openai.types.responses import Response, ResponseStreamEvent
+from pydantic import BaseModel, TypeAdapter
 
 from .test_openai_api import chat_prompt_tokens, server_model
 
@@ -19,6 +19,7 @@ INSTRUCTIONS = "Answer in one short sentence."
 WEATHER = {"type": "function", "name": "get_weather", "description": "The weather in a city.",
            "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"],
                           "additionalProperties": False}}
+EVENTS = TypeAdapter(ResponseStreamEvent)
 
 
 def _strict(response: Response) -> Response:
@@ -26,7 +27,7 @@ def _strict(response: Response) -> Response:
     return Response.model_validate(response.to_dict(mode="json"))
 
 
-def test_text_instructions_logprobs_and_chat_equality(server, openai_client):
+def test_text_instructions_logprobs_stream_and_chat_equality(server, openai_client):
     model = server_model(openai_client)
     kwargs = dict(model=model, input=QUESTION, instructions=INSTRUCTIONS, max_output_tokens=40, temperature=0)
     whole = _strict(openai_client.responses.create(**kwargs))
@@ -40,6 +41,23 @@ def test_text_instructions_logprobs_and_chat_equality(server, openai_client):
     chat = openai_client.chat.completions.create(model=model, messages=messages, max_tokens=40, temperature=0)
     assert whole.output_text == chat.choices[0].message.content
     assert whole.usage.output_tokens == chat.usage.completion_tokens
+
+    # streamed: every event parses as its SDK type, in sequence, and accumulates to the same text
+    events = list(openai_client.responses.create(**kwargs, stream=True))
+    typed = [EVENTS.validate_python(e.to_dict(mode="json")) for e in events]
+    assert [e.sequence_number for e in typed] == list(range(len(typed)))
+    kinds = [e.type for e in typed]
+    assert kinds[:4] == ["response.created", "response.in_progress", "response.output_item.added",
+                         "response.content_part.added"]
+    assert kinds[-1] == ("response.completed" if whole.status == "completed" else "response.incomplete")
+    assert {"response.output_text.delta", "response.output_text.done", "response.content_part.done",
+            "response.output_item.done"} <= set(kinds)
+    assert "".join(e.delta for e in typed if e.type == "response.output_text.delta") == whole.output_text
+    assert typed[-1].response.output_text == whole.output_text
+    assert typed[-1].response.usage.output_tokens == whole.usage.output_tokens
+    with openai_client.responses.stream(**kwargs) as stream:
+        assert "".join(e.delta for e in stream if e.type == "response.output_text.delta") == whole.output_text
+        assert stream.get_final_response().output_text == whole.output_text
 
     # logprobs of the output text, greedy: the sampled token is the most likely one
     lp = openai_client.responses.create(**kwargs, include=["message.output_text.logprobs"], top_logprobs=2)
@@ -57,6 +75,12 @@ def test_forced_tool_round_trip_and_parse(openai_client):
     [call] = call_response.output
     assert call.type == "function_call" and call.name == "get_weather" and call.call_id
     assert set(json.loads(call.arguments)) == {"city"}
+
+    streamed = [EVENTS.validate_python(e.to_dict(mode="json"))
+                for e in openai_client.responses.create(input=ask, stream=True, **forced)]
+    args = "".join(e.delta for e in streamed if e.type == "response.function_call_arguments.delta")
+    assert args == call.arguments
+    assert [e.arguments for e in streamed if e.type == "response.function_call_arguments.done"] == [call.arguments]
 
     # the call and its output go back as items; the model answers in text
     follow = _strict(openai_client.responses.create(
