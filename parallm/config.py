@@ -215,6 +215,10 @@ class ServerConfig(Struct, frozen=True, kw_only=True, forbid_unknown_fields=True
     tool_call_parser: Annotated[str, _d("how tool calls are read from a chat answer (tool_choice auto): a parser name "
                                         "(mlx-lm's, e.g. json_tools, qwen3_coder, mistral, plus llama3_json); "
                                         "empty = inferred from the model's chat template and vocabulary")] = ""
+    responses_store_max: Annotated[int, _d("stored /v1/responses responses kept (least recently used evicted first); "
+                                           "0 = none kept")] = 1024
+    responses_store_mb: Annotated[int, _d("MiB the stored /v1/responses responses may take (their JSON); 0 = no "
+                                          "bound but the count")] = 64
     first_token_timeout_s: Annotated[float, _d("seconds to the first token before 504; 0 = none")] = 0.0
     request_timeout_s: Annotated[float, _d("seconds for a whole request before 504; 0 = none")] = 0.0
     header_timeout_s: Annotated[float, _d("seconds a request's headers may take to arrive (from the connection or "

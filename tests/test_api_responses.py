@@ -180,6 +180,58 @@ def test_route_stream_events_parse_as_the_sdk_types_and_end_as_the_whole_respons
     assert "".join(e.delta for e in parsed if e.type == "response.output_text.delta") == "Hello world"
     final = parsed[-1].response
     assert final.output_text == whole["output"][0]["content"][0]["text"] and final.status == whole["status"]
+    assert client.get(f"/v1/responses/{final.id}").json()["output"][0]["content"][0]["text"] == "Hello world"
+
+
+def test_store_is_bounded_lru_and_get_delete_answer_404_after():
+    client, _ = _client(responses_store_max=2)
+    ids = [client.post("/v1/responses", json={"input": f"q{i}"}).json()["id"] for i in range(3)]
+    assert client.get(f"/v1/responses/{ids[0]}").status_code == 404  # evicted (least recently used)
+    assert client.get(f"/v1/responses/{ids[1]}").status_code == 200
+    client.post("/v1/responses", json={"input": "q3"})                 # evicts ids[2]: ids[1] was used since
+    assert client.get(f"/v1/responses/{ids[2]}").status_code == 404
+    assert client.get(f"/v1/responses/{ids[1]}").status_code == 200
+    r = client.post("/v1/responses", json={"input": "again", "previous_response_id": ids[0]})
+    assert r.status_code == 404 and r.json()["error"]["param"] == "previous_response_id"
+    assert client.delete(f"/v1/responses/{ids[1]}").json() == {"id": ids[1], "object": "response", "deleted": True}
+    gone = client.get(f"/v1/responses/{ids[1]}")
+    assert gone.status_code == 404 and gone.json()["error"]["code"] == "response_not_found"
+    assert client.post("/v1/responses", json={"input": "x", "store": False}).status_code == 200
+    small, _ = _client(responses_store_mb=0, responses_store_max=1000)
+    assert small.get(f"/v1/responses/{small.post('/v1/responses', json={'input': 'x'}).json()['id']}").status_code == 200
+
+
+def test_previous_response_id_sends_the_conversation_and_input_items_list():
+    client, backend = _client()
+    first = client.post("/v1/responses", json={"input": "one", "instructions": "Be brief."}).json()
+    client.post("/v1/responses", json={"input": [{"role": "user", "content": "two"}],
+                                       "previous_response_id": first["id"]})
+    assert backend.submits[-1].messages == [{"role": "user", "content": "one"},
+                                            {"role": "assistant", "content": "Hello world"},
+                                            {"role": "user", "content": "two"}]
+    items = client.get(f"/v1/responses/{first['id']}/input_items").json()
+    assert [i["content"][0]["text"] for i in items["data"]] == ["one"] and items["has_more"] is False
+
+
+def test_background_cancel_aborts_the_generation():
+    from test_api_fakes import FakeBackend
+
+    from parallm.api.app import build_app
+    from parallm.config import ServerConfig
+    from starlette.testclient import TestClient
+
+    backend = FakeBackend(hang_after=1)
+    with TestClient(build_app(backend, ServerConfig())) as client:
+        queued = client.post("/v1/responses", json={"input": "x", "background": True}).json()
+        assert queued["status"] == "queued" and queued["background"] is True
+        cancelled = client.post(f"/v1/responses/{queued['id']}/cancel").json()
+        assert cancelled["status"] == "cancelled"
+        assert client.get(f"/v1/responses/{queued['id']}").json()["status"] == "cancelled"
+        assert backend.closed  # the backend iterator was closed: the request aborted in the engine
+        backend.hang_after = None
+        done = client.post("/v1/responses", json={"input": "y"}).json()
+        r = client.post(f"/v1/responses/{done['id']}/cancel")
+        assert r.status_code == 400 and "background" in r.json()["error"]["message"]
 
 
 def _thinking_script(fail: bool = False):
@@ -229,3 +281,28 @@ def test_reasoning_is_its_own_item_streamed_or_not_and_a_failure_mid_stream_is_e
                                                                       json={"input": "hi", "stream": True}).text)]
     assert [e.type for e in events[-3:]] == ["response.output_item.done", "error", "response.failed"]
     assert events[-2].code == "stage_restarted" and events[-1].response.status == "failed"
+    assert broken.get(f"/v1/responses/{events[-1].response.id}").json()["status"] == "failed"
+
+
+def test_a_background_response_cancelled_before_it_started_releases_its_slot():
+    import asyncio
+
+    from parallm.api.generation import GenerationRoutes
+    from parallm.api.responses_routes import ResponsesRoutes
+    from parallm.config import ServerConfig
+    from test_api_fakes import FakeBackend
+
+    async def scenario():
+        backend = FakeBackend(hang_after=0)
+        gen = GenerationRoutes(backend, ServerConfig())
+        routes = ResponsesRoutes(backend, ServerConfig(), gen)
+        rp = responses_plan(ResponsesRequest(input="x", background=True), gen.limits())
+        gen.gate.enter()
+        routes._background(rp)
+        task = routes.store.get(rp.plan.id).task
+        task.cancel()  # before its first step: _run's body never runs
+        await asyncio.wait([task])
+        await asyncio.sleep(0)
+        return gen.gate.in_flight, routes.store.get(rp.plan.id).response.status, backend.submits
+
+    assert asyncio.run(scenario()) == (0, "cancelled", [])

@@ -5,7 +5,10 @@ generations of a 135M model, not a server start of its own."""
 from __future__ import annotations
 
 import json
+import time
+import uuid
 
+import openai
 import pytest
 from openai.types.responses import Response, ResponseStreamEvent
 from pydantic import BaseModel, TypeAdapter
@@ -99,6 +102,51 @@ def test_forced_tool_round_trip_and_parse(openai_client):
     assert isinstance(parsed.output_parsed, City) and parsed.output_parsed.name
 
 
+def test_previous_response_id_store_background_and_cancel(openai_client):
+    model = server_model(openai_client)
+    tag = uuid.uuid4().hex[:8]  # a prompt no other test cached
+    first = openai_client.responses.create(model=model, input=f"[{tag}] Name a fruit that is red.",
+                                           max_output_tokens=16, temperature=0)
+    second = openai_client.responses.create(model=model, input="And one that is yellow?", max_output_tokens=16,
+                                            temperature=0, previous_response_id=first.id)
+    third = openai_client.responses.create(model=model, input="And one that is green?", max_output_tokens=16,
+                                           temperature=0, previous_response_id=second.id)
+    assert third.previous_response_id == second.id
+    # each turn's prompt holds the whole conversation, and its start is read from the prefix cache
+    assert first.usage.input_tokens < second.usage.input_tokens < third.usage.input_tokens
+    for before, after in ((first, second), (second, third)):
+        assert after.usage.input_tokens_details.cached_tokens >= before.usage.input_tokens // 16 * 16 > 0
+    assert third.usage.input_tokens_details.cached_tokens > second.usage.input_tokens_details.cached_tokens
+
+    stored = openai_client.responses.retrieve(first.id)
+    assert stored.output_text == first.output_text and stored.status == first.status
+    items = openai_client.responses.input_items.list(second.id)
+    assert [i.content[0].text for i in items.data] == ["And one that is yellow?"]
+    openai_client.responses.delete(first.id)
+    with pytest.raises(openai.NotFoundError):
+        openai_client.responses.retrieve(first.id)
+    with pytest.raises(openai.NotFoundError) as err:
+        openai_client.responses.create(model=model, input="x", previous_response_id=first.id)
+    assert err.value.body["param"] == "previous_response_id"
+    assert openai_client.responses.retrieve(third.id).output_text == third.output_text  # a stored turn stays
+
+    # background: answered at once, polled to its end; a long one is cancelled and aborted
+    quick = openai_client.responses.create(model=model, input=QUESTION, max_output_tokens=8, temperature=0,
+                                           background=True)
+    assert quick.status in ("queued", "in_progress") and quick.background
+    long = openai_client.responses.create(model=model, input="Tell me a very long story about a dragon.",
+                                          max_output_tokens=4000, background=True, extra_body={"ignore_eos": True})
+    cancelled = openai_client.responses.cancel(long.id)
+    assert cancelled.status == "cancelled" and cancelled.usage.output_tokens < 4000
+    assert openai_client.responses.retrieve(long.id).status == "cancelled"
+    deadline = time.monotonic() + 60
+    while (done := openai_client.responses.retrieve(quick.id)).status in ("queued", "in_progress"):
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    sync = openai_client.responses.create(model=model, input=QUESTION, max_output_tokens=8, temperature=0)
+    assert done.status == sync.status and done.output_text == sync.output_text
+
+
 @pytest.mark.parametrize("body, status, param", [
     ({"input": [{"role": "user", "content": [{"type": "input_text", "text": "What is this?"},
                                              {"type": "input_image", "image_url": "https://example.com/a.png"}]}]},
@@ -107,6 +155,7 @@ def test_forced_tool_round_trip_and_parse(openai_client):
     ({"input": "x", "tools": [{"type": "file_search", "vector_store_ids": ["vs_1"]}]}, 400, "tools[0].type"),
     ({"input": [{"type": "local_shell_call_output", "id": "x", "output": "y"}]}, 400, "input[0].type"),
     ({"input": "x", "max_output_tokens": 0}, 400, "max_output_tokens"),
+    ({"input": "x", "previous_response_id": "resp_unknown"}, 404, "previous_response_id"),
 ])
 def test_errors_name_the_field(server, body, status, param):
     import httpx
@@ -115,3 +164,5 @@ def test_errors_name_the_field(server, body, status, param):
     assert r.status_code == status, r.text
     error = r.json()["error"]
     assert error["param"] == param and error["message"]
+    r = httpx.get(f"{server.url}/v1/responses/resp_unknown", timeout=30)
+    assert r.status_code == 404 and r.json()["error"]["code"] == "response_not_found"
