@@ -33,7 +33,7 @@ MODEL = "default"
 FUZZ = settings(max_examples=EXAMPLES, deadline=None, derandomize=True, database=None,
                 suppress_health_check=list(HealthCheck))
 
-CAPS = {"max_tokens": 2, "max_completion_tokens": 2, "n": 2, "best_of": 2, "min_tokens": 2, "logprobs": 2,
+CAPS = {"max_tokens": 2, "max_completion_tokens": 2, "max_output_tokens": 2, "n": 2, "best_of": 2, "min_tokens": 2, "logprobs": 2,
         "top_logprobs": 2, "prompt_logprobs": 2}
 
 
@@ -50,6 +50,8 @@ def cheap(body):
     if sglang:  # SGLang's /generate: its sampling_params (a top-level max_tokens would mix two formats)
         sampling = body.get("sampling_params") if isinstance(body.get("sampling_params"), dict) else {}
         body["sampling_params"] = {**sampling, "max_new_tokens": 2, "n": min(sampling.get("n", 1), 2)}
+    elif "input" in body:  # /v1/responses
+        body.setdefault("max_output_tokens", 2)
     else:
         body.setdefault("max_tokens", 2)
     prompt = body.get("prompt")
@@ -95,7 +97,8 @@ def test_the_document_has_body_operations(spec):
     assert {"/v1/completions", "/v1/chat/completions", "/v1/tokenize", "/v1/detokenize"} <= paths
 
 
-@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions", "/v1/tokenize", "/v1/detokenize"])
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions", "/v1/responses", "/v1/tokenize",
+                                  "/v1/detokenize"])
 def test_valid_and_invalid_bodies_never_get_a_5xx(fuzz_server, spec, path):
     [(_, _, schema)] = [op for op in body_operations(spec) if op[1] == path]
     valid = from_schema(schema, schema)
@@ -152,7 +155,7 @@ def test_server_is_healthy_after_fuzzing(fuzz_server):
 
 
 GENERATING = ("/v1/completions", "/v1/chat/completions", "/generate", "/generate/", "/inference/v1/generate",
-              "/v1/chat/completions/tokens")
+              "/v1/chat/completions/tokens", "/v1/responses")
 
 
 def schema_mismatch(response: httpx.Response) -> bool:
