@@ -6,6 +6,8 @@ BIN    := $(VENV)/bin
 HOST   ?= 127.0.0.1
 PORT   ?= 8000
 ARGS   ?=
+# pytest-xdist workers for `make test` / `make test-slow` (docs/testing.md: what 2 measured on 2 cores)
+TEST_WORKERS ?= 2
 
 .PHONY: install install-test perf-deps serve test test-slow test-all clean
 
@@ -37,10 +39,10 @@ serve: install
 	$(BIN)/parallm-launch --host $(HOST) --port $(PORT) $(ARGS)
 
 test: install-test
-	$(BIN)/python -m pytest $(ARGS)
+	$(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadfile $(ARGS)
 
 test-slow: install-test $(VENV)/.rl-clients
-	$(BIN)/python -m pytest -m slow $(ARGS)
+	$(BIN)/python -m pytest -m slow -n $(TEST_WORKERS) --dist loadfile $(ARGS)
 
 test-all: install-test
 	$(BIN)/python -m pytest -m '' $(ARGS)
