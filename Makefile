@@ -6,7 +6,8 @@ BIN    := $(VENV)/bin
 HOST   ?= 127.0.0.1
 PORT   ?= 8000
 ARGS   ?=
-# pytest-xdist workers for `make test` / `make test-slow` (docs/testing.md: what 2 measured on 2 cores)
+# pytest-xdist workers for `make test` (docs/testing.md: what 2 measured on 2 cores); the slow tier runs in
+# one process, since its soaks, rank groups and training runs each load the cores by themselves
 TEST_WORKERS ?= 2
 
 .PHONY: install install-test perf-deps serve test test-slow test-all clean
@@ -42,7 +43,7 @@ test: install-test
 	$(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadfile $(ARGS)
 
 test-slow: install-test $(VENV)/.rl-clients
-	$(BIN)/python -m pytest -m slow -n $(TEST_WORKERS) --dist loadfile $(ARGS)
+	$(BIN)/python -m pytest -m slow $(ARGS)
 
 test-all: install-test
 	$(BIN)/python -m pytest -m '' $(ARGS)

@@ -18,6 +18,7 @@ CONFIG = Path(__file__).resolve().parents[2] / "examples" / "train_length_cpu.to
 STEPS = 24
 
 
+@pytest.mark.timeout(1800)  # its own deadline below (1500 s) is the bound; pytest-timeout's 600 s default cut it
 def test_mean_reward_rises_within_24_steps(tmp_path):
     ckpt = tmp_path / "ckpt"
     metrics = ckpt / "metrics.jsonl"
