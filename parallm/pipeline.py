@@ -168,7 +168,7 @@ class Pipeline:
         return stream
 
     def abort(self, rids: Iterable[str] = (), *, all: bool = False, sequences: Iterable[tuple[str, int]] = (),
-              reason: str = "abort") -> bool:
+              reason: protocol.FinishReason = "abort") -> bool:
         """Ask the engine to end requests (every sample), single samples, or all; never waits (False
         when the engine's queue is full or the connection is closed)."""
         if self._closing or "engine" not in self._push:

@@ -22,6 +22,9 @@ FinishReason = Literal["stop", "length", "abort", "error"]
 """Why a sequence ended, everywhere from the engine to the client: a stop token or string, max_tokens,
 an abort (a client, a stop string matched by the detokenizer, a pause), or a failure."""
 
+ConstraintKind = Literal["json_schema", "json_object", "regex", "choice", "lark", "gbnf"]
+"""The grammar languages a Constraint may be written in."""
+
 
 # --------------------------------------------------------------------------- packed arrays
 
@@ -93,7 +96,7 @@ class Constraint(Struct, kw_only=True, forbid_unknown_fields=True):
     text inside it (llguidance). `kind`: json_schema (`value` the schema as JSON text), json_object
     (any JSON object; `value` empty), regex, choice (`value` a JSON list of strings), lark or gbnf."""
 
-    kind: str
+    kind: ConstraintKind
     value: str = ""
     # the grammar begins after the model's reasoning (its thinking markers' end), not at the first token
     # (a chat request with thinking on; parallm/engine/think_gate.py)
@@ -234,12 +237,16 @@ class Score(Message, tag="score"):
 
 
 class Abort(Message, tag="abort"):
-    """End requests (every sample of each rid), single samples (`sequences`: [rid, index]), or all."""
+    """End requests (every sample of each rid), single samples (`sequences`: [rid, index]), or all.
+    `reason` becomes the sequences' finish reason, so it is one of FinishReason. Unanswered when it
+    works; an abort the codec rejects is answered with RequestError (rid = `qid`) when it names `reply_to`."""
 
     rids: list[str] = []
     sequences: list[tuple[str, int]] = []
     all: bool = False
-    reason: str = "abort"
+    reason: FinishReason = "abort"
+    qid: str = ""
+    reply_to: bytes = b""
 
 
 class Pause(Message, tag="pause"):
@@ -851,7 +858,36 @@ AnyMessage = Union[TextSubmit, Tokenize, Detokenize, GetStats, Submit, Score, Ab
 
 
 class ProtocolError(ValueError):
-    """A frame that is not a valid message for the socket it arrived on."""
+    """A frame that is not a valid message for the socket it arrived on. `reply` is the error to send
+    back when the frame names who sent it (a `reply_to` and a `rid` or `qid`), else None."""
+
+    def __init__(self, message: str, reply: "RequestError | None" = None) -> None:
+        super().__init__(message)
+        self.reply = reply
+
+
+class _Sender(Struct):
+    """Who a rejected frame came from, read leniently (unknown fields ignored)."""
+
+    rid: str = ""
+    qid: str = ""
+    reply_to: bytes = b""
+
+
+_sender_decoder = msgspec.msgpack.Decoder(_Sender)
+
+
+def rejection(data: bytes, why: str) -> RequestError | None:
+    """The 400 answer to a rejected frame, addressed to its sender; None when it names none."""
+    try:
+        sender = _sender_decoder.decode(data)
+    except Exception:  # noqa: BLE001 - not even a map of the right field types: nobody to answer
+        return None
+    rid = sender.qid or sender.rid
+    if not rid or not sender.reply_to:
+        return None
+    return RequestError(rid=rid, reply_to=sender.reply_to, status=400, code="invalid_message",
+                        message=f"the message was rejected: {why}")
 
 
 _encoder = msgspec.msgpack.Encoder()
@@ -870,13 +906,15 @@ class Decoder:
     def decode(self, data: bytes) -> Any:
         try:
             message = self._decoder.decode(data)
-        except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+        except msgspec.ValidationError as exc:
+            raise ProtocolError(str(exc), rejection(data, str(exc))) from None
+        except (msgspec.DecodeError, UnicodeDecodeError) as exc:  # bad UTF-8 in a str is not a DecodeError
             raise ProtocolError(str(exc)) from None
         except RecursionError:
             raise ProtocolError("the frame nests maps or arrays too deeply") from None
         if message.v != PROTOCOL_VERSION:
-            raise ProtocolError(f"protocol version {message.v} is not supported (this server speaks "
-                                f"{PROTOCOL_VERSION})")
+            why = f"protocol version {message.v} is not supported (this server speaks {PROTOCOL_VERSION})"
+            raise ProtocolError(why, rejection(data, why))
         return message
 
 

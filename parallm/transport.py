@@ -199,12 +199,15 @@ class Sender:
 
 
 class Receiver(Generic[M]):
-    """A PULL or SUB socket that yields messages of the accepted types; malformed frames are dropped."""
+    """A PULL or SUB socket that yields messages of the accepted types; malformed frames are dropped,
+    and `on_rejected` gets the error for one that names its sender (protocol.rejection)."""
 
-    def __init__(self, sock: zmq.Socket, accepts: Any, *, name: str = "") -> None:
+    def __init__(self, sock: zmq.Socket, accepts: Any, *, name: str = "",
+                 on_rejected: Callable[[protocol.RequestError], None] | None = None) -> None:
         self.sock = sock
         self.decoder = protocol.Decoder(accepts)
         self.name = name or repr(accepts)
+        self.on_rejected = on_rejected
         self.dropped = 0
 
     def _decode(self, frames: list[bytes]) -> M | None:
@@ -214,6 +217,8 @@ class Receiver(Generic[M]):
         except protocol.ProtocolError as exc:
             self.dropped += 1
             log.warning("dropped a malformed message on %s (%d bytes): %s", self.name, len(data), exc)
+            if exc.reply is not None and self.on_rejected is not None:
+                self.on_rejected(exc.reply)
             return None
 
     def recv(self, timeout_ms: int | None = None) -> M | None:

@@ -132,9 +132,10 @@ class EngineStage:
         ctx = runtime.ctx
         hwm = config.transport.hwm
         replica = runtime.replica
-        self.inbox: Receiver = Receiver(open_socket(ctx, zmq.PULL, routing.engine_address(
-            runtime.addrs, replica, config.engine), bind=True, hwm=hwm), protocol.EngineInbound, name="engine")
         self.out = Sender(open_socket(ctx, zmq.PUSH, runtime.addrs.detok, bind=False, hwm=hwm))
+        self.inbox: Receiver = Receiver(open_socket(ctx, zmq.PULL, routing.engine_address(
+            runtime.addrs, replica, config.engine), bind=True, hwm=hwm), protocol.EngineInbound, name="engine",
+            on_rejected=self.refuse)
         # replica 0 hands aborts, adapter versions and pauses on to the other replicas (parallm/routing.py)
         self.peers = [Sender(open_socket(ctx, zmq.PUSH, routing.engine_address(runtime.addrs, i, config.engine),
                                          bind=False, hwm=hwm, curve=routing.replica_curve(config, i)))
@@ -151,7 +152,7 @@ class EngineStage:
         sub = open_socket(ctx, zmq.SUB, routing.adapters_address(runtime.addrs, replica, config.engine), bind=True,
                           hwm=hwm)
         sub.setsockopt(zmq.SUBSCRIBE, b"")
-        self.adapter_sub: Receiver = Receiver(sub, protocol.EngineInbound, name="adapters")
+        self.adapter_sub: Receiver = Receiver(sub, protocol.EngineInbound, name="adapters", on_rejected=self.refuse)
         self.poller = zmq.Poller()
         self.poller.register(self.inbox.sock, zmq.POLLIN)
         self.poller.register(sub, zmq.POLLIN)
@@ -226,6 +227,11 @@ class EngineStage:
             self.engine.abort(rid, message.reason)
         for rid, index in message.sequences:
             self.engine.abort(rid, message.reason, index=index)
+
+    def refuse(self, error: protocol.RequestError) -> None:
+        """A message the codec rejected (a wrong field type, a value outside an enum) is answered, through
+        the detokenizer, to the client it names; it never reaches the engine."""
+        self.out.send(error, block=False)
 
     def reply(self, message: protocol.Reply) -> None:
         """Send a control reply to whoever asked (nothing when the request named no qid: a trainer's

@@ -30,7 +30,8 @@ class TokenizerStage:
         self.templater = templater
         ctx, addrs, hwm = runtime.ctx, runtime.addrs, config.transport.hwm
         self.inbox = Receiver(open_socket(ctx, zmq.PULL, addrs.tokenizers[runtime.replica], bind=True, hwm=hwm),
-                              protocol.TokenizerInbound, name="tokenizer")
+                              protocol.TokenizerInbound, name="tokenizer",
+                              on_rejected=lambda error: self.to_detok.send(error, block=False))
         # one PUSH per engine replica; Router picks one per request (load, prefix affinity)
         replicas = routing.replica_count(config.engine)  # remote ones take nothing until the supervisor hears them
         self.to_engines = [Sender(open_socket(ctx, zmq.PUSH, routing.engine_address(addrs, i, config.engine),

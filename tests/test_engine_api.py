@@ -124,6 +124,11 @@ def test_abort_frees_row_and_blocks_at_once(engines, model):
     e.add_request(req("w", prompt(5), greedy(5)))
     assert e.abort("w")
     assert [o.finish_reason for o in e.step()] == ["abort"]
+    # a reason outside protocol.FinishReason would make the step's outputs undecodable (issue 30)
+    e.add_request(req("x", prompt(5), greedy(5)))
+    with pytest.raises(ValueError, match="bogus"):
+        e.abort("x", reason="bogus")
+    assert "x" in e.request_ids()
 
 
 def test_n_greater_than_one_prefills_once_and_forks(engines, model):

@@ -89,3 +89,59 @@ def test_a_frame_nested_100k_deep_is_a_protocol_error(accepted):
     for data in (deep, frame):
         with pytest.raises(p.ProtocolError):
             p.Decoder(accepted).decode(data)
+
+
+def _frame(**fields) -> bytes:
+    return msgpack.packb({"v": 2, **fields})
+
+
+def test_enum_fields_are_checked_by_the_codec_and_the_sender_is_answered():
+    """Issue 30: an abort `reason` outside FinishReason was copied into the step's finish_reason and made the
+    detokenizer reject the whole step message (other requests' tokens lost). The codec rejects it at the
+    door, with a 400 addressed to whoever the frame names."""
+    frame = _frame(type="abort", rids=["x"], reason="my-reason", qid="q1", reply_to=b"me")
+    with pytest.raises(p.ProtocolError) as err:
+        p.decode(frame, p.EngineInbound)
+    reply = err.value.reply
+    assert (reply.rid, reply.reply_to, reply.status, reply.code) == ("q1", b"me", 400, "invalid_message")
+    assert "my-reason" in reply.message or "enum" in reply.message.lower()
+    assert "$.reason" in reply.message
+    # a valid reason still decodes; an abort naming no one is dropped without an answer
+    assert p.decode(_frame(type="abort", rids=["x"], reason="stop"), p.EngineInbound).reason == "stop"
+    with pytest.raises(p.ProtocolError) as err:
+        p.decode(_frame(type="abort", rids=["x"], reason="nope"), p.EngineInbound)
+    assert err.value.reply is None
+
+
+def test_a_constraint_kind_outside_the_enum_is_refused_to_the_submitter():
+    def frame(kind):
+        spec = {"params": {"constraint": {"kind": kind, "value": "x"}}}
+        return _frame(type="submit", rid="r9", reply_to=b"c", prompt_ids=p.pack_ids([1]), spec=spec)
+
+    with pytest.raises(p.ProtocolError) as err:
+        p.decode(frame("python"), p.EngineInbound)
+    assert (err.value.reply.rid, err.value.reply.reply_to) == ("r9", b"c")
+    assert "constraint.kind" in err.value.reply.message
+    assert p.decode(frame("regex"), p.EngineInbound).spec.params.constraint.kind == "regex"
+
+
+def test_a_string_that_is_not_utf8_is_a_protocol_error():
+    """msgspec raises UnicodeDecodeError (not a DecodeError) for a str field holding bad UTF-8; it escaped
+    the Decoder, past every Receiver, into the stage's loop."""
+    frame = msgpack.packb({"v": 2, "type": "abort", "rids": ["x"]}).replace(b"\xa1x", b"\xa1\xff")
+    with pytest.raises(p.ProtocolError):
+        p.decode(frame, p.EngineInbound)
+
+
+def test_every_enum_field_is_a_literal():
+    """The fields docs/protocol.md lists as enums are typed so that the codec checks them."""
+    import typing
+
+    def literal(struct, name):
+        hint = typing.get_type_hints(struct)[name]
+        return any(typing.get_origin(a) is typing.Literal for a in (hint, *typing.get_args(hint)))
+
+    for struct, name in ((p.Abort, "reason"), (p.Constraint, "kind"), (p.Pause, "mode"), (p.AdapterPublish, "format"),
+                         (p.SeqDelta, "finish_reason"), (p.Output, "finish_reason"), (p.Rollout, "finish_reason"),
+                         (p.PauseState, "mode"), (p.TrainingStatus, "state")):
+        assert literal(struct, name), (struct.__name__, name)

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import time
 from collections import Counter
-from typing import Callable
+from typing import Callable, get_args
 from typing import Sequence as Seq
 
 import mlx.core as mx
@@ -18,7 +18,7 @@ from parallm.adapters import AdapterError, AdapterManager, LoadedAdapter, Versio
 from parallm.adapters.lora import packable
 from parallm.engine.weights import Applied, WeightsError, WeightSwapper, rebase_adapters
 from parallm.config import Config, auto_adapter_merge_mb, auto_prefill_tokens, resolve_engine_config
-from parallm.protocol import EngineStats, SamplingParams
+from parallm.protocol import EngineStats, FinishReason, SamplingParams
 
 from .blocks import BlockManager
 from .constraints import Constraints, GrammarError, tokenizer_from_file
@@ -40,6 +40,7 @@ from .warmup import warm_up
 
 Output = SeqOutput | ScoreResult
 SCORE_PARAMS = SamplingParams(max_tokens=1, temperature=0.0)  # a score samples nothing; its rows never decode
+FINISH_REASONS: tuple[str, ...] = get_args(FinishReason)
 
 
 def _model_dir(config: Config):
@@ -180,7 +181,11 @@ class Engine:
 
     def abort(self, rid: str, reason: str = "abort", index: int | None = None) -> bool:
         """Stop request `rid` (or only its sample `index`); its sequences end with finish_reason
-        "abort" in the next step's outputs, keeping the tokens already sampled."""
+        `reason` (one of protocol.FinishReason: it goes into the step's outputs, which a receiver
+        would reject whole for another value) in the next step's outputs, keeping the tokens already
+        sampled."""
+        if reason not in FINISH_REASONS:
+            raise ValueError(f"abort reason {reason!r} is not one of {', '.join(FINISH_REASONS)}")
         seqs = self._requests.get(rid)
         if not seqs:
             return False

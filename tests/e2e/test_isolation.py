@@ -1,0 +1,94 @@
+"""Issue 30: one user's request, message or path must not stall or corrupt other users' work. Each test
+attacks the session server while other clients' requests run, and checks those requests whole."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import msgpack
+import pytest
+import zmq
+
+from parallm import protocol
+from parallm.client import AsyncClient
+from parallm.protocol import SamplingParams
+
+pytestmark = pytest.mark.e2e
+
+VICTIMS = [[1, 504, 3458, 282, 2], [1, 9690, 30], [1, 422, 5248, 314, 253, 1694, 28], [1, 19, 2]]
+
+
+class Attacker:
+    """A raw ZeroMQ client with an allowed address: its own DEALER and a PUSH to the engine."""
+
+    def __init__(self, router: str, identity: bytes = b"attacker") -> None:
+        self.ctx = zmq.Context()
+        self.identity = identity
+        self.dealer = self.ctx.socket(zmq.DEALER)
+        self.dealer.setsockopt(zmq.IDENTITY, identity)
+        self.dealer.connect(router)
+        self.dealer.send(protocol.encode(protocol.Hello(client="attacker")))
+        welcome = self.recv(10)
+        assert isinstance(welcome, protocol.Welcome)
+        self.engine = self.ctx.socket(zmq.PUSH)
+        self.engine.connect(welcome.addresses["engine"])
+
+    def push(self, fields: dict) -> None:
+        self.engine.send(msgpack.packb({"v": protocol.PROTOCOL_VERSION, **fields}))
+
+    def recv(self, timeout: float) -> object | None:
+        if not self.dealer.poll(int(timeout * 1000)):
+            return None
+        return protocol.decode(self.dealer.recv(), protocol.ClientInbound)
+
+    def until(self, predicate, timeout: float = 60.0) -> list:
+        seen, deadline = [], time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            message = self.recv(max(0.01, deadline - time.monotonic()))
+            if message is None:
+                break
+            seen.append(message)
+            if predicate(message):
+                return seen
+        raise AssertionError(f"not received within {timeout} s; got {seen}")
+
+    def close(self) -> None:
+        self.ctx.destroy(0)
+
+
+def test_an_abort_reason_outside_the_enum_is_refused_and_costs_no_one_a_token(server):
+    """Before: the engine copied reason "bogus" into finish_reason, the detokenizer rejected that whole
+    step message ("Invalid enum value"), each request batched in the step lost its tokens, and the
+    aborted request never ended. Now the codec refuses the abort with a 400 to its sender."""
+    attacker = Attacker(server.router)
+    try:
+        params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
+
+        async def victims() -> list:
+            async with AsyncClient(server.router, timeout=120) as client:
+                streams = [client.stream(ids, params) for ids in VICTIMS]
+                got = [[await anext(s)] for s in streams]  # every victim is running
+                attacker.push({"type": "abort", "rids": ["att-1"], "reason": "bogus", "qid": "q-bad",
+                               "reply_to": attacker.identity})
+                for out, s in zip(got, streams):
+                    out.extend([o async for o in s])
+                return got
+
+        attacker.push({"type": "submit", "rid": "att-1", "reply_to": attacker.identity,
+                       "prompt_ids": protocol.pack_ids([1, 2, 3]),
+                       "spec": {"params": {"max_tokens": 60, "temperature": 0.0, "ignore_eos": True}}})
+        results = asyncio.run(victims())
+        for outs in results:
+            tokens = sum(protocol.count_ids(o.token_ids) for o in outs)
+            assert (tokens, outs[-1].usage.completion_tokens, outs[-1].finish_reason) == (40, 40, "length")
+        seen = attacker.until(lambda m: isinstance(m, protocol.RequestError) and m.rid == "q-bad")
+        error = seen[-1]
+        assert (error.status, error.code) == (400, "invalid_message") and "reason" in error.message
+        # the attacker's own request was not aborted: it runs to its end
+        seen += attacker.until(lambda m: isinstance(m, protocol.Outputs)
+                               and any(o.rid == "att-1" and o.finish_reason for o in m.items))
+        outs = [o for m in seen if isinstance(m, protocol.Outputs) for o in m.items if o.rid == "att-1"]
+        assert sum(protocol.count_ids(o.token_ids) for o in outs) == 60 and outs[-1].finish_reason == "length"
+    finally:
+        attacker.close()
