@@ -229,7 +229,8 @@ class ServerConfig(Struct, frozen=True, kw_only=True, forbid_unknown_fields=True
 
 class TransportConfig(Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     kind: Annotated[Literal["ipc", "tcp"], _d("ZeroMQ transport between stages")] = "ipc"
-    run_dir: Annotated[str, _d("directory for ipc sockets; empty = a fresh temporary one")] = ""
+    run_dir: Annotated[str, _d("directory for ipc sockets: created if missing, else it must be an empty 0700 "
+                               "directory of this user; empty = a fresh temporary one")] = ""
     tcp_host: Annotated[str, _d("host the tcp sockets bind to and clients reach")] = "127.0.0.1"
     tcp_base_port: Annotated[int, _d("first of the consecutive tcp ports the stages bind")] = 5550
     hwm: Annotated[int, _d("ZeroMQ high-water mark, messages per socket")] = 100_000

@@ -10,7 +10,7 @@ import sys
 import pytest
 
 from parallm import protocol
-from parallm.config import Config
+from parallm.config import Config, build_config
 from parallm.launch import rundir
 from parallm.launch.process import StageSpec
 from parallm.launch.supervisor import StartupError, Supervisor
@@ -26,15 +26,65 @@ def test_run_dir_is_private_and_removed_when_the_supervisor_made_it(tmp_path, mo
     assert not os.path.exists(made.path)
 
 
-def test_a_given_run_dir_is_made_private_and_only_our_files_are_removed(tmp_path):
-    given = tmp_path / "run"
-    given.mkdir(mode=0o755)
-    (given / "keep.txt").write_text("the user's")
-    (given / "engine.sock").write_text("")
+def test_a_given_run_dir_that_does_not_exist_is_created_private_and_removed(tmp_path):
+    given = tmp_path / "a" / "run"
     run = rundir.RunDir(str(given))
-    assert stat.S_IMODE(os.stat(given).st_mode) == 0o700
+    assert run.created and stat.S_IMODE(os.stat(given).st_mode) == 0o700
+    (given / "engine.sock").write_text("")
     run.close()
-    assert sorted(p.name for p in given.iterdir()) == ["keep.txt"]
+    assert not given.exists() and (tmp_path / "a").exists()
+
+
+def test_a_shared_or_non_empty_run_dir_is_refused_untouched(tmp_path):
+    """Issue 30: --transport.run-dir at an existing directory chmodded it to 0700 and, at exit, deleted other
+    programs' sockets in it (a foreign other-app.sock was removed). Now it is refused, unchanged."""
+    shared = tmp_path / "shared"
+    shared.mkdir(mode=0o755)
+    os.chmod(shared, 0o755)
+    with pytest.raises(PermissionError, match="open to other users"):
+        rundir.RunDir(str(shared))
+    assert stat.S_IMODE(os.stat(shared).st_mode) == 0o755 and not list(shared.iterdir())
+    busy = tmp_path / "busy"
+    busy.mkdir(mode=0o700)
+    (busy / "other-app.sock").write_text("")
+    (busy / "keep.txt").write_text("the user's")
+    with pytest.raises(FileExistsError, match="not empty"):
+        rundir.RunDir(str(busy))
+    assert sorted(p.name for p in busy.iterdir()) == ["keep.txt", "other-app.sock"]
+    link = tmp_path / "link"
+    link.symlink_to(tmp_path / "nowhere-private")
+    (tmp_path / "nowhere-private").mkdir(mode=0o700)
+    with pytest.raises(NotADirectoryError):
+        rundir.RunDir(str(link))
+    # the supervisor turns each into a startup error naming the directory
+    config = build_config(environ={}, overrides={"transport": {"run_dir": str(shared)}})
+    with pytest.raises(StartupError, match="shared.*open to other users"):
+        Supervisor(config)._prepare()
+
+
+def test_an_empty_private_run_dir_is_used_and_only_the_servers_files_removed(tmp_path):
+    given = tmp_path / "run"
+    given.mkdir(mode=0o700)
+    run = rundir.RunDir(str(given))
+    assert not run.created
+    for name in ("engine.sock", "server.key", "engine-0-ring.json", "other-app.txt"):
+        (given / name).write_text("")
+    run.close()
+    assert sorted(p.name for p in given.iterdir()) == ["other-app.txt"]
+
+
+def test_what_a_dead_supervisor_left_in_a_given_run_dir_is_reused_not_a_live_ones(tmp_path):
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    given = tmp_path / "run"
+    given.mkdir(mode=0o700)
+    (given / "engine.sock").write_text("")
+    (given / rundir.PID_FILE).write_text(str(dead.pid))
+    run = rundir.RunDir(str(given))
+    assert sorted(p.name for p in given.iterdir()) == [rundir.PID_FILE]
+    with pytest.raises(FileExistsError, match="in use by the supervisor"):
+        rundir.RunDir(str(given))
+    run.close()
 
 
 def test_stale_run_dirs_of_dead_supervisors_are_swept(tmp_path):
