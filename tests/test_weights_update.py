@@ -114,3 +114,28 @@ def test_by_layer_groups_one_layer_per_chunk():
                        "model.layers.0.b": mx.zeros(1), "model.layers.1.c": mx.zeros(1)})
     assert [sorted(g) for g in groups] == [["model.embed_tokens.weight"], ["model.layers.0.b"],
                                            ["model.layers.1.a", "model.layers.1.c"]]
+
+
+def test_a_fifo_in_the_weight_directory_is_refused_without_blocking(tmp_path):
+    """Issue 30: a *.safetensors that is a FIFO blocked mx.load, and so the engine's step loop (the GIL
+    held in open(2)), until the supervisor restarted the engine. It is refused at once now. In a child
+    process: the old code hung the whole interpreter."""
+    import os
+    import subprocess
+    import sys
+
+    os.mkfifo(tmp_path / "model.safetensors")
+    script = f"""
+import sys; sys.path.insert(0, {os.path.dirname(__file__)!r})
+from test_weights_update import engine_on, tiny_model, WeightsError
+e = engine_on(tiny_model("llama", 0))
+try:
+    e.update_weights(path={str(tmp_path)!r})
+except WeightsError as exc:
+    print(exc.status, exc.code, exc.message, e.weights_version)
+"""
+    try:
+        done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=20)
+    except subprocess.TimeoutExpired:
+        pytest.fail("update_weights blocked on a FIFO")
+    assert done.stdout.startswith("400 invalid_weights model.safetensors is not a regular file 0"), done.stderr

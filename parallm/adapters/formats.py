@@ -27,6 +27,8 @@ from typing import Any, Literal, Sequence
 import mlx.core as mx
 
 from .errors import AdapterError
+from parallm.files import UnsafeFile, read_regular
+
 from .safetensors_io import Target, read_bytes
 
 Format = Literal["auto", "mlx", "peft"]
@@ -80,18 +82,30 @@ def read_dir(path: str | Path) -> tuple[dict[str, Any], bytes, str]:
     if p.is_file():
         p = p.parent
     cfg_path = p / CONFIG_FILE
-    if not cfg_path.is_file():
+    if not cfg_path.exists():
         raise AdapterError(f"adapter directory {str(p)!r} has no {CONFIG_FILE}")
     try:
-        config = json.loads(cfg_path.read_text())
+        config = json.loads(_read(cfg_path))
     except ValueError as exc:
-        raise AdapterError(f"{cfg_path} is not valid JSON: {exc}") from None
+        raise AdapterError(f"{CONFIG_FILE} is not valid JSON: {exc}") from None
     for name, fmt in ((MLX_FILE, "mlx"), (PEFT_FILE, "peft")):
-        if (p / name).is_file():
-            return config, (p / name).read_bytes(), fmt
+        if (p / name).exists():
+            return config, _read(p / name), fmt
     if (p / "adapter_model.bin").is_file():
         raise AdapterError(f"{p}/adapter_model.bin is a pickled PyTorch file; save the adapter as safetensors")
     raise AdapterError(f"adapter directory {str(p)!r} has neither {MLX_FILE} nor {PEFT_FILE}")
+
+
+def _read(path: Path) -> bytes:
+    """A file of an adapter directory: a regular file only (a FIFO there blocked the engine until it was
+    restarted), read with a timeout (parallm.files)."""
+    try:
+        return read_regular(path)
+    except UnsafeFile as exc:
+        raise AdapterError(f"cannot read the adapter: {exc}", code="invalid_adapter_file") from None
+    except OSError as exc:
+        raise AdapterError(f"cannot read the adapter's {path.name} ({type(exc).__name__})",
+                           code="invalid_adapter_file") from None
 
 
 def detect(config: dict[str, Any], names: list[str]) -> Literal["mlx", "peft"]:

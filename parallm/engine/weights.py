@@ -37,6 +37,7 @@ from mlx.utils import tree_flatten
 from parallm.adapters import AdapterError, load_bytes
 from parallm.adapters.lora import compute_dtype, dense_weight
 from parallm.adapters.sharded import is_sharded, local_linear, shard_tensor
+from parallm.files import UnsafeFile, check_regular
 
 _LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
 
@@ -77,6 +78,12 @@ def safetensors_files(path: str | Path) -> list[Path]:
     files = sorted(root.glob("*.safetensors"))
     if not files:
         raise WeightsError(f"no *.safetensors file in {str(root)!r}", status=404, code="weights_not_found")
+    for f in files:  # mx.load opens each itself: a FIFO there would block the step loop until a restart
+        try:
+            check_regular(f)
+        except OSError as exc:
+            reason = str(exc) if isinstance(exc, UnsafeFile) else f"cannot open {f.name} ({type(exc).__name__})"
+            raise WeightsError(reason, code="invalid_weights") from None
     return files
 
 
