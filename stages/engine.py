@@ -367,7 +367,8 @@ class EngineStage:
     # ------------------------------------------------------------------ faults
     def safely(self, message: Any) -> None:
         """Handle one message; one that breaks the engine's API is logged and dropped (with an
-        error to its client when it names one), never fatal."""
+        error to its client when it names one), never fatal. The error names the exception's type only:
+        its text may hold server paths and errno strings, which stay in the log."""
         try:
             self.handle(message)
         except Exception as exc:  # noqa: BLE001 - a bad message must not take the engine down
@@ -375,8 +376,8 @@ class EngineStage:
             log.exception("could not handle a %s", type(message).__name__, extra=request_extra(rid) if rid else None)
             reply_to = getattr(message, "reply_to", b"")
             if rid and reply_to:
-                self.out.send(protocol.RequestError(rid=rid, reply_to=reply_to, status=400,
-                                                    message=f"the engine could not handle this request: {exc}"))
+                self.out.send(protocol.RequestError(rid=rid, reply_to=reply_to, status=400, message=(
+                    f"the engine could not handle this request ({type(exc).__name__}); the server logged why")))
 
     def fail_in_flight(self, exc: Exception) -> int:
         """A step raised (MLX out of memory, a kernel error): the engine's state cannot be trusted.

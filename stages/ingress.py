@@ -104,6 +104,7 @@ class ZmqBackend:
         self.training_decoder = protocol.Decoder(protocol.TrainingStatus)
         self.trainers: dict[str, protocol.TrainingStatus] = {}
         self.in_flight = 0             # generate() calls admitted and not yet ended (what a drain waits for)
+        self.pause_answers = 0         # pause/resume answers received: a stats poll sent before one is older
         self.tasks: list[asyncio.Task] = []
         self.task_restarts: Counter[str] = Counter()  # background loops that failed and were restarted
 
@@ -186,10 +187,13 @@ class ZmqBackend:
             for stage in ("engine", "detokenizer"):
                 if f"{stage}-0" in self.stages_down:  # replica 0 answers (with the other engine replicas' stats)
                     continue
+                answers = self.pause_answers
                 try:
                     reply = await self.pipeline.call(stage, protocol.GetStats(qid=""), timeout=STATS_TIMEOUT_S)
                 except ClientError:
                     continue
+                if stage == "engine" and answers != self.pause_answers:  # the pause/resume answer is newer
+                    reply.stats.paused = self.metrics.engine_stats.paused
                 self.metrics.set_stats(reply.stats)
             await asyncio.sleep(STATS_PERIOD_S)
 
@@ -252,10 +256,17 @@ class ZmqBackend:
         return (await self._ask("engine", protocol.GetStats(qid=""))).stats
 
     async def pause(self, mode: str) -> protocol.PauseState:
-        return await self._ask("engine", protocol.Pause(mode=mode))
+        return self._paused(await self._ask("engine", protocol.Pause(mode=mode)))
 
     async def resume(self) -> protocol.PauseState:
-        return await self._ask("engine", protocol.Resume())
+        return self._paused(await self._ask("engine", protocol.Resume()))
+
+    def _paused(self, state: protocol.PauseState) -> protocol.PauseState:
+        """/health follows the engine's answer at once, not the next stats poll (it said `paused` for up to
+        STATS_PERIOD_S after a successful resume)."""
+        self.pause_answers += 1
+        self.metrics.engine_stats.paused = state.paused
+        return state
 
     async def abort(self, rids: list[str], *, all: bool = False) -> None:
         self.pipeline.abort(rids, all=all)

@@ -91,8 +91,8 @@ class TokenizerStage:
             log.exception("could not handle a %s", type(message).__name__, extra=request_extra(rid))
             reply_to = getattr(message, "reply_to", b"")
             if rid and reply_to:
-                self.to_detok.send(protocol.RequestError(rid=rid, reply_to=reply_to, status=400,
-                                                         message=f"the tokenizer could not handle this request: {exc}"))
+                self.to_detok.send(protocol.RequestError(rid=rid, reply_to=reply_to, status=400, message=(
+                    f"the tokenizer could not handle this request ({type(exc).__name__}); the server logged why")))
 
     def stats(self) -> protocol.TokenizerStats:
         return protocol.TokenizerStats(handled=self.handled, rejected=self.rejected, failed=self.failed,

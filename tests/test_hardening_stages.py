@@ -77,6 +77,8 @@ def test_a_message_that_breaks_the_engine_is_answered_and_dropped(config, caplog
     stage.safely(protocol.Submit(rid="bad", reply_to=b"c", prompt_ids=protocol.pack_ids([1, 2])))
     [error] = collect(detok, 1)
     assert (error.rid, error.status, error.reply_to) == ("bad", 400, b"c")
+    # the exception's text (server paths, errno strings) stays in the log; the client learns its type
+    assert "a bug this request triggers" not in error.message and "ValueError" in error.message
     # the engine's line about it carries the request id, as ingress', the tokenizer's and the detokenizer's do
     assert [r.request_id for r in caplog.records if r.name == "parallm.engine.stage"] == ["bad"]
     ctx.destroy(0)

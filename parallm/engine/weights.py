@@ -22,6 +22,7 @@ until the whole update is applied between two steps.
 
 from __future__ import annotations
 
+import logging
 import re
 import shutil
 import tempfile
@@ -39,6 +40,7 @@ from parallm.adapters.lora import compute_dtype, dense_weight
 from parallm.adapters.sharded import is_sharded, local_linear, shard_tensor
 from parallm.files import UnsafeFile, check_regular
 
+log = logging.getLogger("parallm.engine.weights")
 _LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
 
 
@@ -182,7 +184,9 @@ class WeightSwapper:
             try:
                 lazy.update(mx.load(str(f)))
             except Exception as exc:  # noqa: BLE001 - any unreadable file is the client's error
-                raise WeightsError(f"cannot read {f.name}: {exc}", code="invalid_weights") from None
+                log.warning("weight update: cannot read %s: %s", f, exc)  # MLX's text names the server path
+                raise WeightsError(f"cannot read {f.name}: not a readable safetensors file", code="invalid_weights") \
+                    from None
         yield from by_layer(self.named(self.sanitize(lazy), params))
 
     def _assign(self, group: Mapping[str, mx.array], params: dict[str, mx.array]) -> None:
@@ -292,7 +296,10 @@ class ChunkStaging:
         except WeightsError as exc:
             raise self._drop(f"chunk {chunk}: {exc.message}", exc.code) from None
         except OSError as exc:
-            raise self._drop(f"chunk {chunk} could not be staged: {exc}", "staging_failed", status=507) from None
+            log.warning("weight update %r: chunk %d could not be staged in %s: %s", update_id, chunk,
+                        pending.directory, exc)
+            raise self._drop(f"chunk {chunk} could not be staged on the server's disk ({type(exc).__name__})",
+                             "staging_failed", status=507) from None
         pending.received += 1
         pending.deadline = self.clock() + self.timeout_s
         return pending if pending.received == pending.chunks else None

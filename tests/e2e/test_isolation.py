@@ -4,6 +4,7 @@ attacks the session server while other clients' requests run, and checks those r
 from __future__ import annotations
 
 import asyncio
+import os
 import time
 
 import msgpack
@@ -92,3 +93,32 @@ def test_an_abort_reason_outside_the_enum_is_refused_and_costs_no_one_a_token(se
         assert sum(protocol.count_ids(o.token_ids) for o in outs) == 60 and outs[-1].finish_reason == "length"
     finally:
         attacker.close()
+
+
+def test_health_follows_a_resume_at_once(server, http):
+    """Before: /health said `paused` for up to one stats poll (0.5 s) after /v1/resume had answered."""
+    try:
+        for _ in range(3):
+            assert http.post("/v1/pause", json={"mode": "keep"}).json()["paused"] is True
+            assert http.get("/health").json()["status"] == "paused"
+            assert http.post("/v1/resume").json()["paused"] is False
+            health = http.get("/health")
+            assert (health.status_code, health.json()["status"]) == (200, "ok")
+    finally:
+        http.post("/v1/resume")  # the session server serves the next tests
+
+
+def test_weight_and_adapter_errors_name_no_server_path(server, http, tmp_path):
+    """Before: a weight file MLX could not read answered "cannot read model.safetensors: [load_safetensors]
+    Invalid json header length file /tmp/.../model.safetensors". The server's paths stay in its log."""
+    (tmp_path / "model.safetensors").write_bytes(b"\xff" * 8 + b"{}")  # a header length past the end
+    r = http.post("/v1/weights", json={"path": str(tmp_path)})
+    assert r.status_code == 400, r.text
+    assert str(tmp_path) not in r.text and "Errno" not in r.text and "model.safetensors" in r.text
+    weights = tmp_path / "fifo"
+    weights.mkdir()
+    os.mkfifo(weights / "model.safetensors")
+    t0 = time.monotonic()
+    r = http.post("/v1/weights", json={"path": str(weights)})
+    assert r.status_code == 400 and "not a regular file" in r.text and time.monotonic() - t0 < 10
+    assert http.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 2}).status_code == 200
