@@ -61,6 +61,10 @@ class EngineConfig(Struct, frozen=True, kw_only=True, forbid_unknown_fields=True
                                                  "MLX's CPU device 128 with mixed passes, else 256; 512 "
                                                  "elsewhere")] = None
     max_prefill_rows: Annotated[int, _d("sequences prefilled together in one pass")] = 16
+    max_constraint_bytes: Annotated[int, _d("largest grammar constraint a request may carry (its schema, choices, "
+                                            "regex or grammar text), bytes; larger is a 400 naming the field")] = 65536
+    constraint_timeout_s: Annotated[float, _d("seconds a request's grammar may take to compile (on a thread of its "
+                                              "own, off the step loop) before the request is refused")] = 10.0
     kv_budget_mb: Annotated[float | None, _d("KV memory for live rows and the prefix cache, MiB; unset = a share "
                                              "of the memory available once the model is loaded")] = None
     buffer_cache_mb: Annotated[float | None, _d("memory MLX may keep in its cache of freed buffers, MiB; unset = on a "

@@ -25,6 +25,7 @@ from parallm.adapters.formats import allowed_path
 from parallm.engine.weights import Applied, ChunkStaging, WeightsError
 from parallm.config import Config
 from parallm.engine import Engine, EngineModel, Request, RequestRejected, ScoreResult, SeqOutput, distributed
+from parallm.engine.compile_queue import CompileQueue
 from parallm.logs import request_extra
 from parallm.runtime import StageRuntime
 from parallm.transport import Receiver, Sender, open_socket
@@ -164,6 +165,9 @@ class EngineStage:
                                     root=config.adapters.weights_staging_dir,
                                     timeout_s=config.adapters.weights_chunk_timeout_s)
         self.held: HeldRequests[protocol.Submit] = HeldRequests(config.adapters)  # waiting for their version
+        settings = config.engine
+        self.compiling: CompileQueue[protocol.Submit] = CompileQueue(  # waiting for their grammar
+            engine.constraints, settings.constraint_timeout_s, settings.max_constraint_bytes)
         self.scores: dict[str, bytes] = {}  # qid -> reply_to of the score requests in the engine
         self.step_count = 0
         self.received = 0
@@ -223,6 +227,11 @@ class EngineStage:
                 self.out.send(protocol.RequestError(rid=rid, reply_to=held.reply_to, status=409,
                                                     code="aborted", message="aborted while waiting for its "
                                                     "policy version"))
+        for rid in (self.compiling.rids() if message.all else rids):
+            parked = self.compiling.pop(rid)
+            if parked is not None:
+                self.out.send(protocol.RequestError(rid=rid, reply_to=parked.reply_to, status=409, code="aborted",
+                                                    message="aborted while its grammar compiled"))
         for rid in rids:
             self.engine.abort(rid, message.reason)
         for rid, index in message.sequences:
@@ -305,6 +314,9 @@ class EngineStage:
 
     def on_submit(self, message: protocol.Submit, *, held_since: float | None = None) -> None:
         spec = message.spec
+        if self.compiling.needs(spec.params.constraint):  # compiled off the loop, then submitted again
+            self.compiling.add(message.rid, message, spec.params.constraint)
+            return
         try:
             self.engine.add_request(Request(message.rid, protocol.unpack_ids(message.prompt_ids), spec))
         except RequestRejected as exc:
@@ -327,6 +339,18 @@ class EngineStage:
             self.out.send(protocol.StepOutputs(step=self.step_count, time=time.time(),
                                                batch_size=self.engine.last_batch_size, outputs=deltas))
 
+    def admit_compiled(self) -> None:
+        """Requests whose grammar finished compiling go in (a failed one is refused by add_request with the
+        cached error); one whose grammar is still compiling at engine.constraint_timeout_s is refused."""
+        ready, expired = self.compiling.take()
+        for message in ready:
+            self.on_submit(message)
+        for message in expired:
+            self.out.send(protocol.RequestError(
+                rid=message.rid, reply_to=message.reply_to, status=400, code="constraint_too_complex",
+                param="constraint", message=f"constraint: the grammar did not compile within "
+                f"{self.compiling.timeout_s:g} s (engine.constraint_timeout_s); simplify or shorten it"))
+
     def retry_held(self) -> None:
         """Requests waiting for a policy version (staleness_policy "hold"): admitted once it is
         published, refused with 409 after adapters.hold_timeout_s."""
@@ -345,7 +369,7 @@ class EngineStage:
         self.scores[message.qid] = message.reply_to
 
     def in_flight(self) -> int:
-        return len(self.engine.request_ids()) + len(self.held)
+        return len(self.engine.request_ids()) + len(self.held) + len(self.compiling)
 
     def stats(self) -> protocol.EngineStats:
         stats = self.engine.stats()
@@ -423,11 +447,13 @@ class EngineStage:
                     self.rt.poll_control()
             if self.held:
                 self.retry_held()
+            if self.compiling:
+                self.admit_compiled()
             if self.staging.pending is not None or self.staging.spent:
                 self.expire_weights()
             paused_owing = self.paused and self.engine.owes_outputs()
             if not (paused_owing or (self.engine.has_work() and not self.paused)):
-                timeout = beat_ms  # idle: the next poll waits for a message
+                timeout = min(beat_ms, 20) if self.compiling else beat_ms  # idle: the next poll waits for a message
                 self.on_idle()
                 self.rt.heartbeat(self.in_flight)
                 continue

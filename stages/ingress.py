@@ -93,6 +93,7 @@ class ZmqBackend:
             log.info("OpenAI routes' sampling defaults from %s: %s%s", defaults.source, defaults.sampling,
                      f", max_tokens {defaults.max_tokens}" if defaults.max_tokens else "")
         self.max_n = config.engine.max_num_seqs
+        self.max_constraint_bytes = config.engine.max_constraint_bytes
         self.model_info = model_info
         self.identity = f"ingress-{os.getpid()}".encode()
         hwm = config.transport.hwm

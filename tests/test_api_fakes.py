@@ -106,6 +106,7 @@ class FakeBackend:
     default_max_tokens: int = 256
     sampling_defaults: dict[str, float] = field(default_factory=dict)
     max_n: int = 128
+    max_constraint_bytes: int = 65536
     last_batch_size: int = 0
     hanging: asyncio.Event = field(default_factory=asyncio.Event)
 

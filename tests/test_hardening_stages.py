@@ -10,6 +10,7 @@ import zmq
 
 from parallm import protocol
 from parallm.config import build_config
+from parallm.engine.constraints import Constraints
 from parallm.runtime import StageRuntime
 from parallm.transport import Receiver, open_socket, set_max_message_bytes
 
@@ -24,6 +25,7 @@ class FakeEngine:
     """What EngineStage drives; `step` raises like MLX out of memory."""
 
     last_batch_size = 0
+    constraints = Constraints(8, [0])  # the stage compiles requests' grammars through it (none here)
 
     def __init__(self) -> None:
         self.rids = ["r1", "r2"]

@@ -10,6 +10,7 @@ import zmq
 
 from parallm import protocol, routing
 from parallm.config import build_config
+from parallm.engine.constraints import Constraints
 from parallm.engine.request import SeqOutput
 from parallm.protocol import EngineStats
 from parallm.runtime import StageRuntime
@@ -19,6 +20,8 @@ from parallm.transport import Sender, open_socket
 
 class IdleThenOneStep:
     """No work until the stage has received a message; then one step, after which the stage stops."""
+
+    constraints = Constraints(8, [0])  # the stage compiles requests' grammars through it (none here)
 
     def __init__(self, rt: StageRuntime) -> None:
         self.rt, self.stage, self.last_batch_size = rt, None, 1

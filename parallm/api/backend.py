@@ -39,6 +39,7 @@ class Backend(Protocol):
     default_max_tokens: int  # max_tokens for requests that give none
     sampling_defaults: dict[str, float]  # OpenAI routes: SamplingParams fields a request omits (generation_config)
     max_n: int               # samples per prompt the engine decodes together (engine.max_num_seqs)
+    max_constraint_bytes: int  # largest grammar constraint text a request may carry (engine.max_constraint_bytes)
     last_batch_size: int     # the engine's decode batch size in the latest outputs (RL /generate metadata)
 
     def generate(self, submit: TextSubmit) -> AsyncIterator[Output]:

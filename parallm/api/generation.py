@@ -54,7 +54,8 @@ def backend_limits(backend: Backend, server: ServerConfig) -> Limits:
     return Limits(model_name=backend.model_name, max_model_len=int(backend.max_model_len or 0),
                   sampling_defaults=backend.sampling_defaults,
                   max_output_tokens=server.max_output_tokens, default_max_tokens=backend.default_max_tokens,
-                  max_n=backend.max_n, tool_parser=server.tool_call_parser, max_logprobs=server.max_logprobs)
+                  max_n=backend.max_n, tool_parser=server.tool_call_parser, max_logprobs=server.max_logprobs,
+                  max_constraint_bytes=backend.max_constraint_bytes)
 
 
 class GenerationRoutes:

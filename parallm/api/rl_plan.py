@@ -147,7 +147,7 @@ def build(shape: Shape, req: Any, limits: Limits, answer: Shape | None = None) -
         frequency_penalty=req.frequency_penalty, seed=req.seed, max_tokens=resolved, min_tokens=req.min_tokens,
         stop_token_ids=list(req.stop_token_ids or []), ignore_eos=req.ignore_eos,
         logprobs=job.logprobs is not None, top_logprobs=job.logprobs or 0, prompt_logprobs=job.prompt_logprobs,
-        constraint=constraint_of(req))
+        constraint=constraint_of(req, max_bytes=limits.max_constraint_bytes))
     detok = DetokSpec(stop=stop_strings(req.stop), include_stop_str=req.include_stop_str_in_output,
                       skip_special_tokens=req.skip_special_tokens, echo=True)
     spec = request_spec(req, params, detok, adapter=req.adapter, metadata=job.metadata)

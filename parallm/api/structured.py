@@ -20,7 +20,7 @@ from typing import Any
 from parallm.api.errors import APIError, invalid
 from parallm.api.validate import unsupported
 from parallm.protocol import Constraint
-from parallm.text.grammar import GrammarError, check, grammar_kind
+from parallm.text.grammar import GrammarError, check, check_size, grammar_kind
 
 STRUCTURED_KEYS = ("json", "regex", "choice", "grammar", "json_object")
 # structured_outputs options that change nothing here (the engine is always llguidance)
@@ -253,16 +253,18 @@ class ToolStream:
 
 # --------------------------------------------------------------------------- the request's constraint
 
-def _checked(c: Constraint, param: str) -> Constraint:
+def _checked(c: Constraint, param: str, max_bytes: int) -> Constraint:
     try:
+        check_size(c, max_bytes)
         check(c)
     except GrammarError as exc:
         raise unsupported(f"{param}: {exc}", param) from None
     return c
 
 
-def constraint_of(req: Any, tool_constraint: Constraint | None = None) -> Constraint | None:
-    """The one constraint a request asks for (checked), or None; two sources are a 400."""
+def constraint_of(req: Any, tool_constraint: Constraint | None = None, *, max_bytes: int = 0) -> Constraint | None:
+    """The one constraint a request asks for (checked: at most `max_bytes` of text, 0 = any), or None; two
+    sources are a 400."""
     found: list[tuple[str, Constraint]] = []
     if tool_constraint is not None:
         found.append(("tool_choice", tool_constraint))
@@ -283,7 +285,7 @@ def constraint_of(req: Any, tool_constraint: Constraint | None = None) -> Constr
         return None
     if len(found) > 1:
         raise invalid(f"{found[0][0]} and {found[1][0]} both constrain the output; send one.", found[1][0])
-    return _checked(found[0][1], found[0][0])
+    return _checked(found[0][1], found[0][0], max_bytes)
 
 
 __all__ = ["APIError", "ToolPlan", "ToolStream", "constraint_of", "new_tool_call_id", "tool_calls_of", "tool_message",

@@ -54,13 +54,14 @@ class Plan:
 
 def sampling_params(req: SamplingRequest, max_tokens: int, top_logprobs: int | None,
                     prompt_logprobs: int | None, tool_constraint: Constraint | None = None,
-                    defaults: Mapping[str, float] | None = None) -> SamplingParams:
+                    defaults: Mapping[str, float] | None = None, max_constraint_bytes: int = 0) -> SamplingParams:
     """OpenAI/vLLM sampling fields to SamplingParams. A field the request omits takes `defaults`' value
     (the model's generation_config.json: Limits.sampling_defaults), else the protocol's default."""
     p = SamplingParams(**(defaults or {}), max_tokens=max_tokens, min_tokens=req.min_tokens,
                        ignore_eos=req.ignore_eos, seed=req.seed, logprobs=top_logprobs is not None,
                        top_logprobs=top_logprobs or 0,
-                       prompt_logprobs=prompt_logprobs, constraint=constraint_of(req, tool_constraint))
+                       prompt_logprobs=prompt_logprobs, constraint=constraint_of(req, tool_constraint,
+                                                                         max_bytes=max_constraint_bytes))
     for name in ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty"):
         value = getattr(req, name)
         if value is not None:
@@ -103,7 +104,8 @@ def completion_plan(req: CompletionRequest, limits: Limits, request_id: str = ""
     prompt_lp = req.prompt_logprobs
     if req.echo and req.logprobs is not None:
         prompt_lp = max(prompt_lp or 0, req.logprobs)
-    params = sampling_params(req, max(1, max_tokens), req.logprobs, prompt_lp, defaults=limits.sampling_defaults)
+    params = sampling_params(req, max(1, max_tokens), req.logprobs, prompt_lp, defaults=limits.sampling_defaults,
+                             max_constraint_bytes=limits.max_constraint_bytes)
     detok = detok_spec(req, token_strings=req.logprobs is not None or prompt_lp is not None,
                        prompt_info=req.echo or req.return_token_ids or prompt_lp is not None)
     spec = request_spec(req, params, detok, adapter=adapter_of(req.model, req.adapter, limits.model_name),
@@ -143,7 +145,8 @@ def chat_plan(req: ChatCompletionRequest, limits: Limits, request_id: str = "") 
     rid = new_id("chat")
     top = (req.top_logprobs or 0) if req.logprobs else None
     tools, tool_constraint = tool_plan(req)
-    params = sampling_params(req, max_tokens, top, req.prompt_logprobs, tool_constraint, limits.sampling_defaults)
+    params = sampling_params(req, max_tokens, top, req.prompt_logprobs, tool_constraint, limits.sampling_defaults,
+                             limits.max_constraint_bytes)
     if params.constraint is not None and thinking_on(req.chat_template_kwargs):
         params.constraint.after_reasoning = True  # the model thinks first; the answer is constrained
     detok = detok_spec(req, token_strings=top is not None or req.prompt_logprobs is not None,

@@ -37,6 +37,7 @@ class Limits:
     adapters: frozenset[str] = frozenset()  # loaded adapter names, also accepted as `model` (vLLM's LoRA naming)
     tool_parser: str = ""           # tool_choice auto: "" = the model's own syntax (inferred), else a parser name
     max_logprobs: int = 20          # server.max_logprobs (vLLM's --max-logprobs); -1: no cap here (the engine's: the vocabulary)
+    max_constraint_bytes: int = 0   # engine.max_constraint_bytes: largest constraint text; 0: no cap here
 
     @property
     def output_cap(self) -> int:

@@ -19,6 +19,8 @@ that runs out of max_tokens first ends with "length" and the partial text, as an
 from __future__ import annotations
 
 import json
+import threading
+import time
 from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
@@ -27,7 +29,7 @@ from typing import Any, Callable, Sequence as Seq
 import numpy as np
 
 from parallm.protocol import Constraint
-from parallm.text.grammar import GrammarError, compile_text
+from parallm.text.grammar import GrammarError, compile_text, explain
 from parallm.threads import name_os_thread
 
 from .sequence import Sequence
@@ -133,7 +135,11 @@ class Constraints:
         self._tokenizer: Any = None
         self._thinking_source = thinking
         self._thinking: Markers | None | bool = False  # False: not looked up yet
-        self._templates: OrderedDict[str, Any] = OrderedDict()  # grammar text -> compiled matcher (LRU)
+        # (kind, value) -> compiled matcher, or the GrammarError it raised (LRU): keyed by content, so that a
+        # repeat finds it without rebuilding the grammar text (0.7 s for 20k choices)
+        self._templates: OrderedDict[tuple[str, str], Any] = OrderedDict()
+        self._lock = threading.Lock()  # the cache is shared with the compile thread
+        self._compiler: ThreadPoolExecutor | None = None
         self.cache_size = cache_size
         self.rows: dict[int, tuple[Sequence, RowMatcher]] = {}
         self._buf = np.zeros((0, mask_words(vocab_size)), dtype=np.int32)
@@ -166,26 +172,58 @@ class Constraints:
         return self._tokenizer
 
     def _template(self, c: Constraint) -> Any:
+        key = (c.kind, c.value)
+        with self._lock:
+            found = self._templates.get(key)
+            if found is not None:
+                self._templates.move_to_end(key)
+                self.cache_hits += 1
+        if found is None:
+            try:
+                found = self._compile(c)
+            except GrammarError as exc:
+                found = exc
+            with self._lock:
+                self._templates[key] = found
+                if len(self._templates) > self.cache_size:
+                    self._templates.popitem(last=False)
+        if isinstance(found, GrammarError):
+            raise found
+        return found
+
+    def _compile(self, c: Constraint) -> Any:
         import llguidance
 
         text = compile_text(c)
-        m = self._templates.get(text)
-        if m is not None:
-            self._templates.move_to_end(text)
-            self.cache_hits += 1
-            return m
         m = llguidance.LLMatcher(self.tokenizer, text, log_level=0)
         if m.is_error():
-            raise GrammarError(m.get_error())
-        self.compiled += 1
-        self._templates[text] = m
-        if len(self._templates) > self.cache_size:
-            self._templates.popitem(last=False)
+            raise GrammarError(explain(m.get_error()))
+        with self._lock:
+            self.compiled += 1
         return m
 
     def check(self, c: Constraint) -> None:
         """Compile (or find) the grammar; raises GrammarError naming what is wrong."""
         self._template(c)
+
+    def cached(self, c: Constraint) -> bool:
+        """Whether `c`'s grammar was compiled already (or failed to): `check` and `attach` answer at once."""
+        with self._lock:
+            return (c.kind, c.value) in self._templates
+
+    def compile_later(self, c: Constraint, deadline: float) -> Future:
+        """Compile `c`'s grammar on the compile thread (one, apart from the mask worker, so that the masks of
+        running rows never wait behind it); the future's result is None, or the GrammarError. A compile still
+        queued at `deadline` (time.monotonic) is skipped: its request was refused meanwhile."""
+        if self._compiler is None:
+            self._compiler = ThreadPoolExecutor(1, thread_name_prefix="parallm-grammar", initializer=name_os_thread)
+
+        def compile_one() -> None:
+            if time.monotonic() > deadline:
+                raise TimeoutError("the grammar waited past its deadline to compile")
+            self._template(c)
+
+        return self._compiler.submit(compile_one)
 
     # ------------------------------------------------------------------ sequences
     def attach(self, seqs: Seq[Sequence], c: Constraint) -> None:

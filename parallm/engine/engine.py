@@ -19,6 +19,7 @@ from parallm.adapters.lora import packable
 from parallm.engine.weights import Applied, WeightsError, WeightSwapper, rebase_adapters
 from parallm.config import Config, auto_adapter_merge_mb, auto_prefill_tokens, resolve_engine_config
 from parallm.protocol import EngineStats, FinishReason, SamplingParams
+from parallm.text.grammar import check_size
 
 from .blocks import BlockManager
 from .constraints import Constraints, GrammarError, tokenizer_from_file
@@ -173,6 +174,7 @@ class Engine:
                                  pinned=bool(spec.adapter_version), priority=spec.priority))
         if p.constraint is not None:
             try:
+                check_size(p.constraint, self.config.max_constraint_bytes)
                 self.constraints.attach(seqs, p.constraint)
             except GrammarError as exc:
                 raise RequestRejected(f"constraint: {exc}", "constraint") from None

@@ -8,11 +8,13 @@ model's tokenizer (parallm/engine/constraints.py). llguidance is imported on fir
 from __future__ import annotations
 
 import json
+import logging
 import re
 from functools import lru_cache
 
 from parallm.protocol import Constraint
 
+log = logging.getLogger("parallm.grammar")
 KINDS = ("json_schema", "json_object", "regex", "choice", "lark", "gbnf")
 JSON_OBJECT = '{"type": "object"}'
 # JSON laid out as json.dumps writes it (what models were trained on); free whitespace lets a
@@ -25,11 +27,16 @@ class GrammarError(ValueError):
     """The constraint cannot be compiled; the message names what is wrong."""
 
 
-def _explain(err: str) -> str:
+def explain(err: str) -> str:
+    """llguidance's error as a client may read it: an unsupported keyword named; a Rust panic (a grammar past
+    one of its internal limits; the text carried a backtrace and source paths) replaced by what it means."""
     m = re.search(r"Unimplemented keys: \[([^\]]*)\]", err)
     if m:
         keys = ", ".join(k.strip().strip('"') for k in m.group(1).split(","))
         return f"unsupported JSON Schema keyword(s): {keys}"
+    if "panicked" in err or "backtrace" in err.lower() or ".rs:" in err:
+        log.warning("llguidance failed on a grammar: %s", err)
+        return "the grammar is too large or too complex to compile"
     return err.strip()
 
 
@@ -66,11 +73,20 @@ def grammar_text(kind: str, value: str) -> str:
     except GrammarError:
         raise
     except Exception as exc:  # noqa: BLE001 - llguidance raises ValueError/RuntimeError with a message
-        raise GrammarError(_explain(str(exc))) from None
+        raise GrammarError(explain(str(exc))) from None
     err = llguidance.LLMatcher.validate_grammar(text)
     if err:
-        raise GrammarError(_explain(err))
+        raise GrammarError(explain(err))
     return text
+
+
+def check_size(c: Constraint, max_bytes: int) -> None:
+    """GrammarError when the constraint's text is larger than `max_bytes` (engine.max_constraint_bytes): its
+    compile time grows with it (60k choices: 3.7 s), so a size past the limit is refused before any work."""
+    size = len(c.value.encode())
+    if max_bytes and size > max_bytes:
+        raise GrammarError(f"the constraint is {size} bytes; this server accepts at most {max_bytes} "
+                           "(engine.max_constraint_bytes)")
 
 
 def compile_text(c: Constraint) -> str:

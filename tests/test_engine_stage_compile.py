@@ -1,0 +1,135 @@
+"""Issue 30: a request's grammar compiles off the engine stage's loop (parallm/engine/compile_queue.py).
+
+Before, `Engine.add_request` compiled it on the loop: a 60k-choice list held every other request's next
+token for 3.7 s. A compile is made slow here on purpose (a real one of that size takes seconds too, but
+the tiny vocabulary compiles anything fast), and the stage must keep stepping other requests meanwhile."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import pytest
+import zmq
+
+from parallm import protocol
+from parallm.config import build_config
+from parallm.engine.compile_queue import CompileQueue
+from parallm.engine.constraints import Constraints
+from parallm.runtime import StageRuntime
+from parallm.stages.engine import EngineStage
+from parallm.text.grammar import GrammarError
+from parallm.transport import Receiver, open_socket
+from tests._engine_helpers import tiny_model
+from tests.test_constraints import EOS, char_tokenizer, engine_on, text_of
+
+SLOW_S = 1.0
+CHOICE = protocol.Constraint(kind="choice", value=json.dumps(["yes", "no"]))
+
+
+def slow(constraints: Constraints, seconds: float) -> None:
+    compile_now = constraints._compile
+
+    def compile_slowly(c):
+        time.sleep(seconds)
+        return compile_now(c)
+
+    constraints._compile = compile_slowly
+
+
+def submit(rid: str, constraint: protocol.Constraint | None = None, max_tokens: int = 4) -> protocol.Submit:
+    params = protocol.SamplingParams(max_tokens=max_tokens, temperature=0.0, constraint=constraint)
+    return protocol.Submit(rid=rid, reply_to=b"c", prompt_ids=protocol.pack_ids([5, 6, 7]),
+                           spec=protocol.RequestSpec(params=params))
+
+
+@pytest.fixture
+def stage(tmp_path):
+    config = build_config(environ={}, overrides={"transport": {"run_dir": str(tmp_path)},
+                                                 "engine": {"constraint_timeout_s": 5.0}})
+    ctx = zmq.Context()
+    rt = StageRuntime(config, "engine", ctx=ctx)
+    detok = Receiver(open_socket(ctx, zmq.PULL, rt.addrs.detok, bind=True), protocol.DetokInbound)
+    engine = engine_on(tiny_model("llama"))
+    s = EngineStage(config, rt, engine, {})
+    s.detok = detok
+    yield s
+    ctx.destroy(0)
+
+
+def outputs(stage: EngineStage, rid: str) -> list:
+    """The outputs and errors of request `rid` sent so far (every other message read and dropped)."""
+    got = []
+    while (m := stage.detok.recv(timeout_ms=50)) is not None:
+        got.extend(o for o in getattr(m, "outputs", []) if o.rid == rid)
+        if isinstance(m, protocol.RequestError) and m.rid == rid:
+            got.append(m)
+    return got
+
+
+def test_other_requests_decode_while_a_grammar_compiles(stage):
+    slow(stage.engine.constraints, SLOW_S)
+    stage.handle(submit("plain", max_tokens=200))
+    t0 = time.monotonic()
+    stage.handle(submit("constrained", CHOICE))
+    assert time.monotonic() - t0 < 0.2, "the loop waited for the compile"
+    assert len(stage.compiling) == 1 and stage.in_flight() == 2
+    steps = 0
+    while stage.compiling:
+        stage.send(stage.engine.step())
+        stage.admit_compiled()
+        steps += 1
+    assert steps >= 5  # the plain request decoded while the grammar compiled
+    while stage.engine.has_work():
+        stage.send(stage.engine.step())
+    done = [o for o in outputs(stage, "constrained")]
+    text = text_of([t for o in done for t in protocol.unpack_ids(o.token_ids)])
+    assert text in ("yes", "no") and done[-1].finish_reason == "stop"
+    # the compiled grammar is cached by content: the same constraint goes in at once
+    t0 = time.monotonic()
+    stage.handle(submit("again", protocol.Constraint(kind="choice", value=CHOICE.value)))
+    assert time.monotonic() - t0 < 0.2 and not stage.compiling and "again" in stage.engine.request_ids()
+
+
+def test_a_grammar_that_compiles_too_long_is_refused_and_others_go_on(stage):
+    stage.compiling.timeout_s = 0.2
+    slow(stage.engine.constraints, SLOW_S)
+    stage.handle(submit("plain", max_tokens=50))
+    stage.handle(submit("slow", CHOICE))
+    t0 = time.monotonic()
+    while stage.compiling:
+        stage.send(stage.engine.step())
+        stage.admit_compiled()
+    assert time.monotonic() - t0 < SLOW_S
+    assert "slow" not in stage.engine.request_ids()
+    [error] = outputs(stage, "slow")
+    assert (error.status, error.code, error.param) == (400, "constraint_too_complex", "constraint")
+
+
+def test_a_bad_grammar_is_refused_with_its_error_and_the_failure_cached(stage):
+    bad = protocol.Constraint(kind="regex", value="(unclosed")
+    stage.handle(submit("bad", bad))
+    while stage.compiling:
+        stage.admit_compiled()
+        time.sleep(0.01)
+    [error] = [m for m in outputs(stage, "bad") if isinstance(m, protocol.RequestError)]
+    assert error.status == 400 and error.param == "constraint"
+    assert stage.engine.constraints.cached(bad) and not stage.compiling.needs(bad)
+
+
+def test_an_oversized_constraint_is_refused_before_any_compile():
+    constraints = Constraints(8, [0])
+    queue: CompileQueue = CompileQueue(constraints, 1.0, max_bytes=100)
+    big = protocol.Constraint(kind="choice", value=json.dumps(["x" * 20] * 10))
+    assert not queue.needs(big)  # add_request refuses it at once (engine.max_constraint_bytes)
+    from parallm.text.grammar import check_size
+    with pytest.raises(GrammarError, match="at most 100"):
+        check_size(big, 100)
+
+
+def test_a_rust_panic_is_not_shown_to_the_client():
+    from parallm.text.grammar import explain
+
+    panic = "thread '<unnamed>' panicked at src/earley/regexvec.rs:405:9:\nassertion failed\nstack backtrace:\n 0: ..."
+    assert explain(panic) == "the grammar is too large or too complex to compile"
+    assert explain("Unimplemented keys: [\"foo\"]") == "unsupported JSON Schema keyword(s): foo"
