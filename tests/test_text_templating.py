@@ -151,3 +151,30 @@ def test_tokenize_and_detokenize(tok, tpl):
 def test_error_converts_to_a_request_error():
     err = TemplateError("bad", "messages").to_error("r1", b"id")
     assert err == RequestError(rid="r1", reply_to=b"id", status=400, message="bad", param="messages")
+
+
+def test_a_huge_prompt_is_refused_without_being_tokenized_whole(tok):
+    """Issue 30: a prompt just under the 8 MB body limit was tokenized whole (4-7.5 s of the tokenizer's loop,
+    other clients waiting) before its context-length 400. Now only a slice of it is, or none."""
+    t = Templater(tok, max_model_len=64)
+    seen: list[int] = []
+    encode = t.tok.encode
+    t.tok.encode = lambda text, add_special_tokens=True: seen.append(len(text)) or encode(text, add_special_tokens)
+    try:
+        for prompt in ("word " * 200_000, "x" * 2_000_000):
+            seen.clear()
+            e = error(t.encode, submit(prompt=prompt))
+            assert e.param == "prompt" and "you requested at least" in e.message
+            assert sum(seen) <= 64 * 8, seen
+        # chat messages too
+        seen.clear()
+        e = error(t.encode, submit(messages=[{"role": "user", "content": "word " * 200_000}]))
+        assert e.param == "messages" and "at least" in e.message and sum(seen) <= 64 * 8
+        # what fits is tokenized as before, whole and once
+        seen.clear()
+        fits = "word " * 8
+        assert t.encode(submit(prompt=fits, max_tokens=4)) == encode(fits)
+        assert seen == [len(fits)]
+    finally:
+        del t.tok.encode
+    assert t.tok.longest_token_chars >= max(len(t.tok.token_bytes(i)) for i in range(t.tok.vocab_size))

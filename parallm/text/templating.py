@@ -85,6 +85,9 @@ def _parse_arguments(call: Any) -> Any:
     return {**call, "function": {**fn, "arguments": args}}
 
 
+PROBE_CHARS_PER_TOKEN = 8  # a prompt longer than this many characters per allowed token has a first slice tokenized
+
+
 class Templater:
     """Turns TextSubmit / Tokenize / Detokenize requests into ids or text, checking them."""
 
@@ -106,10 +109,10 @@ class Templater:
             text = self.render(req.messages, add_generation_prompt=req.add_generation_prompt,
                                continue_final_message=req.continue_final_message,
                                chat_template_kwargs=req.chat_template_kwargs)
-            ids = self.tok.encode(text, add_special_tokens=req.add_special_tokens)
+            ids = self.encode_bounded(text, req.add_special_tokens, req.spec.params.max_tokens, param)
         elif req.prompt is not None:
             param = "prompt"
-            ids = self.tok.encode(req.prompt, add_special_tokens=req.add_special_tokens)
+            ids = self.encode_bounded(req.prompt, req.add_special_tokens, req.spec.params.max_tokens, param)
         else:
             param = "prompt"
             ids = self.check_ids(unpack_ids(req.prompt_ids or b""), param)
@@ -117,6 +120,20 @@ class Templater:
             raise TemplateError("The decoder prompt cannot be empty", param)
         self.check_length(len(ids), req.spec.params.max_tokens, param)
         return ids
+
+    def encode_bounded(self, text: str, add_special_tokens: bool, max_tokens: int | None, param: str) -> list[int]:
+        """The ids of a prompt, refused before tokenizing it whole when it surely does not fit the context:
+        longer than max_model_len x the longest token (x2 for normalizers), or a first slice of it alone
+        (PROBE_CHARS_PER_TOKEN characters per allowed token) already past max_model_len. An 8 MB prompt
+        was tokenized whole (4-7.5 s of this stage's loop, everyone's requests waiting) before its 400."""
+        n = self.max_model_len
+        if n and len(text) > 2 * n * self.tok.longest_token_chars:
+            self.check_length(len(text) // (2 * self.tok.longest_token_chars), max_tokens, param, at_least=True)
+        if n and len(text) > n * PROBE_CHARS_PER_TOKEN:
+            probe = len(self.tok.encode(text[:n * PROBE_CHARS_PER_TOKEN], add_special_tokens=False))
+            if probe - 1 >= n:  # the cut may split one token in two
+                self.check_length(probe - 1, max_tokens, param, at_least=True)
+        return self.tok.encode(text, add_special_tokens=add_special_tokens)
 
     def tokenize(self, req: Tokenize) -> list[int]:
         """/v1/tokenize: a prompt or chat messages to ids (no length check, as vLLM)."""
@@ -171,18 +188,21 @@ class Templater:
                                 f"{self.vocab_size} tokens)", param)
         return ids
 
-    def check_length(self, prompt_tokens: int, max_tokens: int | None, param: str = "messages") -> None:
-        """vLLM's context-length check: prompt + max_tokens must fit in max_model_len."""
+    def check_length(self, prompt_tokens: int, max_tokens: int | None, param: str = "messages", *,
+                     at_least: bool = False) -> None:
+        """vLLM's context-length check: prompt + max_tokens must fit in max_model_len (`at_least`: the
+        prompt has at least `prompt_tokens` tokens; it was not tokenized whole)."""
         n = self.max_model_len
+        some = "at least " if at_least else ""
         if max_tokens is None:
             if prompt_tokens >= n:
                 raise TemplateError(
                     f"This model's maximum context length is {n} tokens. However, you requested "
-                    f"{prompt_tokens} tokens in the messages, Please reduce the length of the messages.",
+                    f"{some}{prompt_tokens} tokens in the messages, Please reduce the length of the messages.",
                     param)
         elif prompt_tokens + max_tokens > n:
             raise TemplateError(
                 f"This model's maximum context length is {n} tokens. However, you requested "
-                f"{prompt_tokens + max_tokens} tokens ({prompt_tokens} in the messages, {max_tokens} in "
+                f"{some}{prompt_tokens + max_tokens} tokens ({some}{prompt_tokens} in the messages, {max_tokens} in "
                 f"the completion). Please reduce the length of the messages or completion.",
                 param)

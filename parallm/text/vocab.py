@@ -80,6 +80,15 @@ class TokenizerView:
                               and d.get("content") == " " and "String" in d.get("pattern", {})]
         self._wordpiece = next((d.get("prefix", "##") for d in decoders if d.get("type") == "WordPiece"), None)
         self._strings: dict[int, str] = {}
+        self._longest = 0
+
+    @property
+    def longest_token_chars(self) -> int:
+        """The most characters one token can stand for (its vocabulary string's length: a byte-level
+        token's string has one character per byte, so it is never shorter than the text it covers)."""
+        if not self._longest:
+            self._longest = max((len(piece) for piece in self.backend.get_vocab(with_added_tokens=True)), default=1)
+        return self._longest
 
     @classmethod
     def of(cls, tokenizer: "TokenizerLike") -> "TokenizerView":
