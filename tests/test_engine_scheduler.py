@@ -227,10 +227,11 @@ def test_prefill_chunks_respect_budget_and_padding_rule():
     for s in seqs:
         sched.add([s])
     plan = sched.schedule()
-    # two rows would pad the 6-token chunk to 32: more than half padding, so it waits (FCFS:
-    # nothing behind it jumps the queue) and the long prompt takes the whole budget
-    assert [s.seq_id for s in plan.prefill.seqs] == [0]
-    assert plan.prefill.length == 64
+    # two rows pad the 6-token chunk to 32, more than half padding, but it finishes in this pass beside a
+    # long prompt being chunked (fair prefill: it would wait for all 200 tokens otherwise); one 20-token
+    # prompt joins as well (its chunk is not mostly padding), a second would cut every chunk below 20
+    assert [s.seq_id for s in plan.prefill.seqs] == [0, 1, 2]
+    assert plan.prefill.length == 21 and plan.prefill.lengths == [21, 6, 20]
     sched3 = Scheduler(budget=budget, max_prefill_tokens=64, blocks=None, block_size=16)
     for i, n in enumerate([200, 20, 20, 20]):
         sched3.add([Sequence(seq_id=i, rid=str(i), index=0, prompt_ids=[1] * n, params=SamplingParams(), seed=0)])
@@ -246,6 +247,33 @@ def test_prefill_chunks_respect_budget_and_padding_rule():
     plan = sched2.schedule()
     assert len(plan.prefill.seqs) * plan.prefill.length <= 64
     assert len(plan.prefill.seqs) == 3 and plan.prefill.length == 17  # a fourth would cut every prompt
+
+
+def test_short_prompts_start_while_a_long_one_is_chunked():
+    """Issue 30: one uncached 6k-token prompt held every new request for 63 s on a CPU: each of its chunks
+    took the whole prefill budget, and a short prompt, mostly padding beside it, never joined a pass. Now
+    each pass takes one short prompt beside it, which then decodes, and the long prompt keeps at least half
+    the budget."""
+    budget = KVBudget(budget_tokens=100_000, max_rows=16, max_len=8000)
+    sched = Scheduler(budget=budget, max_prefill_tokens=128, blocks=None, block_size=16)
+    runner = FakeRunner(16, 16)
+    long = Sequence(seq_id=0, rid="long", index=0, prompt_ids=[1] * 6000, params=SamplingParams(), seed=0)
+    sched.add([long])
+    started, long_chunks = {}, []
+    for step in range(20):
+        if step % 2 == 0 and step < 12:  # a short request every other step
+            sched.add([Sequence(seq_id=100 + step, rid=f"s{step}", index=0, prompt_ids=[1] * 8,
+                                params=SamplingParams(), seed=0)])
+        plan = sched.schedule()
+        runner.execute(plan.ops)
+        runner.prefill(plan.prefill)
+        long_chunks += [n for s, n in zip(plan.prefill.seqs, plan.prefill.lengths) if s is long]
+        runner.execute(sched.complete_prefill(plan.prefill))
+        for s in sched.running:
+            started.setdefault(s.rid, step)
+    assert {f"s{i}": started[f"s{i}"] for i in range(0, 12, 2)} == {f"s{i}": i for i in range(0, 12, 2)}
+    assert min(long_chunks) >= 64 and long.status is Status.PREFILLING
+    sched.check_integrity()
 
 
 def test_budget_shape_policy():

@@ -82,15 +82,24 @@ class AdmissionPolicy:
 
     def refuses_pass(self, pos: int, rems: list[int], shape: PassShape) -> bool:
         """Whether the row at `pos` of a candidate region must wait: a better prompt is being
-        prefilled, or joining would not be worth it. A row joins a pass only if its chunk fills at
-        least half the padded length, and only if the pass's chunk stays long enough to take its
-        prompt (or what the others of its priority would get without it): more rows with shorter
-        chunks only delay everyone."""
+        prefilled, or joining would not be worth it. A row joins a pass only if the pass's chunk stays
+        long enough to take its prompt (or what the others of its priority would get without it), and
+        if its chunk fills at least half the padded length, except for fair prefill: a short prompt
+        that finishes in this pass joins one whose other rows are long prompts being chunked, as long
+        as they keep half the budget. Without that exception a 6k-token prompt held every new request
+        for 63 s on a CPU (issue 30): each of its chunks took the whole budget."""
         if pos >= shape.top:
             return True
         remaining, length = rems[pos], shape.length
         others = rems[:pos] + rems[pos + 1:shape.top]
-        return bool(others) and (2 * min(remaining, length) < length or length < min(remaining, self.chunk_len(others)))
+        if not others:
+            return False
+        if length < min(remaining, self.chunk_len(others)):
+            return True
+        if 2 * min(remaining, length) >= length:
+            return False
+        chunked = all(r > self.chunk_len(others) for r in others)  # the others alone would not finish this pass
+        return not (chunked and 2 * length >= self.max_prefill_tokens)
 
     def victim(self, seq: Sequence, pool: list[Sequence], rows_in_use: int, live: list[Sequence], now: float,
                check_memory: bool = True) -> Sequence | None:
