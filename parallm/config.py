@@ -214,6 +214,9 @@ class ServerConfig(Struct, frozen=True, kw_only=True, forbid_unknown_fields=True
     coalesce_outputs: Annotated[bool, _d("a stream whose client reads slower than the engine produces gets what "
                                          "is waiting as one event (several tokens) instead of one event per step")] = True
     max_output_tokens: Annotated[int, _d("largest max_tokens accepted; 0 = context length")] = 0
+    max_request_prompt_tokens: Annotated[int, _d("most prompt tokens one request may ask the engine to prefill: the "
+                                                 "sum over its prompts (token ids counted, text estimated at 4 "
+                                                 "characters a token) times n; 0 = no limit")] = 262144
     max_logprobs: Annotated[int, _d("most logprob alternatives a request may ask (logprobs, top_logprobs, "
                                     "prompt_logprobs), vLLM's --max-logprobs; -1 = the vocabulary size")] = 20
     tool_call_parser: Annotated[str, _d("how tool calls are read from a chat answer (tool_choice auto): a parser name "

@@ -167,3 +167,22 @@ def test_token_ids_past_int32_are_a_400_not_a_500():
     r = client.post("/v1/completions", json={**BODY, "logit_bias": {str(2**40): 1}})
     assert r.status_code == 400 and r.json()["error"]["param"] == "logit_bias"
     assert not backend.submits
+
+
+def test_one_request_cannot_ask_for_more_prefill_than_the_cap():
+    """Issue 30: one request of 1,024 prompts x 2,000 ids timed out other clients' requests for over 2 minutes
+    (CPU). server.max_request_prompt_tokens bounds prompts x tokens x n per request (a 400 naming prompt)."""
+    client, backend = make()
+    big = {"model": MODEL, "prompt": [[5] * 2000] * 1024, "max_tokens": 1}
+    r = client.post("/v1/completions", json=big)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "prompt"
+    assert "2048000" in r.json()["error"]["message"] and "max_request_prompt_tokens" in r.json()["error"]["message"]
+    r = client.post("/v1/completions", json={"model": MODEL, "prompt": "x" * 1_100_000, "max_tokens": 1})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "prompt"  # text: about 4 characters a token
+    r = client.post("/v1/completions", json={"model": MODEL, "prompt": [[5] * 2000] * 50, "max_tokens": 1, "n": 2})
+    assert r.status_code == 200, r.text
+    r = client.post("/generate", json={"prompt_token_ids": [5] * 300_000, "max_tokens": 1})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "prompt"
+    assert len(backend.submits) == 50  # one submit per prompt, n samples each
+    client, backend = make(max_request_prompt_tokens=0)  # no cap
+    assert client.post("/v1/completions", json=big).status_code == 200

@@ -55,7 +55,8 @@ def backend_limits(backend: Backend, server: ServerConfig) -> Limits:
                   sampling_defaults=backend.sampling_defaults,
                   max_output_tokens=server.max_output_tokens, default_max_tokens=backend.default_max_tokens,
                   max_n=backend.max_n, tool_parser=server.tool_call_parser, max_logprobs=server.max_logprobs,
-                  max_constraint_bytes=backend.max_constraint_bytes)
+                  max_constraint_bytes=backend.max_constraint_bytes,
+                  max_request_prompt_tokens=server.max_request_prompt_tokens)
 
 
 class GenerationRoutes:

@@ -18,8 +18,8 @@ from parallm.api.rl_schemas import (MlxRlGenerateRequest, RLSampling, Shape, Tok
                                     VllmGenerateRequest)
 from parallm.api.structured import constraint_of
 from parallm.api.translate import request_spec
-from parallm.api.validate import (MAX_TOKEN_ID, Limits, check_logprobs, check_n, check_not_supported, max_tokens,
-                                  stop_strings, unsupported)
+from parallm.api.validate import (MAX_TOKEN_ID, Limits, check_logprobs, check_n, check_not_supported,
+                                  check_prompt_tokens, max_tokens, stop_strings, unsupported)
 from parallm.protocol import DetokSpec, SamplingParams, TextSubmit, pack_ids
 
 Prompt = str | list[int]
@@ -134,6 +134,7 @@ def build(shape: Shape, req: Any, limits: Limits, answer: Shape | None = None) -
     checked as vLLM ones)."""
     prompts = prompts_of(shape, req)
     _check(shape, req, len(prompts), limits)
+    check_prompt_tokens(prompts, req.n, limits)
     if shape == "trl" and req.truncate_prompt_tokens:
         prompts = [p[-req.truncate_prompt_tokens:] if isinstance(p, list) else p for p in prompts]
     resolved = max_tokens(req.max_tokens, "max_tokens", limits)

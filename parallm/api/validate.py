@@ -38,6 +38,7 @@ class Limits:
     tool_parser: str = ""           # tool_choice auto: "" = the model's own syntax (inferred), else a parser name
     max_logprobs: int = 20          # server.max_logprobs (vLLM's --max-logprobs); -1: no cap here (the engine's: the vocabulary)
     max_constraint_bytes: int = 0   # engine.max_constraint_bytes: largest constraint text; 0: no cap here
+    max_request_prompt_tokens: int = 0  # server.max_request_prompt_tokens: prompts x n one request may prefill; 0: any
 
     @property
     def output_cap(self) -> int:
@@ -114,6 +115,24 @@ def check_n(n: int, n_prompts: int, limits: Limits) -> None:
                       f"{MAX_CHOICES} choices one request may ask for.", "n")
 
 
+CHARS_PER_TOKEN_ESTIMATE = 4
+
+
+def check_prompt_tokens(items: list[Any], n: int, limits: Limits) -> None:
+    """One request may not ask for more prefill than server.max_request_prompt_tokens: 1,024 prompts x 2,000
+    ids timed out other clients' requests for over 2 minutes on a CPU. Token-id prompts count exactly;
+    text before tokenization at CHARS_PER_TOKEN_ESTIMATE characters a token."""
+    cap = limits.max_request_prompt_tokens
+    if not cap:
+        return
+    total = n * sum(len(p) if isinstance(p, list) else -(-len(p) // CHARS_PER_TOKEN_ESTIMATE) for p in items
+                    if isinstance(p, (list, str)))
+    if total > cap:
+        raise invalid(f"this request asks to prefill about {total} prompt tokens (its prompts times n); a request "
+                      f"may ask for at most {cap} (server.max_request_prompt_tokens). Send fewer or shorter "
+                      "prompts per request.", "prompt")
+
+
 def check_model(model: str | None, limits: Limits) -> None:
     if model is not None and model != limits.model_name and not model.startswith(limits.model_name + ":") \
             and model not in limits.adapters:
@@ -184,6 +203,7 @@ def check_completion(req: CompletionRequest, limits: Limits) -> tuple[list[str |
     items = prompts(req.prompt)
     resolved = max_tokens(req.max_tokens, "max_tokens", limits, zero_ok=req.echo)
     _check_sampling(req, limits, len(items), resolved)
+    check_prompt_tokens(items, req.n, limits)
     check_logprobs(req.logprobs, "logprobs", limits)
     if req.suffix:
         raise unsupported("suffix is not supported by this server.", "suffix")
