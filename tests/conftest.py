@@ -46,6 +46,7 @@ def engines():
             assert stats.running == stats.prefilling == stats.waiting == 0
 
 
+@pytest.hookimpl(tryfirst=True)  # before xdist's own hook, which reads the groups into the test ids
 def pytest_collection_modifyitems(config, items):
     """Work units for xdist's `--dist loadgroup` (`make test`): a module's tests stay together, so its
     module fixtures (most of them servers) start once, and every test on the session's server
