@@ -40,7 +40,7 @@ serve: install
 	$(BIN)/parallm-launch --host $(HOST) --port $(PORT) $(ARGS)
 
 test: install-test
-	$(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadgroup $(ARGS)
+	$(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadfile $(ARGS)
 
 test-slow: install-test $(VENV)/.rl-clients
 	$(BIN)/python -m pytest -m slow $(ARGS)

@@ -45,12 +45,3 @@ def engines():
             assert stats.kv_blocks_used == 0, "idle engine still holds prefix-cache blocks"
             assert stats.running == stats.prefilling == stats.waiting == 0
 
-
-@pytest.hookimpl(tryfirst=True)  # before xdist's own hook, which reads the groups into the test ids
-def pytest_collection_modifyitems(config, items):
-    """Work units for xdist's `--dist loadgroup` (`make test`): a module's tests stay together, so its
-    module fixtures (most of them servers) start once, and every test on the session's server
-    (tests/e2e/conftest.py) runs in one worker, so that server starts once in all."""
-    for item in items:
-        group = "session-server" if "server" in item.fixturenames else item.nodeid.split("::")[0]
-        item.add_marker(pytest.mark.xdist_group(group))
