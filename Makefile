@@ -6,9 +6,11 @@ BIN    := $(VENV)/bin
 HOST   ?= 127.0.0.1
 PORT   ?= 8000
 ARGS   ?=
-# pytest-xdist workers for `make test` (docs/testing.md: what 2 measured on 2 cores); the slow tier runs in
-# one process, since its soaks, rank groups and training runs each load the cores by themselves
-TEST_WORKERS ?= 2
+# pytest-xdist workers for `make test`: 0 = one process. Two workers ran the suite in 465-531 s where one
+# process takes ~700 s on 2 cores, but under that load a stage-restart race (docs/testing.md) failed
+# a hardening test in 1 of 4 runs, so CI stays on one process until it is fixed. The slow tier always
+# runs in one process: its soaks, rank groups and training runs each load the cores by themselves.
+TEST_WORKERS ?= 0
 
 .PHONY: install install-test perf-deps serve test test-slow test-all clean
 
