@@ -624,6 +624,7 @@ class TokenizerStats(Struct, tag="tokenizer", kw_only=True):
     dropped_frames: int = 0
     routed: list[int] = []  # requests sent to each engine replica (parallm/routing.py)
     affinity_hits: int = 0  # of those, sent to a replica for its cached prefix
+    down: list[int] = []  # engine replicas it sends nothing to: dead, or remote ones not yet heard from
 
 
 class DetokenizerStats(Struct, tag="detokenizer", kw_only=True):

@@ -97,7 +97,7 @@ class TokenizerStage:
     def stats(self) -> protocol.TokenizerStats:
         return protocol.TokenizerStats(handled=self.handled, rejected=self.rejected, failed=self.failed,
                                        dropped_frames=self.inbox.dropped, routed=list(self.router.routed),
-                                       affinity_hits=self.router.affinity_hits)
+                                       affinity_hits=self.router.affinity_hits, down=sorted(self.router.down))
 
     def run(self) -> int:
         beat_ms = max(1, int(self.config.supervisor.heartbeat_s * 1000))

@@ -57,6 +57,10 @@ def test_a_remote_engine_replica_over_tcp(tmp_path):
                      output=server.output)
             client = Client(f"tcp://127.0.0.1:{base + 2}", timeout=60, server_key=str(key_dir / "server.key"),
                             client_key=str(key_dir / "remote.key_secret"))
+            # the supervisor logs "serves", then announces it (StageUp); until the tokenizer has heard that,
+            # it routes everything to replica 0 (on a quiet machine the requests below came first: [6, 0])
+            wait_for(lambda: client.stats("tokenizer").down == [], "the tokenizer never took the remote replica up",
+                     output=server.output)
             with ThreadPoolExecutor(6) as pool:
                 replies = list(pool.map(lambda i: chat(server.url, f"Question {i}: what is {i} plus {i * 7}?"),
                                         range(6)))
