@@ -13,7 +13,9 @@ at once with a retryable error: the engine or the detokenizer, every request and
 flight; a tokenizer, the requests sent through a tokenizer that have heard nothing back yet (token-id
 requests never pass one) and the tokenizer queries. Malformed frames are dropped and counted. If the
 reader or the control watcher fails, everything in flight fails with it (loudly) and it restarts;
-after MAX_RESTARTS failures the connection refuses new work instead of going quiet.
+after MAX_RESTARTS failures the connection refuses new work instead of going quiet. A restarted
+detokenizer stays down for this connection after its StageUp until Hello, repeated, gets its Welcome:
+only then can its mandatory ROUTER route to this DEALER (before, a send reads as a client gone).
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ log = logging.getLogger(__name__)
 Target = Literal["engine", "tokenizer", "detokenizer"]
 TARGETS = ("engine", "tokenizer", "detokenizer")
 HELLO_INTERVAL_S = 0.5
+REHELLO_INTERVAL_S = 0.05  # after a detokenizer restart: how often Hello repeats until the new router answers
 MAX_RESTARTS = 5
 READ_BATCH = 256          # messages the reader dispatches before letting other callbacks run
 
@@ -78,6 +81,7 @@ class Pipeline:
         self._broken = ""
         self._loop: asyncio.AbstractEventLoop | None = None
         self._dealer: zmq.Socket | None = None
+        self._rehello: dict[str, protocol.StageUp] = {}  # restarted detokenizers announced up, not yet answering Hello
         self._reading = False
         self._welcomed: asyncio.Future | None = None
         self._push: dict[str, zmq.Socket] = {}
@@ -323,15 +327,41 @@ class Pipeline:
         elif kind is protocol.Welcome:  # the answer to Hello (or a late one to a repeated Hello)
             if not self._welcomed.done():
                 self._welcomed.set_result(message)
+            elif self._rehello:  # a restarted detokenizer's router can route to this DEALER now
+                ups = list(self._rehello.values())
+                self._rehello.clear()
+                for up in ups:
+                    self.stages_down.discard(f"{up.stage}-{up.replica}")
+                    for listener in self._listeners:
+                        self._guarded(listener, up)
 
     def _on_control(self, message: Any) -> None:
         if type(message) is protocol.StageDown:
             self.stages_down.add(f"{message.stage}-{message.replica}")
             self._fail_stage(message.stage, message.replica)
         elif type(message) is protocol.StageUp:
+            if message.stage == "detokenizer":
+                self._await_router(message)
+                return
             self.stages_down.discard(f"{message.stage}-{message.replica}")
         for listener in self._listeners:
             self._guarded(listener, message)
+
+    def _await_router(self, up: protocol.StageUp) -> None:
+        """A restarted detokenizer is up only for this connection once its ROUTER can route to this
+        DEALER: until the DEALER has reconnected, the router's mandatory send of a request's first
+        output fails (EHOSTUNREACH), which reads as a client gone and aborts the request unanswered.
+        So the stage stays down here, and Hello repeats until the new router answers Welcome."""
+        self._rehello[f"{up.stage}-{up.replica}"] = up
+        if "rehello" in self._tasks and not self._tasks["rehello"].done():
+            return
+        self._tasks["rehello"] = self._loop.create_task(self._say_hello_again())
+
+    async def _say_hello_again(self) -> None:
+        hello = protocol.encode(protocol.Hello(client=self.identity.decode(errors="replace")))
+        while self._rehello and not self._closing:
+            self._send_dealer(hello)
+            await asyncio.sleep(REHELLO_INTERVAL_S)
 
     def _fail_stage(self, stage: str, replica: int = 0) -> None:
         """Fail what a dead stage could hold (see the module docstring)."""

@@ -65,6 +65,8 @@ class FarSide:
         self.received: queue.Queue = queue.Queue()
         self.outbox: queue.Queue = queue.Queue()
         self.running = True
+        self.welcoming = True   # False: Hello is counted and left unanswered (a router that cannot route yet)
+        self.hellos = 0
         self.thread = threading.Thread(target=self._serve, daemon=True)
         self.thread.start()
 
@@ -110,6 +112,9 @@ class FarSide:
                 if stage == "router":
                     identity = frames[0]
                     if isinstance(message, protocol.Hello):
+                        self.hellos += 1
+                        if not self.welcoming:
+                            continue
                         self.sockets["router"].send_multipart([identity, protocol.encode(
                             protocol.Welcome(model="scripted", addresses=self.addresses))])
                         continue

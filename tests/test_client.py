@@ -218,6 +218,34 @@ def test_engine_down_fails_every_request_and_engine_query(far):
     run(main())
 
 
+def test_a_restarted_detokenizer_is_up_only_once_its_router_answers_hello(far):
+    """The new detokenizer's mandatory ROUTER reads a DEALER that has not reconnected yet as a client gone
+    (and aborts its request unanswered), so its StageUp counts only once Hello gets a Welcome back."""
+    async def main():
+        async with AsyncClient(far.addresses["router"], timeout=30) as client:
+            pipeline, heard = client._pipeline, []
+            pipeline.add_listener(heard.append)
+            await asyncio.sleep(0.3)  # the control subscription reaches the publisher
+            far.announce(protocol.StageDown(stage="detokenizer"))
+            await asyncio.sleep(0.2)
+            assert pipeline.stages_down == {"detokenizer-0"}
+            far.welcoming, hellos = False, far.hellos
+            far.announce(protocol.StageUp(stage="detokenizer", restarts=1))
+            await asyncio.sleep(0.5)
+            assert pipeline.stages_down == {"detokenizer-0"}, "up before the new router could route to it"
+            assert far.hellos - hellos >= 3 and not any(isinstance(m, protocol.StageUp) for m in heard)
+            far.welcoming = True
+            await asyncio.sleep(0.3)
+            assert pipeline.stages_down == set()
+            assert [m for m in heard if isinstance(m, protocol.StageUp)] == [protocol.StageUp(stage="detokenizer", restarts=1)]
+            asked = far.hellos
+            await asyncio.sleep(0.2)
+            assert far.hellos == asked, "Hello goes on after the Welcome"
+            assert await client.generate([1, 2])  # the connection serves again
+
+    run(main())
+
+
 def test_tokenizer_down_fails_only_text_requests_that_heard_nothing(far):
     heard_rid: list[str] = []
 
