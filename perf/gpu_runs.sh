@@ -68,10 +68,13 @@
 #   defaultsab  llama-3.2-3b over HTTP at c=64 and 256, a fresh server each: the old defaults (unfused decode and
 #             prefill keys off) and the new alternating, fused first, four servers while the call has time; each
 #             run's JSON to $OUT/ab-<i>-<way>.json (an A/B: assembled into perf/results by hand), ~9 min
+#   qwendtype  qwen3-8b 4-bit over HTTP with the backend's defaults (on CUDA since issue 37: served dequantized to
+#             bfloat16) at c=1, 64, 256, then with --model.dtype quantized (the stored 4-bit) at c=1 and 64, ~9 min
+#   qwenmlx   mlx_lm.server on the same stored 4-bit qwen3-8b weights at c=1, 64, 256 (the baseline of qwendtype), ~9 min
 # A fresh server per wave: `waves` fits 6-7 waves in one 10-minute call; run it twice for ten.
 set -uo pipefail
-case "${1:-}" in diag|llama|adapters|qwen-a|qwen-b|launch|serving|waves|ingress|moe|moe256|hybrid|structured|tp|tp8b|dp|threads|compiled|republish|buckets|serve256|inplace|mixed|cudnn|kvwrites|decodeattn|unfuseddecode|defaults|defaultsab) ;;
-  *) sed -n 2,71p "$0"; exit 2 ;; esac
+case "${1:-}" in diag|llama|adapters|qwen-a|qwen-b|launch|serving|waves|ingress|moe|moe256|hybrid|structured|tp|tp8b|dp|threads|compiled|republish|buckets|serve256|inplace|mixed|cudnn|kvwrites|decodeattn|unfuseddecode|defaults|defaultsab|qwendtype|qwenmlx) ;;
+  *) sed -n 2,74p "$0"; exit 2 ;; esac
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
 if [ -d /tmp/site/mlx ] && [ ! -f .gpu/b/install.sh ]; then
@@ -167,6 +170,17 @@ case "${1:-}" in
               timeout $((530 - SECONDS)) python3 -m perf.profile_decode_attention --rows 1,16,64,256 --spans 256,1024 \
                 --repeats 10 --out-dir "$OUT"
             fi ;;
+  qwendtype) SECONDS=0
+            python3 -m perf.bench_serving --shape qwen3-8b --concurrency 1,64,256 --max-tokens 128 --client-procs 4 \
+              --targets http --tokenizer-dir $TOK --work-dir $WORK --experiment qwen3-8b-4bit-defaults --out-dir "$OUT"
+            echo "defaults: ${SECONDS} s"
+            timeout $((570 - SECONDS)) python3 -m perf.bench_serving --shape qwen3-8b --concurrency 1,64 --max-tokens 128 \
+              --client-procs 4 --targets http --server-args "--model.dtype quantized" --tokenizer-dir $TOK \
+              --work-dir $WORK --experiment qwen3-8b-4bit-quantized --out-dir "$OUT"
+            echo "quantized: ${SECONDS} s" ;;
+  qwenmlx)  timeout 570 python3 -m perf.bench_serving --shape qwen3-8b --concurrency 1,64,256 --max-tokens 128 \
+              --client-procs 4 --targets none --mlx-lm-server --tokenizer-dir $TOK --work-dir $WORK \
+              --experiment qwen3-8b-4bit-mlx-lm-server --out-dir "$OUT" ;;
   defaultsab) SECONDS=0; i=0
             for way in fused defaults fused defaults; do
               i=$((i + 1))

@@ -1,10 +1,11 @@
 """The weight dtype policy, applied to a loaded mlx-lm model.
 
 - unset (None): float32 on MLX's CPU device; elsewhere the model's own type ("quantized" if it has
-  quantized layers, else the float type holding most of its parameters). On CPU, float32 runs
-  through the BLAS (OpenBLAS when preloaded) while quantized matmuls run in MLX's own kernels:
-  measured on a 2-core x86 machine with SmolLM2-135M, float32 + OpenBLAS decoded a 16-row batch
-  about 9x faster than the Q4_1/Q8_0 weights.
+  quantized layers, else the float type holding most of its parameters), except that on a CUDA GPU
+  a quantized dense model whose bfloat16 weights fit CUDA_DEQUANTIZE_FRACTION of the device's memory
+  is served in bfloat16 (see default_dtype). On CPU, float32 runs through the BLAS (OpenBLAS when
+  preloaded) while quantized matmuls run in MLX's own kernels: measured on a 2-core x86 machine with
+  SmolLM2-135M, float32 + OpenBLAS decoded a 16-row batch about 9x faster than the Q4_1/Q8_0 weights.
 - "float32" / "float16" / "bfloat16": quantized layers are dequantized (through float32) into
   plain nn.Linear / nn.Embedding, and every floating parameter is cast to that type.
 - "quantized": quantized layers are kept; the other floating parameters (norms, biases, layers
@@ -57,6 +58,52 @@ def stored_dtype(model: nn.Module) -> str:
     return _NAMES[dominant]
 
 
+# On a CUDA GPU, quantized dense checkpoints whose bfloat16 weights take at most this share of the
+# device's memory are served dequantized: MLX's CUDA quantized matmul does not scale with rows (on an
+# H200 a 64-row decode step of a Qwen3-8B-shaped 4-bit model cost 24x a one-row step; issue 37).
+# MoE experts (QuantizedSwitchLinear) stay quantized: not measured.
+CUDA_DEQUANTIZE_FRACTION = 0.5
+
+
+def _cuda_total_memory() -> int | None:
+    """The CUDA device's memory in bytes where MLX computes on one, else None."""
+    try:
+        if mx.default_device() != mx.gpu or not mx.cuda.is_available():
+            return None
+        return int(mx.device_info()["total_memory"])
+    except Exception:  # noqa: BLE001 - backend specific
+        return None
+
+
+def dequantized_bytes(model: nn.Module, itemsize: int = 2) -> int:
+    """The model's weight bytes once every quantized layer is a plain float layer of `itemsize` bytes."""
+    quantized = dict(_quantized_modules(model))
+    total = 0
+    for name, value in tree_flatten(model.parameters()):
+        owner, _, leaf = name.rpartition(".")
+        module = quantized.get(owner)
+        if module is None or leaf not in ("weight", "scales", "biases"):
+            total += value.size * itemsize
+        elif leaf == "weight":  # packed: 32 / bits values in each uint32
+            total += value.size * 32 // module.bits * itemsize
+    return total
+
+
+def default_dtype(model: nn.Module, *, on_cpu: bool | None = None, cuda_memory: int | None = None) -> str:
+    """The dtype an unset `model.dtype` resolves to on this device; `on_cpu` and `cuda_memory` (the CUDA
+    device's bytes, None for none) stand in for the device query when given."""
+    if on_cpu if on_cpu is not None else mx.default_device() == mx.cpu:
+        return "float32"
+    stored = stored_dtype(model)
+    quantized = _quantized_modules(model)
+    if stored != "quantized" or any(isinstance(m, QuantizedSwitchLinear) for _, m in quantized):
+        return stored
+    total = cuda_memory if on_cpu is not None else _cuda_total_memory()
+    if total is not None and dequantized_bytes(model, 2) <= CUDA_DEQUANTIZE_FRACTION * total:
+        return "bfloat16"
+    return stored
+
+
 def _dequantize(module: nn.Module, dtype: mx.Dtype) -> nn.Module:
     f32 = mx.float32
     scales = module.scales.astype(f32) if mx.issubdtype(module.scales.dtype, mx.floating) else module.scales
@@ -90,9 +137,7 @@ def apply_dtype(model: nn.Module, requested: str | None) -> str:
     what they are now."""
     if requested is not None and requested not in DTYPES:
         raise ModelLoadError(f"unknown dtype '{requested}'; choose one of {', '.join(DTYPES)} (or leave it unset)")
-    target = requested
-    if requested is None:
-        target = "float32" if mx.default_device() == mx.cpu else stored_dtype(model)
+    target = requested if requested is not None else default_dtype(model)
     quantized = _quantized_modules(model)
     if target in FLOAT_DTYPES:
         dtype = FLOAT_DTYPES[target]
