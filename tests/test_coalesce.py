@@ -2,6 +2,8 @@
 
 import json
 
+import msgspec
+
 from parallm import protocol
 from parallm.api.sse import ChunkBuilder
 from parallm.api.translate import Plan
@@ -58,7 +60,7 @@ def _accumulate(plan: Plan, outputs: list[protocol.Output]) -> tuple[dict, int]:
     chunks += builder.closing()
     content, logprobs, finish, usage = "", [], None, None
     for chunk in chunks:
-        body = json.loads(protocol.msgspec.json.encode(chunk))
+        body = json.loads(msgspec.json.encode(chunk))
         usage = body.get("usage") or usage
         for choice in body["choices"]:
             content += choice["delta"].get("content") or ""

@@ -70,7 +70,7 @@ def test_engine_on_cuda_runs_the_unfused_forms_with_the_stock_tokens(monkeypatch
     monkeypatch.setattr(engine_module, "compute_device", lambda: "cuda")
     cuda = make_engine(model, max_prefill_tokens=24)
     settings = cuda.stats().settings
-    assert (settings.unfused_decode, settings.unfused_prefill_keys) == (True, CUDA_UNFUSED_PREFILL_KEYS)
+    assert (settings["unfused_decode"], settings["unfused_prefill_keys"]) == (True, CUDA_UNFUSED_PREFILL_KEYS)
     assert cuda.runner.unfused_decode and cuda.runner.unfused_prefill
     reqs = [req(f"r{i}", p, greedy(6)) for i, p in enumerate(prompts)]
     out = run_all(cuda, reqs[:1], arrivals={2: reqs[1:]})

@@ -503,7 +503,7 @@ class Engine:
             live_rows=r.live.rows, live_capacity=r.live.capacity, live_bytes=r.live.nbytes, pool_bytes=r.pool.nbytes,
             bytes_per_token=r.live.bytes_per_token, penalty_state=r.penalties.active, adapters=adapters,
             compiled_decode=r.compiled.stats() if r.compiled else {},
-            settings=self.config, adapter_settings=self.adapter_settings,
+            settings=msgspec.to_builtins(self.config), adapter_settings=msgspec.to_builtins(self.adapter_settings),
             weights_version=self.weights_version, weights_updates=self.weights_updates,
             recomputed_tokens=s.recomputed_tokens, oom_retries=oom_retries(), burst=burst, last_burst=last_burst)
 

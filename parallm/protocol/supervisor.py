@@ -1,0 +1,54 @@
+"""The supervisor's messages: what a stage tells it (Ready, Heartbeat, Fatal), and what it tells every
+stage on the control channel (a stage down or up again, drain, shutdown)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from .base import Message
+
+class Ready(Message, tag="ready"):
+    stage: str
+    replica: int = 0
+    pid: int = 0
+    info: dict[str, Any] = {}
+
+
+class Heartbeat(Message, tag="heartbeat"):
+    """A stage is alive; `loop_age_s` is how long its loop has been in one iteration (a stuck loop
+    is restarted) and `in_flight` what it still holds (the supervisor drains until it is 0)."""
+
+    stage: str
+    replica: int = 0
+    pid: int = 0
+    loop_age_s: float = 0.0
+    in_flight: int = 0
+
+
+class Fatal(Message, tag="fatal"):
+    """A stage cannot run (e.g. the model does not load); the supervisor stops with this message."""
+
+    stage: str
+    replica: int = 0
+    pid: int = 0
+    message: str = ""
+
+
+class StageDown(Message, tag="stage_down"):
+    stage: str
+    replica: int = 0
+    restarts: int = 0
+
+
+class StageUp(Message, tag="stage_up"):
+    stage: str
+    replica: int = 0
+    restarts: int = 0
+
+
+class Drain(Message, tag="drain"):
+    deadline: float
+
+
+class Shutdown(Message, tag="shutdown"):
+    pass
