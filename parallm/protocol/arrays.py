@@ -7,6 +7,10 @@ from typing import Any, Sequence
 
 import numpy as np
 
+__all__ = ["pack_ids", "unpack_ids", "pack_floats", "unpack_floats", "count_ids", "TopRow", "pack_top",
+           "unpack_top", "VersionSpans", "extend_spans", "version_at"]
+
+
 def pack_ids(ids: Any) -> bytes:
     """Token ids (list, tuple or array) as packed little-endian int32 bytes."""
     return np.asarray(ids, dtype="<i4").tobytes()

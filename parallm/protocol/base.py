@@ -8,6 +8,10 @@ from typing import Any, Literal
 import msgspec
 from msgspec import Struct
 
+__all__ = ["PROTOCOL_VERSION", "FinishReason", "ConstraintKind", "Constraint", "SamplingParams", "DetokSpec",
+           "RequestSpec", "Usage", "Message"]
+
+
 PROTOCOL_VERSION = 2
 
 FinishReason = Literal["stop", "length", "abort", "error"]

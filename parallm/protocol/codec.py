@@ -5,14 +5,25 @@ from __future__ import annotations
 
 import functools
 import operator
-from typing import Any, Callable
+from typing import Any, Callable, Union
 
 import msgspec
 from msgspec import Struct
 
 from .base import PROTOCOL_VERSION, Message
-from .receivers import AnyMessage
-from .to_detokenizer import RequestError
+from .supervisor import ControlMessage, SupervisorInbound
+from .to_clients import ClientInbound, Rollout, TrainingStatus
+from .to_detokenizer import DetokInbound, RequestError, RouterInbound
+from .to_engine import EngineInbound
+from .to_tokenizer import TokenizerInbound
+
+__all__ = ["AnyMessage", "ProtocolError", "rejection", "encode", "Decoder", "decode", "Address", "reply_address"]
+
+
+AnyMessage = Union[TokenizerInbound, EngineInbound, DetokInbound, RouterInbound, ClientInbound, SupervisorInbound,
+                   ControlMessage, Rollout, TrainingStatus]
+"""Every message: the receivers' unions (a new message in one of them is in this one too), and what is
+published (Rollout, for trainers) or pushed to ingress (TrainingStatus)."""
 
 class ProtocolError(ValueError):
     """A frame that is not a valid message for the socket it arrived on. `reply` is the error to send

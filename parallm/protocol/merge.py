@@ -8,6 +8,9 @@ import msgspec
 
 from .to_clients import Output
 
+__all__ = ["coalesce_outputs"]
+
+
 def coalesce_outputs(items: Sequence[Output]) -> list[Output]:
     """Consecutive outputs of one sequence merged into one, for a reader that fell behind (several
     steps' outputs waiting): variable-length fields (token ids, text, logprobs, per-token lists)

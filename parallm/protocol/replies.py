@@ -2,12 +2,17 @@
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Literal, Union
 
 from msgspec import Struct
 
 from .base import Message
 from .stats import StageStats
+
+__all__ = ["Reply", "TokenizeReply", "DetokenizeReply", "ScoreReply", "PauseState", "AdapterVersion", "AdapterInfo",
+           "AdapterLoaded", "AdapterUnloaded", "WeightsUpdated", "PrefixCacheReset", "AdapterList", "StatsReply",
+           "REPLIES", "AnyReply"]
+
 
 class Reply(Message, kw_only=True):
     """A stage's answer to one control request, routed by the detokenizer to `reply_to`. A request
@@ -94,3 +99,9 @@ class AdapterList(Reply, tag="adapter_list"):
 
 class StatsReply(Reply, tag="stats_reply"):
     stats: StageStats
+
+
+REPLIES = (TokenizeReply, DetokenizeReply, ScoreReply, PauseState, AdapterLoaded, AdapterUnloaded, AdapterList,
+           StatsReply, WeightsUpdated, PrefixCacheReset)
+AnyReply = Union[TokenizeReply, DetokenizeReply, ScoreReply, PauseState, AdapterLoaded, AdapterUnloaded, AdapterList,
+                 StatsReply, WeightsUpdated, PrefixCacheReset]

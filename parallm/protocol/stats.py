@@ -8,6 +8,10 @@ from typing import Any, Union
 import msgspec
 from msgspec import Struct
 
+__all__ = ["AdapterStats", "RankState", "WeightsStatus", "LoopStats", "BlasStats", "StepRecord", "BurstStats",
+           "EngineStats", "TokenizerStats", "DetokenizerStats", "StageStats"]
+
+
 class AdapterStats(Struct, kw_only=True):
     loaded: int = 0                     # adapter names with a version
     versions_kept: int = 0

@@ -3,9 +3,13 @@ stage on the control channel (a stage down or up again, drain, shutdown)."""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Union
 
 from .base import Message
+
+__all__ = ["Ready", "Heartbeat", "Fatal", "StageDown", "StageUp", "Drain", "Shutdown", "SupervisorInbound",
+           "ControlMessage"]
+
 
 class Ready(Message, tag="ready"):
     stage: str
@@ -52,3 +56,9 @@ class Drain(Message, tag="drain"):
 
 class Shutdown(Message, tag="shutdown"):
     pass
+
+
+SupervisorInbound = Union[Ready, Heartbeat, Fatal]
+"""What the supervisor's PULL socket accepts."""
+ControlMessage = Union[StageDown, StageUp, Drain, Shutdown]
+"""What every stage's control SUB socket accepts."""

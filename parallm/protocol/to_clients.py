@@ -3,16 +3,15 @@ trainers (Rollout) or a trainer pushes to ingress (TrainingStatus)."""
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Any, Literal, Union
 
 from msgspec import Struct
 
 from .base import PROTOCOL_VERSION, FinishReason, Message, Usage
+from .replies import AnyReply
+from .to_detokenizer import RequestError
 
-class Hello(Message, tag="hello"):
-    """A client's first message on its DEALER: registers its identity with the router."""
-
-    client: str = ""
+__all__ = ["Welcome", "Output", "Outputs", "Rollout", "TrainingStatus", "ClientInbound"]
 
 
 class Welcome(Message, tag="welcome"):
@@ -93,3 +92,7 @@ class TrainingStatus(Message, tag="training_status"):
     resumed_from: str = ""
     error: str = ""
     updated_at: float = 0.0
+
+
+ClientInbound = Union[Outputs, RequestError, Welcome, AnyReply]
+"""What a client's DEALER accepts from the detokenizer's ROUTER."""

@@ -3,9 +3,16 @@ errors (every stage routes a request's error to its client through the detokeniz
 
 from __future__ import annotations
 
+from typing import Union
+
 from msgspec import Struct
 
 from .base import FinishReason, Message, RequestSpec, Usage
+from .replies import AnyReply
+from .to_tokenizer import GetStats
+
+__all__ = ["Track", "SeqDelta", "StepOutputs", "RequestError", "Hello", "DetokInbound", "RouterInbound"]
+
 
 class Track(Message, tag="track"):
     """Sent by the engine when it accepts a Submit, ahead of that request's outputs on one socket."""
@@ -57,3 +64,15 @@ class RequestError(Message, tag="error"):
     message: str = ""
     param: str | None = None
     retryable: bool = False
+
+
+class Hello(Message, tag="hello"):
+    """A client's first message on its DEALER: registers its identity with the router."""
+
+    client: str = ""
+
+
+DetokInbound = Union[Track, StepOutputs, RequestError, AnyReply]
+"""What the detokenizer's PULL socket accepts: the engine's messages, and every stage's replies and errors."""
+RouterInbound = Union[Hello, GetStats]
+"""What the detokenizer's ROUTER accepts from a client (a client may ask the detokenizer for its stats)."""

@@ -3,12 +3,17 @@ full-weight updates, and replica i > 0's stats for replica 0."""
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Any, Literal, Union
 
 import msgspec
 
 from .base import FinishReason, Message, RequestSpec
 from .stats import EngineStats
+from .to_tokenizer import GetStats
+
+__all__ = ["Submit", "Score", "Abort", "Pause", "Resume", "AdapterPublish", "WeightsUpdate", "ResetPrefixCache",
+           "AdapterUnload", "ListAdapters", "ReplicaStats", "EngineInbound"]
+
 
 class Submit(Message, tag="submit"):
     """A tokenized request. Raw ZeroMQ clients send this straight to the engine."""
@@ -126,3 +131,8 @@ class ReplicaStats(Message, tag="replica_stats"):
     replica: int
     stats: EngineStats
     pid: int = 0  # its process (a remote replica's liveness and restarts reach the supervisor through replica 0)
+
+
+EngineInbound = Union[Submit, Score, Abort, Pause, Resume, GetStats, AdapterPublish, AdapterUnload, ListAdapters,
+                      WeightsUpdate, ResetPrefixCache, ReplicaStats]
+"""What an engine replica's PULL socket (and its adapters SUB socket) accepts."""

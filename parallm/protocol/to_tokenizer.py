@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Union
 
 import msgspec
 
 from .base import Message, RequestSpec
+
+__all__ = ["TextSubmit", "Tokenize", "Detokenize", "GetStats", "TokenizerInbound"]
+
 
 class TextSubmit(Message, tag="text_submit"):
     """A request in text (prompt or chat messages) or token ids, before tokenization."""
@@ -49,3 +52,7 @@ class GetStats(Message, tag="get_stats"):
 
     qid: str
     reply_to: bytes = b""
+
+
+TokenizerInbound = Union[TextSubmit, Tokenize, Detokenize, GetStats]
+"""What a tokenizer's PULL socket accepts."""
