@@ -205,6 +205,7 @@ class Receiver(Generic[M]):
     def __init__(self, sock: zmq.Socket, accepts: Any, *, name: str = "",
                  on_rejected: Callable[[protocol.RequestError], None] | None = None) -> None:
         self.sock = sock
+        self.accepts = accepts
         self.decoder = protocol.Decoder(accepts)
         self.name = name or repr(accepts)
         self.on_rejected = on_rejected
@@ -256,6 +257,8 @@ class Router:
     def __init__(self, sock: zmq.Socket, *, mandatory: bool = False,
                  on_unreachable: Callable[[bytes], None] | None = None) -> None:
         self.sock = sock
+        self.accepts = protocol.RouterInbound
+        self.name = "router"
         self.decoder = protocol.Decoder(protocol.RouterInbound)
         self.unroutable = 0
         self.unreachable = 0
@@ -297,6 +300,7 @@ class AsyncReceiver(Generic[M]):
 
     def __init__(self, sock: zmq.asyncio.Socket, accepts: Any, *, name: str = "") -> None:
         self.sock = sock
+        self.accepts = accepts
         self.decoder = protocol.Decoder(accepts)
         self.name = name or repr(accepts)
         self.dropped = 0

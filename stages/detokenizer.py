@@ -19,8 +19,6 @@ import logging
 import time
 from collections import defaultdict
 from dataclasses import dataclass
-from typing import Any
-
 import msgspec
 import zmq
 
@@ -31,6 +29,7 @@ from parallm.routing import RecentIds, replica_count
 from parallm.runtime import StageRuntime
 from parallm.text.sequence import DetokState
 from parallm.text.vocab import TokenizerView
+from parallm.stages.skeleton import Handler, Stage
 from parallm.transport import Receiver, Router, Sender, open_socket
 
 log = logging.getLogger("parallm.detokenizer")
@@ -44,10 +43,11 @@ class _Request:
     replica: int = 0  # the engine replica that holds it (Track.replica)
 
 
-class DetokenizerStage:
+class DetokenizerStage(Stage):
+    log = log
+
     def __init__(self, config: Config, runtime: StageRuntime, tokenizer: TokenizerView, model_name: str) -> None:
-        self.config = config
-        self.rt = runtime
+        super().__init__(config, runtime)
         self.tok = tokenizer
         self.model_name = model_name
         ctx, addrs, hwm = runtime.ctx, runtime.addrs, config.transport.hwm
@@ -62,6 +62,13 @@ class DetokenizerStage:
         self.finished = RecentIds()  # requests that ended lately (parallm/routing.py)
         self.counts = protocol.DetokenizerStats()  # the counters; stats() adds the gauges
         self.last_batch_size = 0
+        self.listen(self.inbox, {protocol.StepOutputs: self.on_step, protocol.Track: self.on_track,
+                                 protocol.RequestError: self.on_error, **dict.fromkeys(protocol.REPLIES, self.forward)},
+                    limit=1024)
+        self.clients: dict[type, Handler] = {protocol.Hello: self.on_hello, protocol.GetStats: self.on_stats_query}
+        self.listen(self.router, self.clients, limit=256)
+        self.watch(self.rollouts, self.on_subscription)
+        self.control[protocol.StageDown] = self.on_stage_down
 
     # ------------------------------------------------------------------ inbound
     def on_track(self, track: protocol.Track) -> None:
@@ -117,12 +124,27 @@ class DetokenizerStage:
         except zmq.Again:
             self.counts.rollouts_dropped += 1
 
-    def on_client(self, identity: bytes, message: Any) -> None:
-        if isinstance(message, protocol.Hello):
-            self.router.send(identity, protocol.Welcome(model=self.model_name, addresses={
-                **self.rt.addrs.public(), "engine_replicas": str(replica_count(self.config.engine))}))
-        elif isinstance(message, protocol.GetStats):
-            self.router.send(identity, protocol.StatsReply(qid=message.qid, stats=self.stats()))
+    def forward(self, reply: protocol.Reply) -> None:
+        """A stage's answer to a control request, to the client that asked."""
+        if reply.reply_to:
+            self.router.send(reply.reply_to, reply)
+
+    def answer(self, message: protocol.Message) -> None:
+        """An error for a message the stage could not handle goes straight to its client."""
+        address = protocol.reply_address(message)
+        if address is not None:
+            self.router.send(address[1], message)
+
+    def on_hello(self, identity: bytes, message: protocol.Hello) -> None:
+        self.router.send(identity, protocol.Welcome(model=self.model_name, addresses={
+            **self.rt.addrs.public(), "engine_replicas": str(replica_count(self.config.engine))}))
+
+    def on_stats_query(self, identity: bytes, message: protocol.GetStats) -> None:
+        self.router.send(identity, protocol.StatsReply(qid=message.qid, stats=self.stats()))
+
+    def on_subscription(self) -> None:
+        while self.rollouts.poll(0, zmq.POLLIN):
+            self.rollouts.recv()  # subscription notices
 
     def on_client_gone(self, identity: bytes) -> None:
         """`identity` has no connection any more: abort its requests so the engine frees their KV."""
@@ -135,9 +157,12 @@ class DetokenizerStage:
             for rid in rids:
                 log.info("client %r went away: aborted", identity[:32], extra=request_extra(rid))
 
-    def on_engine_down(self, replica: int = 0) -> None:
+    def on_stage_down(self, message: protocol.StageDown) -> None:
         """An engine replica died: every request it held is lost; tell each client, retryably. (What a
         tokenizer had sent it and it had not admitted yet, the tokenizer fails: parallm/routing.py.)"""
+        if message.stage != "engine":
+            return
+        replica = message.replica
         lost = [rid for rid, request in self.requests.items() if request.replica == replica]
         for rid in lost:
             request = self.requests.pop(rid)
@@ -146,55 +171,13 @@ class DetokenizerStage:
                 message="the engine restarted while this request was in flight; retry it"))
         log.warning("engine replica %d down: failed %d in-flight request(s)", replica, len(lost))
 
-    def handle(self, message: Any) -> None:
-        if isinstance(message, protocol.StepOutputs):
-            self.on_step(message)
-        elif isinstance(message, protocol.Track):
-            self.on_track(message)
-        elif isinstance(message, protocol.RequestError):
-            self.on_error(message)
-        elif isinstance(message, protocol.REPLIES):
-            if message.reply_to:
-                self.router.send(message.reply_to, message)
-
     def stats(self) -> protocol.DetokenizerStats:
         return msgspec.structs.replace(self.counts, in_flight=len(self.requests), unroutable=self.router.unroutable,
                                        unreachable=self.router.unreachable, dropped_frames=self.inbox.dropped,
-                                       batch_size=self.last_batch_size)
+                                       batch_size=self.last_batch_size, failed_messages=self.failed)
 
-    def safely(self, handler: Any, *args: Any) -> None:
-        """Run one message's handler; a message that breaks it is logged and dropped, never fatal."""
-        try:
-            handler(*args)
-        except Exception:  # noqa: BLE001 - one bad message must not take every client down
-            self.counts.failed_messages += 1
-            log.exception("dropped a message the detokenizer could not handle: %s", type(args[-1]).__name__)
-
-    # ------------------------------------------------------------------ loop
-    def run(self) -> int:
-        poller = zmq.Poller()
-        poller.register(self.inbox.sock, zmq.POLLIN)
-        poller.register(self.router.sock, zmq.POLLIN)
-        poller.register(self.rollouts, zmq.POLLIN)
-        poller.register(self.rt.control.sock, zmq.POLLIN)
-        beat_ms = max(1, int(self.config.supervisor.heartbeat_s * 1000))
-        while not self.rt.shutting_down:
-            ready = dict(poller.poll(beat_ms))
-            if self.inbox.sock in ready:
-                for message in self.inbox.drain(1024):
-                    self.safely(self.handle, message)
-            if self.router.sock in ready:
-                for identity, message in self.router.drain(256):
-                    self.safely(self.on_client, identity, message)
-            if self.rollouts in ready:
-                while self.rollouts.poll(0, zmq.POLLIN):
-                    self.rollouts.recv()  # subscription notices
-            if self.rt.control.sock in ready:
-                for message in self.rt.poll_control():
-                    if isinstance(message, protocol.StageDown) and message.stage == "engine":
-                        self.on_engine_down(message.replica)
-            self.rt.heartbeat(lambda: len(self.requests))
-        return 0
+    def in_flight(self) -> int:
+        return len(self.requests)
 
 
 def main(config: Config, replica: int = 0) -> int:

@@ -12,7 +12,6 @@ from __future__ import annotations
 import logging
 import struct
 import time
-from collections import Counter
 from typing import Any, Callable, Sequence
 
 import mlx.core as mx
@@ -26,8 +25,8 @@ from parallm.engine.weights import Applied, ChunkStaging, WeightsError
 from parallm.config import Config
 from parallm.engine import Engine, EngineModel, Request, RequestRejected, ScoreResult, SeqOutput, distributed
 from parallm.engine.compile_queue import CompileQueue
-from parallm.logs import request_extra
 from parallm.runtime import StageRuntime
+from parallm.stages.skeleton import Handler, Stage
 from parallm.transport import Receiver, Sender, open_socket
 
 log = logging.getLogger("parallm.engine.stage")
@@ -124,10 +123,11 @@ def adapter_list(engine: Engine, qid: str = "", reply_to: bytes = b"") -> protoc
                                 default_adapter=engine.adapters.default_name)
 
 
-class EngineStage:
+class EngineStage(Stage):
+    log = log
+
     def __init__(self, config: Config, runtime: StageRuntime, engine: Engine, model_info: dict[str, Any]) -> None:
-        self.config = config
-        self.rt = runtime
+        super().__init__(config, runtime)
         self.engine = engine
         self.model_info = model_info
         ctx = runtime.ctx
@@ -154,10 +154,6 @@ class EngineStage:
                           hwm=hwm)
         sub.setsockopt(zmq.SUBSCRIBE, b"")
         self.adapter_sub: Receiver = Receiver(sub, protocol.EngineInbound, name="adapters", on_rejected=self.refuse)
-        self.poller = zmq.Poller()
-        self.poller.register(self.inbox.sock, zmq.POLLIN)
-        self.poller.register(sub, zmq.POLLIN)
-        self.poller.register(runtime.control.sock, zmq.POLLIN)
         self.blas = blas.ThreadGovernor.for_this_process() if mx.default_device() == mx.cpu else None
         self.paused = False
         self.pause_mode = "keep"
@@ -170,54 +166,51 @@ class EngineStage:
             engine.constraints, settings.constraint_timeout_s, settings.max_constraint_bytes)
         self.scores: dict[str, bytes] = {}  # qid -> reply_to of the score requests in the engine
         self.step_count = 0
-        self.received = 0
-        self.loop_time: Counter[str] = Counter()  # seconds per loop phase, over working iterations
-        self.loop_steps = 0
         self.on_idle: Callable[[], None] = lambda: None  # a tensor-parallel rank 0 tells the others it is idle
+        handlers: dict[type, Handler] = {
+            protocol.Submit: self.on_submit, protocol.Abort: self.on_abort, protocol.Score: self.on_score,
+            protocol.GetStats: lambda m: self.reply(protocol.StatsReply(qid=m.qid, reply_to=m.reply_to,
+                                                                        stats=self.stats())),
+            protocol.AdapterPublish: self.on_publish, protocol.AdapterUnload: self.on_unload,
+            protocol.WeightsUpdate: self.on_weights, protocol.ResetPrefixCache: self.on_reset_prefix_cache,
+            protocol.ReplicaStats: self.reports.receive,
+            protocol.ListAdapters: lambda m: self.reply(adapter_list(self.engine, m.qid, m.reply_to)),
+            protocol.Pause: self.on_pause, protocol.Resume: self.on_resume}
+        if self.peers:  # replica 0 hands these on to the other replicas before it handles them itself
+            handlers.update({kind: self.fanned_out(handlers[kind]) for kind in FANNED_OUT})
+        self.listen(self.adapter_sub, handlers)
+        self.listen(self.inbox, handlers)
 
     # ------------------------------------------------------------------ messages
-    def handle(self, message: Any) -> None:
-        self.received += 1
-        if self.peers and isinstance(message, FANNED_OUT):
+    def fanned_out(self, handler: Handler) -> Handler:
+        """`handler`, after sending its message on to every other replica (only replica 0 answers)."""
+        def fan_out(message: Any) -> None:
             copy = message if isinstance(message, protocol.Abort) else \
-                msgspec.structs.replace(message, qid="", reply_to=b"")  # only replica 0 answers
+                msgspec.structs.replace(message, qid="", reply_to=b"")
             for peer in self.peers:
                 peer.send(copy, block=False)
-        if isinstance(message, protocol.Submit):
-            self.on_submit(message)
-        elif isinstance(message, protocol.Abort):
-            self.on_abort(message)
-        elif isinstance(message, protocol.GetStats):
-            self.reply(protocol.StatsReply(qid=message.qid, reply_to=message.reply_to, stats=self.stats()))
-        elif isinstance(message, protocol.Score):
-            self.on_score(message)
-        elif isinstance(message, protocol.AdapterPublish):
-            self.on_publish(message)
-        elif isinstance(message, protocol.AdapterUnload):
-            self.on_unload(message)
-        elif isinstance(message, protocol.WeightsUpdate):
-            self.on_weights(message)
-        elif isinstance(message, protocol.ResetPrefixCache):
-            blocks = self.engine.blocks
-            dropped = blocks.drop_cached() if blocks is not None else 0
-            self.reply(protocol.PrefixCacheReset(qid=message.qid, reply_to=message.reply_to, dropped=dropped,
-                                                 held=blocks.num_used if blocks is not None else 0))
-        elif isinstance(message, protocol.ReplicaStats):
-            self.reports.receive(message)
-        elif isinstance(message, protocol.ListAdapters):
-            self.reply(adapter_list(self.engine, message.qid, message.reply_to))
-        elif isinstance(message, protocol.Pause):
-            self.paused = True
-            self.pause_mode = message.mode
-            if message.mode == "abort":
-                for rid in list(self.engine.request_ids()):
-                    self.engine.abort(rid, "abort")
-            self.reply(protocol.PauseState(qid=message.qid, reply_to=message.reply_to, paused=True, mode=message.mode))
-        elif isinstance(message, protocol.Resume):
-            moved = self.engine.follow_latest() if self.paused and self.pause_mode == "keep" else 0
-            self.paused = False
-            self.reply(protocol.PauseState(qid=message.qid, reply_to=message.reply_to, paused=False,
-                                           mode=self.pause_mode, moved_to_latest=moved))
+            handler(message)
+        return fan_out
+
+    def on_reset_prefix_cache(self, message: protocol.ResetPrefixCache) -> None:
+        blocks = self.engine.blocks
+        dropped = blocks.drop_cached() if blocks is not None else 0
+        self.reply(protocol.PrefixCacheReset(qid=message.qid, reply_to=message.reply_to, dropped=dropped,
+                                             held=blocks.num_used if blocks is not None else 0))
+
+    def on_pause(self, message: protocol.Pause) -> None:
+        self.paused = True
+        self.pause_mode = message.mode
+        if message.mode == "abort":
+            for rid in list(self.engine.request_ids()):
+                self.engine.abort(rid, "abort")
+        self.reply(protocol.PauseState(qid=message.qid, reply_to=message.reply_to, paused=True, mode=message.mode))
+
+    def on_resume(self, message: protocol.Resume) -> None:
+        moved = self.engine.follow_latest() if self.paused and self.pause_mode == "keep" else 0
+        self.paused = False
+        self.reply(protocol.PauseState(qid=message.qid, reply_to=message.reply_to, paused=False,
+                                       mode=self.pause_mode, moved_to_latest=moved))
 
     def on_abort(self, message: protocol.Abort) -> None:
         rids = list(self.engine.request_ids()) if message.all else message.rids
@@ -241,6 +234,10 @@ class EngineStage:
         """A message the codec rejected (a wrong field type, a value outside an enum) is answered, through
         the detokenizer, to the client it names; it never reaches the engine."""
         self.out.send(error, block=False)
+
+    def answer(self, message: protocol.Message) -> None:
+        """Replies and errors go to the detokenizer, which routes them to their client."""
+        self.out.send(message)
 
     def reply(self, message: protocol.Reply) -> None:
         """Send a control reply to whoever asked (nothing when the request named no qid: a trainer's
@@ -373,7 +370,7 @@ class EngineStage:
 
     def stats(self) -> protocol.EngineStats:
         stats = self.engine.stats()
-        stats.paused, stats.held_for_version, stats.received = self.paused, len(self.held), self.received
+        stats.paused, stats.held_for_version, stats.received = self.paused, len(self.held), self.handled
         stats.replica = self.rt.replica
         staging, pending = self.staging, self.staging.pending
         stats.weights = protocol.WeightsStatus(
@@ -382,27 +379,12 @@ class EngineStage:
             last_error_code=staging.last_error_code, last_error_at=staging.last_error_at)
         stats.replicas = self.reports.others()
         stats.dropped_frames = self.inbox.dropped + self.adapter_sub.dropped
-        stats.loop = protocol.LoopStats(steps=self.loop_steps, ms_mean={
-            k[:-2]: 1000 * v / max(1, self.loop_steps) for k, v in self.loop_time.items()})
+        stats.loop = self.loop_stats()
         if self.blas is not None:
             stats.blas = self.blas.stats()
         return stats
 
     # ------------------------------------------------------------------ faults
-    def safely(self, message: Any) -> None:
-        """Handle one message; one that breaks the engine's API is logged and dropped (with an
-        error to its client when it names one), never fatal. The error names the exception's type only:
-        its text may hold server paths and errno strings, which stay in the log."""
-        try:
-            self.handle(message)
-        except Exception as exc:  # noqa: BLE001 - a bad message must not take the engine down
-            rid = getattr(message, "rid", "") or getattr(message, "qid", "")
-            log.exception("could not handle a %s", type(message).__name__, extra=request_extra(rid) if rid else None)
-            reply_to = getattr(message, "reply_to", b"")
-            if rid and reply_to:
-                self.out.send(protocol.RequestError(rid=rid, reply_to=reply_to, status=400, message=(
-                    f"the engine could not handle this request ({type(exc).__name__}); the server logged why")))
-
     def fail_in_flight(self, exc: Exception) -> int:
         """A step raised (MLX out of memory, a kernel error): the engine's state cannot be trusted.
         Every request in it ends with a retryable 503 and the stage exits non-zero, so the
@@ -418,64 +400,46 @@ class EngineStage:
         return 1
 
     # ------------------------------------------------------------------ loop
-    def run(self) -> int:
-        """The loop: one poll of every socket (without waiting while there is work; up to a
-        heartbeat while idle), drain the ready ones, one engine step, its outputs out.
-        `loop_time` splits each working iteration into inbox (polling and handling messages; not
-        the wait of a poll made while idle), step (the engine), send (encoding and pushing the
-        outputs) and beat."""
-        beat_ms = max(1, int(self.config.supervisor.heartbeat_s * 1000))
+    def tick(self) -> None:
+        if self.blas is not None:
+            self.blas.tick()
+        self.reports.tick(self.stats)
+
+    def idle_wait_ms(self) -> int:
+        return min(self.beat_ms, 20) if self.compiling else self.beat_ms  # a grammar compiling: look again soon
+
+    def work(self) -> bool:
+        """Between polls: requests waiting for a version or a grammar, chunked weight updates' timeouts,
+        then one engine step and its outputs out. `loop_time` splits a working iteration into inbox (the
+        skeleton's polling and handling, and this housekeeping), step (the engine), send (encoding and
+        pushing the outputs) and beat."""
         clock, spent = time.perf_counter, self.loop_time
-        control = self.rt.control.sock
-        timeout = 0
-        while not self.rt.shutting_down:
-            t0 = clock()
-            if self.blas is not None:
-                self.blas.tick()
-            self.reports.tick(self.stats)
-            ready = dict(self.poller.poll(timeout))
-            if timeout:
-                t0 = clock()  # the wait of an idle poll is not the loop's work
-            if ready:
-                if self.adapter_sub.sock in ready:
-                    for message in self.adapter_sub.drain():
-                        self.safely(message)
-                if self.inbox.sock in ready:
-                    for message in self.inbox.drain():
-                        self.safely(message)
-                if control in ready:
-                    self.rt.poll_control()
-            if self.held:
-                self.retry_held()
-            if self.compiling:
-                self.admit_compiled()
-            if self.staging.pending is not None or self.staging.spent:
-                self.expire_weights()
-            paused_owing = self.paused and self.engine.owes_outputs()
-            if not (paused_owing or (self.engine.has_work() and not self.paused)):
-                timeout = min(beat_ms, 20) if self.compiling else beat_ms  # idle: the next poll waits for a message
-                self.on_idle()
-                self.rt.heartbeat(self.in_flight)
-                continue
-            timeout = 0
-            t1 = clock()
-            self.step_count += 1
-            try:
-                # first tokens sampled by the step's prefill pass go out before its decode pass runs
-                outputs = self.engine.flush() if paused_owing else self.engine.step(emit=self.send)
-            except Exception as exc:  # noqa: BLE001 - e.g. MLX out of memory: fail fast, get restarted
-                return self.fail_in_flight(exc)
-            t2 = clock()
-            if outputs:
-                self.send(outputs)
-            t3 = clock()
-            self.rt.heartbeat(self.in_flight)
-            self.loop_steps += 1
-            spent["inbox_s"] += t1 - t0
-            spent["step_s"] += t2 - t1
-            spent["send_s"] += t3 - t2
-            spent["beat_s"] += clock() - t3
-        return 0
+        t0 = clock()
+        if self.held:
+            self.retry_held()
+        if self.compiling:
+            self.admit_compiled()
+        if self.staging.pending is not None or self.staging.spent:
+            self.expire_weights()
+        paused_owing = self.paused and self.engine.owes_outputs()
+        if not (paused_owing or (self.engine.has_work() and not self.paused)):
+            self.on_idle()
+            return False
+        t1 = clock()
+        self.step_count += 1
+        try:
+            # first tokens sampled by the step's prefill pass go out before its decode pass runs
+            outputs = self.engine.flush() if paused_owing else self.engine.step(emit=self.send)
+        except Exception as exc:  # noqa: BLE001 - e.g. MLX out of memory: fail fast, get restarted
+            self.stop(self.fail_in_flight(exc))
+            return False
+        t2 = clock()
+        if outputs:
+            self.send(outputs)
+        spent["inbox_s"] += t1 - t0
+        spent["step_s"] += t2 - t1
+        spent["send_s"] += clock() - t2
+        return True
 
 
 def main(config: Config, replica: int = 0) -> int:

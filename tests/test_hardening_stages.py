@@ -76,7 +76,7 @@ def test_a_message_that_breaks_the_engine_is_answered_and_dropped(config, caplog
     rt = StageRuntime(config, "engine", ctx=ctx)
     detok = Receiver(open_socket(ctx, zmq.PULL, rt.addrs.detok, bind=True), protocol.DetokInbound)
     stage = EngineStage(config, rt, FakeEngine(), {})
-    stage.safely(protocol.Submit(rid="bad", reply_to=b"c", prompt_ids=protocol.pack_ids([1, 2])))
+    stage.safely(stage.handle, protocol.Submit(rid="bad", reply_to=b"c", prompt_ids=protocol.pack_ids([1, 2])))
     [error] = collect(detok, 1)
     assert (error.rid, error.status, error.reply_to) == ("bad", 400, b"c")
     # the exception's text (server paths, errno strings) stays in the log; the client learns its type
@@ -148,7 +148,7 @@ def test_detokenizer_answers_a_stats_query_on_its_router(config):
     deadline = time.monotonic() + 5
     while time.monotonic() < deadline:
         for identity, message in stage.router.drain():
-            stage.safely(stage.on_client, identity, message)
+            stage.safely(stage.clients[type(message)], identity, message)
         if client.poll(50):
             break
     reply = protocol.decode(client.recv())

@@ -27,7 +27,7 @@ class IdleThenOneStep:
         self.rt, self.stage, self.last_batch_size = rt, None, 1
 
     def has_work(self) -> bool:
-        return self.stage is not None and self.stage.received > 0
+        return self.stage is not None and self.stage.handled > 0
 
     def owes_outputs(self) -> bool:
         return False
