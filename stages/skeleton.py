@@ -118,8 +118,9 @@ class Stage:
         self._on_ready[sock] = on_ready
 
     def answer(self, message: protocol.Message) -> None:
-        """Send a reply or an error toward its client; a stage that answers overrides this."""
-        raise NotImplementedError(f"{type(self).__name__} sends no answers")
+        """Send a reply or an error toward its client; a stage that answers overrides this (one that
+        does not only logs what it could not send)."""
+        self.log.warning("%s has nowhere to send a %s", type(self).__name__, type(message).__name__)
 
     def tick(self) -> None:
         """Before each poll."""
