@@ -146,7 +146,8 @@ def test_killed_stage_under_concurrent_streams_ends_every_client(fault_server, s
     deadline = time.monotonic() + BOUND_S
     while httpx.get(f"{srv.url}/readyz").status_code != 200 and time.monotonic() < deadline:
         time.sleep(0.2)
-    assert httpx.get(f"{srv.url}/readyz").status_code == 200, f"not ready {BOUND_S} s after {stage} restarted"
+    ready = httpx.get(f"{srv.url}/readyz")
+    assert ready.status_code == 200, f"not ready {BOUND_S} s after {stage} restarted: {ready.text}\n{srv.output()}"
     assert completion(srv.url, max_tokens=2).status_code == 200
     metrics = httpx.get(f"{srv.url}/metrics").text
     label = stage.split("-")[0]
