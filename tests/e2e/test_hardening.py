@@ -143,10 +143,10 @@ def test_killed_stage_under_concurrent_streams_ends_every_client(fault_server, s
     assert not_ready.is_set() or stage == "tokenizer-0", "readiness never reflected the dead stage"
     # /health can read "ok" before ingress has heard of the death at all (a killed tokenizer's streams
     # complete, and StageDown may arrive after the new pid shows): ready again within a bound, not at once
+    # (once 200 is seen it counts: on a starved machine "stalled", an engine stats poll answered late, can flicker)
     deadline = time.monotonic() + BOUND_S
-    while httpx.get(f"{srv.url}/readyz").status_code != 200 and time.monotonic() < deadline:
+    while (ready := httpx.get(f"{srv.url}/readyz")).status_code != 200 and time.monotonic() < deadline:
         time.sleep(0.2)
-    ready = httpx.get(f"{srv.url}/readyz")
     assert ready.status_code == 200, f"not ready {BOUND_S} s after {stage} restarted: {ready.text}\n{srv.output()}"
     assert completion(srv.url, max_tokens=2).status_code == 200
     metrics = httpx.get(f"{srv.url}/metrics").text
@@ -324,8 +324,11 @@ def test_auth_on(limited_server):
     assert wrong.status_code == 401 and wrong.json()["error"]["code"] == "invalid_api_key"
     ok = httpx.post(f"{url}/v1/completions", json=body, headers={"Authorization": "Bearer sekrit"}, timeout=120)
     assert ok.status_code == 200
-    for path in ("/livez", "/readyz", "/metrics", "/health"):
+    for path in ("/livez", "/metrics", "/health"):
         assert httpx.get(f"{url}{path}").status_code == 200, path
+    # readiness needs no key either; it may read 503 "stalled" for a moment on a starved machine
+    ready = httpx.get(f"{url}/readyz")
+    assert ready.status_code in (200, 503) and ready.json()["status"] in ("ready", "not_ready"), ready.text
     assert httpx.get(f"{url}/v1/models").status_code == 401
 
 
