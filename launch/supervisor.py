@@ -132,9 +132,14 @@ class Supervisor:
 
         try:
             source = resolve_model(self.config.model, progress=True)
+            from parallm.pooling.load import resolve_entries
+
+            pooling = resolve_entries(self.config.model.pooling, self.config.model.cache_dir)
         except ModelLoadError as exc:
             raise StartupError(f"cannot load model {self.config.model.path!r}: {exc}") from None
-        return msgspec.structs.replace(self.config.model, path=str(source.path),
+        except ValueError as exc:
+            raise StartupError(f"cannot serve model.pooling: {exc}") from None
+        return msgspec.structs.replace(self.config.model, path=str(source.path), pooling=pooling,
                                        served_name=self.config.model.served_name or source.name)
 
     def _specs(self) -> list[StageSpec]:

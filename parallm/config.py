@@ -53,6 +53,10 @@ class ModelConfig(Struct, frozen=True, kw_only=True, forbid_unknown_fields=True)
                                                 "generation_config.json (temperature, top_p, top_k, min_p, "
                                                 "repetition_penalty; max_new_tokens as max_tokens), 'none' = none, "
                                                 "or a directory holding a generation_config.json")] = None
+    pooling: Annotated[list[str], _d("pooling models served beside the generator, NAME=PATH or NAME:TASK=PATH "
+                                     "(--pooling-model, repeatable): TASK embed, reward or classify (unset: from "
+                                     "the model's config); PATH 'default' = the embedded all-MiniLM-L6-v2, a "
+                                     "model directory or a hub id from the local cache")] = []
 
 
 class EngineConfig(Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -61,6 +65,8 @@ class EngineConfig(Struct, frozen=True, kw_only=True, forbid_unknown_fields=True
                                                  "MLX's CPU device 128 with mixed passes, else 256; 512 "
                                                  "elsewhere")] = None
     max_prefill_rows: Annotated[int, _d("sequences prefilled together in one pass")] = 16
+    pooling_batch_tokens: Annotated[int, _d("padded tokens per batched pass of a pooling model (model.pooling); "
+                                            "one pass runs between two generation steps")] = 8192
     max_constraint_bytes: Annotated[int, _d("largest grammar constraint a request may carry (its schema, choices, "
                                             "regex or grammar text), bytes; larger is a 400 naming the field")] = 65536
     constraint_timeout_s: Annotated[float, _d("seconds a request's grammar may take to compile (on a thread of its "
@@ -414,6 +420,7 @@ ALIASES: dict[str, str] = {
     "api-key": "server.api_keys",
     "chat-template": "model.chat_template",
     "adapter": "adapters.preload",
+    "pooling-model": "model.pooling",
     "trust-remote-code": "model.trust_remote_code",
     "generation-config": "model.generation_config",
 }
@@ -605,6 +612,15 @@ def _check(config: Config) -> None:
         if config.server.tool_call_parser not in known:
             problems.append(f"server.tool_call_parser {config.server.tool_call_parser!r} is not one of: "
                             + ", ".join(known))
+    for entry in config.model.pooling:
+        from parallm.pooling.spec import parse_spec
+
+        try:
+            parse_spec(entry)
+        except ValueError as exc:
+            problems.append(str(exc))
+    if config.engine.pooling_batch_tokens < 1:
+        problems.append("engine.pooling_batch_tokens must be >= 1")
     if config.engine.max_num_seqs < 1:
         problems.append("engine.max_num_seqs must be >= 1")
     engine = config.engine

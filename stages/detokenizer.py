@@ -41,6 +41,7 @@ class _Request:
     states: list[DetokState]
     remaining: int
     replica: int = 0  # the engine replica that holds it (Track.replica)
+    pooling: bool = False  # RequestSpec.pooling: a vector, not a rollout
 
 
 class DetokenizerStage(Stage):
@@ -74,7 +75,7 @@ class DetokenizerStage(Stage):
     def on_track(self, track: protocol.Track) -> None:
         n = track.spec.n
         self.requests[track.rid] = _Request(track.reply_to, [DetokState.from_track(self.tok, track, i) for i in range(n)],
-                                            n, track.replica)
+                                            n, track.replica, track.spec.pooling is not None)
 
     def on_step(self, step: protocol.StepOutputs) -> None:
         now = time.time()
@@ -94,7 +95,8 @@ class DetokenizerStage(Stage):
                 state.needs_abort = False
                 aborts.append((delta.rid, delta.index))
             if state.finished:
-                self.publish(state)
+                if not request.pooling:
+                    self.publish(state)
                 request.remaining -= 1
                 if request.remaining == 0:
                     del self.requests[delta.rid]

@@ -25,6 +25,7 @@ from parallm.engine.weights import Applied, ChunkStaging, WeightsError
 from parallm.config import Config
 from parallm.engine import Engine, EngineModel, Request, RequestRejected, ScoreResult, SeqOutput, distributed
 from parallm.engine.compile_queue import CompileQueue
+from parallm.pooling.queue import Pooled, PoolingQueue
 from parallm.runtime import StageRuntime
 from parallm.stages.skeleton import Handler, Stage
 from parallm.transport import Receiver, Sender, open_socket
@@ -126,9 +127,11 @@ def adapter_list(engine: Engine, qid: str = "", reply_to: bytes = b"") -> protoc
 class EngineStage(Stage):
     log = log
 
-    def __init__(self, config: Config, runtime: StageRuntime, engine: Engine, model_info: dict[str, Any]) -> None:
+    def __init__(self, config: Config, runtime: StageRuntime, engine: Engine, model_info: dict[str, Any],
+                 pooling: PoolingQueue | None = None) -> None:
         super().__init__(config, runtime)
         self.engine = engine
+        self.pooling = pooling if pooling is not None else PoolingQueue({})  # model.pooling's requests
         self.model_info = model_info
         ctx = runtime.ctx
         hwm = config.transport.hwm
@@ -204,6 +207,7 @@ class EngineStage(Stage):
         if message.mode == "abort":
             for rid in list(self.engine.request_ids()):
                 self.engine.abort(rid, "abort")
+            self.abort_pooled(self.pooling.rids())
         self.reply(protocol.PauseState(qid=message.qid, reply_to=message.reply_to, paused=True, mode=message.mode))
 
     def on_resume(self, message: protocol.Resume) -> None:
@@ -225,6 +229,7 @@ class EngineStage(Stage):
             if parked is not None:
                 self.out.send(protocol.RequestError(rid=rid, reply_to=parked.reply_to, status=409, code="aborted",
                                                     message="aborted while its grammar compiled"))
+        self.abort_pooled(self.pooling.rids() if message.all else rids)
         for rid in rids:
             self.engine.abort(rid, message.reason)
         for rid, index in message.sequences:
@@ -311,6 +316,9 @@ class EngineStage(Stage):
 
     def on_submit(self, message: protocol.Submit, *, held_since: float | None = None) -> None:
         spec = message.spec
+        if spec.pooling is not None:
+            self.on_pool(message, spec.pooling)
+            return
         if self.compiling.needs(spec.params.constraint):  # compiled off the loop, then submitted again
             self.compiling.add(message.rid, message, spec.params.constraint)
             return
@@ -354,6 +362,31 @@ class EngineStage(Stage):
         for since, message in self.held.take():
             self.on_submit(message, held_since=since)
 
+    def on_pool(self, message: protocol.Submit, pooling: protocol.PoolingSpec) -> None:
+        """Queue a pooling request (prefill-only work of a model.pooling model); `send_pooled` answers it."""
+        try:
+            self.pooling.add(message.rid, protocol.unpack_ids(message.prompt_ids), pooling,
+                             priority=message.spec.priority)
+        except RequestRejected as exc:
+            self.out.send(rejection(message.rid, message.reply_to, exc))
+            return
+        self.out.send(protocol.Track(rid=message.rid, reply_to=message.reply_to, prompt_ids=message.prompt_ids,
+                                     spec=message.spec, replica=self.rt.replica))
+
+    def send_pooled(self, done: list[Pooled]) -> None:
+        """A pooling pass's results: each request's vector (float32) and its usage, as its one and last output."""
+        if done:
+            self.out.send(protocol.StepOutputs(step=self.step_count, time=time.time(), batch_size=len(done), outputs=[
+                protocol.SeqDelta(rid=p.rid, pooled=protocol.pack_floats(p.vector), finish_reason="stop",
+                                  usage=protocol.Usage(prompt_tokens=p.prompt_tokens, completion_tokens=0))
+                for p in done]))
+
+    def abort_pooled(self, rids: Sequence[str]) -> None:
+        """Aborted pooling requests that were still waiting end with finish_reason 'abort' and no vector."""
+        ended = [protocol.SeqDelta(rid=rid, finish_reason="abort") for rid in list(rids) if self.pooling.abort(rid)]
+        if ended:
+            self.out.send(protocol.StepOutputs(step=self.step_count, time=time.time(), batch_size=0, outputs=ended))
+
     def on_score(self, message: protocol.Score) -> None:
         """Queue the score as prefill work of the next steps; `send` answers it when it is done."""
         try:
@@ -366,12 +399,16 @@ class EngineStage(Stage):
         self.scores[message.qid] = message.reply_to
 
     def in_flight(self) -> int:
-        return len(self.engine.request_ids()) + len(self.held) + len(self.compiling)
+        return len(self.engine.request_ids()) + len(self.held) + len(self.compiling) + len(self.pooling)
 
     def stats(self) -> protocol.EngineStats:
         stats = self.engine.stats()
         stats.paused, stats.held_for_version, stats.received = self.paused, len(self.held), self.handled
         stats.replica = self.rt.replica
+        pooling = self.pooling
+        stats.pooled_requests, stats.pooled_tokens, stats.pooling_batches = pooling.requests, pooling.tokens, pooling.batches
+        stats.pooling_waiting = len(pooling)
+        stats.waiting += len(pooling)
         staging, pending = self.staging, self.staging.pending
         stats.weights = protocol.WeightsStatus(
             receiving=pending.update_id if pending else "", received=pending.received if pending else 0,
@@ -391,7 +428,7 @@ class EngineStage(Stage):
         supervisor restarts it (and announces it, which fails anything this message missed)."""
         log.exception("engine step failed; failing %d request(s) and exiting for a restart",
                       len(self.engine.request_ids()))
-        for rid in self.engine.request_ids():  # a score's qid among them: it goes to its reply_to
+        for rid in [*self.engine.request_ids(), *self.pooling.rids()]:  # a score's qid: to its reply_to
             self.out.send(protocol.RequestError(rid=rid, reply_to=self.scores.get(rid, b""), status=503,
                                                 code="engine_error", retryable=True,
                                                 message=f"the engine failed ({type(exc).__name__}) while this "
@@ -422,20 +459,28 @@ class EngineStage(Stage):
         if self.staging.pending is not None or self.staging.spent:
             self.expire_weights()
         paused_owing = self.paused and self.engine.owes_outputs()
-        if not (paused_owing or (self.engine.has_work() and not self.paused)):
+        generating = paused_owing or (self.engine.has_work() and not self.paused)
+        pooling = bool(self.pooling) and not self.paused
+        if not (generating or pooling):
             self.on_idle()
             return False
         t1 = clock()
         self.step_count += 1
+        outputs: list[SeqOutput | ScoreResult] = []
+        pooled: list[Pooled] = []
         try:
             # first tokens sampled by the step's prefill pass go out before its decode pass runs
-            outputs = self.engine.flush() if paused_owing else self.engine.step(emit=self.send)
+            if generating:
+                outputs = self.engine.flush() if paused_owing else self.engine.step(emit=self.send)
+            if pooling:  # one batched pooling pass between two generation steps
+                pooled = self.pooling.step()
         except Exception as exc:  # noqa: BLE001 - e.g. MLX out of memory: fail fast, get restarted
             self.stop(self.fail_in_flight(exc))
             return False
         t2 = clock()
         if outputs:
             self.send(outputs)
+        self.send_pooled(pooled)
         spent["inbox_s"] += t1 - t0
         spent["step_s"] += t2 - t1
         spent["send_s"] += clock() - t2
@@ -479,7 +524,15 @@ def main(config: Config, replica: int = 0) -> int:
         engine = distributed.Leader(engine, group, distributed.control_addresses(config.transport.run_dir, replica))
     info = {"model": config.model.served_name, "path": str(loaded.source.path), "dtype": loaded.dtype,
             "max_model_len": loaded.max_model_len, "vocab_size": loaded.vocab_size}
-    stage = EngineStage(config, runtime, engine, info)
+    try:
+        from parallm.pooling.load import load_entry
+
+        models = {m.info.name: m for m in (load_entry(e, config.model.cache_dir) for e in config.model.pooling)}
+    except (ModelLoadError, ValueError) as exc:
+        runtime.fatal(f"cannot load the pooling models of model.pooling: {exc}")
+        return 2
+    info["pooling"] = sorted(models)
+    stage = EngineStage(config, runtime, engine, info, PoolingQueue(models, config.engine.pooling_batch_tokens))
     if group is not None:
         stage.on_idle = engine.idle  # takes the other ranks' acks while no step does
     runtime.ready(info)

@@ -15,6 +15,7 @@ import logging
 import os
 import time
 from collections import Counter
+from pathlib import Path
 from typing import Any, AsyncIterator, Awaitable, Callable
 
 import msgspec
@@ -28,6 +29,7 @@ from parallm.api.backend import BackendError
 from parallm.config import Config
 from parallm.metrics import ServerMetrics
 from parallm.pipeline import Pipeline
+from parallm.pooling.spec import PoolingInfo, describe, parse_spec
 from parallm.runtime import StageRuntime
 from parallm.streams import ClientError
 from parallm.text.generation_config import GenerationDefaults, generation_defaults
@@ -75,6 +77,15 @@ class _Timings:
             self.metrics.e2e.observe(now - self.submitted_at)
 
 
+def pooling_infos(entries: list[str]) -> dict[str, PoolingInfo]:
+    """model.pooling's models as the supervisor resolved them ('NAME:TASK=DIR'), read without loading them."""
+    out = {}
+    for entry in entries:
+        name, task, path = parse_spec(entry)
+        out[name] = describe(Path(path), name, task)
+    return out
+
+
 class ZmqBackend:
     """The api.Backend over the pipeline connection: each Backend member is one connection call."""
 
@@ -93,6 +104,7 @@ class ZmqBackend:
             log.info("OpenAI routes' sampling defaults from %s: %s%s", defaults.source, defaults.sampling,
                      f", max_tokens {defaults.max_tokens}" if defaults.max_tokens else "")
         self.max_n = config.engine.max_num_seqs
+        self.pooling_models = pooling_infos(config.model.pooling)
         self.max_constraint_bytes = config.engine.max_constraint_bytes
         self.model_info = model_info
         self.identity = f"ingress-{os.getpid()}".encode()

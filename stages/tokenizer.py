@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 from typing import Any, Callable
 
+import msgspec
 import zmq
 
 from parallm import protocol, routing
@@ -27,9 +28,11 @@ log = logging.getLogger("parallm.tokenizer")
 class TokenizerStage(Stage):
     log = log
 
-    def __init__(self, config: Config, runtime: StageRuntime, templater: Templater) -> None:
+    def __init__(self, config: Config, runtime: StageRuntime, templater: Templater,
+                 poolers: dict[str, Templater] | None = None) -> None:
         super().__init__(config, runtime)
         self.templater = templater
+        self.poolers = poolers or {}  # model.pooling's models, each with its own tokenizer and length
         ctx, addrs, hwm = runtime.ctx, runtime.addrs, config.transport.hwm
         self.to_detok = Sender(open_socket(ctx, zmq.PUSH, addrs.detok, bind=False, hwm=hwm))
         # one PUSH per engine replica; Router picks one per request (load, prefix affinity)
@@ -68,9 +71,24 @@ class TokenizerStage(Stage):
             return
         self.to_detok.send(reply)
 
+    def templater_for(self, spec: protocol.RequestSpec) -> Templater:
+        """The generator's templater, or a pooling request's model's."""
+        if spec.pooling is None:
+            return self.templater
+        templater = self.poolers.get(spec.pooling.model)
+        if templater is None:
+            raise TemplateError(f"pooling model '{spec.pooling.model}' is not served (served: "
+                                f"{', '.join(sorted(self.poolers)) or 'none'})", "model", status=404,
+                                code="model_not_found")
+        return templater
+
     def on_text_submit(self, message: protocol.TextSubmit) -> None:
+        if message.spec.pooling is not None and message.messages is not None:
+            # a pooling model scores the conversation as it stands: no generation prompt, and the template
+            # writes the special tokens itself
+            message = msgspec.structs.replace(message, add_generation_prompt=False, add_special_tokens=False)
         try:
-            ids = self.templater.encode(message)
+            ids = self.templater_for(message.spec).encode(message)
         except TemplateError as exc:
             self.rejected += 1
             log.info("refused: %s", exc.message, extra=request_extra(message.rid, status=exc.status, param=exc.param))
@@ -99,7 +117,7 @@ class TokenizerStage(Stage):
 
 def main(config: Config, replica: int = 0) -> int:
     runtime = StageRuntime(config, "tokenizer", replica)
-    from parallm.text.loading import load_text_tokenizer
+    from parallm.text.loading import load_pooling_templaters, load_text_tokenizer
 
     try:
         tokenizer, limits = load_text_tokenizer(config.model)
@@ -107,7 +125,13 @@ def main(config: Config, replica: int = 0) -> int:
         runtime.fatal(f"cannot load the tokenizer of {config.model.path!r}: {exc}")
         return 2
     templater = Templater(tokenizer, limits["max_model_len"], limits["vocab_size"] or None)
-    stage = TokenizerStage(config, runtime, templater)
+    try:
+        poolers = {name: Templater(tok, info.max_len, info.vocab_size or None) for name, (tok, info)
+                   in load_pooling_templaters(config.model.pooling, config.model.trust_remote_code).items()}
+    except (OSError, ValueError) as exc:
+        runtime.fatal(f"cannot load the tokenizers of model.pooling: {exc}")
+        return 2
+    stage = TokenizerStage(config, runtime, templater, poolers)
     runtime.ready(limits)
     try:
         return stage.run()

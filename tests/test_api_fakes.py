@@ -108,6 +108,7 @@ class FakeBackend:
     max_n: int = 128
     max_constraint_bytes: int = 65536
     last_batch_size: int = 0
+    pooling_models: dict[str, Any] = field(default_factory=dict)
     hanging: asyncio.Event = field(default_factory=asyncio.Event)
 
     def generate(self, submit: TextSubmit) -> AsyncIterator[Output]:

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from parallm.models.errors import ModelLoadError
-from parallm.pooling import load_pooling_model
+from parallm.pooling.load import load_pooling_model
 from parallm.pooling.heads import truncate_dims
 from tests._pooling_helpers import direct, write_decoder
 

@@ -28,6 +28,7 @@ from parallm.api.health import HealthRoutes
 from parallm.api.http import json_response, read_body
 from parallm.api.metrics import AccessLog, CountRequests, MetricsRoute
 from parallm.api.openapi import openapi_document
+from parallm.api.pooling import pooling_routes
 from parallm.api.rl import rl_routes
 from parallm.api.schemas import (DetokenizeRequest, DetokenizeResponse, ModelCard, ModelList, TokenizeRequest,
                                  TokenizeResponse)
@@ -165,6 +166,7 @@ def build_app(backend: Backend, server: ServerConfig, metrics: ServerMetrics | N
         Route("/openapi.json", endpoint(misc.openapi_json), methods=["GET"]),
         *responses_routes.routes(backend, server, gen, endpoint),
         *rl_routes(backend, server, gen.gate, endpoint),
+        *pooling_routes(backend, server, gen.gate, endpoint),
         *adapters.routes(backend, server, endpoint),
         *vllm_admin.routes(backend, server, endpoint),
     ]

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from typing import Any, AsyncIterator, Literal, Protocol, runtime_checkable
 
+from parallm.pooling.spec import PoolingInfo
 from parallm.protocol import (AdapterList, AdapterLoaded, AdapterPublish, AdapterUnloaded, Detokenize, EngineStats,
                               Output, PauseState, PrefixCacheReset, TextSubmit, Tokenize, WeightsUpdate,
                               WeightsUpdated)
@@ -41,6 +42,7 @@ class Backend(Protocol):
     max_n: int               # samples per prompt the engine decodes together (engine.max_num_seqs)
     max_constraint_bytes: int  # largest grammar constraint text a request may carry (engine.max_constraint_bytes)
     last_batch_size: int     # the engine's decode batch size in the latest outputs (RL /generate metadata)
+    pooling_models: dict[str, PoolingInfo]  # model.pooling's models by served name (the pooling routes)
 
     def generate(self, submit: TextSubmit) -> AsyncIterator[Output]:
         """Outputs for all `submit.spec.n` sequences (interleaved, each with its `.index`), ending when

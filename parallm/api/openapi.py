@@ -11,6 +11,7 @@ from typing import Annotated, Any, NamedTuple
 
 import msgspec
 
+from parallm.api import pooling_schemas as pooling
 from parallm.api import responses_schemas as responses
 from parallm.api import schemas
 from parallm.api.errors import ErrorResponse
@@ -128,6 +129,16 @@ ROUTES: list[RouteDoc] = [
     _route("get", "/readyz", "200 when ready for new work, else 503"),
     _route("get", "/metrics", "Prometheus text", None, {200: str}),
     _route("get", "/openapi.json", "This document"),
+    _route("post", "/v1/embeddings", "Embeddings from a pooling model (model.pooling)", pooling.EmbeddingRequest,
+           {200: pooling.EmbeddingResponse}),
+    _route("post", "/v1/classifications", "Class probabilities from a classifier pooling model",
+           pooling.ClassificationRequest, {200: pooling.ClassificationResponse}),
+    _route("post", "/classify", "as /v1/classifications (vLLM)", pooling.ClassificationRequest,
+           {200: pooling.ClassificationResponse}),
+    _route("post", "/v1/rewards", "One reward per input (text, token ids or chat messages) from a reward model",
+           pooling.RewardRequest, {200: pooling.RewardResponse}),
+    _route("post", "/pooling", "vLLM's pooling route: a pooling model's output per input (task reward: [score])",
+           pooling.PoolingRequest, {200: pooling.PoolingResponse}),
 ]
 _EXTRA: list[RouteDoc] = []
 

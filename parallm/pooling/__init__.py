@@ -2,10 +2,7 @@
 
 Prefill-only work: a batch of token lists goes through an encoder (bert.py) or an mlx-lm decoder
 backbone, is pooled per sequence (heads.py) and, for sequence-classification models, scored by the
-`score.weight` head (model.py). load.py finds and loads them (the embedded all-MiniLM-L6-v2 too).
+`score.weight` head (model.py). spec.py says what a model directory is without loading it (no MLX:
+ingress and the tokenizer stage read it); load.py finds and loads models (the embedded
+all-MiniLM-L6-v2 too); queue.py batches the engine process's pooling requests.
 """
-
-from .load import load_pooling_model, resolve_pooling_dir
-from .model import TASKS, PoolingInfo, PoolingModel
-
-__all__ = ["TASKS", "PoolingInfo", "PoolingModel", "load_pooling_model", "resolve_pooling_dir"]

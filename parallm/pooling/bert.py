@@ -15,9 +15,6 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn as nn
 
-ENCODER_TYPES = ("bert", "roberta", "xlm-roberta")
-
-
 @dataclass(frozen=True)
 class BertArgs:
     vocab_size: int

@@ -3,7 +3,6 @@ vector per sequence, in batches (prefill-only work: no KV cache, no decode rows)
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any, Callable
 
 import mlx.core as mx
@@ -11,44 +10,22 @@ import mlx.nn as nn
 import numpy as np
 
 from .heads import l2_normalize, pool
-
-TASKS = ("embed", "reward", "classify")
+from .spec import PoolingInfo
 
 # (token ids [B, N], lengths [B]) -> hidden states [B, N, H]
 Backbone = Callable[[mx.array, mx.array], mx.array]
-
-
-@dataclass(frozen=True)
-class PoolingInfo:
-    """What a served pooling model is: the server reports it and validates requests against it."""
-
-    name: str
-    task: str                         # embed | reward | classify
-    family: str                       # encoder | decoder
-    pooling: str                      # mean | cls | last
-    normalize: bool                   # unit-length embeddings (embed only)
-    dims: int                         # embedding width, or the number of labels
-    max_len: int                      # longest input in tokens
-    labels: tuple[str, ...] = ()      # classify: label of each output index
-    matryoshka: tuple[int, ...] | None = None  # embed: allowed `dimensions` (() = any width up to dims)
-
-    def allows_dimensions(self, dims: int) -> bool:
-        if self.matryoshka is None:
-            return False
-        return 0 < dims <= self.dims and (not self.matryoshka or dims in self.matryoshka)
 
 
 class PoolingModel:
     """token ids -> [B, dims] float32: embeddings (pooled, maybe normalized) or head logits."""
 
     def __init__(self, info: PoolingInfo, backbone: Backbone, tokenizer: Any, params: nn.Module,
-                 head: mx.array | None = None, chat_template: bool = False):
+                 head: mx.array | None = None):
         self.info = info
         self.backbone = backbone
         self.tokenizer = tokenizer
         self.params = params          # the module holding every weight (for memory figures)
         self.head = head              # [labels, H] score weight of a sequence-classification model
-        self.chat_template = chat_template
 
     # ------------------------------------------------------------------ tokenization
     def tokenize(self, texts: list[str]) -> list[list[int]]:

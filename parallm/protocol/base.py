@@ -8,8 +8,8 @@ from typing import Any, Literal
 import msgspec
 from msgspec import Struct
 
-__all__ = ["PROTOCOL_VERSION", "FinishReason", "ConstraintKind", "Constraint", "SamplingParams", "DetokSpec",
-           "RequestSpec", "Usage", "Message"]
+__all__ = ["PROTOCOL_VERSION", "FinishReason", "ConstraintKind", "PoolingTask", "Constraint", "SamplingParams",
+           "DetokSpec", "PoolingSpec", "RequestSpec", "Usage", "Message"]
 
 
 PROTOCOL_VERSION = 2
@@ -20,6 +20,9 @@ an abort (a client, a stop string matched by the detokenizer, a pause), or a fai
 
 ConstraintKind = Literal["json_schema", "json_object", "regex", "choice", "lark", "gbnf"]
 """The grammar languages a Constraint may be written in."""
+
+PoolingTask = Literal["embed", "reward", "classify"]
+"""What a pooling model gives per input: an embedding, one reward scalar, or class logits."""
 
 # --------------------------------------------------------------------------- shared parts
 
@@ -70,6 +73,15 @@ class DetokSpec(Struct, kw_only=True, forbid_unknown_fields=True):
     tools: list[dict[str, Any]] = []  # the request's tools (some parsers coerce argument types with them)
 
 
+class PoolingSpec(Struct, kw_only=True, forbid_unknown_fields=True):
+    """A pooling request: the prompt goes through the served pooling model `model` (model.pooling) in one
+    prefill-only pass and its one output vector comes back in Output.pooled, instead of generated tokens."""
+
+    model: str                      # the pooling model's served name
+    task: PoolingTask = "embed"     # must be the model's task
+    dimensions: int = 0             # embed: keep the first N components, renormalized (Matryoshka models only)
+
+
 class RequestSpec(Struct, kw_only=True, forbid_unknown_fields=True):
     """Everything a request asks for, whole. Whoever builds a request (ingress, a raw client) fills it
     once; it travels unchanged through the tokenizer to the engine (which wraps it in its Request)
@@ -86,6 +98,7 @@ class RequestSpec(Struct, kw_only=True, forbid_unknown_fields=True):
     priority: int = 0                       # lower is served first (vLLM's convention); ties by arrival
     metadata: dict[str, Any] = {}           # echoed in the rollout stream
     submitted_at: float = 0.0               # the client's unix time, for timings
+    pooling: PoolingSpec | None = None      # a pooling model's vector for the prompt instead of generation
 
 
 class Usage(Struct, kw_only=True):

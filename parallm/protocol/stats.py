@@ -137,6 +137,10 @@ class EngineStats(Struct, tag="engine", kw_only=True):
     prompt_tokens_computed: int = 0
     generated_tokens: int = 0
     scored_tokens: int = 0
+    pooled_requests: int = 0      # pooling requests answered (RequestSpec.pooling)
+    pooled_tokens: int = 0        # their prompt tokens
+    pooling_batches: int = 0      # the batched passes that computed them
+    pooling_waiting: int = 0
     step_ms_mean: dict[str, float] = {}
     live_rows: int = 0
     live_capacity: int = 0

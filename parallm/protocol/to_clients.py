@@ -45,6 +45,7 @@ class Output(Struct, kw_only=True, omit_defaults=True):
     prompt_top_logprobs: bytes = b""
     prompt_top_tokens: list[str] = []
     prompt_ranks: bytes = b""                     # int32 per prompt position (0: none): vLLM's rank
+    pooled: bytes = b""                           # RequestSpec.pooling: the output vector, packed float32
     reasoning: str = ""                           # DetokSpec.assistant: thinking text (left out of `text`)
     tool_calls: list[dict[str, Any]] = []         # DetokSpec.assistant: complete calls {id, type, function}
     # DetokSpec.assistant: the calls as OpenAI delta.tool_calls fragments ({index, id, type, function: {name,

@@ -41,6 +41,7 @@ class SeqDelta(Struct, kw_only=True, omit_defaults=True):
     prompt_top_ids: bytes = b""
     prompt_top_logprobs: bytes = b""
     prompt_ranks: bytes = b""          # int32 per prompt position, 0 for the first: vLLM's rank of the prompt token
+    pooled: bytes = b""                # a pooling request's output vector (float32), with its finish_reason
 
 
 class StepOutputs(Message, tag="step_outputs"):

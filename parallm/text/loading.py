@@ -49,3 +49,19 @@ def load_text_tokenizer(model: ModelConfig):
     elif not getattr(tokenizer, "chat_template", None):
         tokenizer.chat_template = DEFAULT_CHAT_TEMPLATE
     return tokenizer, model_limits(model)
+
+
+def load_pooling_templaters(entries: list[str], trust_remote_code: bool = False) -> dict[str, Any]:
+    """{served name: (HF fast tokenizer, PoolingInfo)} of model.pooling's entries, as the supervisor resolved
+    them ('NAME:TASK=DIR'): a pooling model's text is tokenized with its own tokenizer, within its own
+    length. A model without a chat template keeps none (chat messages to it are refused)."""
+    from transformers import AutoTokenizer
+
+    from parallm.pooling.spec import describe, parse_spec
+
+    out = {}
+    for entry in entries:
+        name, task, path = parse_spec(entry)
+        tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
+        out[name] = (tokenizer, describe(Path(path), name, task))
+    return out

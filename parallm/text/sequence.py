@@ -91,7 +91,7 @@ class DetokState:
         out = Output(rid=self.rid, index=self.index, adapter=delta.adapter, version=delta.version,
                      text=text, usage=delta.usage, prompt_logprobs=delta.prompt_logprobs,
                      prompt_top_ids=delta.prompt_top_ids, prompt_top_logprobs=delta.prompt_top_logprobs,
-                     prompt_ranks=delta.prompt_ranks)
+                     prompt_ranks=delta.prompt_ranks, pooled=delta.pooled)
         self._slice_tokens(out, delta, ids, keep)
         self._record(out, keep, now)
         if self._split is not None:
