@@ -40,8 +40,11 @@ install: $(VENV)/.serve
 install-test: $(VENV)/.test
 perf-deps: $(VENV)/.perf
 
+# the embedded embedding model (all-MiniLM-L6-v2) is served beside the default LM: POST /v1/embeddings
+POOLING ?= --pooling-model all-MiniLM-L6-v2=default
+
 serve: install
-	$(BIN)/parallm-launch --host $(HOST) --port $(PORT) $(ARGS)
+	$(BIN)/parallm-launch --host $(HOST) --port $(PORT) $(POOLING) $(ARGS)
 
 test: install-test
 	$(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadfile $(ARGS)

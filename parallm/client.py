@@ -53,8 +53,11 @@ class SequenceResult:
     versions: list[tuple[int, int]] = field(default_factory=list)
     finish_reason: str | None = None
     usage: protocol.Usage | None = None
+    pooled: list[float] = field(default_factory=list)  # a pooling request's vector (RequestSpec.pooling)
 
     def add(self, out: protocol.Output) -> None:
+        if out.pooled:
+            self.pooled = protocol.unpack_floats(out.pooled)
         ids = protocol.unpack_ids(out.token_ids)
         if ids:
             protocol.extend_spans(self.versions, len(self.token_ids), out.version)
@@ -219,6 +222,20 @@ class AsyncClient:
         finally:
             for stream in streams:
                 stream.close()
+
+    async def pool(self, inputs: Sequence[Prompt], model: str, *, task: protocol.PoolingTask = "embed",
+                   dimensions: int = 0, **spec: Any) -> list[list[float]]:
+        """A served pooling model's vector per input (text, chat messages or token ids), in input order: an
+        embedding, [reward] or class logits. The inputs go together, so they batch in one pass."""
+        pooling = protocol.PoolingSpec(model=model, task=task, dimensions=dimensions)
+        results = await self.generate_group(list(inputs), SamplingParams(max_tokens=0), pooling=pooling, **spec)
+        vectors = []
+        for (result,) in results:
+            if not result.pooled:
+                raise StageFailure(f"pooling request {result.rid} ended ({result.finish_reason}) without a vector",
+                                   status=503, code="aborted", retryable=True)
+            vectors.append(result.pooled)
+        return vectors
 
     async def abort(self, rids: Sequence[str] = (), *, all: bool = False) -> None:
         """End requests (their last output says finish_reason "abort"), or every request of the server."""
@@ -437,6 +454,10 @@ class Client:
     def generate_group(self, prompts: Sequence[Prompt], params: SamplingParams | None = None, *,
                        n: int = 1, detok: bool = False, **spec: Any) -> list[list[SequenceResult]]:
         return self._run(self._client.generate_group(prompts, params, n=n, detok=detok, **spec))
+
+    def pool(self, inputs: Sequence[Prompt], model: str, *, task: protocol.PoolingTask = "embed",
+             dimensions: int = 0, **spec: Any) -> list[list[float]]:
+        return self._run(self._client.pool(inputs, model, task=task, dimensions=dimensions, **spec))
 
     def abort(self, rids: Sequence[str] = (), *, all: bool = False) -> None:
         return self._run(self._client.abort(rids, all=all))

@@ -16,7 +16,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
-from parallm.api.backend import Backend
+from parallm.api.backend import Backend, BackendError
 from parallm.api.errors import APIError, invalid, model_not_found
 from parallm.api.http import REQUEST_ID, ClientGone, DisconnectWatch, json_response, read_body
 from parallm.api.merge import Deadlines, merged
@@ -153,6 +153,10 @@ class PoolingRoutes:
                                        code="aborted", headers={"Retry-After": "1"})
 
             await watch.race(collect())
+        except BackendError as exc:  # the tokenizer stage names the prompt by generation's name
+            if exc.param == "prompt":
+                exc.param = "input"
+            raise
         finally:
             await outputs.aclose()
             watch.stop()

@@ -7,10 +7,27 @@ from .server import Server
 
 
 @pytest.fixture(scope="session")
-def server(tmp_path_factory):
-    """One real parallm-launch on the default model for the whole session; it loads adapters by path
-    from the tests' temporary directories."""
-    with Server("--engine.max-num-seqs", "32", "--adapters.allowed-dirs", str(tmp_path_factory.getbasetemp())) as srv:
+def pooling_models(tmp_path_factory):
+    """The session server's pooling models: the embedded all-MiniLM-L6-v2 and tiny random-weight decoders
+    (tests/_pooling_helpers.py): a reward model, a 3-class classifier and a Matryoshka embedding model.
+    {served name: (directory, mlx-lm model, score weight)}."""
+    from tests._pooling_helpers import write_decoder
+
+    root = tmp_path_factory.mktemp("pooling")
+    return {"rm": write_decoder(root / "rm", "seqcls", seed=3),
+            "clf": write_decoder(root / "clf", "seqcls", seed=4, labels=3),
+            "emb": write_decoder(root / "emb", "embed", seed=5, extra={"matryoshka_dimensions": [16, 32]})}
+
+
+@pytest.fixture(scope="session")
+def server(tmp_path_factory, pooling_models):
+    """One real parallm-launch on the default model for the whole session, with pooling models beside it;
+    it loads adapters by path from the tests' temporary directories."""
+    pooling = ["--pooling-model", "minilm=default"]
+    for name, (path, _, _) in pooling_models.items():
+        pooling += ["--pooling-model", f"{name}={path}"]
+    with Server("--engine.max-num-seqs", "32", "--adapters.allowed-dirs", str(tmp_path_factory.getbasetemp()),
+                *pooling) as srv:
         yield srv
 
 
