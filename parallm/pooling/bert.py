@@ -43,7 +43,35 @@ class BertArgs:
                    position_offset=int(config.get("pad_token_id", 1)) + 1 if roberta else 0)
 
 
-_ACTS = {"gelu": nn.gelu, "gelu_new": nn.gelu_approx, "gelu_pytorch_tanh": nn.gelu_approx, "relu": nn.relu}
+# erf(x) as Eigen's and XLA's float32 rational approximation on [-4, 4] (x * P(x^2) / Q(x^2); erf is +-1 in
+# float32 outside). Only multiplies, adds and one divide: MLX's CPU backend computes erf, exp and tanh an
+# element at a time (65 ms for erf over 32x32x1536 values where a multiply takes 0.3 ms), which made GELU
+# 80% of a MiniLM pass; this one takes 8 ms compiled. Largest error against mx.erf: 4.4e-7 (GELU: 1.4e-6).
+_ERF_P = (-2.72614225801306e-10, 2.77068142495902e-08, -2.10102402082508e-06, -5.69250639462346e-05,
+          -7.34990630326855e-04, -2.95459980854025e-03, -1.60960333262415e-02)
+_ERF_Q = (-1.45660718464996e-05, -2.13374055278905e-04, -1.68282697438203e-03, -7.37332916720468e-03,
+          -1.42647390514189e-02)
+
+
+def _erf(x: mx.array) -> mx.array:
+    x = mx.clip(x, -4.0, 4.0)
+    x2 = x * x
+    p = mx.array(_ERF_P[0], x.dtype)
+    for c in _ERF_P[1:]:
+        p = p * x2 + c
+    q = mx.array(_ERF_Q[0], x.dtype)
+    for c in _ERF_Q[1:]:
+        q = q * x2 + c
+    return x * p / q
+
+
+@mx.compile
+def gelu(x: mx.array) -> mx.array:
+    """The exact (erf) GELU, through the rational erf above."""
+    return 0.5 * x * (1.0 + _erf(x * 0.7071067811865476))
+
+
+_ACTS = {"gelu": gelu, "gelu_new": nn.gelu_approx, "gelu_pytorch_tanh": nn.gelu_approx, "relu": nn.relu}
 
 
 class _Embeddings(nn.Module):

@@ -64,16 +64,38 @@ class PoolingModel:
         return np.array(vec, dtype=np.float32)
 
     def run(self, batch: list[list[int]], max_tokens: int = 8192) -> np.ndarray:
-        """forward() in sub-batches of similar length (sorted by length, at most `max_tokens` padded
-        tokens each), so one long input does not pad all the short ones; results in input order."""
+        """forward() over `batch` in sub-batches of similar length, results in input order. The split
+        (`partition`) minimizes padded tokens plus a per-pass cost, each sub-batch within `max_tokens`
+        padded tokens: 32 varied texts of 3-76 tokens (559 in all) pad to 2,432 tokens in one pass, to 625 in 5."""
         order = sorted(range(len(batch)), key=lambda i: len(batch[i]))
         out = np.zeros((len(batch), self.info.dims), np.float32)
-        start = 0
-        while start < len(order):
-            end = start + 1
-            while end < len(order) and len(batch[order[end]]) * (end + 1 - start) <= max_tokens:
-                end += 1
+        for start, end in partition([len(batch[i]) for i in order], max_tokens):
             rows = order[start:end]
             out[rows] = self.forward([batch[i] for i in rows])
-            start = end
         return out
+
+
+PASS_COST_TOKENS = 32  # a pass's fixed cost, in padded tokens, for the split
+MAX_ROWS_LOOKBACK = 64
+
+
+def partition(lengths: list[int], max_tokens: int, pass_cost: int = PASS_COST_TOKENS) -> list[tuple[int, int]]:
+    """[start, end) ranges over ascending `lengths` minimizing sum(rows * longest + pass_cost), each range
+    within `max_tokens` padded tokens (a single longer input still gets its own pass). Dynamic programming
+    over the last MAX_ROWS_LOOKBACK split points."""
+    n = len(lengths)
+    best = [0.0] + [float("inf")] * n
+    cut = [0] * (n + 1)
+    for j in range(1, n + 1):
+        for i in range(j - 1, max(-1, j - 1 - MAX_ROWS_LOOKBACK), -1):
+            padded = (j - i) * lengths[j - 1]
+            if padded > max_tokens and j - i > 1:
+                break
+            cost = best[i] + padded + pass_cost
+            if cost < best[j]:
+                best[j], cut[j] = cost, i
+    ranges, j = [], n
+    while j > 0:
+        ranges.append((cut[j], j))
+        j = cut[j]
+    return ranges[::-1]

