@@ -337,6 +337,11 @@ class LoRATrainConfig(Struct, frozen=True, kw_only=True, forbid_unknown_fields=T
 class RLTrainingConfig(Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     task: Annotated[str, _d("built-in task (arithmetic, length, json) or 'module:callable' returning a Task")] = "length"
     task_args: Annotated[dict[str, Any], _d("keyword arguments for the task's constructor")] = {}
+    reward_model: Annotated[str, _d("a reward model the server serves (model.pooling, task reward), by name: its "
+                                    "score of each conversation is part of the reward; empty = the task's only")] = ""
+    reward_model_weight: Annotated[float, _d("weight of the reward model's score in the reward")] = 1.0
+    task_reward_weight: Annotated[float, _d("weight of the task's own score in the reward (0: the reward model's "
+                                            "only; the task still gives the prompts)")] = 1.0
     steps: Annotated[int, _d("optimizer steps to run; 0 = until stopped")] = 0
     prompts_per_step: Annotated[int, _d("groups (distinct prompts) per step")] = 4
     group_size: Annotated[int, _d("completions sampled per prompt (GRPO's G)")] = 8

@@ -40,6 +40,7 @@ from .policy import Policy, load_policy
 from .publisher import AdapterPublisher
 from .atropos import AtroposRollouts
 from .rollouts import GeneratedRollouts, Group, SubscribedRollouts
+from .reward_model import with_reward_model
 from .tasks import Task, load_task, score_group
 
 log = logging.getLogger("parallm.trainer")
@@ -92,6 +93,8 @@ class Trainer:
         self.updater = GRPOUpdater(self.policy.model, self.optimizer, loss_cfg, micro_batch=self.rl.micro_batch,
                                    max_grad_norm=self.rl.max_grad_norm)
         self.client = Client(self.router, timeout=self.cfg.server.timeout_s, identity=f"{self.name}-{os.getpid()}")
+        self.task = with_reward_model(self.task, self.client, self.rl.reward_model, self.rl.task_reward_weight,
+                                      self.rl.reward_model_weight)
         addrs = self.client.welcome.addresses
         self.publisher = AdapterPublisher(addrs["adapters"], ctx=self._ctx)
         self.status_out: Sender | None = None

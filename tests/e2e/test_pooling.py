@@ -14,6 +14,8 @@ import pytest
 from transformers import AutoTokenizer
 
 from parallm.client import ClientError
+from parallm.training.reward_model import WithRewardModel
+from parallm.training.tasks import load_task
 from tests._pooling_helpers import direct
 
 pytestmark = pytest.mark.e2e
@@ -132,3 +134,16 @@ def test_reward_route_needs_one_of_input_or_messages(http) -> None:
 def test_generation_still_answers(http) -> None:
     r = http.post("/v1/completions", json={"prompt": "Hello", "max_tokens": 3})
     assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 3
+
+
+def test_trainer_reward_blends_a_served_reward_model(raw, http) -> None:
+    """parallm-train's rl_training.reward_model: the task's score and the served reward model's, scored in
+    one batch over the trainer's ZeroMQ connection, equal to /v1/rewards' scores of the same conversations."""
+    task = load_task("length")
+    blended = WithRewardModel(task, raw, "rm", task_weight=0.5, model_weight=2.0)
+    convs = [[{"role": "user", "content": "Say something"}, {"role": "assistant", "content": reply}]
+             for reply in ("hi", "a much longer reply than the first", "ok")]
+    infos = [{"finish_reason": "stop"}] * 3
+    rm = [d["reward"] for d in http.post("/v1/rewards", json={"model": "rm", "messages": convs}).json()["data"]]
+    want = [0.5 * t + 2.0 * r for t, r in zip(task.score(convs, infos), rm)]
+    assert np.allclose(blended.score(convs, infos), want, atol=1e-5)
