@@ -66,7 +66,9 @@ class EngineConfig(Struct, frozen=True, kw_only=True, forbid_unknown_fields=True
                                                  "elsewhere")] = None
     max_prefill_rows: Annotated[int, _d("sequences prefilled together in one pass")] = 16
     pooling_batch_tokens: Annotated[int, _d("padded tokens per batched pass of a pooling model (model.pooling); "
-                                            "one pass runs between two generation steps")] = 8192
+                                            "one pass runs between two generation steps: 512 held the generation drop "
+                                            "to ~10% under an embeddings burst on the CPU, 8192 to 65% "
+                                            "(perf/results/pooling-mixed-cpu.md)")] = 512
     max_constraint_bytes: Annotated[int, _d("largest grammar constraint a request may carry (its schema, choices, "
                                             "regex or grammar text), bytes; larger is a 400 naming the field")] = 65536
     constraint_timeout_s: Annotated[float, _d("seconds a request's grammar may take to compile (on a thread of its "

@@ -99,6 +99,11 @@ _ENGINE: tuple[tuple[str, str, str, Callable[[EngineStats], float]], ...] = (
     ("prompt_tokens_computed", "Prompt tokens prefilled (not served from the cache)", "counter",
      lambda e: e.prompt_tokens_computed),
     ("adapter_swaps", "Adapter versions loaded while serving", "counter", lambda e: e.adapters.publishes),
+    ("pooling_requests", "Pooling requests answered (embeddings, rewards, classifications)", "counter",
+     lambda e: e.pooled_requests),
+    ("pooling_tokens", "Prompt tokens of the pooling requests answered", "counter", lambda e: e.pooled_tokens),
+    ("pooling_passes", "Batched pooling passes run", "counter", lambda e: e.pooling_batches),
+    ("pooling_waiting", "Pooling requests waiting for a pass", "gauge", lambda e: e.pooling_waiting),
 )
 
 

@@ -48,10 +48,14 @@ print(json.dumps(out))
 """
 
 
-def ours(model, texts: list[str], batches: list[int], seconds: float) -> dict[str, float]:
-    """Tokenize + the batched pass + pooling, as the tokenizer stage and the engine's pooling queue do."""
+def ours(model, texts: list[str], batches: list[int], seconds: float, governor) -> dict[str, float]:
+    """Tokenize + the batched pass + pooling, as the tokenizer stage and the engine's pooling queue do, with
+    the engine stage's OpenBLAS thread governor (on a busy machine two spinning BLAS threads made a pass
+    several times slower)."""
     out = {}
     for bs in batches:
+        if governor is not None:
+            governor.tick()
         model.run(model.tokenize(texts[:bs]))
         n, t0, i = 0, time.perf_counter(), 0
         while time.perf_counter() - t0 < seconds:
@@ -96,11 +100,14 @@ def main() -> None:
     texts = json.loads(TEXTS.read_text())
     batches = [int(b) for b in args.batches.split(",")]
     model = load_pooling_model("default")
+    import mlx.core as mx
+
+    governor = blas.ThreadGovernor.for_this_process() if mx.default_device() == mx.cpu else None
     runs: dict[str, list[dict[str, float]]] = {"parallm": [], "sentence_transformers": [], "served": []}
     st_info: dict = {}
     load = [os.getloadavg()[0]]
     for r in range(args.rounds):
-        runs["parallm"].append(ours(model, texts, batches, args.seconds))
+        runs["parallm"].append(ours(model, texts, batches, args.seconds, governor))
         if args.st_python:
             proc = subprocess.run([args.st_python, "-c", ST_SCRIPT, json.dumps(texts), json.dumps(batches),
                                    str(args.seconds)], capture_output=True, text=True, check=True,
@@ -118,7 +125,7 @@ def main() -> None:
                 runs["served"].append(served(srv.url, texts, batches, args.seconds))
     med = {side: {str(b): round(statistics.median(r[str(b)] for r in rs), 1) for b in batches}
            for side, rs in runs.items() if rs}
-    result = {"texts": len(texts), "batches": batches, "seconds": args.seconds, "rounds": args.rounds,
+    result = {"openblas_threads": governor.stats().threads if governor is not None else None, "texts": len(texts), "batches": batches, "seconds": args.seconds, "rounds": args.rounds,
               "embeddings_per_s": med, "runs": runs, "sentence_transformers": st_info, "loadavg": load}
     lines = ["# Embeddings/s: all-MiniLM-L6-v2", "",
              f"{len(texts)} varied texts (tests/data/minilm_texts.json), {args.rounds} alternating rounds of "

@@ -9,11 +9,14 @@ The weights load by their Hugging Face names (`embeddings.word_embeddings.weight
 from __future__ import annotations
 
 import math
+from functools import partial
 from dataclasses import dataclass
 from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
+
+from ..engine import fastmath
 
 @dataclass(frozen=True)
 class BertArgs:
@@ -65,7 +68,7 @@ def _erf(x: mx.array) -> mx.array:
     return x * p / q
 
 
-@mx.compile
+@partial(mx.compile, shapeless=True)  # elementwise: one kernel for every shape
 def gelu(x: mx.array) -> mx.array:
     """The exact (erf) GELU, through the rational erf above."""
     return 0.5 * x * (1.0 + _erf(x * 0.7071067811865476))
@@ -115,10 +118,14 @@ class _Attention(nn.Module):
         self.scale = 1.0 / math.sqrt(a.hidden_size // a.num_attention_heads)
 
     def __call__(self, x: mx.array, mask: mx.array) -> mx.array:
+        """`mask`: [B, 1, 1, N] booleans, True for the keys that exist."""
         b, n, d = x.shape
         split = lambda t: t.reshape(b, n, self.heads, -1).transpose(0, 2, 1, 3)  # noqa: E731
         q, k, v = split(self.self.query(x)), split(self.self.key(x)), split(self.self.value(x))
-        o = mx.fast.scaled_dot_product_attention(q, k, v, scale=self.scale, mask=mask)
+        if x.dtype == mx.float32 and mx.default_device() == mx.cpu:  # the engine's exp without libm (fastmath)
+            o = fastmath.scaled_dot_product_attention(q, k, v, None, self.scale, mask)
+        else:
+            o = mx.fast.scaled_dot_product_attention(q, k, v, scale=self.scale, mask=mask)
         o = o.transpose(0, 2, 1, 3).reshape(b, n, d)
         return self.output.LayerNorm(x + self.output.dense(o))
 
@@ -155,8 +162,7 @@ class BertEncoder(nn.Module):
 
     def __call__(self, ids: mx.array, lengths: mx.array) -> mx.array:
         x = self.embeddings(ids)
-        valid = mx.arange(ids.shape[1])[None, :] < lengths[:, None]          # [B, N] keys that exist
-        mask = mx.where(valid, 0.0, -1e9).astype(x.dtype)[:, None, None, :]  # additive, per key
+        mask = (mx.arange(ids.shape[1])[None, :] < lengths[:, None])[:, None, None, :]  # [B, 1, 1, N] keys that exist
         for layer in self.encoder.layer:
             x = layer(x, mask)
         return x

@@ -36,7 +36,7 @@ class Pooled:
 
 
 class PoolingQueue:
-    def __init__(self, models: dict[str, PoolingModel], batch_tokens: int = 8192) -> None:
+    def __init__(self, models: dict[str, PoolingModel], batch_tokens: int = 512) -> None:
         self.models = models
         self.batch_tokens = batch_tokens
         self._heap: list[_Job] = []

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import base64
 import json
+import time
 from pathlib import Path
 
 import numpy as np
@@ -147,3 +148,17 @@ def test_trainer_reward_blends_a_served_reward_model(raw, http) -> None:
     rm = [d["reward"] for d in http.post("/v1/rewards", json={"model": "rm", "messages": convs}).json()["data"]]
     want = [0.5 * t + 2.0 * r for t, r in zip(task.score(convs, infos), rm)]
     assert np.allclose(blended.score(convs, infos), want, atol=1e-5)
+
+
+def test_pooling_work_is_in_the_metrics(http) -> None:
+    http.post("/v1/embeddings", json={"model": "minilm", "input": ["counted"]}).raise_for_status()
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:  # ingress polls the engine's stats every 0.5 s
+        metrics = http.get("/metrics").text
+        counts = [float(line.split()[-1]) for line in metrics.splitlines()
+                  if line.startswith("parallm_pooling_requests_total ")]
+        if counts and counts[0] > 0:
+            break
+        time.sleep(0.25)
+    assert counts and counts[0] > 0, metrics[:2000]
+    assert "parallm_pooling_passes_total" in metrics
