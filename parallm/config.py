@@ -67,7 +67,7 @@ class EngineConfig(Struct, frozen=True, kw_only=True, forbid_unknown_fields=True
     max_prefill_rows: Annotated[int, _d("sequences prefilled together in one pass")] = 16
     pooling_batch_tokens: Annotated[int, _d("padded tokens per batched pass of a pooling model (model.pooling); "
                                             "one pass runs between two generation steps: 512 held the generation drop "
-                                            "to ~10% under an embeddings burst on the CPU, 8192 to 65% "
+                                            "to ~10 percent under an embeddings burst on the CPU, 8192 to 65 percent "
                                             "(perf/results/pooling-mixed-cpu.md)")] = 512
     max_constraint_bytes: Annotated[int, _d("largest grammar constraint a request may carry (its schema, choices, "
                                             "regex or grammar text), bytes; larger is a 400 naming the field")] = 65536
