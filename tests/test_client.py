@@ -58,7 +58,7 @@ def test_sync_and_async_clients_offer_the_same_operations_with_the_same_paramete
     run(asynchronous.close())
     assert sync == asyn
     assert set(sync) == {"connect", "close", "submit", "stream", "result", "generate", "generate_group", "abort",
-                         "score", "stats", "policy", "list_adapters", "load_adapter", "unload_adapter", "pause",
+                         "score", "pool", "stats", "policy", "list_adapters", "load_adapter", "unload_adapter", "pause",
                          "resume", "tokenize", "detokenize", "model", "welcome", "router", "timeout", "identity"}
     for name, member in sync.items():
         if member != "data" and name != "stream":
