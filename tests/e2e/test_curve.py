@@ -38,7 +38,7 @@ def tcp(key_dir):
     base = free_port_range()
     with Server("--transport.kind", "tcp", "--transport.tcp-base-port", str(base),
                 "--transport.curve-clients", str(key_dir / "allowed"),
-                "--supervisor.restart-backoff-s", "0.2") as srv:
+                "--supervisor.restart-backoff-s", "0.2", "--pooling-model", "minilm=default") as srv:
         srv.base = base
         srv.tcp_router = f"tcp://127.0.0.1:{base + 2}"
         srv.server_key = f"{srv.run_dir}/{keys.SERVER_PUBLIC_FILE}"
@@ -73,6 +73,7 @@ def test_only_allowed_keys_get_a_welcome(tcp, key_dir):
         Client(tcp.tcp_router, timeout=1.5, server_key=tcp.server_key,
                client_key=str(key_dir / "other" / "intruder.key_secret"))
     assert tcp.client.generate([1, 2, 3], SamplingParams(max_tokens=2))[0].finish_reason == "length"
+    assert len(tcp.client.pool(["pooling travels the same CURVE socket"], "minilm")[0]) == 384
     assert f"CURVE server key {tcp.server_key}" in "\n".join(tcp.lines)  # the ready line tells clients where it is
 
 
