@@ -203,6 +203,28 @@ def resolve_engine_config(config: EngineConfig, device: ComputeDevice) -> Engine
     return msgspec.structs.replace(config, **changes) if changes else config
 
 
+class KVConfig(Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """The KV store's tiers and admission by memory pressure (docs/engine.md, "Disk tier")."""
+
+    disk_dir: Annotated[str, _d("directory of the disk tier for prefix-cache blocks (one file per block, keyed by "
+                                "its chained hash, under a fingerprint of the model, dtype and KV layout): blocks "
+                                "are read back on a prefix-cache miss instead of recomputed, across engine and "
+                                "server restarts; empty = no disk tier")] = ""
+    disk_policy: Annotated[Literal["evict_only", "write_through"],
+                           _d("evict_only: a cached block goes to disk when the prefix pool evicts it; "
+                              "write_through: every block the pool takes is written at once (survives a kill)")] = \
+        "evict_only"
+    disk_max_gb: Annotated[float, _d("GiB the disk tier may hold; the least recently used files go first")] = 10.0
+    disk_ttl_s: Annotated[float, _d("seconds a block file is kept after it was last written or read; 0 = no "
+                                    "limit")] = 7 * 24 * 3600.0
+    disk_queue_blocks: Annotated[int, _d("blocks waiting for the disk writer thread; past it new ones are dropped "
+                                         "and counted (the engine's step never waits for the disk)")] = 1024
+    pressure_threshold: Annotated[float | None, _d("KV utilization (tokens live and waiting sequences hold or need, "
+                                                   "over the tokens the live KV can hold) past which new requests get "
+                                                   "a retryable 503 with Retry-After and /health says overloaded "
+                                                   "(degraded from 0.9 of it); unset = no bound")] = None
+
+
 class TokenizerConfig(Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     replicas: Annotated[int, _d("tokenizer processes (requests fan out over them)")] = 1
 
@@ -399,6 +421,7 @@ class TrainerConfig(Struct, frozen=True, kw_only=True, forbid_unknown_fields=Tru
 class Config(Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     model: ModelConfig = ModelConfig()
     engine: EngineConfig = EngineConfig()
+    kv: KVConfig = KVConfig()
     tokenizer: TokenizerConfig = TokenizerConfig()
     detokenizer: DetokenizerConfig = DetokenizerConfig()
     server: ServerConfig = ServerConfig()
@@ -639,6 +662,15 @@ def _check(config: Config) -> None:
         problems.append("engine.prefix_pool_fraction must be in [0, 1)")
     if engine.priority_aging_s < 0:
         problems.append("engine.priority_aging_s must be >= 0 (0 = strict priority)")
+    kv = config.kv
+    if kv.disk_max_gb <= 0:
+        problems.append("kv.disk_max_gb must be > 0")
+    if kv.disk_ttl_s < 0:
+        problems.append("kv.disk_ttl_s must be >= 0 (0 = no limit)")
+    if kv.disk_queue_blocks < 1:
+        problems.append("kv.disk_queue_blocks must be >= 1")
+    if kv.pressure_threshold is not None and not 0 < kv.pressure_threshold <= 1:
+        problems.append("kv.pressure_threshold must be in (0, 1] (or unset: no bound)")
     if config.adapters.weights_chunk_timeout_s <= 0:
         problems.append("adapters.weights_chunk_timeout_s must be > 0")
     if config.adapters.history < 1:

@@ -77,7 +77,8 @@ def rejection(rid: str, reply_to: bytes, exc: RequestRejected | AdapterError) ->
     """The error a refused request (or control request: `rid` is its qid) gets, with the engine's own
     status and OpenAI code (e.g. context_length_exceeded, adapter_not_found)."""
     return protocol.RequestError(rid=rid, reply_to=reply_to, status=exc.status, code=exc.code or "invalid_request_error",
-                                 message=exc.message, param=getattr(exc, "param", None))
+                                 message=exc.message, param=getattr(exc, "param", None),
+                                 retryable=getattr(exc, "retryable", False))
 
 
 def adapter_roots(config: Config) -> list[str]:
@@ -540,6 +541,8 @@ def main(config: Config, replica: int = 0) -> int:
         code = stage.run()
         if group is not None and code == 0:
             engine.close()  # the other ranks return from their follower loop
+        elif group is None:
+            engine.close(3.0)  # the disk tier's blocks (kv.disk_dir), within the supervisor's 5 s stop
         return code
     finally:
         stage.staging.close()  # a chunked weight update still being received: its staged chunks

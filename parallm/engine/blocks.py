@@ -8,7 +8,8 @@ A block whose count drops to zero keeps its hash (it can still be hit) and sits 
 evicted only when a new block is needed; never-hashed free blocks are used first.
 
 Physical storage (per-layer pool arrays) lives in `pool.KVPool`; this module only decides
-which block ids hold what.
+which block ids hold what. An optional lower tier (`tier`, e.g. prefix_tier.PrefixDiskTier) hears
+of blocks keyed and evicted, and may supply the blocks a lookup misses (`BlockTier`).
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ import struct
 from array import array
 from collections import OrderedDict, deque
 from dataclasses import dataclass
-from typing import Mapping, Sequence
+from typing import Mapping, Protocol, Sequence
 
 NO_HASH = -1
 
@@ -40,10 +41,27 @@ class Block:
     token_ids: tuple[int, ...] = ()
 
 
+class BlockTier(Protocol):
+    """A store below the pool (the disk tier): told of keyed and evicted blocks, asked on a miss."""
+
+    def stored(self, block_id: int, key: int, tokens: tuple[int, ...], adapter: str) -> None:
+        """Block `block_id` got key `key`; its KV reaches the pool with the next row ops."""
+
+    def evicting(self, block_id: int, key: int, tokens: tuple[int, ...]) -> None:
+        """Cached block `block_id` (key `key`) is about to be reused for another."""
+
+    def fetch(self, parent: int, tokens: tuple[int, ...], adapter: str, keep: Sequence[int]) -> int | None:
+        """A block installed (BlockManager.install) with the KV of `tokens` after `parent`, or None."""
+
+    def forget(self) -> None:
+        """Every cached block was forgotten (reset)."""
+
+
 class BlockManager:
     def __init__(self, num_blocks: int, block_size: int) -> None:
         if block_size < 1:
             raise ValueError("block_size must be >= 1")
+        self.tier: BlockTier | None = None
         self.block_size = block_size
         self.blocks = [Block(i) for i in range(num_blocks)]
         self.hash_to_block: dict[int, int] = {}
@@ -80,11 +98,30 @@ class BlockManager:
             tokens = tuple(token_ids[j * bs:(j + 1) * bs])
             h = block_hash(parent, tokens, adapter)
             bid = self.hash_to_block.get(h)
+            if bid is None and self.tier is not None:
+                bid = self.tier.fetch(parent, tokens, adapter, out)
             if bid is None or self.blocks[bid].token_ids != tokens:
                 break
             out.append(bid)
             parent = h
         return out
+
+    def install(self, h: int, tokens: tuple[int, ...], keep: Sequence[int] = ()) -> int | None:
+        """Take a free block for key `h` (a lower tier's block coming back) and leave it cached, most
+        recently used, with no reference; never one of `keep`. None when no block can be had."""
+        for bid in keep:  # the chain being matched is not evicted for its own continuation
+            if bid in self.free_cached:
+                self.free_cached.move_to_end(bid)
+        if not self.free_unhashed and all(bid in keep for bid in self.free_cached):
+            return None
+        bid = self._take_free()
+        if bid is None:
+            return None
+        block = self.blocks[bid]
+        block.hash, block.token_ids = h, tokens
+        self.hash_to_block[h] = bid
+        self.free_cached[bid] = None
+        return bid
 
     def chain_hash(self, block_ids: Sequence[int]) -> int:
         return self.blocks[block_ids[-1]].hash if block_ids else NO_HASH
@@ -142,6 +179,8 @@ class BlockManager:
                 block = self.blocks[bid]
                 block.hash, block.token_ids, block.ref_count = h, tokens, 1
                 self.hash_to_block[h] = bid
+                if self.tier is not None:
+                    self.tier.stored(bid, h, tokens, adapter)
                 out.append((bid, True))
             parent = h
         return out
@@ -152,6 +191,8 @@ class BlockManager:
         if self.free_cached:
             bid, _ = self.free_cached.popitem(last=False)
             block = self.blocks[bid]
+            if self.tier is not None:
+                self.tier.evicting(bid, block.hash, block.token_ids)
             if self.hash_to_block.get(block.hash) == bid:
                 del self.hash_to_block[block.hash]
             block.hash, block.token_ids = NO_HASH, ()
@@ -176,7 +217,11 @@ class BlockManager:
         """Forget every cached block (only valid when no sequence holds any)."""
         if self.num_used:
             raise RuntimeError("cannot reset the prefix cache while blocks are referenced")
+        tier = self.tier
         self.__init__(self.num_blocks, self.block_size)
+        self.tier = tier
+        if tier is not None:
+            tier.forget()
 
     # ------------------------------------------------------------------ integrity
     def check_integrity(self, expected_refs: Mapping[int, int]) -> None:

@@ -31,6 +31,8 @@ from .memory import (auto_kv_budget_bytes, bound_cuda_cache, compute_device, fit
 from .model import EngineModel
 from .output import OutputProcessor, StepOutputs, unseen_versions
 from .plan import KVBudget, Plan, PrefillWork
+from .prefix_tier import PrefixDiskTier, open_disk_tier
+from .pressure import KVLoad, PressureGate, kv_load, pressure_state
 from .request import Request, RequestRejected, ScoreResult, SeqOutput, validate, validate_score
 from .runner import Launch, ModelRunner
 from .sampling import splitmix64
@@ -120,6 +122,15 @@ class Engine:
                                    priority_aging_s=settings.priority_aging_s,
                                    prefill_buckets=bool(settings.prefill_buckets) and not info.prefill_alone)
         self.runner.pool.allocate()
+        self.kv_capacity_tokens = total_tokens
+        self.pressure = PressureGate(config.kv.pressure_threshold)
+        self.disk_tier: PrefixDiskTier | None = None
+        if config.kv.disk_dir and self.blocks is not None:
+            if settings.tensor_parallel > 1:
+                log.warning("kv.disk_dir is ignored with engine.tensor_parallel > 1 (each rank holds a shard)")
+            else:
+                self.disk_tier = open_disk_tier(config.kv, config.model.path, self.model, info.dtype, info.shapes,
+                                                bs, self.runner, self.blocks)
         self.constraints = Constraints(self.vocab_size, self.eos_token_ids, lambda: tokenizer_from_file(
             _model_dir(config) / "tokenizer.json", self.vocab_size, self.eos_token_ids),
             thinking=lambda: thinking_from_file(_model_dir(config) / "tokenizer.json"))
@@ -155,6 +166,7 @@ class Engine:
             raise RequestRejected(
                 f"the request needs more KV memory than the engine has ({self.budget.budget_tokens} token slots "
                 f"for live rows); shorten the prompt, max_tokens or n", "max_tokens")
+        self.pressure.admit(self.kv_load(), P * n)  # past kv.pressure_threshold: a retryable 503
         try:
             lora = self.versions.resolve(spec.adapter, spec.adapter_version, spec.min_version, spec.max_staleness)
         except AdapterError as exc:
@@ -365,9 +377,30 @@ class Engine:
         request, cached block or counter behind. Returns the seconds it took."""
         if self.has_work():
             raise RuntimeError("warm_up() must run before any request")
-        seconds = warm_up(self)
+        tier, self.runner.kv_tier = self.runner.kv_tier, None  # warm-up prompts are not the disk tier's
+        if self.blocks is not None:
+            self.blocks.tier = None
+        try:
+            seconds = warm_up(self)
+        finally:
+            self.runner.kv_tier = tier
+            if self.blocks is not None:
+                self.blocks.tier = tier
         self._reset_counters()
         return seconds
+
+    def close(self, timeout: float = 30.0) -> None:
+        """Write the disk tier's queued blocks (up to `timeout`) and stop its writer thread. The row ops
+        still pending (write-backs of sequences that finished last) run first, so their blocks go too;
+        with evict_only every cached block leaves memory now, so it is written too."""
+        if self.disk_tier is None:
+            return
+        self._execute(self.scheduler.take_ops())
+        end = time.monotonic() + timeout
+        if self.disk_tier.policy == "evict_only":
+            spilled = self.disk_tier.spill(timeout)
+            log.info("disk tier: %d cached blocks written at shutdown", spilled)
+        self.disk_tier.disk.close(max(0.0, end - time.monotonic()))
 
     def _reset_counters(self) -> None:
         self._steps = self._last_batch = self._mixed_passes = 0
@@ -478,6 +511,11 @@ class Engine:
             self._owed.extend(outputs)
 
     # ------------------------------------------------------------------ introspection
+    def kv_load(self) -> KVLoad:
+        """Tokens live and waiting sequences hold or need, against the live KV (pressure.KVLoad)."""
+        s = self.scheduler
+        return kv_load(s.running + s.prefilling, s.waiting, self.budget.budget_tokens)
+
     def stats(self) -> EngineStats:
         s = self.scheduler
         b = self.blocks
@@ -505,7 +543,16 @@ class Engine:
             compiled_decode=r.compiled.stats() if r.compiled else {},
             settings=msgspec.to_builtins(self.config), adapter_settings=msgspec.to_builtins(self.adapter_settings),
             weights_version=self.weights_version, weights_updates=self.weights_updates,
-            recomputed_tokens=s.recomputed_tokens, oom_retries=oom_retries(), burst=burst, last_burst=last_burst)
+            recomputed_tokens=s.recomputed_tokens, oom_retries=oom_retries(), burst=burst, last_burst=last_burst,
+            **self._kv_stats())
+
+    def _kv_stats(self) -> dict:
+        load = self.kv_load()
+        return dict(kv_capacity_tokens=self.kv_capacity_tokens, kv_live_tokens=load.live_tokens,
+                    kv_waiting_tokens=load.waiting_tokens, kv_utilization=load.utilization, kv_demand=load.demand,
+                    kv_pressure=pressure_state(load.demand, self.pressure.threshold),
+                    kv_pressure_rejections=self.pressure.rejected,
+                    kv_disk=self.disk_tier.stats() if self.disk_tier is not None else None)
 
     def check_integrity(self) -> None:
         self.scheduler.check_integrity()

@@ -14,12 +14,14 @@ TopLogprobs = list[list[tuple[int, float]]]
 class RequestRejected(ValueError):
     """The request can never be served as given (HTTP 400); `param` names the offending field."""
 
-    def __init__(self, message: str, param: str | None = None, *, status: int = 400, code: str = "") -> None:
+    def __init__(self, message: str, param: str | None = None, *, status: int = 400, code: str = "",
+                 retryable: bool = False) -> None:
         super().__init__(message)
         self.message = message
         self.param = param
         self.status = status  # 404: unknown adapter or version; 409: the policy version is not available
         self.code = code
+        self.retryable = retryable  # the same request may succeed later (503 kv_pressure: Retry-After)
 
 
 @dataclass(slots=True)

@@ -19,6 +19,7 @@ from .head import OutputHead
 from .packed import PackedContext, PackedView
 from .plan import PrefillWork, RowOp
 from .pool import KVPool
+from .prefix_tier import PrefixDiskTier
 from .row_ops import execute_row_ops
 from .sampling import (BatchParams, PenaltyState, SampledLists, SampleOut, Sampler, log_softmax, penalty_rows, rank_of,
                        top_of)
@@ -109,6 +110,7 @@ class ModelRunner:
         self.constraints = None  # constraints.Constraints: the grammar masks of constrained rows
         self.compiled = (CompiledDecode(model, self.call_model, mask5d=info.mask5d, router=lora)
                          if compiled_decode else None)
+        self.kv_tier: PrefixDiskTier | None = None  # the prefix cache's disk tier (prefix_tier.py)
 
     def _mask_job(self, seqs: list[Sequence]):
         """The grammar masks of `seqs`, started on the worker thread; None when no row is constrained."""
@@ -162,7 +164,12 @@ class ModelRunner:
     def execute(self, ops: list[RowOp]) -> None:
         """Run a step's row operations on the live KV, the prefix pool and the penalty state
         (row_ops.execute)."""
+        tier = self.kv_tier
+        if tier is not None:
+            tier.before_ops()  # evicted blocks' KV is saved before anything overwrites it
         execute_row_ops(ops, self.live, self.pool, self.penalties, self.block_size)
+        if tier is not None:
+            tier.after_ops(ops)
 
     # ------------------------------------------------------------------ prefill
     def prefill(self, work: PrefillWork) -> tuple[dict[int, tuple], FirstTokens | None]:

@@ -112,6 +112,26 @@ class BurstStats(Struct, kw_only=True):
     slowest: list[StepRecord] = []
 
 
+class KVDiskStats(Struct, kw_only=True):
+    """The prefix cache's disk tier (kv.disk_dir): counters since the engine started, and its size now."""
+
+    dir: str = ""
+    policy: str = ""
+    files: int = 0
+    bytes: int = 0
+    hits: int = 0             # blocks read back instead of recomputed
+    misses: int = 0           # blocks looked up and not found (or unreadable)
+    read_bytes: int = 0
+    written: int = 0
+    written_bytes: int = 0
+    dropped: int = 0          # blocks not written: the writer's queue was full
+    corrupt_files: int = 0    # torn or corrupt files found, deleted and never served
+    expired: int = 0
+    evicted: int = 0
+    errors: int = 0
+    queue_depth: int = 0
+
+
 class EngineStats(Struct, tag="engine", kw_only=True):
     """The engine's state and counters since it started (GetStats; ingress polls it for /metrics)."""
 
@@ -156,11 +176,21 @@ class EngineStats(Struct, tag="engine", kw_only=True):
     weights_updates: int = 0
     recomputed_tokens: int = 0    # computed tokens preemptions threw away (recomputed when readmitted)
     oom_retries: int = 0          # allocations retried after freeing MLX's buffer cache (engine/memory.py)
+    kv_capacity_tokens: int = 0   # tokens the KV budget holds (live rows and prefix cache) at the KV dtype
+    kv_live_tokens: int = 0       # tokens running and prefilling sequences hold
+    kv_waiting_tokens: int = 0    # tokens waiting sequences need
+    kv_utilization: float = 0.0   # kv_live_tokens / live_token_slots
+    kv_demand: float = 0.0        # (kv_live_tokens + kv_waiting_tokens) / live_token_slots
+    kv_pressure: str = "ok"       # ok, degraded or overloaded against kv.pressure_threshold (engine/pressure.py)
+    kv_pressure_rejections: int = 0  # requests refused with 503 kv_pressure
+    kv_disk: KVDiskStats | None = None  # the disk tier, when kv.disk_dir is set
     burst: BurstStats | None = None       # the steps of the work in progress (engine/trace.py)
     last_burst: BurstStats | None = None  # the last burst of steps that ended with nothing left to do
     # the engine stage's own
     weights: WeightsStatus = msgspec.field(default_factory=WeightsStatus)
     paused: bool = False
+    integrity_checks: int = 0     # engine.check_integrity() runs when the engine went idle (the stage's loop)
+    integrity_failures: int = 0   # of those, failed (logged)
     held_for_version: int = 0
     received: int = 0
     dropped_frames: int = 0

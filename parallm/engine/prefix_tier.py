@@ -1,0 +1,201 @@
+"""The prefix cache's disk tier in the engine: what connects the block bookkeeping (blocks.py), the
+pool's arrays (pool.py) and the block files (disk_tier.py).
+
+BlockManager calls three hooks (its `tier`): `stored` when a block gets a key (its KV reaches the
+pool with the step's row ops), `evicting` when a cached block is about to be reused, and `fetch`
+when a prefix lookup misses in memory (a block read back from disk is installed in the pool as a
+cached block, and the lookup goes on). The runner calls `before_ops` and `after_ops` around every
+batch of row ops: the KV of evicted blocks is read before anything overwrites it, and blocks whose
+KV just arrived are written through.
+
+Which KV goes to disk: blocks of the base model at its load-time weights (adapter key ""), the
+only ones whose key means the same after a restart: an adapter's name and version, and a
+weight update's version, name other weights in another process.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import time
+from typing import Literal, Sequence
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+from mlx.utils import tree_flatten
+
+from parallm.config import KVConfig
+from parallm.protocol import KVDiskStats
+
+from .blocks import BlockManager, block_hash
+from .cache import LayerShape
+from .disk_tier import DiskTier
+from .kv_files import BlockHeader
+from .plan import RowOp, WriteBack
+from .pool import KVPool
+
+log = logging.getLogger("parallm.engine")
+
+Policy = Literal["evict_only", "write_through"]
+
+
+def fingerprint(model_path: str, model: nn.Module, dtype: mx.Dtype, shapes: Sequence[LayerShape],
+                block_size: int, kv_bits: int = 0) -> str:
+    """What a block file's KV depends on besides its tokens: the model (its path as configured, and
+    every parameter's name, shape, dtype and first values: retrained weights at the same path, or
+    models built in memory, differ), the KV dtype and bits, the layer shapes and the block size."""
+    h = hashlib.blake2b(digest_size=12)
+    h.update(model_path.encode())
+    for name, param in sorted(tree_flatten(model.parameters()), key=lambda kv: kv[0]):
+        sample = param.reshape(-1)[:64]
+        h.update(f"{name}{param.shape}{param.dtype}".encode())
+        h.update(np.array(sample.view(mx.uint8) if sample.dtype == mx.bfloat16 else sample).tobytes())
+    layout = [(s.k_heads, s.k_dim, s.v_heads, s.v_dim) for s in shapes]
+    h.update(f"{dtype}|{kv_bits}|{block_size}|{layout}".encode())
+    return h.hexdigest()
+
+
+def open_disk_tier(config: KVConfig, model_path: str, model: nn.Module, dtype: mx.Dtype,
+                   shapes: Sequence[LayerShape], block_size: int, runner, blocks: BlockManager) -> "PrefixDiskTier":
+    """The disk tier of kv.disk_dir, attached to the prefix cache (`blocks`) and the runner's row ops."""
+    key = fingerprint(model_path, model, dtype, shapes, block_size, getattr(config, "bits", 0) or 0)
+    disk = DiskTier(config.disk_dir, key, max_bytes=int(config.disk_max_gb * (1 << 30)), ttl_s=config.disk_ttl_s,
+                    queue_blocks=config.disk_queue_blocks)
+    tier = PrefixDiskTier(disk, runner.pool, config.disk_policy)
+    tier.attach(blocks)
+    runner.kv_tier = tier
+    log.info("disk tier for prefix-cache blocks: %s (%s, %d blocks on disk, at most %.1f GiB)", disk.dir,
+             config.disk_policy, disk.files, config.disk_max_gb)
+    return tier
+
+
+class PrefixDiskTier:
+    """BlockManager's `tier` over a KVPool and a DiskTier (see the module's docstring)."""
+
+    def __init__(self, disk: DiskTier, pool: KVPool, policy: Policy) -> None:
+        self.disk = disk
+        self.pool = pool
+        self.policy = policy
+        self.manager: BlockManager | None = None
+        self._itemsize = pool.dtype.size
+        self._dtype = str(pool.dtype)
+        self._shapes = [(s.k_heads, pool.block_size, s.k_dim) for s in pool.shapes] + \
+                       [(s.v_heads, pool.block_size, s.v_dim) for s in pool.shapes]
+        self._persistable: set[int] = set()            # hashes of resident blocks that may go to disk
+        self._unwritten: dict[int, int] = {}            # block id -> hash whose KV has not reached the pool
+        self._evicted: list[tuple[int, int, tuple[int, ...]]] = []  # (block id, hash, tokens) to save
+
+    def attach(self, manager: BlockManager) -> None:
+        self.manager = manager
+        manager.tier = self
+
+    def stats(self) -> KVDiskStats:
+        d, c = self.disk, self.disk.counters
+        return KVDiskStats(dir=str(d.dir), policy=self.policy, files=d.files, bytes=d.nbytes, hits=c.hits,
+                           misses=c.misses, read_bytes=c.read_bytes, written=c.written, written_bytes=c.written_bytes,
+                           dropped=c.dropped, corrupt_files=c.corrupt_files, expired=c.expired, evicted=c.evicted,
+                           errors=c.errors, queue_depth=d.queue_depth)
+
+    # ------------------------------------------------------------------ BlockManager's hooks
+    def stored(self, block_id: int, key: int, tokens: tuple[int, ...], adapter: str) -> None:
+        """A block got key `key`; its KV reaches the pool with the next row ops."""
+        self._unwritten[block_id] = key
+        if adapter == "":
+            self._persistable.add(key)
+        else:
+            self._persistable.discard(key)
+
+    def evicting(self, block_id: int, key: int, tokens: tuple[int, ...]) -> None:
+        """Cached block `block_id` is about to be reused: its KV (if it ever reached the pool) is read
+        before the next write into the pool and saved (evict_only)."""
+        if key not in self._persistable:
+            return
+        self._persistable.discard(key)
+        if self._unwritten.get(block_id) == key:
+            del self._unwritten[block_id]  # its KV was never in the pool
+            return
+        if self.policy == "evict_only" and not self.disk.contains(key):
+            self._evicted.append((block_id, key, tokens))
+
+    def fetch(self, parent: int, tokens: tuple[int, ...], adapter: str, keep: Sequence[int]) -> int | None:
+        """The id of a pool block now holding the block after `parent` with `tokens`, read from disk and
+        installed as a cached block (no reference taken), or None (not on disk, unreadable, no room)."""
+        if adapter != "" or self.manager is None:
+            return None
+        key = block_hash(parent, tokens, adapter)
+        got = self.disk.get(key, tokens, self._itemsize)
+        if got is None:
+            return None
+        header, arrays = got
+        if [tuple(s) for s in header.shapes] != self._shapes or header.dtype != self._dtype:
+            return None
+        block_id = self.manager.install(key, tokens, keep)
+        if block_id is None:
+            return None
+        self._save_evicted()  # the block taken may hold KV still to be saved
+        dtype = self.pool.dtype
+        data = [mx.array(a).view(dtype).reshape(shape) for a, shape in zip(arrays, self._shapes)]
+        self.pool.write([block_id], data)
+        self._persistable.add(key)
+        self._unwritten.pop(block_id, None)
+        return block_id
+
+    def forget(self) -> None:
+        """The prefix cache forgot every block (BlockManager.reset)."""
+        self._persistable.clear()
+        self._unwritten.clear()
+        self._evicted.clear()
+
+    # ------------------------------------------------------------------ the runner's hooks
+    def before_ops(self) -> None:
+        self._save_evicted()
+
+    def after_ops(self, ops: list[RowOp]) -> None:
+        """The KV of the blocks these ops wrote is in the pool now: write-through saves it."""
+        written = [bid for op in ops if isinstance(op, WriteBack) for _, bid in op.blocks]
+        if not written or self.manager is None:
+            return
+        save = []
+        for bid in written:
+            key = self._unwritten.pop(bid, None)
+            block = self.manager.blocks[bid]
+            if key is None or block.hash != key:
+                continue
+            if self.policy == "write_through" and key in self._persistable and not self.disk.contains(key):
+                save.append((bid, key, block.token_ids))
+        self._save(save)
+
+    def spill(self, deadline_s: float = 30.0) -> int:
+        """Queue every cached block not on disk yet (evict_only at shutdown: the pool's blocks leave
+        memory now), waiting for room in the writer's queue up to `deadline_s` in all; how many."""
+        if self.manager is None:
+            return 0
+        self._save_evicted()
+        blocks = [(b.block_id, b.hash, b.token_ids) for b in self.manager.blocks
+                  if b.hash in self._persistable and self._unwritten.get(b.block_id) != b.hash
+                  and not self.disk.contains(b.hash)]
+        end = time.monotonic() + deadline_s
+        queued = 0
+        for i in range(0, len(blocks), 64):
+            left = end - time.monotonic()
+            if left <= 0:
+                break
+            queued += self._save(blocks[i:i + 64], wait_s=left)
+        return queued
+
+    def _save_evicted(self) -> None:
+        evicted, self._evicted = self._evicted, []
+        self._save(evicted)
+
+    def _save(self, blocks: list[tuple[int, int, tuple[int, ...]]], wait_s: float = 0.0) -> int:
+        """Read blocks' KV from the pool (one evaluation) and queue it for the disk writer; how many
+        were queued."""
+        if not blocks:
+            return 0
+        reads = self.pool.read_many([[bid] for bid, _, _ in blocks])
+        queued = 0
+        for (_, key, tokens), arrays in zip(blocks, reads):
+            header = BlockHeader(self.disk.fingerprint, key, list(tokens), self._dtype, self._shapes)
+            queued += self.disk.put(key, header, [np.array(a.view(mx.uint8)).reshape(-1) for a in arrays], wait_s)
+        return queued
