@@ -104,6 +104,28 @@ _ENGINE: tuple[tuple[str, str, str, Callable[[EngineStats], float]], ...] = (
     ("pooling_tokens", "Prompt tokens of the pooling requests answered", "counter", lambda e: e.pooled_tokens),
     ("pooling_passes", "Batched pooling passes run", "counter", lambda e: e.pooling_batches),
     ("pooling_waiting", "Pooling requests waiting for a pass", "gauge", lambda e: e.pooling_waiting),
+    ("kv_capacity_tokens", "Tokens the KV budget holds (live rows and prefix cache) at the KV dtype", "gauge",
+     lambda e: e.kv_capacity_tokens),
+    ("kv_live_tokens", "Tokens running and prefilling sequences hold", "gauge", lambda e: e.kv_live_tokens),
+    ("kv_waiting_tokens", "Tokens the sequences waiting for a row need", "gauge", lambda e: e.kv_waiting_tokens),
+    ("kv_pressure_rejections", "Requests refused with 503 because the KV demand was past kv.pressure_threshold",
+     "counter", lambda e: e.kv_pressure_rejections),
+    ("kv_disk_hits", "Prefix-cache blocks read back from the disk tier instead of recomputed", "counter",
+     lambda e: e.kv_disk.hits if e.kv_disk else 0),
+    ("kv_disk_misses", "Prefix-cache blocks looked up in the disk tier and not found", "counter",
+     lambda e: e.kv_disk.misses if e.kv_disk else 0),
+    ("kv_disk_read_bytes", "Bytes read back from the disk tier", "counter",
+     lambda e: e.kv_disk.read_bytes if e.kv_disk else 0),
+    ("kv_disk_written_bytes", "Bytes written to the disk tier", "counter",
+     lambda e: e.kv_disk.written_bytes if e.kv_disk else 0),
+    ("kv_disk_bytes", "Bytes of block files the disk tier holds", "gauge", lambda e: e.kv_disk.bytes if e.kv_disk else 0),
+    ("kv_disk_files", "Block files the disk tier holds", "gauge", lambda e: e.kv_disk.files if e.kv_disk else 0),
+    ("kv_disk_corrupt_files", "Torn or corrupt block files found, deleted and never served", "counter",
+     lambda e: e.kv_disk.corrupt_files if e.kv_disk else 0),
+    ("kv_disk_dropped", "Blocks not written because the disk writer's queue was full", "counter",
+     lambda e: e.kv_disk.dropped if e.kv_disk else 0),
+    ("kv_disk_errors", "Block files that could not be written (disk full, permissions)", "counter",
+     lambda e: e.kv_disk.errors if e.kv_disk else 0),
 )
 
 
@@ -123,6 +145,17 @@ def _engine_metrics(replicas: list[EngineStats]) -> Iterable[Metric]:
             each = family(f"{PREFIX}_replica_{name}", f"{doc}, per engine replica", labels=["replica"])
             for e in replicas:
                 each.add_metric([str(e.replica)], float(value(e)))
+        yield each
+    slots = sum(e.live_token_slots for e in replicas)
+    for name, doc, held in (("kv_utilization", "Tokens live sequences hold over the live KV's token slots",
+                             lambda e: e.kv_live_tokens),
+                            ("kv_demand", "Tokens live and waiting sequences hold or need over the live KV's token "
+                             "slots (what kv.pressure_threshold bounds)",
+                             lambda e: e.kv_live_tokens + e.kv_waiting_tokens)):
+        yield GaugeMetricFamily(f"{PREFIX}_{name}", doc, value=sum(held(e) for e in replicas) / slots if slots else 0.0)
+        each = GaugeMetricFamily(f"{PREFIX}_replica_{name}", f"{doc}, per engine replica", labels=["replica"])
+        for e in replicas:
+            each.add_metric([str(e.replica)], held(e) / e.live_token_slots if e.live_token_slots else 0.0)
         yield each
     hist: dict[int, int] = {}
     for e in replicas:

@@ -42,7 +42,8 @@ QUERY_TIMEOUT_S = 30.0
 WEIGHTS_TIMEOUT_S = 600.0  # a full-weight update from a checkpoint directory
 STATS_PERIOD_S = 0.5      # how often ingress asks the engine and detokenizer for their stats
 STATS_TIMEOUT_S = 5.0
-ENGINE_STALLED_AFTER_S = 5.0  # /health says "stalled" (503) when the engine answered no stats poll this long
+ENGINE_STALLED_AFTER_S = 5.0
+PRESSURE_ORDER = ("ok", "degraded", "overloaded")  # EngineStats.kv_pressure, mildest first  # /health says "stalled" (503) when the engine answered no stats poll this long
 
 
 def backend_error(exc: ClientError) -> BackendError:
@@ -312,6 +313,8 @@ class ZmqBackend:
         limit = self.config.server.max_concurrent_requests
         in_flight = self.in_flight
         stats_age = time.monotonic() - self.metrics.engine_stats_at if self.metrics.engine_stats_at else 0.0
+        engines = [self.metrics.engine_stats, *self.metrics.engine_stats.replicas]
+        pressure = max((e.kv_pressure for e in engines), key=PRESSURE_ORDER.index)
         if self.rt.draining:
             status = "shutting_down"
         elif self.stages_down:
@@ -320,13 +323,20 @@ class ZmqBackend:
             status = "paused"
         elif stats_age > ENGINE_STALLED_AFTER_S:  # its loop answers no stats poll: stuck in one step
             status = "stalled"
-        elif (limit and in_flight >= limit) or self._queue_full():
+        elif (limit and in_flight >= limit) or self._queue_full() or pressure == "overloaded":
             status = "overloaded"
+        elif pressure == "degraded":  # near kv.pressure_threshold: serving, not ready for more
+            status = "degraded"
         else:
             status = "ok"
-        return {"status": status, "ready": status == "ok", "stages_down": sorted(self.stages_down),
-                "in_flight": in_flight, "waiting": self.engine_waiting,
-                "running": sum(e.running for e in [self.metrics.engine_stats, *self.metrics.engine_stats.replicas])}
+        serving = status in ("ok", "overloaded") or (status == "degraded" and not self.stages_down)
+        state = {"status": status, "ready": status == "ok", "serving": serving,
+                 "stages_down": sorted(self.stages_down), "in_flight": in_flight, "waiting": self.engine_waiting,
+                 "running": sum(e.running for e in engines)}
+        if self.config.kv.pressure_threshold is not None:
+            state["kv_utilization"] = round(max(e.kv_utilization for e in engines), 4)
+            state["kv_demand"] = round(max(e.kv_demand for e in engines), 4)
+        return state
 
 
 def main(config: Config, replica: int = 0) -> int:

@@ -5,8 +5,9 @@
   overloaded, else 503 (a load balancer sends new work elsewhere).
 - GET /health: `{"status": "ok" | "overloaded" | "paused" | "stalled" | "degraded" | "shutting_down", ...}`:
   200 while the server is alive and serving, if busy (ok, overloaded: RL clients such as Atropos stop
-  all traffic on anything else); 503 when paused, stalled (the engine answers no stats poll), a stage
-  is down, or shutting down.
+  all traffic on anything else; degraded with `"serving": true`: the KV memory is near
+  kv.pressure_threshold); 503 when paused, stalled (the engine answers no stats poll), a stage is down
+  (degraded), or shutting down.
 """
 
 from __future__ import annotations
@@ -45,4 +46,5 @@ class HealthRoutes:
 
     async def health(self, request: Request) -> Response:
         state = backend_state(self.backend)
-        return json_response(state, 200 if state.get("status") in SERVING else 503)
+        serving = state.get("status") in SERVING or (state.get("status") == "degraded" and state.get("serving"))
+        return json_response(state, 200 if serving else 503)

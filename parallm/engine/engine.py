@@ -32,7 +32,7 @@ from .model import EngineModel
 from .output import OutputProcessor, StepOutputs, unseen_versions
 from .plan import KVBudget, Plan, PrefillWork
 from .prefix_tier import PrefixDiskTier, open_disk_tier
-from .pressure import KVLoad, PressureGate, kv_load, pressure_state
+from .pressure import KVLoad, PressureGate, kv_load
 from .request import Request, RequestRejected, ScoreResult, SeqOutput, validate, validate_score
 from .runner import Launch, ModelRunner
 from .sampling import splitmix64
@@ -550,7 +550,7 @@ class Engine:
         load = self.kv_load()
         return dict(kv_capacity_tokens=self.kv_capacity_tokens, kv_live_tokens=load.live_tokens,
                     kv_waiting_tokens=load.waiting_tokens, kv_utilization=load.utilization, kv_demand=load.demand,
-                    kv_pressure=pressure_state(load.demand, self.pressure.threshold),
+                    kv_pressure=self.pressure.state(load),
                     kv_pressure_rejections=self.pressure.rejected,
                     kv_disk=self.disk_tier.stats() if self.disk_tier is not None else None)
 

@@ -11,13 +11,15 @@ an empty engine is always taken (whether it can ever fit is admission's 400, not
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
-from typing import Iterable
+from typing import Callable, Iterable
 
 from .request import RequestRejected
 from .sequence import Sequence
 
 DEGRADED_SHARE = 0.9  # /health says degraded from this share of the threshold on
+REFUSING_FOR_S = 2.0  # and overloaded for this long after a refusal (ingress polls stats every 0.5 s)
 
 
 @dataclass(slots=True, frozen=True)
@@ -44,12 +46,12 @@ def kv_load(live: Iterable[Sequence], waiting: Iterable[Sequence], capacity_toke
     return KVLoad(held, queued, capacity_tokens)
 
 
-def pressure_state(demand: float, threshold: float | None) -> str:
-    """"ok", "degraded" (from DEGRADED_SHARE of the threshold) or "overloaded" (past it: new
-    requests are refused)."""
+def pressure_state(demand: float, threshold: float | None, refused_recently: bool = False) -> str:
+    """"ok", "degraded" (from DEGRADED_SHARE of the threshold) or "overloaded" (past it, or a request
+    was refused in the last REFUSING_FOR_S: new requests are being refused)."""
     if threshold is None:
         return "ok"
-    if demand > threshold:
+    if demand > threshold or refused_recently:
         return "overloaded"
     return "degraded" if demand >= DEGRADED_SHARE * threshold else "ok"
 
@@ -57,9 +59,15 @@ def pressure_state(demand: float, threshold: float | None) -> str:
 class PressureGate:
     """Refuses new work while the KV demand is past `threshold` (None: never)."""
 
-    def __init__(self, threshold: float | None) -> None:
+    def __init__(self, threshold: float | None, clock: Callable[[], float] = time.monotonic) -> None:
         self.threshold = threshold
+        self.clock = clock
         self.rejected = 0
+        self._rejected_at = float("-inf")
+
+    def state(self, load: KVLoad) -> str:
+        """pressure_state of this load, as /health reports it."""
+        return pressure_state(load.demand, self.threshold, self.clock() - self._rejected_at < REFUSING_FOR_S)
 
     def admit(self, load: KVLoad, new_tokens: int) -> None:
         """Raise a retryable 503 RequestRejected if taking `new_tokens` more would put the demand past
@@ -70,6 +78,7 @@ class PressureGate:
         if demand <= self.threshold:
             return
         self.rejected += 1
+        self._rejected_at = self.clock()
         raise RequestRejected(
             f"the engine's KV memory is under pressure ({100 * load.demand:.0f}% of its {load.capacity_tokens} "
             f"token slots held or wanted, kv.pressure_threshold {100 * self.threshold:.0f}%); retry shortly",

@@ -9,7 +9,7 @@ import msgspec
 from msgspec import Struct
 
 __all__ = ["AdapterStats", "RankState", "WeightsStatus", "LoopStats", "BlasStats", "StepRecord", "BurstStats",
-           "EngineStats", "TokenizerStats", "DetokenizerStats", "StageStats"]
+           "KVDiskStats", "EngineStats", "TokenizerStats", "DetokenizerStats", "StageStats"]
 
 
 class AdapterStats(Struct, kw_only=True):
