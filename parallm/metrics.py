@@ -104,6 +104,8 @@ _ENGINE: tuple[tuple[str, str, str, Callable[[EngineStats], float]], ...] = (
     ("pooling_tokens", "Prompt tokens of the pooling requests answered", "counter", lambda e: e.pooled_tokens),
     ("pooling_passes", "Batched pooling passes run", "counter", lambda e: e.pooling_batches),
     ("pooling_waiting", "Pooling requests waiting for a pass", "gauge", lambda e: e.pooling_waiting),
+    ("engine_integrity_failures", "Engine integrity checks (run each time the engine goes idle) that failed",
+     "counter", lambda e: e.integrity_failures),
     ("kv_capacity_tokens", "Tokens the KV budget holds (live rows and prefix cache) at the KV dtype", "gauge",
      lambda e: e.kv_capacity_tokens),
     ("kv_live_tokens", "Tokens running and prefilling sequences hold", "gauge", lambda e: e.kv_live_tokens),
