@@ -71,6 +71,11 @@ class _Snapshots:
         yield age
 
 
+def _disk(field: str) -> Callable[[EngineStats], float]:
+    """One of the disk tier's numbers (EngineStats.kv_disk; 0 without a disk tier)."""
+    return lambda e: getattr(e.kv_disk, field) if e.kv_disk is not None else 0
+
+
 # Every engine number: under its name the sum over the engine replicas (engine.replicas; one engine:
 # its own), and per replica in parallm_replica_<name>{replica="i"} (replica 0's stats carry the
 # others', parallm/routing.py). (name, help, gauge or counter, value of one replica's EngineStats)
@@ -113,21 +118,21 @@ _ENGINE: tuple[tuple[str, str, str, Callable[[EngineStats], float]], ...] = (
     ("kv_pressure_rejections", "Requests refused with 503 because the KV demand was past kv.pressure_threshold",
      "counter", lambda e: e.kv_pressure_rejections),
     ("kv_disk_hits", "Prefix-cache blocks read back from the disk tier instead of recomputed", "counter",
-     lambda e: e.kv_disk.hits if e.kv_disk else 0),
+     _disk("hits")),
     ("kv_disk_misses", "Prefix-cache blocks looked up in the disk tier and not found", "counter",
-     lambda e: e.kv_disk.misses if e.kv_disk else 0),
+     _disk("misses")),
     ("kv_disk_read_bytes", "Bytes read back from the disk tier", "counter",
-     lambda e: e.kv_disk.read_bytes if e.kv_disk else 0),
+     _disk("read_bytes")),
     ("kv_disk_written_bytes", "Bytes written to the disk tier", "counter",
-     lambda e: e.kv_disk.written_bytes if e.kv_disk else 0),
-    ("kv_disk_bytes", "Bytes of block files the disk tier holds", "gauge", lambda e: e.kv_disk.bytes if e.kv_disk else 0),
-    ("kv_disk_files", "Block files the disk tier holds", "gauge", lambda e: e.kv_disk.files if e.kv_disk else 0),
+     _disk("written_bytes")),
+    ("kv_disk_bytes", "Bytes of block files the disk tier holds", "gauge", _disk("bytes")),
+    ("kv_disk_files", "Block files the disk tier holds", "gauge", _disk("files")),
     ("kv_disk_corrupt_files", "Torn or corrupt block files found, deleted and never served", "counter",
-     lambda e: e.kv_disk.corrupt_files if e.kv_disk else 0),
+     _disk("corrupt_files")),
     ("kv_disk_dropped", "Blocks not written because the disk writer's queue was full", "counter",
-     lambda e: e.kv_disk.dropped if e.kv_disk else 0),
+     _disk("dropped")),
     ("kv_disk_errors", "Block files that could not be written (disk full, permissions)", "counter",
-     lambda e: e.kv_disk.errors if e.kv_disk else 0),
+     _disk("errors")),
 )
 
 

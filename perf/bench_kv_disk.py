@@ -129,7 +129,8 @@ def markdown(record: dict[str, Any]) -> str:
         "| | TTFT median (s) | all (s) |",
         "|---|---|---|",
         f"| cold (prefix never seen) | {record['ttft_cold_median_s']} | {record['ttft_cold_s']} |",
-        f"| warm (prefix read from disk after the restart) | {record['ttft_warm_median_s']} | {record['ttft_warm_s']} |",
+        f"| warm (prefix read from disk after the restart) | {record['ttft_warm_median_s']} | "
+        f"{record['ttft_warm_s']} |",
         "",
         f"warm / cold = **{record['warm_over_cold']}** (goal <= 0.25: {'met' if record['met'] else 'NOT met'}); "
         f"same tokens as before the restart: {record['same_tokens_after_restart']}.",
