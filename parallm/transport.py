@@ -261,11 +261,15 @@ class Router:
     """
 
     def __init__(self, sock: zmq.Socket, *, mandatory: bool = False,
-                 on_unreachable: Callable[[bytes], None] | None = None) -> None:
+                 on_unreachable: Callable[[bytes], None] | None = None, accepts: Any = protocol.RouterInbound,
+                 on_rejected: Callable[[bytes, protocol.RequestError], None] | None = None,
+                 name: str = "router") -> None:
         self.sock = sock
-        self.accepts = protocol.RouterInbound
-        self.name = "router"
-        self.decoder = protocol.Decoder(protocol.RouterInbound)
+        self.accepts = accepts
+        self.name = name
+        self.decoder = protocol.Decoder(accepts)
+        self.on_rejected = on_rejected  # (identity, the error for a rejected frame that names its qid)
+        self.dropped = 0
         self.unroutable = 0
         self.unreachable = 0
         self.on_unreachable = on_unreachable
@@ -295,7 +299,11 @@ class Router:
             try:
                 yield frames[0], self.decoder.decode(frames[-1])
             except protocol.ProtocolError as exc:
+                self.dropped += 1
                 log.warning("dropped a malformed client message from %r: %s", frames[0][:32], exc)
+                error = exc.reply or protocol.rejection(frames[-1], str(exc), routed=True)
+                if error is not None and self.on_rejected is not None:
+                    self.on_rejected(frames[0], error)
 
     def close(self) -> None:
         self.sock.close(0)

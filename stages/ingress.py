@@ -23,11 +23,12 @@ import zmq.asyncio
 
 from parallm import protocol
 from parallm.routing import replica_count
-from parallm.api.app import build_app
+from parallm.api.app import build_app, build_policy_app
 from parallm.api.backend import BackendError
-from parallm.config import Config
+from parallm.config import Config, serves_lm
 from parallm.metrics import ServerMetrics
 from parallm.pipeline import Pipeline
+from parallm.policies.client import AsyncPolicyClient
 from parallm.runtime import StageRuntime
 from parallm.streams import ClientError
 from parallm.text.generation_config import GenerationDefaults, generation_defaults
@@ -79,8 +80,10 @@ class ZmqBackend:
     """The api.Backend over the pipeline connection: each Backend member is one connection call."""
 
     def __init__(self, config: Config, runtime: StageRuntime, model_info: dict[str, Any],
-                 metrics: ServerMetrics | None = None, defaults: GenerationDefaults | None = None) -> None:
+                 metrics: ServerMetrics | None = None, defaults: GenerationDefaults | None = None,
+                 policies: AsyncPolicyClient | None = None) -> None:
         self.config = config
+        self.policies = policies
         self.metrics = metrics or ServerMetrics()
         self.rt = runtime
         self.model_name = config.model.served_name
@@ -137,6 +140,8 @@ class ZmqBackend:
         for task in self.tasks:
             task.cancel()
         await self.pipeline.close()
+        if self.policies is not None:
+            self.policies.close()
 
     @property
     def stages_down(self) -> set[str]:
@@ -152,6 +157,8 @@ class ZmqBackend:
         """After the pipeline failed what a dead stage held: count it."""
         if isinstance(message, protocol.StageDown):
             self.metrics.stage_restarts.labels(message.stage).inc()
+            if message.stage == "policy" and self.policies is not None:
+                self.policies.fail_all(policy_down(message))
         if isinstance(message, (protocol.StageDown, protocol.StageUp)):
             self.metrics.stages_down.set(len(self.stages_down))
 
@@ -317,21 +324,79 @@ class ZmqBackend:
                 "running": sum(e.running for e in [self.metrics.engine_stats, *self.metrics.engine_stats.replicas])}
 
 
+def policy_down(message: protocol.StageDown) -> protocol.RequestError:
+    """What a policy request in flight gets when the policy stage dies (retryable)."""
+    return protocol.RequestError(rid="", status=503, code="stage_down", retryable=True,
+                                 message=f"the policy stage died (restart {message.restarts}); retry the request")
+
+
+class PolicyOnlyBackend:
+    """The backend of a server that serves policies and no language model: health and the supervisor's
+    control messages (drain, shutdown, the policy stage's death and return)."""
+
+    def __init__(self, config: Config, runtime: StageRuntime, policies: AsyncPolicyClient,
+                 metrics: ServerMetrics) -> None:
+        self.config = config
+        self.rt = runtime
+        self.policies = policies
+        self.metrics = metrics
+        self.stages_down: set[str] = set()
+        self.task: asyncio.Task | None = None
+
+    async def start(self) -> None:
+        self.task = asyncio.create_task(self._control(), name="ingress-control")
+
+    async def stop(self) -> None:
+        if self.task is not None:
+            self.task.cancel()
+        self.policies.close()
+
+    async def _control(self) -> None:
+        while True:
+            for message in self.rt.poll_control():
+                if isinstance(message, protocol.StageDown):
+                    self.stages_down.add(f"{message.stage}-{message.replica}")
+                    self.metrics.stage_restarts.labels(message.stage).inc()
+                    if message.stage == "policy":
+                        self.policies.fail_all(policy_down(message))
+                elif isinstance(message, protocol.StageUp):
+                    self.stages_down.discard(f"{message.stage}-{message.replica}")
+                self.metrics.stages_down.set(len(self.stages_down))
+            self.rt.heartbeat(lambda: self.policies.in_flight)
+            await asyncio.sleep(0.05)
+
+    def health(self) -> dict[str, Any]:
+        limit = self.config.server.max_concurrent_requests
+        in_flight = self.policies.in_flight
+        status = ("shutting_down" if self.rt.draining else "degraded" if self.stages_down else
+                  "overloaded" if limit and in_flight >= limit else "ok")
+        return {"status": status, "ready": status == "ok", "stages_down": sorted(self.stages_down),
+                "in_flight": in_flight}
+
+
 def main(config: Config, replica: int = 0) -> int:
     import uvicorn
 
     runtime = StageRuntime(config, "ingress", replica)
-    from parallm.text.loading import model_limits
-
-    info = model_limits(config.model)
-    try:
-        defaults = generation_defaults(config.model)
-    except ValueError as exc:
-        runtime.fatal(f"cannot read the model's sampling defaults: {exc}")
-        return 2
     metrics = ServerMetrics()
-    backend = ZmqBackend(config, runtime, info, metrics, defaults)
-    app = build_app(backend, config.server, metrics)
+    policies = AsyncPolicyClient(runtime.addrs.policy, ctx=runtime.ctx, timeout=QUERY_TIMEOUT_S) \
+        if config.policies.models else None
+    backend: Any
+    if serves_lm(config):
+        from parallm.text.loading import model_limits
+
+        info = model_limits(config.model)
+        try:
+            defaults = generation_defaults(config.model)
+        except ValueError as exc:
+            runtime.fatal(f"cannot read the model's sampling defaults: {exc}")
+            return 2
+        backend = ZmqBackend(config, runtime, info, metrics, defaults, policies)
+        app = build_app(backend, config.server, metrics, policies)
+    else:
+        assert policies is not None  # config._check: a server serves a model or policies
+        backend = PolicyOnlyBackend(config, runtime, policies, metrics)
+        app = build_policy_app(backend, policies, config.server, metrics)
 
     from parallm.api.strict_http import strict_protocol
 

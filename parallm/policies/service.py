@@ -93,7 +93,12 @@ class PolicyService:
             raise Refused(400, "invalid_request_error", "model",
                           f"policy {request.model!r} has no action head: use /v1/predict")
         sig = policy.signature
-        inputs, rows = sig.check_inputs({name: unwire(name, t) for name, t in request.inputs.items()})
+        given = dict(request.inputs)
+        if "" in given:   # a bare tensor: the policy's only input
+            if len(given) > 1 or len(sig.inputs) != 1:
+                raise TensorError("observations", f"this model takes named inputs {sorted(sig.inputs)}")
+            given = {next(iter(sig.inputs)): given[""]}
+        inputs, rows = sig.check_inputs({name: unwire(name, t) for name, t in given.items()})
         state = None
         if request.hidden_states and request.episode_ids:
             raise Refused(400, "invalid_request_error", "hidden_states",

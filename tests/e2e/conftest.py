@@ -8,9 +8,14 @@ from .server import Server
 
 @pytest.fixture(scope="session")
 def server(tmp_path_factory):
-    """One real parallm-launch on the default model for the whole session; it loads adapters by path
-    from the tests' temporary directories."""
-    with Server("--engine.max-num-seqs", "32", "--adapters.allowed-dirs", str(tmp_path_factory.getbasetemp())) as srv:
+    """One real parallm-launch on the default model for the whole session, with a small policy beside it
+    (the policy stage); it loads adapters by path from the tests' temporary directories."""
+    from tests._policy_helpers import MLP_CATEGORICAL
+    from parallm.policies import save_policy
+
+    policy = save_policy(tmp_path_factory.mktemp("session-policy"), MLP_CATEGORICAL, seed=1)  # served beside the LM
+    with Server("--engine.max-num-seqs", "32", "--adapters.allowed-dirs", str(tmp_path_factory.getbasetemp()),
+                "--policy-model", f"mlp={policy}", "--policies.lm", "true") as srv:
         yield srv
 
 
