@@ -9,6 +9,7 @@ millisecond (ZeroMQ's poll counts whole milliseconds).
 
 from __future__ import annotations
 
+import gc
 import logging
 import time
 from typing import Any, Callable
@@ -111,6 +112,7 @@ def main(config: Config, replica: int = 0) -> int:
     service = PolicyService(policies, max_batch=p.max_batch, flush_us=p.flush_us, episode_ttl_s=p.episode_ttl_s,
                             max_episodes=p.max_episodes)
     stage = PolicyStage(config, runtime, service)
+    gc.freeze()  # the loaded modules and weights: never scanned again by the collector between batches
     runtime.ready({"policies": sorted(policies), "address": runtime.addrs.policy})
     try:
         return stage.run()
