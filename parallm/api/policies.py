@@ -7,15 +7,17 @@ policy stage (one place); a bad tensor comes back as a 400 whose `param` names i
 
 from __future__ import annotations
 
-from typing import Any, Awaitable, Callable, Literal, Protocol
+import uuid
+from typing import Annotated, Any, Awaitable, Callable, Literal, Protocol
 
 import msgspec
-from msgspec import Struct
+from msgspec import Meta, Struct
 from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
 from parallm import protocol
+from parallm.api import openapi
 from parallm.api.errors import APIError, invalid
 from parallm.api.http import json_response, read_body
 from parallm.api.validate import decode
@@ -26,7 +28,7 @@ from parallm.policies.tensors import from_json, to_json
 from parallm.streams import ClientError
 
 Encoding = Literal["json", "base64"]
-MAX_SEED = (1 << 64) - 1
+MAX_SEED = (1 << 63) - 1   # JSON schema integers are int64; the raw protocol takes any uint64
 
 
 class PolicyBackend(Protocol):
@@ -49,7 +51,7 @@ class ActRequest(Struct, kw_only=True, forbid_unknown_fields=True):
     episode_ids: list[str] = []
     episode_starts: list[bool] = []
     deterministic: bool = False
-    seed: int | None = None
+    seed: Annotated[int, Meta(ge=0, le=MAX_SEED)] | None = None
     encoding: Encoding = "json"
 
 
@@ -60,6 +62,45 @@ class PredictRequest(Struct, kw_only=True, forbid_unknown_fields=True):
     episode_ids: list[str] = []
     episode_starts: list[bool] = []
     encoding: Encoding = "json"
+
+
+class ActResponse(Struct, kw_only=True):
+    object: str = "rl.act"
+    model: str
+    actions: Any                             # int64 [B] or float32 [B, dim]: a JSON list or a base64 tensor
+    action_log_probs: Any
+    value_estimates: Any = None
+    new_hidden_states: dict[str, Any] = {}
+    version: int = 0
+
+
+class PredictResponse(Struct, kw_only=True):
+    object: str = "predict"
+    model: str
+    outputs: dict[str, Any]
+    new_hidden_states: dict[str, Any] = {}
+    version: int = 0
+
+
+class PolicyCard(Struct, kw_only=True):
+    object: str = "policy"
+    name: str
+    version: int
+    action: str = ""
+    value: bool = False
+    signature: dict[str, Any] = {}
+
+
+class PolicyListResponse(Struct, kw_only=True):
+    object: str = "list"
+    data: list[PolicyCard]
+
+
+openapi.register("post", "/v1/rl/act", "Actions, their log-probs and value estimates of a non-LLM policy",
+                 ActRequest, {200: ActResponse})
+openapi.register("post", "/v1/predict", "Named outputs of a served network for named input tensors",
+                 PredictRequest, {200: PredictResponse})
+openapi.register("get", "/v1/policies", "The served policies and their signatures", None, {200: PolicyListResponse})
 
 
 def _tensors(value: Any, param: str) -> dict[str, protocol.Tensor]:
@@ -76,11 +117,6 @@ def _tensors(value: Any, param: str) -> dict[str, protocol.Tensor]:
 
 def _out(tensors: dict[str, protocol.Tensor], b64: bool) -> dict[str, Any]:
     return {name: to_json(unwire(name, t), b64) for name, t in tensors.items()}
-
-
-def _check_seed(seed: int | None) -> None:
-    if seed is not None and not 0 <= seed <= MAX_SEED:
-        raise invalid("seed must be an integer in [0, 2^64)", param="seed")
 
 
 class PolicyRoutes:
@@ -107,7 +143,6 @@ class PolicyRoutes:
 
     async def act(self, request: Request) -> Response:
         req = decode(await read_body(request, self.server.max_body_bytes), ActRequest)
-        _check_seed(req.seed)
         self._admit()
         message = protocol.PolicyAct(qid=_qid(), model=req.model, inputs=_tensors(req.observations, "observations"),
                                      hidden_states=_named(req.hidden_states, "hidden_states"),
@@ -116,11 +151,10 @@ class PolicyRoutes:
         reply = await self._call(self.policies.act(message))
         b64 = req.encoding == "base64"
         values = None if reply.value_estimates is None else to_json(unwire("v", reply.value_estimates), b64)
-        return json_response({"object": "rl.act", "model": req.model,
-                              "actions": to_json(unwire("actions", reply.actions), b64),
-                              "action_log_probs": to_json(unwire("action_log_probs", reply.action_log_probs), b64),
-                              "value_estimates": values, "new_hidden_states": _out(reply.new_hidden_states, b64),
-                              "version": reply.version})
+        return json_response(ActResponse(
+            model=req.model, actions=to_json(unwire("actions", reply.actions), b64),
+            action_log_probs=to_json(unwire("action_log_probs", reply.action_log_probs), b64),
+            value_estimates=values, new_hidden_states=_out(reply.new_hidden_states, b64), version=reply.version))
 
     async def predict(self, request: Request) -> Response:
         req = decode(await read_body(request, self.server.max_body_bytes), PredictRequest)
@@ -130,13 +164,13 @@ class PolicyRoutes:
                                    episode_ids=req.episode_ids, episode_starts=req.episode_starts)
         reply = await self._call(self.policies.predict(message))
         b64 = req.encoding == "base64"
-        return json_response({"object": "predict", "model": req.model, "outputs": _out(reply.outputs, b64),
-                              "new_hidden_states": _out(reply.new_hidden_states, b64), "version": reply.version})
+        return json_response(PredictResponse(model=req.model, outputs=_out(reply.outputs, b64),
+                                             new_hidden_states=_out(reply.new_hidden_states, b64),
+                                             version=reply.version))
 
     async def list(self, request: Request) -> Response:
         infos = await self._call(self.policies.policies())
-        return json_response({"object": "list", "data": [{"object": "policy", **msgspec.structs.asdict(p)}
-                                                         for p in infos]})
+        return json_response(PolicyListResponse(data=[PolicyCard(**msgspec.structs.asdict(p)) for p in infos]))
 
 
 def _named(value: dict[str, Any], param: str) -> dict[str, protocol.Tensor]:
@@ -147,7 +181,6 @@ def _named(value: dict[str, Any], param: str) -> dict[str, protocol.Tensor]:
 
 
 def _qid() -> str:
-    import uuid
     return uuid.uuid4().hex
 
 
@@ -159,4 +192,4 @@ def policy_routes(policies: PolicyBackend, server: ServerConfig, draining: Calla
             Route("/v1/policies", endpoint(r.list), methods=["GET"])]
 
 
-__all__ = ["ActRequest", "PolicyBackend", "PredictRequest", "policy_routes"]
+__all__ = ["ActRequest", "ActResponse", "PolicyBackend", "PredictRequest", "PredictResponse", "policy_routes"]
