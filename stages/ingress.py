@@ -203,6 +203,8 @@ class ZmqBackend:
                 if stage == "engine" and answers != self.pause_answers:  # the pause/resume answer is newer
                     reply.stats.paused = self.metrics.engine_stats.paused
                 self.metrics.set_stats(reply.stats)
+            if self.policies is not None and "policy-0" not in self.stages_down:
+                await poll_policy_stats(self.policies, self.metrics)
             await asyncio.sleep(STATS_PERIOD_S)
 
     def _stage_missing(self) -> bool:
@@ -324,6 +326,14 @@ class ZmqBackend:
                 "running": sum(e.running for e in [self.metrics.engine_stats, *self.metrics.engine_stats.replicas])}
 
 
+async def poll_policy_stats(policies: AsyncPolicyClient, metrics: ServerMetrics) -> None:
+    """The policy stage's stats into /metrics (nothing when it does not answer in time)."""
+    try:
+        metrics.set_stats(await asyncio.wait_for(policies.stats(), STATS_TIMEOUT_S))
+    except (ClientError, asyncio.TimeoutError):
+        pass
+
+
 def policy_down(message: protocol.StageDown) -> protocol.RequestError:
     """What a policy request in flight gets when the policy stage dies (retryable)."""
     return protocol.RequestError(rid="", status=503, code="stage_down", retryable=True,
@@ -341,15 +351,22 @@ class PolicyOnlyBackend:
         self.policies = policies
         self.metrics = metrics
         self.stages_down: set[str] = set()
-        self.task: asyncio.Task | None = None
+        self.tasks: list[asyncio.Task] = []
 
     async def start(self) -> None:
-        self.task = asyncio.create_task(self._control(), name="ingress-control")
+        self.tasks = [asyncio.create_task(self._control(), name="ingress-control"),
+                      asyncio.create_task(self._poll_stats(), name="ingress-stats")]
 
     async def stop(self) -> None:
-        if self.task is not None:
-            self.task.cancel()
+        for task in self.tasks:
+            task.cancel()
         self.policies.close()
+
+    async def _poll_stats(self) -> None:
+        while True:
+            if "policy-0" not in self.stages_down:
+                await poll_policy_stats(self.policies, self.metrics)
+            await asyncio.sleep(STATS_PERIOD_S)
 
     async def _control(self) -> None:
         while True:

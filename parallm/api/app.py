@@ -169,7 +169,7 @@ def build_app(backend: Backend, server: ServerConfig, metrics: ServerMetrics | N
         *rl_routes(backend, server, gen.gate, endpoint),
         *adapters.routes(backend, server, endpoint),
         *vllm_admin.routes(backend, server, endpoint),
-        *(policy_routes(policies, server, lambda: _draining(backend), endpoint) if policies is not None else []),
+        *(policy_routes(policies, server, lambda: _draining(backend), endpoint, metrics) if policies is not None else []),
     ]
     app = _assemble(routes, server, metrics)
     app.state.backend = backend
@@ -185,7 +185,7 @@ def build_policy_app(backend: Backend, policies: PolicyBackend, server: ServerCo
     metrics = metrics or ServerMetrics()
     health = HealthRoutes(backend)
     routes = [
-        *policy_routes(policies, server, lambda: _draining(backend), endpoint),
+        *policy_routes(policies, server, lambda: _draining(backend), endpoint, metrics),
         Route("/health", endpoint(health.health), methods=["GET"]),
         Route("/livez", endpoint(health.livez), methods=["GET"]),
         Route("/readyz", endpoint(health.readyz), methods=["GET"]),

@@ -7,6 +7,7 @@ policy stage (one place); a bad tensor comes back as a 400 whose `param` names i
 
 from __future__ import annotations
 
+import time
 import uuid
 from typing import Annotated, Any, Awaitable, Callable, Literal, Protocol
 
@@ -22,6 +23,7 @@ from parallm.api.errors import APIError, invalid
 from parallm.api.http import json_response, read_body
 from parallm.api.validate import decode
 from parallm.config import ServerConfig
+from parallm.metrics import ServerMetrics
 from parallm.policies.errors import TensorError
 from parallm.policies.service import unwire, wire
 from parallm.policies.tensors import from_json, to_json
@@ -120,10 +122,12 @@ def _out(tensors: dict[str, protocol.Tensor], b64: bool) -> dict[str, Any]:
 
 
 class PolicyRoutes:
-    def __init__(self, policies: PolicyBackend, server: ServerConfig, draining: Callable[[], bool]) -> None:
+    def __init__(self, policies: PolicyBackend, server: ServerConfig, draining: Callable[[], bool],
+                 metrics: ServerMetrics) -> None:
         self.policies = policies
         self.server = server
         self.draining = draining
+        self.metrics = metrics
 
     def _admit(self) -> None:
         if self.draining():
@@ -133,13 +137,16 @@ class PolicyRoutes:
             raise APIError(429, "Too many policy requests in flight; retry shortly.", code="too_many_requests",
                            headers={"Retry-After": "1"})
 
-    async def _call(self, call: Awaitable[Any]) -> Any:
+    async def _call(self, call: Awaitable[Any], route: str) -> Any:
+        start = time.perf_counter()
         try:
             return await call
         except ClientError as exc:
             headers = {"Retry-After": "1"} if exc.retryable else None
             raise APIError(exc.status if exc.status >= 400 else 400, str(exc), param=exc.param, code=exc.code,
                            headers=headers) from None
+        finally:
+            self.metrics.policy_latency.labels(route).observe(time.perf_counter() - start)
 
     async def act(self, request: Request) -> Response:
         req = decode(await read_body(request, self.server.max_body_bytes), ActRequest)
@@ -148,7 +155,7 @@ class PolicyRoutes:
                                      hidden_states=_named(req.hidden_states, "hidden_states"),
                                      episode_ids=req.episode_ids, episode_starts=req.episode_starts,
                                      deterministic=req.deterministic, seed=req.seed)
-        reply = await self._call(self.policies.act(message))
+        reply = await self._call(self.policies.act(message), "act")
         b64 = req.encoding == "base64"
         values = None if reply.value_estimates is None else to_json(unwire("v", reply.value_estimates), b64)
         return json_response(ActResponse(
@@ -162,14 +169,14 @@ class PolicyRoutes:
         message = protocol.Predict(qid=_qid(), model=req.model, inputs=_tensors(req.inputs, "inputs"),
                                    hidden_states=_named(req.hidden_states, "hidden_states"),
                                    episode_ids=req.episode_ids, episode_starts=req.episode_starts)
-        reply = await self._call(self.policies.predict(message))
+        reply = await self._call(self.policies.predict(message), "predict")
         b64 = req.encoding == "base64"
         return json_response(PredictResponse(model=req.model, outputs=_out(reply.outputs, b64),
                                              new_hidden_states=_out(reply.new_hidden_states, b64),
                                              version=reply.version))
 
     async def list(self, request: Request) -> Response:
-        infos = await self._call(self.policies.policies())
+        infos = await self._call(self.policies.policies(), "list")
         return json_response(PolicyListResponse(data=[PolicyCard(**msgspec.structs.asdict(p)) for p in infos]))
 
 
@@ -185,8 +192,8 @@ def _qid() -> str:
 
 
 def policy_routes(policies: PolicyBackend, server: ServerConfig, draining: Callable[[], bool],
-                  endpoint: Callable) -> list[Route]:
-    r = PolicyRoutes(policies, server, draining)
+                  endpoint: Callable, metrics: ServerMetrics) -> list[Route]:
+    r = PolicyRoutes(policies, server, draining, metrics)
     return [Route("/v1/rl/act", endpoint(r.act), methods=["POST"]),
             Route("/v1/predict", endpoint(r.predict), methods=["POST"]),
             Route("/v1/policies", endpoint(r.list), methods=["GET"])]

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import base64
 import math
+import time
 
 import httpx
 import numpy as np
@@ -228,3 +229,15 @@ def test_policies_beside_the_language_model(server):
         assert raw.welcome.addresses["policy"] == server.policy
     with PolicyClient(server.policy) as c:
         assert [p.name for p in c.policies()] == ["mlp"]
+
+
+def test_metrics_show_the_policy_stage(http, client):
+    client.act("mlp", np.zeros((2, 4), np.float32))
+    deadline = time.monotonic() + 10
+    while True:  # ingress polls the policy stage's stats every 0.5 s
+        text = http.get("/metrics").text
+        if "parallm_policy_rows_total" in text or time.monotonic() > deadline:
+            break
+        time.sleep(0.3)
+    assert "parallm_policy_rows_total" in text and 'parallm_policy_version{model="lstm"}' in text
+    assert "parallm_policy_request_seconds_count" in text
