@@ -7,6 +7,9 @@ from __future__ import annotations
 
 import base64
 import math
+import os
+import signal
+import threading
 import time
 
 import httpx
@@ -241,3 +244,21 @@ def test_metrics_show_the_policy_stage(http, client):
         time.sleep(0.3)
     assert "parallm_policy_rows_total" in text and 'parallm_policy_version{model="lstm"}' in text
     assert "parallm_policy_request_seconds_count" in text
+
+
+def test_a_dead_policy_stage_fails_what_it_held_and_comes_back(policy_server, http):
+    """Run last in this module (it restarts the stage): a request held by a policy stage that dies ends at
+    once with a retryable 503, and the restarted stage serves again (the weights from its directory)."""
+    pid = policy_server.stage_pids()["policy"]
+    os.kill(pid, signal.SIGSTOP)           # the request below waits in the frozen stage ...
+    answer: dict[str, httpx.Response] = {}
+    thread = threading.Thread(target=lambda: answer.setdefault("r", http.post(
+        "/v1/rl/act", json={"model": "mlp", "observations": [[0, 0, 0, 0]]})))
+    thread.start()
+    time.sleep(0.5)
+    os.kill(pid, signal.SIGKILL)           # ... and ends when the supervisor announces the death
+    thread.join(30)
+    assert answer["r"].status_code == 503 and answer["r"].headers.get("retry-after") == "1", answer["r"].text
+    policy_server.wait_restarted("policy", pid)
+    r = http.post("/v1/rl/act", json={"model": "lstm", "observations": [[0, 0, 0, 0]]})
+    assert r.status_code == 200 and r.json()["version"] == 0
