@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import statistics
 import tempfile
 import time
@@ -28,7 +29,7 @@ import numpy as np
 from parallm.policies import Policy, save_policy
 from parallm.policies.client import AsyncPolicyClient, PolicyClient, act_message
 from parallm.policies.rng import row_seeds
-from perf.harness import Results, Server, add_results_options
+from perf.harness import Results, Server, add_results_options, cpu_delta
 
 SPEC = {"format": "parallm-policy/1", "inputs": {"obs": {"shape": [None, 4]}},
         "network": {"blocks": [{"type": "mlp", "sizes": [64, 64], "activation": "tanh"}]},
@@ -127,20 +128,26 @@ def main(argv: list[str] | None = None) -> int:
                                    "http_batch1": http_batch1(srv.url, args.requests // 2)}
             for name in ("zmq_batch1", "http_batch1"):
                 run[name]["p50_minus_bare_us"] = round(run[name]["p50_us"] - data["bare_forward"]["p50_us"], 1)
+            before, client_before, t0 = srv.cpu_seconds(), time.process_time(), time.perf_counter()
             run["envs"] = asyncio.run(envs(srv.policy, args.envs, args.seconds))
+            wall = time.perf_counter() - t0   # CPU share of the run: which side is the bottleneck
+            run["envs"]["cpu_share"] = {"policy_stage": round(cpu_delta(before, srv.cpu_seconds()).get("policy", 0) / wall, 2),
+                                        "client": round((time.process_time() - client_before) / wall, 2)}
             run["vectorized"] = vectorized(srv.policy, args.envs, args.seconds)
             data["runs"][str(flush)] = run
             print(f"flush_us={flush}", json.dumps(run), flush=True)
     bare_p50 = data["bare_forward"]["p50_us"]
-    lines = [f"Bare forward at batch 1 (in process): p50 {bare_p50} us, p99 {data['bare_forward']['p99_us']} us.", "",
+    data["load_average"] = [round(x, 2) for x in os.getloadavg()]
+    lines = [f"Machine load average at the end: {data['load_average']} on {os.cpu_count()} cores.",
+             f"Bare forward at batch 1 (in process): p50 {bare_p50} us, p99 {data['bare_forward']['p99_us']} us.", "",
              "| flush_us | zmq p50 / p99 us | zmq p50 - bare | http p50 / p99 us | http p50 - bare | "
-             f"{args.envs} envs actions/s (p50 / p99 us) | 1 x {args.envs} rows actions/s |",
-             "|---:|---:|---:|---:|---:|---:|---:|"]
+             f"{args.envs} envs actions/s (p50 / p99 us) | CPU share stage / client | 1 x {args.envs} rows actions/s |",
+             "|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for flush, run in data["runs"].items():
         z, h, e, v = run["zmq_batch1"], run["http_batch1"], run["envs"], run["vectorized"]
         lines.append(f"| {flush} | {z['p50_us']} / {z['p99_us']} | {z['p50_minus_bare_us']} | {h['p50_us']} / "
                      f"{h['p99_us']} | {h['p50_minus_bare_us']} | {e['actions_per_s']} ({e['p50_us']} / {e['p99_us']}) "
-                     f"| {v['actions_per_s']} |")
+                     f"| {e['cpu_share']['policy_stage']} / {e['cpu_share']['client']} | {v['actions_per_s']} |")
     print(results.write(data, "\n".join(lines)))
     print("\n".join(lines))
     return 0
