@@ -6,7 +6,6 @@ import json
 import math
 import sys
 import textwrap
-from pathlib import Path
 
 import mlx.core as mx
 import numpy as np
@@ -16,7 +15,7 @@ from parallm.policies import Policy, PolicyLoadError, TensorError, parse_spec, s
 from parallm.policies.rng import row_seeds, uniforms
 from parallm.policies.tensors import from_buffer, from_json, to_buffer, to_json
 
-from tests._policy_helpers import GAUSSIAN, LSTM_CATEGORICAL, MLP_CATEGORICAL, REGRESSOR, chi2_critical, make_policies
+from tests._policy_helpers import MLP_CATEGORICAL, chi2_critical, make_policies
 
 
 @pytest.fixture(scope="module")

@@ -10,7 +10,8 @@ from parallm import protocol
 from parallm.policies import Policy, save_policy
 from parallm.policies.batcher import Batcher
 from parallm.policies.episodes import EpisodeStore
-from parallm.policies.service import PolicyService, unwire, wire
+from parallm.policies.service import PolicyService
+from parallm.policies.tensors import unwire, wire
 from tests._policy_helpers import MLP_CATEGORICAL, make_policies
 
 

@@ -25,8 +25,7 @@ from parallm.api.validate import decode
 from parallm.config import ServerConfig
 from parallm.metrics import ServerMetrics
 from parallm.policies.errors import TensorError
-from parallm.policies.service import unwire, wire
-from parallm.policies.tensors import from_json, to_json
+from parallm.policies.tensors import from_json, to_json, unwire, wire
 from parallm.streams import ClientError
 
 Encoding = Literal["json", "base64"]

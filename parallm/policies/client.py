@@ -22,7 +22,7 @@ from .. import protocol
 from ..keys import Curve, client_curve
 from ..streams import ClientError, error_of
 from ..transport import open_socket
-from .service import unwire, wire
+from .tensors import unwire, wire
 
 Tensors = np.ndarray | Mapping[str, np.ndarray]
 

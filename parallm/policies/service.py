@@ -20,21 +20,12 @@ from .episodes import EpisodeStore
 from .errors import PolicyLoadError, TensorError
 from .policy import Policy
 from .rng import MASK64, row_seeds
-from .tensors import from_buffer, to_buffer
+from .tensors import unwire, wire
 
 log = logging.getLogger("parallm.policies")
 
 Request = Union[protocol.PolicyAct, protocol.Predict]
 Outgoing = tuple[bytes, Any]
-
-
-def wire(array: np.ndarray) -> protocol.Tensor:
-    dtype, shape, data = to_buffer(array)
-    return protocol.Tensor(dtype=dtype, shape=shape, data=data)
-
-
-def unwire(name: str, tensor: protocol.Tensor) -> np.ndarray:
-    return from_buffer(name, tensor.dtype, tensor.shape, tensor.data)
 
 
 class Refused(Exception):

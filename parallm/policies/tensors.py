@@ -10,6 +10,7 @@ from typing import Any
 
 import numpy as np
 
+from .. import protocol
 from .errors import TensorError
 from .signature import DTYPES
 
@@ -71,3 +72,14 @@ def to_json(array: np.ndarray, b64: bool) -> Any:
         return array.tolist()
     dtype, shape, data = to_buffer(array)
     return {"b64": base64.b64encode(data).decode("ascii"), "dtype": dtype, "shape": shape}
+
+
+def wire(array: np.ndarray) -> protocol.Tensor:
+    """The wire form of an array (protocol.Tensor)."""
+    dtype, shape, data = to_buffer(array)
+    return protocol.Tensor(dtype=dtype, shape=shape, data=data)
+
+
+def unwire(name: str, tensor: protocol.Tensor) -> np.ndarray:
+    """The array a wire tensor holds; TensorError naming it when its bytes do not fit."""
+    return from_buffer(name, tensor.dtype, tensor.shape, tensor.data)
