@@ -393,6 +393,8 @@ class PoliciesConfig(Struct, frozen=True, kw_only=True, forbid_unknown_fields=Tr
                                  "model are stacked up to it")] = 256
     flush_us: Annotated[int, _d("microseconds a request may wait for others to batch with before its batch "
                                 "runs anyway (0 = run what is there at once)")] = 200
+    max_queued_rows: Annotated[int, _d("rows waiting for a forward past which new policy requests get 503 "
+                                       "(retryable)")] = 65536
     episode_ttl_s: Annotated[float, _d("seconds an episode's server-side recurrent state is kept after its last "
                                        "step")] = 600.0
     max_episodes: Annotated[int, _d("episodes whose state the server keeps at most (least recently used "
@@ -677,6 +679,8 @@ def _policy_problems(policies: PoliciesConfig) -> list[str]:
             problems.append(f"policies.models entry {entry!r} is not NAME=PATH")
     if len(set(names)) != len(names):
         problems.append("policies.models names two policies alike")
+    if policies.max_queued_rows < policies.max_batch:
+        problems.append("policies.max_queued_rows must be >= policies.max_batch")
     if policies.max_batch < 1:
         problems.append("policies.max_batch must be >= 1")
     if policies.flush_us < 0:

@@ -211,7 +211,8 @@ class ZmqBackend:
         """A stage every request needs is down (an engine replica is not while another one serves:
         the tokenizers route around it)."""
         engines_down = sum(1 for down in self.stages_down if down.startswith("engine-"))
-        others = any(not down.startswith("engine-") for down in self.stages_down)
+        others = any(not down.startswith(("engine-", "policy-")) for down in self.stages_down)  # no LM request
+        # passes the policy stage
         return others or engines_down >= replica_count(self.config.engine)
 
     @property

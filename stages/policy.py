@@ -110,7 +110,7 @@ def main(config: Config, replica: int = 0) -> int:
         return 2
     p = config.policies
     service = PolicyService(policies, max_batch=p.max_batch, flush_us=p.flush_us, episode_ttl_s=p.episode_ttl_s,
-                            max_episodes=p.max_episodes)
+                            max_episodes=p.max_episodes, max_queued_rows=p.max_queued_rows)
     stage = PolicyStage(config, runtime, service)
     gc.freeze()  # the loaded modules and weights: never scanned again by the collector between batches
     runtime.ready({"policies": sorted(policies), "address": runtime.addrs.policy})

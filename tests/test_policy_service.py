@@ -119,3 +119,13 @@ def test_predict_and_weight_updates(service, tmp_path):
     assert stats.weights_updates == 1 and stats.weights_rejected == 2 and stats.versions["mlp"] == 1
     assert {p.name: p.action for p in service.describe()} == {"mlp": "categorical", "lstm": "categorical",
                                                              "gauss": "gaussian", "reg": ""}
+
+
+def test_a_full_queue_refuses_with_a_retryable_503(tmp_path):
+    dirs = make_policies(tmp_path)
+    service = PolicyService({"mlp": Policy.load("mlp", dirs["mlp"])}, max_batch=4, flush_us=10**6,
+                            episode_ttl_s=10.0, max_episodes=10, max_queued_rows=6)
+    assert service.submit(b"c", act("a", np.ones((4, 4))), 0.0) == []
+    (_, refused), = service.submit(b"c", act("b", np.ones((3, 4))), 0.0)
+    assert refused.status == 503 and refused.retryable and refused.code == "overloaded"
+    assert [r.qid for _, r in service.run_due(0.0)] == ["a"]

@@ -38,6 +38,11 @@ class Batcher(Generic[T]):
     def __len__(self) -> int:
         return sum(len(lane.queue) for lane in self._lanes.values())
 
+    @property
+    def rows(self) -> int:
+        """Rows waiting, over every lane."""
+        return sum(lane.rows for lane in self._lanes.values())
+
     def add(self, key: Hashable, item: T, rows: int, now: float, episodes: tuple[str, ...] = ()) -> None:
         lane = self._lanes.setdefault(key, _Lane())
         lane.queue.append(Queued(item, rows, now, episodes))

@@ -49,8 +49,9 @@ class _Job:
 
 class PolicyService:
     def __init__(self, policies: Mapping[str, Policy], *, max_batch: int, flush_us: int,
-                 episode_ttl_s: float, max_episodes: int) -> None:
+                 episode_ttl_s: float, max_episodes: int, max_queued_rows: int = 65536) -> None:
         self.policies = dict(policies)
+        self.max_queued_rows = max_queued_rows
         self.batcher: Batcher[_Job] = Batcher(max_batch, flush_us)
         self.episodes = EpisodeStore(episode_ttl_s, max_episodes)
         self.counts = protocol.PolicyStats()
@@ -65,6 +66,9 @@ class PolicyService:
             return [self._refuse(identity, request.qid, 400, "invalid_tensor", exc.tensor, str(exc))]
         except Refused as exc:
             return [self._refuse(identity, request.qid, exc.status, exc.code, exc.param, str(exc))]
+        if self.batcher.rows + job.rows > self.max_queued_rows:
+            return [self._refuse(identity, request.qid, 503, "overloaded", None,
+                                 f"{self.batcher.rows} rows wait for a forward already; retry shortly")]
         episodes = tuple(request.episode_ids) if job.state is None else ()
         self.batcher.add((request.model, job.act), job, job.rows, now, episodes)
         return []
@@ -72,7 +76,8 @@ class PolicyService:
     def _refuse(self, identity: bytes, qid: str, status: int, code: str, param: str | None, message: str) -> Outgoing:
         self.counts.requests += 1
         self.counts.rejected += 1
-        return identity, protocol.RequestError(rid=qid, status=status, code=code, param=param, message=message)
+        return identity, protocol.RequestError(rid=qid, status=status, code=code, param=param, message=message,
+                                               retryable=status == 503)
 
     def _admit(self, identity: bytes, request: Request) -> _Job:
         policy = self.policies.get(request.model)
@@ -154,7 +159,7 @@ class PolicyService:
             part = slice(start, start + job.rows)
             start += job.rows
             hidden = {n: wire(t[part]) for n, t in new_state.items()}
-            if job.state is None and job.request.episode_ids:
+            if job.state is None and job.request.episode_ids and new_state:
                 self.episodes.scatter(policy.name, list(job.request.episode_ids), {n: t[part] for n, t in new_state.items()}, now)
             if act:
                 values = None if result.value_estimates is None else wire(result.value_estimates[part])
