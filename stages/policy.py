@@ -1,10 +1,11 @@
 """The policy stage: non-LLM policies and networks (`/v1/rl/act`, `/v1/predict`, raw clients).
 
-One loop over two sockets: its ROUTER, where DEALERs (ingress, raw clients) send PolicyAct, Predict,
-ListPolicies and GetStats and get each answer back; and its bound SUB, where trainers' PUBs publish
-PolicyWeights. Requests are batched per model (parallm/policies/batcher.py): the loop waits for more
-only until the oldest request's flush bound (policies.flush_us), sleeping when that is under a
-millisecond (ZeroMQ's poll counts whole milliseconds).
+Two sockets: its ROUTER, where DEALERs (ingress, raw clients) send PolicyAct, Predict, ListPolicies and
+GetStats and get each answer back on the same socket; and its bound SUB, where trainers' PUBs publish
+PolicyWeights. The work between messages is running the batches that are due (parallm/policies: the
+service batches per model, up to policies.max_batch rows or policies.flush_us). An idle poll waits until
+the oldest request's flush bound; ZeroMQ's poll counts whole milliseconds, so a shorter wait sleeps and
+then drains what arrived (the skeleton's loop, stages/skeleton.py, does the rest).
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ from __future__ import annotations
 import gc
 import logging
 import time
-from typing import Any, Callable
+from typing import Any
 
 import zmq
 
@@ -21,75 +22,76 @@ from parallm.config import Config
 from parallm.policies import Policy, PolicyLoadError
 from parallm.policies.service import PolicyService
 from parallm.runtime import StageRuntime
+from parallm.stages.skeleton import Handler, Stage
 from parallm.transport import Receiver, Router, open_socket
 
-log = logging.getLogger("parallm.policy")
 
+class PolicyStage(Stage):
+    log = logging.getLogger("parallm.policy")
 
-class PolicyStage:
     def __init__(self, config: Config, runtime: StageRuntime, service: PolicyService) -> None:
-        self.config = config
-        self.rt = runtime
+        super().__init__(config, runtime)
         self.service = service
         ctx, addrs, hwm = runtime.ctx, runtime.addrs, config.transport.hwm
-        self.router = Router(open_socket(ctx, zmq.ROUTER, addrs.policy, bind=True, hwm=hwm),
-                             accepts=protocol.PolicyInbound, on_rejected=self.router_send, name="policy")
+        self.router = Router(open_socket(ctx, zmq.ROUTER, addrs.policy, bind=True, hwm=hwm), name="policy",
+                             accepts=protocol.PolicyInbound, on_rejected=self.reply)
         sub = open_socket(ctx, zmq.SUB, addrs.policy_weights, bind=True, hwm=hwm)
         sub.setsockopt(zmq.SUBSCRIBE, b"")
         self.weights = Receiver(sub, protocol.PolicyWeightsInbound, name="policy weights")
-        self.poller = zmq.Poller()
-        self.poller.register(self.router.sock, zmq.POLLIN)
-        self.poller.register(sub, zmq.POLLIN)
-        self.handlers: dict[type, Callable[[bytes, Any], None]] = {
+        self.listen(self.router, {
             protocol.PolicyAct: self.on_request,
             protocol.Predict: self.on_request,
-            protocol.ListPolicies: lambda who, m: self.router_send(
-                who, protocol.PolicyList(qid=m.qid, policies=self.service.describe())),
-            protocol.GetStats: lambda who, m: self.router_send(
-                who, protocol.StatsReply(qid=m.qid, stats=self.stats())),
-        }
+            protocol.ListPolicies: lambda who, m: self.reply(who, protocol.PolicyList(
+                qid=m.qid, policies=self.service.describe())),
+            protocol.GetStats: lambda who, m: self.reply(who, protocol.StatsReply(qid=m.qid, stats=self.stats())),
+        }, limit=1024)
+        self.listen(self.weights, {protocol.PolicyWeights: self.service.update_weights}, limit=16)
 
-    def router_send(self, identity: bytes, message: protocol.Message) -> None:
+    def reply(self, identity: bytes, message: protocol.Message) -> None:
         self.router.send(identity, message)
+
+    def safely(self, handler: Handler, *args: Any) -> None:
+        """The skeleton's, and a ROUTER request whose handler raised is answered (500) to the identity that
+        asked: its messages carry no `reply_to` for the skeleton to answer at."""
+        if len(args) != 2:
+            return super().safely(handler, *args)
+        identity, message = args
+        try:
+            handler(identity, message)
+        except Exception as exc:  # noqa: BLE001 - one bad message must not take the stage down
+            self.failed += 1
+            self.log.exception("could not handle a %s", type(message).__name__)
+            self.reply(identity, protocol.RequestError(rid=message.qid, status=500, code="internal_error", message=(
+                f"the policy stage could not handle this request ({type(exc).__name__}); the server logged why")))
 
     def on_request(self, identity: bytes, message: protocol.PolicyAct | protocol.Predict) -> None:
         for who, reply in self.service.submit(identity, message, time.monotonic()):
-            self.router_send(who, reply)
+            self.reply(who, reply)
+
+    def work(self) -> bool:
+        """Run the batches that are due (every waiting one while the server drains)."""
+        for who, reply in self.service.run_due(time.monotonic(), flush_all=self.rt.draining):
+            self.reply(who, reply)
+        return False
+
+    def idle_wait_ms(self) -> int:
+        deadline = self.service.next_deadline()
+        if deadline is None:
+            return self.beat_ms
+        left = deadline - time.monotonic()
+        if left >= 0.001:
+            return min(self.beat_ms, int(left * 1000))
+        if left > 0:
+            time.sleep(left)
+        return 0
+
+    def in_flight(self) -> int:
+        return len(self.service.batcher)
 
     def stats(self) -> protocol.PolicyStats:
         stats = self.service.stats()
         stats.dropped_frames = self.router.dropped + self.weights.dropped
         return stats
-
-    def _timeout_ms(self, beat_ms: int) -> int:
-        """How long to wait for messages: until the next batch's flush bound. ZeroMQ's poll counts whole
-        milliseconds, so a shorter wait sleeps (the requests arriving meanwhile are queued, not lost) and
-        then only drains: no spinning on a shared machine."""
-        deadline = self.service.next_deadline()
-        if deadline is None:
-            return beat_ms
-        left = deadline - time.monotonic()
-        if left >= 0.001:
-            return min(beat_ms, int(left * 1000))
-        if left > 0:
-            time.sleep(left)
-        return 0
-
-    def run(self) -> int:
-        beat_ms = max(1, int(self.config.supervisor.heartbeat_s * 1000))
-        while not self.rt.shutting_down:
-            events = dict(self.poller.poll(self._timeout_ms(beat_ms)))
-            if self.router.sock in events:
-                for identity, message in self.router.drain(1024):
-                    self.handlers[type(message)](identity, message)
-            if self.weights.sock in events:
-                for update in self.weights.drain(16):
-                    self.service.update_weights(update)
-            for identity, reply in self.service.run_due(time.monotonic(), flush_all=self.rt.draining):
-                self.router_send(identity, reply)
-            self.rt.poll_control()
-            self.rt.heartbeat(lambda: len(self.service.batcher))
-        return 0
 
 
 def load_policies(entries: list[str]) -> dict[str, Policy]:
