@@ -24,7 +24,7 @@ import msgspec
 import zmq
 
 from parallm import protocol
-from parallm.config import Config
+from parallm.config import Config, serves_lm
 from parallm.keys import CurveKeyError, stage_curve, supervisor_keys
 from parallm.logs import write_line
 from parallm.transport import Receiver, Sender, addresses, open_socket, set_curve, stop_authenticators
@@ -36,7 +36,7 @@ from .rundir import RunDir
 log = logging.getLogger("parallm.supervisor")
 
 # Stages started together (each wave once the one before it is READY)
-START_WAVES = (("detokenizer", "engine", "tokenizer"), ("ingress",), ("trainer",))
+START_WAVES = (("detokenizer", "engine", "tokenizer", "policy"), ("ingress",), ("trainer",))
 # Stages no request passes through: their death fails nothing in flight, so it is not announced,
 # and one that exits with 0 has finished its work and is not restarted.
 OFF_PATH = frozenset({"trainer"})
@@ -103,7 +103,7 @@ class Supervisor:
             self._run_dir = RunDir(transport.run_dir)
         except OSError as exc:
             raise StartupError(f"cannot use run dir {transport.run_dir!r}: {exc}") from None
-        model = self._resolve_model()
+        model = self._resolve_model() if serves_lm(self.config) else self.config.model
         transport = msgspec.structs.replace(transport, run_dir=self._run_dir.path,
                                             curve_keys=self._curve_keys(transport, self._run_dir.path))
         self.config = msgspec.structs.replace(self.config, transport=transport, model=model)
@@ -143,6 +143,19 @@ class Supervisor:
                                        served_name=self.config.model.served_name or source.name)
 
     def _specs(self) -> list[StageSpec]:
+        """The stages to run: the language model's (unless only policies are served), the policy stage
+        (with policies.models), ingress, and the trainer when enabled."""
+        specs = self._lm_specs() if serves_lm(self.config) else []
+        if self.config.policies.models:  # its forwards are matmuls too: the engine's BLAS
+            specs.append(StageSpec("policy", env=engine_environment(self.config)))
+        specs.append(StageSpec("ingress"))
+        if self.config.trainer.enabled:
+            from parallm import blas
+
+            specs.append(StageSpec("trainer", env=blas.beside_engine_env(engine_environment(self.config))))
+        return specs
+
+    def _lm_specs(self) -> list[StageSpec]:
         engine_env = engine_environment(self.config)
         specs = [StageSpec("detokenizer")]
         tp, replicas = self.config.engine.tensor_parallel, self.config.engine.replicas
@@ -160,11 +173,6 @@ class Supervisor:
                     raise StartupError(str(exc)) from None
                 self.groups[replica] = Followers(tp, replica, env, self.run_dir, default_backend(), hosts=hosts)
         specs += [StageSpec("tokenizer", replica=i) for i in range(self.config.tokenizer.replicas)]
-        specs.append(StageSpec("ingress"))
-        if self.config.trainer.enabled:
-            from parallm import blas
-
-            specs.append(StageSpec("trainer", env=blas.beside_engine_env(engine_env)))
         return specs
 
     # ------------------------------------------------------------------ run
@@ -187,7 +195,7 @@ class Supervisor:
             for names in START_WAVES:
                 self._start_and_wait([s for s in self.stages if s.spec.name in names])
             server = self.config.server
-            log.info("serving %s on http://%s:%d", self.config.model.served_name, server.host, server.port)
+            log.info("serving %s on http://%s:%d", self._served(), server.host, server.port)
             self._print_ready()
             return self._monitor()
         except StartupError as exc:
@@ -202,13 +210,22 @@ class Supervisor:
         """The line that tells a person (or a script waiting for it) that the server serves; with JSON
         logs, a JSON line holding the same text."""
         server = self.config.server
-        line = (f"parallm-launch: ready: model {self.config.model.served_name} at "
-                f"http://{server.host}:{server.port}/v1 (zmq engine {self.addrs.engine}, router {self.addrs.router}"
-                f"{self._curve_note()})")
+        zmq = [f"engine {self.addrs.engine}", f"router {self.addrs.router}"] if serves_lm(self.config) else []
+        if self.config.policies.models:
+            zmq += [f"policy {self.addrs.policy}", f"policy weights {self.addrs.policy_weights}"]
+        line = (f"parallm-launch: ready: {self._served()} at http://{server.host}:{server.port}/v1 "
+                f"(zmq {', '.join(zmq)}{self._curve_note()})")
         if self.config.log_format == "json":
             line = json.dumps({"level": "info", "stage": "supervisor", "logger": "parallm.supervisor", "message": line,
-                               "url": f"http://{server.host}:{server.port}/v1", "router": self.addrs.router})
+                               "url": f"http://{server.host}:{server.port}/v1", "router": self.addrs.router,
+                               "policy": self.addrs.policy})
         write_line(line, self.log_out)
+
+    def _served(self) -> str:
+        """What the ready line names: the model and the policies."""
+        names = [f"model {self.config.model.served_name}"] if serves_lm(self.config) else []
+        policies = [entry.partition("=")[0] for entry in self.config.policies.models]
+        return ", ".join(names + ([f"policies {', '.join(policies)}"] if policies else []))
 
     def _curve_note(self) -> str:
         """Where a raw client finds the server's CURVE public key (tcp only)."""
@@ -368,7 +385,7 @@ class Supervisor:
         if time.monotonic() - self._drain_started < 2 * self.config.supervisor.heartbeat_s:
             return False
         ingress = [s for s in self.stages if s.spec.name == "ingress"]
-        detok = [s for s in self.stages if s.spec.name == "detokenizer"]
+        detok = [s for s in self.stages if s.spec.name in ("detokenizer", "policy")]
         busy = sum(s.in_flight for s in ingress + detok if s.alive())
         return busy == 0
 

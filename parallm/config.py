@@ -418,6 +418,24 @@ class TrainerConfig(Struct, frozen=True, kw_only=True, forbid_unknown_fields=Tru
     log_level: Annotated[Literal["debug", "info", "warning", "error"], _d("trainer log level")] = "info"
 
 
+class PoliciesConfig(Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    models: Annotated[list[str], _d("NAME=PATH of a policy (a directory holding policy.json and weights.safetensors, "
+                                    "docs/policies.md) served on /v1/rl/act and /v1/predict by the policy stage; "
+                                    "repeatable")] = []
+    lm: Annotated[bool | None, _d("serve the language model (model.path) too; unset = only when no policy model "
+                                  "is given")] = None
+    max_batch: Annotated[int, _d("most rows (observations) one policy forward takes; requests for the same "
+                                 "model are stacked up to it")] = 256
+    flush_us: Annotated[int, _d("microseconds a request may wait for others to batch with before its batch "
+                                "runs anyway (0 = run what is there at once)")] = 200
+    max_queued_rows: Annotated[int, _d("rows waiting for a forward past which new policy requests get 503 "
+                                       "(retryable)")] = 65536
+    episode_ttl_s: Annotated[float, _d("seconds an episode's server-side recurrent state is kept after its last "
+                                       "step")] = 600.0
+    max_episodes: Annotated[int, _d("episodes whose state the server keeps at most (least recently used "
+                                    "dropped first)")] = 100_000
+
+
 class Config(Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     model: ModelConfig = ModelConfig()
     engine: EngineConfig = EngineConfig()
@@ -429,6 +447,7 @@ class Config(Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     supervisor: SupervisorConfig = SupervisorConfig()
     adapters: AdaptersConfig = AdaptersConfig()
     trainer: TrainerConfig = TrainerConfig()
+    policies: PoliciesConfig = PoliciesConfig()
     log_level: Annotated[Literal["debug", "info", "warning", "error"], _d("log level of every stage")] = "info"
     log_format: Annotated[Literal["text", "json"], _d("log lines as text or one JSON object per line; lines about a "
                                                        "request carry its id either way")] = "text"
@@ -453,6 +472,7 @@ ALIASES: dict[str, str] = {
     "pooling-model": "model.pooling",
     "trust-remote-code": "model.trust_remote_code",
     "generation-config": "model.generation_config",
+    "policy-model": "policies.models",
 }
 
 
@@ -698,10 +718,38 @@ def _check(config: Config) -> None:
     gen = config.model.generation_config
     if gen not in (None, "none") and not Path(gen).expanduser().is_dir():
         problems.append(f"model.generation_config must be auto, none or a directory (got {gen!r})")
+    problems += _policy_problems(config.policies)
     if not 0 < config.server.port < 65536:
         problems.append("server.port must be in 1..65535")
     if problems:
         raise ConfigError("; ".join(problems))
+
+
+def _policy_problems(policies: PoliciesConfig) -> list[str]:
+    problems = []
+    names = [entry.partition("=")[0] for entry in policies.models]
+    for entry in policies.models:
+        name, sep, path = entry.partition("=")
+        if not sep or not name or not path:
+            problems.append(f"policies.models entry {entry!r} is not NAME=PATH")
+    if len(set(names)) != len(names):
+        problems.append("policies.models names two policies alike")
+    if policies.max_queued_rows < policies.max_batch:
+        problems.append("policies.max_queued_rows must be >= policies.max_batch")
+    if policies.max_batch < 1:
+        problems.append("policies.max_batch must be >= 1")
+    if policies.flush_us < 0:
+        problems.append("policies.flush_us must be >= 0")
+    if policies.episode_ttl_s <= 0 or policies.max_episodes < 1:
+        problems.append("policies.episode_ttl_s must be > 0 and policies.max_episodes >= 1")
+    if policies.lm is False and not policies.models:
+        problems.append("policies.lm false needs at least one policies.models entry (else nothing is served)")
+    return problems
+
+
+def serves_lm(config: Config) -> bool:
+    """Whether the language-model stages run: policies.lm, or (unset) when no policy model is given."""
+    return config.policies.lm if config.policies.lm is not None else not config.policies.models
 
 
 def parse_args(argv: Sequence[str] | None = None, *, prog: str = "parallm-launch",

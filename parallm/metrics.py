@@ -22,7 +22,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
-from parallm.protocol import DetokenizerStats, EngineStats
+from parallm.protocol import DetokenizerStats, EngineStats, PolicyStats
 
 PREFIX = "parallm"
 CONTENT_TYPE = CONTENT_TYPE_LATEST
@@ -63,6 +63,8 @@ class _Snapshots:
             dropped.add_metric([stage], float(count))
         yield dropped
         yield from _training_metrics(self.server.training)
+        if self.server.policy_stats is not None:
+            yield from _policy_metrics(self.server.policy_stats)
         age = GaugeMetricFamily(f"{PREFIX}_stats_age_seconds", "Seconds since each stage last reported stats",
                                 labels=["stage"])
         now = time.monotonic()
@@ -197,6 +199,30 @@ _TRAINING_COUNTERS = (("rollouts_trained", "rollouts_trained", "Rollouts trained
                        "Rollouts not trained on because they were older than max_staleness versions"))
 
 
+_POLICY: tuple[tuple[str, str, str], ...] = (
+    ("requests", "Policy act and predict requests answered by the policy stage", "counter"),
+    ("rejected", "Policy requests refused (unknown model, bad tensor)", "counter"),
+    ("failed", "Policy requests whose forward failed", "counter"),
+    ("batches", "Policy forwards run", "counter"),
+    ("rows", "Observation rows run through policy forwards", "counter"),
+    ("episodes", "Episodes whose recurrent state the policy stage keeps", "gauge"),
+    ("episodes_expired", "Episodes dropped after policies.episode_ttl_s unused", "counter"),
+    ("weights_updates", "Policy weight updates applied", "counter"),
+    ("weights_rejected", "Policy weight updates refused", "counter"),
+)
+
+
+def _policy_metrics(stats: PolicyStats) -> Iterable[Metric]:
+    """The policy stage's counters (parallm_policy_*), and each policy's weights version."""
+    for name, doc, kind in _POLICY:
+        family = CounterMetricFamily if kind == "counter" else GaugeMetricFamily
+        yield family(f"{PREFIX}_policy_{name}", doc, value=float(getattr(stats, name)))
+    version = GaugeMetricFamily(f"{PREFIX}_policy_version", "Weights version each policy serves", labels=["model"])
+    for model, v in sorted(stats.versions.items()):
+        version.add_metric([model], float(v))
+    yield version
+
+
 def _training_metrics(trainers: dict[str, dict[str, Any]]) -> Iterable[Metric]:
     """Each trainer's latest TrainingStatus (as pushed to ingress), labelled by trainer and adapter."""
     if not trainers:
@@ -266,11 +292,17 @@ class ServerMetrics:
         self.engine_stats_at = 0.0
         self.detok_stats_at = 0.0
         self.training: dict[str, dict[str, Any]] = {}   # trainer name -> its latest TrainingStatus
+        self.policy_stats: PolicyStats | None = None       # the policy stage's, when it runs
+        self.policy_latency = Histogram(f"{PREFIX}_policy_request_seconds", "Policy requests' time in ingress",
+                                        ["route"], buckets=(0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1,
+                                                            0.25, 1), registry=r)
         r.register(_Snapshots(self))
 
-    def set_stats(self, stats: EngineStats | DetokenizerStats) -> None:
+    def set_stats(self, stats: EngineStats | DetokenizerStats | PolicyStats) -> None:
         """The latest stats a stage reported."""
-        if isinstance(stats, EngineStats):
+        if isinstance(stats, PolicyStats):
+            self.policy_stats = stats
+        elif isinstance(stats, EngineStats):
             self.engine_stats, self.engine_stats_at = stats, time.monotonic()
         else:
             self.detok_stats, self.detok_stats_at = stats, time.monotonic()

@@ -101,12 +101,15 @@ class Addresses:
     adapters: str        # engine SUB (bound): trainers' PUBs connect and publish AdapterPublish
     training: str        # ingress PULL: trainers push TrainingStatus
     tokenizers: tuple[str, ...] = field(default_factory=tuple)  # tokenizer PULLs
+    policy: str = ""         # policy stage ROUTER: PolicyAct, Predict, ListPolicies, GetStats from DEALERs, answered there
+    policy_weights: str = ""  # policy stage SUB (bound): trainers' PUBs connect and publish PolicyWeights
 
     def public(self) -> dict[str, str]:
         """What a raw client needs, as sent in Welcome."""
         return {"engine": self.engine, "router": self.router, "control": self.control,
                 "rollouts": self.rollouts, "adapters": self.adapters, "training": self.training,
-                "tokenizers": ",".join(self.tokenizers)}
+                "tokenizers": ",".join(self.tokenizers), "policy": self.policy,
+                "policy_weights": self.policy_weights}
 
 
 def addresses(config: Config) -> Addresses:
@@ -127,12 +130,15 @@ def addresses(config: Config) -> Addresses:
 
         first = t.tcp_base_port + _TCP_OFFSETS["tokenizer"]
         tokenizers = tuple(f"tcp://{t.tcp_host}:{first + i}" for i in range(n_tok))
+        policy_port = first + n_tok  # the policy stage's two ports follow the tokenizers'
     # Heartbeats and READY/FATAL come only from the supervisor's own children on this machine:
     # their socket stays in the private run dir whenever there is one.
     supervisor = f"ipc://{os.path.abspath(t.run_dir)}/supervisor.sock" if t.run_dir else at("supervisor")
     return Addresses(engine=at("engine"), detok=at("detok"), router=at("router"),
                      supervisor=supervisor, control=at("control"), rollouts=at("rollouts"),
-                     adapters=at("adapters"), training=at("training"), tokenizers=tokenizers)
+                     adapters=at("adapters"), training=at("training"), tokenizers=tokenizers,
+                     policy=at("policy") if t.kind == "ipc" else f"tcp://{t.tcp_host}:{policy_port}",
+                     policy_weights=at("policy-weights") if t.kind == "ipc" else f"tcp://{t.tcp_host}:{policy_port + 1}")
 
 
 def _configure(sock: zmq.Socket, hwm: int) -> None:
@@ -255,11 +261,15 @@ class Router:
     """
 
     def __init__(self, sock: zmq.Socket, *, mandatory: bool = False,
-                 on_unreachable: Callable[[bytes], None] | None = None) -> None:
+                 on_unreachable: Callable[[bytes], None] | None = None, accepts: Any = protocol.RouterInbound,
+                 on_rejected: Callable[[bytes, protocol.RequestError], None] | None = None,
+                 name: str = "router") -> None:
         self.sock = sock
-        self.accepts = protocol.RouterInbound
-        self.name = "router"
-        self.decoder = protocol.Decoder(protocol.RouterInbound)
+        self.accepts = accepts
+        self.name = name
+        self.decoder = protocol.Decoder(accepts)
+        self.on_rejected = on_rejected  # (identity, the error for a rejected frame that names its qid)
+        self.dropped = 0
         self.unroutable = 0
         self.unreachable = 0
         self.on_unreachable = on_unreachable
@@ -289,7 +299,11 @@ class Router:
             try:
                 yield frames[0], self.decoder.decode(frames[-1])
             except protocol.ProtocolError as exc:
+                self.dropped += 1
                 log.warning("dropped a malformed client message from %r: %s", frames[0][:32], exc)
+                error = exc.reply or protocol.rejection(frames[-1], str(exc), routed=True)
+                if error is not None and self.on_rejected is not None:
+                    self.on_rejected(frames[0], error)
 
     def close(self) -> None:
         self.sock.close(0)

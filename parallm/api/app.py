@@ -28,6 +28,7 @@ from parallm.api.health import HealthRoutes
 from parallm.api.http import json_response, read_body
 from parallm.api.metrics import AccessLog, CountRequests, MetricsRoute
 from parallm.api.openapi import openapi_document
+from parallm.api.policies import PolicyBackend, policy_routes
 from parallm.api.pooling import pooling_routes
 from parallm.api.rl import rl_routes
 from parallm.api.schemas import (DetokenizeRequest, DetokenizeResponse, ModelCard, ModelList, TokenizeRequest,
@@ -138,17 +139,18 @@ def _limits_model(backend: Backend) -> Limits:
     return Limits(model_name=backend.model_name)
 
 
-def build_app(backend: Backend, server: ServerConfig, metrics: ServerMetrics | None = None) -> Starlette:
+def build_app(backend: Backend, server: ServerConfig, metrics: ServerMetrics | None = None,
+              policies: PolicyBackend | None = None) -> Starlette:
     """The Starlette app serving `backend` with the auth, body and concurrency limits of `server`.
 
     `metrics` is where /metrics reads from (the ingress stage shares it with its backend, which
     feeds it engine stats and token timings); without one the app counts HTTP answers only.
+    With `policies` (the policy stage), /v1/rl/act, /v1/predict and /v1/policies are served too.
     """
     metrics = metrics or ServerMetrics()
     gen = GenerationRoutes(backend, server, metrics)
     misc = Routes(backend, server)
     health = HealthRoutes(backend)
-    keys = api_keys(server)
     routes = [
         Route("/v1/completions", endpoint(gen.completions), methods=["POST"]),
         Route("/v1/chat/completions", endpoint(gen.chat), methods=["POST"]),
@@ -169,14 +171,47 @@ def build_app(backend: Backend, server: ServerConfig, metrics: ServerMetrics | N
         *pooling_routes(backend, server, gen.gate, endpoint),
         *adapters.routes(backend, server, endpoint),
         *vllm_admin.routes(backend, server, endpoint),
+        *(policy_routes(policies, server, lambda: _draining(backend), endpoint, metrics) if policies is not None else []),
     ]
+    app = _assemble(routes, server, metrics)
+    app.state.backend = backend
+    app.state.generator = gen
+    app.state.metrics = metrics
+    return app
+
+
+def build_policy_app(backend: Backend, policies: PolicyBackend, server: ServerConfig,
+                     metrics: ServerMetrics | None = None) -> Starlette:
+    """The app of a server with policies and no language model: the policy routes, health and metrics
+    (every other route answers 404). `backend` needs only `health()`."""
+    metrics = metrics or ServerMetrics()
+    health = HealthRoutes(backend)
+    routes = [
+        *policy_routes(policies, server, lambda: _draining(backend), endpoint, metrics),
+        Route("/health", endpoint(health.health), methods=["GET"]),
+        Route("/livez", endpoint(health.livez), methods=["GET"]),
+        Route("/readyz", endpoint(health.readyz), methods=["GET"]),
+        Route("/metrics", endpoint(MetricsRoute(metrics).metrics_text), methods=["GET"]),
+    ]
+    app = _assemble(routes, server, metrics)
+    app.state.backend = backend
+    app.state.metrics = metrics
+    return app
+
+
+def _draining(backend: Backend) -> bool:
+    try:
+        return backend.health().get("status") == "shutting_down"
+    except BackendError:
+        return False
+
+
+def _assemble(routes: list[Route], server: ServerConfig, metrics: ServerMetrics) -> Starlette:
+    """The app over `routes`: request counting, the access log and Bearer auth as `server` says."""
+    keys = api_keys(server)
     middleware = [Middleware(CountRequests, metrics=metrics, routes=routes)]
     if server.access_log:
         middleware.insert(0, Middleware(AccessLog, routes=routes))
     if keys:
         middleware.append(Middleware(BearerAuth, keys=keys, exempt=tuple(server.auth_exempt_paths)))
-    app = Starlette(routes=routes, middleware=middleware, exception_handlers={HTTPException: _http_error})
-    app.state.backend = backend
-    app.state.generator = gen
-    app.state.metrics = metrics
-    return app
+    return Starlette(routes=routes, middleware=middleware, exception_handlers={HTTPException: _http_error})

@@ -8,7 +8,7 @@ message, and nothing is pickled.
 The package is split by concern; every public name is re-exported here, so callers write
 `from parallm import protocol` / `from parallm.protocol import X` and never name a submodule:
 - base: the protocol version, the `Message` base, the request parts (RequestSpec, SamplingParams, ...)
-- to_tokenizer, to_engine, to_detokenizer, to_clients, supervisor: the messages, by who receives them, each
+- to_tokenizer, to_engine, to_detokenizer, to_policy, to_clients, supervisor: the messages, by who receives them, each
   module ending with the union its receiver's socket accepts (EngineInbound, ...)
 - replies: the answers to control requests (routed to `reply_to`); stats: what stages report (plain values)
 - codec: encode / decode / reply_address, the only codec, and AnyMessage (every receiver's union)
@@ -27,4 +27,5 @@ from .supervisor import *  # noqa: F401,F403
 from .to_clients import *  # noqa: F401,F403
 from .to_detokenizer import *  # noqa: F401,F403
 from .to_engine import *  # noqa: F401,F403
+from .to_policy import *  # noqa: F401,F403
 from .to_tokenizer import *  # noqa: F401,F403

@@ -12,16 +12,17 @@ from msgspec import Struct
 
 from .base import PROTOCOL_VERSION, Message
 from .supervisor import ControlMessage, SupervisorInbound
-from .to_clients import ClientInbound, Rollout, TrainingStatus
+from .to_clients import ClientInbound, PolicyClientInbound, Rollout, TrainingStatus
 from .to_detokenizer import DetokInbound, RequestError, RouterInbound
 from .to_engine import EngineInbound
+from .to_policy import PolicyInbound, PolicyWeightsInbound
 from .to_tokenizer import TokenizerInbound
 
 __all__ = ["AnyMessage", "ProtocolError", "rejection", "encode", "Decoder", "decode", "Address", "reply_address"]
 
 
 AnyMessage = Union[TokenizerInbound, EngineInbound, DetokInbound, RouterInbound, ClientInbound, SupervisorInbound,
-                   ControlMessage, Rollout, TrainingStatus]
+                   ControlMessage, Rollout, TrainingStatus, PolicyInbound, PolicyWeightsInbound, PolicyClientInbound]
 """Every message: the receivers' unions (a new message in one of them is in this one too), and what is
 published (Rollout, for trainers) or pushed to ingress (TrainingStatus)."""
 
@@ -45,14 +46,15 @@ class _Sender(Struct):
 _sender_decoder = msgspec.msgpack.Decoder(_Sender)
 
 
-def rejection(data: bytes, why: str) -> RequestError | None:
-    """The 400 answer to a rejected frame, addressed to its sender; None when it names none."""
+def rejection(data: bytes, why: str, routed: bool = False) -> RequestError | None:
+    """The 400 answer to a rejected frame, addressed to its sender; None when it names none (with
+    `routed`, a frame that came on a ROUTER, whose identity is the address, needs no reply_to)."""
     try:
         sender = _sender_decoder.decode(data)
     except Exception:  # noqa: BLE001 - not even a map of the right field types: nobody to answer
         return None
     rid = sender.qid or sender.rid
-    if not rid or not sender.reply_to:
+    if not rid or not (sender.reply_to or routed):
         return None
     return RequestError(rid=rid, reply_to=sender.reply_to, status=400, code="invalid_message",
                         message=f"the message was rejected: {why}")

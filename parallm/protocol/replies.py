@@ -2,16 +2,17 @@
 
 from __future__ import annotations
 
-from typing import Literal, Union
+from typing import Any, Literal, Union
 
 from msgspec import Struct
 
 from .base import Message
 from .stats import StageStats
+from .to_policy import Tensor
 
 __all__ = ["Reply", "TokenizeReply", "DetokenizeReply", "ScoreReply", "PauseState", "AdapterVersion", "AdapterInfo",
            "AdapterLoaded", "AdapterUnloaded", "WeightsUpdated", "PrefixCacheReset", "AdapterList", "StatsReply",
-           "REPLIES", "AnyReply"]
+           "REPLIES", "AnyReply", "PolicyActReply", "PredictReply", "PolicyInfo", "PolicyList"]
 
 
 class Reply(Message, kw_only=True):
@@ -99,6 +100,34 @@ class AdapterList(Reply, tag="adapter_list"):
 
 class StatsReply(Reply, tag="stats_reply"):
     stats: StageStats
+
+
+class PolicyActReply(Reply, tag="policy_act_reply"):
+    """The policy stage's answer to PolicyAct, on its ROUTER (not routed by the detokenizer)."""
+
+    actions: Tensor                      # int64 [B] (categorical) or float32 [B, dim] (gaussian)
+    action_log_probs: Tensor             # float32 [B]
+    value_estimates: Tensor | None = None  # float32 [B] when the policy has a value head
+    new_hidden_states: dict[str, Tensor] = {}
+    version: int = 0                     # the weights that acted
+
+
+class PredictReply(Reply, tag="predict_reply"):
+    outputs: dict[str, Tensor]
+    new_hidden_states: dict[str, Tensor] = {}
+    version: int = 0
+
+
+class PolicyInfo(Struct, kw_only=True):
+    name: str
+    version: int
+    action: str = ""                     # "categorical", "gaussian", or "" (predict only)
+    value: bool = False
+    signature: dict[str, Any] = {}       # {"inputs"|"state"|"outputs": {name: {"shape": [null, ...], "dtype"}}}
+
+
+class PolicyList(Reply, tag="policy_list"):
+    policies: list[PolicyInfo]
 
 
 REPLIES = (TokenizeReply, DetokenizeReply, ScoreReply, PauseState, AdapterLoaded, AdapterUnloaded, AdapterList,

@@ -9,7 +9,7 @@ import msgspec
 from msgspec import Struct
 
 __all__ = ["AdapterStats", "RankState", "WeightsStatus", "LoopStats", "BlasStats", "StepRecord", "BurstStats",
-           "KVDiskStats", "EngineStats", "TokenizerStats", "DetokenizerStats", "StageStats"]
+           "KVDiskStats", "EngineStats", "TokenizerStats", "DetokenizerStats", "PolicyStats", "StageStats"]
 
 
 class AdapterStats(Struct, kw_only=True):
@@ -225,4 +225,19 @@ class DetokenizerStats(Struct, tag="detokenizer", kw_only=True):
     rollouts_dropped: int = 0
 
 
-StageStats = Union[EngineStats, TokenizerStats, DetokenizerStats]
+class PolicyStats(Struct, tag="policy", kw_only=True):
+    requests: int = 0          # act and predict requests answered (errors included)
+    rejected: int = 0          # of those, refused (unknown model, bad tensor, a full queue)
+    failed: int = 0            # of those, failed in the forward (500)
+    batches: int = 0
+    rows: int = 0              # rows run through forwards
+    max_batch_rows: int = 0
+    episodes: int = 0          # episodes whose state the server keeps
+    episodes_expired: int = 0
+    weights_updates: int = 0
+    weights_rejected: int = 0
+    versions: dict[str, int] = {}
+    dropped_frames: int = 0
+
+
+StageStats = Union[EngineStats, TokenizerStats, DetokenizerStats, PolicyStats]

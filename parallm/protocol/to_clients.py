@@ -8,10 +8,10 @@ from typing import Any, Literal, Union
 from msgspec import Struct
 
 from .base import PROTOCOL_VERSION, FinishReason, Message, Usage
-from .replies import AnyReply
+from .replies import AnyReply, PolicyActReply, PolicyList, PredictReply, StatsReply
 from .to_detokenizer import RequestError
 
-__all__ = ["Welcome", "Output", "Outputs", "Rollout", "TrainingStatus", "ClientInbound"]
+__all__ = ["Welcome", "Output", "Outputs", "Rollout", "TrainingStatus", "ClientInbound", "PolicyClientInbound"]
 
 
 class Welcome(Message, tag="welcome"):
@@ -97,3 +97,5 @@ class TrainingStatus(Message, tag="training_status"):
 
 ClientInbound = Union[Outputs, RequestError, Welcome, AnyReply]
 """What a client's DEALER accepts from the detokenizer's ROUTER."""
+PolicyClientInbound = Union[PolicyActReply, PredictReply, PolicyList, StatsReply, RequestError]
+"""What a DEALER on the policy stage's ROUTER accepts."""

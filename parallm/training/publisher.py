@@ -11,6 +11,8 @@ steps; new requests use it from the next step (docs/adapters.md). PUB is fire-an
 version the engine rejects is logged there and counted in its stats (`adapter_rejected`); to get
 a reply, use the raw client's `load_adapter` instead (the same message, answered by the engine).
 `publish_weights` sends a full-weight update of the base model instead, one layer per message.
+`publish_policy` sends a served non-LLM policy's full weights (connect the publisher to the policy
+stage's `policy_weights` address, or to a list holding it and the engine's `adapters`).
 """
 
 from __future__ import annotations
@@ -33,7 +35,7 @@ from parallm.transport import Sender, open_socket
 class AdapterPublisher:
     """A PUB socket connected to the engine's `adapters` address."""
 
-    def __init__(self, address: str, *, ctx: zmq.Context | None = None, settle_s: float = 0.2,
+    def __init__(self, address: str | list[str], *, ctx: zmq.Context | None = None, settle_s: float = 0.2,
                  server_key: str | None = None, client_key: str | None = None) -> None:
         """Over tcp:// the engine admits only allowed CURVE keys: give the server's public key file and
         this trainer's NAME.key_secret file (or set them once with parallm.transport.set_curve)."""
@@ -61,6 +63,18 @@ class AdapterPublisher:
             blob = save_bytes(dict(weights))
         self.sender.send(protocol.AdapterPublish(name=name, version=int(version), config=dict(config or {}),
                                                  weights=blob, path=path, format=format))  # type: ignore[arg-type]
+        self.published += 1
+
+    def publish_policy(self, model: str, weights: Mapping[str, mx.array] | bytes, version: int = 0) -> None:
+        """Send every weight of the served policy `model` (named as its parameters, e.g.
+        `dict(tree_flatten(net.parameters()))`, or safetensors bytes) in one PolicyWeights message.
+        `version` 0 lets the policy stage number it (latest + 1); otherwise it must be larger than the
+        latest. The stage applies it between two batches; a version it refuses is counted in its stats."""
+        wait = self._ready_at - time.monotonic()
+        if wait > 0:
+            time.sleep(wait)
+        blob = bytes(weights) if isinstance(weights, (bytes, bytearray)) else save_bytes(dict(weights))
+        self.sender.send(protocol.PolicyWeights(model=model, weights=blob, version=int(version)))
         self.published += 1
 
     def publish_weights(self, weights: Mapping[str, mx.array], version: int = 0) -> str:

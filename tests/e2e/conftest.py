@@ -21,13 +21,17 @@ def pooling_models(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def server(tmp_path_factory, pooling_models):
-    """One real parallm-launch on the default model for the whole session, with pooling models beside it;
-    it loads adapters by path from the tests' temporary directories."""
+    """One real parallm-launch on the default model for the whole session, with pooling models and a small
+    policy beside it (the policy stage); it loads adapters by path from the tests' temporary directories."""
+    from tests._policy_helpers import MLP_CATEGORICAL
+    from parallm.policies import save_policy
+
+    policy = save_policy(tmp_path_factory.mktemp("session-policy"), MLP_CATEGORICAL, seed=1)  # served beside the LM
     pooling = ["--pooling-model", "minilm=default"]
     for name, (path, _, _) in pooling_models.items():
         pooling += ["--pooling-model", f"{name}={path}"]
     with Server("--engine.max-num-seqs", "32", "--adapters.allowed-dirs", str(tmp_path_factory.getbasetemp()),
-                *pooling) as srv:
+                "--policy-model", f"mlp={policy}", "--policies.lm", "true", *pooling) as srv:
         yield srv
 
 
