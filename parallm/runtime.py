@@ -76,6 +76,7 @@ class StageRuntime:
         self._in_flight = 0
         self._progress = time.monotonic()
         self._beating = threading.Event()
+        self._closed = threading.Event()  # close(): the heartbeat thread stops
         self.draining = False
         self.shutting_down = False
 
@@ -113,9 +114,16 @@ class StageRuntime:
     def _beat(self) -> None:
         name_os_thread()
         sender = Sender(open_socket(self.ctx, zmq.PUSH, self.addrs.supervisor, bind=False))
-        while True:
-            self._send_beat(sender)
-            time.sleep(self._interval)
+        try:
+            while not self._closed.is_set():
+                self._send_beat(sender)
+                self._closed.wait(self._interval)
+        except zmq.ZMQError:
+            if not (self._closed.is_set() or self.ctx.closed):
+                raise  # the socket failed while the stage runs: loud, as before
+            # else the stage closed (or its context was destroyed) between two beats
+        finally:
+            sender.close()
 
     def poll_control(self) -> list[Any]:
         """Control messages that arrived; Drain and Shutdown also set the flags."""
@@ -128,5 +136,6 @@ class StageRuntime:
         return messages
 
     def close(self) -> None:
+        self._closed.set()
         self._to_supervisor.close()
         self.control.close()
