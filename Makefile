@@ -6,11 +6,10 @@ BIN    := $(VENV)/bin
 HOST   ?= 127.0.0.1
 PORT   ?= 8000
 ARGS   ?=
-# pytest-xdist workers for `make test`: 0 = one process. Two workers ran the suite in 465-531 s where one
-# process takes ~700 s on 2 cores, but under that load a stage-restart race (docs/testing.md) failed
-# a hardening test in 1 of 4 runs, so CI stays on one process until it is fixed. The slow tier always
-# runs in one process: its soaks, rank groups and training runs each load the cores by themselves.
-TEST_WORKERS ?= 0
+# pytest-xdist workers for `make test` (0 = one process): two workers, one test file each at a time,
+# ran the 1,460-test suite in 441 s on the 2-core machine where one process takes ~700 s (docs/testing.md).
+# The slow tier always runs in one process: its soaks, rank groups and training runs each load the cores.
+TEST_WORKERS ?= 2
 
 .PHONY: install install-test perf-deps serve test test-slow test-all clean
 
