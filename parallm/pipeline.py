@@ -161,14 +161,15 @@ class Pipeline:
         via_tokenizer = type(message) is protocol.TextSubmit
         target = "tokenizer" if via_tokenizer else "engine"
         message.reply_to = self.identity
-        stream = RequestStream(self, message.rid, message.spec.n, via_tokenizer, timeout)
+        stream = RequestStream(message.rid, message.spec.n, via_tokenizer, timeout, loop=self._loop,
+                               forget=self._forget, abort=self.abort)
         self._streams[message.rid] = stream
         try:
             await self._send(target, protocol.encode(message), block)
         except BaseException:
-            self._end(stream)
+            stream.end()
             raise
-        stream._arm(self._loop)
+        stream.start_timer()
         return stream
 
     def abort(self, rids: Iterable[str] = (), *, all: bool = False, sequences: Iterable[tuple[str, int]] = (),
@@ -305,7 +306,7 @@ class Pipeline:
             for item in message.items:
                 stream = streams.get(item.rid)
                 if stream is not None:
-                    stream._put(item)
+                    stream.deliver(item)
                 elif item.finish_reason is None:
                     stale.append(item.rid)
             if stale:  # outputs of a request nobody reads any more
@@ -318,8 +319,7 @@ class Pipeline:
                 return
             stream = self._streams.get(message.rid)
             if stream is not None:
-                self._end(stream)
-                stream._put(message)
+                stream.fail(message)
         elif isinstance(message, protocol.REPLIES):
             call = self._calls.pop(message.qid, None)
             if call is not None and not call[1].done():
@@ -379,8 +379,7 @@ class Pipeline:
             return
         text = f"the {stage} stage restarted while this request was in flight; retry it"
         for stream in lost:
-            self._end(stream)
-            stream._put(_failure(stream.rid, 503, "stage_restarted", text))
+            stream.fail(_failure(stream.rid, 503, "stage_restarted", text))
         if lost and stage != "engine":  # the engine may hold them: free their rows
             self.abort([s.rid for s in lost])
         calls = [qid for qid, (target, _) in self._calls.items() if stage == "detokenizer" or target == stage]
@@ -392,19 +391,14 @@ class Pipeline:
             log.warning("%s died: failed %d request(s) and %d control request(s) in flight", stage, len(lost),
                         len(calls))
 
-    def _end(self, stream: RequestStream) -> None:
-        """Nothing more will be delivered to `stream`: forget its rid."""
+    def _forget(self, stream: RequestStream) -> None:
+        """A stream ended (its end() calls this): nothing more is delivered to its rid."""
         if self._streams.get(stream.rid) is stream:
             del self._streams[stream.rid]
-        stream.ended = True
-        if stream._timer is not None:
-            stream._timer.cancel()
-            stream._timer = None
 
     def _fail_all(self, status: int, code: str, text: str) -> None:
         for stream in list(self._streams.values()):
-            self._end(stream)
-            stream._put(protocol.RequestError(rid=stream.rid, status=status, code=code, message=text,
+            stream.fail(protocol.RequestError(rid=stream.rid, status=status, code=code, message=text,
                                               retryable=status >= 500))
         for qid, (_, future) in list(self._calls.items()):
             if not future.done():

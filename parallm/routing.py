@@ -36,6 +36,7 @@ from collections import OrderedDict
 from typing import Callable, Sequence
 
 from parallm import protocol
+from parallm.hashing import block_hashes
 from parallm.config import Config, EngineConfig
 from parallm.keys import Curve, stage_curve
 from parallm.threads import name_os_thread
@@ -49,16 +50,6 @@ MAX_PREFIXES = 65536
 REPORT_EVERY_S = 1.0
 STALE_AFTER_S = 5.0
 
-
-def block_hashes(ids: Sequence[int], block_size: int, adapter: str = "") -> list[int]:
-    """The chained hashes of the prompt's full blocks, as the engine's prefix cache keys them."""
-    from parallm.engine.blocks import block_hash
-
-    out, parent = [], 0
-    for start in range(0, len(ids) - block_size + 1, block_size):
-        parent = block_hash(parent, ids[start:start + block_size], adapter)
-        out.append(parent)
-    return out
 
 
 def _sibling(address: str, kind: str, replica: int, n_tokenizers: int) -> str:

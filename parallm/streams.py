@@ -1,7 +1,9 @@
 """A request's stream of outputs, and the errors a pipeline client raises.
 
-The pipeline connection (parallm/pipeline.py) feeds each stream; its reader (a client, or ingress)
-iterates it. The stream ends when every sample has a finish_reason, or with ClientError when the
+The pipeline connection (parallm/pipeline.py) opens each stream and feeds it (`deliver`, `fail`); its
+reader (a client, or ingress) iterates it. The stream owns its own end: it tells its owner through the
+two callbacks it was given (`forget`: deliver nothing more to this stream; `abort`: stop it in the engine),
+so it knows nothing of the pipeline. The stream ends when every sample has a finish_reason, or with ClientError when the
 request failed, timed out or its stage died.
 """
 
@@ -10,12 +12,9 @@ from __future__ import annotations
 import asyncio
 import time
 from collections import deque
-from typing import TYPE_CHECKING
+from typing import Callable
 
 from . import protocol
-
-if TYPE_CHECKING:
-    from .pipeline import Pipeline
 
 
 class ClientError(RuntimeError):
@@ -43,7 +42,9 @@ class RequestStream:
     arrived), ending once every one of its `n` samples has a finish_reason; an error ends it by raising
     ClientError. `close()` before the end aborts the request in the engine."""
 
-    def __init__(self, pipeline: "Pipeline", rid: str, n: int, via_tokenizer: bool, timeout: float | None) -> None:
+    def __init__(self, rid: str, n: int, via_tokenizer: bool, timeout: float | None, *,
+                 loop: asyncio.AbstractEventLoop, forget: Callable[["RequestStream"], None],
+                 abort: Callable[[list[str]], object]) -> None:
         self.rid = rid
         self.via_tokenizer = via_tokenizer
         self.heard = False          # something came back: the engine has the request
@@ -51,7 +52,9 @@ class RequestStream:
         self.closed = False         # the reader is done with it
         self._remaining = n         # samples the reader has not seen finish yet
         self._unfinished = n        # samples the pipeline has not delivered a finish for yet
-        self._pipeline = pipeline
+        self._loop = loop
+        self._forget = forget
+        self._abort = abort
         self._items: deque[protocol.Output | protocol.RequestError] = deque()
         self._waiter: asyncio.Future | None = None
         self._timeout = timeout
@@ -59,7 +62,8 @@ class RequestStream:
         self._timer: asyncio.TimerHandle | None = None
 
     # ------------------------------------------------------------------ fed by the pipeline
-    def _put(self, item: protocol.Output | protocol.RequestError) -> None:
+    def deliver(self, item: protocol.Output | protocol.RequestError) -> None:
+        """An output (or the request's error) for the reader; the last sample's finish ends the stream."""
         self.heard = True
         self._items.append(item)
         if self._timeout:
@@ -68,25 +72,39 @@ class RequestStream:
             if item.finish_reason is not None:
                 self._unfinished -= 1
                 if not self._unfinished:
-                    self._pipeline._end(self)
+                    self.end()
         waiter = self._waiter
         if waiter is not None and not waiter.done():
             waiter.set_result(None)
 
-    def _arm(self, loop: asyncio.AbstractEventLoop) -> None:
+    def fail(self, error: protocol.RequestError) -> None:
+        """End the stream with `error` (the reader raises it after what arrived before)."""
+        self.end()
+        self.deliver(error)
+
+    def end(self) -> None:
+        """Nothing more will be delivered: the owner forgets the rid and the idle timer stops."""
+        self._forget(self)
+        self.ended = True
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+
+    def start_timer(self) -> None:
+        """Start the idle timeout (once the request was sent)."""
         if self._timeout and not self.ended:
-            self._timer = loop.call_later(self._timeout, self._check_idle)
+            self._timer = self._loop.call_later(self._timeout, self._check_idle)
 
     def _check_idle(self) -> None:
         if self.ended:
             return
         idle = time.monotonic() - self._last
         if idle < self._timeout:
-            self._timer = self._pipeline._loop.call_later(self._timeout - idle, self._check_idle)
+            self._timer = self._loop.call_later(self._timeout - idle, self._check_idle)
             return
-        self._pipeline._end(self)
-        self._pipeline.abort([self.rid])
-        self._put(protocol.RequestError(rid=self.rid, status=504, code="timeout", retryable=True,
+        self.end()
+        self._abort([self.rid])
+        self.deliver(protocol.RequestError(rid=self.rid, status=504, code="timeout", retryable=True,
                                         message=f"request {self.rid}: nothing arrived for {self._timeout:g} s"))
 
     # ------------------------------------------------------------------ read by the consumer
@@ -123,7 +141,7 @@ class RequestStream:
         return item
 
     async def _wait(self) -> None:
-        self._waiter = self._pipeline._loop.create_future()
+        self._waiter = self._loop.create_future()
         try:
             await self._waiter
         finally:
@@ -136,8 +154,8 @@ class RequestStream:
         self.closed = True
         self._items.clear()
         if not self.ended:
-            self._pipeline._end(self)
-            self._pipeline.abort([self.rid])
+            self.end()
+            self._abort([self.rid])
 
     async def aclose(self) -> None:
         self.close()

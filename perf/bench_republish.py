@@ -100,7 +100,8 @@ def child(args: argparse.Namespace) -> dict:
         for s in range(args.warm):
             top_up()
             engine.step()
-        st0, hist0, sets0 = engine.stats(), dict(engine._hist), sets[0]
+        st0, sets0 = engine.stats(), sets[0]
+        hist0 = st0.decode_batch_hist
         t0, c0 = time.perf_counter(), time.process_time()
         for s in range(args.steps):
             top_up()
@@ -110,7 +111,7 @@ def child(args: argparse.Namespace) -> dict:
         wall, cpu = time.perf_counter() - t0, time.process_time() - c0
         st = engine.stats()
         tokens = st.generated_tokens - st0.generated_tokens
-        hist = {k: v - hist0.get(k, 0) for k, v in engine._hist.items()}
+        hist = {k: v - hist0.get(k, 0) for k, v in st.decode_batch_hist.items()}
         return {"tok_per_s": round(tokens / wall, 1), "cpu_us_per_token": round(1e6 * cpu / tokens, 1),
                 "step_ms": round(1e3 * wall / args.steps, 2), "tokens": tokens,
                 "packed_passes": st.mixed_passes - st0.mixed_passes,

@@ -45,14 +45,20 @@ def decoding_engine(model, batch: int, steps: int, prompt_len: int, **engine_opt
     return engine
 
 
-def decode_steps(model, batch: int, steps: int, prompt_len: int, **engine_options) -> tuple[object, float]:
+def phase_ms(before, after, steps: int) -> dict[str, float]:
+    """Each step phase's mean milliseconds over the `steps` between two EngineStats."""
+    total = {k: v * after.steps for k, v in after.step_ms_mean.items()}
+    return {k: (v - before.step_ms_mean.get(k, 0.0) * before.steps) / steps for k, v in total.items()}
+
+
+def decode_steps(model, batch: int, steps: int, prompt_len: int, **engine_options) -> tuple[object, float, dict]:
     engine = decoding_engine(model, batch, steps, prompt_len, **engine_options)
-    engine._timing.clear()
+    before = engine.stats()
     start = time.perf_counter()
     for _ in range(steps):
         engine.step()
     mx.synchronize()
-    return engine, (time.perf_counter() - start) / steps
+    return engine, (time.perf_counter() - start) / steps, phase_ms(before, engine.stats(), steps)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -71,12 +77,11 @@ def main(argv: list[str] | None = None) -> int:
     results = Results.from_args("decode-profile", args, argv, experiment=f"{args.shape}-b{args.batch}")
     report = {"shape": args.shape, "batch": args.batch}
     for name, opts in (("default", {}), ("no_overlap", {"overlap": False}), ("no_compile", {"compile": False})):
-        engine, per_step = decode_steps(model, args.batch, args.steps, args.prompt_len, **opts)
-        phases = {k: 1000 * v / args.steps for k, v in engine._timing.items()}
+        engine, per_step, phases = decode_steps(model, args.batch, args.steps, args.prompt_len, **opts)
         report[name] = {"step_ms": 1000 * per_step, "tok_s": args.batch / per_step, "phases_ms": phases}
         print(name, json.dumps(report[name]), flush=True)
         del engine
-    engine, _ = decode_steps(model, args.batch, 3, args.prompt_len)
+    engine, _, _ = decode_steps(model, args.batch, 3, args.prompt_len)
     profiler = cProfile.Profile()
     profiler.enable()
     for _ in range(args.steps):

@@ -178,9 +178,9 @@ def test_rank_0s_calls_over_tcp_with_curve_keep_a_follower_in_step(curve_keys):
     work = [req(f"r{i}", [i + 1, 7, 9, 11], greedy(6)) for i in range(3)]
     got = run_all(leader, work)
     deadline = time.monotonic() + 10
-    while (state := leader.stats().ranks[1]).step < leader._engine._steps and time.monotonic() < deadline:
+    while (state := leader.stats().ranks[1]).step < leader._engine.steps and time.monotonic() < deadline:
         time.sleep(0.01)
-    assert state.agrees and state.step == leader._engine._steps
+    assert state.agrees and state.step == leader._engine.steps
     leader.close()
     thread.join(30)
     assert result == [0]

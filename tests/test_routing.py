@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 from parallm.config import Config, TransportConfig
-from parallm.engine.blocks import block_hash
+import subprocess
+import sys
+
+from parallm.engine.blocks import NO_HASH, BlockManager, block_hash
 from parallm.routing import Router, adapters_address, block_hashes, engine_address
 from parallm.transport import addresses
 
@@ -24,8 +27,18 @@ def test_block_hashes_are_the_engines():
     ids = list(range(40))
     hashes = block_hashes(ids, 16, "a@1")
     assert len(hashes) == 2  # full blocks only
-    assert hashes[0] == block_hash(0, ids[:16], "a@1")
+    assert hashes[0] == block_hash(NO_HASH, ids[:16], "a@1")
     assert hashes[1] == block_hash(hashes[0], ids[16:32], "a@1")
+    blocks = BlockManager(4, 16)  # the engine's prefix cache keys the same prompt's blocks by these hashes
+    stored = blocks.store([], ids, "a@1", 2)
+    assert [blocks.blocks[bid].hash for bid, _ in stored] == hashes
+
+
+def test_routing_imports_no_mlx():
+    """The tokenizer hashes blocks to route (parallm/hashing.py) without importing MLX or the engine."""
+    code = "import sys, parallm.routing; print(sorted(m for m in sys.modules if m.split('.')[0] == 'mlx' or m.startswith('parallm.engine')))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"
 
 
 def test_requests_spread_over_the_replicas():

@@ -1,7 +1,7 @@
 """Prefix-cache bookkeeping, pure Python (modelled on nano-vllm's BlockManager).
 
 A block holds the KV of `block_size` consecutive tokens. Its key is a chained hash of
-(parent block's hash, the block's token ids, adapter identity), so a block is only ever reused
+(parent block's hash, the block's token ids, adapter identity; parallm/hashing.py), so a block is only ever reused
 after exactly the same prefix under the same adapter; the token ids are kept too, to catch hash
 collisions. Blocks are reference-counted by the live sequences that matched or wrote them.
 A block whose count drops to zero keeps its hash (it can still be hit) and sits in an LRU list,
@@ -14,23 +14,13 @@ of blocks keyed and evicted, and may supply the blocks a lookup misses (`BlockTi
 
 from __future__ import annotations
 
-import hashlib
-import struct
-from array import array
 from collections import OrderedDict, deque
 from dataclasses import dataclass
 from typing import Mapping, Protocol, Sequence
 
-NO_HASH = -1
+from ..hashing import NO_HASH, block_hash  # the keys (pure Python, importable without MLX)
 
-
-def block_hash(parent: int, tokens: Sequence[int], adapter: str = "") -> int:
-    """Chained 63-bit hash of one block (stable across processes, unlike `hash()`)."""
-    h = hashlib.blake2b(digest_size=8)
-    h.update(struct.pack("<q", parent))
-    h.update(array("i", tokens).tobytes())
-    h.update(adapter.encode())
-    return int.from_bytes(h.digest(), "little") >> 1
+__all__ = ["NO_HASH", "Block", "BlockManager", "block_hash"]
 
 
 @dataclass(slots=True)

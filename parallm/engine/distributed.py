@@ -111,7 +111,7 @@ def state_digest(engine) -> int:
     weights each rank serves: equal on ranks that agree (strings by crc32: hash() of a str differs
     between processes)."""
     s = engine.scheduler
-    key = (engine._steps, len(s.waiting), tuple((q.seq_id, q.num_computed, q.num_tokens) for q in s.running),
+    key = (engine.steps, len(s.waiting), tuple((q.seq_id, q.num_computed, q.num_tokens) for q in s.running),
            tuple((q.seq_id, q.num_computed) for q in s.prefilling), engine.weights_version,
            zlib.crc32(repr((sorted(engine.policy().items()), engine.adapters.default_name)).encode()))
     return hash(key) & 0x7FFFFFFFFFFFFFFF
@@ -209,14 +209,14 @@ class Leader:
         self._digest = state_digest(self._engine)
         self._digest_policy = served_policy(self._engine)
         if self._acked:
-            self._after[self._seq] = (self._digest, self._engine._steps, self._digest_policy)
+            self._after[self._seq] = (self._digest, self._engine.steps, self._digest_policy)
         return result
 
     def stats(self):
         """The engine's stats, with what each rank serves as its last acknowledged batch confirmed."""
         self._drain_acks()
         stats = self._engine.stats()
-        stats.ranks = [RankState(rank=0, step=self._engine._steps, policy=served_policy(self._engine)),
+        stats.ranks = [RankState(rank=0, step=self._engine.steps, policy=served_policy(self._engine)),
                        *self._ranks[1:]]
         return stats
 

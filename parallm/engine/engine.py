@@ -104,8 +104,6 @@ class Engine:
                                   in_place_kv_mb=settings.in_place_kv_mb,
                                   unfused_prefill_keys=settings.unfused_prefill_keys,
                                   unfused_decode=settings.unfused_decode)
-        if info.layout is not None:  # recurrent state (a packed pass is one sequence: a scan would run
-            self.runner._packing = False  # across rows) or several caches per layer: no packed views
         resolved: dict = {"kv_budget_mb": self.kv_budget_bytes / (1 << 20)}
         if settings.buffer_cache_mb is None and (cap := bound_cuda_cache(self.kv_budget_bytes,
                                                                          weight_bytes(self.model))) is not None:
@@ -515,6 +513,11 @@ class Engine:
         """Tokens live and waiting sequences hold or need, against the live KV (pressure.KVLoad)."""
         s = self.scheduler
         return kv_load(s.running + s.prefilling, s.waiting, self.budget.budget_tokens)
+
+    @property
+    def steps(self) -> int:
+        """Steps run since start (or warm_up); ranks of a group compare it (distributed.py)."""
+        return self._steps
 
     def stats(self) -> EngineStats:
         s = self.scheduler

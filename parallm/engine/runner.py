@@ -106,7 +106,9 @@ class ModelRunner:
         self.unfused_prefill = self.fast_math is None and unfused_prefill_keys > 0
         self.unfused_decode = self.fast_math is None and unfused_decode
         self.head = OutputHead(model)
-        self._packing: bool | None = None
+        # recurrent state (a packed pass is one sequence: a scan would run across rows) or several
+        # caches per layer: no packed views; otherwise checked on first use (can_pack)
+        self._packing: bool | None = False if info.layout is not None else None
         self.constraints = None  # constraints.Constraints: the grammar masks of constrained rows
         self.compiled = (CompiledDecode(model, self.call_model, mask5d=info.mask5d, router=lora)
                          if compiled_decode else None)

@@ -1,5 +1,6 @@
-"""The end-to-end tests' server: the benchmarks' `perf.harness.Server` (parallm-launch with its own
-run dir and port, output kept) plus what the fault tests watch: health and stage restarts."""
+"""The end-to-end tests' server: `parallm.launch.local.Server` (parallm-launch with its own run dir and
+port, output kept; the benchmarks start theirs with it too) plus what the fault tests watch: health and
+stage restarts."""
 
 from __future__ import annotations
 
@@ -7,10 +8,10 @@ import time
 
 import httpx
 
-from perf.harness import Server as LaunchedServer
-from perf.harness import free_port
+from parallm.launch.local import Server as LaunchedServer
+from parallm.launch.local import free_port, free_port_range
 
-__all__ = ["Server", "free_port"]
+__all__ = ["Server", "free_port", "free_port_range"]
 
 
 class Server(LaunchedServer):

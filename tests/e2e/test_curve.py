@@ -18,7 +18,7 @@ import zmq
 from parallm import keys, protocol
 from parallm.client import Client, StageFailure
 from parallm.protocol import SamplingParams
-from perf.harness import free_port_range
+from parallm.launch.local import free_port_range
 
 from .server import Server
 

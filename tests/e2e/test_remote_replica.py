@@ -17,7 +17,7 @@ import httpx
 import pytest
 
 from parallm import keys
-from perf.harness import free_port_range
+from parallm.launch.local import free_port_range
 
 from .server import Server
 
