@@ -30,21 +30,10 @@ from dataclasses import dataclass
 import mlx.core as mx
 import mlx.nn as nn
 
+from ..models.refused import REFUSED_MODEL_TYPES, refusal_for_type  # noqa: F401 - this module's face too
 from .cache import LayerShape, LiveKV, PassContext
 from .families import KV_STAND_INS, adapt
 from .state import ListView, SlotLayout, StateShape
-
-# Refused before anything is loaded, with the reason (parallm.models checks this table too).
-REFUSED_MODEL_TYPES: dict[str, str] = {
-    "plamo3": "mlx-lm's plamo3 masks a window of window+1 keys over a window-sized rotating cache, so its "
-              "own full prefill and step-by-step decoding disagree; no batched engine can match it",
-    "phi3small": "mlx-lm's phi3small block-sparse layers add a boolean mask to the scores, so its prefill "
-                 "sees future tokens; its outputs are not a causal model's",
-    "deepseek_v41": "deepseek_v41 keeps compressed token groups in its own LayerCache (window, pending "
-                    "tokens), which the engine's per-row KV rows cannot stand in for",
-    "bitnet": "bitnet's ternary layers need Metal kernels (mx.fast.metal_kernel)",
-    "muse_spark": "muse_spark needs Metal kernels (mx.fast.metal_kernel)",
-}
 
 # Attention written by hand with the GQA heads split into their own axis, so the mask needs an
 # extra axis: [B, 1, 1, L, T] broadcasts against [B, kv_heads, repeats, L, T] scores.
@@ -74,11 +63,6 @@ def model_type_of(model: nn.Module) -> str:
     if mt is None and hasattr(model, "args"):
         mt = getattr(model.args, "model_type", None)
     return str(mt or type(model).__module__.rsplit(".", 1)[-1])
-
-
-def refusal_for_type(model_type: str) -> str | None:
-    """Why a model type is refused before loading, or None."""
-    return REFUSED_MODEL_TYPES.get(model_type)
 
 
 def cache_slots(model: nn.Module) -> list:

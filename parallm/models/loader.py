@@ -20,6 +20,7 @@ from ..config import ModelConfig
 from .cache import FORMAT_VERSION, cache_root, ensure_dir
 from .dtype import DTYPES, FLOAT_DTYPES, apply_dtype
 from .errors import ModelLoadError
+from .refused import refusal_for_type
 from .resolve import resolve_model
 from .source import ModelSource, read_config
 
@@ -45,10 +46,8 @@ def _text_config(config: dict) -> dict:
 
 
 def _check_type(source: ModelSource) -> None:
-    """Refuse before loading a model type the engine is known not to serve (parallm.engine.compat
-    is the authority; what only its load-time probe can tell is refused when the engine starts)."""
-    from parallm.engine.compat import refusal_for_type
-
+    """Refuse before loading a model type the engine is known not to serve (models/refused.py; what only
+    the engine's load-time probe can tell is refused when the engine starts: parallm.engine.compat)."""
     why = refusal_for_type(source.model_type)
     if why:
         raise ModelLoadError(f"{source.path}: model_type '{source.model_type}' is not served: {why}")
