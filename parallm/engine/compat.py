@@ -57,6 +57,15 @@ class ModelInfo:
     def has_state(self) -> bool:
         return self.layout is not None and bool(self.layout.states)
 
+    @property
+    def kv_bytes_per_token(self) -> int:
+        return max(1, sum(s.elems_per_token for s in self.shapes) * self.dtype.size)
+
+    @property
+    def state_bytes_per_row(self) -> int:
+        """Bytes of one row's recurrent state (0: the model has none)."""
+        return self.layout.state_bytes_per_row if self.has_state else 0
+
 
 def model_type_of(model: nn.Module) -> str:
     mt = getattr(model, "model_type", None)

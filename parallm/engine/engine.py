@@ -7,7 +7,6 @@ No sockets, threads or asyncio: the engine stage (and the tests) call `add_reque
 from __future__ import annotations
 
 import time
-from collections import Counter
 from typing import Callable, get_args
 from typing import Sequence as Seq
 
@@ -23,10 +22,12 @@ from parallm.text.grammar import check_size
 
 from .blocks import BlockManager
 from .constraints import Constraints, GrammarError, tokenizer_from_file
+from .counters import StepCounters
 from .think_gate import thinking_from_file
 from .compat import check_model
 from .faults import PassState, log, prefill_passes
 from .memory import (auto_kv_budget_bytes, bound_cuda_cache, compute_device, fit_state_rows, limit_buffer_cache,
+                     split_kv_budget,
                      oom_retries, set_wired_limit, weight_bytes)
 from .model import EngineModel
 from .output import OutputProcessor, StepOutputs, unseen_versions
@@ -74,20 +75,12 @@ class Engine:
         set_wired_limit()  # Apple silicon only
         self.kv_budget_bytes = (int(settings.kv_budget_mb * (1 << 20)) if settings.kv_budget_mb
                                 else auto_kv_budget_bytes(weight_bytes(self.model)))
-        bytes_per_token = max(1, sum(s.elems_per_token for s in info.shapes) * info.dtype.size)
         if info.has_state:
-            rows = fit_state_rows(self.kv_budget_bytes, info.layout.state_bytes_per_row, settings.max_num_seqs)
-            if rows < settings.max_num_seqs:
-                log.warning("engine.max_num_seqs %d -> %d: a row of recurrent state takes %.1f MiB and the state may "
-                            "use half of the %.0f MiB KV budget (raise --engine.kv-budget-mb for more rows)",
-                            settings.max_num_seqs, rows, info.layout.state_bytes_per_row / (1 << 20),
-                            self.kv_budget_bytes / (1 << 20))
-                settings = msgspec.structs.replace(settings, max_num_seqs=rows)
-        state_bytes = info.layout.state_bytes_per_row * settings.max_num_seqs if info.has_state else 0
-        total_tokens = max(0, self.kv_budget_bytes - state_bytes) // bytes_per_token
+            settings = msgspec.structs.replace(settings, max_num_seqs=fit_state_rows(
+                self.kv_budget_bytes, info.layout.state_bytes_per_row, settings.max_num_seqs))
         bs = settings.block_size
-        pool_blocks = int(total_tokens * settings.prefix_pool_fraction) // bs if settings.prefix_cache else 0
-        live_tokens = total_tokens - pool_blocks * bs
+        live_tokens, pool_blocks = split_kv_budget(self.kv_budget_bytes, info.kv_bytes_per_token,
+                                                   info.state_bytes_per_row, settings)
         merge_mb = config.adapters.merge_mb
         self.adapter_settings = msgspec.structs.replace(
             config.adapters, merge_mb=auto_adapter_merge_mb(on_cpu) if merge_mb is None else merge_mb)
@@ -120,7 +113,7 @@ class Engine:
                                    priority_aging_s=settings.priority_aging_s,
                                    prefill_buckets=bool(settings.prefill_buckets) and not info.prefill_alone)
         self.runner.pool.allocate()
-        self.kv_capacity_tokens = total_tokens
+        self.kv_capacity_tokens = live_tokens + pool_blocks * bs  # live rows and prefix pool
         self.pressure = PressureGate(config.kv.pressure_threshold)
         self.disk_tier: PrefixDiskTier | None = None
         if config.kv.disk_dir and self.blocks is not None:
@@ -140,11 +133,7 @@ class Engine:
         self._score_counter = 0
         self._seq_counter = 0
         self._seed_counter = 0
-        self._steps = 0
-        self._hist: Counter[int] = Counter()
-        self._timing = Counter()
-        self._last_batch = 0
-        self._mixed_passes = 0  # steps whose prompt chunks rode in the decode pass
+        self.counters = StepCounters()  # steps, decode batch sizes, seconds by phase (counters.py)
         self.failed_rows = 0  # requests ended by a pass that failed for them alone (faults.py)
         self.trace = StepTracer()  # what each step ran and where its time went, a burst at a time (trace.py)
 
@@ -215,7 +204,7 @@ class Engine:
 
     @property
     def last_batch_size(self) -> int:
-        return self._last_batch
+        return self.counters.last_batch
 
     def owes_outputs(self) -> bool:
         """Outputs are decided but not yet returned (aborted sequences, launched steps)."""
@@ -249,15 +238,13 @@ class Engine:
         being returned with the rest. Where the runner can pack them (`engine.mixed_passes`), the
         prompt chunks and the decode rows share one pass."""
         t0 = time.perf_counter()
-        self._steps += 1
-        self.trace.begin(self._steps)
+        self.trace.begin(self.counters.begin())
         out = StepOutputs()
         self.output.report_aborts(out)
         plan = self.scheduler.schedule()
         self.trace.plan(len(plan.admitted), len(plan.preempted))
         self._execute(plan.ops)
-        self._timing["schedule_s"] += time.perf_counter() - t0
-        self.trace.phase("schedule", time.perf_counter() - t0)
+        self._phase("schedule", time.perf_counter() - t0)
         kind = self._run(plan, out, emit)  # each pass's tokens go through self.output as it is read
         self.trace.end(kind, self.has_work())
         return self._with_owed(out)
@@ -274,8 +261,7 @@ class Engine:
             self.trace.prefill(len(work.seqs), sum(work.lengths), work.length, max(work.starts) + work.length,
                                self.runner.live.capacity)
         if work is not None and self._can_mix(work) and self._mixed(work, out, emit):
-            self._timing["mixed_s"] += time.perf_counter() - t1
-            self.trace.phase("mixed", time.perf_counter() - t1)
+            self._phase("mixed", time.perf_counter() - t1)
             return "mixed"
         if work is not None:
             self._prefill(work, out, emit)
@@ -290,12 +276,13 @@ class Engine:
         while len(self._launches) > keep:
             self.output.read(self._launches.pop(0), out)
         t4 = time.perf_counter()
-        self._timing["prefill_s"] += t2 - t1
-        self._timing["launch_s"] += t3 - t2
-        self._timing["read_s"] += t4 - t3
         for name, seconds in (("prefill", t2 - t1), ("launch", t3 - t2), ("read", t4 - t3)):
-            self.trace.phase(name, seconds)
+            self._phase(name, seconds)
         return "+".join(k for k, ran in (("prefill", work is not None), ("decode", launched)) if ran) or "read"
+
+    def _phase(self, name: str, seconds: float) -> None:
+        self.counters.phase_s[name] += seconds
+        self.trace.phase(name, seconds)
 
     def _wants_decode(self) -> bool:
         seqs = self.scheduler.running
@@ -321,8 +308,7 @@ class Engine:
             s.inflight += 1
         self._launches.append(launch)
         self.trace.decode(len(seqs))
-        self._hist[len(seqs)] += 1
-        self._last_batch = len(seqs)
+        self.counters.decoded(len(seqs))
 
     def _can_mix(self, work: PrefillWork) -> bool:
         """Whether this step's prefill chunks can ride in the decode pass (runner.mixed): rows
@@ -351,7 +337,7 @@ class Engine:
                         type(exc).__name__, exc)
             return False
         self._launched(seqs, launch)
-        self._mixed_passes += 1
+        self.counters.mixed_passes += 1
         firsts = StepOutputs() if emit is not None else out
         self.output.prefill_done(work, {}, first, firsts)
         if emit is not None and firsts:
@@ -401,10 +387,8 @@ class Engine:
         self.disk_tier.disk.close(max(0.0, end - time.monotonic()))
 
     def _reset_counters(self) -> None:
-        self._steps = self._last_batch = self._mixed_passes = 0
+        self.counters.reset()
         self.output.prompt_computed = self.output.generated = self.output.scored = 0
-        self._hist.clear()
-        self._timing.clear()
         self.trace.reset()
         self._seq_counter = self._seed_counter = self._score_counter = 0
         self.scheduler.prefix_queried_tokens = self.scheduler.prefix_hit_tokens = 0
@@ -517,13 +501,11 @@ class Engine:
     @property
     def steps(self) -> int:
         """Steps run since start (or warm_up); ranks of a group compare it (distributed.py)."""
-        return self._steps
+        return self.counters.steps
 
     def stats(self) -> EngineStats:
         s = self.scheduler
         b = self.blocks
-        t = self._timing
-        n = max(1, self._steps)
         r = self.runner
         adapters = self.adapters.stats()
         swap_ms = self.output.swap_ms
@@ -536,11 +518,9 @@ class Engine:
             kv_budget_bytes=self.kv_budget_bytes, live_token_slots=self.budget.budget_tokens,
             prefix_queried_tokens=s.prefix_queried_tokens, prefix_hit_tokens=s.prefix_hit_tokens,
             prefix_evictions=b.evictions if b else 0, preemptions=s.preemptions,
-            priority_preemptions=s.priority_preemptions, steps=self._steps,
-            mixed_passes=self._mixed_passes, decode_batch_hist=dict(sorted(self._hist.items())),
-            max_decode_batch=max(self._hist, default=0), prompt_tokens_computed=self.output.prompt_computed,
+            priority_preemptions=s.priority_preemptions, **self.counters.stats(),
+            prompt_tokens_computed=self.output.prompt_computed,
             generated_tokens=self.output.generated, scored_tokens=self.output.scored,
-            step_ms_mean={k[:-2]: 1000 * v / n for k, v in t.items()},
             live_rows=r.live.rows, live_capacity=r.live.capacity, live_bytes=r.live.nbytes, pool_bytes=r.pool.nbytes,
             bytes_per_token=r.live.bytes_per_token, penalty_state=r.penalties.active, adapters=adapters,
             compiled_decode=r.compiled.stats() if r.compiled else {},
@@ -565,8 +545,3 @@ class Engine:
             f"runner buffer {live.rows}x{live.capacity} differs from the plan {r}x{c}"
         for rid, seqs in self._requests.items():
             assert any(not s.is_finished for s in seqs), f"finished request {rid} still tracked"
-        for seq in self.scheduler.running + self.scheduler.prefilling:
-            assert not seq.is_finished
-            assert seq.inflight <= 2
-            assert seq.num_computed <= seq.num_tokens + seq.inflight
-

@@ -6,9 +6,12 @@ from __future__ import annotations
 import logging
 import os
 import sys
-from typing import Callable, TypeVar
+from typing import TYPE_CHECKING, Callable, TypeVar
 
 import mlx.core as mx
+
+if TYPE_CHECKING:
+    from parallm.config import EngineConfig
 
 log = logging.getLogger("parallm.engine")
 T = TypeVar("T")
@@ -121,7 +124,23 @@ def fit_state_rows(budget_bytes: int, state_bytes_per_row: int, max_num_seqs: in
         raise ValueError(f"one sequence's recurrent state ({state_bytes_per_row / (1 << 20):.1f} MiB) does not fit in "
                          f"{STATE_BUDGET_SHARE:.0%} of the KV budget ({budget_bytes / (1 << 20):.0f} MiB); raise "
                          "--engine.kv-budget-mb")
+    if fits < max_num_seqs:
+        log.warning("engine.max_num_seqs %d -> %d: a row of recurrent state takes %.1f MiB and the state may "
+                    "use half of the %.0f MiB KV budget (raise --engine.kv-budget-mb for more rows)",
+                    max_num_seqs, fits, state_bytes_per_row / (1 << 20), budget_bytes / (1 << 20))
     return min(max_num_seqs, fits)
+
+
+def split_kv_budget(budget_bytes: int, bytes_per_token: int, state_bytes_per_row: int,
+                    settings: EngineConfig) -> tuple[int, int]:
+    """The KV budget left beside the recurrent state (`state_bytes_per_row` for each of
+    `settings.max_num_seqs` rows; 0 without any), split into the live rows' token slots and the prefix
+    pool's blocks (`prefix_pool_fraction` of it, with the prefix cache on): (live tokens, pool blocks)."""
+    state_bytes = state_bytes_per_row * settings.max_num_seqs
+    total_tokens = max(0, budget_bytes - state_bytes) // bytes_per_token
+    bs = settings.block_size
+    pool_blocks = int(total_tokens * settings.prefix_pool_fraction) // bs if settings.prefix_cache else 0
+    return total_tokens - pool_blocks * bs, pool_blocks
 
 
 def weight_bytes(model) -> int:

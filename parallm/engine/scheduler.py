@@ -331,6 +331,8 @@ class Scheduler(RowLayout):
         for j, s in enumerate(self.prefilling):
             assert s.row == self.nrun + j and s.status is Status.PREFILLING, "prefilling rows not contiguous"
             assert s.prefill_remaining > 0
+        for s in self.running + self.prefilling:
+            assert not s.is_finished and s.inflight <= 2 and s.num_computed <= s.num_tokens + s.inflight, s
         for s in self.waiting:
             assert s.status is Status.WAITING and s.row == -1 and not s.block_ids, "waiting sequence holds resources"
         assert self.reserved >= 0
