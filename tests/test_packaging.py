@@ -28,6 +28,19 @@ def test_stages_and_launch_import_only_under_parallm() -> None:
     assert out.stdout.split() == ["None", "None"], out.stdout
 
 
+def test_a_checkout_without_install_maps_stages_and_launch_and_no_other_folder() -> None:
+    """PYTHONPATH=checkout with no install (the GPU machines): parallm.stages and parallm.launch come
+    from the checkout's folders; other top-level folders (perf/, tests/) do not become parallm.*."""
+    code = ("import sys; sys.meta_path[:] = [f for f in sys.meta_path if 'editable' not in type(f).__module__]; "
+            "import importlib.util as u, parallm.stages.tokenizer, parallm.launch.cli; "
+            "print(parallm.stages.__file__, parallm.launch.__file__, u.find_spec('parallm.perf'), "
+            "u.find_spec('parallm.tests'))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd="/", check=True,
+                         env={"PATH": "/usr/bin:/bin", "PYTHONPATH": str(ROOT)})
+    assert out.stdout.split() == [str(ROOT / "stages" / "__init__.py"), str(ROOT / "launch" / "__init__.py"),
+                                  "None", "None"], out.stdout + out.stderr
+
+
 def test_distribution_name_and_entry_points() -> None:
     dist = metadata.distribution("parallm-mlx")
     scripts = {ep.name: ep.value for ep in dist.entry_points if ep.group == "console_scripts"}
