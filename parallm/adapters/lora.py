@@ -29,19 +29,21 @@ ops per adapted layer is what an adapter costs there (docs/adapters.md, "Measure
 
 from __future__ import annotations
 
+import itertools
 from collections import OrderedDict
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Sequence
+from dataclasses import dataclass, field
+from typing import Sequence
 
 import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.switch_layers import QuantizedSwitchLinear
 
+from parallm.protocol import AdapterVersion
+
 from .sharded import ShardedBase, is_sharded
 from .switch_lora import switch_dims
 
-if TYPE_CHECKING:
-    from .registry import LoadedAdapter
+_uids = itertools.count(1)
 
 STACK_CACHE_SETS = 8
 DENSE_COLUMNS = 256  # slots x rank up to which a mixed pass's update is dense; past it, per-row gather_mm
@@ -91,6 +93,41 @@ class PreparedLoRA:
         return sum(x.nbytes for x in (self.a, self.b, self.m, self.merged) if x is not None)
 
 
+@dataclass(eq=False, slots=True)
+class LoadedAdapter:
+    """One loaded version of an adapter: its prepared updates per module (the registry, registry.py,
+    keeps them by name and version; passes bind them to rows)."""
+
+    name: str
+    version: int
+    kind: str
+    format: str
+    rank: int
+    modules: dict[str, PreparedLoRA]
+    gains: dict[str, mx.array] = field(default_factory=dict)
+    nbytes: int = 0
+    source: str = "inline"
+    loaded_at: float = 0.0
+    uid: int = field(default_factory=lambda: next(_uids))
+    first_token_at: float = 0.0  # when the engine read the first token sampled under this version
+    experts: bool = False  # it updates expert (MoE) layers
+
+    @property
+    def identity(self) -> str:
+        """The prefix-cache identity: name and version."""
+        return f"{self.name}@{self.version}"
+
+    @property
+    def merged(self) -> bool:
+        """Whether its updates are folded into copies of the base weights (see lora.py)."""
+        return any(m.merged is not None for m in self.modules.values())
+
+    def describe(self) -> AdapterVersion:
+        return AdapterVersion(version=self.version, kind=self.kind, format=self.format, rank=self.rank,
+                              modules=len(self.modules), bytes=self.nbytes, merged=self.merged, source=self.source,
+                              loaded_at=self.loaded_at)
+
+
 class MultiLoRALinear(nn.Module):
     """base(x) + the LoRA delta of each row's adapter for this pass (see module docstring)."""
 
@@ -129,7 +166,7 @@ def _dora(y: mx.array, linear: nn.Module, gain: mx.array) -> mx.array:
 
 
 class _Single:
-    def __init__(self, adapter: "LoadedAdapter") -> None:
+    def __init__(self, adapter: LoadedAdapter) -> None:
         self.adapter = adapter
 
     def apply(self, path: str, linear: nn.Module, x: mx.array) -> mx.array:
@@ -161,7 +198,7 @@ class _Single:
 class _Stacks:
     """A set of adapters stacked per layer path, built lazily and kept for later passes."""
 
-    def __init__(self, slots: list["LoadedAdapter | None"]) -> None:
+    def __init__(self, slots: list[LoadedAdapter | None]) -> None:
         self.slots = slots
         self.rank = max((m.rank for a in slots if a is not None for m in a.modules.values()), default=1)
         self.by_path: dict[str, tuple | None] = {}
@@ -319,7 +356,7 @@ class _Mixed:
         return y + (scales[comb].reshape(comb.shape + (1, 1)) * z).astype(x.dtype)
 
 
-def packable(adapters: Sequence["LoadedAdapter | None"]) -> bool:
+def packable(adapters: Sequence[LoadedAdapter | None]) -> bool:
     """Whether rows under these adapters can share one packed pass (tokens of several rows in one
     sequence, runner.mixed): one adapter (or none) for all, or no adapter with expert-layer
     updates (an MoE block sorts its tokens by expert, and their slots are per row)."""
@@ -337,10 +374,10 @@ class LoRARouter:
         self._stacks: OrderedDict[tuple, _Stacks] = OrderedDict()
         self.passes = {"base": 0, "single": 0, "mixed": 0}
 
-    def bind(self, adapters: Sequence["LoadedAdapter | None"], packed: bool = False) -> None:
+    def bind(self, adapters: Sequence[LoadedAdapter | None], packed: bool = False) -> None:
         """The plan of the pass being built: `adapters[i]` is row i's (None: the base model); with
         `packed`, token i's of a packed pass's one row (runner.mixed; see `packable`)."""
-        distinct: dict[int, "LoadedAdapter"] = {}
+        distinct: dict[int, LoadedAdapter] = {}
         has_base = False
         for a in adapters:
             if a is None:

@@ -11,11 +11,9 @@ pulls weights from under a running sequence (they are freed when it finishes).
 from __future__ import annotations
 
 import dataclasses
-import itertools
 import re
 import threading
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -23,49 +21,16 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_unflatten
 
-from parallm.protocol import AdapterInfo, AdapterStats, AdapterVersion
+from parallm.protocol import AdapterInfo, AdapterStats
 
 from .errors import AdapterError
 from .formats import Format, ParsedAdapter, nonfinite_names, parse, read_dir
-from .lora import LoRARouter, MultiLoRALinear, PreparedLoRA, compute_dtype, dense_weight, linear_dims
+from .lora import LoadedAdapter, LoRARouter, MultiLoRALinear, PreparedLoRA, compute_dtype, dense_weight, linear_dims
 from .sharded import is_sharded, local_linear, shard_lora
 from .switch_lora import SWITCH_LINEARS, adopt, enable, routable, stack_experts, switch_dims
 
 NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.\-/]{0,127}$")
 _LAYER_RE = re.compile(r"(?:^|\.)layers\.(\d+)\.")
-_uids = itertools.count(1)
-
-
-@dataclass(eq=False, slots=True)
-class LoadedAdapter:
-    name: str
-    version: int
-    kind: str
-    format: str
-    rank: int
-    modules: dict[str, PreparedLoRA]
-    gains: dict[str, mx.array] = field(default_factory=dict)
-    nbytes: int = 0
-    source: str = "inline"
-    loaded_at: float = 0.0
-    uid: int = field(default_factory=lambda: next(_uids))
-    first_token_at: float = 0.0  # when the engine read the first token sampled under this version
-    experts: bool = False  # it updates expert (MoE) layers
-
-    @property
-    def identity(self) -> str:
-        """The prefix-cache identity: name and version."""
-        return f"{self.name}@{self.version}"
-
-    @property
-    def merged(self) -> bool:
-        """Whether its updates are folded into copies of the base weights (see lora.py)."""
-        return any(m.merged is not None for m in self.modules.values())
-
-    def describe(self) -> AdapterVersion:
-        return AdapterVersion(version=self.version, kind=self.kind, format=self.format, rank=self.rank,
-                              modules=len(self.modules), bytes=self.nbytes, merged=self.merged, source=self.source,
-                              loaded_at=self.loaded_at)
 
 
 class AdapterManager:

@@ -19,7 +19,7 @@ the dense layers' mixed path does per row.
 from __future__ import annotations
 
 import re
-from typing import TYPE_CHECKING, Callable
+from typing import Any, Callable, Protocol
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -27,8 +27,12 @@ from mlx_lm.models.switch_layers import QuantizedSwitchLinear, SwitchGLU, Switch
 
 from .formats import ModuleLoRA
 
-if TYPE_CHECKING:
-    from .lora import LoRARouter
+
+class Router(Protocol):
+    """What a swapped-in block reads of lora.LoRARouter: the pass's plan (None: no adapter rows in it)."""
+
+    plan: Any
+
 
 SWITCH_LINEARS = (SwitchLinear, QuantizedSwitchLinear)
 # a Hugging Face model's per-expert linear (what PEFT adapters name): <block>.experts.<e>.<projection>
@@ -54,7 +58,7 @@ def _sort(x: mx.array, indices: mx.array, slots: mx.array | None):
 class _LoRASwitchBlock:
     """What the swapped-in block classes add: the router and their own path."""
 
-    _lora_router: "LoRARouter"
+    _lora_router: Router
     _lora_path: str
 
     def _routed(self, x: mx.array, indices: mx.array, body: Callable[[mx.array, mx.array, bool, Project], mx.array]):
@@ -106,7 +110,7 @@ def routable(block: nn.Module) -> bool:
     return type(block) in SWAPS or isinstance(block, _LoRASwitchBlock)
 
 
-def enable(block: nn.Module, path: str, router: "LoRARouter") -> None:
+def enable(block: nn.Module, path: str, router: Router) -> None:
     """Make `block` (at `path` in the model) apply each row's expert adapter from now on."""
     if not isinstance(block, _LoRASwitchBlock):
         block.__class__ = SWAPS[type(block)]
@@ -149,7 +153,7 @@ def stack_experts(modules: dict, switches: dict[str, nn.Module]) -> dict:
     return out
 
 
-def adopt(model: nn.Module, router: "LoRARouter") -> list[str]:
+def adopt(model: nn.Module, router: Router) -> list[str]:
     """Blocks an earlier engine on this model swapped: they now answer to `router`. Their paths."""
     paths = []
     for path, module in model.named_modules():

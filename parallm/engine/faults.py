@@ -15,18 +15,27 @@ from __future__ import annotations
 import logging
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 import mlx.core as mx
 
 from .plan import PrefillWork
 
 if TYPE_CHECKING:
-    from .engine import Engine
     from .runner import ModelRunner
     from .sequence import Sequence
 
 log = logging.getLogger("parallm.engine")
+
+
+class Faulting(Protocol):
+    """What a failed pass touches: the Engine's (parallm/engine/engine.py) runner, its count of requests
+    ended by a failed pass, and abort."""
+
+    runner: ModelRunner
+    failed_rows: int
+
+    def abort(self, rid: str, reason: str = "abort", index: int | None = None) -> bool: ...
 
 
 @dataclass(slots=True)
@@ -51,7 +60,7 @@ class PassState:
             pen.counts, pen.seen = self.penalties
 
 
-def prefill_passes(engine: Engine, work: PrefillWork) -> Iterator[tuple[PrefillWork, dict, object]]:
+def prefill_passes(engine: Faulting, work: PrefillWork) -> Iterator[tuple[PrefillWork, dict, object]]:
     """Run `work`'s prefill pass, yielding (work, prompt logprobs, first tokens) for what was
     computed: the whole work, or, if its pass raised, each prompt that its own pass computed."""
     runner = engine.runner
@@ -81,7 +90,7 @@ def prefill_passes(engine: Engine, work: PrefillWork) -> Iterator[tuple[PrefillW
         fail_rows(engine, [seq], exc)
 
 
-def fail_rows(engine: Engine, seqs: list[Sequence], exc: Exception) -> None:
+def fail_rows(engine: Faulting, seqs: list[Sequence], exc: Exception) -> None:
     """End every request of `seqs` with finish_reason "error" (outputs of the next step)."""
     rids = sorted({s.rid for s in seqs})
     log.error("a pass failed for request(s) %s only (%s: %s); they end with an error, the others go on",

@@ -8,7 +8,7 @@ the model runs the first time a step could mix; a request should not wait for ei
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol, Sequence
 
 from parallm.protocol import RequestSpec, SamplingParams
 
@@ -16,10 +16,28 @@ from .plan import length_bucket, length_buckets
 from .request import Request, RequestRejected
 
 if TYPE_CHECKING:
-    from .engine import Engine
+    from parallm.config import EngineConfig
+
+    from .blocks import BlockManager
+    from .scheduler import Scheduler
 
 
-def warm_up(engine: "Engine") -> float:
+class Warmable(Protocol):
+    """What warming up drives: the Engine's (parallm/engine/engine.py) request API and settings."""
+
+    vocab_size: int
+    max_model_len: int
+    config: EngineConfig
+    scheduler: Scheduler
+    blocks: BlockManager | None
+
+    def add_request(self, request: Request) -> None: ...
+    def has_work(self) -> bool: ...
+    def step(self) -> list: ...
+    def score(self, ids: Sequence[int], start: int = 1, top_logprobs: int = 0) -> object: ...
+
+
+def warm_up(engine: Warmable) -> float:
     """A few short requests through every kind of pass (one row alone; rows of different lengths
     prefilled while another row decodes, then decoded under a mask), then a score (its pass keeps
     every position's logprobs and top-k). Prompts stay under one block, so nothing is cached;
@@ -62,7 +80,7 @@ def bucket_shapes(max_prefill_tokens: int, max_rows: int) -> list[tuple[int, int
     return shapes
 
 
-def warm_up_buckets(engine: "Engine") -> int:
+def warm_up_buckets(engine: Warmable) -> int:
     """Run one prefill pass of every bucketed shape (engine.prefill_buckets): k prompts of the same
     length, one token each, then forget the prefix blocks they cached (the next wave's prompts
     must not hit them). Rows are not padded, so
