@@ -32,3 +32,11 @@ def test_an_unknown_parser_is_refused_at_startup_naming_the_known_ones():
         build_config(environ={}, overrides={"server": {"tool_call_parser": "hermes2"}})
     assert build_config(environ={}, overrides={"server": {"tool_call_parser": "qwen3_coder"}}) \
         .server.tool_call_parser == "qwen3_coder"
+
+
+def test_every_template_rule_names_a_parser_the_config_accepts():
+    from parallm.config import TOOL_CALL_PARSERS
+    from parallm.text.assistant import _TEMPLATE_RULES
+
+    assert {name for name, _ in _TEMPLATE_RULES} <= set(TOOL_CALL_PARSERS)
+    assert len(set(TOOL_CALL_PARSERS)) == len(TOOL_CALL_PARSERS)

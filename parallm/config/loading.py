@@ -15,7 +15,7 @@ from typing import Annotated, Any, Literal, Mapping, Sequence, Union, get_args, 
 import msgspec
 from msgspec import Meta, Struct
 
-from .schema import AUTO, ENV_PREFIX, Config, PoliciesConfig, TrainerConfig
+from .schema import AUTO, ENV_PREFIX, TOOL_CALL_PARSERS, Config, PoliciesConfig, TrainerConfig
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -223,9 +223,7 @@ def build_config(*, file: str | os.PathLike | None = None, environ: Mapping[str,
 def _check(config: Config) -> None:
     problems = []
     if config.server.tool_call_parser:
-        from parallm.text.assistant import PARSERS
-
-        known = sorted(set(PARSERS) | {"llama3_json"})
+        known = sorted(TOOL_CALL_PARSERS)
         if config.server.tool_call_parser not in known:
             problems.append(f"server.tool_call_parser {config.server.tool_call_parser!r} is not one of: "
                             + ", ".join(known))

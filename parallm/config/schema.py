@@ -12,6 +12,7 @@ from msgspec import Meta, Struct
 
 __all__ = ["ENV_PREFIX", "AUTO", "ModelConfig", "EngineConfig", "auto_prefill_tokens",
            "auto_adapter_merge_mb", "ComputeDevice", "CUDA_UNFUSED_PREFILL_KEYS", "resolve_engine_config",
+           "TOOL_CALL_PARSERS",
            "TokenizerConfig", "ServerConfig", "TransportConfig", "SupervisorConfig", "AdaptersConfig",
            "DetokenizerConfig", "TrainerServerConfig", "TrainerModelConfig", "LoRATrainConfig",
            "RLTrainingConfig", "CheckpointConfig", "TrainerConfig", "KVConfig", "PoliciesConfig", "Config",
@@ -217,6 +218,13 @@ class KVConfig(Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
 
 class TokenizerConfig(Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     replicas: Annotated[int, _d("tokenizer processes (requests fan out over them)")] = 1
+
+
+# the tool-call parsers --server.tool-call-parser may name: mlx-lm's (parallm/text/assistant.py infers one
+# from a chat template, in mlx-lm's order, and loads it) and Llama-3's JSON calls
+TOOL_CALL_PARSERS: tuple[str, ...] = (
+    "harmony", "minimax_m2", "gemma4", "function_gemma", "longcat", "glm47", "pythonic", "qwen3_coder", "kimi_k2",
+    "minicpm5", "mistral", "muse_spark", "json_tools", "llama3_json", "laguna", "kimi_k3")
 
 
 class ServerConfig(Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):

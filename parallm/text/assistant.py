@@ -23,6 +23,7 @@ import weakref
 from dataclasses import dataclass, field
 from typing import Any, Callable, Container
 
+from parallm.config import TOOL_CALL_PARSERS
 from parallm.text.harmony import HarmonySplitter
 from parallm.text.segments import MarkerSplitter
 from parallm.text.tool_stream import CallStream
@@ -45,7 +46,7 @@ _TEMPLATE_RULES: list[tuple[str, Callable[[str], bool]]] = [
     ("llama3_json", lambda t: "<|python_tag|>" in t or ("tools_in_user_message" in t and "parameters" in t)),
 ]
 THINK_PAIRS = [("<think>", "</think>"), ("<longcat_think>", "</longcat_think>"), ("<|think:start|>", "<|think:end|>")]
-PARSERS = tuple(name for name, _ in _TEMPLATE_RULES) + ("glm47", "laguna", "kimi_k3")
+PARSERS = TOOL_CALL_PARSERS  # every rule's parser, and the ones only a name selects (glm47, laguna, kimi_k3)
 
 
 def infer_tool_parser(chat_template: str | None, vocab: Container[str] = ()) -> str | None:
