@@ -29,7 +29,7 @@ from parallm.routing import RecentIds, replica_count
 from parallm.runtime import StageRuntime
 from parallm.text.sequence import DetokState
 from parallm.text.vocab import TokenizerView
-from parallm.stages.skeleton import Handler, Stage
+from parallm.stages.skeleton import Handler, Stage, text_tokenizer
 from parallm.transport import Receiver, Router, Sender, open_socket
 
 log = logging.getLogger("parallm.detokenizer")
@@ -184,16 +184,6 @@ class DetokenizerStage(Stage):
 
 def main(config: Config, replica: int = 0) -> int:
     runtime = StageRuntime(config, "detokenizer", replica)
-    from parallm.text.loading import load_text_tokenizer
-
-    try:
-        tokenizer, _ = load_text_tokenizer(config.model)
-    except (OSError, ValueError) as exc:
-        runtime.fatal(f"cannot load the tokenizer of {config.model.path!r}: {exc}")
+    if (loaded := text_tokenizer(config, runtime)) is None:
         return 2
-    stage = DetokenizerStage(config, runtime, TokenizerView.of(tokenizer), config.model.served_name)
-    runtime.ready()
-    try:
-        return stage.run()
-    finally:
-        runtime.close()
+    return DetokenizerStage(config, runtime, TokenizerView.of(loaded[0]), config.model.served_name).serve()

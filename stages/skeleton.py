@@ -29,12 +29,7 @@ A new stage, whole (a pooling stage, say; `protocol.PoolingInbound` the union it
 
     def main(config: Config, replica: int = 0) -> int:
         runtime = StageRuntime(config, "pooling", replica)
-        stage = PoolingStage(config, runtime)
-        runtime.ready()
-        try:
-            return stage.run()
-        finally:
-            runtime.close()
+        return PoolingStage(config, runtime).serve()
 
 and a line in `stages/__main__.py` (the stage's name) and in the supervisor's topology to start it.
 
@@ -220,3 +215,24 @@ class Stage:
                 spent["inbox_s"] += t1 - t0
                 spent["beat_s"] += clock() - t2
         return self.exit_code or 0
+
+    def serve(self, info: dict[str, Any] | None = None) -> int:
+        """A stage process's life after start-up: tell the supervisor it is ready (with `info`), run the
+        loop until Shutdown, and close the runtime's sockets whatever happens. Returns the exit code."""
+        self.rt.ready(info)
+        try:
+            return self.run()
+        finally:
+            self.rt.close()
+
+
+def text_tokenizer(config: Config, runtime: StageRuntime) -> tuple[Any, dict[str, Any]] | None:
+    """The model's text tokenizer and its limits (parallm.text.loading), or None once the supervisor was
+    told why it could not be loaded (the stage then exits with 2)."""
+    from parallm.text.loading import load_text_tokenizer
+
+    try:
+        return load_text_tokenizer(config.model)
+    except (OSError, ValueError) as exc:
+        runtime.fatal(f"cannot load the tokenizer of {config.model.path!r}: {exc}")
+        return None

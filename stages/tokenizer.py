@@ -19,7 +19,7 @@ from parallm.logs import request_extra
 from parallm.routing import Router
 from parallm.runtime import StageRuntime
 from parallm.text.templating import Templater, TemplateError
-from parallm.stages.skeleton import Stage
+from parallm.stages.skeleton import Stage, text_tokenizer
 from parallm.transport import Receiver, Sender, open_socket
 
 log = logging.getLogger("parallm.tokenizer")
@@ -117,23 +117,16 @@ class TokenizerStage(Stage):
 
 def main(config: Config, replica: int = 0) -> int:
     runtime = StageRuntime(config, "tokenizer", replica)
-    from parallm.text.loading import load_pooling_templaters, load_text_tokenizer
-
-    try:
-        tokenizer, limits = load_text_tokenizer(config.model)
-    except (OSError, ValueError) as exc:
-        runtime.fatal(f"cannot load the tokenizer of {config.model.path!r}: {exc}")
+    if (loaded := text_tokenizer(config, runtime)) is None:
         return 2
+    tokenizer, limits = loaded
     templater = Templater(tokenizer, limits["max_model_len"], limits["vocab_size"] or None)
+    from parallm.text.loading import load_pooling_templaters
+
     try:
         poolers = {name: Templater(tok, info.max_len, info.vocab_size or None) for name, (tok, info)
                    in load_pooling_templaters(config.model.pooling, config.model.trust_remote_code).items()}
     except (OSError, ValueError) as exc:
         runtime.fatal(f"cannot load the tokenizers of model.pooling: {exc}")
         return 2
-    stage = TokenizerStage(config, runtime, templater, poolers)
-    runtime.ready(limits)
-    try:
-        return stage.run()
-    finally:
-        runtime.close()
+    return TokenizerStage(config, runtime, templater, poolers).serve(limits)
