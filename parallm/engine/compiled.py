@@ -3,7 +3,8 @@
 A small model's decode pass on a GPU is launch-bound: building the graph in Python and launching
 ~300-500 kernels takes longer than the GPU work (docs/performance.md). Compiled, the pass runs no
 Python per step and MLX fuses its elementwise chains; on an H100 (smollm2-135m shape, 16 rows,
-perf/profile_compiled_pass.py) 13.3 -> 7.9 ms at a 256-slot KV.
+perf/profile_compiled_pass.py, retired: git show 3928439:perf/profile_compiled_pass.py)
+13.3 -> 7.9 ms at a 256-slot KV.
 
 A compiled function needs fixed shapes, so a pure-decode pass of n rows runs as one of B rows
 (n rounded up to a bucket: 1, 2, 4, ... 32, then multiples of 32, at most the live buffer's rows)

@@ -8,7 +8,8 @@ softmax of attention adds as much again over long spans. Here exp(x) = 2^n * 2^f
 ln 2), with a degree-5 polynomial for 2^f on [0, 1): multiplies, adds and a floor that
 `mx.compile` fuses into loops the C++ compiler vectorizes, and the power 2^n written straight
 into the float's exponent bits. Relative error at most 4e-7 (float32 rounding: 6e-8).
-Measured (perf/profile_fastmath.py): SwiGLU 6.1 -> 1.4 ms for 225 x 1536, 0.44 -> 0.12 ms for
+Measured (perf/profile_fastmath.py, retired: git show 3928439:perf/profile_fastmath.py):
+SwiGLU 6.1 -> 1.4 ms for 225 x 1536, 0.44 -> 0.12 ms for
 16 x 1536; attention 2.9 -> 1.4 ms for a 5-row prefill chunk; the engine's prefill pass of five
 45-token prompts 498 -> 354 ms, a batch-16 decode step 114 -> 107 ms.
 
