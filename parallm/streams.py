@@ -1,10 +1,10 @@
 """A request's stream of outputs, and the errors a pipeline client raises.
 
 The pipeline connection (parallm/pipeline.py) opens each stream and feeds it (`deliver`, `fail`); its
-reader (a client, or ingress) iterates it. The stream owns its own end: it tells its owner through the
-two callbacks it was given (`forget`: deliver nothing more to this stream; `abort`: stop it in the engine),
-so it knows nothing of the pipeline. The stream ends when every sample has a finish_reason, or with ClientError when the
-request failed, timed out or its stage died.
+reader (a client, or ingress) iterates it. The stream ends when every sample has a finish_reason, or
+with ClientError when the request failed, timed out or its stage died. It owns its own end and tells
+its owner through the two callbacks it was given (`forget`: deliver nothing more to this stream;
+`abort`: stop the request in the engine), so it knows nothing of the pipeline.
 """
 
 from __future__ import annotations
