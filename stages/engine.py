@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import logging
 import signal
-import struct
 import time
 from typing import Any, Callable, Sequence
 
@@ -21,109 +20,20 @@ import zmq
 
 from parallm import blas, protocol, routing
 from parallm.adapters import AdapterError, HeldRequests
-from parallm.adapters.formats import allowed_path
 from parallm.engine.weights import Applied, ChunkStaging, WeightsError
 from parallm.config import Config
 from parallm.engine import Engine, EngineModel, Request, RequestRejected, ScoreResult, SeqOutput, distributed
 from parallm.engine.compile_queue import CompileQueue
 from parallm.pooling.queue import Pooled, PoolingQueue
 from parallm.runtime import StageRuntime
+from parallm.stages.engine_adapters import adapter_list, adapter_roots, load_adapter, weights_path
+from parallm.stages.engine_replies import rejection, score_reply, to_delta
 from parallm.stages.skeleton import Handler, Stage
 from parallm.transport import Receiver, Sender, open_socket
 
 log = logging.getLogger("parallm.engine.stage")
 FANNED_OUT = (protocol.Abort, protocol.AdapterPublish, protocol.AdapterUnload, protocol.Pause, protocol.Resume,
               protocol.WeightsUpdate)
-
-
-_PACK_ONE_ID = struct.Struct("<i").pack
-
-
-def pack_step_ids(ids: list[int]) -> bytes:
-    """`protocol.pack_ids` for a step's few tokens (the same bytes) without numpy's per-call cost,
-    which at batch 256 was most of the stage's send time (docs/performance.md)."""
-    return _PACK_ONE_ID(ids[0]) if len(ids) == 1 else struct.pack(f"<{len(ids)}i", *ids)
-
-
-def to_delta(out: SeqOutput) -> protocol.SeqDelta:
-    delta = protocol.SeqDelta(rid=out.rid, index=out.index, token_ids=pack_step_ids(out.token_ids),
-                              finish_reason=out.finish_reason, adapter=out.adapter, version=out.version,
-                              usage=out.usage)
-    if out.logprobs is not None:
-        delta.logprobs = protocol.pack_floats(out.logprobs)
-    if out.top_logprobs:
-        delta.top_ids, delta.top_logprobs = protocol.pack_top(out.top_logprobs)
-    if out.prompt_logprobs is not None:
-        delta.prompt_logprobs = protocol.pack_floats([float("nan") if lp is None else lp
-                                                      for lp in out.prompt_logprobs])
-        if out.prompt_top_logprobs:
-            delta.prompt_top_ids, delta.prompt_top_logprobs = protocol.pack_top(
-                [row for row in out.prompt_top_logprobs if row])
-        if out.prompt_ranks:
-            delta.prompt_ranks = protocol.pack_ids([rank or 0 for rank in out.prompt_ranks])
-    return delta
-
-
-def score_reply(result: ScoreResult, reply_to: bytes) -> protocol.ScoreReply | protocol.RequestError:
-    if result.aborted:
-        return protocol.RequestError(rid=result.qid, reply_to=reply_to, status=409, code="aborted",
-                                     message="the score request was aborted before it was done")
-    reply = protocol.ScoreReply(qid=result.qid, reply_to=reply_to, logprobs=protocol.pack_floats(result.logprobs))
-    if result.top_logprobs:
-        reply.top_ids, reply.top_logprobs = protocol.pack_top(result.top_logprobs)
-    return reply
-
-
-def rejection(rid: str, reply_to: bytes, exc: RequestRejected | AdapterError) -> protocol.RequestError:
-    """The error a refused request (or control request: `rid` is its qid) gets, with the engine's own
-    status and OpenAI code (e.g. context_length_exceeded, adapter_not_found)."""
-    return protocol.RequestError(rid=rid, reply_to=reply_to, status=exc.status, code=exc.code or "invalid_request_error",
-                                 message=exc.message, param=getattr(exc, "param", None),
-                                 retryable=getattr(exc, "retryable", False))
-
-
-def adapter_roots(config: Config) -> list[str]:
-    """Where adapters and full-weight updates may be loaded from by path: adapters.allowed_dirs, else the
-    model's directory, the trainer's checkpoints and the directories of the adapters loaded at start
-    (adapters.preload)."""
-    preloaded = [entry.partition("=")[2] for entry in config.adapters.preload if "=" in entry]
-    return list(config.adapters.allowed_dirs) or [config.model.path, config.trainer.checkpointing.dir, *preloaded]
-
-
-def weights_path(path: str, roots: Sequence[str]) -> str:
-    """A full-weight update's directory, resolved, when it lies under `roots` (WeightsError 403 otherwise,
-    the same answer whether the path exists or not, as for adapters)."""
-    try:
-        return allowed_path(path, roots)
-    except AdapterError as exc:
-        raise WeightsError(exc.message.replace("adapter path", "weights path"), status=exc.status,
-                           code="weights_path_not_allowed") from None
-
-
-def load_adapter(engine: Engine, message: protocol.AdapterPublish,
-                 roots: Sequence[str] | None = None) -> protocol.AdapterLoaded:
-    """Load a published version (raises AdapterError, changing nothing). A path outside `roots` is
-    refused (None: any path, for in-process callers)."""
-    t0 = time.perf_counter()
-    path = allowed_path(message.path, roots) if message.path and roots is not None else message.path
-    adapter = engine.load_adapter(message.name, config=message.config, weights=message.weights or None,
-                                  path=path, format=message.format, version=message.version)
-    if message.make_default:
-        engine.adapters.set_default(message.name)
-    ms = 1000 * (time.perf_counter() - t0)
-    log.info("adapter %s version %d loaded (%s, rank %d, %d modules, %.1f ms)%s", message.name, adapter.version,
-             adapter.kind, adapter.rank, len(adapter.modules), ms, "; it is the default policy now"
-             if message.make_default else "")
-    return protocol.AdapterLoaded(qid=message.qid, reply_to=message.reply_to, name=message.name,
-                                  version=adapter.version, bytes=adapter.nbytes, load_ms=ms, merged=adapter.merged,
-                                  default=engine.adapters.default_name == message.name)
-
-
-def adapter_list(engine: Engine, qid: str = "", reply_to: bytes = b"") -> protocol.AdapterList:
-    return protocol.AdapterList(qid=qid, reply_to=reply_to, adapters=engine.adapters.describe(),
-                                policy={**engine.policy(), "": engine.weights_version},
-                                adapter_bytes=engine.adapters.nbytes,
-                                default_adapter=engine.adapters.default_name)
 
 
 class EngineStage(Stage):

@@ -7,7 +7,7 @@ import pytest
 
 from parallm import protocol
 from parallm.engine import SeqOutput
-from parallm.stages.engine import pack_step_ids, to_delta
+from parallm.stages.engine_replies import pack_step_ids, to_delta
 
 
 def test_prompt_top_logprobs_skip_the_first_position():
