@@ -17,7 +17,7 @@ from parallm.adapters import AdapterError, AdapterManager, LoadedAdapter, Versio
 from parallm.adapters.lora import packable
 from parallm.engine.weights import Applied, WeightsError, WeightSwapper, rebase_adapters
 from parallm.config import Config, auto_adapter_merge_mb, auto_prefill_tokens, resolve_engine_config
-from parallm.protocol import EngineStats, FinishReason, SamplingParams
+from parallm.protocol import FinishReason, SamplingParams
 from parallm.text.grammar import check_size
 
 from .blocks import BlockManager
@@ -27,13 +27,13 @@ from .think_gate import thinking_from_file
 from .compat import check_model
 from .faults import PassState, log, prefill_passes
 from .memory import (auto_kv_budget_bytes, bound_cuda_cache, compute_device, fit_state_rows, limit_buffer_cache,
-                     split_kv_budget,
-                     oom_retries, set_wired_limit, weight_bytes)
+                     set_wired_limit, split_kv_budget, weight_bytes)
 from .model import EngineModel
 from .output import OutputProcessor, StepOutputs, unseen_versions
 from .plan import KVBudget, Plan, PrefillWork
 from .prefix_tier import PrefixDiskTier, open_disk_tier
-from .pressure import KVLoad, PressureGate, kv_load
+from .pressure import PressureGate
+from .report import EngineReport
 from .request import Request, RequestRejected, ScoreResult, SeqOutput, validate, validate_score
 from .runner import Launch, ModelRunner
 from .sampling import splitmix64
@@ -54,7 +54,7 @@ def _model_dir(config: Config):
     return resolve_model(config.model).path
 
 
-class Engine:
+class Engine(EngineReport):
     def __init__(self, model: EngineModel, config: Config) -> None:
         """The engine over `model`, with the `engine` and `adapters` sections of `config`. Every
         setting left unset is resolved here, once, and reported in stats (`settings`)."""
@@ -491,57 +491,3 @@ class Engine:
                     self._owed.extend(x for x in outputs if x is not o)
                     return o
             self._owed.extend(outputs)
-
-    # ------------------------------------------------------------------ introspection
-    def kv_load(self) -> KVLoad:
-        """Tokens live and waiting sequences hold or need, against the live KV (pressure.KVLoad)."""
-        s = self.scheduler
-        return kv_load(s.running + s.prefilling, s.waiting, self.budget.budget_tokens)
-
-    @property
-    def steps(self) -> int:
-        """Steps run since start (or warm_up); ranks of a group compare it (distributed.py)."""
-        return self.counters.steps
-
-    def stats(self) -> EngineStats:
-        s = self.scheduler
-        b = self.blocks
-        r = self.runner
-        adapters = self.adapters.stats()
-        swap_ms = self.output.swap_ms
-        adapters.load_to_first_token_ms = sorted(swap_ms)[len(swap_ms) // 2] if swap_ms else None
-        burst, last_burst = self.trace.stats()
-        return EngineStats(
-            running=len(s.running), waiting=len(s.waiting), prefilling=len(s.prefilling),
-            kv_blocks_total=b.num_blocks if b else 0, kv_blocks_used=b.num_used if b else 0,
-            kv_blocks_free=b.num_free if b else 0, kv_blocks_cached=b.num_cached if b else 0,
-            kv_budget_bytes=self.kv_budget_bytes, live_token_slots=self.budget.budget_tokens,
-            prefix_queried_tokens=s.prefix_queried_tokens, prefix_hit_tokens=s.prefix_hit_tokens,
-            prefix_evictions=b.evictions if b else 0, preemptions=s.preemptions,
-            priority_preemptions=s.priority_preemptions, **self.counters.stats(),
-            prompt_tokens_computed=self.output.prompt_computed,
-            generated_tokens=self.output.generated, scored_tokens=self.output.scored,
-            live_rows=r.live.rows, live_capacity=r.live.capacity, live_bytes=r.live.nbytes, pool_bytes=r.pool.nbytes,
-            bytes_per_token=r.live.bytes_per_token, penalty_state=r.penalties.active, adapters=adapters,
-            compiled_decode=r.compiled.stats() if r.compiled else {},
-            settings=msgspec.to_builtins(self.config), adapter_settings=msgspec.to_builtins(self.adapter_settings),
-            weights_version=self.weights_version, weights_updates=self.weights_updates,
-            recomputed_tokens=s.recomputed_tokens, oom_retries=oom_retries(), burst=burst, last_burst=last_burst,
-            **self._kv_stats())
-
-    def _kv_stats(self) -> dict:
-        load = self.kv_load()
-        return dict(kv_capacity_tokens=self.kv_capacity_tokens, kv_live_tokens=load.live_tokens,
-                    kv_waiting_tokens=load.waiting_tokens, kv_utilization=load.utilization, kv_demand=load.demand,
-                    kv_pressure=self.pressure.state(load),
-                    kv_pressure_rejections=self.pressure.rejected,
-                    kv_disk=self.disk_tier.stats() if self.disk_tier is not None else None)
-
-    def check_integrity(self) -> None:
-        self.scheduler.check_integrity()
-        live = self.runner.live
-        r, c = self.scheduler.shape
-        assert (live.rows, live.capacity) == (r, c) or not self.scheduler.has_work(), \
-            f"runner buffer {live.rows}x{live.capacity} differs from the plan {r}x{c}"
-        for rid, seqs in self._requests.items():
-            assert any(not s.is_finished for s in seqs), f"finished request {rid} still tracked"
