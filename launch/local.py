@@ -26,7 +26,10 @@ import threading
 import time
 from collections.abc import Mapping
 from pathlib import Path
-from typing import TypeVar
+from typing import TYPE_CHECKING, TypeVar
+
+if TYPE_CHECKING:
+    from parallm.protocol import EngineStats
 
 __all__ = ["READY_LINE", "Process", "Server", "cpu_delta", "free_port", "free_port_range", "launch_command",
            "server_env"]
@@ -170,6 +173,27 @@ class Server(Process):
         code = super().stop(sig, timeout)
         shutil.rmtree(self.run_dir, ignore_errors=True)
         return code
+
+    def engine_stats(self) -> EngineStats:
+        """The engine's own stats, asked over the raw client."""
+        from parallm.client import Client
+
+        with Client(self.router, timeout=60) as client:
+            return client.stats()
+
+    def engine_stats_after_idle_check(self, timeout: float = 30.0) -> EngineStats:
+        """The engine's stats once its stage ran the integrity check it runs each time it goes idle,
+        after the latest work (two reads with the same, non-zero count of checks), or the last read at
+        `timeout`."""
+        deadline = time.monotonic() + timeout
+        seen = self.engine_stats()
+        while time.monotonic() < deadline:
+            time.sleep(0.3)
+            now = self.engine_stats()
+            if now.integrity_checks == seen.integrity_checks and now.integrity_checks:
+                return now
+            seen = now
+        return seen
 
     def stage_processes(self) -> list[tuple[str, str, int]]:
         """(stage, replica, pid) of every stage process, from the supervisor's children's command lines

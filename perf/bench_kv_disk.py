@@ -28,7 +28,7 @@ from typing import Any
 
 import httpx
 
-from parallm.client import Client
+from parallm.protocol import EngineStats
 from perf.harness import Results, Server, add_results_options
 
 SUFFIX_TOKENS = 8
@@ -63,27 +63,16 @@ def complete(url: str, prompt: list[int], max_tokens: int = 4) -> list[int]:
     return r.json()["choices"][0]["token_ids"]
 
 
-def engine_kv(server: Server) -> dict[str, Any]:
-    """The engine's disk-tier stats and integrity counters, from its own stats (raw client)."""
-    with Client(server.router, timeout=60) as client:
-        stats = client.stats()
+def engine_kv(stats: EngineStats) -> dict[str, Any]:
+    """The engine's disk-tier stats and integrity counters."""
     disk = stats.kv_disk
     return {"disk": {f: getattr(disk, f) for f in disk.__struct_fields__} if disk else None,
             "prefix_hit_tokens": stats.prefix_hit_tokens, "prompt_tokens_computed": stats.prompt_tokens_computed,
             "integrity_checks": stats.integrity_checks, "integrity_failures": stats.integrity_failures}
 
 
-def wait_idle_checked(server: Server, timeout: float = 30.0) -> dict[str, Any]:
-    """engine_kv once the engine ran its idle integrity check after the latest work."""
-    deadline = time.monotonic() + timeout
-    seen = engine_kv(server)
-    while time.monotonic() < deadline:
-        time.sleep(0.3)
-        now = engine_kv(server)
-        if now["integrity_checks"] == seen["integrity_checks"] and now["integrity_checks"]:
-            return now
-        seen = now
-    return seen
+def wait_idle_checked(server: Server) -> dict[str, Any]:
+    return engine_kv(server.engine_stats_after_idle_check())
 
 
 def run(args: argparse.Namespace, server_args: list[str]) -> dict[str, Any]:

@@ -161,7 +161,7 @@ def test_kv_writes_are_one_scatter_each_and_land_where_the_slice_form_puts_them(
     """`buf[rows, :, positions] = kv` made MLX add an arange, three int64 index casts and their
     broadcasts to every write (5 kernels, twice per layer and pass); write_index's indices, built
     once per pass, leave one Scatter per write."""
-    from perf.profile_kv_writes import primitives
+    from tests._graph import primitives
 
     kv = live(rows=4, cap=32, layers=2)
     mx.eval(kv.arrays())

@@ -9,20 +9,59 @@ past --kv.pressure-threshold with only 200s and retryable 503s, and the engine's
 from __future__ import annotations
 
 import os
+import random
 import signal
 import statistics
+import time
 from concurrent.futures import ThreadPoolExecutor
+from typing import Any
 
 import httpx
+import openai
 import pytest
-
-from perf.bench_kv_disk import SUFFIX_TOKENS, complete, random_ids, ttft, wait_idle_checked
 
 from .server import Server
 
 pytestmark = pytest.mark.slow  # two server starts and 1,000-token prefills: ~1 min on two cores
 
 PREFIX = 1000
+SUFFIX_TOKENS = 8
+
+
+def random_ids(n: int, seed: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(1000, 30000) for _ in range(n)]
+
+
+def openai_at(server: Server) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=300)
+
+
+def ttft(server: Server, prompt: list[int]) -> float:
+    """Seconds from sending a streamed completion of token ids to its first text."""
+    client = openai_at(server)
+    start = time.perf_counter()
+    first = None
+    for chunk in client.completions.create(model=client.models.list().data[0].id, prompt=prompt, max_tokens=2,
+                                           temperature=0.0, stream=True):
+        if first is None and chunk.choices and chunk.choices[0].text:
+            first = time.perf_counter() - start
+    assert first is not None, "the stream ended without text"
+    return first
+
+
+def complete(server: Server, prompt: list[int]) -> list[int]:
+    """Greedy token ids (vLLM's return_token_ids)."""
+    client = openai_at(server)
+    answer = client.completions.create(model=client.models.list().data[0].id, prompt=prompt, max_tokens=4,
+                                       temperature=0.0, extra_body={"return_token_ids": True})
+    return answer.choices[0].model_extra["token_ids"]
+
+
+def wait_idle_checked(server: Server) -> dict[str, Any]:
+    stats = server.engine_stats_after_idle_check()
+    return {"disk": {f: getattr(stats.kv_disk, f) for f in stats.kv_disk.__struct_fields__},
+            "integrity_checks": stats.integrity_checks, "integrity_failures": stats.integrity_failures}
 
 
 def flags(disk_dir) -> list[str]:
@@ -35,7 +74,7 @@ def test_blocks_survive_a_killed_server_and_a_burst_gets_200_or_503(tmp_path):
     suffix = random_ids(SUFFIX_TOKENS, seed=1)
     first = Server(*flags(tmp_path)).start()
     try:
-        before = [complete(first.url, p + suffix) for p in prefixes]
+        before = [complete(first, p + suffix) for p in prefixes]
     finally:
         os.killpg(first.proc.pid, signal.SIGKILL)  # the whole server at once, its writer maybe mid-write
         first.stop()
@@ -49,10 +88,10 @@ def test_blocks_survive_a_killed_server_and_a_burst_gets_200_or_503(tmp_path):
     with Server(*flags(tmp_path)) as second:
         cold, warm = [], []
         for i in (1, 2):
-            cold.append(ttft(second.url, random_ids(PREFIX, seed=500 + i) + suffix))
-            warm.append(ttft(second.url, prefixes[i] + random_ids(SUFFIX_TOKENS, seed=2)))
+            cold.append(ttft(second, random_ids(PREFIX, seed=500 + i) + suffix))
+            warm.append(ttft(second, prefixes[i] + random_ids(SUFFIX_TOKENS, seed=2)))
         assert statistics.median(warm) <= 0.25 * statistics.median(cold), (cold, warm)
-        after = [complete(second.url, p + suffix) for p in prefixes]
+        after = [complete(second, p + suffix) for p in prefixes]
         assert after == before  # the corrupt block was recomputed, the others read back
         stats = wait_idle_checked(second)
         assert stats["disk"]["hits"] >= 2 * 62 and stats["disk"]["corrupt_files"] >= 1

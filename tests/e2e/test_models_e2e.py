@@ -25,7 +25,7 @@ GENERATION_DEFAULTS = {"temperature": 0.0, "top_k": 1, "max_new_tokens": 5}
 def model_dir(request, tmp_path_factory):
     from parallm.config import ModelConfig
     from parallm.models import load_model, load_tokenizer, materialize
-    from perf.bench_gpu import build_model_dir
+    from parallm.models.shapes import build_model_dir
 
     default = load_model(ModelConfig())
     vocab = len(load_tokenizer(default.source))
