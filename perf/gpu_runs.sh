@@ -9,7 +9,6 @@
 #   adapters  perf/bench_adapters.py on the smollm2-135m shape, in-process and served, ~2 min
 #   qwen-a    qwen3-8b 4-bit at 1 and 64, 128 tokens, ~5 min
 #   qwen-b    qwen3-8b 4-bit at 256, 64 tokens (warm-up 8), ~6 min
-#   launch    MLX CUDA command-buffer settings vs per-step launch cost (perf/profile_launch.py), ~5 min
 #   serving   llama-3.2-3b with the default tokenizer's vocabulary (real text): in-process engine, BatchGenerator,
 #             HTTP, raw ZeroMQ and mlx_lm.server at c=1,64,256 (perf/bench_serving.py), ~6 min
 #   waves     10 waves of 512 streaming requests at c=256, a fresh server each (perf/stress_waves.py), ~6 min
@@ -21,8 +20,7 @@
 #   moe256    the MoE at c=256 only: BatchGenerator and HTTP, then HTTP again with cuDNN's attention off
 #             (MLX_CUDA_USE_CUDNN_SDPA=0: is a new prefill shape's cuDNN graph build what stalls the engine?) (issue 19),
 #             ~7 min
-#   hybrid    the Qwen3.5-4B-like hybrid shape, the same way, then one decode step's graph over the engine's state
-#             views vs mlx-lm's caches (perf/profile_state_views.py) (issue 19), ~6 min
+#   hybrid    the Qwen3.5-4B-like hybrid shape, the same way (issue 19), ~5 min
 #   structured json_schema vs unconstrained decode at batch 1,16,64, and this code with the serial schedule for
 #             constrained rows (issue 20), ~3 min
 #   tp        (nvidia-h100-x2) TP=2 vs one engine, llama-3.2-3b, c=1 and 64, adapters republished every 2 s (issue 23), ~5 min
@@ -54,9 +52,6 @@
 #   cudnn     llama-3.2-3b over HTTP at c=256 with MLX's cuDNN attention on, then off (MLX_CUDA_USE_CUDNN_SDPA=0), then
 #             on with engine.unfused_prefill_keys 4096 (prefills of short spans attend without the fused kernel): is a
 #             new prefill shape's cuDNN graph build what the first-seen pass shapes cost? (issue 24), ~6 min
-#   kvwrites  one decode pass's kernels and step time with the live KV written as buf[rows, :, positions] = kv vs
-#             one Scatter over indices built once per pass (cache.write_index), llama-3.2-3b bf16 at 1, 16, 64 and 256
-#             rows, alternating in one process (perf/profile_kv_writes.py; issue 24's single stream), ~3 min
 #   decodeattn  decode attention over 28 layers of llama-3.2-3b's shape at 1, 16, 64 and 256 rows and spans 256 and
 #             1024: the engine's masked call (MLX's CUDA fallback: its vector kernel takes no array mask) vs unmasked
 #             (the fused kernel) vs fastmath.unfused_sdpa (perf/profile_decode_attention.py; issue 24's c=256), ~2 min
@@ -78,7 +73,7 @@
 #             actions/s at 256 environments, flush_us 0 and 200, on the device's MLX (perf/bench_policy.py), ~2 min
 # A fresh server per wave: `waves` fits 6-7 waves in one 10-minute call; run it twice for ten.
 set -uo pipefail
-case "${1:-}" in diag|llama|adapters|qwen-a|qwen-b|launch|serving|waves|ingress|moe|moe256|hybrid|structured|tp|tp8b|dp|threads|compiled|republish|buckets|serve256|inplace|mixed|cudnn|kvwrites|decodeattn|unfuseddecode|defaults|defaultsab|qwendtype|qwenmlx|embeddings|policy) ;;
+case "${1:-}" in diag|llama|adapters|qwen-a|qwen-b|serving|waves|ingress|moe|moe256|hybrid|structured|tp|tp8b|dp|threads|compiled|republish|buckets|serve256|inplace|mixed|cudnn|decodeattn|unfuseddecode|defaults|defaultsab|qwendtype|qwenmlx|embeddings|policy) ;;
   *) sed -n 2,79p "$0"; exit 2 ;; esac
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
@@ -114,13 +109,10 @@ case "${1:-}" in
   policy)   python3 -m perf.bench_policy --out-dir "$OUT" ;;
   ingress)  python3 -m perf.bench_ingress --shape llama-3.2-3b --concurrency 256 --requests 512 --max-tokens 128 \
               --rounds 4 --tokenizer-dir $TOK --work-dir $WORK --experiment llama-3.2-3b --out-dir "$OUT" ;;
-  launch)   python3 -m perf.profile_launch --tokenizer-dir $TOK --work-dir $WORK --served \
-              --out-dir "$OUT" ;;
   moe|hybrid) shape=$([ "$1" = moe ] && echo qwen3-30b-a3b || echo qwen3.5-4b-hybrid)
             python3 -m perf.bench_serving --shape $shape --concurrency 1,64,256 --requests-per-client 1 \
               --max-tokens 128 --client-procs 4 --targets batchgen,http --tokenizer-dir $TOK --work-dir $WORK \
-              --experiment $shape --out-dir "$OUT"
-            if [ "$1" = hybrid ]; then python3 -m perf.profile_state_views --out-dir "$OUT"; fi ;;
+              --experiment $shape --out-dir "$OUT" ;;
   moe256)   for cudnn in 1 0; do
               MLX_CUDA_USE_CUDNN_SDPA=$cudnn python3 -m perf.bench_serving --shape qwen3-30b-a3b --concurrency 256 \
                 --requests-per-client 1 --max-tokens 128 --client-procs 4 \
@@ -158,8 +150,6 @@ case "${1:-}" in
                 --server-args "$([ $run = unfused ] && echo --engine.unfused-prefill-keys 4096)" \
                 --tokenizer-dir $TOK --work-dir $WORK --experiment llama-3.2-3b-c256-cudnn-$run --out-dir "$OUT"
             done ;;
-  kvwrites) python3 -m perf.profile_kv_writes --shape llama-3.2-3b --dtype bfloat16 --batches 1,16,64,256 --steps 32 \
-              --rounds 3 --out-dir "$OUT" ;;
   decodeattn) python3 -m perf.profile_decode_attention --rows 1,16,64,256 --spans 256,1024 --repeats 10 \
               --out-dir "$OUT" ;;
   defaults) SECONDS=0

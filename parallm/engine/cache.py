@@ -41,7 +41,7 @@ def write_index(rows: mx.array, positions: mx.array, heads: int) -> tuple[mx.arr
     uint32 arange, so MLX promotes all three indices to int64 and broadcasts and casts each: 13
     graph nodes and 5 kernels per write, twice per layer and pass (a batch-1 decode of a 28-layer
     model launched ~280 kernels for them, on a GPU where the decode step is launch-bound). Built
-    once per pass and head count, the layers' writes are one Scatter each (perf/profile_kv_writes)."""
+    once per pass and head count, the layers' writes are one Scatter each (perf/results/kv-writes-cpu.md)."""
     shape = (*positions.shape, heads)
     row_idx = rows.reshape(*rows.shape, *[1] * (positions.ndim - rows.ndim), 1)
     return (mx.broadcast_to(row_idx, shape), mx.broadcast_to(mx.arange(heads, dtype=mx.int32), shape),

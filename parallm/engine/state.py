@@ -68,7 +68,7 @@ class RowsState(ArraysCache):
     What a decode step does not need costs it nothing: when no row of the pass starts its
     sequence (every decode pass) a read is the rows' slice alone, with no zeroing of fresh rows;
     a read is built once until the entry is written (a gated delta-net layer reads its conv state
-    twice); a write casts only when the dtype differs (perf/profile_state_views.py counts it)."""
+    twice); a write casts only when the dtype differs (perf/results/state-views-cpu.md counted it)."""
 
     def __init__(self, arrays: list[mx.array | None], row0: int, offsets: mx.array, all_fresh: bool,
                  lengths: mx.array | None, any_fresh: bool = True) -> None:
