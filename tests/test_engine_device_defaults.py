@@ -6,6 +6,7 @@ import mlx.core as mx
 import msgspec
 import pytest
 
+from parallm import device as device_module
 from parallm.config import CUDA_UNFUSED_PREFILL_KEYS, EngineConfig, resolve_engine_config
 from parallm.engine import engine as engine_module
 from parallm.engine import fastmath, memory
@@ -49,7 +50,7 @@ def test_given_settings_win_on_every_device(device):
 def test_compute_device_reads_mlx(monkeypatch, default, cuda, want):
     monkeypatch.setattr(mx, "default_device", lambda: getattr(mx, default))
     monkeypatch.setattr(mx.cuda, "is_available", lambda: cuda)
-    assert memory.compute_device() == want
+    assert device_module.compute_device() == want
 
 
 def test_engine_on_cuda_runs_the_unfused_forms_with_the_stock_tokens(monkeypatch):

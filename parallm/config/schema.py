@@ -154,7 +154,7 @@ def auto_adapter_merge_mb(on_cpu: bool) -> int:
     return 0 if on_cpu else 256
 
 
-ComputeDevice = Literal["cpu", "cuda", "metal"]  # the backend MLX computes on (engine.memory.compute_device)
+ComputeDevice = Literal["cpu", "cuda", "metal"]  # the backend MLX computes on (parallm.device.compute_device)
 
 CUDA_UNFUSED_PREFILL_KEYS = 4096  # engine.unfused_prefill_keys unset on a CUDA GPU
 

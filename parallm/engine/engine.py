@@ -17,6 +17,7 @@ from parallm.adapters import AdapterError, AdapterManager, LoadedAdapter, Versio
 from parallm.adapters.lora import packable
 from parallm.engine.weights import Applied, WeightsError, WeightSwapper, rebase_adapters
 from parallm.config import Config, auto_adapter_merge_mb, auto_prefill_tokens, resolve_engine_config
+from parallm.device import compute_device
 from parallm.protocol import FinishReason, SamplingParams
 from parallm.text.grammar import check_size
 
@@ -26,8 +27,8 @@ from .counters import StepCounters
 from .think_gate import thinking_from_file
 from .compat import check_model
 from .faults import PassState, log, prefill_passes
-from .memory import (auto_kv_budget_bytes, bound_cuda_cache, compute_device, fit_state_rows, limit_buffer_cache,
-                     set_wired_limit, split_kv_budget, weight_bytes)
+from .memory import (auto_kv_budget_bytes, bound_cuda_cache, fit_state_rows, limit_buffer_cache, set_wired_limit,
+                     split_kv_budget, weight_bytes)
 from .model import EngineModel
 from .output import OutputProcessor, StepOutputs, unseen_versions
 from .plan import KVBudget, Plan, PrefillWork

@@ -10,6 +10,8 @@ from typing import TYPE_CHECKING, Callable, TypeVar
 
 import mlx.core as mx
 
+from parallm.device import cuda_memory, metal_working_set
+
 if TYPE_CHECKING:
     from parallm.config import EngineConfig
 
@@ -26,36 +28,6 @@ AUTO_BUDGET_CAP = 8 << 30
 METAL_KV_FRACTION = 0.7
 # a CUDA GPU: the share of the device memory free once the weights are loaded that the KV gets
 CUDA_KV_FRACTION = 0.5
-
-
-def compute_device() -> str:
-    """The backend MLX computes on: "cpu" (MLX's CPU device), "cuda" or "metal" (config.ComputeDevice),
-    which decides the engine's unset settings (config.resolve_engine_config)."""
-    if mx.default_device() == mx.cpu:
-        return "cpu"
-    return "cuda" if mx.cuda.is_available() else "metal"
-
-
-def metal_working_set() -> int | None:
-    """Metal's recommended working-set size in bytes where MLX computes on Apple silicon's GPU
-    (unified memory), else None."""
-    try:
-        if mx.default_device() != mx.gpu or not mx.metal.is_available():
-            return None
-        return int(mx.device_info()["max_recommended_working_set_size"])
-    except Exception:  # noqa: BLE001 - backend specific
-        return None
-
-
-def cuda_memory() -> tuple[int, int] | None:
-    """(free, total) bytes of the CUDA device MLX computes on, else None."""
-    try:
-        if mx.default_device() != mx.gpu or not mx.cuda.is_available():
-            return None
-        info = mx.device_info()
-        return int(info["free_memory"]), int(info["total_memory"])
-    except Exception:  # noqa: BLE001 - backend specific
-        return None
 
 
 def cuda_free_after_weights(weight_bytes: int) -> int | None:

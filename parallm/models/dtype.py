@@ -20,6 +20,8 @@ import mlx.nn as nn
 from mlx.utils import tree_flatten, tree_unflatten
 from mlx_lm.models.switch_layers import QuantizedSwitchLinear, SwitchLinear
 
+from parallm import device
+
 from .errors import ModelLoadError
 
 FLOAT_DTYPES = {"float32": mx.float32, "float16": mx.float16, "bfloat16": mx.bfloat16}
@@ -65,16 +67,6 @@ def stored_dtype(model: nn.Module) -> str:
 CUDA_DEQUANTIZE_FRACTION = 0.5
 
 
-def _cuda_total_memory() -> int | None:
-    """The CUDA device's memory in bytes where MLX computes on one, else None."""
-    try:
-        if mx.default_device() != mx.gpu or not mx.cuda.is_available():
-            return None
-        return int(mx.device_info()["total_memory"])
-    except Exception:  # noqa: BLE001 - backend specific
-        return None
-
-
 def dequantized_bytes(model: nn.Module, itemsize: int = 2) -> int:
     """The model's weight bytes once every quantized layer is a plain float layer of `itemsize` bytes."""
     quantized = dict(_quantized_modules(model))
@@ -98,7 +90,7 @@ def default_dtype(model: nn.Module, *, on_cpu: bool | None = None, cuda_memory: 
     quantized = _quantized_modules(model)
     if stored != "quantized" or any(isinstance(m, QuantizedSwitchLinear) for _, m in quantized):
         return stored
-    total = cuda_memory if on_cpu is not None else _cuda_total_memory()
+    total = cuda_memory if on_cpu is not None else (device.cuda_memory() or (None, None))[1]
     if total is not None and dequantized_bytes(model, 2) <= CUDA_DEQUANTIZE_FRACTION * total:
         return "bfloat16"
     return stored
