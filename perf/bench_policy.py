@@ -17,7 +17,6 @@ import argparse
 import asyncio
 import json
 import os
-import statistics
 import tempfile
 import time
 from pathlib import Path
@@ -30,6 +29,7 @@ from parallm.policies import Policy, save_policy
 from parallm.policies.client import AsyncPolicyClient, PolicyClient, act_message
 from parallm.policies.rng import row_seeds
 from perf.harness import Results, Server, add_results_options, cpu_delta
+from perf.loadgen import percentile
 
 SPEC = {"format": "parallm-policy/1", "inputs": {"obs": {"shape": [None, 4]}},
         "network": {"blocks": [{"type": "mlp", "sizes": [64, 64], "activation": "tanh"}]},
@@ -37,9 +37,9 @@ SPEC = {"format": "parallm-policy/1", "inputs": {"obs": {"shape": [None, 4]}},
 
 
 def pcts(times: list[float]) -> dict[str, float]:
-    ordered = sorted(times)
-    return {"n": len(ordered), "p50_us": round(statistics.median(ordered) * 1e6, 1),
-            "p99_us": round(ordered[min(len(ordered) - 1, int(0.99 * len(ordered)))] * 1e6, 1)}
+    """p50 and p99 in µs, interpolated as every other benchmark reports them (loadgen.percentile)."""
+    return {"n": len(times), "p50_us": round(percentile(times, 0.5) * 1e6, 1),
+            "p99_us": round(percentile(times, 0.99) * 1e6, 1)}
 
 
 def timed(call: Any, count: int) -> list[float]:
