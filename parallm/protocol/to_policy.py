@@ -23,12 +23,11 @@ class Tensor(Struct, kw_only=True, forbid_unknown_fields=True):
     data: bytes
 
 
-class PolicyAct(Message, tag="policy_act"):
-    """Actions for a batch of observations (`/v1/rl/act`), sent on the policy stage's ROUTER by a DEALER
-    and answered there by PolicyActReply (or RequestError, `rid` = qid, `param` the bad tensor).
-    Recurrent state comes from `hidden_states` (given whole by the client), or is kept by the server
-    per row's `episode_ids` (a row whose `episode_starts` is true starts again from zeros), else zeros.
-    Row i of a request with `seed` draws from seed + i (docs/protocol.md); `deterministic`: the mode."""
+class PolicyInputs(Message, kw_only=True):
+    """What a policy request carries (the base of PolicyAct and Predict): named input tensors for the
+    policy `model`, and recurrent state from `hidden_states` (given whole by the client), or kept by the
+    server per row's `episode_ids` (a row whose `episode_starts` is true starts again from zeros), else
+    zeros."""
 
     qid: str
     model: str
@@ -36,20 +35,19 @@ class PolicyAct(Message, tag="policy_act"):
     hidden_states: dict[str, Tensor] = {}
     episode_ids: list[str] = []
     episode_starts: list[bool] = []
+
+
+class PolicyAct(PolicyInputs, tag="policy_act"):
+    """Actions for a batch of observations (`/v1/rl/act`), sent on the policy stage's ROUTER by a DEALER
+    and answered there by PolicyActReply (or RequestError, `rid` = qid, `param` the bad tensor).
+    Row i of a request with `seed` draws from seed + i (docs/protocol.md); `deterministic`: the mode."""
+
     deterministic: bool = False
     seed: int | None = None
 
 
-class Predict(Message, tag="predict"):
-    """Named tensors in, the network's named outputs out (`/v1/predict`); answered by PredictReply.
-    State as in PolicyAct."""
-
-    qid: str
-    model: str
-    inputs: dict[str, Tensor]
-    hidden_states: dict[str, Tensor] = {}
-    episode_ids: list[str] = []
-    episode_starts: list[bool] = []
+class Predict(PolicyInputs, tag="predict"):
+    """Named tensors in, the network's named outputs out (`/v1/predict`); answered by PredictReply."""
 
 
 class ListPolicies(Message, tag="list_policies"):
