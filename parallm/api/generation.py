@@ -8,6 +8,7 @@ long, a stage down) gets its real HTTP status rather than a 200 stream holding a
 from __future__ import annotations
 
 from dataclasses import replace
+from collections.abc import AsyncIterator, Awaitable
 from typing import Any, Callable, TypeVar
 
 from starlette.requests import Request
@@ -97,19 +98,31 @@ class GenerationRoutes:
         plan = await self.plan(await read_body(request, self.server.max_body_bytes), make_plan)
         request.scope[REQUEST_ID] = plan.id
         self.gate.enter()
+
+        async def collect(outputs: Any) -> Response:
+            collector = Collector(plan)
+            await _collect(outputs, collector)
+            return json_response(collector.chat() if plan.kind == "chat" else collector.completion())
+
+        return await self.answer(request, plan.submits, collect,
+                                 (lambda first, outputs: events(plan, first, outputs)) if plan.stream else None)
+
+    async def answer(self, request: Request, submits: Any, collect: Callable[[Any], Awaitable[Response]],
+                     stream: Callable[[Any, Any], AsyncIterator[bytes]] | None) -> Response:
+        """One generation request's life once it holds a Gate slot: its outputs merged from `submits`
+        under the server's deadlines, raced against the client leaving (499), then either `collect`ed
+        into one response or, with `stream`, handed to an event stream that owns the outputs and the
+        slot from its first output on. Whatever is not handed off is closed and released here."""
         handed_off = False
         watch = DisconnectWatch(request.receive)
-        outputs = merged(self.backend, plan.submits,
-                         Deadlines(self.server.first_token_timeout_s, self.server.request_timeout_s))
+        outputs = merged(self.backend, submits, Deadlines(self.server.first_token_timeout_s,
+                                                          self.server.request_timeout_s))
         try:
-            if not plan.stream:
-                collector = Collector(plan)
-                await watch.race(_collect(outputs, collector))
-                body: Any = collector.chat() if plan.kind == "chat" else collector.completion()
-                return json_response(body)
+            if stream is None:
+                return await watch.race(collect(outputs))
             first = await watch.race(_first(outputs))
             handed_off = True
-            return _Stream(events(plan, first, outputs), watch, self.gate, outputs)
+            return _Stream(stream(first, outputs), watch, self.gate, outputs)
         except ClientGone:
             return Response(status_code=499)
         finally:

@@ -18,8 +18,8 @@ from starlette.routing import Route
 
 from parallm.api.backend import Backend, BackendError
 from parallm.api.errors import APIError, invalid
-from parallm.api.generation import GenerationRoutes, _first, _Stream
-from parallm.api.http import REQUEST_ID, ClientGone, DisconnectWatch, json_response, read_body
+from parallm.api.generation import GenerationRoutes
+from parallm.api.http import REQUEST_ID, json_response, read_body
 from parallm.api.merge import Deadlines, merged
 from parallm.api.outputs import Collector
 from parallm.api.responses_events import ResponseEvents
@@ -89,26 +89,16 @@ class ResponsesRoutes:
         self.gen.gate.enter()
         if req.background:
             return self._background(rp)
-        handed_off = False
-        watch = DisconnectWatch(request.receive)
-        outputs = merged(self.backend, rp.plan.submits, self._deadlines())
-        try:
-            if not req.stream:
-                collector, reasoning = Collector(rp.plan), ReasoningTokens()
-                await watch.race(_collect(outputs, collector, reasoning))
-                response = finished_response(rp, collector.chat(), reasoning.count)
-                self._keep(rp, response)
-                return json_response(response)
-            first = await watch.race(_first(outputs))
-            handed_off = True
-            return _Stream(self._events(rp, first, outputs), watch, self.gen.gate, outputs)
-        except ClientGone:
-            return Response(status_code=499)
-        finally:
-            if not handed_off:
-                await outputs.aclose()
-                watch.stop()
-                self.gen.gate.leave()
+
+        async def collect(outputs: Any) -> Response:
+            collector, reasoning = Collector(rp.plan), ReasoningTokens()
+            await _collect(outputs, collector, reasoning)
+            response = finished_response(rp, collector.chat(), reasoning.count)
+            self._keep(rp, response)
+            return json_response(response)
+
+        return await self.gen.answer(request, rp.plan.submits, collect,
+                                     (lambda first, outputs: self._events(rp, first, outputs)) if req.stream else None)
 
     async def _events(self, rp: ResponsesPlan, first: Any, outputs: Any) -> AsyncIterator[bytes]:
         writer = ResponseEvents(rp)
