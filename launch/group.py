@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import IO, Callable
 
 from parallm import protocol
+from parallm.protocol import RankStart
 
 from .process import StageProcess, StageSpec
 from .remote_rank import HostCheckError, RankHost, RemoteRank, check_hosts, ssh_argv
@@ -191,7 +192,7 @@ class Followers:
             self.control = f"tcp://{self.hosts[0].ip}:{calls},tcp://{self.hosts[0].ip}:{acks}"
         return self.env_of(0)
 
-    def remote_header(self, rank: int) -> dict:
+    def remote_start(self, rank: int) -> RankStart:
         """What a remote rank gets on stdin besides the configuration: its replica, the launcher's variables
         (not this machine's whole environment) and, on the ring backend, the ring hostfile's text."""
         env = {k: v for k, v in self.env_of(rank).items() if self.env.get(k) != v or k == "NCCL_NVLS_ENABLE"}
@@ -199,7 +200,7 @@ class Followers:
         files = {}
         if self.backend != "nccl":
             files["MLX_HOSTFILE"] = Path(env.pop("MLX_HOSTFILE")).read_text()
-        return {"replica": self.replica, "env": env, "files": files}
+        return RankStart(replica=self.replica, env=env, files=files)
 
     def start(self, config: bytes, parent_read_fd: int, log_out: IO[str], json_logs: bool) -> None:
         """Start ranks 1..N-1 (after `prepare`, beside rank 0)."""
@@ -207,7 +208,7 @@ class Followers:
         for rank in range(1, self.ranks):
             spec = StageSpec("engine", replica=self.replica, env=self.env_of(rank))
             host = self.hosts[rank]
-            proc = StageProcess(spec) if host.local else RemoteRank(spec, host, self.remote_header(rank), self.reach)
+            proc = StageProcess(spec) if host.local else RemoteRank(spec, host, self.remote_start(rank), self.reach)
             proc.start(config, parent_read_fd, log_out, json_logs)
             self.procs.append(proc)
 

@@ -9,8 +9,8 @@ be this machine. For each start of the group the supervisor runs, for every remo
 
 (CWD and PYTHON: the entry's optional "cwd" and "python", else this process's working directory and
 interpreter, as `mlx.launch` defaults them) and writes on ssh's stdin what that rank needs, never on
-the command line or a file: a length-prefixed JSON header (the replica, MLX's and NCCL's environment
-for the rank, and MLX's ring hostfile as text) and the encoded configuration, which holds the CURVE
+the command line or a file: a length-prefixed RankStart message (parallm/protocol/to_ranks.py: the
+replica, MLX's and NCCL's environment for the rank, and MLX's ring hostfile as text) and the encoded configuration, which holds the CURVE
 keys and API keys. stdin then stays open: its end (the supervisor, or the ssh connection, gone) ends
 the rank, like a local stage's parent pipe.
 
@@ -26,7 +26,6 @@ process exit as the rank's death and restarts the whole group, as for a local ra
 
 from __future__ import annotations
 
-import json
 import os
 import shlex
 import signal
@@ -37,6 +36,9 @@ import tempfile
 import threading
 from dataclasses import dataclass
 from typing import IO, BinaryIO, Callable, Sequence
+
+from parallm import protocol
+from parallm.protocol import RankStart
 
 from .process import ChildProcess, StageSpec, _pump
 
@@ -68,14 +70,14 @@ def ssh_argv(host: RankHost) -> list[str]:
     return ["ssh", *SSH_OPTIONS, host.ssh, remote]
 
 
-def write_payload(out: BinaryIO, header: dict, config: bytes) -> None:
-    """What a remote rank reads on stdin: the JSON header, then the encoded configuration."""
-    head = json.dumps(header).encode()
+def write_payload(out: BinaryIO, start: RankStart, config: bytes) -> None:
+    """What a remote rank reads on stdin: its RankStart, then the encoded configuration."""
+    head = protocol.encode(start)
     out.write(_LENGTH.pack(len(head)) + head + _LENGTH.pack(len(config)) + config)
     out.flush()
 
 
-def read_payload(stream: BinaryIO) -> tuple[dict, bytes]:
+def read_payload(stream: BinaryIO) -> tuple[RankStart, bytes]:
     def exactly(n: int) -> bytes:
         data = b""
         while len(data) < n:
@@ -85,20 +87,20 @@ def read_payload(stream: BinaryIO) -> tuple[dict, bytes]:
             data += chunk
         return data
 
-    header = json.loads(exactly(_LENGTH.unpack(exactly(_LENGTH.size))[0]))
-    return header, exactly(_LENGTH.unpack(exactly(_LENGTH.size))[0])
+    start = protocol.decode(exactly(_LENGTH.unpack(exactly(_LENGTH.size))[0]), RankStart)
+    return start, exactly(_LENGTH.unpack(exactly(_LENGTH.size))[0])
 
 
 class RemoteRank(ChildProcess):
     """A rank on another machine as the supervisor holds it: its ssh process (the same interface as a
     local StageProcess for the group: start, alive, exit_code, kill, terminate)."""
 
-    def __init__(self, spec: StageSpec, host: RankHost, header: dict,
+    def __init__(self, spec: StageSpec, host: RankHost, start: RankStart,
                  argv: Callable[[RankHost], list[str]] = ssh_argv) -> None:
         """`argv`: the command that reaches the host (ssh; a test runs the same entry without it)."""
         self.spec = spec
         self.host = host
-        self.header = header
+        self.start_message = start
         self.argv = argv
         self.proc: subprocess.Popen | None = None
         self.pid = 0
@@ -117,7 +119,7 @@ class RemoteRank(ChildProcess):
 
     def _send(self, stdin: BinaryIO, config: bytes) -> None:
         try:
-            write_payload(stdin, self.header, config)
+            write_payload(stdin, self.start_message, config)
         except OSError:  # ssh exited first (unreachable host): its exit is the rank's death
             pass
 
@@ -191,16 +193,16 @@ def watch_stdin() -> None:
 
 def main() -> int:
     """On the rank's machine: read the payload on stdin, check the model, join the group, follow rank 0."""
-    header, config_bytes = read_payload(sys.stdin.buffer)
-    os.environ.update(header["env"])  # before MLX is imported (CUDA_VISIBLE_DEVICES)
+    start, config_bytes = read_payload(sys.stdin.buffer)
+    os.environ.update(start.env)  # before MLX is imported (CUDA_VISIBLE_DEVICES)
     from parallm.config import Config
 
     config = Config.decode(config_bytes)
     if not os.path.exists(config.model.path):
-        print(f"rank {header['env'].get('MLX_RANK')}: the model directory {config.model.path!r} does not exist on "
+        print(f"rank {start.env.get('MLX_RANK')}: the model directory {config.model.path!r} does not exist on "
               "this machine; copy it there at the same path", file=sys.stderr, flush=True)
         return 2
-    for name, text in header.get("files", {}).items():
+    for name, text in start.files.items():
         fd, path = tempfile.mkstemp(prefix="parallm-rank-", suffix=".json")
         with os.fdopen(fd, "w") as f:
             f.write(text)
@@ -214,7 +216,7 @@ def main() -> int:
     set_curve(stage_curve(config.transport.curve_keys))
     from parallm.engine import distributed
 
-    return distributed.follower_main(config, int(header["replica"]))
+    return distributed.follower_main(config, start.replica)
 
 
 if __name__ == "__main__":

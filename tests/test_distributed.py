@@ -10,6 +10,7 @@ import sys
 import threading
 import time
 from pathlib import Path
+from typing import get_args
 
 import mlx.core as mx
 import msgspec
@@ -17,9 +18,10 @@ import pytest
 import zmq
 from mlx_lm.models import llama
 
+from parallm import protocol
 from parallm.launch.group import write_ring_hostfile
 from parallm.engine import distributed
-from parallm.engine.distributed import (Ack, Batch, Call, Leader, TensorParallelError, control_addresses, follow,
+from parallm.engine.distributed import (Leader, TensorParallelError, control_addresses, follow,
                                         shard_model, shard_refusal, state_digest)
 from parallm.protocol import SamplingParams
 from tests._engine_helpers import greedy, make_engine, req, run_all, tiny_model
@@ -145,9 +147,27 @@ def test_a_model_without_shard_is_refused():
         shard_model(model, mx.distributed.init())
 
 
-def test_calls_round_trip():
-    batch = Batch([Call("add_request", 1.5, ["r", [1, 2], b"\x80"]), Call("step", 2.0)], digest=7, seq=3)
-    assert msgspec.msgpack.decode(msgspec.msgpack.encode(batch), type=Batch) == batch
+def test_calls_round_trip_as_typed_messages():
+    """Every engine call rank 0 sends is its own struct (protocol/to_ranks.py), decoded by type."""
+    spec = protocol.RequestSpec(params=greedy(3), adapter="a")
+    calls = [protocol.AddRequest(now=1.5, rid="r", prompt_ids=[1, 2], spec=spec),
+             protocol.AbortRequest(now=1.6, rid="r", reason="error", index=0),
+             protocol.AddScore(now=1.7, qid="q", ids=[1, 2, 3], start=1, top_logprobs=2),
+             protocol.LoadAdapter(now=1.8, name="a", weights=b"\x80", version=3),
+             protocol.UnloadAdapter(now=1.9, name="a"), protocol.SetDefaultAdapter(now=2.0, name="a"),
+             protocol.FollowLatest(now=2.1), protocol.DropCachedBlocks(now=2.2),
+             protocol.UpdateWeights(now=2.3, path="/w", version=4, complete=False), protocol.Step(now=2.4),
+             protocol.Flush(now=2.5), protocol.StopFollowing(now=2.6)]
+    batch = protocol.RankBatch(calls=calls, digest=7, seq=3)
+    assert protocol.decode(protocol.encode(batch), protocol.RankBatch) == batch
+    assert set(map(type, calls)) == set(get_args(protocol.RankCallKind))  # every kind, each replayed or ending
+
+
+def test_a_follower_refuses_an_unknown_call():
+    frame = msgspec.msgpack.encode({"type": "rank_batch", "v": protocol.PROTOCOL_VERSION, "digest": 1,
+                                    "calls": [{"type": "rank_reboot", "now": 0.0}]})
+    with pytest.raises(protocol.ProtocolError, match="rank_reboot"):
+        protocol.decode(frame, protocol.RankBatch)
 
 
 def test_the_leader_sends_its_calls_without_a_collective(tmp_path, monkeypatch):
@@ -196,14 +216,15 @@ def test_rank_0_checks_the_followers_acks_without_waiting(tmp_path, monkeypatch)
         start = state_digest(engine)
         leader.add_request(req("r", [1, 2, 3], greedy(8)))
         leader.step()  # returns with no ack heard
-        first = msgspec.msgpack.decode(sub.recv(), type=Batch)
-        assert first.seq == 1 and first.digest == start and [c.method for c in first.calls] == ["add_request", "step"]
-        push.send(msgspec.msgpack.encode(Ack(1, 1, state_digest(engine))))
+        first = protocol.decode(sub.recv(), protocol.RankBatch)
+        assert first.seq == 1 and first.digest == start
+        assert [type(c) for c in first.calls] == [protocol.AddRequest, protocol.Step]
+        push.send(protocol.encode(protocol.RankAck(rank=1, seq=1, digest=state_digest(engine))))
         state = rank_1_after(leader)
         assert state.agrees and state.step == 1
         leader.step()
-        assert msgspec.msgpack.decode(sub.recv(), type=Batch).seq == 2
-        push.send(msgspec.msgpack.encode(Ack(1, 2, 12345)))  # a follower whose state differs
+        assert protocol.decode(sub.recv(), protocol.RankBatch).seq == 2
+        push.send(protocol.encode(protocol.RankAck(rank=1, seq=2, digest=12345)))  # a follower whose state differs
         with pytest.raises(TensorParallelError, match="rank 1 diverged from rank 0 after batch 2"):
             for _ in range(1000):
                 leader.stats()
@@ -228,7 +249,7 @@ def test_a_follower_that_misses_a_batch_exits(tmp_path):
     def rank_0():
         if pub.poll(30_000):  # the follower subscribed
             pub.recv()
-            pub.send(msgspec.msgpack.encode(Batch([Call("step", 0.0)], state_digest(engine), seq=2)))
+            pub.send(protocol.encode(protocol.RankBatch(calls=[protocol.Step()], digest=state_digest(engine), seq=2)))
 
     sender = threading.Thread(target=rank_0)
     sender.start()

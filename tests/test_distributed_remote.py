@@ -90,20 +90,20 @@ def test_a_remote_rank_is_started_over_ssh_with_its_payload_on_stdin(tmp_path):
     rank0 = group.prepare()
     calls, acks = rank0[CONTROL_ENV].split(",")
     assert calls.startswith("tcp://127.0.0.1:") and acks.startswith("tcp://127.0.0.1:") and calls != acks
-    header = group.remote_header(1)
-    assert header["replica"] == 0 and header["env"] == {"MLX_RANK": "1", CONTROL_ENV: rank0[CONTROL_ENV],
-                                                        "PYTHONUNBUFFERED": "1"}
-    ring = json.loads(header["files"]["MLX_HOSTFILE"])  # the ring hostfile's text, not this machine's path
+    start = group.remote_start(1)
+    assert start.replica == 0 and start.env == {"MLX_RANK": "1", CONTROL_ENV: rank0[CONTROL_ENV],
+                                                "PYTHONUNBUFFERED": "1"}
+    ring = json.loads(start.files["MLX_HOSTFILE"])  # the ring hostfile's text, not this machine's path
     assert ring[0][0].startswith("127.0.0.1:") and ring[1][0].startswith(f"{UNROUTED}:")
     buffer = io.BytesIO()
-    write_payload(buffer, header, b"\x00config\xff")
+    write_payload(buffer, start, b"\x00config\xff")
     buffer.seek(0)
-    assert read_payload(buffer) == (header, b"\x00config\xff")
+    assert read_payload(buffer) == (start, b"\x00config\xff")
     nccl = Followers(2, 0, {}, tmp_path, "nccl", hosts=hosts)
     nccl.prepare()
-    env = nccl.remote_header(1)["env"]
+    env = nccl.remote_start(1).env
     assert env["NCCL_HOST_IP"] == "127.0.0.1" and env["CUDA_VISIBLE_DEVICES"] == "0" and env["MLX_WORLD_SIZE"] == "2"
-    assert nccl.remote_header(1)["files"] == {}
+    assert nccl.remote_start(1).files == {}
 
 
 def local_entry(host: RankHost) -> list[str]:
@@ -116,7 +116,7 @@ def remote_rank(tmp_path: Path, model_path: str) -> RemoteRank:
              RankHost(rank=1, ip="127.0.0.1", ssh="gpu2", local=False)]
     group = Followers(2, 0, dict(os.environ), tmp_path, "ring", hosts=hosts)
     group.prepare()
-    rank = RemoteRank(StageSpec("engine", env=group.env_of(1)), hosts[1], group.remote_header(1), argv=local_entry)
+    rank = RemoteRank(StageSpec("engine", env=group.env_of(1)), hosts[1], group.remote_start(1), argv=local_entry)
     log = open(tmp_path / "rank.log", "w")
     rank.start(config_with(model={"path": model_path}).encode(), -1, log, False)
     return rank

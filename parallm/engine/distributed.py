@@ -5,7 +5,7 @@ of the attention heads and MLP columns; the layers' `sharded-to-all` projections
 outputs) and builds the same `Engine`. Rank 0 serves: the engine stage wraps its engine in a
 `Leader`, which records every call that changes the engine's state (a request added, an abort,
 an adapter loaded, a step, ...) and, before each step, sends the calls since the last one to the
-other ranks as one numbered `Batch` over ZeroMQ (an XPUB socket in the run dir). The other ranks
+other ranks as one numbered `RankBatch` (parallm/protocol/to_ranks.py: one struct per call) over ZeroMQ (an XPUB socket in the run dir). The other ranks
 run `follow`: they replay the same calls on their own engine, so every rank schedules the same plan
 and runs the same passes in lockstep (the passes' own all-sums, in mlx-lm's sharded layers, keep
 them in step: those stay on `mx.distributed`). The scheduler's clock (priority aging) is rank 0's,
@@ -16,7 +16,7 @@ rank, and a row's sampler is seeded by its request, so each rank draws the same 
 per-step exchange of them (what mlx-lm's server does too); only rank 0's outputs leave the
 process. Each batch carries a digest of rank 0's state after its previous step, which a follower
 compares with its own (a rank that diverged exits), and each follower sends its digest after each
-batch back to rank 0 (`Ack`, over a PUSH socket to rank 0's PULL), which drains what arrived
+batch back to rank 0 (`RankAck`, over a PUSH socket to rank 0's PULL), which drains what arrived
 without waiting before each step: a digest that differs from rank 0's at that batch, or a follower
 that has not answered a batch for SILENT_AFTER_S, ends the group (rank 0 raises, the supervisor
 restarts every rank); a gap in the batch numbers ends a follower.
@@ -50,11 +50,13 @@ import zlib
 from typing import Any, Callable
 
 import mlx.core as mx
-import msgspec
 import zmq
 
 from parallm.adapters import load_bytes, save_bytes
-from parallm.protocol import RankState, RequestSpec
+from parallm import protocol
+from parallm.protocol import (AbortRequest, AddRequest, AddScore, DropCachedBlocks, Flush, FollowLatest, LoadAdapter,
+                              RankAck, RankBatch, RankCall, RankState, SetDefaultAdapter, Step, StopFollowing,
+                              UnloadAdapter, UpdateWeights)
 
 from .rank_group import (  # noqa: F401 - re-exported: the engine stage and tests use distributed.<name>
     CONTROL_ENV, TensorParallelError, agree_min, agreed_config, channel_socket, control_addresses, default_backend,
@@ -68,37 +70,8 @@ SILENT_AFTER_S = 60.0  # a follower that has not acknowledged a batch for this l
 ACK_GRACE_S = 2.0  # waited for a late ack before that (rank 0 may itself have been blocked, e.g. in a weight load)
 
 
-# ------------------------------------------------------------------ the calls rank 0 sends
-
-class Call(msgspec.Struct, array_like=True):
-    """One engine call: its name, rank 0's clock when it was made, and its arguments."""
-
-    method: str
-    now: float
-    args: list[Any] = []
-    kwargs: dict[str, Any] = {}
-
-
-class Batch(msgspec.Struct, array_like=True):
-    """What rank 0 sends before a step: the calls since the last batch (the step last), the digest
-    of its state after the previous step, and its number (1, 2, ...: a follower that sees a gap exits)."""
-
-    calls: list[Call]
-    digest: int
-    seq: int = 0
-
-
-class Ack(msgspec.Struct, array_like=True):
-    """A follower's state digest after replaying batch `seq`."""
-
-    rank: int
-    seq: int
-    digest: int
-
-
-_encoder = msgspec.msgpack.Encoder()
-_decoder = msgspec.msgpack.Decoder(Batch)
-_ack_decoder = msgspec.msgpack.Decoder(Ack)
+_batches = protocol.Decoder(protocol.RankBatch)
+_acks = protocol.Decoder(protocol.RankAck)
 
 
 def served_policy(engine) -> dict[str, int]:
@@ -138,7 +111,7 @@ class Leader:
         self._sent: dict[int, float] = {}  # batch -> when it was sent, until every follower acked it
         self._after: dict[int, tuple[int, int, dict[str, int]]] = {}  # batch -> rank 0's (digest, steps, policy)
         self._acked = {r: 0 for r in range(1, group.size())}
-        self._pending: list[Call] = []
+        self._pending: list[RankCall] = []
         self._now = time.monotonic()
         self._digest = state_digest(engine)
         self._digest_policy = served_policy(engine)  # what rank 0 served when it computed _digest
@@ -154,21 +127,20 @@ class Leader:
     def group(self) -> mx.distributed.Group:
         return self._group
 
-    def _record(self, method: str, *args: Any, run: Callable[[], Any] | None = None, **kwargs: Any) -> Any:
-        """Run the call here (`run`, else the engine's method of that name); if it raised nothing,
-        queue it for the others."""
-        self._now = time.monotonic()
-        result = run() if run is not None else getattr(self._engine, method)(*args, **kwargs)
-        self._pending.append(Call(method, self._now, list(args), kwargs))
+    def _record(self, call: RankCall, run: Callable[[], Any]) -> Any:
+        """Run the call here; if it raised nothing, queue it (stamped with rank 0's clock) for the others."""
+        self._now = call.now = time.monotonic()
+        result = run()
+        self._pending.append(call)
         return result
 
-    def _send(self, *calls: Call) -> None:
+    def _send(self, *calls: RankCall) -> None:
         """Send the pending calls and `calls` as the next batch; no device work, no wait."""
         self._drain_acks()
         self._pending.extend(calls)
         self._seq += 1
-        batch, self._pending = Batch(self._pending, self._digest, self._seq), []
-        self._calls.send(_encoder.encode(batch))
+        batch, self._pending = RankBatch(calls=self._pending, digest=self._digest, seq=self._seq), []
+        self._calls.send(protocol.encode(batch))
         if self._acked:
             self._sent[self._seq] = time.monotonic()
 
@@ -176,7 +148,7 @@ class Leader:
         """Take the followers' acks that arrived (without waiting): raises TensorParallelError for a
         follower whose digest differs from rank 0's at the same batch, or that is silent too long."""
         while self._acks.poll(0):
-            ack = _ack_decoder.decode(self._acks.recv())
+            ack = _acks.decode(self._acks.recv())
             self._acked[ack.rank] = max(self._acked.get(ack.rank, 0), ack.seq)
             if ack.seq not in self._after:  # a batch whose call raised here: this rank is on its way out
                 continue
@@ -201,11 +173,11 @@ class Leader:
                 raise TensorParallelError(f"rank(s) {late} have not answered rank 0's batch {oldest} for "
                                           f"{silent:.0f} s; the group must restart")
 
-    def _sync(self, method: str, *args: Any, **kwargs: Any) -> Any:
+    def _sync(self, call: Step | Flush, run: Callable[[], Any]) -> Any:
         """Send the pending calls and this one, then run it here (the others do the same)."""
-        self._now = time.monotonic()
-        self._send(Call(method, self._now))
-        result = getattr(self._engine, method)(*args, **kwargs)
+        self._now = call.now = time.monotonic()
+        self._send(call)
+        result = run()
         self._digest = state_digest(self._engine)
         self._digest_policy = served_policy(self._engine)
         if self._acked:
@@ -222,15 +194,18 @@ class Leader:
 
     # the calls that change the engine's state
     def add_request(self, request: Request) -> None:
-        self._record("add_request", request.rid, list(request.prompt_ids), _encoder.encode(request.spec),
-                     run=lambda: self._engine.add_request(request))
+        self._record(AddRequest(rid=request.rid, prompt_ids=list(request.prompt_ids), spec=request.spec),
+                     lambda: self._engine.add_request(request))
 
     def abort(self, rid: str, reason: str = "abort", index: int | None = None) -> bool:
-        return self._record("abort", rid, reason, index)
+        return self._record(AbortRequest(rid=rid, reason=reason, index=index),
+                            lambda: self._engine.abort(rid, reason, index))
 
     def add_score(self, qid: str, ids, start: int = 1, top_logprobs: int = 0, adapter: str = "",
                   adapter_version: int = 0) -> None:
-        self._record("add_score", qid, [int(t) for t in ids], start, top_logprobs, adapter, adapter_version)
+        call = AddScore(qid=qid, ids=[int(t) for t in ids], start=start, top_logprobs=top_logprobs, adapter=adapter,
+                        adapter_version=adapter_version)
+        self._record(call, lambda: self._engine.add_score(qid, call.ids, start, top_logprobs, adapter, adapter_version))
 
     def load_adapter(self, name: str, *, config: dict | None = None, weights: bytes | dict | None = None,
                      path: str = "", format: str = "auto", version: int = 0):
@@ -239,14 +214,14 @@ class Leader:
         same path (on several machines, a path every machine has)."""
         if isinstance(weights, dict):
             weights = save_bytes(weights)
-        return self._record("load_adapter", name, config=config, weights=weights, path=path, format=format,
-                            version=version)
+        call = LoadAdapter(name=name, config=config, weights=weights, path=path, format=format, version=version)
+        return self._record(call, lambda: _load_adapter(self._engine, call))
 
     def unload_adapter(self, name: str) -> int:
-        return self._record("unload_adapter", name)
+        return self._record(UnloadAdapter(name=name), lambda: self._engine.unload_adapter(name))
 
     def follow_latest(self) -> int:
-        return self._record("follow_latest")
+        return self._record(FollowLatest(), self._engine.follow_latest)
 
     def update_weights(self, *, path: str = "", tensors: dict | None = None, version: int = 0,
                        complete: bool = True):
@@ -256,14 +231,15 @@ class Leader:
         def run():
             return self._engine.update_weights(path=path, tensors=tensors, version=version, complete=complete)
 
-        data = save_bytes(tensors) if tensors else b""
-        return self._record("update_weights", path=path, weights=data, version=version, complete=complete, run=run)
+        call = UpdateWeights(path=path, weights=save_bytes(tensors) if tensors else b"", version=version,
+                             complete=complete)
+        return self._record(call, run)
 
     def step(self, emit: Callable | None = None) -> list:
-        return self._sync("step", emit=emit)
+        return self._sync(Step(), lambda: self._engine.step(emit=emit))
 
     def flush(self) -> list:
-        return self._sync("flush")
+        return self._sync(Flush(), self._engine.flush)
 
     def score(self, *args: Any, **kwargs: Any):
         raise TensorParallelError("Engine.score steps on its own; a tensor-parallel engine takes add_score "
@@ -276,7 +252,8 @@ class Leader:
 
     def close(self) -> None:
         """Tell the other ranks to return from `follow` (the stage is shutting down)."""
-        self._calls.send(_encoder.encode(Batch([Call("stop", time.monotonic())], self._digest, self._seq + 1)))
+        stop = RankBatch(calls=[StopFollowing(now=time.monotonic())], digest=self._digest, seq=self._seq + 1)
+        self._calls.send(protocol.encode(stop))
         self.close_sockets()
 
     def close_sockets(self) -> None:
@@ -287,7 +264,7 @@ class Leader:
 class _RecordingAdapters:
     """`engine.adapters` on rank 0: `set_default` is recorded like the engine's calls."""
 
-    def __init__(self, adapters, record: Callable[..., Any]) -> None:
+    def __init__(self, adapters, record: Callable[[RankCall, Callable[[], Any]], Any]) -> None:
         self._adapters = adapters
         self._record = record
 
@@ -295,13 +272,13 @@ class _RecordingAdapters:
         return getattr(self._adapters, name)
 
     def set_default(self, name: str) -> None:
-        self._record("set_default", name, run=lambda: self._adapters.set_default(name))
+        self._record(SetDefaultAdapter(name=name), lambda: self._adapters.set_default(name))
 
 
 class _RecordingBlocks:
     """`engine.blocks` on rank 0: dropping the cached prefix blocks is recorded like the engine's calls."""
 
-    def __init__(self, blocks, record: Callable[..., Any]) -> None:
+    def __init__(self, blocks, record: Callable[[RankCall, Callable[[], Any]], Any]) -> None:
         self._blocks = blocks
         self._record = record
 
@@ -309,25 +286,29 @@ class _RecordingBlocks:
         return getattr(self._blocks, name)
 
     def drop_cached(self) -> int:
-        return self._record("drop_cached", run=self._blocks.drop_cached)
+        return self._record(DropCachedBlocks(), self._blocks.drop_cached)
 
 
-def _replay(engine, call: Call) -> None:
-    if call.method == "add_request":
-        rid, prompt_ids, spec = call.args
-        engine.add_request(Request(rid, prompt_ids, msgspec.msgpack.decode(spec, type=RequestSpec)))
-    elif call.method == "set_default":
-        engine.adapters.set_default(*call.args)
-    elif call.method == "drop_cached":
-        engine.blocks.drop_cached()
-    elif call.method == "update_weights":
-        kw = dict(call.kwargs)
-        data = kw.pop("weights")
-        engine.update_weights(tensors=load_bytes(data) if data else None, **kw)
-    elif call.method in ("abort", "add_score", "load_adapter", "unload_adapter", "follow_latest", "step", "flush"):
-        getattr(engine, call.method)(*call.args, **call.kwargs)
-    else:
-        raise TensorParallelError(f"rank 0 sent an unknown call {call.method!r}")
+def _load_adapter(engine, call: LoadAdapter) -> Any:
+    return engine.load_adapter(call.name, config=call.config, weights=call.weights, path=call.path,
+                               format=call.format, version=call.version)
+
+
+_REPLAY: dict[type, Callable[[Any, Any], Any]] = {
+    AddRequest: lambda engine, c: engine.add_request(Request(c.rid, c.prompt_ids, c.spec)),
+    AbortRequest: lambda engine, c: engine.abort(c.rid, c.reason, c.index),
+    AddScore: lambda engine, c: engine.add_score(c.qid, c.ids, c.start, c.top_logprobs, c.adapter, c.adapter_version),
+    LoadAdapter: _load_adapter,
+    UnloadAdapter: lambda engine, c: engine.unload_adapter(c.name),
+    SetDefaultAdapter: lambda engine, c: engine.adapters.set_default(c.name),
+    FollowLatest: lambda engine, c: engine.follow_latest(),
+    DropCachedBlocks: lambda engine, c: engine.blocks.drop_cached(),
+    UpdateWeights: lambda engine, c: engine.update_weights(path=c.path, tensors=load_bytes(c.weights) if c.weights
+                                                           else None, version=c.version, complete=c.complete),
+    Step: lambda engine, c: engine.step(),
+    Flush: lambda engine, c: engine.flush(),
+}
+"""How a follower replays each call rank 0 sends (StopFollowing ends `follow` instead)."""
 
 
 def follower_main(config, replica: int = 0) -> int:
@@ -371,7 +352,7 @@ def follow(engine, group: mx.distributed.Group, addresses: tuple[str, str]) -> i
     log.info("rank %d of %d follows rank 0", rank, group.size())
     try:
         while True:
-            batch = _decoder.decode(calls.recv())  # blocks without polling while rank 0 is idle
+            batch = _batches.decode(calls.recv())  # blocks without polling while rank 0 is idle
             if batch.seq != expected:
                 raise TensorParallelError(f"rank {rank} got rank 0's batch {batch.seq}, expected {expected}: "
                                           "calls were lost; the group must restart")
@@ -380,13 +361,13 @@ def follow(engine, group: mx.distributed.Group, addresses: tuple[str, str]) -> i
                 raise TensorParallelError(f"rank {rank} diverged from rank 0 (state digest {digest} vs "
                                           f"{batch.digest}); the group must restart")
             for call in batch.calls:
-                if call.method == "stop":
+                if isinstance(call, StopFollowing):
                     return 0
                 now = call.now
-                _replay(engine, call)
-                if call.method in ("step", "flush"):
+                _REPLAY[type(call)](engine, call)
+                if isinstance(call, (Step, Flush)):
                     digest = state_digest(engine)
-            acks.send(_encoder.encode(Ack(rank, batch.seq, digest)))
+            acks.send(protocol.encode(RankAck(rank=rank, seq=batch.seq, digest=digest)))
     finally:
         calls.close()
         acks.close()

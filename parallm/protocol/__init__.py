@@ -9,7 +9,8 @@ The package is split by concern; every public name is re-exported here, so calle
 `from parallm import protocol` / `from parallm.protocol import X` and never name a submodule:
 - base: the protocol version, the `Message` base, the request parts (RequestSpec, SamplingParams, ...)
 - to_tokenizer, to_engine, to_detokenizer, to_policy, to_clients, supervisor: the messages, by who receives them, each
-  module ending with the union its receiver's socket accepts (EngineInbound, ...)
+  module ending with the union its receiver's socket accepts (EngineInbound, ...); to_ranks: what a tensor-parallel
+  group's ranks exchange (one struct per engine call)
 - replies: the answers to control requests (routed to `reply_to`); stats: what stages report (plain values)
 - codec: encode / decode / reply_address, the only codec, and AnyMessage (every receiver's union)
 - arrays: packed id and float arrays, version spans; merge: coalescing a late reader's outputs
@@ -28,4 +29,5 @@ from .to_clients import *  # noqa: F401,F403
 from .to_detokenizer import *  # noqa: F401,F403
 from .to_engine import *  # noqa: F401,F403
 from .to_policy import *  # noqa: F401,F403
+from .to_ranks import *  # noqa: F401,F403
 from .to_tokenizer import *  # noqa: F401,F403

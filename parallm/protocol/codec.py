@@ -16,15 +16,18 @@ from .to_clients import ClientInbound, PolicyClientInbound, Rollout, TrainingSta
 from .to_detokenizer import DetokInbound, RequestError, RouterInbound
 from .to_engine import EngineInbound
 from .to_policy import PolicyInbound, PolicyWeightsInbound
+from .to_ranks import RankAck, RankBatch, RankStart
 from .to_tokenizer import TokenizerInbound
 
 __all__ = ["AnyMessage", "ProtocolError", "rejection", "encode", "Decoder", "decode", "Address", "reply_address"]
 
 
 AnyMessage = Union[TokenizerInbound, EngineInbound, DetokInbound, RouterInbound, ClientInbound, SupervisorInbound,
-                   ControlMessage, Rollout, TrainingStatus, PolicyInbound, PolicyWeightsInbound, PolicyClientInbound]
-"""Every message: the receivers' unions (a new message in one of them is in this one too), and what is
-published (Rollout, for trainers) or pushed to ingress (TrainingStatus)."""
+                   ControlMessage, Rollout, TrainingStatus, PolicyInbound, PolicyWeightsInbound, PolicyClientInbound,
+                   RankBatch, RankAck, RankStart]
+"""Every message: the receivers' unions (a new message in one of them is in this one too), what is
+published (Rollout, for trainers) or pushed to ingress (TrainingStatus), and what tensor-parallel ranks
+exchange."""
 
 class ProtocolError(ValueError):
     """A frame that is not a valid message for the socket it arrived on. `reply` is the error to send
