@@ -1,0 +1,84 @@
+"""The tokenizer stage's side of image input: a request's image parts -> pixel tensors for the engine, and
+the prompt's image placeholders expanded to the runs of image tokens the model's features fill.
+
+The chat template sees each image part as the model's image token (templating.content_text); after
+tokenizing, each such token is expanded to as many as the image's features (families.py), so the ids
+the engine gets are the ids mlx-vlm's own processor makes. Pixel values come from the checkpoint's own
+image processor (transformers', as mlx-vlm loads it)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any, Sequence
+
+import numpy as np
+
+from ..protocol import Tensor, pack_tensor
+from .families import VisionFamily, family_of
+from .fetch import IMAGE_PART_TYPES, ImageError, ImageLimits, fetch_image, image_url_of
+
+__all__ = ["ImageInputs", "image_parts", "load_image_inputs"]
+
+
+def image_parts(messages: Sequence[Any]) -> list[tuple[str, str]]:
+    """(where, url) of every image part of chat messages, in prompt order."""
+    out = []
+    for i, msg in enumerate(messages):
+        content = msg.get("content") if isinstance(msg, dict) else None
+        if not isinstance(content, list):
+            continue
+        for j, part in enumerate(content):
+            if isinstance(part, dict) and part.get("type") in IMAGE_PART_TYPES:
+                where = f"messages[{i}].content[{j}]"
+                out.append((where, image_url_of(part, where)))
+    return out
+
+
+class ImageInputs:
+    """A vision-language checkpoint's image processor, image token and limits."""
+
+    def __init__(self, family: VisionFamily, config: dict, image_processor: Any, image_token: str,
+                 limits: ImageLimits) -> None:
+        self.family, self.config, self.processor, self.limits = family, config, image_processor, limits
+        self.image_token = image_token
+        self.image_token_id = family.image_token_id(config)
+
+    def pixels(self, image: Any) -> np.ndarray:
+        """One image's pixel values, [channels, height, width], as the checkpoint's processor makes them."""
+        return np.asarray(self.processor([image], return_tensors="np")["pixel_values"][0], dtype=np.float32)
+
+    def prepare(self, ids: list[int], parts: list[tuple[str, str]]) -> tuple[list[int], list[Tensor]]:
+        """The prompt ids with each image placeholder expanded, and the images' pixel tensors."""
+        limits = self.limits
+        if len(parts) > limits.max_images:
+            where = parts[limits.max_images][0]
+            raise ImageError(f"{where}: a request may carry at most {limits.max_images} images "
+                             f"(this one has {len(parts)})", where)
+        found = [i for i, t in enumerate(ids) if t == self.image_token_id]
+        if len(found) != len(parts):
+            raise ImageError(f"the prompt holds {len(found)} image placeholders ({self.image_token!r}) for "
+                             f"{len(parts)} image parts; do not write the image token in text", "messages")
+        tensors, out, last = [], [], 0
+        for (where, url), pos in zip(parts, found):
+            pixels = self.pixels(fetch_image(url, where, limits))
+            out += ids[last:pos] + [self.image_token_id] * self.family.tokens(self.config, pixels.shape)
+            last = pos + 1
+            tensors.append(pack_tensor(pixels))
+        return out + ids[last:], tensors
+
+
+def load_image_inputs(model_dir: Path, limits: ImageLimits) -> ImageInputs | None:
+    """The image inputs of the checkpoint at `model_dir`, or None when its images are not served."""
+    config = json.loads((model_dir / "config.json").read_text())
+    family = family_of(config)
+    if family is None:
+        return None
+    import importlib
+
+    from mlx_vlm.utils import load_processor
+
+    importlib.import_module(f"mlx_vlm.models.{family.name}")  # registers mlx-vlm's processor class
+    processor = load_processor(model_dir, add_detokenizer=False)
+    token = getattr(processor, "image_token", None) or "<image>"
+    return ImageInputs(family, config, processor.image_processor, token, limits)
