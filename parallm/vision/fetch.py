@@ -102,7 +102,10 @@ def decode_image(data: bytes, where: str, limits: ImageLimits) -> Any:
         raise ImageError(f"{where}: the image is larger than {limits.max_bytes} bytes", param)
     try:
         image = Image.open(io.BytesIO(data))  # reads the header only
-    except (UnidentifiedImageError, OSError, ValueError, Image.DecompressionBombError):
+    except Image.DecompressionBombError:  # Pillow's own guard (twice its MAX_IMAGE_PIXELS), before ours
+        raise ImageError(f"{where}: the image has more pixels than the {limits.max_pixels} this server decodes",
+                         param) from None
+    except (UnidentifiedImageError, OSError, ValueError):
         raise ImageError(f"{where}: the image could not be decoded (not an image file Pillow reads)", param) from None
     width, height = image.size
     if width * height > limits.max_pixels:

@@ -15,7 +15,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from ..protocol import Tensor, pack_tensor
-from .families import VisionFamily, family_of
+from .families import VisionFamily, family_of, refusal_for_images
 from .fetch import IMAGE_PART_TYPES, ImageError, ImageLimits, fetch_image, image_url_of
 
 __all__ = ["ImageInputs", "image_parts", "load_image_inputs"]
@@ -66,6 +66,21 @@ class ImageInputs:
             last = pos + 1
             tensors.append(pack_tensor(pixels))
         return out + ids[last:], tensors
+
+
+def load_vision_inputs(model_path: str, templater: Any, limits: ImageLimits) -> ImageInputs | None:
+    """The tokenizer stage's image inputs for the served model (None: it takes text only), with the
+    templater told what image parts render as, or why they are refused."""
+    path = Path(model_path)
+    config_file = path / "config.json"
+    config = json.loads(config_file.read_text()) if config_file.is_file() else {}
+    model_type = str(config.get("model_type", "")) or "unknown"
+    inputs = load_image_inputs(path, limits) if family_of(config) is not None else None
+    if inputs is None:
+        templater.text_only = refusal_for_images(model_type)
+    else:
+        templater.image_token = inputs.image_token
+    return inputs
 
 
 def load_image_inputs(model_dir: Path, limits: ImageLimits) -> ImageInputs | None:
