@@ -1,8 +1,9 @@
 """Tiny random-weight vision-language models written as model directories, from mlx-vlm's own config
-classes: LLaVA (a CLIP vision tower, a two-layer projector, a Llama text model). The tokenizer is the
-default model's (SmolLM2's, chat template included) with one added special token, `<image>`, and the
-image processor is transformers' CLIP processor at a tiny size, so the directory loads with
-`mlx_vlm.load` (the reference) and with parallm (the served model) alike."""
+classes: LLaVA (a CLIP vision tower, a two-layer projector, a Llama text model) and Pixtral (Pixtral's
+vision tower with 2-D RoPE, a projector, a Mistral text model). The tokenizer is the default model's
+(SmolLM2's, chat template included) with the family's image tokens added as special tokens; the image
+processor is transformers' CLIP processor (LLaVA) or mlx-vlm's Pixtral processor at a tiny size, so the
+directory loads with `mlx_vlm.load` (the reference) and with parallm (the served model) alike."""
 
 from __future__ import annotations
 
@@ -20,26 +21,37 @@ from parallm.models.resolve import resolve_model
 
 IMAGE_TOKEN = "<image>"
 IMAGE_SIZE = 32
-PATCH = 8  # 4 x 4 patches: 16 image tokens per image (the CLS token is dropped)
+PATCH = 8  # LLaVA: 4 x 4 patches, 16 image tokens per image (the CLS token is dropped)
+PIXTRAL_TOKENS = ["[IMG]", "[IMG_BREAK]", "[IMG_END]"]
+PIXTRAL_EDGE = 48  # Pixtral keeps the aspect ratio: up to 6 x 6 patches of 8 pixels
+FAMILIES = ("llava", "pixtral")
 
 
-def _tokenizer(path: Path) -> int:
-    """The default model's tokenizer with `<image>` added, saved in `path`; returns the image token's id."""
+def _tokenizer(path: Path, specials: list[str]) -> int:
+    """The default model's tokenizer with `specials` added, saved in `path`; returns the first one's id."""
     from transformers import AutoTokenizer
 
     default = resolve_model(ModelConfig(path="default"), progress=False).path
     tok = AutoTokenizer.from_pretrained(str(default), local_files_only=True)
-    tok.add_special_tokens({"additional_special_tokens": [IMAGE_TOKEN]})
+    tok.add_special_tokens({"additional_special_tokens": specials})
     tok.save_pretrained(str(path))
-    return int(tok.convert_tokens_to_ids(IMAGE_TOKEN))
+    return int(tok.convert_tokens_to_ids(specials[0]))
 
 
 def _config(family: str, vocab: int, image_id: int, eos: int) -> dict:
-    if family != "llava":
-        raise ValueError(f"no tiny builder for {family!r}")
     text = dict(model_type="llama", hidden_size=64, num_hidden_layers=2, intermediate_size=128,
                 num_attention_heads=4, num_key_value_heads=2, rms_norm_eps=1e-5, vocab_size=vocab,
                 max_position_embeddings=2048, rope_theta=10000.0, tie_word_embeddings=False)
+    if family == "pixtral":
+        text = {**text, "model_type": "mistral", "head_dim": 16}
+        vision = dict(model_type="pixtral", num_hidden_layers=2, hidden_size=32, head_dim=8, intermediate_size=64,
+                      num_attention_heads=4, image_size=PIXTRAL_EDGE, patch_size=PATCH, num_channels=3,
+                      rms_norm_eps=1e-5, rope_theta=10000.0)
+        return dict(model_type="pixtral", architectures=["LlavaForConditionalGeneration"], text_config=text,
+                    vision_config=vision, image_token_index=image_id, vision_feature_select_strategy="full",
+                    vision_feature_layer=-1, vocab_size=vocab, eos_token_id=eos)
+    if family != "llava":
+        raise ValueError(f"no tiny builder for {family!r}")
     vision = dict(model_type="clip_vision_model", num_hidden_layers=2, hidden_size=32, intermediate_size=64,
                   num_attention_heads=4, image_size=IMAGE_SIZE, patch_size=PATCH, projection_dim=32,
                   num_channels=3, layer_norm_eps=1e-5)
@@ -48,7 +60,15 @@ def _config(family: str, vocab: int, image_id: int, eos: int) -> dict:
                 vision_feature_layer=-2, vocab_size=vocab, eos_token_id=eos)
 
 
-def _processor_files(path: Path) -> None:
+def _processor_files(path: Path, family: str) -> None:
+    if family == "pixtral":
+        (path / "processor_config.json").write_text(json.dumps({
+            "processor_class": "PixtralProcessor", "patch_size": PATCH, "spatial_merge_size": 1,
+            "image_token": "[IMG]", "image_break_token": "[IMG_BREAK]", "image_end_token": "[IMG_END]",
+            "image_processor": {"size": {"longest_edge": PIXTRAL_EDGE}, "patch_size": {"height": PATCH, "width": PATCH},
+                                "image_mean": [0.48145466, 0.4578275, 0.40821073],
+                                "image_std": [0.26862954, 0.26130258, 0.27577711]}}))
+        return
     size = {"shortest_edge": IMAGE_SIZE}
     crop = {"height": IMAGE_SIZE, "width": IMAGE_SIZE}
     (path / "preprocessor_config.json").write_text(json.dumps({
@@ -67,10 +87,10 @@ def write_vlm(path: Path, family: str = "llava", seed: int = 0, spread: float = 
     from mlx_vlm.utils import get_model_and_args
 
     path.mkdir(parents=True, exist_ok=True)
-    image_id = _tokenizer(path)
+    image_id = _tokenizer(path, PIXTRAL_TOKENS if family == "pixtral" else [IMAGE_TOKEN])
     tok = json.loads((path / "tokenizer_config.json").read_text())
     eos = 2 if tok.get("eos_token") == "<|im_end|>" else 0
-    cfg = _config(family, image_id + 1, image_id, eos)
+    cfg = _config(family, image_id + (3 if family == "pixtral" else 1), image_id, eos)
     module, _ = get_model_and_args(cfg)
     model_config = module.ModelConfig.from_dict(cfg)
     model_config.text_config = module.TextConfig.from_dict(cfg["text_config"])
@@ -92,7 +112,7 @@ def write_vlm(path: Path, family: str = "llava", seed: int = 0, spread: float = 
     model.update(tree_unflatten(params))
     mx.save_safetensors(str(path / "model.safetensors"), dict(tree_flatten(model.parameters())))
     (path / "config.json").write_text(json.dumps(cfg))
-    _processor_files(path)
+    _processor_files(path, family)
     return path
 
 

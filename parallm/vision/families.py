@@ -43,20 +43,59 @@ def _llava_features(model: Any, pixels: Any) -> Any:
     return model.multi_modal_projector(selected)
 
 
+def _pixtral_grid(config: dict, shape: tuple[int, ...]) -> tuple[int, int]:
+    patch = int(config["vision_config"].get("patch_size", 16)) * int(config.get("spatial_merge_size", 1))
+    _, height, width = shape[-3:]
+    return height // patch, width // patch
+
+
+def _pixtral_tokens(config: dict, shape: tuple[int, ...]) -> int:
+    rows, cols = _pixtral_grid(config, shape)
+    return rows * cols
+
+
+def _pixtral_layout(config: dict, shape: tuple[int, ...], ids: dict[str, int]) -> list[int]:
+    """Pixtral: a row of [IMG] per patch row, [IMG_BREAK] between rows, [IMG_END] last (PixtralProcessor)."""
+    rows, cols = _pixtral_grid(config, shape)
+    out: list[int] = []
+    for r in range(rows):
+        out += [ids["image"]] * cols + [ids["break"] if r < rows - 1 else ids["end"]]
+    return out
+
+
+def _pixtral_features(model: Any, pixels: Any) -> Any:
+    """[1, patches, text hidden]: the Pixtral vision tower's `vision_feature_layer` hidden states of one
+    unpadded image, through the projector (mlx-vlm's pixtral.Model.get_input_embeddings)."""
+    _, _, height, width = pixels.shape
+    *_, hidden = model.vision_tower(pixels.transpose(0, 2, 3, 1), output_hidden_states=True,
+                                    image_sizes=[(height, width)])
+    return model.multi_modal_projector(hidden[model.vision_feature_layer])
+
+
+def _one_token_per_feature(tokens: Callable[[dict, tuple[int, ...]], int]):
+    def layout(config: dict, shape: tuple[int, ...], ids: dict[str, int]) -> list[int]:
+        return [ids["image"]] * tokens(config, shape)
+    return layout
+
+
 @dataclass(frozen=True, slots=True)
 class VisionFamily:
     name: str                                              # the checkpoint's model_type
-    tokens: Callable[[dict, tuple[int, ...]], int]         # image tokens for one image's pixel shape
+    tokens: Callable[[dict, tuple[int, ...]], int]         # feature rows (image tokens) for one image's pixel shape
     features: Callable[[Any, Any], Any]                    # (mlx-vlm model, pixels) -> [images, tokens, hidden]
-    vision_modules: tuple[str, ...]                        # the mlx-vlm model's attributes the encoder keeps
+    layout: Callable[[dict, tuple[int, ...], dict[str, int]], list[int]]  # the ids one image takes in the prompt
+    specials: tuple[str, ...] = ()                         # the processor's other image tokens: ids[name] in layout
     text_prefix: str = "language_model"                    # where the mlx-vlm model keeps its text model
 
     def image_token_id(self, config: dict) -> int:
-        return int(config.get("image_token_index", config.get("image_token_id", -1)))
+        value = config.get("image_token_index")
+        return int(value if value is not None else config.get("image_token_id", -1))
 
 
 FAMILIES: dict[str, VisionFamily] = {
-    "llava": VisionFamily("llava", _llava_tokens, _llava_features, ("vision_tower", "multi_modal_projector")),
+    "llava": VisionFamily("llava", _llava_tokens, _llava_features, _one_token_per_feature(_llava_tokens)),
+    "pixtral": VisionFamily("pixtral", _pixtral_tokens, _pixtral_features, _pixtral_layout,
+                            specials=("break", "end")),
 }
 SUPPORTED = tuple(sorted(FAMILIES))
 

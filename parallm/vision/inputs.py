@@ -39,10 +39,11 @@ class ImageInputs:
     """A vision-language checkpoint's image processor, image token and limits."""
 
     def __init__(self, family: VisionFamily, config: dict, image_processor: Any, image_token: str,
-                 limits: ImageLimits) -> None:
+                 limits: ImageLimits, special_ids: dict[str, int] | None = None) -> None:
         self.family, self.config, self.processor, self.limits = family, config, image_processor, limits
         self.image_token = image_token
         self.image_token_id = family.image_token_id(config)
+        self.ids = {"image": self.image_token_id, **(special_ids or {})}  # what family.layout writes
 
     def pixels(self, image: Any) -> np.ndarray:
         """One image's pixel values, [channels, height, width], as the checkpoint's processor makes them."""
@@ -62,7 +63,7 @@ class ImageInputs:
         tensors, out, last = [], [], 0
         for (where, url), pos in zip(parts, found):
             pixels = self.pixels(fetch_image(url, where, limits))
-            out += ids[last:pos] + [self.image_token_id] * self.family.tokens(self.config, pixels.shape)
+            out += ids[last:pos] + self.family.layout(self.config, pixels.shape, self.ids)
             last = pos + 1
             tensors.append(pack_tensor(pixels))
         return out + ids[last:], tensors
@@ -96,4 +97,7 @@ def load_image_inputs(model_dir: Path, limits: ImageLimits) -> ImageInputs | Non
     importlib.import_module(f"mlx_vlm.models.{family.name}")  # registers mlx-vlm's processor class
     processor = load_processor(model_dir, add_detokenizer=False)
     token = getattr(processor, "image_token", None) or "<image>"
-    return ImageInputs(family, config, processor.image_processor, token, limits)
+    tok = processor.tokenizer
+    specials = {name: int(tok.convert_tokens_to_ids(getattr(processor, f"image_{name}_token")))
+                for name in family.specials}
+    return ImageInputs(family, config, processor.image_processor, token, limits, specials)

@@ -1,4 +1,5 @@
-"""Image input end to end: parallm-launch serving a tiny random-weight LLaVA (tests/_vision_helpers.py), the
+"""Image input end to end: parallm-launch serving a tiny random-weight LLaVA (and, in the slow tier, Pixtral;
+tests/_vision_helpers.py), the
 official openai client sending base64 images (one, two, beside a text-only request) and the error cases;
 the served greedy tokens equal mlx-vlm's own generate loop on the same ids and pixels."""
 
@@ -19,9 +20,9 @@ pytestmark = pytest.mark.e2e
 MAX = 6
 
 
-@pytest.fixture(scope="module")
-def vlm(tmp_path_factory):
-    path = write_vlm(tmp_path_factory.mktemp("vlm") / "tiny-llava", "llava")
+@pytest.fixture(scope="module", params=["llava", pytest.param("pixtral", marks=pytest.mark.slow)])
+def vlm(request, tmp_path_factory):
+    path = write_vlm(tmp_path_factory.mktemp("vlm") / f"tiny-{request.param}", request.param)
     with Server("--model", str(path), "--engine.max-num-seqs", "8", "--tokenizer.max-images", "2",
                 "--tokenizer.max-image-pixels", str(256 * 256)) as srv:
         client = openai.OpenAI(base_url=f"{srv.url}/v1", api_key="unused", max_retries=0, timeout=120)
@@ -50,7 +51,7 @@ def pixels_of(path, images: list[bytes]):
 
 def test_one_and_two_images_match_mlx_vlm_beside_a_text_request(vlm):
     path, client, name = vlm
-    one, two = png(11), [png(12, (50, 40)), png(13)]
+    one, two = png(11), [png(12), png(13)]  # one size: the reference stacks them unpadded
     with cf.ThreadPoolExecutor(3) as pool:
         jobs = [pool.submit(chat, client, name, user(one)), pool.submit(chat, client, name, user(*two, text="Compare.")),
                 pool.submit(chat, client, name, [{"role": "user", "content": "Only text."}])]
@@ -84,11 +85,13 @@ def test_streamed_image_request(vlm):
      "messages[0].content[0].image_url", "more than the 65536"),
     ([{"type": "image_url", "image_url": {"url": data_url(png(1))}}] * 3,
      "messages[0].content[2]", "at most 2 images"),
-    ([{"type": "text", "text": "<image> sneaked in"}, {"type": "image_url", "image_url": {"url": data_url(png(1))}}],
+    ([{"type": "text", "text": "IMAGE_TOKEN sneaked in"}, {"type": "image_url", "image_url": {"url": data_url(png(1))}}],
      "messages", "image placeholders"),
 ])
 def test_bad_images_are_400_naming_the_part(vlm, content, param, words):
-    _, client, name = vlm
+    path, client, name = vlm
+    token = "[IMG]" if "pixtral" in path.name else "<image>"
+    content = [{**p, "text": p["text"].replace("IMAGE_TOKEN", token)} if p["type"] == "text" else p for p in content]
     with pytest.raises(openai.BadRequestError) as err:
         chat(client, name, [{"role": "user", "content": content}])
     body = err.value.body
