@@ -22,7 +22,7 @@ from parallm.text.templating import Templater, TemplateError
 from parallm.stages.skeleton import Stage, text_tokenizer
 from parallm.transport import Receiver, Sender, open_socket
 from parallm.vision.fetch import ImageError, ImageLimits
-from parallm.vision.inputs import ImageInputs, image_parts, load_vision_inputs
+from parallm.vision.inputs import ImageInputs, load_vision_inputs, request_images
 
 log = logging.getLogger("parallm.tokenizer")
 
@@ -108,12 +108,12 @@ class TokenizerStage(Stage):
     def prepare_images(self, message: protocol.TextSubmit, ids: list[int], templater: Templater) -> list[protocol.Tensor]:
         """The request's images as pixel tensors, fetched, decoded and processed here (`ids` expanded in place
         to the image-token runs they fill); a bad image is a TemplateError naming its part."""
-        parts = image_parts(message.messages) if message.messages is not None else []
-        if not parts:
-            return []
-        if self.images is None or templater is not self.templater:  # the templater already refused
-            raise TemplateError(templater.text_only, parts[0][0])
         try:
+            parts = request_images(message)
+            if not parts:
+                return []
+            if self.images is None or templater is not self.templater:
+                raise ImageError(f"{parts[0][0]}: {templater.text_only}", parts[0][0])
             expanded, tensors = self.images.prepare(ids, parts)
         except ImageError as exc:
             raise TemplateError(exc.message, exc.param, status=exc.status) from None

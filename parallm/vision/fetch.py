@@ -46,6 +46,11 @@ class ImageLimits:
                    tuple(h.lower() for h in c.image_fetch_hosts), c.image_fetch_timeout_s)
 
 
+def _param(where: str) -> str:
+    """The parameter an error names: a chat part's image_url, or a prompt request's images[i] itself."""
+    return where if where.startswith("images[") else f"{where}.image_url"
+
+
 def image_url_of(part: dict, where: str) -> str:
     """The URL of an image part; ImageError when it has none."""
     url = part.get("image_url", part.get("image"))
@@ -62,7 +67,7 @@ def fetch_image(url: str, where: str, limits: ImageLimits) -> Any:
 
 
 def _bytes_of(url: str, where: str, limits: ImageLimits) -> bytes:
-    param = f"{where}.image_url"
+    param = _param(where)
     if url.startswith("data:"):
         head, sep, payload = url.partition(",")
         if not sep:
@@ -97,7 +102,7 @@ def decode_image(data: bytes, where: str, limits: ImageLimits) -> Any:
     """Bytes of an image file, decoded to RGB; refused when larger than the byte or pixel limits or not an image."""
     from PIL import Image, UnidentifiedImageError
 
-    param = f"{where}.image_url"
+    param = _param(where)
     if len(data) > limits.max_bytes:
         raise ImageError(f"{where}: the image is larger than {limits.max_bytes} bytes", param)
     try:

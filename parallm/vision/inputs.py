@@ -18,7 +18,31 @@ from ..protocol import Tensor, pack_tensor
 from .families import VisionFamily, family_of, refusal_for_images
 from .fetch import IMAGE_PART_TYPES, ImageError, ImageLimits, fetch_image, image_url_of
 
-__all__ = ["ImageInputs", "image_parts", "load_image_inputs"]
+__all__ = ["ImageInputs", "image_parts", "request_images", "as_image_url", "load_image_inputs"]
+
+
+def as_image_url(value: Any) -> str:
+    """An image as RL clients send it, as a URL: a data: or http(s) URL as is, {"url": ...} (OpenAI's
+    image_url object), bytes of an image file, or base64 text without a prefix (TRL's pil_to_base64)."""
+    if isinstance(value, dict):
+        value = value.get("url", value.get("image_url"))
+    if isinstance(value, (bytes, bytearray)):
+        import base64
+
+        return "data:image/*;base64," + base64.b64encode(bytes(value)).decode()
+    if not isinstance(value, str) or not value:
+        raise ImageError("an image must be a data: or http(s) URL, base64 text or image bytes", "images")
+    if value.startswith(("data:", "http://", "https://")) or "://" in value[:16]:
+        return value
+    return "data:image/*;base64," + value
+
+
+def request_images(message: Any) -> list[tuple[str, str]]:
+    """(where, url) of a TextSubmit's images: its messages' image parts, or its `images`; not both."""
+    parts = image_parts(message.messages) if message.messages is not None else []
+    if parts and message.images:
+        raise ImageError("give images as the messages' image_url parts or in images, not both", "images")
+    return parts or [(f"images[{i}]", url) for i, url in enumerate(message.images)]
 
 
 def image_parts(messages: Sequence[Any]) -> list[tuple[str, str]]:

@@ -18,6 +18,7 @@ from .server import Server
 
 pytestmark = pytest.mark.e2e
 MAX = 6
+servers: dict = {}  # the module's server by model directory (the raw and RL clients need its addresses)
 
 
 @pytest.fixture(scope="module", params=["llava", pytest.param("pixtral", marks=pytest.mark.slow)])
@@ -26,6 +27,7 @@ def vlm(request, tmp_path_factory):
     with Server("--model", str(path), "--engine.max-num-seqs", "8", "--tokenizer.max-images", "2",
                 "--tokenizer.max-image-pixels", str(256 * 256)) as srv:
         client = openai.OpenAI(base_url=f"{srv.url}/v1", api_key="unused", max_retries=0, timeout=120)
+        servers[path] = srv
         yield path, client, client.models.list().data[0].id
 
 
@@ -112,3 +114,40 @@ def test_decompression_bomb_is_a_400(vlm):
             {"type": "image_url", "image_url": {"url": "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()}}]}])
     assert "more pixels than the 65536" in err.value.body["message"]
     assert err.value.body["param"] == "messages[0].content[0].image_url"
+
+
+def token(path) -> str:
+    return "[IMG]" if "pixtral" in path.name else "<image>"
+
+
+def test_raw_client_and_rl_generate_shapes_take_images(vlm):
+    """The raw ZeroMQ client (token ids with one image token, vLLM's multi_modal_data), TRL's /generate
+    `images` (base64 without a prefix) and vLLM's /generate TokensPrompt multi_modal_data: the same image
+    and prompt give the tokens mlx-vlm gives."""
+    import httpx
+
+    from parallm.client import Client
+    from parallm.protocol import SamplingParams
+    from transformers import AutoTokenizer
+
+    path, _, _ = vlm
+    srv = servers[path]
+    image = png(31)
+    text = "<|im_start|>user\n" + token(path) + "What?<|im_end|>\n<|im_start|>assistant\n"
+    ids = AutoTokenizer.from_pretrained(str(path), local_files_only=True).encode(text)
+    params = SamplingParams(temperature=0.0, max_tokens=MAX, ignore_eos=True)
+    with Client(srv.router, timeout=120) as raw:
+        by_ids = raw.generate(ids, params, multi_modal_data={"image": image})[0]
+        by_text = raw.generate(text, params, images=[data_url(image)])[0]
+    sampling = {"temperature": 0, "max_tokens": MAX, "ignore_eos": True}
+    with httpx.Client(base_url=srv.url, timeout=120) as http:
+        trl = http.post("/generate", json={"prompts": [text], "images": [base64.b64encode(image).decode()],
+                                           **sampling}).json()
+        vllm = http.post("/generate", json={"prompt": {"prompt_token_ids": ids, "multi_modal_data": {"image": data_url(image)}},
+                                            "logprobs": 0, **sampling})
+        bad = http.post("/generate", json={"prompts": [text], "images": ["bm90IGFuIGltYWdl"], **sampling})
+    assert vllm.status_code == 200, vllm.text
+    want = reference_tokens(path, trl["prompt_ids"][0], pixels_of(path, [image]), MAX)
+    assert trl["completion_ids"][0] == want
+    assert by_ids.token_ids == want and by_text.token_ids == want
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "images[0]", bad.text
