@@ -60,12 +60,12 @@ def _config(family: str, vocab: int, image_id: int, eos: int) -> dict:
                 vision_feature_layer=-2, vocab_size=vocab, eos_token_id=eos)
 
 
-def _processor_files(path: Path, family: str) -> None:
+def _processor_files(path: Path, family: str, edge: int = PIXTRAL_EDGE, patch: int = PATCH) -> None:
     if family == "pixtral":
         (path / "processor_config.json").write_text(json.dumps({
-            "processor_class": "PixtralProcessor", "patch_size": PATCH, "spatial_merge_size": 1,
+            "processor_class": "PixtralProcessor", "patch_size": patch, "spatial_merge_size": 1,
             "image_token": "[IMG]", "image_break_token": "[IMG_BREAK]", "image_end_token": "[IMG_END]",
-            "image_processor": {"size": {"longest_edge": PIXTRAL_EDGE}, "patch_size": {"height": PATCH, "width": PATCH},
+            "image_processor": {"size": {"longest_edge": edge}, "patch_size": {"height": patch, "width": patch},
                                 "image_mean": [0.48145466, 0.4578275, 0.40821073],
                                 "image_std": [0.26862954, 0.26130258, 0.27577711]}}))
         return
@@ -81,9 +81,11 @@ def _processor_files(path: Path, family: str) -> None:
         "image_token": IMAGE_TOKEN, "num_additional_image_tokens": 1}))
 
 
-def write_vlm(path: Path, family: str = "llava", seed: int = 0, spread: float = 3.0) -> Path:
+def write_vlm(path: Path, family: str = "llava", seed: int = 0, spread: float = 3.0, text: dict | None = None,
+              vision: dict | None = None, edge: int | None = None) -> Path:
     """A tiny `family` model directory at `path` (config, random weights in mlx-vlm's layout, tokenizer,
-    processor files). `spread` scales the random matrices so logits are far from ties."""
+    processor files). `spread` scales the random matrices so logits are far from ties; `text` and `vision`
+    override config fields (a larger shape for benchmarks) and `edge` Pixtral's longest image edge."""
     from mlx_vlm.utils import get_model_and_args
 
     path.mkdir(parents=True, exist_ok=True)
@@ -91,6 +93,8 @@ def write_vlm(path: Path, family: str = "llava", seed: int = 0, spread: float = 
     tok = json.loads((path / "tokenizer_config.json").read_text())
     eos = 2 if tok.get("eos_token") == "<|im_end|>" else 0
     cfg = _config(family, image_id + (3 if family == "pixtral" else 1), image_id, eos)
+    cfg["text_config"].update(text or {})
+    cfg["vision_config"].update(vision or {})
     module, _ = get_model_and_args(cfg)
     model_config = module.ModelConfig.from_dict(cfg)
     model_config.text_config = module.TextConfig.from_dict(cfg["text_config"])
@@ -112,7 +116,7 @@ def write_vlm(path: Path, family: str = "llava", seed: int = 0, spread: float = 
     model.update(tree_unflatten(params))
     mx.save_safetensors(str(path / "model.safetensors"), dict(tree_flatten(model.parameters())))
     (path / "config.json").write_text(json.dumps(cfg))
-    _processor_files(path, family)
+    _processor_files(path, family, edge or PIXTRAL_EDGE, cfg["vision_config"]["patch_size"])
     return path
 
 
