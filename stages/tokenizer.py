@@ -117,7 +117,8 @@ class TokenizerStage(Stage):
             expanded, tensors = self.images.prepare(ids, parts)
         except ImageError as exc:
             raise TemplateError(exc.message, exc.param, status=exc.status) from None
-        templater.check_length(len(expanded), message.spec.params.max_tokens, "messages")
+        templater.check_length(len(expanded), message.spec.params.max_tokens,
+                               "messages" if message.messages is not None else "prompt")
         ids[:] = expanded
         return tensors
 

@@ -59,7 +59,7 @@ from parallm.protocol import RankState, RequestSpec
 from .rank_group import (  # noqa: F401 - re-exported: the engine stage and tests use distributed.<name>
     CONTROL_ENV, TensorParallelError, agree_min, agreed_config, channel_socket, control_addresses, default_backend,
     join, rank_from_env, shard_model, shard_refusal)
-from .request import Request
+from .request import Request, RequestRejected
 
 log = logging.getLogger("parallm.engine.distributed")
 
@@ -222,6 +222,8 @@ class Leader:
 
     # the calls that change the engine's state
     def add_request(self, request: Request) -> None:
+        if request.images:  # the other ranks replay ids and spec only (docs/vision.md)
+            raise RequestRejected("image input is not served with engine.tensor_parallel > 1", "images")
         self._record("add_request", request.rid, list(request.prompt_ids), _encoder.encode(request.spec),
                      run=lambda: self._engine.add_request(request))
 
