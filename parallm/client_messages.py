@@ -20,6 +20,7 @@ def request_message(rid: str, prompt: Prompt, params: SamplingParams | None, n: 
     `detok_options` (DetokSpec fields)."""
     fields = dict(spec)
     detok_options = fields.pop("detok_options", {})
+    images = _images(fields.pop("images", None), fields.pop("multi_modal_data", None))
     allowed = [f for f in protocol.RequestSpec.__struct_fields__ if f not in ("params", "n", "detok")]
     unknown = sorted(set(fields) - set(allowed))
     if unknown:
@@ -30,10 +31,31 @@ def request_message(rid: str, prompt: Prompt, params: SamplingParams | None, n: 
                                    submitted_at=fields.pop("submitted_at", 0.0) or time.time(), **fields)
     if isinstance(prompt, str) or (isinstance(prompt, (list, tuple)) and prompt and isinstance(prompt[0], dict)):
         text = {"prompt": prompt} if isinstance(prompt, str) else {"messages": list(prompt)}
-        return protocol.TextSubmit(rid=str(rid), reply_to=b"", spec=request, **text)
+        return protocol.TextSubmit(rid=str(rid), reply_to=b"", spec=request, images=images, **text)
     if not len(prompt):
         raise ValueError("the prompt is empty")
+    if images:  # token ids with one image token per image: the tokenizer fetches, processes and expands them
+        return protocol.TextSubmit(rid=str(rid), reply_to=b"", spec=request, prompt_ids=protocol.pack_ids(prompt),
+                                   images=images)
     return protocol.Submit(rid=str(rid), reply_to=b"", prompt_ids=protocol.pack_ids(prompt), spec=request)
+
+
+def _images(images: Any, multi_modal_data: Mapping[str, Any] | None) -> list[str]:
+    """A request's images as URLs, from `images=[...]` or vLLM's `multi_modal_data={"image": x or [x, ...]}`
+    (data:/http(s) URLs, bytes of image files, or base64 text)."""
+    from .vision.inputs import as_image_url
+
+    if multi_modal_data is not None:
+        unknown = sorted(set(multi_modal_data) - {"image"})
+        if unknown:
+            raise TypeError(f"multi_modal_data holds {', '.join(unknown)}; this server takes images only")
+        if images is not None:
+            raise TypeError("give images or multi_modal_data, not both")
+        images = multi_modal_data.get("image")
+    if images is None:
+        return []
+    items = images if isinstance(images, (list, tuple)) else [images]
+    return [as_image_url(x) for x in items]
 
 
 def adapter_message(name: str, version: int, weights: Any, config: Mapping[str, Any] | None, format: str,

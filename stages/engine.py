@@ -24,6 +24,7 @@ from parallm.engine.weights import Applied, ChunkStaging, WeightsError
 from parallm.config import Config
 from parallm.engine import Engine, EngineModel, Request, RequestRejected, ScoreResult, SeqOutput, distributed
 from parallm.engine.compile_queue import CompileQueue
+from parallm.engine.images import unpack_images
 from parallm.pooling.queue import Pooled, PoolingQueue
 from parallm.runtime import StageRuntime
 from parallm.stages.engine_adapters import adapter_list, adapter_roots, load_adapter, weights_path
@@ -238,7 +239,8 @@ class EngineStage(Stage):
             self.compiling.add(message.rid, message, spec.params.constraint)
             return
         try:
-            self.engine.add_request(Request(message.rid, protocol.unpack_ids(message.prompt_ids), spec))
+            self.engine.add_request(Request(message.rid, protocol.unpack_ids(message.prompt_ids), spec,
+                                            unpack_images(message.images)))
         except RequestRejected as exc:
             if not self.held.hold(message.rid, message, status=exc.status, min_version=spec.min_version,
                                   since=held_since):

@@ -21,6 +21,8 @@ from parallm.runtime import StageRuntime
 from parallm.text.templating import Templater, TemplateError
 from parallm.stages.skeleton import Stage, text_tokenizer
 from parallm.transport import Receiver, Sender, open_socket
+from parallm.vision.fetch import ImageError, ImageLimits
+from parallm.vision.inputs import ImageInputs, load_vision_inputs, request_images
 
 log = logging.getLogger("parallm.tokenizer")
 
@@ -29,9 +31,10 @@ class TokenizerStage(Stage):
     log = log
 
     def __init__(self, config: Config, runtime: StageRuntime, templater: Templater,
-                 poolers: dict[str, Templater] | None = None) -> None:
+                 poolers: dict[str, Templater] | None = None, images: ImageInputs | None = None) -> None:
         super().__init__(config, runtime)
         self.templater = templater
+        self.images = images  # a vision-language model's image processor and limits (parallm/vision)
         self.poolers = poolers or {}  # model.pooling's models, each with its own tokenizer and length
         ctx, addrs, hwm = runtime.ctx, runtime.addrs, config.transport.hwm
         self.to_detok = Sender(open_socket(ctx, zmq.PUSH, addrs.detok, bind=False, hwm=hwm))
@@ -88,7 +91,9 @@ class TokenizerStage(Stage):
             # writes the special tokens itself
             message = msgspec.structs.replace(message, add_generation_prompt=False, add_special_tokens=False)
         try:
-            ids = self.templater_for(message.spec).encode(message)
+            templater = self.templater_for(message.spec)
+            ids = templater.encode(message)
+            images = self.prepare_images(message, ids, templater)
         except TemplateError as exc:
             self.rejected += 1
             log.info("refused: %s", exc.message, extra=request_extra(message.rid, status=exc.status, param=exc.param))
@@ -98,7 +103,24 @@ class TokenizerStage(Stage):
         replica = self.router.choose(ids, cost=len(ids) + (spec.params.max_tokens or 0) * spec.n, adapter=spec.adapter,
                                      rid=message.rid, reply_to=message.reply_to) if len(self.to_engines) > 1 else 0
         self.to_engines[replica].send(protocol.Submit(rid=message.rid, reply_to=message.reply_to,
-                                                      prompt_ids=protocol.pack_ids(ids), spec=spec))
+                                                      prompt_ids=protocol.pack_ids(ids), spec=spec, images=images))
+
+    def prepare_images(self, message: protocol.TextSubmit, ids: list[int], templater: Templater) -> list[protocol.Tensor]:
+        """The request's images as pixel tensors, fetched, decoded and processed here (`ids` expanded in place
+        to the image-token runs they fill); a bad image is a TemplateError naming its part."""
+        try:
+            parts = request_images(message)
+            if not parts:
+                return []
+            if self.images is None or templater is not self.templater:
+                raise ImageError(f"{parts[0][0]}: {templater.text_only}", parts[0][0])
+            expanded, tensors = self.images.prepare(ids, parts)
+        except ImageError as exc:
+            raise TemplateError(exc.message, exc.param, status=exc.status) from None
+        templater.check_length(len(expanded), message.spec.params.max_tokens,
+                               "messages" if message.messages is not None else "prompt")
+        ids[:] = expanded
+        return tensors
 
     def on_stage_down(self, message: protocol.StageDown) -> None:
         if message.stage == "engine":
@@ -121,6 +143,11 @@ def main(config: Config, replica: int = 0) -> int:
         return 2
     tokenizer, limits = loaded
     templater = Templater(tokenizer, limits["max_model_len"], limits["vocab_size"] or None)
+    try:
+        images = load_vision_inputs(config.model.path, templater, ImageLimits.of(config.tokenizer))
+    except (OSError, ValueError, ImportError) as exc:
+        runtime.fatal(f"cannot load the image processor of {config.model.path!r}: {exc}")
+        return 2
     from parallm.text.loading import load_pooling_templaters
 
     try:
@@ -129,4 +156,4 @@ def main(config: Config, replica: int = 0) -> int:
     except (OSError, ValueError) as exc:
         runtime.fatal(f"cannot load the tokenizers of model.pooling: {exc}")
         return 2
-    return TokenizerStage(config, runtime, templater, poolers).serve(limits)
+    return TokenizerStage(config, runtime, templater, poolers, images).serve(limits)

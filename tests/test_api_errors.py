@@ -57,8 +57,10 @@ def error_of(response, status: int) -> dict:
     ("/v1/chat/completions", {"messages": CHAT, "top_logprobs": 2}, "top_logprobs", None),
     ("/v1/chat/completions", {"messages": CHAT, "max_completion_tokens": -5}, "max_completion_tokens",
      "invalid_value"),
-    ("/v1/chat/completions", {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]},
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": [{"type": "input_audio"}]}]},
      "messages[0].content[0].type", "unsupported_parameter"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]},
+     "messages[0].content[0].image_url", None),
 ])
 def test_bad_input_is_400_naming_the_field(path, body, param, code):
     client, backend = make()

@@ -212,7 +212,9 @@ def test_policy_requirements_pass_through_on_every_route():
     ({"prompts": [[1, -5]]}, "prompts[0][1]"),
     ({"prompts": []}, "prompts"),
     ({"prompts": ["x"], "guided_decoding_regex": "(?=a)b"}, "guided_decoding_regex"),  # look-around: unsupported
-    ({"prompts": ["x"], "images": ["data"]}, "images"),
+    ({"prompts": ["x"], "images": ["a", "b"]}, "images"),  # one entry per prompt
+    ({"prompts": ["x"], "images": [5]}, "images[0]"),
+    ({"prompt": {"prompt_token_ids": [1], "multi_modal_data": {"audio": "x"}}}, "prompt.multi_modal_data"),
     ({"prompts": ["x"], "generation_kwargs": {"beam_width": 2}}, "generation_kwargs"),
     ({"prompt": [1, -1], "request_id": "a"}, "prompt[1]"),
     ({"prompt": "x", "policy_version": 1, "n": 2}, "n"),

@@ -113,9 +113,8 @@ def _check(shape: Shape, req: Any, n_prompts: int, limits: Limits) -> None:
     check_n(req.n, n_prompts, limits)
     check_logprobs(_logprobs(shape, req), "logprobs", limits)
     check_logprobs(getattr(req, "prompt_logprobs", None), "prompt_logprobs", limits, prompt=True)
-    if shape == "trl":
-        if req.images:
-            raise unsupported("images are not supported by this server (text models only).", "images")
+    if shape == "trl" and req.images is not None and len(req.images) != n_prompts:
+        raise invalid(f"images must hold one entry per prompt ({n_prompts}), got {len(req.images)}.", "images")
     if shape == "mlx_rl" and req.n != 1:
         raise invalid("the MLX RL shape returns one completion; send n=1 (or use the vLLM/TRL shapes).", "n")
 
@@ -152,8 +151,40 @@ def build(shape: Shape, req: Any, limits: Limits, answer: Shape | None = None) -
     detok = DetokSpec(stop=stop_strings(req.stop), include_stop_str=req.include_stop_str_in_output,
                       skip_special_tokens=req.skip_special_tokens, echo=True)
     spec = request_spec(req, params, detok, adapter=req.adapter, metadata=job.metadata)
+    images = images_of(shape, req, len(prompts))
     for i, prompt in enumerate(prompts):
         text, ids = (prompt, None) if isinstance(prompt, str) else (None, pack_ids(prompt))
         job.submits.append(TextSubmit(rid=job.rid if len(prompts) == 1 else f"{job.rid}-{i}", reply_to=b"", spec=spec,
-                                      prompt=text, prompt_ids=ids))
+                                      prompt=text, prompt_ids=ids, images=images[i]))
     return job
+
+
+def images_of(shape: Shape, req: Any, n_prompts: int) -> list[list[str]]:
+    """Each prompt's image URLs: TRL's `images` (one entry per prompt: an image, a list, or null) or vLLM's
+    TokensPrompt `multi_modal_data={"image": ...}`; the tokenizer stage fetches and checks them."""
+    if shape == "trl":
+        entries = req.images if req.images is not None else [None] * n_prompts
+        return [_urls(e, f"images[{i}]") for i, e in enumerate(entries)]
+    if shape != "vllm" or req.prompt is None:
+        return [[] for _ in range(n_prompts)]
+    listed = req.prompt if isinstance(req.prompt, list) else [req.prompt]
+    out = []
+    for i, p in enumerate(listed):
+        data = p.multi_modal_data if isinstance(p, TokensPrompt) else None
+        where = f"prompt[{i}].multi_modal_data" if isinstance(req.prompt, list) else "prompt.multi_modal_data"
+        if data is not None and set(data) - {"image"}:
+            raise unsupported(f"{where} holds {', '.join(sorted(set(data) - {'image'}))}; only images are served.", where)
+        out.append(_urls(None if data is None else data.get("image"), f"{where}.image"))
+    return out
+
+
+def _urls(entry: Any, param: str) -> list[str]:
+    from parallm.vision.inputs import as_image_url
+    from parallm.vision.fetch import ImageError
+
+    if entry is None:
+        return []
+    try:
+        return [as_image_url(x) for x in (entry if isinstance(entry, list) else [entry])]
+    except ImageError as exc:
+        raise invalid(exc.message, param) from None

@@ -61,6 +61,7 @@ class TokensPrompt(Struct, kw_only=True):
 
     prompt_token_ids: list[TokenId] | None = None
     prompt: str | None = None
+    multi_modal_data: dict[str, Any] | None = None  # {"image": an image or a list}: a vision-language model's
 
 
 class VllmGenerateRequest(RLSampling, kw_only=True):

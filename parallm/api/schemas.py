@@ -33,11 +33,18 @@ PRIORITY_DOC = "lower is served first (vLLM's convention); a waiting request age
 Role = Literal["system", "user", "assistant", "tool", "developer", "function"]
 
 
+class ImageURL(Struct, kw_only=True):
+    url: str
+    detail: str | None = None
+
+
 class ContentPart(Struct, kw_only=True):
-    """A part of a message's content; only text parts ("text", "input_text") are supported."""
+    """A part of a message's content: text ("text", "input_text"), or an image ("image_url", "input_image")
+    for a vision-language model (docs/vision.md): a data: URL, or an http(s) URL the server may fetch."""
 
     type: str
     text: str | None = None
+    image_url: ImageURL | str | None = None
 
 
 class ChatMessage(Struct, kw_only=True):

@@ -123,10 +123,21 @@ def completion_plan(req: CompletionRequest, limits: Limits, request_id: str = ""
                 tokens_as_ids=req.return_tokens_as_token_ids)
 
 
+def _part_dict(part: Any) -> dict[str, Any]:
+    if isinstance(part, str):
+        return {"type": "text", "text": part}
+    if part.image_url is not None:
+        url = part.image_url if isinstance(part.image_url, str) else part.image_url.url
+        return {"type": "image_url", "image_url": {"url": url}}
+    return {"type": "text", "text": part.text or ""}
+
+
 def message_dict(msg: ChatMessage) -> dict[str, Any]:
     """A message as the chat template sees it: text content, `developer` read as `system`."""
     content = msg.content
-    if isinstance(content, list):
+    if isinstance(content, list) and any(not isinstance(p, str) and p.image_url is not None for p in content):
+        content = [_part_dict(part) for part in content]  # images: the tokenizer stage reads the parts
+    elif isinstance(content, list):
         content = "\n".join(part if isinstance(part, str) else part.text or "" for part in content)
     out: dict[str, Any] = {"role": "system" if msg.role == "developer" else msg.role, "content": content}
     reasoning = msg.reasoning_content if msg.reasoning_content is not None else msg.reasoning

@@ -22,6 +22,7 @@ T = TypeVar("T")
 MAX_CHOICES = 1024      # n times the number of prompts in one request
 MAX_TOKEN_ID = 2**31 - 1  # token ids travel as int32; larger ones are a 400, not an overflow
 TEXT_PARTS = ("text", "input_text")
+IMAGE_PARTS = ("image_url", "input_image")
 
 
 @dataclass(frozen=True)
@@ -245,9 +246,13 @@ def check_messages(messages: list[Any], add_generation_prompt: bool, continue_fi
             if isinstance(part, str):
                 continue
             where = f"messages[{i}].content[{j}]"
+            if part.type in IMAGE_PARTS:  # fetched, decoded and checked by the tokenizer stage (parallm/vision)
+                if part.image_url is None:
+                    raise invalid(f"{where} has no 'image_url'.", f"{where}.image_url")
+                continue
             if part.type not in TEXT_PARTS:
-                raise unsupported(f"{where}: content part type {part.type!r} is not supported; this model "
-                                  "takes text only (parts of type 'text').", f"{where}.type")
+                raise unsupported(f"{where}: content part type {part.type!r} is not supported (parts of type "
+                                  "'text', or 'image_url' for a vision-language model).", f"{where}.type")
             if part.text is None:
                 raise invalid(f"{where} has no 'text'.", f"{where}.text")
 

@@ -218,6 +218,14 @@ class KVConfig(Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
 
 class TokenizerConfig(Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     replicas: Annotated[int, _d("tokenizer processes (requests fan out over them)")] = 1
+    # image input (vision-language models, docs/vision.md): fetched, decoded and processed in this stage
+    max_images: Annotated[int, _d("images one request may carry")] = 8
+    max_image_bytes: Annotated[int, _d("bytes of one image's file (decoded from its data: URL or fetched)")] = 20 * 2**20
+    max_image_pixels: Annotated[int, _d("pixels (width x height) of one decoded image; more is a 400 before "
+                                        "decoding (decompression bombs)")] = 6000 * 6000
+    image_fetch_hosts: Annotated[list[str], _d("hosts whose http(s) image URLs this server fetches; empty: "
+                                               "remote images are refused (data: URLs only)")] = []
+    image_fetch_timeout_s: Annotated[float, _d("seconds one image URL fetch may take")] = 10.0
 
 
 # the tool-call parsers --server.tool-call-parser may name: mlx-lm's (parallm/text/assistant.py infers one

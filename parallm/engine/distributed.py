@@ -61,7 +61,7 @@ from parallm.protocol import (AbortRequest, AddRequest, AddScore, DropCachedBloc
 from .rank_group import (  # noqa: F401 - re-exported: the engine stage and tests use distributed.<name>
     CONTROL_ENV, TensorParallelError, agree_min, agreed_config, channel_socket, control_addresses, default_backend,
     join, rank_from_env, shard_model, shard_refusal)
-from .request import Request
+from .request import Request, RequestRejected
 
 log = logging.getLogger("parallm.engine.distributed")
 
@@ -194,6 +194,8 @@ class Leader:
 
     # the calls that change the engine's state
     def add_request(self, request: Request) -> None:
+        if request.images:  # the other ranks replay ids and spec only (docs/vision.md)
+            raise RequestRejected("image input is not served with engine.tensor_parallel > 1", "images")
         self._record(AddRequest(rid=request.rid, prompt_ids=list(request.prompt_ids), spec=request.spec),
                      lambda: self._engine.add_request(request))
 

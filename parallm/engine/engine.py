@@ -29,6 +29,7 @@ from .compat import check_model
 from .faults import PassState, log, prefill_passes
 from .memory import (auto_kv_budget_bytes, bound_cuda_cache, fit_state_rows, limit_buffer_cache, set_wired_limit,
                      split_kv_budget, weight_bytes)
+from .images import attach_images
 from .model import EngineModel
 from .output import OutputProcessor, StepOutputs, unseen_versions
 from .plan import KVBudget, Plan, PrefillWork
@@ -60,6 +61,7 @@ class Engine(EngineReport):
         """The engine over `model`, with the `engine` and `adapters` sections of `config`. Every
         setting left unset is resolved here, once, and reported in stats (`settings`)."""
         self.model = model.module
+        self.vision = model.vision  # a vision-language model's encoder (parallm/vision), or None
         device = compute_device()
         on_cpu = device == "cpu"
         settings = resolve_engine_config(config.engine, device)
@@ -97,7 +99,7 @@ class Engine(EngineReport):
                                   fast_math=bool(settings.fast_math), compiled_decode=settings.compiled_decode,
                                   in_place_kv_mb=settings.in_place_kv_mb,
                                   unfused_prefill_keys=settings.unfused_prefill_keys,
-                                  unfused_decode=settings.unfused_decode)
+                                  unfused_decode=settings.unfused_decode, vision=self.vision)
         resolved: dict = {"kv_budget_mb": self.kv_budget_bytes / (1 << 20)}
         if settings.buffer_cache_mb is None and (cap := bound_cuda_cache(self.kv_budget_bytes,
                                                                          weight_bytes(self.model))) is not None:
@@ -164,6 +166,7 @@ class Engine(EngineReport):
         else:
             base = splitmix64((self.config.seed << 32) ^ self._seed_counter)
             self._seed_counter += 1
+        images = attach_images(request.prompt_ids, request.images, self.vision)
         seqs = []
         for i in range(n):
             self._seq_counter += 1
@@ -171,7 +174,7 @@ class Engine(EngineReport):
                                  prompt_ids=list(request.prompt_ids), params=p, seed=base + i,
                                  adapter=self._cache_key(lora), adapter_name=lora.name if lora else "",
                                  adapter_version=lora.version if lora else self.weights_version, lora=lora,
-                                 pinned=bool(spec.adapter_version), priority=spec.priority))
+                                 pinned=bool(spec.adapter_version), priority=spec.priority, images=images))
         if p.constraint is not None:
             try:
                 check_size(p.constraint, self.config.max_constraint_bytes)
@@ -318,7 +321,7 @@ class Engine(EngineReport):
         if not self.config.mixed_passes or not self._wants_decode():
             return False
         rows = self.scheduler.running + work.seqs
-        if any(s.prompt_logprobs is not None for s in work.seqs):
+        if any(s.prompt_logprobs is not None or s.images is not None for s in work.seqs):
             return False
         return packable([s.lora for s in rows]) and self.runner.can_pack
 

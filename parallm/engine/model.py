@@ -18,12 +18,14 @@ class EngineModel:
     eos_token_ids: tuple[int, ...] = ()
     max_model_len: int = 2048
     vocab_size: int = 0
+    vision: Any = None  # a vision-language model's parallm.vision.encoder.VisionEncoder
+
 
     @classmethod
     def of(cls, loaded: Any) -> "EngineModel":
         """From a parallm.models.LoadedModel."""
         return cls(loaded.model, tuple(int(t) for t in loaded.eos_token_ids), int(loaded.max_model_len),
-                   int(loaded.vocab_size or 0))
+                   int(loaded.vocab_size or 0), getattr(loaded, "vision", None))
 
     def resolved_vocab_size(self) -> int:
         if self.vocab_size:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Sequence
 
 from parallm.protocol import FinishReason, RequestSpec, SamplingParams, Usage
@@ -32,6 +32,7 @@ class Request:
     rid: str
     prompt_ids: list[int]
     spec: RequestSpec
+    images: list[Any] = field(default_factory=list)  # numpy pixel values, one per image run in the prompt (images.py)
 
     @property
     def params(self) -> SamplingParams:

@@ -55,7 +55,7 @@ class RowLayout:
         nfull = valid // self.block_size
         if nfull <= len(seq.block_ids):
             return
-        got = self.blocks.store(seq.block_ids, seq.token_ids, seq.adapter, nfull)
+        got = self.blocks.store(seq.block_ids, seq.cache_ids, seq.adapter, nfull)
         first = len(seq.block_ids)
         seq.block_ids.extend(bid for bid, _ in got)
         # blocks already cached under the same key are shared, not copied

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
-from typing import Callable, Iterable
+from typing import Any, Callable, Iterable
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -16,6 +16,7 @@ from .compat import ModelInfo
 from .compiled import CompiledDecode
 from .fastmath import FastMath
 from .head import OutputHead
+from .images import prefill_embeddings
 from .packed import PackedContext, PackedView
 from .plan import PrefillWork, RowOp
 from .pool import KVPool
@@ -78,15 +79,17 @@ class ModelRunner:
     def __init__(self, model: nn.Module, info: ModelInfo, *, vocab_size: int, pool_blocks: int, block_size: int,
                  eos_ids: Iterable[int] = (), lora: LoRARouter | None = None, compile: bool = True,
                  fast_math: bool = False, compiled_decode: bool = False, in_place_kv_mb: float = -1,
-                 unfused_prefill_keys: int = 0, unfused_decode: bool = False) -> None:
+                 unfused_prefill_keys: int = 0, unfused_decode: bool = False, vision: Any = None) -> None:
         """`eos_ids`: the tokens `min_tokens` masks until reached (with each request's stop ids);
         `lora`: the router that tells the adapted layers which adapter each row of a pass uses;
         `compiled_decode`: pure-decode passes under mx.compile where they fit (compiled.py);
         `in_place_kv_mb`: from this live KV size on, a pass writing into it waits for the work in
         flight first (LiveKV.settle); negative: never; `unfused_prefill_keys`: prefill passes over at
         most this many keys attend without the fused kernel (fastmath.unfused_sdpa); `unfused_decode`:
-        decode passes under a mask (rows at different lengths) do too."""
+        decode passes under a mask (rows at different lengths) do too; `vision`: a vision-language
+        model's encoder, whose features prefill puts at the image tokens (images.py)."""
         self.model = model
+        self.vision = vision
         self.info = info
         self.vocab_size = vocab_size
         self.block_size = block_size
@@ -139,28 +142,32 @@ class ModelRunner:
             job = c.submit(seqs, pending_tokens(seqs, prev))
         return logits, mx.array(job.result())
 
-    def _forward(self, seqs: list[Sequence], tokens: mx.array, cache, per_token: list | None = None) -> mx.array:
-        """The model over `tokens`, row i under seqs[i]'s adapter (`per_token`: a packed pass's one
-        row, token i under per_token[i]); the graph is fixed on return."""
+    def _forward(self, seqs: list[Sequence], tokens: mx.array, cache, per_token: list | None = None,
+                 embeddings: mx.array | None = None) -> mx.array:
+        """The model over `tokens` (or their `embeddings`, image features in place), row i under seqs[i]'s
+        adapter (`per_token`: a packed pass's one row, token i under per_token[i]); the graph is fixed on return."""
         lora = self.lora
         if lora is not None:
             lora.bind([s.lora for s in seqs] if per_token is None else per_token, packed=per_token is not None)
         try:
-            return self.call_model(tokens, cache, packed=isinstance(cache[0], PackedView) if cache else False)
+            return self.call_model(tokens, cache, packed=isinstance(cache[0], PackedView) if cache else False,
+                                   embeddings=embeddings)
         finally:
             if lora is not None:
                 lora.unbind()
 
-    def call_model(self, tokens: mx.array, cache, *, packed: bool = False) -> mx.array:
+    def call_model(self, tokens: mx.array, cache, *, packed: bool = False, embeddings: mx.array | None = None) -> mx.array:
         """The model's graph over `tokens`, built with the fast-math kernels where enabled (a
-        `packed` pass: with the functions that read its layout)."""
+        `packed` pass: with the functions that read its layout); `embeddings`: the pass's input
+        embeddings instead of the tokens' own."""
         length = tokens.shape[-1]
         unfused = (self.unfused_prefill and length > 1) or (self.unfused_decode and length == 1)
         context = self.packing if packed or unfused else self.fast_math
+        kw = {} if embeddings is None else {"input_embeddings": embeddings}
         if context is None:
-            return self.model(tokens, cache=cache)
+            return self.model(tokens, cache=cache, **kw)
         with context:
-            return self.model(tokens, cache=cache)
+            return self.model(tokens, cache=cache, **kw)
 
     # ------------------------------------------------------------------ row operations
     def execute(self, ops: list[RowOp]) -> None:
@@ -196,13 +203,15 @@ class ModelRunner:
         ctx = PassContext(work.row0, work.starts, L, max(work.starts) + L, mask5d=self.info.mask5d,
                           lengths=work.lengths)
         tokens = mx.array(rows, dtype=mx.int32)
+        embeds = None if self.vision is None else prefill_embeddings(self.model, self.vision, work.seqs, work.starts,
+                                                                    work.lengths, tokens)
         last = mx.array([i * L + work.lengths[i] - 1 for i, _ in finishing], dtype=mx.int32)
         if finishing and not wants_prompt and self.head.usable:
             with self.head.select(last):  # only the finishing rows' last positions are projected
-                logits = self._forward(work.seqs, tokens, self.live.views(ctx))
+                logits = self._forward(work.seqs, tokens, self.live.views(ctx), embeddings=embeds)
             last_logits = logits[0]
         else:
-            logits = self._forward(work.seqs, tokens, self.live.views(ctx))
+            logits = self._forward(work.seqs, tokens, self.live.views(ctx), embeddings=embeds)
             last_logits = logits.reshape(-1, logits.shape[-1])[last] if finishing else None
         wanted = []
         for i, lo, hi in logprob_rows:

@@ -269,7 +269,7 @@ class Scheduler(RowLayout):
     def _match(self, seq: Sequence) -> list[int]:
         if self.blocks is None or not seq.uses_prefix_cache:
             return []
-        return self.blocks.match(seq.token_ids, seq.adapter, seq.cacheable_tokens // self.block_size)
+        return self.blocks.match(seq.cache_ids, seq.adapter, seq.cacheable_tokens // self.block_size)
 
     def _prefill_work(self, now: float) -> PrefillWork | None:
         if not self.prefilling:

@@ -20,7 +20,12 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
+from typing import TYPE_CHECKING
+
 from parallm.protocol import SamplingParams
+
+if TYPE_CHECKING:
+    from .images import SeqImages
 
 
 class Status(enum.Enum):
@@ -62,11 +67,17 @@ class Sequence:
     prompt_logprobs_sent: bool = False
     score_start: int = 0  # >= 1: a teacher-forced score of prompt_ids[score_start:] (see the module doc)
     score_top: int = 0  # top-k alternatives a score keeps per position
+    images: "SeqImages | None" = None  # a vision-language request's images (images.py); n > 1 siblings share them
 
     # ------------------------------------------------------------------ derived
     @property
     def token_ids(self) -> list[int]:
         return self.prompt_ids + self.output_ids
+
+    @property
+    def cache_ids(self) -> list[int]:
+        """The ids the prefix cache keys blocks by: the token ids, image tokens standing for their image."""
+        return self.token_ids if self.images is None else self.images.cache_ids(self.token_ids)
 
     @property
     def num_prompt(self) -> int:

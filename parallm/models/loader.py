@@ -39,6 +39,7 @@ class LoadedModel:
     eos_token_ids: list[int]
     max_model_len: int      # min(ModelConfig.max_model_len or inf, the model's context length)
     vocab_size: int
+    vision: Any = None      # a vision-language model's parallm.vision.encoder.VisionEncoder (None: text only)
 
 
 def _text_config(config: dict) -> dict:
@@ -87,7 +88,7 @@ def load_model(config: ModelConfig) -> LoadedModel:
     """Resolve `config.path`, load the mlx-lm model and apply the dtype policy (see dtype.py)."""
     source = resolve_model(config)
     _check_type(source)
-    model, model_config = _mlx_lm_load(source)
+    model, model_config, vision = _load_modules(source)
     dtype = apply_dtype(model, config.dtype)
     mx.eval(model.parameters())
     text = _text_config(model_config)
@@ -97,7 +98,26 @@ def load_model(config: ModelConfig) -> LoadedModel:
     return LoadedModel(model=model, source=source, config=model_config, dtype=dtype,
                        eos_token_ids=_eos_ids(model_config, source),
                        max_model_len=_context_len(model_config, source, config.max_model_len),
-                       vocab_size=vocab)
+                       vocab_size=vocab, vision=vision)
+
+
+def _load_modules(source: ModelSource) -> tuple[nn.Module, dict, Any]:
+    """(the mlx-lm model, config.json, the vision encoder or None): a vision-language family whose images are
+    served (parallm/vision/families.py) is read by mlx-vlm and split into its text model and its encoder."""
+    from ..vision.families import family_of
+
+    raw = read_config(source.path)
+    family = family_of(raw)
+    if family is None:
+        model, model_config = _mlx_lm_load(source)
+        return model, model_config, None
+    from ..vision.load import load_vlm
+
+    try:
+        model, vision = load_vlm(source.path, raw, family)
+    except (ValueError, FileNotFoundError, KeyError, TypeError, ImportError) as exc:
+        raise ModelLoadError(f"mlx-vlm could not load {source.path}: {exc}") from exc
+    return model, raw, vision
 
 
 def load_tokenizer(source: ModelSource, *, trust_remote_code: bool = False) -> Any:

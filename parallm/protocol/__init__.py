@@ -13,7 +13,7 @@ The package is split by concern; every public name is re-exported here, so calle
   group's ranks exchange (one struct per engine call)
 - replies: the answers to control requests (routed to `reply_to`); stats: what stages report (plain values)
 - codec: encode / decode / reply_address, the only codec, and AnyMessage (every receiver's union)
-- arrays: packed id and float arrays, version spans; merge: coalescing a late reader's outputs
+- arrays: packed id and float arrays, version spans; tensors: pixel values (dtype, shape, bytes); merge: coalescing a late reader's outputs
 A new message is one file's change here: its struct in the module of its receiver, its type in that
 module's union and in its `__all__` (AnyMessage and this package take it from there).
 """
@@ -25,6 +25,7 @@ from .merge import *  # noqa: F401,F403
 from .replies import *  # noqa: F401,F403
 from .stats import *  # noqa: F401,F403
 from .supervisor import *  # noqa: F401,F403
+from .tensors import *  # noqa: F401,F403
 from .to_clients import *  # noqa: F401,F403
 from .to_detokenizer import *  # noqa: F401,F403
 from .to_engine import *  # noqa: F401,F403

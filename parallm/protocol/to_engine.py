@@ -9,6 +9,7 @@ import msgspec
 
 from .base import FinishReason, Message, RequestSpec
 from .stats import EngineStats
+from .tensors import Tensor
 from .to_tokenizer import GetStats
 
 __all__ = ["Submit", "Score", "Abort", "Pause", "Resume", "AdapterPublish", "WeightsUpdate", "ResetPrefixCache",
@@ -16,12 +17,15 @@ __all__ = ["Submit", "Score", "Abort", "Pause", "Resume", "AdapterPublish", "Wei
 
 
 class Submit(Message, tag="submit"):
-    """A tokenized request. Raw ZeroMQ clients send this straight to the engine."""
+    """A tokenized request. Raw ZeroMQ clients send this straight to the engine. `images`: a vision-language
+    model's pixel values, one tensor per image in prompt order, as its processor made them; the prompt
+    holds one run of the model's image token per image, where the engine puts the image's features."""
 
     rid: str
     reply_to: bytes
     prompt_ids: bytes
     spec: RequestSpec = msgspec.field(default_factory=RequestSpec)
+    images: list[Tensor] = []
 
 
 class Score(Message, tag="score"):

@@ -12,7 +12,9 @@ __all__ = ["TextSubmit", "Tokenize", "Detokenize", "GetStats", "TokenizerInbound
 
 
 class TextSubmit(Message, tag="text_submit"):
-    """A request in text (prompt or chat messages) or token ids, before tokenization."""
+    """A request in text (prompt or chat messages) or token ids, before tokenization. `images`: image URLs
+    (data: or http(s)) of a prompt or prompt_ids request, in the order of the model's image token in it
+    (chat messages carry theirs as image_url parts); the tokenizer fetches and processes them."""
 
     rid: str
     reply_to: bytes
@@ -24,6 +26,7 @@ class TextSubmit(Message, tag="text_submit"):
     continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] = {}
     add_special_tokens: bool = True
+    images: list[str] = []
 
 
 class Tokenize(Message, tag="tokenize"):

@@ -12,6 +12,7 @@ from parallm.config import ModelConfig
 def model_limits(model: ModelConfig) -> dict[str, Any]:
     """max_model_len and model_type from a resolved model directory's config.json."""
     config = json.loads((Path(model.path) / "config.json").read_text())
+    config = {**(config.get("text_config") or {}), **config}  # a multimodal checkpoint states them in text_config
     limit = int(config.get("max_position_embeddings") or config.get("max_seq_len") or 0)
     if model.max_model_len:
         limit = min(limit, model.max_model_len) if limit else model.max_model_len

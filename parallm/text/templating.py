@@ -19,6 +19,7 @@ _RESERVED_KWARGS = frozenset({
     "return_dict", "return_tensors", "padding", "truncation", "max_length", "tokenizer_kwargs",
     "return_assistant_tokens_mask"})
 _TEXT_PARTS = ("text", "input_text")
+_IMAGE_PARTS = ("image_url", "input_image", "image")
 
 
 class TemplateError(ValueError):
@@ -34,8 +35,10 @@ class TemplateError(ValueError):
                             message=self.message, param=self.param)
 
 
-def content_text(content: Any, where: str) -> str | None:
-    """A message's content as a string: OpenAI content-part lists joined with newlines (as vLLM)."""
+def content_text(content: Any, where: str, image_token: str | None = None,
+                 text_only: str = "this model takes text only") -> str | None:
+    """A message's content as a string: OpenAI content-part lists joined with newlines (as vLLM); an
+    image part is the model's `image_token` (None: refused with `text_only`, the reason)."""
     if content is None or isinstance(content, str):
         return content
     if not isinstance(content, list):
@@ -50,13 +53,19 @@ def content_text(content: Any, where: str) -> str | None:
             texts.append(part["text"])
         elif kind in _TEXT_PARTS:
             raise TemplateError(f"{where}[{j}] has no 'text' string", f"{where}[{j}].text")
+        elif kind in _IMAGE_PARTS and image_token is not None:
+            texts.append(image_token)
+        elif kind in _IMAGE_PARTS:
+            raise TemplateError(f"{where}[{j}]: content part type {kind!r} is not supported: {text_only}",
+                                f"{where}[{j}].type")
         else:
             raise TemplateError(f"{where}[{j}]: content part type {kind!r} is not supported; this model "
                                 "takes text only (parts of type 'text')", f"{where}[{j}].type")
     return "\n".join(texts)
 
 
-def normalize_messages(messages: Sequence[Any]) -> list[dict[str, Any]]:
+def normalize_messages(messages: Sequence[Any], image_token: str | None = None,
+                       text_only: str = "this model takes text only") -> list[dict[str, Any]]:
     """Copies of the messages that chat templates expect: string content, tool-call arguments as
     dicts (templates apply `tojson` to them; OpenAI sends them as JSON strings)."""
     if not isinstance(messages, (list, tuple)) or not messages:
@@ -67,7 +76,7 @@ def normalize_messages(messages: Sequence[Any]) -> list[dict[str, Any]]:
             raise TemplateError(f"messages[{i}] must be an object with a string 'role'", f"messages[{i}].role")
         msg = dict(msg)
         if "content" in msg:
-            msg["content"] = content_text(msg["content"], f"messages[{i}].content")
+            msg["content"] = content_text(msg["content"], f"messages[{i}].content", image_token, text_only)
         if isinstance(msg.get("tool_calls"), list):
             msg["tool_calls"] = [_parse_arguments(call) for call in msg["tool_calls"]]
         out.append(msg)
@@ -95,6 +104,8 @@ class Templater:
         self.tok = TokenizerView.of(tokenizer)
         self.max_model_len = max_model_len
         self.vocab_size = self.tok.vocab_size if vocab_size is None else vocab_size
+        self.image_token: str | None = None  # a vision-language model's: what an image part renders as
+        self.text_only = "this model takes text only"  # why image parts are refused otherwise
 
     # ------------------------------------------------------------------ requests
 
@@ -167,7 +178,7 @@ class Templater:
         if reserved:
             raise TemplateError(f"chat_template_kwargs may not set {', '.join(reserved)}",
                                 "chat_template_kwargs")
-        conversation = normalize_messages(messages)
+        conversation = normalize_messages(messages, self.image_token, self.text_only)
         try:
             text = self.tok.hf.apply_chat_template(
                 conversation, tokenize=False, add_generation_prompt=add_generation_prompt,

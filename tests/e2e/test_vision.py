@@ -1,0 +1,153 @@
+"""Image input end to end: parallm-launch serving a tiny random-weight LLaVA (and, in the slow tier, Pixtral;
+tests/_vision_helpers.py), the
+official openai client sending base64 images (one, two, beside a text-only request) and the error cases;
+the served greedy tokens equal mlx-vlm's own generate loop on the same ids and pixels."""
+
+from __future__ import annotations
+
+import base64
+import concurrent.futures as cf
+import io
+
+import openai
+import pytest
+
+from tests._vision_helpers import data_url, png, reference_tokens, write_vlm
+
+from .server import Server
+
+pytestmark = pytest.mark.e2e
+MAX = 6
+servers: dict = {}  # the module's server by model directory (the raw and RL clients need its addresses)
+
+
+@pytest.fixture(scope="module", params=["llava", pytest.param("pixtral", marks=pytest.mark.slow)])
+def vlm(request, tmp_path_factory):
+    path = write_vlm(tmp_path_factory.mktemp("vlm") / f"tiny-{request.param}", request.param)
+    with Server("--model", str(path), "--engine.max-num-seqs", "8", "--tokenizer.max-images", "2",
+                "--tokenizer.max-image-pixels", str(256 * 256)) as srv:
+        client = openai.OpenAI(base_url=f"{srv.url}/v1", api_key="unused", max_retries=0, timeout=120)
+        servers[path] = srv
+        yield path, client, client.models.list().data[0].id
+
+
+def user(*images: bytes, text: str = "What is in this picture?") -> list[dict]:
+    parts = [{"type": "image_url", "image_url": {"url": data_url(data)}} for data in images]
+    return [{"role": "user", "content": [*parts, {"type": "text", "text": text}]}]
+
+
+def chat(client, name, messages, **kw):
+    return client.chat.completions.create(model=name, messages=messages, max_tokens=MAX, temperature=0,
+                                          extra_body={"ignore_eos": True, "return_token_ids": True}, **kw)
+
+
+def pixels_of(path, images: list[bytes]):
+    from PIL import Image
+
+    from parallm.vision.fetch import ImageLimits
+    from parallm.vision.inputs import load_image_inputs
+
+    inputs = load_image_inputs(path, ImageLimits())
+    return [inputs.pixels(Image.open(io.BytesIO(d)).convert("RGB")) for d in images]
+
+
+def test_one_and_two_images_match_mlx_vlm_beside_a_text_request(vlm):
+    path, client, name = vlm
+    one, two = png(11), [png(12), png(13)]  # one size: the reference stacks them unpadded
+    with cf.ThreadPoolExecutor(3) as pool:
+        jobs = [pool.submit(chat, client, name, user(one)), pool.submit(chat, client, name, user(*two, text="Compare.")),
+                pool.submit(chat, client, name, [{"role": "user", "content": "Only text."}])]
+        outs = [j.result() for j in jobs]
+    for out, images in zip(outs, ([one], two, [])):
+        prompt, tokens = out.model_extra.get("prompt_token_ids"), out.choices[0].model_extra["token_ids"]
+        assert prompt, "return_token_ids gives the prompt's ids"
+        assert tokens == reference_tokens(path, prompt, pixels_of(path, images), MAX)
+        assert out.usage.prompt_tokens == len(prompt)
+    assert outs[0].usage.prompt_tokens > outs[2].usage.prompt_tokens  # 16 image tokens per image
+
+
+def test_streamed_image_request(vlm):
+    _, client, name = vlm
+    stream = client.chat.completions.create(model=name, messages=user(png(14)), max_tokens=MAX, temperature=0,
+                                            stream=True, extra_body={"ignore_eos": True})
+    text = "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
+    assert text
+
+
+@pytest.mark.parametrize("content, param, words", [
+    ([{"type": "image_url", "image_url": {"url": "data:image/png;base64,!!!notbase64"}}],
+     "messages[0].content[0].image_url", "not valid base64"),
+    ([{"type": "image_url", "image_url": {"url": data_url(b"not an image at all")}}],
+     "messages[0].content[0].image_url", "could not be decoded"),
+    ([{"type": "text", "text": "hi"}, {"type": "image_url", "image_url": {"url": "https://example.com/cat.png"}}],
+     "messages[0].content[1].image_url", "not allowed"),
+    ([{"type": "image_url", "image_url": {"url": "file:///etc/passwd"}}],
+     "messages[0].content[0].image_url", "data: or http(s)"),
+    ([{"type": "image_url", "image_url": {"url": data_url(png(1, (300, 300)))}}],
+     "messages[0].content[0].image_url", "more than the 65536"),
+    ([{"type": "image_url", "image_url": {"url": data_url(png(1))}}] * 3,
+     "messages[0].content[2]", "at most 2 images"),
+    ([{"type": "text", "text": "IMAGE_TOKEN sneaked in"}, {"type": "image_url", "image_url": {"url": data_url(png(1))}}],
+     "messages", "image placeholders"),
+])
+def test_bad_images_are_400_naming_the_part(vlm, content, param, words):
+    path, client, name = vlm
+    token = "[IMG]" if "pixtral" in path.name else "<image>"
+    content = [{**p, "text": p["text"].replace("IMAGE_TOKEN", token)} if p["type"] == "text" else p for p in content]
+    with pytest.raises(openai.BadRequestError) as err:
+        chat(client, name, [{"role": "user", "content": content}])
+    body = err.value.body
+    assert body["param"] == param and words in body["message"], body
+
+
+def test_decompression_bomb_is_a_400(vlm):
+    """A PNG whose header claims 20000 x 20000 pixels, a few kB on the wire."""
+    from PIL import Image
+
+    _, client, name = vlm
+    image = Image.new("1", (20000, 20000))
+    buf = io.BytesIO()
+    image.save(buf, format="PNG")
+    assert len(buf.getvalue()) < 100_000
+    with pytest.raises(openai.BadRequestError) as err:
+        chat(client, name, [{"role": "user", "content": [
+            {"type": "image_url", "image_url": {"url": "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()}}]}])
+    assert "more pixels than the 65536" in err.value.body["message"]
+    assert err.value.body["param"] == "messages[0].content[0].image_url"
+
+
+def token(path) -> str:
+    return "[IMG]" if "pixtral" in path.name else "<image>"
+
+
+def test_raw_client_and_rl_generate_shapes_take_images(vlm):
+    """The raw ZeroMQ client (token ids with one image token, vLLM's multi_modal_data), TRL's /generate
+    `images` (base64 without a prefix) and vLLM's /generate TokensPrompt multi_modal_data: the same image
+    and prompt give the tokens mlx-vlm gives."""
+    import httpx
+
+    from parallm.client import Client
+    from parallm.protocol import SamplingParams
+    from transformers import AutoTokenizer
+
+    path, _, _ = vlm
+    srv = servers[path]
+    image = png(31)
+    text = "<|im_start|>user\n" + token(path) + "What?<|im_end|>\n<|im_start|>assistant\n"
+    ids = AutoTokenizer.from_pretrained(str(path), local_files_only=True).encode(text)
+    params = SamplingParams(temperature=0.0, max_tokens=MAX, ignore_eos=True)
+    with Client(srv.router, timeout=120) as raw:
+        by_ids = raw.generate(ids, params, multi_modal_data={"image": image})[0]
+        by_text = raw.generate(text, params, images=[data_url(image)])[0]
+    sampling = {"temperature": 0, "max_tokens": MAX, "ignore_eos": True}
+    with httpx.Client(base_url=srv.url, timeout=120) as http:
+        trl = http.post("/generate", json={"prompts": [text], "images": [base64.b64encode(image).decode()],
+                                           **sampling}).json()
+        vllm = http.post("/generate", json={"prompt": {"prompt_token_ids": ids, "multi_modal_data": {"image": data_url(image)}},
+                                            "logprobs": 0, **sampling})
+        bad = http.post("/generate", json={"prompts": [text], "images": ["bm90IGFuIGltYWdl"], **sampling})
+    assert vllm.status_code == 200, vllm.text
+    want = reference_tokens(path, trl["prompt_ids"][0], pixels_of(path, [image]), MAX)
+    assert trl["completion_ids"][0] == want
+    assert by_ids.token_ids == want and by_text.token_ids == want
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "images[0]", bad.text
