@@ -25,7 +25,7 @@ log = logging.getLogger("parallm.trainer")
 def main(config: Config, replica: int = 0) -> int:
     runtime = StageRuntime(config, "trainer", replica)
     tcfg = config.trainer
-    model = ModelConfig(path=tcfg.model.path or config.model.path, dtype=tcfg.model.dtype,
+    model = ModelConfig(path=tcfg.model.path or config.model.path, dtype=tcfg.model.dtype or config.model.dtype,
                         cache_dir=config.model.cache_dir, max_model_len=config.model.max_model_len)
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())

@@ -341,8 +341,11 @@ class TrainerServerConfig(Struct, frozen=True, kw_only=True, forbid_unknown_fiel
 class TrainerModelConfig(Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     path: Annotated[str, _d("base model the trainer loads (must be the one served); empty = the server's "
                             "model.path, or 'default' when run standalone")] = ""
-    dtype: Annotated[Literal["float32", "float16", "bfloat16"] | None,
-                     _d("dtype the trainer computes in; unset = float32 on the CPU, bfloat16 elsewhere")] = None
+    dtype: Annotated[Literal["float32", "float16", "bfloat16", "quantized"] | None,
+                     _d("precision of the trainer's base weights; unset = the served precision (the server's "
+                        "model.dtype, resolved by the same policy: float32 on MLX's CPU device, elsewhere as "
+                        "stored); 'quantized' keeps a quantized model quantized and trains LoRA/DoRA over its "
+                        "quantized layers (QLoRA)")] = None
     adapter: Annotated[str, _d("adapter name the trainer publishes its versions under")] = "policy"
 
 

@@ -315,8 +315,11 @@ class Trainer:
         self.progress()
         t_train = time.perf_counter()
         stats = StepStats()
-        for _ in range(max(1, self.rl.updates_per_batch)):
+        gap = (0.0, 0.0)
+        for i in range(max(1, self.rl.updates_per_batch)):
             stats = self.updater.step(samples)
+            if i == 0:  # before any update: the trainer's weights are the sampling version's (on-policy)
+                gap = (stats.logprob_gap_mean, stats.logprob_gap_max)
             self.progress()
         train_s = time.perf_counter() - t_train
         self.step += 1
@@ -335,6 +338,7 @@ class Trainer:
             "loss": stats.loss, "reward_mean": mean, "reward_std": std,
             "kl": stats.kl if self.rl.kl_coef else None,
             "clip_fraction": stats.clip_fraction, "ratio_mean": stats.ratio_mean, "grad_norm": stats.grad_norm,
+            "logprob_gap_mean": gap[0], "logprob_gap_max": gap[1], "dtype": self.policy.dtype,
             "samples": len(samples), "groups": len(groups), "groups_without_signal": flat,
             "completion_len_mean": sum(lengths) / len(lengths) if lengths else 0.0,
             "tokens_trained": stats.tokens, "generated_tokens": generated_tokens,
