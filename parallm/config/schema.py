@@ -15,7 +15,7 @@ __all__ = ["ENV_PREFIX", "AUTO", "ModelConfig", "EngineConfig", "auto_prefill_to
            "TOOL_CALL_PARSERS",
            "TokenizerConfig", "ServerConfig", "TransportConfig", "SupervisorConfig", "AdaptersConfig",
            "DetokenizerConfig", "TrainerServerConfig", "TrainerModelConfig", "LoRATrainConfig",
-           "RLTrainingConfig", "CheckpointConfig", "TrainerConfig", "KVConfig", "PoliciesConfig", "Config",
+           "RLTrainingConfig", "CheckpointConfig", "TrainerMemoryConfig", "TrainerConfig", "KVConfig", "PoliciesConfig", "Config",
            "serves_lm"]
 
 
@@ -407,6 +407,20 @@ class CheckpointConfig(Struct, frozen=True, kw_only=True, forbid_unknown_fields=
     metrics_file: Annotated[str, _d("JSON lines of per-step metrics; empty = DIR/metrics.jsonl")] = ""
 
 
+class TrainerMemoryConfig(Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """The trainer's memory (parallm/training/memory.py): a plan logged at start, micro-batches from a budget."""
+
+    budget_mb: Annotated[float, _d("memory the trainer may use, MiB (weights, adapter + Adam, one micro-batch's "
+                                   "activations): rl_training.micro_batch is lowered to what fits, and a budget "
+                                   "that holds not even one sequence stops the start naming the plan; 0 = no "
+                                   "bound")] = 0.0
+    grad_checkpoint: Annotated[bool | None, _d("recompute each transformer layer's forward in the backward pass "
+                                               "instead of keeping its activations; unset = on from 1B base "
+                                               "parameters")] = None
+    plan_seq_len: Annotated[int, _d("sequence length (prompt + completion tokens) the plan and the budget assume; "
+                                    "0 = rl_training.max_tokens + 256")] = 0
+
+
 class TrainerConfig(Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     """`parallm-train`'s settings: the [trainer] section of a launch config, or the top level of its own file."""
 
@@ -416,6 +430,7 @@ class TrainerConfig(Struct, frozen=True, kw_only=True, forbid_unknown_fields=Tru
     lora: LoRATrainConfig = LoRATrainConfig()
     rl_training: RLTrainingConfig = RLTrainingConfig()
     checkpointing: CheckpointConfig = CheckpointConfig()
+    memory: TrainerMemoryConfig = TrainerMemoryConfig()
     log_level: Annotated[Literal["debug", "info", "warning", "error"], _d("trainer log level")] = "info"
 
 
