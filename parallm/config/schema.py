@@ -405,6 +405,8 @@ class CheckpointConfig(Struct, frozen=True, kw_only=True, forbid_unknown_fields=
     keep_last: Annotated[int, _d("checkpoints kept; older ones are deleted")] = 3
     resume: Annotated[bool, _d("resume from the latest checkpoint in dir when there is one")] = True
     metrics_file: Annotated[str, _d("JSON lines of per-step metrics; empty = DIR/metrics.jsonl")] = ""
+    tensorboard_dir: Annotated[str, _d("also write every step's metrics as TensorBoard event files here "
+                                       "(`tensorboard --logdir`; no extra package needed); empty = none")] = ""
 
 
 class TrainerMemoryConfig(Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -425,6 +427,8 @@ class TrainerConfig(Struct, frozen=True, kw_only=True, forbid_unknown_fields=Tru
     """`parallm-train`'s settings: the [trainer] section of a launch config, or the top level of its own file."""
 
     enabled: Annotated[bool, _d("parallm-launch starts and supervises a trainer")] = False
+    name: Annotated[str, _d("the trainer's name in /v1/training/status and the metrics' trainer label; empty = "
+                            "its adapter's name ('trainer' for the default adapter 'policy')")] = ""
     server: TrainerServerConfig = TrainerServerConfig()
     model: TrainerModelConfig = TrainerModelConfig()
     lora: LoRATrainConfig = LoRATrainConfig()
@@ -463,6 +467,8 @@ class Config(Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     supervisor: SupervisorConfig = SupervisorConfig()
     adapters: AdaptersConfig = AdaptersConfig()
     trainer: TrainerConfig = TrainerConfig()
+    trainers: Annotated[list[TrainerConfig], _d("several trainers at once: a file's [[trainer]] entries (each its "
+                                                "own adapter, task and checkpoint directory)")] = []
     policies: PoliciesConfig = PoliciesConfig()
     log_level: Annotated[Literal["debug", "info", "warning", "error"], _d("log level of every stage")] = "info"
     log_format: Annotated[Literal["text", "json"], _d("log lines as text or one JSON object per line; lines about a "

@@ -40,6 +40,7 @@ from .grpo import GRPOUpdater, LossConfig, Sample, StepStats, group_advantages
 from .memory import MemoryPlan, TrainerMemoryError, checkpoint_layers, make_plan
 from .policy import Policy, load_policy
 from .publisher import AdapterPublisher
+from .tensorboard import EventWriter, scalars
 from .atropos import AtroposRollouts
 from .rollouts import GeneratedRollouts, Group, SubscribedRollouts
 from .reward_model import with_reward_model
@@ -106,6 +107,8 @@ class Trainer:
         self.ckpt_dir = Path(self.cfg.checkpointing.dir)
         self.metrics_path = Path(self.cfg.checkpointing.metrics_file or self.ckpt_dir / "metrics.jsonl")
         self.metrics_path.parent.mkdir(parents=True, exist_ok=True)
+        board = self.cfg.checkpointing.tensorboard_dir
+        self.board: EventWriter | None = EventWriter(board) if board else None
         self._resume()
         served = int(self.client.policy().get(self.adapter, 0))
         self.version = max(self.version, served) + 1
@@ -376,6 +379,8 @@ class Trainer:
         }
         with self.metrics_path.open("a") as f:
             f.write(json.dumps(self.last) + "\n")
+        if self.board is not None:
+            self.board.add_scalars(self.step, scalars(self.last), wall_time=self.last["time"])
         log.info("step %d v%d: reward %.3f±%.3f loss %.4f%s len %.1f (%.1f s + %.1f s waiting for rollouts)",
                  self.step, self.version, mean, std, stats.loss, f" kl {stats.kl:.4f}" if self.rl.kl_coef else "",
                  self.last["completion_len_mean"], self.last["step_s"], wait_s)
@@ -419,6 +424,9 @@ class Trainer:
         publisher = getattr(self, "publisher", None)
         if publisher is not None:
             publisher.close(linger_ms=1000)
+        if getattr(self, "board", None) is not None:
+            self.board.close()
+            self.board = None
         if getattr(self, "status_out", None) is not None:
             self.status_out.sock.close(linger=500)  # let the final "stopped" status leave
         self._ctx.destroy(linger=0)
