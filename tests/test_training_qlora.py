@@ -65,3 +65,35 @@ def test_unset_dtype_is_the_served_precision(q4_dir):
     # the engine's policy on MLX's CPU device: float32 (dequantized); elsewhere as stored
     expected = "float32" if mx.default_device() == mx.cpu else "quantized"
     assert policy.dtype == expected
+
+
+def test_the_engine_serving_the_qlora_adapter_gives_the_trainers_logprobs(q4_dir):
+    """The importance ratio's two sides on a quantized model: the engine, serving the 4-bit base with the
+    trainer's published adapter version, samples tokens whose logprobs the trainer's forward matches."""
+    from _engine_helpers import make_engine
+
+    from parallm.adapters import save_bytes
+    from parallm.engine import make_request
+    from parallm.models import load_model
+    from parallm.protocol import SamplingParams
+    from parallm.training.grpo import make_batch, token_logprobs
+
+    policy = load_policy(ModelConfig(path=str(q4_dir), dtype="quantized"), LoRATrainConfig(rank=4, num_layers=2))
+    for name, value in policy.adapter_weights().items():   # a trained-looking adapter: B != 0
+        if name.endswith("lora_b"):
+            policy.model.load_weights([(name, mx.random.normal(value.shape) * 0.05)], strict=False)
+    engine = make_engine(load_model(ModelConfig(path=str(q4_dir), dtype="quantized")).model)
+    engine.load_adapter("pol", config=policy.adapter_config, weights=save_bytes(policy.adapter_weights()))
+    prompt = [1, 504, 3458, 282, 17]
+    engine.add_request(make_request("r", prompt, SamplingParams(max_tokens=12, temperature=1.0, seed=3, logprobs=True,
+                                                                ignore_eos=True), n=4, adapter="pol"))
+    got: dict[int, tuple[list[int], list[float]]] = {}
+    while engine.has_work():
+        for out in engine.step():
+            ids, lps = got.setdefault(out.index, ([], []))
+            ids += out.token_ids
+            lps += out.logprobs
+    batch = make_batch([Sample(prompt_ids=prompt, completion_ids=ids, sampler_logprobs=lps) for ids, lps in got.values()])
+    gap = mx.abs(token_logprobs(policy.model, batch.inputs, batch.targets) - batch.old_logprobs) * batch.mask
+    print(f"4-bit engine vs trainer |logprob gap|: max {gap.max().item():.2e}, mean {gap.sum().item() / 48:.2e}")
+    assert batch.mask.sum().item() == 48 and gap.max().item() < 1e-3
