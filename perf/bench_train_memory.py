@@ -55,7 +55,7 @@ def variant(model_dir: str, dtype: str, seqs: int, seq_len: int, steps: int, che
         updater.step(samples)
         times.append(time.perf_counter() - t)
     return {"dtype": dtype, "trainer_dtype": policy.dtype, "load_s": round(load_s, 1),
-            "update_s": round(min(times), 2), "rss_loaded_mb": round(rss_loaded / 2 ** 20),
+            "update_s": round(min(times), 2) if times else None, "rss_loaded_mb": round(rss_loaded / 2 ** 20),
             "rss_peak_mb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024),
             "mlx_peak_mb": round(mx.get_peak_memory() / 2 ** 20),
             "plan": {"weights_mb": round(plan.weights / 2 ** 20), "optimizer_mb": round(plan.optimizer / 2 ** 20, 1),
@@ -70,7 +70,7 @@ def main() -> None:
     ap.add_argument("--dtypes", default="quantized,float32")
     ap.add_argument("--seqs", type=int, default=4)
     ap.add_argument("--seq-len", type=int, default=128)
-    ap.add_argument("--steps", type=int, default=2)
+    ap.add_argument("--steps", type=int, default=2, help="GRPO updates measured (0: the load alone)")
     ap.add_argument("--grad-checkpoint", choices=["auto", "on", "off"], default="auto")
     ap.add_argument("--tokenizer-dir", type=Path, default=None, help="tokenizer files (default: the default model's)")
     ap.add_argument("--work-dir", type=Path, default=Path("/tmp/parallm-train-memory"))
@@ -103,16 +103,19 @@ def main() -> None:
             raise SystemExit(f"{dtype}: {done.stderr[-3000:]}")
         rows.append(json.loads(done.stdout.strip().splitlines()[-1]))
         print(json.dumps(rows[-1]), flush=True)
+    work = (f"GRPO updates of {args.seqs} sequences x {args.seq_len} tokens (one micro-batch)" if args.steps else
+            "the load alone (no update: peak RSS = after load; the plan's activations are for "
+            f"{args.seqs} x {args.seq_len} tokens)")
     lines = [f"# Trainer memory, QLoRA vs a float copy ({args.shape}, random weights)", "",
-             f"LoRA rank 8 on q/v of every layer; GRPO updates of {args.seqs} sequences x {args.seq_len} tokens "
-             f"(one micro-batch), gradient checkpointing {args.grad_checkpoint}; a fresh process per row.", "",
+             f"LoRA rank 8 on q/v of every layer; {work}, gradient checkpointing {args.grad_checkpoint}; a fresh "
+             "process per row.", "",
              "| base dtype | peak RSS MiB | RSS after load MiB | MLX peak MiB | plan: weights / adapter+Adam / activations "
              "MiB | load s | update s |", "|---|---:|---:|---:|---|---:|---:|"]
     for r in rows:
         p = r["plan"]
         lines.append(f"| {r['trainer_dtype']} | {r['rss_peak_mb']:,} | {r['rss_loaded_mb']:,} | {r['mlx_peak_mb']:,} | "
                      f"{p['weights_mb']:,} / {p['optimizer_mb']} / {p['activations_mb']:,} "
-                     f"(ckpt {'on' if p['grad_checkpoint'] else 'off'}) | {r['load_s']} | {r['update_s']} |")
+                     f"(ckpt {'on' if p['grad_checkpoint'] else 'off'}) | {r['load_s']} | {r['update_s'] or '-'} |")
     results = Results.from_args("train", args)
     results.write({"shape": args.shape, "seqs": args.seqs, "seq_len": args.seq_len, "rows": rows}, "\n".join(lines))
     print("\n".join(lines))

@@ -69,3 +69,14 @@ def test_checkpointed_layers_give_the_same_gradients_and_touch_no_other_model(q4
     other = _policy(q4_dir)   # a model built after: its layers are the plain class
     assert not type(other.model.layers[0]).__name__.startswith("Checkpointed")
     assert isinstance(other.model.layers[0], nn.Module)
+
+
+def test_the_update_reports_progress_after_every_micro_batch(q4_dir):
+    """The supervised trainer's heartbeat: an update of many micro-batches is not a stall."""
+    policy = _policy(q4_dir)
+    beats = []
+    updater = GRPOUpdater(policy.model, optim.Adam(learning_rate=1e-3), LossConfig(), micro_batch=2,
+                          progress=lambda: beats.append(1))
+    updater.step([Sample(prompt_ids=[1, 5], completion_ids=[8, 9], sampler_logprobs=[-10.8] * 2, advantage=a)
+                  for a in (1.0, -1.0, 0.5, -0.5, 1.0)])
+    assert len(beats) == 3   # 5 sequences in micro-batches of 2

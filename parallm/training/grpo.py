@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -148,7 +148,11 @@ class GRPOUpdater:
     """Accumulates the loss's gradients over micro-batches and takes one clipped Adam step."""
 
     def __init__(self, model: nn.Module, optimizer: optim.Optimizer, cfg: LossConfig, *,
-                 micro_batch: int = 8, max_grad_norm: float = 1.0) -> None:
+                 micro_batch: int = 8, max_grad_norm: float = 1.0,
+                 progress: Callable[[], None] | None = None) -> None:
+        """`progress` is called after every micro-batch (the supervised trainer's heartbeat: an update of
+        many micro-batches on a large model is minutes of work, not a stall)."""
+        self.progress = progress or (lambda: None)
         self.model = model
         self.optimizer = optimizer
         self.cfg = cfg
@@ -177,6 +181,7 @@ class GRPOUpdater:
             grads = g if grads is None else tree_map(mx.add, grads, g)
             mx.eval(loss, aux, grads)
             loss_sum += loss.item()
+            self.progress()
             aux_sum = aux_sum + aux[:4]
             gap_max = max(gap_max, aux[4].item())
         if self.max_grad_norm > 0:

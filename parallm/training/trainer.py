@@ -96,7 +96,7 @@ class Trainer:
         loss_cfg = LossConfig(clip_low=self.rl.clip_low, clip_high=self.rl.clip_high, kl_coef=self.rl.kl_coef,
                               temperature=self.rl.temperature)
         self.updater = GRPOUpdater(self.policy.model, self.optimizer, loss_cfg, micro_batch=self.plan.micro_batch,
-                                   max_grad_norm=self.rl.max_grad_norm)
+                                   max_grad_norm=self.rl.max_grad_norm, progress=self.progress)
         self.task = with_reward_model(self.task, self.client, self.rl.reward_model, self.rl.task_reward_weight,
                                       self.rl.reward_model_weight)
         addrs = self.client.welcome.addresses
