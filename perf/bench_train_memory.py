@@ -30,7 +30,7 @@ def variant(model_dir: str, dtype: str, seqs: int, seq_len: int, steps: int, che
 
     from parallm.config import LoRATrainConfig, ModelConfig
     from parallm.training.grpo import GRPOUpdater, LossConfig, Sample
-    from parallm.training.memory import checkpoint_layers, make_plan
+    from parallm.training.memory import checkpoint_layers, make_plan, model_shape
     from parallm.training.policy import load_policy
 
     t0 = time.perf_counter()
@@ -61,7 +61,7 @@ def variant(model_dir: str, dtype: str, seqs: int, seq_len: int, steps: int, che
             "plan": {"weights_mb": round(plan.weights / 2 ** 20), "optimizer_mb": round(plan.optimizer / 2 ** 20, 1),
                      "activations_mb": round(plan.activations / 2 ** 20), "total_mb": round(plan.trainer_total / 2 ** 20),
                      "grad_checkpoint": plan.grad_checkpoint},
-            "trainable": policy.trainable_count()}
+            "trainable": policy.trainable_count(), "params": model_shape(policy.model).params}
 
 
 def main() -> None:
@@ -99,8 +99,12 @@ def main() -> None:
                str(args.seqs), "--seq-len", str(args.seq_len), "--steps", str(args.steps), "--grad-checkpoint",
                args.grad_checkpoint]
         done = subprocess.run(cmd, capture_output=True, text=True)
-        if done.returncode:
-            raise SystemExit(f"{dtype}: {done.stderr[-3000:]}")
+        if done.returncode:   # recorded, not fatal: a float copy of a large model may not fit the machine
+            why = (f"killed by signal {-done.returncode} (the OOM killer, on a shared machine)" if done.returncode < 0
+                   else f"exit {done.returncode}: {done.stderr.strip().splitlines()[-1] if done.stderr.strip() else ''}")
+            rows.append({"dtype": dtype, "failed": why})
+            print(f"{dtype}: {why}", flush=True)
+            continue
         rows.append(json.loads(done.stdout.strip().splitlines()[-1]))
         print(json.dumps(rows[-1]), flush=True)
     work = (f"GRPO updates of {args.seqs} sequences x {args.seq_len} tokens (one micro-batch)" if args.steps else
@@ -111,7 +115,13 @@ def main() -> None:
              "process per row.", "",
              "| base dtype | peak RSS MiB | RSS after load MiB | MLX peak MiB | plan: weights / adapter+Adam / activations "
              "MiB | load s | update s |", "|---|---:|---:|---:|---|---:|---:|"]
+    params = next((r["params"] for r in rows if "params" in r), 0)
     for r in rows:
+        if "failed" in r:
+            size = {"float32": 4, "bfloat16": 2, "float16": 2}.get(r["dtype"], 0)
+            computed = f"; its weights alone would be {params * size / 2 ** 20:,.0f} MiB" if size and params else ""
+            lines.append(f"| {r['dtype']} | not measured: {r['failed']}{computed} | | | | | |")
+            continue
         p = r["plan"]
         lines.append(f"| {r['trainer_dtype']} | {r['rss_peak_mb']:,} | {r['rss_loaded_mb']:,} | {r['mlx_peak_mb']:,} | "
                      f"{p['weights_mb']:,} / {p['optimizer_mb']} / {p['activations_mb']:,} "
