@@ -23,7 +23,8 @@ class StageSpec:
 
     @property
     def label(self) -> str:
-        return self.name if self.name != "tokenizer" else f"tokenizer-{self.replica}"
+        numbered = self.name == "tokenizer" or (self.name == "trainer" and self.replica)  # several trainers
+        return f"{self.name}-{self.replica}" if numbered else self.name
 
 
 def _write_all(fd: int, data: bytes) -> None:

@@ -24,7 +24,7 @@ import msgspec
 import zmq
 
 from parallm import protocol
-from parallm.config import Config, serves_lm
+from parallm.config import Config, enabled_trainers, serves_lm
 from parallm.keys import CurveKeyError, stage_curve, supervisor_keys
 from parallm.logs import write_line
 from parallm.transport import Receiver, Sender, addresses, open_socket, set_curve, stop_authenticators
@@ -149,10 +149,12 @@ class Supervisor:
         if self.config.policies.models:  # its forwards are matmuls too: the engine's BLAS
             specs.append(StageSpec("policy", env=engine_environment(self.config)))
         specs.append(StageSpec("ingress"))
-        if self.config.trainer.enabled:
+        trainers = enabled_trainers(self.config)
+        if trainers:  # one stage per trainer ([trainer] and each [[trainer]] entry), replica = its index
             from parallm import blas
 
-            specs.append(StageSpec("trainer", env=blas.beside_engine_env(engine_environment(self.config))))
+            env = blas.beside_engine_env(engine_environment(self.config), share=len(trainers))
+            specs += [StageSpec("trainer", replica=i, env=env) for i in range(len(trainers))]
         return specs
 
     def _lm_specs(self) -> list[StageSpec]:

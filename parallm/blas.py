@@ -171,14 +171,14 @@ def default_threads() -> int:
     return len(_cpus())
 
 
-def beside_engine_env(env: dict[str, str]) -> dict[str, str]:
+def beside_engine_env(env: dict[str, str], share: int = 1) -> dict[str, str]:
     """`env` (an engine environment) for a process that computes while the engine does, with no
     governor of its own (the trainer: its updates run while the engine generates the next
     rollouts): half the cores where `env` has the engine's default pool (a value set by the user
-    stays)."""
+    stays), split among `share` such processes (several trainers)."""
     if MARK not in env or env.get("OPENBLAS_NUM_THREADS") != str(default_threads()):
         return env
-    return {**env, "OPENBLAS_NUM_THREADS": str(max(1, len(_cpus()) // 2))}
+    return {**env, "OPENBLAS_NUM_THREADS": str(max(1, len(_cpus()) // 2 // max(1, share)))}
 
 
 def _cpus() -> list[int]:

@@ -76,10 +76,14 @@
 #             -d .gpu/b` and, for the baseline, `pip download fastapi cryptography -d .gpu/b/vlmsrv` plus
 #             `pip download --no-deps mlx-audio websockets -d .gpu/b/vlmsrv` (installed into a venv layered on this
 #             one; without them only parallm is measured), ~5 min
+#   trainmem  the trainer at an 8B shape (issue 33): qwen3-8b 4-bit, QLoRA (base kept 4-bit) vs a bfloat16 copy:
+#             peak RSS, MLX peak device memory, load and update time for 8 sequences x 512 tokens, gradient
+#             checkpointing auto (on from 1B) (perf/bench_train_memory.py), then the trainer's logprobs vs the
+#             engine's of the same sampled tokens in bfloat16 and 4-bit (perf/bench_train_logprobs.py), ~8 min
 # A fresh server per wave: `waves` fits 6-7 waves in one 10-minute call; run it twice for ten.
 set -uo pipefail
-case "${1:-}" in diag|llama|adapters|qwen-a|qwen-b|serving|waves|ingress|moe|moe256|hybrid|structured|tp|tp8b|dp|threads|compiled|republish|buckets|serve256|inplace|mixed|cudnn|decodeattn|unfuseddecode|defaults|defaultsab|qwendtype|qwenmlx|embeddings|policy|vision) ;;
-  *) sed -n 2,79p "$0"; exit 2 ;; esac
+case "${1:-}" in diag|llama|adapters|qwen-a|qwen-b|serving|waves|ingress|moe|moe256|hybrid|structured|tp|tp8b|dp|threads|compiled|republish|buckets|serve256|inplace|mixed|cudnn|decodeattn|unfuseddecode|defaults|defaultsab|qwendtype|qwenmlx|embeddings|policy|vision|trainmem) ;;
+  *) sed -n '2,/^# A fresh server per wave/p' "$0"; exit 2 ;; esac
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
 if [ -d /tmp/site/mlx ] && [ ! -f .gpu/b/install.sh ]; then
@@ -122,6 +126,10 @@ case "${1:-}" in
                 base="--mlx-vlm-python /tmp/vlmsrv/bin/python"
             fi
             python3 -m perf.bench_vision --concurrency 1,16 --requests 16 --per-stream 4 $base --out-dir "$OUT" ;;
+  trainmem) python3 -m perf.bench_train_memory --shape qwen3-8b --dtypes quantized,bfloat16 --seqs 8 --seq-len 512 \
+              --steps 3 --tokenizer-dir $TOK --work-dir $WORK --experiment memory-qwen3-8b --out-dir "$OUT"
+            python3 -m perf.bench_train_logprobs --model $WORK/qwen3-8b --dtypes bfloat16,quantized --seqs 16 \
+              --tokens 64 --experiment logprobs-qwen3-8b --out-dir "$OUT" ;;
   ingress)  python3 -m perf.bench_ingress --shape llama-3.2-3b --concurrency 256 --requests 512 --max-tokens 128 \
               --rounds 4 --tokenizer-dir $TOK --work-dir $WORK --experiment llama-3.2-3b --out-dir "$OUT" ;;
   moe|hybrid) shape=$([ "$1" = moe ] && echo qwen3-30b-a3b || echo qwen3.5-4b-hybrid)

@@ -22,7 +22,8 @@ def adapter_roots(config: Config) -> list[str]:
     model's directory, the trainer's checkpoints and the directories of the adapters loaded at start
     (adapters.preload)."""
     preloaded = [entry.partition("=")[2] for entry in config.adapters.preload if "=" in entry]
-    return list(config.adapters.allowed_dirs) or [config.model.path, config.trainer.checkpointing.dir, *preloaded]
+    return list(config.adapters.allowed_dirs) or [config.model.path, config.trainer.checkpointing.dir,
+                                                   *(t.checkpointing.dir for t in config.trainers), *preloaded]
 
 
 def weights_path(path: str, roots: Sequence[str]) -> str:

@@ -1,4 +1,5 @@
-"""The trainer stage: `parallm-train` supervised by `parallm-launch` (config `trainer.enabled`).
+"""The trainer stage: `parallm-train` supervised by `parallm-launch` (config `trainer.enabled`, or one
+stage per enabled `[[trainer]]` entry: replica i runs config.enabled_trainers(config)[i]).
 
 It is not on any request's path: the supervisor restarts it when it dies without telling clients
 (no StageDown), and a trainer that finished its `rl_training.steps` (exit 0) stays finished. A
@@ -14,7 +15,7 @@ import threading
 import time
 
 from parallm.client import ClientError
-from parallm.config import Config, ModelConfig
+from parallm.config import Config, ModelConfig, enabled_trainers
 from parallm.runtime import StageRuntime
 from parallm.training.tasks import TaskError
 from parallm.training.trainer import Trainer, TrainerError
@@ -24,8 +25,8 @@ log = logging.getLogger("parallm.trainer")
 
 def main(config: Config, replica: int = 0) -> int:
     runtime = StageRuntime(config, "trainer", replica)
-    tcfg = config.trainer
-    model = ModelConfig(path=tcfg.model.path or config.model.path, dtype=tcfg.model.dtype,
+    tcfg = enabled_trainers(config)[replica]   # [trainer], then the [[trainer]] entries
+    model = ModelConfig(path=tcfg.model.path or config.model.path, dtype=tcfg.model.dtype or config.model.dtype,
                         cache_dir=config.model.cache_dir, max_model_len=config.model.max_model_len)
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
@@ -40,8 +41,8 @@ def main(config: Config, replica: int = 0) -> int:
                 stop.set()
             time.sleep(0.2)
 
-    trainer = Trainer(tcfg, router=tcfg.server.router or runtime.addrs.router, model=model, stop=stop,
-                      progress=progress)
+    trainer = Trainer(tcfg, router=tcfg.server.router or runtime.addrs.router, model=model, name=tcfg.name,
+                      stop=stop, progress=progress)
     try:
         trainer.setup()
     except (TrainerError, TaskError, ClientError, ValueError, OSError) as exc:

@@ -60,3 +60,9 @@ def test_gpu_examples_batch_wide_and_the_trainers_train():
     assert gpu_trainer.detokenizer.rollout_hwm == 10_000 and gpu_trainer.adapters.history == 4
     length = launch_config("train_length_cpu.toml")
     assert length.trainer.enabled and length.model.path == "default"
+    from parallm.config import enabled_trainers
+
+    two = enabled_trainers(launch_config("train_two_cpu.toml"))
+    assert [(t.name, t.rl_training.task) for t in two] == [("trainer-short", "length"), ("trainer-arith", "arithmetic")]
+    for t in two:
+        load_task(t.rl_training.task, t.rl_training.task_args)

@@ -228,3 +228,40 @@ def test_trainer_config_from_its_own_file_or_a_launch_file(tmp_path):
     bad.write_text("[rl_training]\ngroup_size = 'many'\n")
     with pytest.raises(ConfigError, match="group_size"):
         build_trainer_config(file=bad, environ={})
+
+
+def test_several_trainers_from_trainer_array_entries_each_named_and_apart(tmp_path):
+    from parallm.config import enabled_trainers
+
+    launch = tmp_path / "two.toml"
+    launch.write_text(textwrap.dedent("""
+        [[trainer]]
+        enabled = true
+        model = { adapter = "len" }
+        rl_training = { task = "length" }
+        checkpointing = { dir = "ck/len" }
+        [[trainer]]
+        enabled = true
+        name = "arith"
+        model = { adapter = "arith" }
+        rl_training = { task = "arithmetic" }
+        checkpointing = { dir = "ck/arith" }
+        [[trainer]]
+        model = { adapter = "off" }
+    """))
+    config = build_config(file=launch, environ={})
+    assert not config.trainer.enabled and len(config.trainers) == 3
+    names = [(t.name, t.model.adapter, t.rl_training.task) for t in enabled_trainers(config)]
+    assert names == [("trainer-len", "len", "length"), ("arith", "arith", "arithmetic")]
+    with pytest.raises(ConfigError, match="3 \\[\\[trainer\\]\\] entries"):
+        build_trainer_config(file=launch, environ={})
+    clash = tmp_path / "clash.toml"
+    clash.write_text(textwrap.dedent("""
+        [trainer]
+        enabled = true
+        [[trainers]]
+        enabled = true
+        checkpointing = { dir = "checkpoints/policy" }
+    """))
+    with pytest.raises(ConfigError, match="share model.adapter 'policy'.*share checkpointing.dir"):
+        build_config(file=clash, environ={})

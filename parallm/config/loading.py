@@ -23,7 +23,7 @@ else:  # pragma: no cover
     import tomli as tomllib
 
 __all__ = ["ALIASES", "ConfigError", "iter_options", "env_overrides", "add_cli_options", "cli_overrides",
-           "build_config", "parse_args", "TRAINER_ENV_PREFIX", "build_trainer_config"]
+           "build_config", "parse_args", "TRAINER_ENV_PREFIX", "build_trainer_config", "enabled_trainers"]
 
 
 
@@ -70,6 +70,8 @@ def iter_options(struct_type: type = Config, prefix: str = "") -> list[tuple[str
         default = getattr(defaults, name)
         if isinstance(base, type) and issubclass(base, Struct):
             out.extend(iter_options(base, f"{prefix}{name}."))
+        elif _struct_list(base):
+            continue   # a list of sections ([[trainer]] entries): a file's setting only
         else:
             out.append((f"{prefix}{name}", base, desc, default))
     return out
@@ -108,6 +110,10 @@ def _parse_scalar(text: str, typ: Any, where: str) -> Any:
         return text
     except ValueError as exc:
         raise ConfigError(f"{where}: {exc}") from None
+
+
+def _struct_list(typ: Any) -> bool:
+    return get_origin(typ) is list and any(isinstance(a, type) and issubclass(a, Struct) for a in get_args(typ))
 
 
 def _is_optional(typ: Any) -> bool:
@@ -206,7 +212,7 @@ def build_config(*, file: str | os.PathLike | None = None, environ: Mapping[str,
     file = file or environ.get(ENV_PREFIX + "CONFIG")
     if file:
         try:
-            tree = _merge(tree, tomllib.loads(Path(file).read_text()))
+            tree = _merge(tree, _trainer_entries(tomllib.loads(Path(file).read_text())))
         except (OSError, tomllib.TOMLDecodeError) as exc:
             raise ConfigError(f"config file {file}: {exc}") from None
     tree = _merge(tree, env_overrides(environ))
@@ -220,8 +226,38 @@ def build_config(*, file: str | os.PathLike | None = None, environ: Mapping[str,
     return config
 
 
-def _check(config: Config) -> None:
+def _trainer_entries(tree: dict) -> dict:
+    """A file's `[[trainer]]` array of tables (several trainers) is Config.trainers; `[trainer]` stays one."""
+    if isinstance(tree.get("trainer"), list):
+        tree = dict(tree)
+        tree["trainers"] = tree.pop("trainer")
+    return tree
+
+
+def _trainer_problems(config: Config) -> list[str]:
+    entries = enabled_trainers(config)
     problems = []
+    for key, what in ((lambda t: t.model.adapter, "model.adapter"), (lambda t: t.checkpointing.dir, "checkpointing.dir"),
+                      (lambda t: t.name, "name")):
+        values = [key(t) for t in entries]
+        twice = sorted({v for v in values if values.count(v) > 1})
+        if twice:
+            problems.append(f"the trainers share {what} {', '.join(map(repr, twice))}: each [[trainer]] entry needs "
+                            f"its own (each publishes its own adapter versions and checkpoints)")
+    return problems
+
+
+def enabled_trainers(config: Config) -> list[TrainerConfig]:
+    """The trainers parallm-launch starts, each with its name: `[trainer]` when enabled (named "trainer"
+    unless it says), then every enabled `[[trainer]]` entry (named "trainer-ADAPTER" unless it says)."""
+    one = [msgspec.structs.replace(config.trainer, name=config.trainer.name or "trainer")] \
+        if config.trainer.enabled else []
+    return one + [msgspec.structs.replace(t, name=t.name or f"trainer-{t.model.adapter}")
+                  for t in config.trainers if t.enabled]
+
+
+def _check(config: Config) -> None:
+    problems = _trainer_problems(config)
     if config.server.tool_call_parser:
         known = sorted(TOOL_CALL_PARSERS)
         if config.server.tool_call_parser not in known:
@@ -341,6 +377,11 @@ def build_trainer_config(*, file: str | os.PathLike | None = None, environ: Mapp
             raise ConfigError(f"config file {file}: {exc}") from None
         if isinstance(tree.get("trainer"), dict):
             tree = tree["trainer"]
+        elif isinstance(tree.get("trainer"), list):
+            if len(tree["trainer"]) != 1:
+                raise ConfigError(f"config file {file} has {len(tree['trainer'])} [[trainer]] entries; parallm-train "
+                                  "runs one (give it that entry as a file of its own)")
+            tree = tree["trainer"][0]
     tree = _merge(tree, env_overrides(environ, TrainerConfig, TRAINER_ENV_PREFIX))
     tree = _merge(tree, cli or {})
     try:

@@ -15,7 +15,7 @@ __all__ = ["ENV_PREFIX", "AUTO", "ModelConfig", "EngineConfig", "auto_prefill_to
            "TOOL_CALL_PARSERS",
            "TokenizerConfig", "ServerConfig", "TransportConfig", "SupervisorConfig", "AdaptersConfig",
            "DetokenizerConfig", "TrainerServerConfig", "TrainerModelConfig", "LoRATrainConfig",
-           "RLTrainingConfig", "CheckpointConfig", "TrainerConfig", "KVConfig", "PoliciesConfig", "Config",
+           "RLTrainingConfig", "CheckpointConfig", "TrainerMemoryConfig", "TrainerConfig", "KVConfig", "PoliciesConfig", "Config",
            "serves_lm"]
 
 
@@ -349,8 +349,11 @@ class TrainerServerConfig(Struct, frozen=True, kw_only=True, forbid_unknown_fiel
 class TrainerModelConfig(Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     path: Annotated[str, _d("base model the trainer loads (must be the one served); empty = the server's "
                             "model.path, or 'default' when run standalone")] = ""
-    dtype: Annotated[Literal["float32", "float16", "bfloat16"] | None,
-                     _d("dtype the trainer computes in; unset = float32 on the CPU, bfloat16 elsewhere")] = None
+    dtype: Annotated[Literal["float32", "float16", "bfloat16", "quantized"] | None,
+                     _d("precision of the trainer's base weights; unset = the served precision (the server's "
+                        "model.dtype, resolved by the same policy: float32 on MLX's CPU device, elsewhere as "
+                        "stored); 'quantized' keeps a quantized model quantized and trains LoRA/DoRA over its "
+                        "quantized layers (QLoRA)")] = None
     adapter: Annotated[str, _d("adapter name the trainer publishes its versions under")] = "policy"
 
 
@@ -410,17 +413,36 @@ class CheckpointConfig(Struct, frozen=True, kw_only=True, forbid_unknown_fields=
     keep_last: Annotated[int, _d("checkpoints kept; older ones are deleted")] = 3
     resume: Annotated[bool, _d("resume from the latest checkpoint in dir when there is one")] = True
     metrics_file: Annotated[str, _d("JSON lines of per-step metrics; empty = DIR/metrics.jsonl")] = ""
+    tensorboard_dir: Annotated[str, _d("also write every step's metrics as TensorBoard event files here "
+                                       "(`tensorboard --logdir`; no extra package needed); empty = none")] = ""
+
+
+class TrainerMemoryConfig(Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """The trainer's memory (parallm/training/memory.py): a plan logged at start, micro-batches from a budget."""
+
+    budget_mb: Annotated[float, _d("memory the trainer may use, MiB (weights, adapter + Adam, one micro-batch's "
+                                   "activations): rl_training.micro_batch is lowered to what fits, and a budget "
+                                   "that holds not even one sequence stops the start naming the plan; 0 = no "
+                                   "bound")] = 0.0
+    grad_checkpoint: Annotated[bool | None, _d("recompute each transformer layer's forward in the backward pass "
+                                               "instead of keeping its activations; unset = on from 1B base "
+                                               "parameters")] = None
+    plan_seq_len: Annotated[int, _d("sequence length (prompt + completion tokens) the plan and the budget assume; "
+                                    "0 = rl_training.max_tokens + 256")] = 0
 
 
 class TrainerConfig(Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     """`parallm-train`'s settings: the [trainer] section of a launch config, or the top level of its own file."""
 
     enabled: Annotated[bool, _d("parallm-launch starts and supervises a trainer")] = False
+    name: Annotated[str, _d("the trainer's name in /v1/training/status and the metrics' trainer label; empty = "
+                            "its adapter's name ('trainer' for the default adapter 'policy')")] = ""
     server: TrainerServerConfig = TrainerServerConfig()
     model: TrainerModelConfig = TrainerModelConfig()
     lora: LoRATrainConfig = LoRATrainConfig()
     rl_training: RLTrainingConfig = RLTrainingConfig()
     checkpointing: CheckpointConfig = CheckpointConfig()
+    memory: TrainerMemoryConfig = TrainerMemoryConfig()
     log_level: Annotated[Literal["debug", "info", "warning", "error"], _d("trainer log level")] = "info"
 
 
@@ -453,6 +475,8 @@ class Config(Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     supervisor: SupervisorConfig = SupervisorConfig()
     adapters: AdaptersConfig = AdaptersConfig()
     trainer: TrainerConfig = TrainerConfig()
+    trainers: Annotated[list[TrainerConfig], _d("several trainers at once: a file's [[trainer]] entries (each its "
+                                                "own adapter, task and checkpoint directory)")] = []
     policies: PoliciesConfig = PoliciesConfig()
     log_level: Annotated[Literal["debug", "info", "warning", "error"], _d("log level of every stage")] = "info"
     log_format: Annotated[Literal["text", "json"], _d("log lines as text or one JSON object per line; lines about a "

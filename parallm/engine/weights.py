@@ -11,7 +11,9 @@ ones until it is read, since MLX arrays are immutable).
 Every tensor is checked first (a known parameter name, the parameter's shape, finite values): a
 directory is checked whole before anything is applied (it is read twice, lazily), so a bad file
 changes nothing. Names are the model's own (mlx-lm) or Hugging Face's, mapped by the model's
-`sanitize` when it has one.
+`sanitize` when it has one. A checkpoint in another precision than the served model's (a quantized
+directory for a model served dequantized, float weights for a quantized one) is converted layer by
+layer to the served form (weights_convert.py).
 
 Chunks sent over the PUB socket (`ChunkStaging`) are checked as they come and written to a staging
 directory; the update is applied from there, as a directory is, only once its last chunk is in. So an
@@ -40,16 +42,14 @@ from parallm.adapters.lora import compute_dtype, dense_weight
 from parallm.adapters.sharded import is_sharded, local_linear, shard_tensor
 from parallm.files import UnsafeFile, check_regular
 
+from .weights_convert import to_served
+from .weights_errors import WeightsError
+
+__all__ = ["WeightsError", "Applied", "WeightSwapper", "ChunkStaging", "by_layer", "layer_of", "load_chunk",
+           "rebase_adapters", "safetensors_files"]
+
 log = logging.getLogger("parallm.engine.weights")
 _LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
-
-
-class WeightsError(Exception):
-    """A weight update that cannot be applied; `status`/`code` as the HTTP answer would give them."""
-
-    def __init__(self, message: str, *, status: int = 400, code: str = "invalid_weights") -> None:
-        super().__init__(message)
-        self.message, self.status, self.code = message, status, code
 
 
 @dataclass
@@ -90,8 +90,9 @@ def safetensors_files(path: str | Path) -> list[Path]:
 
 
 class WeightSwapper:
-    """Checks and applies new values of a model's parameters (quantized models: only tensors whose
-    stored shape and dtype kind match, e.g. the non-quantized norms, or a checkpoint quantized alike)."""
+    """Checks and applies new values of a model's parameters, in the served precision: a quantized
+    checkpoint's layers are dequantized for a float served model, a float checkpoint's quantized as
+    the served quantized layers are (weights_convert.to_served)."""
 
     def __init__(self, model: nn.Module) -> None:
         self.model = model
@@ -112,7 +113,9 @@ class WeightSwapper:
     def named(self, tensors: Mapping[str, mx.array], params: Mapping[str, mx.array]) -> dict[str, mx.array]:
         """Tensors under the running model's parameter names: a linear layer an adapter router wraps
         (parallm.adapters.lora.MultiLoRALinear) holds its weights one level down, in `.linear`. On a
-        tensor-parallel rank, a sharded layer's whole tensor becomes this rank's slice of it."""
+        tensor-parallel rank, a sharded layer's whole tensor becomes this rank's slice of it. Layers
+        in another precision than the served one are converted first (weights_convert.to_served)."""
+        tensors = to_served(tensors, dict(self.model.named_modules()))
         sharded = {p: m for p, m in self.model.named_modules() if is_sharded(m)}
         out = {}
         for name, value in tensors.items():

@@ -22,6 +22,16 @@ SHAPES: dict[str, dict[str, Any]] = {
                          num_attention_heads=24, num_key_value_heads=8, head_dim=128, rms_norm_eps=1e-5,
                          vocab_size=128256, rope_theta=500000.0, tie_word_embeddings=True,
                          max_position_embeddings=131072, dtype="bfloat16"),
+    # Llama-3.2-1B's shape, 4-bit (the trainer's QLoRA memory figure on the CPU, issue 33)
+    "llama-3.2-1b-4bit": dict(model_type="llama", hidden_size=2048, num_hidden_layers=16, intermediate_size=8192,
+                              num_attention_heads=32, num_key_value_heads=8, head_dim=64, rms_norm_eps=1e-5,
+                              vocab_size=128256, rope_theta=500000.0, tie_word_embeddings=True,
+                              max_position_embeddings=131072, dtype="bfloat16", quantize_bits=4),
+    # a tiny 4-bit llama (CPU smoke runs of the GPU entries that want a quantized model)
+    "tiny-4bit": dict(model_type="llama", hidden_size=256, num_hidden_layers=4, intermediate_size=512,
+                      num_attention_heads=4, num_key_value_heads=2, head_dim=64, rms_norm_eps=1e-5, vocab_size=50000,
+                      rope_theta=10000.0, tie_word_embeddings=True, max_position_embeddings=4096, dtype="float32",
+                      quantize_bits=4),
     "qwen3-8b": dict(model_type="qwen3", hidden_size=4096, num_hidden_layers=36, intermediate_size=12288,
                      num_attention_heads=32, num_key_value_heads=8, head_dim=128, rms_norm_eps=1e-6,
                      vocab_size=151936, rope_theta=1000000.0, tie_word_embeddings=False,

@@ -65,7 +65,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
     trainer = Trainer(config, router=config.server.router,
-                      model=ModelConfig(path=config.model.path or "default", dtype=None), stop=stop)
+                      model=ModelConfig(path=config.model.path or "default", dtype=config.model.dtype), stop=stop)
     try:
         trainer.setup()
         return trainer.run()

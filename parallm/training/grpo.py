@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -49,6 +49,8 @@ class StepStats:
     ratio_mean: float = 1.0
     grad_norm: float = 0.0
     tokens: int = 0
+    logprob_gap_mean: float = 0.0   # mean |logp_trainer - logp_sampler| over the step's tokens, before the update
+    logprob_gap_max: float = 0.0
     extra: dict[str, Any] = field(default_factory=dict)
 
 
@@ -120,7 +122,10 @@ class LossConfig:
 
 
 def grpo_loss(model: nn.Module, batch: Batch, total_tokens: float, cfg: LossConfig) -> tuple[mx.array, mx.array]:
-    """(sum of token losses / total_tokens, [kl sum, clipped count, ratio sum]) for one micro-batch."""
+    """(sum of token losses / total_tokens, [kl sum, clipped count, ratio sum, |logprob gap| sum,
+    |logprob gap| max]) for one micro-batch. The gap is the trainer's logprob of each completion token
+    against the sampler's: on-policy (the sampling version is the one being trained) it is the numerics
+    gap between the trainer's forward and the engine's, per dtype."""
     new = token_logprobs(model, batch.inputs, batch.targets, cfg.temperature)
     ratio = mx.exp(new - batch.old_logprobs)
     adv = batch.advantages
@@ -134,7 +139,8 @@ def grpo_loss(model: nn.Module, batch: Batch, total_tokens: float, cfg: LossConf
     mask = batch.mask
     loss = (per_token * mask).sum() / total_tokens
     was_clipped = (clipped < unclipped).astype(mx.float32) * mask
-    aux = mx.stack([(kl * mask).sum(), was_clipped.sum(), (ratio * mask).sum()])
+    gap = mx.abs(new - batch.old_logprobs) * mask
+    aux = mx.stack([(kl * mask).sum(), was_clipped.sum(), (ratio * mask).sum(), gap.sum(), gap.max()])
     return loss, mx.stop_gradient(aux)
 
 
@@ -142,7 +148,11 @@ class GRPOUpdater:
     """Accumulates the loss's gradients over micro-batches and takes one clipped Adam step."""
 
     def __init__(self, model: nn.Module, optimizer: optim.Optimizer, cfg: LossConfig, *,
-                 micro_batch: int = 8, max_grad_norm: float = 1.0) -> None:
+                 micro_batch: int = 8, max_grad_norm: float = 1.0,
+                 progress: Callable[[], None] | None = None) -> None:
+        """`progress` is called after every micro-batch (the supervised trainer's heartbeat: an update of
+        many micro-batches on a large model is minutes of work, not a stall)."""
+        self.progress = progress or (lambda: None)
         self.model = model
         self.optimizer = optimizer
         self.cfg = cfg
@@ -162,7 +172,8 @@ class GRPOUpdater:
         self.model.train()
         grads = None
         loss_sum = 0.0
-        aux_sum = mx.zeros((3,))
+        aux_sum = mx.zeros((4,))
+        gap_max = 0.0
         ordered = sorted(useful, key=lambda s: len(s.prompt_ids) + len(s.completion_ids))  # less padding
         for i in range(0, len(ordered), self.micro_batch):
             batch = make_batch(ordered[i:i + self.micro_batch])
@@ -170,7 +181,9 @@ class GRPOUpdater:
             grads = g if grads is None else tree_map(mx.add, grads, g)
             mx.eval(loss, aux, grads)
             loss_sum += loss.item()
-            aux_sum = aux_sum + aux
+            self.progress()
+            aux_sum = aux_sum + aux[:4]
+            gap_max = max(gap_max, aux[4].item())
         if self.max_grad_norm > 0:
             grads, norm = optim.clip_grad_norm(grads, self.max_grad_norm)
         else:
@@ -178,6 +191,7 @@ class GRPOUpdater:
         self.optimizer.update(self.model, grads)
         mx.eval(self.model.trainable_parameters(), self.optimizer.state, norm)
         self.model.eval()
-        kl_sum, clipped, ratio_sum = aux_sum.tolist()
+        kl_sum, clipped, ratio_sum, gap_sum = aux_sum.tolist()
         return StepStats(loss=loss_sum, kl=kl_sum / total, clip_fraction=clipped / total,
-                         ratio_mean=ratio_sum / total, grad_norm=float(norm.item()), tokens=int(total))
+                         ratio_mean=ratio_sum / total, grad_norm=float(norm.item()), tokens=int(total),
+                         logprob_gap_mean=gap_sum / total, logprob_gap_max=gap_max)

@@ -3,6 +3,12 @@
 Built with mlx-lm's own `linear_to_lora_layers`, so parameter names, the adapter config and
 the checkpoint files are exactly mlx-lm's: `mlx_lm.generate --adapter-path CHECKPOINT` and the
 engine's adapter loader read them as they are.
+
+The base is loaded in the precision the server serves it (the same dtype policy,
+parallm.models.dtype): a quantized model stays quantized and the adapters train over its
+`QuantizedLinear` layers (QLoRA, as `mlx_lm.lora` does: gradients flow to the activations
+through the quantized matmul, never to the frozen packed weights), so an 8B 4-bit model costs
+the trainer ~5 GB instead of a 16 GB bfloat16 copy.
 """
 
 from __future__ import annotations
@@ -24,6 +30,7 @@ class Policy:
     eos_token_ids: list[int]
     max_model_len: int
     source_path: str
+    dtype: str = "float32"           # what the base weights are: float32/float16/bfloat16/quantized
 
     def adapter_weights(self) -> dict[str, mx.array]:
         """The trainable (adapter) tensors by mlx-lm name, as published and checkpointed."""
@@ -48,17 +55,15 @@ def _check_keys(model: nn.Module, keys: list[str]) -> None:
 
 
 def load_policy(model_config: ModelConfig, lora: LoRATrainConfig, seed: int = 0) -> Policy:
-    """Load the base model (float weights: quantized ones cannot take gradients through the
-    dequantization here) and attach fresh adapters: A random, B zero, so version 1 equals the base."""
+    """Load the base model in `model_config.dtype` (unset: what the engine's dtype policy serves on
+    this device; "quantized" keeps the stored quantization: QLoRA) and attach fresh adapters: A
+    random, B zero, so version 1 equals the base."""
     from mlx_lm.tuner.utils import linear_to_lora_layers
 
     from parallm.models import load_model
 
-    dtype = model_config.dtype
-    if dtype in (None, "quantized"):
-        dtype = "float32" if mx.default_device() == mx.cpu else "bfloat16"
-    loaded = load_model(ModelConfig(path=model_config.path, dtype=dtype, cache_dir=model_config.cache_dir,
-                                    max_model_len=model_config.max_model_len))
+    loaded = load_model(ModelConfig(path=model_config.path, dtype=model_config.dtype,
+                                    cache_dir=model_config.cache_dir, max_model_len=model_config.max_model_len))
     model = loaded.model
     layers = len(model.layers)
     num_layers = layers if lora.num_layers < 0 else min(lora.num_layers, layers)
@@ -72,4 +77,4 @@ def load_policy(model_config: ModelConfig, lora: LoRATrainConfig, seed: int = 0)
     mx.eval(model.parameters())
     model.eval()
     return Policy(model=model, adapter_config=config, eos_token_ids=loaded.eos_token_ids,
-                  max_model_len=loaded.max_model_len, source_path=str(loaded.source.path))
+                  max_model_len=loaded.max_model_len, source_path=str(loaded.source.path), dtype=loaded.dtype)

@@ -26,6 +26,7 @@ from collections import Counter
 from pathlib import Path
 from typing import Any, Callable
 
+import mlx.core as mx
 import mlx.optimizers as optim
 import zmq
 
@@ -36,8 +37,10 @@ from parallm.transport import Sender, open_socket
 
 from . import checkpoint
 from .grpo import GRPOUpdater, LossConfig, Sample, StepStats, group_advantages
+from .memory import MemoryPlan, TrainerMemoryError, checkpoint_layers, make_plan
 from .policy import Policy, load_policy
 from .publisher import AdapterPublisher
+from .tensorboard import EventWriter, scalars
 from .atropos import AtroposRollouts
 from .rollouts import GeneratedRollouts, Group, SubscribedRollouts
 from .reward_model import with_reward_model
@@ -86,13 +89,14 @@ class Trainer:
         self.task: Task = load_task(self.rl.task, self.rl.task_args)
         self.policy: Policy = load_policy(self.model_config, self.cfg.lora, seed=self.rl.seed)
         self._load_text()
+        self.client = Client(self.router, timeout=self.cfg.server.timeout_s, identity=f"{self.name}-{os.getpid()}")
+        self.plan = self._memory_plan()
         self.optimizer = optim.Adam(learning_rate=self.rl.learning_rate)
         self.optimizer.init(self.policy.model.trainable_parameters())
         loss_cfg = LossConfig(clip_low=self.rl.clip_low, clip_high=self.rl.clip_high, kl_coef=self.rl.kl_coef,
                               temperature=self.rl.temperature)
-        self.updater = GRPOUpdater(self.policy.model, self.optimizer, loss_cfg, micro_batch=self.rl.micro_batch,
-                                   max_grad_norm=self.rl.max_grad_norm)
-        self.client = Client(self.router, timeout=self.cfg.server.timeout_s, identity=f"{self.name}-{os.getpid()}")
+        self.updater = GRPOUpdater(self.policy.model, self.optimizer, loss_cfg, micro_batch=self.plan.micro_batch,
+                                   max_grad_norm=self.rl.max_grad_norm, progress=self.progress)
         self.task = with_reward_model(self.task, self.client, self.rl.reward_model, self.rl.task_reward_weight,
                                       self.rl.reward_model_weight)
         addrs = self.client.welcome.addresses
@@ -103,6 +107,8 @@ class Trainer:
         self.ckpt_dir = Path(self.cfg.checkpointing.dir)
         self.metrics_path = Path(self.cfg.checkpointing.metrics_file or self.ckpt_dir / "metrics.jsonl")
         self.metrics_path.parent.mkdir(parents=True, exist_ok=True)
+        board = self.cfg.checkpointing.tensorboard_dir
+        self.board: EventWriter | None = EventWriter(board) if board else None
         self._resume()
         served = int(self.client.policy().get(self.adapter, 0))
         self.version = max(self.version, served) + 1
@@ -152,6 +158,26 @@ class Trainer:
             problems.append("model.adapter must name the adapter")
         if problems:
             raise TrainerError("; ".join(problems))
+
+    def _memory_plan(self) -> MemoryPlan:
+        """The memory plan (logged), micro_batch from the budget, per-layer checkpointing when planned."""
+        mem = self.cfg.memory
+        try:
+            stats = self.client.stats()
+            engine_kv = int(getattr(stats, "kv_capacity_tokens", 0)) * int(getattr(stats, "bytes_per_token", 0))
+        except Exception as exc:  # noqa: BLE001 - the plan goes on without the engine's KV figure
+            log.info("memory plan without the engine's KV (stats: %s)", exc)
+            engine_kv = 0
+        try:
+            plan = make_plan(self.policy.model, trainable=self.policy.trainable_count(),
+                             seq_len=mem.plan_seq_len or self.rl.max_tokens + 256, micro_batch=self.rl.micro_batch,
+                             grad_checkpoint=mem.grad_checkpoint, budget_mb=mem.budget_mb, engine_kv=engine_kv)
+        except TrainerMemoryError as exc:
+            raise TrainerError(str(exc)) from None
+        if plan.grad_checkpoint:
+            checkpoint_layers(self.policy.model)
+        log.info("memory plan (%s base): %s", self.policy.dtype, "; ".join(plan.lines()))
+        return plan
 
     def _load_text(self) -> None:
         from transformers import AutoTokenizer
@@ -314,9 +340,13 @@ class Trainer:
             self._reference_logprobs(samples)
         self.progress()
         t_train = time.perf_counter()
+        mx.reset_peak_memory()
         stats = StepStats()
-        for _ in range(max(1, self.rl.updates_per_batch)):
+        gap = (0.0, 0.0)
+        for i in range(max(1, self.rl.updates_per_batch)):
             stats = self.updater.step(samples)
+            if i == 0:  # before any update: the trainer's weights are the sampling version's (on-policy)
+                gap = (stats.logprob_gap_mean, stats.logprob_gap_max)
             self.progress()
         train_s = time.perf_counter() - t_train
         self.step += 1
@@ -335,6 +365,8 @@ class Trainer:
             "loss": stats.loss, "reward_mean": mean, "reward_std": std,
             "kl": stats.kl if self.rl.kl_coef else None,
             "clip_fraction": stats.clip_fraction, "ratio_mean": stats.ratio_mean, "grad_norm": stats.grad_norm,
+            "logprob_gap_mean": gap[0], "logprob_gap_max": gap[1], "dtype": self.policy.dtype,
+            "peak_memory_mb": mx.get_peak_memory() / 2 ** 20, "micro_batch": self.plan.micro_batch,
             "samples": len(samples), "groups": len(groups), "groups_without_signal": flat,
             "completion_len_mean": sum(lengths) / len(lengths) if lengths else 0.0,
             "tokens_trained": stats.tokens, "generated_tokens": generated_tokens,
@@ -347,6 +379,8 @@ class Trainer:
         }
         with self.metrics_path.open("a") as f:
             f.write(json.dumps(self.last) + "\n")
+        if self.board is not None:
+            self.board.add_scalars(self.step, scalars(self.last), wall_time=self.last["time"])
         log.info("step %d v%d: reward %.3f±%.3f loss %.4f%s len %.1f (%.1f s + %.1f s waiting for rollouts)",
                  self.step, self.version, mean, std, stats.loss, f" kl {stats.kl:.4f}" if self.rl.kl_coef else "",
                  self.last["completion_len_mean"], self.last["step_s"], wait_s)
@@ -390,6 +424,9 @@ class Trainer:
         publisher = getattr(self, "publisher", None)
         if publisher is not None:
             publisher.close(linger_ms=1000)
+        if getattr(self, "board", None) is not None:
+            self.board.close()
+            self.board = None
         if getattr(self, "status_out", None) is not None:
             self.status_out.sock.close(linger=500)  # let the final "stopped" status leave
         self._ctx.destroy(linger=0)

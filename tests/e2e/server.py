@@ -37,6 +37,7 @@ class Server(LaunchedServer):
         self.wait_ready(max(1.0, deadline - time.monotonic()))
 
     def stage_pids(self) -> dict[str, int]:
-        """pid of every stage process (tokenizers as `tokenizer-<replica>`), from the supervisor's children."""
-        return {name if name != "tokenizer" else f"tokenizer-{replica}": pid
+        """pid of every stage process (tokenizers as `tokenizer-<replica>`, trainers after the first as
+        `trainer-<replica>`), from the supervisor's children."""
+        return {f"{name}-{replica}" if name == "tokenizer" or (name == "trainer" and replica != "0") else name: pid
                 for name, replica, pid in self.stage_processes()}

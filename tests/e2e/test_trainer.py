@@ -44,15 +44,39 @@ def wait_for(predicate, timeout: float, what: str, server: Server):
     raise AssertionError(f"timed out waiting for {what}:\n{server.output()}")
 
 
-def test_supervised_trainer_killed_resumes_with_increasing_versions_while_serving(tmp_path):
+SECOND_TRAINER = """
+[[trainers]]
+enabled = true
+model = {{ adapter = "arith" }}
+lora = {{ rank = 4, num_layers = 2 }}
+rl_training = {{ task = "arithmetic", prompts_per_step = 1, group_size = 4, max_tokens = 8, learning_rate = 1e-3 }}
+checkpointing = {{ dir = "{dir}", every_steps = 1, keep_last = 2, tensorboard_dir = "{dir}/tb" }}
+"""
+
+
+def test_supervised_trainers_two_at_once_one_killed_resumes_with_increasing_versions_while_serving(tmp_path):
+    """[trainer] (the length task on adapter 'policy') and a [[trainer]] entry (arithmetic on 'arith') run at
+    once, each publishing its own versions, with their own status and metrics; the first is killed and
+    resumes from its checkpoint while HTTP keeps serving."""
     ckpt = tmp_path / "ckpt"
-    with Server(*SMALL_TRAINER, "--trainer.checkpointing.dir", str(ckpt)) as srv:
-        def trainer_at(step: int):
-            trainers = training_status(srv.url)["trainers"]
-            return trainers[0] if trainers and trainers[0]["step"] >= step else None
+    second = tmp_path / "second.toml"
+    second.write_text(SECOND_TRAINER.format(dir=tmp_path / "ckpt-arith"))
+    with Server("--config", str(second), *SMALL_TRAINER, "--trainer.checkpointing.dir", str(ckpt)) as srv:
+        def trainer_at(step: int, name: str = "trainer"):
+            trainers = {t["trainer"]: t for t in training_status(srv.url)["trainers"]}
+            found = trainers.get(name)
+            return found if found and found["step"] >= step else None
 
         before = wait_for(lambda: trainer_at(2), 240, "two training steps", srv)
         assert before["adapter"] == "policy" and before["state"] == "running"
+        arith = wait_for(lambda: trainer_at(1, "trainer-arith"), 240, "a step of the second trainer", srv)
+        assert arith["adapter"] == "arith" and arith["version"] == arith["step"] + 1
+        versions = httpx.get(f"{srv.url}/v1/policy", timeout=10).json()["versions"]
+        assert versions["arith"] >= arith["version"] and versions["policy"] >= before["version"]
+        assert 'parallm_training_step{adapter="arith",trainer="trainer-arith"}' in \
+            httpx.get(f"{srv.url}/metrics", timeout=10).text
+        [board] = (tmp_path / "ckpt-arith" / "tb").glob("events.out.tfevents.*")   # its TensorBoard file
+        assert board.stat().st_size > 100
         assert before["version"] == before["step"] + 1          # version 1 = the initial weights
         assert {"loss", "reward_mean", "reward_std", "rollout_tokens_per_s"} <= set(before["last"])
         metrics = httpx.get(f"{srv.url}/metrics", timeout=10).text
@@ -72,14 +96,14 @@ def test_supervised_trainer_killed_resumes_with_increasing_versions_while_servin
         asker = threading.Thread(target=keep_asking, daemon=True)
         asker.start()
         pid = srv.stage_pids()["trainer"]
-        killed_at = training_status(srv.url)["trainers"][0]
+        killed_at = trainer_at(0)
         os.kill(pid, signal.SIGKILL)
         wait_for(lambda: srv.stage_pids().get("trainer", pid) != pid, 60, "the trainer's restart", srv)
         saved = checkpoint.latest(ckpt)
         assert saved is not None and saved.step >= killed_at["step"] - 1
 
         after = wait_for(lambda: (lambda t: t if t and t["resumed_from"] and t["step"] > killed_at["step"] else None)(
-            training_status(srv.url)["trainers"][0]), 240, "a step after the resume", srv)
+            trainer_at(0)), 240, "a step after the resume", srv)
         stop.set()
         asker.join(timeout=120)
         # resumed from the checkpoint, with versions above any the killed trainer published
