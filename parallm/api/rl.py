@@ -34,6 +34,7 @@ from parallm.api.rl_schemas import AbortRequest, PauseRequest
 from parallm.api.rl_shape import shape_of
 from parallm.api.validate import Limits, decode
 from parallm.config import ServerConfig
+from parallm.protocol import SpecStats
 
 log = logging.getLogger("parallm.api")
 
@@ -131,6 +132,13 @@ class RLRoutes:
                                **msgspec.structs.asdict(stats.weights)}
         return json_response(body)
 
+    async def spec_decode_metrics(self, request: Request) -> Response:
+        """Speculative decoding's counters (engine stats `spec`): the mode, acceptance rate, mean accepted
+        tokens, k distribution; {"mode": "none"} when it is off."""
+        stats = await self.backend.engine_stats()
+        spec = stats.spec if stats.spec is not None else SpecStats()
+        return json_response({"object": "spec_decode_metrics", **msgspec.structs.asdict(spec)})
+
     async def pause(self, request: Request) -> Response:
         req = _optional_body(await read_body(request, self.server.max_body_bytes), PauseRequest)
         state = await self.backend.pause(req.mode)
@@ -169,5 +177,6 @@ def rl_routes(backend: Backend, server: ServerConfig, gate: Any, endpoint: Any) 
         Route("/v1/resume", endpoint(rl.resume), methods=["POST"]),
         Route("/v1/abort", endpoint(rl.abort), methods=["POST"]),
         Route("/v1/training/status", endpoint(rl.training_status), methods=["GET"]),
+        Route("/v1/spec_decode/metrics", endpoint(rl.spec_decode_metrics), methods=["GET"]),
     ]
 
