@@ -4,6 +4,7 @@
 - POST /inference/v1/generate: vLLM's token-in/token-out route (prime-rl, verifiers/renderers, SkyRL);
 - GET /v1/policy: the current policy version of every adapter (the engine's "policy" query);
 - GET /v1/training/status: what each trainer (parallm-train) last reported;
+- GET /v1/spec_decode/metrics: speculative decoding's counters (the engine stats' `spec`);
 - POST /v1/pause {mode: keep|abort}, POST /v1/resume, POST /v1/abort {request_ids | all}: protocol
   Pause / Resume / Abort sent to the engine through the backend.
 
