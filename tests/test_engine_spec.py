@@ -188,3 +188,27 @@ def test_stop_tokens_and_max_tokens_end_a_row_inside_an_accepted_run():
         plain = run_all(make_engine(model), [req("a", prompt, params)])
         spec = run_all(make_engine(model, spec=NGRAM), [req("a", prompt, params)])
         assert spec == plain
+
+
+@pytest.mark.slow  # the default model's verify passes: minutes on a loaded 2-core machine
+def test_default_model_greedy_identical_with_speculation_batched_with_staggered_arrivals():
+    from _default_model import EOS_TOKEN_ID, default_model
+
+    model = default_model()
+    rng = np.random.default_rng(5)
+    phrases = [rng.integers(200, 12000, size=int(rng.integers(4, 9))).tolist() for _ in range(5)]
+
+    def reqs():
+        made = [req(f"r{i}", [1] + (phrases[i] * 4) + phrases[(i + 1) % 5], greedy(12 + 4 * i, logprobs=True))
+                for i in range(4)]
+        return made[:2], {2: made[2:3], 5: made[3:]}
+
+    kw = dict(eos=[EOS_TOKEN_ID], kv_budget_bytes=256 << 20, max_model_len=1024, max_num_seqs=8)
+    plain = run_all(make_engine(model, **kw), reqs()[0], arrivals=reqs()[1])
+    engine = make_engine(model, spec=NGRAM, **kw)
+    made, arrivals = reqs()
+    spec = run_all(engine, made, arrivals=arrivals)
+    for key in plain:
+        assert spec[key]["tokens"] == plain[key]["tokens"], key
+        np.testing.assert_allclose(spec[key]["logprobs"], plain[key]["logprobs"], atol=2e-3)
+    assert engine.stats().spec.accepted_tokens > 0
