@@ -4,7 +4,7 @@ on the default model (SmolLM2-135M-Instruct, float32), greedy.
 - single stream, repetition-heavy tasks (a code edit, an extraction: the answer copies the prompt) and
   free text (a story: little to copy, the controller keeps the cost down); goal >= 1.5x on the
   first, never below 0.95x on the second;
-- a batch of 16 streams of the three tasks at once (spec.disable_batch_size 8 by default: speculation
+- a batch of 16 streams of the three tasks at once (spec.disable_batch_size 4 by default: speculation
   is off there); goal not below 0.95x.
 
 Both modes run the same requests on one engine each, rounds alternating which mode goes first; a run
@@ -113,7 +113,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-tokens", type=int, default=192, help="tokens per single-stream request")
     parser.add_argument("--batch-tokens", type=int, default=64, help="tokens per request of the batch of 16")
     parser.add_argument("--batch", type=int, default=16, help="streams of the batch workload")
-    parser.add_argument("--disable-batch-size", type=int, default=8, help="spec.disable_batch_size")
+    parser.add_argument("--disable-batch-size", type=int, default=4, help="spec.disable_batch_size")
     parser.add_argument("--blas-threads", type=int, default=1, help="OPENBLAS_NUM_THREADS of the preloaded OpenBLAS")
     add_results_options(parser, experiment="ngram")
     args = parser.parse_args(argv)

@@ -15,7 +15,7 @@ from parallm.engine.spec.ngram import NGramProposer
 from parallm.engine.sequence import Sequence
 from parallm.protocol import SamplingParams
 
-NGRAM = SpecConfig(mode="ngram", k=4, ngram_min=1, ngram_max=3)
+NGRAM = SpecConfig(mode="ngram", k=4, ngram_min=1, ngram_max=3, disable_batch_size=8)
 
 
 # ---------------------------------------------------------------------------------------------- proposer

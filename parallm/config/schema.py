@@ -226,7 +226,8 @@ class SpecConfig(Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
                        "model (not available yet: refused at start)")] = "none"
     k: Annotated[int, _d("most tokens proposed per row and step; each row's k adapts to its acceptance")] = 4
     draft_model: Annotated[str, _d("the draft model for mode draft (shares the served model's vocabulary)")] = ""
-    disable_batch_size: Annotated[int, _d("no speculation in a step with more running rows than this")] = 8
+    disable_batch_size: Annotated[int, _d("no speculation in a step with more running rows than this (a verify pass "
+                                          "pads every row to the longest proposal: B x (k + 1) tokens)")] = 4
     ngram_min: Annotated[int, _d("shortest suffix (tokens) the n-gram proposer matches")] = 2
     ngram_max: Annotated[int, _d("longest suffix (tokens) the n-gram proposer matches (longest first)")] = 4
     min_acceptance: Annotated[float, _d("a row whose recent acceptance rate falls below this stops "
