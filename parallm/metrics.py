@@ -78,6 +78,11 @@ def _disk(field: str) -> Callable[[EngineStats], float]:
     return lambda e: getattr(e.kv_disk, field) if e.kv_disk is not None else 0
 
 
+def _spec(field: str) -> Callable[[EngineStats], float]:
+    """One of speculative decoding's counters (EngineStats.spec; 0 with spec.mode none)."""
+    return lambda e: getattr(e.spec, field) if e.spec is not None else 0
+
+
 # Every engine number: under its name the sum over the engine replicas (engine.replicas; one engine:
 # its own), and per replica in parallm_replica_<name>{replica="i"} (replica 0's stats carry the
 # others', parallm/routing.py). (name, help, gauge or counter, value of one replica's EngineStats)
@@ -135,6 +140,13 @@ _ENGINE: tuple[tuple[str, str, str, Callable[[EngineStats], float]], ...] = (
      _disk("dropped")),
     ("kv_disk_errors", "Block files that could not be written (disk full, permissions)", "counter",
      _disk("errors")),
+    ("spec_verify_passes", "Target passes that verified speculative proposals", "counter", _spec("verify_passes")),
+    ("spec_rows_verified", "Rows (per verify pass) that had a proposal", "counter", _spec("rows_verified")),
+    ("spec_proposed_tokens", "Speculative tokens proposed and verified", "counter", _spec("proposed_tokens")),
+    ("spec_accepted_tokens", "Proposed tokens equal to the target's own sample (accepted)", "counter",
+     _spec("accepted_tokens")),
+    ("spec_emitted_tokens", "Tokens speculating rows emitted (accepted, plus the target's one per row and pass)",
+     "counter", _spec("emitted_tokens")),
 )
 
 
@@ -171,6 +183,7 @@ def _engine_metrics(replicas: list[EngineStats]) -> Iterable[Metric]:
         for size, count in e.decode_batch_hist.items():
             hist[size] = hist.get(size, 0) + count
     yield _histogram(f"{PREFIX}_decode_batch_size", "Sequences per decode step", hist, BATCH_BUCKETS)
+    yield from _spec_metrics(replicas)
     family = GaugeMetricFamily(f"{PREFIX}_adapter_version", "Loaded version of each LoRA adapter (with engine "
                                "replicas, the version every replica has)", labels=["adapter"])
     each = GaugeMetricFamily(f"{PREFIX}_replica_adapter_version", "Loaded version of each LoRA adapter, per engine "
@@ -181,6 +194,25 @@ def _engine_metrics(replicas: list[EngineStats]) -> Iterable[Metric]:
             each.add_metric([name, str(e.replica)], float(e.adapters.latest.get(name, 0)))
     yield family
     yield each
+
+
+def _spec_metrics(replicas: list[EngineStats]) -> Iterable[Metric]:
+    """Speculative decoding's rates and its k distribution, over the replicas' sums."""
+    proposed = sum(_spec("proposed_tokens")(e) for e in replicas)
+    accepted = sum(_spec("accepted_tokens")(e) for e in replicas)
+    rows = sum(_spec("rows_verified")(e) for e in replicas)
+    yield GaugeMetricFamily(f"{PREFIX}_spec_acceptance_rate", "spec_accepted_tokens / spec_proposed_tokens",
+                            value=accepted / proposed if proposed else 0.0)
+    yield GaugeMetricFamily(f"{PREFIX}_spec_mean_accepted_tokens", "spec_accepted_tokens / spec_rows_verified",
+                            value=accepted / rows if rows else 0.0)
+    ks = GaugeMetricFamily(f"{PREFIX}_spec_k", "Rows verified with a proposal of k tokens", labels=["k"])
+    counts: dict[str, int] = {}
+    for e in replicas:
+        for k, n in (e.spec.k_distribution if e.spec is not None else {}).items():
+            counts[k] = counts.get(k, 0) + n
+    for k in sorted(counts, key=int):
+        ks.add_metric([k], float(counts[k]))
+    yield ks
 
 
 STALENESS_BUCKETS = (0, 1, 2, 4, 8, 16, 32)

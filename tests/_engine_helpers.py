@@ -7,7 +7,7 @@ import mlx.nn as nn
 from mlx_lm.generate import generate_step
 from mlx_lm.models import gemma, gemma2, gemma3_text, llama, phi3, qwen2, qwen3
 
-from parallm.config import AdaptersConfig, Config, EngineConfig
+from parallm.config import AdaptersConfig, Config, EngineConfig, SpecConfig
 from parallm.engine import Engine, EngineModel, Request, ScoreResult
 from parallm.engine import make_request as req  # noqa: F401 - the tests' short name for it
 from parallm.protocol import SamplingParams
@@ -99,10 +99,12 @@ def run_all(engine: Engine, requests: list[Request] | None = None, *, arrivals: 
 
 
 def make_engine(model: nn.Module, *, eos: list[int] | None = None, max_model_len: int = 512,
-                kv_budget_bytes: int = 64 << 20, adapter_merge_mb: int | None = None, **engine) -> Engine:
-    """An Engine on `model` with these engine settings (a 64 MiB KV budget unless given)."""
+                kv_budget_bytes: int = 64 << 20, adapter_merge_mb: int | None = None, spec: SpecConfig | None = None,
+                **engine) -> Engine:
+    """An Engine on `model` with these engine settings (a 64 MiB KV budget unless given; `spec`: speculative
+    decoding's)."""
     config = Config(engine=EngineConfig(kv_budget_mb=kv_budget_bytes / (1 << 20), **engine),
-                    adapters=AdaptersConfig(merge_mb=adapter_merge_mb))
+                    adapters=AdaptersConfig(merge_mb=adapter_merge_mb), spec=spec or SpecConfig())
     return Engine(EngineModel(model, tuple(eos or ()), max_model_len), config)
 
 def tracked_engine(engines: list[Engine], model: nn.Module, **kw) -> Engine:

@@ -319,3 +319,22 @@ def test_abort_over_http_returns_partial_tokens(how):
     assert len(out["logprobs"]) == len(out["completion_ids"])
     if how != "all":
         assert backend.controls[0] == ("abort", ([backend.submits[0].rid], False))
+
+
+def test_spec_decode_metrics_route_reports_the_engine_stats_spec_or_mode_none():
+    from parallm.protocol import EngineStats, SpecStats
+
+    @dataclass
+    class Speculating(FakeBackend):
+        async def engine_stats(self) -> EngineStats:
+            return EngineStats(spec=SpecStats(mode="ngram", verify_passes=3, rows_verified=4, proposed_tokens=10,
+                                              accepted_tokens=6, emitted_tokens=10, acceptance_rate=0.6,
+                                              mean_accepted_tokens=1.5, k_distribution={"2": 1, "4": 3}))
+
+    client, _ = make(Speculating())
+    body = client.get("/v1/spec_decode/metrics").json()
+    assert body["object"] == "spec_decode_metrics" and body["mode"] == "ngram"
+    assert body["acceptance_rate"] == 0.6 and body["k_distribution"] == {"2": 1, "4": 3}
+    off, _ = make()
+    body = off.get("/v1/spec_decode/metrics").json()
+    assert body["mode"] == "none" and body["proposed_tokens"] == 0

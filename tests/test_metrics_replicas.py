@@ -42,3 +42,20 @@ def test_one_engine_keeps_its_unlabelled_numbers():
     got = samples(metrics)
     assert got["parallm_num_requests_running"] == 2 and got['parallm_replica_num_requests_running{replica="0"}'] == 2
     assert got['parallm_adapter_version{adapter="a"}'] == 1
+
+
+def test_speculative_decoding_counters_rates_and_k_distribution():
+    metrics = ServerMetrics()
+    spec = protocol.SpecStats(mode="ngram", verify_passes=5, rows_verified=8, proposed_tokens=20, accepted_tokens=12,
+                              emitted_tokens=20, k_distribution={"2": 3, "4": 5})
+    second = protocol.EngineStats(replica=1, spec=protocol.SpecStats(mode="ngram", rows_verified=2, proposed_tokens=4,
+                                                                     accepted_tokens=0, k_distribution={"2": 2}))
+    metrics.set_stats(protocol.EngineStats(replica=0, spec=spec, replicas=[second]))
+    got = samples(metrics)
+    assert got["parallm_spec_proposed_tokens_total"] == 24 and got["parallm_spec_accepted_tokens_total"] == 12
+    assert got['parallm_replica_spec_verify_passes_total{replica="0"}'] == 5
+    assert got["parallm_spec_acceptance_rate"] == 0.5 and got["parallm_spec_mean_accepted_tokens"] == 1.2
+    assert got['parallm_spec_k{k="2"}'] == 5 and got['parallm_spec_k{k="4"}'] == 5
+    off = ServerMetrics()
+    off.set_stats(protocol.EngineStats())
+    assert samples(off)["parallm_spec_acceptance_rate"] == 0.0

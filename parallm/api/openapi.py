@@ -56,6 +56,8 @@ def _rl():
         _route("post", "/v1/resume", "Resume the engine", ANY, body_optional=True),
         _route("post", "/v1/abort", "Abort requests by id, or all", rl.AbortRequest),
         _route("get", "/v1/training/status", "Trainers' latest status"),
+        _route("get", "/v1/spec_decode/metrics", "Speculative decoding: acceptance rate, mean accepted tokens, k "
+               "distribution"),
         _route("post", "/v1/adapters", "Load an adapter from a directory under adapters.allowed_dirs", _Load),
         _route("get", "/v1/adapters", "Adapters and their versions"),
         _route("post", "/v1/adapters/upload", "Upload an adapter inline (base64 safetensors)", _Upload),

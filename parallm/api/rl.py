@@ -4,6 +4,7 @@
 - POST /inference/v1/generate: vLLM's token-in/token-out route (prime-rl, verifiers/renderers, SkyRL);
 - GET /v1/policy: the current policy version of every adapter (the engine's "policy" query);
 - GET /v1/training/status: what each trainer (parallm-train) last reported;
+- GET /v1/spec_decode/metrics: speculative decoding's counters (the engine stats' `spec`);
 - POST /v1/pause {mode: keep|abort}, POST /v1/resume, POST /v1/abort {request_ids | all}: protocol
   Pause / Resume / Abort sent to the engine through the backend.
 
@@ -34,6 +35,7 @@ from parallm.api.rl_schemas import AbortRequest, PauseRequest
 from parallm.api.rl_shape import shape_of
 from parallm.api.validate import Limits, decode
 from parallm.config import ServerConfig
+from parallm.protocol import SpecStats
 
 log = logging.getLogger("parallm.api")
 
@@ -131,6 +133,13 @@ class RLRoutes:
                                **msgspec.structs.asdict(stats.weights)}
         return json_response(body)
 
+    async def spec_decode_metrics(self, request: Request) -> Response:
+        """Speculative decoding's counters (engine stats `spec`): the mode, acceptance rate, mean accepted
+        tokens, k distribution; {"mode": "none"} when it is off."""
+        stats = await self.backend.engine_stats()
+        spec = stats.spec if stats.spec is not None else SpecStats()
+        return json_response({"object": "spec_decode_metrics", **msgspec.structs.asdict(spec)})
+
     async def pause(self, request: Request) -> Response:
         req = _optional_body(await read_body(request, self.server.max_body_bytes), PauseRequest)
         state = await self.backend.pause(req.mode)
@@ -169,5 +178,6 @@ def rl_routes(backend: Backend, server: ServerConfig, gate: Any, endpoint: Any) 
         Route("/v1/resume", endpoint(rl.resume), methods=["POST"]),
         Route("/v1/abort", endpoint(rl.abort), methods=["POST"]),
         Route("/v1/training/status", endpoint(rl.training_status), methods=["GET"]),
+        Route("/v1/spec_decode/metrics", endpoint(rl.spec_decode_metrics), methods=["GET"]),
     ]
 

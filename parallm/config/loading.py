@@ -292,6 +292,19 @@ def _check(config: Config) -> None:
         problems.append("kv.disk_queue_blocks must be >= 1")
     if kv.pressure_threshold is not None and not 0 < kv.pressure_threshold <= 1:
         problems.append("kv.pressure_threshold must be in (0, 1] (or unset: no bound)")
+    spec = config.spec
+    if spec.k < 1:
+        problems.append("spec.k must be >= 1")
+    if spec.disable_batch_size < 1:
+        problems.append("spec.disable_batch_size must be >= 1")
+    if not 1 <= spec.ngram_min <= spec.ngram_max:
+        problems.append("spec.ngram_min and spec.ngram_max must satisfy 1 <= ngram_min <= ngram_max")
+    if not 0 <= spec.min_acceptance < 1:
+        problems.append("spec.min_acceptance must be in [0, 1)")
+    if spec.mode == "draft":
+        problems.append("spec.mode draft is not available yet (issue 36 item 5): use ngram or none")
+    if spec.draft_model and spec.mode != "draft":
+        problems.append("spec.draft_model is only read with spec.mode draft")
     if config.adapters.weights_chunk_timeout_s <= 0:
         problems.append("adapters.weights_chunk_timeout_s must be > 0")
     if config.adapters.history < 1:

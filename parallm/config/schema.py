@@ -15,7 +15,8 @@ __all__ = ["ENV_PREFIX", "AUTO", "ModelConfig", "EngineConfig", "auto_prefill_to
            "TOOL_CALL_PARSERS",
            "TokenizerConfig", "ServerConfig", "TransportConfig", "SupervisorConfig", "AdaptersConfig",
            "DetokenizerConfig", "TrainerServerConfig", "TrainerModelConfig", "LoRATrainConfig",
-           "RLTrainingConfig", "CheckpointConfig", "TrainerMemoryConfig", "TrainerConfig", "KVConfig", "PoliciesConfig", "Config",
+           "RLTrainingConfig", "CheckpointConfig", "TrainerMemoryConfig", "TrainerConfig", "KVConfig", "SpecConfig",
+           "PoliciesConfig", "Config",
            "serves_lm"]
 
 
@@ -214,6 +215,24 @@ class KVConfig(Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
                                                    "over the tokens the live KV can hold) past which new requests get "
                                                    "a retryable 503 with Retry-After and /health says overloaded "
                                                    "(degraded from 0.9 of it); unset = no bound")] = None
+
+
+class SpecConfig(Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """Speculative decoding (docs/engine.md, "Speculative decoding"): proposed tokens verified by one target
+    pass, every emitted token the target's own sample (its logprobs and versions unchanged)."""
+
+    mode: Annotated[Literal["none", "ngram", "draft"],
+                    _d("none; ngram: prompt lookup (the continuation of the latest earlier match of the "
+                       "sequence's last tokens, over prompt and output; no extra model); draft: a smaller "
+                       "model (not available yet: refused at start)")] = "none"
+    k: Annotated[int, _d("most tokens proposed per row and step; each row's k adapts to its acceptance")] = 4
+    draft_model: Annotated[str, _d("the draft model for mode draft (shares the served model's vocabulary)")] = ""
+    disable_batch_size: Annotated[int, _d("no speculation in a step with more running rows than this (a verify pass "
+                                          "pads every row to the longest proposal: B x (k + 1) tokens)")] = 4
+    ngram_min: Annotated[int, _d("shortest suffix (tokens) the n-gram proposer matches")] = 2
+    ngram_max: Annotated[int, _d("longest suffix (tokens) the n-gram proposer matches (longest first)")] = 4
+    min_acceptance: Annotated[float, _d("a row whose recent acceptance rate falls below this stops "
+                                        "speculating for a while (doubling, up to 64 steps)")] = 0.3
 
 
 class TokenizerConfig(Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -468,6 +487,7 @@ class Config(Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     model: ModelConfig = ModelConfig()
     engine: EngineConfig = EngineConfig()
     kv: KVConfig = KVConfig()
+    spec: SpecConfig = SpecConfig()
     tokenizer: TokenizerConfig = TokenizerConfig()
     detokenizer: DetokenizerConfig = DetokenizerConfig()
     server: ServerConfig = ServerConfig()

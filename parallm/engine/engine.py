@@ -40,6 +40,7 @@ from .request import Request, RequestRejected, ScoreResult, SeqOutput, validate,
 from .runner import Launch, ModelRunner
 from .sampling import splitmix64
 from .scheduler import Scheduler
+from .spec import SpecDecoder, spec_decoder
 from .trace import StepTracer
 from .sequence import Sequence
 from .warmup import warm_up
@@ -139,6 +140,7 @@ class Engine(EngineReport):
         self.counters = StepCounters()  # steps, decode batch sizes, seconds by phase (counters.py)
         self.failed_rows = 0  # requests ended by a pass that failed for them alone (faults.py)
         self.trace = StepTracer()  # what each step ran and where its time went, a burst at a time (trace.py)
+        self.spec: SpecDecoder | None = spec_decoder(config.spec, settings, info, self)  # speculative decoding
 
     # ------------------------------------------------------------------ requests
     def add_request(self, request: Request) -> None:
@@ -270,7 +272,8 @@ class Engine(EngineReport):
         if work is not None:
             self._prefill(work, out, emit)
         t2 = time.perf_counter()
-        launched = self._launch()
+        verified = self.spec is not None and self.spec.step(out)  # speculated: verify pass read
+        launched = not verified and self._launch()
         t3 = time.perf_counter()
         # overlap keeps the pass just launched in flight and reads it next step, after launching
         # the following one; a pass sampling the first token of a newly loaded adapter version is
@@ -282,7 +285,7 @@ class Engine(EngineReport):
         t4 = time.perf_counter()
         for name, seconds in (("prefill", t2 - t1), ("launch", t3 - t2), ("read", t4 - t3)):
             self._phase(name, seconds)
-        return "+".join(k for k, ran in (("prefill", work is not None), ("decode", launched)) if ran) or "read"
+        return "+".join(k for k, ran in (("prefill", work is not None), ("decode", launched or verified)) if ran) or "read"
 
     def _phase(self, name: str, seconds: float) -> None:
         self.counters.phase_s[name] += seconds
@@ -396,6 +399,8 @@ class Engine(EngineReport):
         self.trace.reset()
         self._seq_counter = self._seed_counter = self._score_counter = 0
         self.scheduler.prefix_queried_tokens = self.scheduler.prefix_hit_tokens = 0
+        if self.spec is not None:
+            self.spec.reset()
 
     # ------------------------------------------------------------------ adapters
     def load_adapter(self, name: str, *, config: dict | None = None, weights: bytes | dict | None = None,

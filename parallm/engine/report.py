@@ -20,6 +20,7 @@ from .pressure import KVLoad, PressureGate, kv_load
 from .runner import ModelRunner
 from .scheduler import Scheduler
 from .sequence import Sequence
+from .spec import SpecDecoder
 from .trace import StepTracer
 
 
@@ -34,6 +35,7 @@ class EngineReport:
     counters: StepCounters
     pressure: PressureGate
     disk_tier: PrefixDiskTier | None
+    spec: SpecDecoder | None
     config: EngineConfig
     adapter_settings: AdaptersConfig
     kv_budget_bytes: int
@@ -76,6 +78,7 @@ class EngineReport:
             settings=msgspec.to_builtins(self.config), adapter_settings=msgspec.to_builtins(self.adapter_settings),
             weights_version=self.weights_version, weights_updates=self.weights_updates,
             recomputed_tokens=s.recomputed_tokens, oom_retries=oom_retries(), burst=burst, last_burst=last_burst,
+            spec=self.spec.stats() if self.spec is not None else None,
             **self._kv_stats())
 
     def _kv_stats(self) -> dict:

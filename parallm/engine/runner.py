@@ -180,6 +180,13 @@ class ModelRunner:
         if tier is not None:
             tier.after_ops(ops)
 
+    def rollback(self, seq: Sequence, length: int) -> None:
+        """Keep only positions [0, length) of `seq`'s row (the rest were written by a pass whose tokens
+        were rejected: speculation's verify pass). The dense live KV keeps a row's length in the
+        sequence (num_computed): positions past it are never attended and the next pass overwrites
+        them. A block store would free the tail's blocks here."""
+        seq.num_computed = length
+
     # ------------------------------------------------------------------ prefill
     def prefill(self, work: PrefillWork) -> tuple[dict[int, tuple], FirstTokens | None]:
         """Run one padded prefill pass. Returns prompt logprobs for rows that asked for them

@@ -9,7 +9,7 @@ import msgspec
 from msgspec import Struct
 
 __all__ = ["AdapterStats", "RankState", "WeightsStatus", "LoopStats", "BlasStats", "StepRecord", "BurstStats",
-           "KVDiskStats", "EngineStats", "TokenizerStats", "DetokenizerStats", "PolicyStats", "StageStats"]
+           "KVDiskStats", "SpecStats", "EngineStats", "TokenizerStats", "DetokenizerStats", "PolicyStats", "StageStats"]
 
 
 class AdapterStats(Struct, kw_only=True):
@@ -132,6 +132,21 @@ class KVDiskStats(Struct, kw_only=True):
     queue_depth: int = 0
 
 
+class SpecStats(Struct, kw_only=True):
+    """Speculative decoding since the engine started (spec.mode; engine/spec/control.py)."""
+
+    mode: str = "none"
+    verify_passes: int = 0          # target passes that verified proposals
+    rows_verified: int = 0          # (row, pass) pairs with a proposal
+    proposed_tokens: int = 0
+    accepted_tokens: int = 0        # proposed tokens equal to the target's own sample
+    emitted_tokens: int = 0         # tokens the speculating rows emitted (accepted + one per row and pass)
+    acceptance_rate: float = 0.0    # accepted_tokens / proposed_tokens
+    mean_accepted_tokens: float = 0.0  # accepted_tokens / rows_verified
+    k_distribution: dict[str, int] = {}  # proposal length -> rows verified with it
+    steps_off_batch: int = 0        # steps not speculating: more running rows than spec.disable_batch_size
+
+
 class EngineStats(Struct, tag="engine", kw_only=True):
     """The engine's state and counters since it started (GetStats; ingress polls it for /metrics)."""
 
@@ -184,6 +199,7 @@ class EngineStats(Struct, tag="engine", kw_only=True):
     kv_pressure: str = "ok"       # ok, degraded or overloaded against kv.pressure_threshold (engine/pressure.py)
     kv_pressure_rejections: int = 0  # requests refused with 503 kv_pressure
     kv_disk: KVDiskStats | None = None  # the disk tier, when kv.disk_dir is set
+    spec: SpecStats | None = None  # speculative decoding, when spec.mode is not none
     burst: BurstStats | None = None       # the steps of the work in progress (engine/trace.py)
     last_burst: BurstStats | None = None  # the last burst of steps that ended with nothing left to do
     # the engine stage's own

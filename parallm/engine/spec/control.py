@@ -1,0 +1,84 @@
+"""How much each row speculates: its k adapts to what it accepts, a row whose acceptance is poor
+stops for a while, and the counters the engine reports (acceptance rate, mean accepted tokens, the
+distribution of k).
+
+Per row: k starts at the configured most; a verify that accepts every proposed token raises it by
+one (up to the most), one that rejects sets it to what was accepted plus one. The row's acceptance
+rate is an exponential average (weight 1/2) of accepted / proposed; below `min_acceptance` the row
+rests for `backoff` steps (doubled at each rest, up to 64; reset to 2 by a verify that accepts all).
+A resting row decodes as it would without speculation, so a step whose rows all rest or have no
+proposal costs what a plain step costs (free text: docs/performance.md).
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass
+
+MAX_BACKOFF = 64
+
+
+@dataclass(slots=True)
+class _Row:
+    k: int
+    rate: float = 1.0
+    rest: int = 0  # steps left without speculating
+    backoff: int = 2
+
+
+class SpecControl:
+    def __init__(self, k: int, min_acceptance: float) -> None:
+        self.k_max = k
+        self.min_acceptance = min_acceptance
+        self._rows: dict[int, _Row] = {}
+        self.verify_passes = 0  # target passes that verified proposals
+        self.rows_verified = 0  # (row, pass) pairs that had a proposal
+        self.proposed = 0  # tokens proposed and verified
+        self.accepted = 0  # proposed tokens the target's own samples matched
+        self.emitted = 0  # tokens speculating rows emitted (accepted + one each)
+        self.k_counts: Counter[int] = Counter()  # proposal length -> rows verified with it
+
+    def k(self, key: int) -> int:
+        """How many tokens row `key` may propose this step (0: it rests)."""
+        row = self._rows.get(key)
+        if row is None:
+            row = self._rows[key] = _Row(self.k_max)
+        if row.rest:
+            row.rest -= 1
+            return 0
+        return row.k
+
+    def record(self, key: int, proposed: int, accepted: int) -> None:
+        """Row `key` proposed this many tokens in a verify pass and the target accepted this many."""
+        self.rows_verified += 1
+        self.proposed += proposed
+        self.accepted += accepted
+        self.emitted += accepted + 1
+        self.k_counts[proposed] += 1
+        row = self._rows.get(key)
+        if row is None:
+            row = self._rows[key] = _Row(self.k_max)
+        row.rate = 0.5 * row.rate + 0.5 * accepted / proposed
+        if accepted == proposed:
+            row.k = min(row.k + 1, self.k_max)
+            row.backoff = 2
+        else:
+            row.k = max(1, accepted + 1)
+        if row.rate < self.min_acceptance:
+            row.rest = row.backoff
+            row.backoff = min(2 * row.backoff, MAX_BACKOFF)
+            row.rate = self.min_acceptance  # back at the threshold: one more poor verify rests it again
+
+    def forget(self, key: int) -> None:
+        self._rows.pop(key, None)
+
+    def stats(self) -> dict:
+        """The counters as plain values: acceptance rate, mean accepted tokens per verified row, the k
+        distribution (proposal length -> rows)."""
+        return {
+            "verify_passes": self.verify_passes, "rows_verified": self.rows_verified,
+            "proposed_tokens": self.proposed, "accepted_tokens": self.accepted, "emitted_tokens": self.emitted,
+            "acceptance_rate": self.accepted / self.proposed if self.proposed else 0.0,
+            "mean_accepted_tokens": self.accepted / self.rows_verified if self.rows_verified else 0.0,
+            "k_distribution": {str(k): n for k, n in sorted(self.k_counts.items())},
+        }

@@ -1,0 +1,115 @@
+"""Speculative decoding in the engine's step: which rows speculate, their proposals, the verification
+pass (verify.py) and what it emits (docs/engine.md, "Speculative decoding").
+
+A step speculates when speculation is on, the running rows are at most `disable_batch_size`, and
+some row may (its k, control.py, is not 0; it uses no penalty and no grammar; verify.py says why)
+and has a proposal. Such a step first reads the passes still in flight (the overlapped schedule's),
+so every row's last token is known, then runs one verification pass over all running rows instead
+of the decode pass: rows without a proposal decode their one token in it. Other steps decode as
+without speculation (overlapped), so a batch that does not speculate pays only the proposer's
+lookups.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+from parallm.config import SpecConfig
+from parallm.protocol import SpecStats
+
+from ..counters import StepCounters
+from ..output import OutputProcessor, StepOutputs, unseen_versions
+from ..runner import Launch, ModelRunner
+from ..scheduler import Scheduler
+from ..sequence import Sequence
+from ..trace import StepTracer
+from .control import SpecControl
+from .ngram import NGramProposer
+from .verify import verify
+
+
+class SpecDecoder:
+    def __init__(self, config: SpecConfig, runner: ModelRunner, scheduler: Scheduler, output: OutputProcessor,
+                 counters: StepCounters, trace: StepTracer, launches: list[Launch],
+                 execute: Callable[[list], None]) -> None:
+        """`launches`: the engine's passes in flight (read here before a verify pass); `execute`: how the
+        engine runs row ops."""
+        self.runner = runner
+        self.launches = launches
+        self.execute = execute
+        self.scheduler = scheduler
+        self.output = output
+        self.counters = counters
+        self.trace = trace
+        self.disable_batch_size = config.disable_batch_size
+        self.proposer = NGramProposer(config.ngram_min, config.ngram_max)
+        self.control = SpecControl(config.k, config.min_acceptance)
+        self.steps_off_batch = 0  # steps not speculating because more rows ran than disable_batch_size
+
+    def may_speculate(self, seq: Sequence) -> bool:
+        """No processor whose state moves with the tokens: penalty counts, a grammar (or thinking gate)."""
+        c = self.runner.constraints
+        return not seq.uses_penalties and not (c is not None and c.constrained([seq]))
+
+    def step(self, out: StepOutputs) -> int:
+        """Speculate this step if it pays: read the passes in flight into `out` (and run the row moves
+        of the rows they finished), verify, and account what each row emits into `out`. Returns the
+        rows the verification pass ran (0: no speculation this step; the caller decodes)."""
+        seqs = self.scheduler.running
+        if not seqs:
+            return 0
+        if len(seqs) > self.disable_batch_size:
+            self.steps_off_batch += 1
+            return 0
+        self._prune(seqs)
+        ks = {s.seq_id: self.control.k(s.seq_id) for s in seqs if self.may_speculate(s)}
+        if not any(k and self.proposer.propose(s.seq_id, s.token_ids, 1)
+                   for s in seqs if (k := ks.get(s.seq_id))):
+            return 0
+        while self.launches:
+            self.output.read(self.launches.pop(0), out)
+        self.execute(self.scheduler.take_ops())
+        seqs = self.scheduler.running
+        if not seqs:
+            return 0
+        room = self.runner.live.capacity - max(s.num_computed for s in seqs) - 1
+        drafts = [self.proposer.propose(s.seq_id, s.token_ids,
+                                        min(ks.get(s.seq_id, 0), room, s.params.max_tokens - s.num_output - 1))
+                  for s in seqs]
+        if not any(drafts):
+            return 0
+        got = verify(self.runner, seqs, drafts)
+        self.control.verify_passes += 1
+        self.trace.decode(len(seqs))
+        self.counters.decoded(len(seqs))
+        self.output.note_first_tokens(unseen_versions(seqs))
+        emitted = [got.emitted(i, d) for i, d in enumerate(drafts)]
+        for s, d, e in zip(seqs, drafts, emitted):
+            self.runner.rollback(s, s.num_computed + len(e))  # the accepted positions; the rest is dropped
+            if d:
+                self.control.record(s.seq_id, len(d), len(e) - 1)
+        for s, e in zip(list(seqs), emitted):
+            for sampled, at in e:
+                stop = self.output.accept(s, s.adapter_version, sampled, at, out)
+                if stop is not None:
+                    self.output.finish(s, stop, out)
+                    break
+        return len(seqs)
+
+    def _prune(self, seqs: list[Sequence]) -> None:
+        """Forget the rows no longer running (their index and control state come back if they do)."""
+        if len(self.proposer) <= 2 * len(seqs) + 16:
+            return
+        keep = {s.seq_id for s in seqs} | {s.seq_id for s in self.scheduler.prefilling}
+        for key in [k for k in self.proposer.keys() if k not in keep]:
+            self.proposer.forget(key)
+            self.control.forget(key)
+
+    def reset(self) -> None:
+        """Counters and per-row state back to none (warm-up's prompts are not the server's)."""
+        self.control = SpecControl(self.control.k_max, self.control.min_acceptance)
+        self.proposer = NGramProposer(self.proposer.n_min, self.proposer.n_max)
+        self.steps_off_batch = 0
+
+    def stats(self) -> SpecStats:
+        return SpecStats(mode="ngram", **self.control.stats(), steps_off_batch=self.steps_off_batch)
