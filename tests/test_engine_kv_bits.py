@@ -8,8 +8,6 @@ logits away from ties)."""
 
 from __future__ import annotations
 
-import importlib
-
 import mlx.core as mx
 import pytest
 from mlx_lm.generate import generate_step
@@ -21,18 +19,10 @@ from parallm.engine import Engine, EngineModel
 from parallm.engine.compat import check_model, kv_format_for
 from parallm.metrics import ServerMetrics
 from parallm.models import tiny
-from tests._engine_helpers import greedy, req, run_all
+from tests._engine_helpers import greedy, req, run_all, wide_heads_model
 
 GROUP = 32  # the tiny models' heads are 32 wide here (mx.quantize's groups: 32, 64 or 128)
 PROMPTS = [[(i * 7 + k) % 97 + 1 for i in range(9 + 6 * k)] for k in range(4)]
-
-
-def quant_model(name: str = "llama", seed: int = 0, head_dim: int = 32):
-    """tiny.build's model with wider attention heads (32 by default)."""
-    mod = importlib.import_module(f"mlx_lm.models.{name}")
-    mx.random.seed(seed)
-    model = mod.Model(mod.ModelArgs.from_dict({**tiny.config(name), "head_dim": head_dim}))
-    return tiny._finish(model, seed, 3.0)
 
 
 def quantized_reference(model, prompt: list[int], max_tokens: int, bits: int) -> list[int]:
@@ -52,7 +42,7 @@ def kv_engine(model, bits: int, *, budget_mb: float = 4.0, disk_dir: str = "", g
 @pytest.mark.parametrize("bits", [8, 4])
 @pytest.mark.parametrize("name", ["llama", "qwen3"])
 def test_greedy_tokens_are_mlx_lm_quantized_kv_caches(name, bits):
-    model = quant_model(name)
+    model = wide_heads_model(name)
     engine = kv_engine(model, bits, max_prefill_tokens=16)
     assert engine.kv_format.bits == bits and engine.kv_format.read == "matmul"
     forked = req("n2", PROMPTS[2], greedy(10), n=2)
@@ -65,7 +55,7 @@ def test_greedy_tokens_are_mlx_lm_quantized_kv_caches(name, bits):
 
 
 def test_a_prefix_hit_copies_the_quantized_blocks_as_they_are():
-    model = quant_model()
+    model = wide_heads_model()
     engine = kv_engine(model, 8)
     cold = run_all(engine, [req("a", PROMPTS[3], greedy(8))])[("a", 0)]["tokens"]
     hot = run_all(engine, [req("b", PROMPTS[3], greedy(8))])[("b", 0)]["tokens"]
@@ -79,7 +69,7 @@ def test_a_prefix_hit_copies_the_quantized_blocks_as_they_are():
 @pytest.mark.parametrize("option", [{"compiled_decode": True}, {"mixed_passes": True},
                                     {"fast_math": False, "mixed_passes": False}])
 def test_every_decode_path_gives_the_same_tokens(option):
-    model = quant_model()
+    model = wide_heads_model()
     reqs = lambda: [req(f"r{k}", p, greedy(10)) for k, p in enumerate(PROMPTS)]  # noqa: E731
     plain = run_all(kv_engine(model, 8, mixed_passes=False, compiled_decode=False), reqs())
     engine = kv_engine(model, 8, max_prefill_tokens=12, **option)
@@ -93,7 +83,7 @@ def test_every_decode_path_gives_the_same_tokens(option):
 
 
 def test_preemption_recomputes_into_quantized_rows():
-    model = quant_model()
+    model = wide_heads_model()
     bpt = kv_engine(model, 8).runner.live.bytes_per_token
     engine = kv_engine(model, 8, budget_mb=bpt * 128 / (1 << 20), prefix_pool_fraction=0.25, max_prefill_tokens=16,
                        max_num_seqs=8)  # 96 live token slots for four rows that grow to 27-54 tokens
@@ -105,7 +95,7 @@ def test_preemption_recomputes_into_quantized_rows():
 
 
 def test_a_hybrid_models_state_stays_in_its_dtype():
-    model = quant_model("qwen3_next")
+    model = wide_heads_model("qwen3_next")
     engine = kv_engine(model, 8, max_prefill_tokens=16)
     assert engine.runner.live.layout is not None
     out = run_all(engine, [req(f"r{k}", p, greedy(8)) for k, p in enumerate(PROMPTS)])
@@ -116,11 +106,7 @@ def test_a_hybrid_models_state_stays_in_its_dtype():
 
 
 def test_hand_written_attention_reads_the_kv_dequantized():
-    model = tiny.build("gemma2")[0]
-    mod = importlib.import_module("mlx_lm.models.gemma2")
-    mx.random.seed(0)
-    model = tiny._finish(mod.Model(mod.ModelArgs.from_dict({**tiny.config("gemma2"), "head_dim": 32,
-                                                             "query_pre_attn_scalar": 32.0})), 0, 3.0)
+    model = wide_heads_model("gemma2")  # its attention splits the GQA heads itself: K/V as arrays
     engine = kv_engine(model, 8)
     assert engine.kv_format.read == "dequantize" and not engine.runner.can_pack
     out = run_all(engine, [req("a", PROMPTS[1], greedy(6))])
@@ -132,7 +118,7 @@ def test_hand_written_attention_reads_the_kv_dequantized():
 def test_the_budget_buys_more_tokens(bits, dtype, at_least):
     """At the default group of 64 (a scale and a bias per 64 elements): 8 bits hold 1.88x the tokens of bfloat16
     K/V (1.94x with groups of 128, for 128-wide heads), 3.56x those of float32; 4 bits 3.56x and 6.4x."""
-    model = quant_model(head_dim=64)
+    model = wide_heads_model(head_dim=64)
     if dtype == "bfloat16":
         model.set_dtype(mx.bfloat16)
     full, quant = kv_engine(model, 0, budget_mb=8), kv_engine(model, bits, budget_mb=8, group_size=64)
@@ -145,7 +131,7 @@ def test_the_budget_buys_more_tokens(bits, dtype, at_least):
 
 
 def test_the_disk_tier_keeps_quantized_blocks_apart(tmp_path):
-    model = quant_model()
+    model = wide_heads_model()
     first = kv_engine(model, 8, disk_dir=str(tmp_path))
     cold = run_all(first, [req("a", PROMPTS[3], greedy(6))])[("a", 0)]["tokens"]
     first.close()

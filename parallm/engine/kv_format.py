@@ -12,15 +12,16 @@ Attention reads the quantized K/V in one of two ways (`read`): "matmul", MLX's q
 the stored parts (mlx-lm's `quantized_scaled_dot_product_attention`, which a cache with a `bits`
 attribute switches a model's stock attention to), or "dequantize", the rows' K/V dequantized into
 the model's dtype for whatever attention the model runs (models whose attention is written by hand,
-e.g. gemma2's). compat.kv_read_mode picks the first that runs the model and agrees with the other.
-Measured on the CPU (one layer, smollm2's 3 kv heads of 64, perf/bench_kv_bits.py): the quantized
-matmuls cost 0.6-2x what the dense attention does, dequantizing first 1.3-7x.
+e.g. gemma2's). compat.kv_format_for picks the first that runs the model and agrees with the other.
+On the CPU the engine's fast-math attention runs the quantized matmuls with its own softmax
+(fastmath.scaled_dot_product_attention); one layer's decode attention at smollm2's shape then costs
+about what the dense one does, and dequantizing first costs more (perf/bench_kv_bits.py, "attention").
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable, Literal, Sequence, Union
+from typing import Any, Literal, Sequence, Union
 
 import mlx.core as mx
 
@@ -110,13 +111,3 @@ def mark(view: Any, fmt: KVFormat) -> None:
     if fmt.marks_cache:
         view.bits, view.group_size = fmt.bits, fmt.group_size
 
-
-def quantized_sdpa(group_size: int, bits: int) -> Callable[..., mx.array]:
-    """mlx-lm's quantized attention as an `sdpa(q, k, v, cache, scale, mask)` for packed passes' segments."""
-    from mlx_lm.models.base import quantized_scaled_dot_product_attention
-
-    def sdpa(queries: mx.array, keys: KV, values: KV, cache: Any, scale: float, mask: Any) -> mx.array:
-        return quantized_scaled_dot_product_attention(queries, keys, values, scale=scale, mask=mask,
-                                                      group_size=group_size, bits=bits)
-
-    return sdpa

@@ -12,7 +12,7 @@ from typing import Any
 import mlx.core as mx
 
 from .cache import LayerView, LiveKV, PassContext, WriteIndex, scatter_kv
-from .kv_format import KV, KVFormat, quantized_sdpa, slice_kv
+from .kv_format import KV, KVFormat, slice_kv
 
 
 class TokenPositions:
@@ -78,11 +78,9 @@ class PackedContext:
     def attend(self, queries: mx.array, keys: KV, values: KV, scale: float, window: int | None,
                sdpa: Any) -> mx.array:
         """Attention of the packed queries [1, heads, N, dim] over the live K/V buffers, with
-        `sdpa(q, k, v, cache, scale, mask)` for [rows, heads, L, dim] queries (quantized K/V: mlx-lm's
-        quantized attention instead)."""
-        if isinstance(keys, tuple):
-            fmt = self.kv_format
-            sdpa = quantized_sdpa(fmt.group_size, fmt.bits)
+        `sdpa(q, k, v, cache, scale, mask)` for [rows, heads, L, dim] queries (quantized K/V: its `cache`
+        is the KV format, whose `bits` and `group_size` switch it to the quantized matmuls)."""
+        cache = self.kv_format if isinstance(keys, tuple) else None
         q = queries[0]
         H, _, D = q.shape
         outs = []
@@ -91,7 +89,7 @@ class PackedContext:
             mask = None if ctx.unmasked and (window is None or ctx.span <= window) else ctx.mask(window)
             qd = q[:, :n].transpose(1, 0, 2)[:, :, None]
             rows = (slice(0, n), slice(None), slice(None, ctx.span))
-            od = sdpa(qd, slice_kv(keys, rows), slice_kv(values, rows), None, scale, mask)
+            od = sdpa(qd, slice_kv(keys, rows), slice_kv(values, rows), cache, scale, mask)
             outs.append(od[:, :, 0].transpose(1, 0, 2))
         ctx, k, L = self.prefill, len(self.lengths), self.prefill.length
         qp = q[:, self.n_dec:]
@@ -99,7 +97,7 @@ class PackedContext:
             qp = qp[:, self.pad_index]
         qp = qp.reshape(H, k, L, D).transpose(1, 0, 2, 3)
         rows = (slice(ctx.row0, ctx.row0 + k), slice(None), slice(None, ctx.span))
-        op = sdpa(qp, slice_kv(keys, rows), slice_kv(values, rows), None, scale, ctx.mask(window))
+        op = sdpa(qp, slice_kv(keys, rows), slice_kv(values, rows), cache, scale, ctx.mask(window))
         op = op.transpose(1, 0, 2, 3).reshape(H, k * L, -1)
         if not self.uniform:
             op = op[:, self.unpad_index]
