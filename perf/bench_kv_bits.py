@@ -265,6 +265,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--skip", default="", help="comma-separated: capacity, agreement, attention, decode")
     add_results_options(parser, "")
     args = parser.parse_args(argv)
+    if mx.default_device() == mx.cpu:
+        from parallm import blas
+
+        blas.reexec_with_openblas()  # the engine stage gets OpenBLAS on a CPU (MLX's own BLAS: 15-60x slower)
     bits_list = [int(b) for b in args.bits.split(",") if b]
     skip = set(filter(None, args.skip.split(",")))
     if args.shape:
