@@ -218,7 +218,8 @@ def attention_forms(batches: list[int], spans: list[int], bits_list: list[int], 
 
 
 def markdown(data: dict) -> str:
-    lines = [f"# Quantized KV (`--kv.bits`) vs the model's dtype\n", f"`{data['command']}`\n"]
+    commands = sorted(set(data.get("section_commands", {}).values()) or {data["command"]})
+    lines = [f"# Quantized KV (`--kv.bits`) vs the model's dtype\n", *[f"`{c}`\n" for c in commands]]
     if data.get("capacity"):
         lines += ["| KV dtype | bits | group | kv_capacity_tokens | bytes/token | x |", "|---|---|---|---|---|---|"]
         lines += [f"| {r['dtype']} | {r['bits'] or '-'} | {r['group_size'] or '-'} | {r['kv_capacity_tokens']} | "
@@ -286,11 +287,18 @@ def main(argv: list[str] | None = None) -> int:
         lm = load_model(ModelConfig())
         tokenizer = load_tokenizer(lm.source)
     files = Results.from_args("kv-bits", args, argv, experiment=args.shape)
-    data: dict = {"command": files.command, "bits": bits_list, "group_size": args.group_size}
+    data: dict = {"command": files.command, "bits": bits_list, "group_size": args.group_size, "section_commands": {}}
+    previous = files.previous()  # the sections this run skips keep the last run's figures, with its command
+    for section in ("capacity", "agreement", "attention", "decode"):
+        if section in skip and section in previous:
+            data[section] = previous[section]
+            data["section_commands"][section] = previous.get("section_commands", {}).get(section, previous["command"])
+        elif section not in skip:
+            data["section_commands"][section] = files.command
     if "capacity" not in skip:
         data["capacity"] = capacity(lm.model, bits_list, args.group_size, args.budget_mb)
         files.write(data, markdown(data))
-    if "agreement" not in skip and tokenizer is not None:
+    if "agreement" not in skip and tokenizer is not None:  # random weights (--shape): no agreement figures
         prompts = chat_prompts(tokenizer, args.prompts)
         data["agreement"] = agreement(lm.model, prompts, args.max_tokens, bits_list, args.group_size, args.budget_mb)
         files.write(data, markdown(data))
