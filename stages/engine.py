@@ -441,10 +441,14 @@ def main(config: Config, replica: int = 0) -> int:
 
     try:
         engine = Engine(EngineModel.of(loaded), config)
-        preloaded = load_adapters_at_start(engine, config.adapters.preload)
     except UnsupportedModel as exc:  # refused at start, naming why (parallm.engine.compat)
         runtime.fatal(f"cannot serve model {config.model.path!r}: {exc}")
         return 2
+    except ValueError as exc:  # a setting this model cannot run with, named (--kv.group-size, --engine.kv-budget-mb)
+        runtime.fatal(f"cannot start the engine on model {config.model.path!r}: {exc}")
+        return 2
+    try:
+        preloaded = load_adapters_at_start(engine, config.adapters.preload)
     except (ValueError, AdapterError) as exc:
         runtime.fatal(f"cannot load the adapters of adapters.preload: {exc}")
         return 2

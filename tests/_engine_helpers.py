@@ -7,7 +7,7 @@ import mlx.nn as nn
 from mlx_lm.generate import generate_step
 from mlx_lm.models import gemma, gemma2, gemma3_text, llama, phi3, qwen2, qwen3
 
-from parallm.config import AdaptersConfig, Config, EngineConfig, SpecConfig
+from parallm.config import AdaptersConfig, Config, EngineConfig, KVConfig, SpecConfig
 from parallm.engine import Engine, EngineModel, Request, ScoreResult
 from parallm.engine import make_request as req  # noqa: F401 - the tests' short name for it
 from parallm.protocol import SamplingParams
@@ -46,6 +46,19 @@ def tiny_model(name: str, seed: int = 0) -> nn.Module:
     model.update(nn.utils.tree_map(lambda p: p * 3.0 if p.ndim == 2 else p, model.parameters()))
     mx.eval(model.parameters())
     return model
+
+
+def wide_heads_model(name: str = "llama", seed: int = 0, head_dim: int = 32) -> nn.Module:
+    """parallm.models.tiny's model of module `name` with wider attention heads (32: mx.quantize's smallest
+    group, for quantized KV)."""
+    import importlib
+
+    from parallm.models import tiny
+
+    mod = importlib.import_module(f"mlx_lm.models.{name}")
+    mx.random.seed(seed)
+    model = mod.Model(mod.ModelArgs.from_dict({**tiny.config(name), "head_dim": head_dim}))
+    return tiny._finish(model, seed, 3.0)
 
 
 def reference_greedy(model: nn.Module, prompt: list[int], max_tokens: int, prefill_step_size: int = 2048) -> list[int]:
@@ -100,11 +113,11 @@ def run_all(engine: Engine, requests: list[Request] | None = None, *, arrivals: 
 
 def make_engine(model: nn.Module, *, eos: list[int] | None = None, max_model_len: int = 512,
                 kv_budget_bytes: int = 64 << 20, adapter_merge_mb: int | None = None, spec: SpecConfig | None = None,
-                **engine) -> Engine:
+                kv: KVConfig | None = None, **engine) -> Engine:
     """An Engine on `model` with these engine settings (a 64 MiB KV budget unless given; `spec`: speculative
-    decoding's)."""
+    decoding's; `kv`: the KV store's, e.g. kv.bits)."""
     config = Config(engine=EngineConfig(kv_budget_mb=kv_budget_bytes / (1 << 20), **engine),
-                    adapters=AdaptersConfig(merge_mb=adapter_merge_mb), spec=spec or SpecConfig())
+                    adapters=AdaptersConfig(merge_mb=adapter_merge_mb), spec=spec or SpecConfig(), kv=kv or KVConfig())
     return Engine(EngineModel(model, tuple(eos or ()), max_model_len), config)
 
 def tracked_engine(engines: list[Engine], model: nn.Module, **kw) -> Engine:

@@ -24,7 +24,8 @@ from parallm.engine import distributed
 from parallm.engine.distributed import (Leader, TensorParallelError, control_addresses, follow,
                                         shard_model, shard_refusal, state_digest)
 from parallm.protocol import SamplingParams
-from tests._engine_helpers import greedy, make_engine, req, run_all, tiny_model
+from parallm.config import KVConfig
+from tests._engine_helpers import greedy, make_engine, req, run_all, tiny_model, wide_heads_model
 from tests._ring_helpers import run_ring
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -56,12 +57,18 @@ def both_phases(engine) -> dict[str, list[int]]:
 
 
 def model_of(name: str):
-    """The tiny random llama, or the default model (SmolLM2-135M: 9 heads, 3 KV heads, so 3 ranks)."""
+    """The tiny random llama (with 32-wide heads: "wide"), or the default model (SmolLM2-135M: 9 heads,
+    3 KV heads, so 3 ranks)."""
     if name == "default":
         from tests._default_model import default_model
 
         return default_model()
-    return tiny_model("llama")
+    return wide_heads_model() if name == "wide" else tiny_model("llama")
+
+
+def kv_of() -> KVConfig:
+    """The ranks' KV settings: TP_KV_BITS quantizes their K/V (in groups of 32)."""
+    return KVConfig(bits=int(os.environ.get("TP_KV_BITS", "0")), group_size=32)
 
 
 def rank_main(out: str) -> int:
@@ -77,7 +84,7 @@ def rank_main(out: str) -> int:
     group = distributed.join(int(os.environ["TP_SIZE"]), backend="ring")
     model = model_of(os.environ["TP_MODEL"])
     shard_model(model, group)
-    engine = make_engine(model)
+    engine = make_engine(model, kv=kv_of())
     distributed.freeze_clock(engine)
     engine.warm_up()
     addresses = distributed.control_addresses(str(Path(out).parent))
@@ -116,6 +123,15 @@ def test_two_ring_ranks_with_rank_0s_calls_over_tcp_and_curve_match_one(tmp_path
     got = run_group(tmp_path, 2, "tiny", TP_CURVE=",".join(keys),
                     **{distributed.CONTROL_ENV: f"tcp://127.0.0.1:{calls},tcp://127.0.0.1:{acks}"})
     assert got == both_phases(make_engine(tiny_model("llama")))
+
+
+@pytest.mark.slow
+def test_two_ring_ranks_with_quantized_kv_match_one(tmp_path):
+    """--kv.bits 8 on both ranks: each quantizes the K/V of its own heads; the group samples what one
+    engine with the same KV format samples."""
+    got = run_group(tmp_path, 2, "wide", TP_KV_BITS="8")
+    want = both_phases(make_engine(wide_heads_model(), kv=KVConfig(bits=8, group_size=32)))
+    assert got == want
 
 
 @pytest.mark.slow

@@ -103,10 +103,11 @@ def _parse_scalar(text: str, typ: Any, where: str) -> Any:
             if not isinstance(value, dict):
                 raise ValueError(f"not a JSON object: {text!r}")
             return value
-        if origin is Literal:
-            if text not in get_args(typ):
-                raise ValueError(f"{text!r} is not one of {', '.join(map(str, get_args(typ)))}")
-            return text
+        if origin is Literal:  # of strings or ints (kv.bits): the choice whose text it is
+            for choice in get_args(typ):
+                if str(choice) == text.strip():
+                    return choice
+            raise ValueError(f"{text!r} is not one of {', '.join(map(str, get_args(typ)))}")
         return text
     except ValueError as exc:
         raise ConfigError(f"{where}: {exc}") from None

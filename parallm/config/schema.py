@@ -211,6 +211,11 @@ class KVConfig(Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
                                     "limit")] = 7 * 24 * 3600.0
     disk_queue_blocks: Annotated[int, _d("blocks waiting for the disk writer thread; past it new ones are dropped "
                                          "and counted (the engine's step never waits for the disk)")] = 1024
+    bits: Annotated[Literal[0, 4, 8], _d("bits per K/V element in the live rows, the prefix pool and the disk tier: "
+                                         "8 or 4 (quantized with mx.quantize: values plus a scale and bias per "
+                                         "group, attention through MLX's quantized matmuls), 0 = the model's dtype")] = 0
+    group_size: Annotated[Literal[32, 64, 128], _d("K/V elements sharing one scale and bias with kv.bits (must divide "
+                                                   "the model's head dimension)")] = 64
     pressure_threshold: Annotated[float | None, _d("KV utilization (tokens live and waiting sequences hold or need, "
                                                    "over the tokens the live KV can hold) past which new requests get "
                                                    "a retryable 503 with Retry-After and /health says overloaded "

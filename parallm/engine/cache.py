@@ -16,10 +16,15 @@ otherwise MLX silently copies the whole buffer (measured: 49 ms instead of 2 ms 
 over 30 layers, docs/engine.md). A kernel launched but not finished holds its inputs too: a pass
 that writes the buffers waits for the device first once they are large (`LiveKV.settle`).
 
+With `kv.bits` the buffers hold K/V quantized (kv_format.py): each layer's K and V are then the
+three arrays of mx.quantize's format, each laid out [rows, heads, capacity, width] like a dense
+buffer, so every row operation below moves them alike; a pass quantizes only its new tokens.
+
 Traps of mlx-lm's protocol, handled here: a truthy cache with `make_mask` builds the mask (the
 view always returns an explicit mask, since rows differ in length); an attribute named `bits`
-would switch attention to the quantized path (none here); `offset` is an mx.array of per-row
-positions, which mx.fast.rope accepts.
+switches attention to the quantized path (a view has it only over quantized buffers read through
+the quantized matmuls, kv_format.mark); `offset` is an mx.array of per-row positions, which
+mx.fast.rope accepts.
 """
 
 from __future__ import annotations
@@ -29,6 +34,7 @@ from typing import Any, Protocol, runtime_checkable
 
 import mlx.core as mx
 
+from .kv_format import KV, KVFormat, mark, parts, slice_kv
 from .memory import retry_out_of_memory
 from .state import ListView, RowsState, SlotLayout, allocate
 
@@ -159,20 +165,22 @@ class LiveKV:
     """Per-layer dense K/V buffers [rows, heads, capacity, dim] for all live sequences, and the
     per-row recurrent state of the model's state slots, if any (parallm.engine.state)."""
 
-    def __init__(self, shapes: list[LayerShape], dtype: mx.Dtype, layout: SlotLayout | None = None) -> None:
+    def __init__(self, shapes: list[LayerShape], dtype: mx.Dtype, layout: SlotLayout | None = None,
+                 kv_format: KVFormat | None = None) -> None:
         self.shapes = shapes
         self.dtype = dtype
         self.layout = layout
+        self.format = kv_format or KVFormat(dtype)
         self.rows = 0
         self.capacity = 0
-        self.keys: list[mx.array] = []
-        self.values: list[mx.array] = []
+        self.keys: list[KV] = []  # per layer: an array, or the quantized format's three (kv_format.py)
+        self.values: list[KV] = []
         self.states: list[list[mx.array | None]] = []  # per state slot, per entry: [rows, ...]
         self.settle_bytes: float | None = None  # see settle()
 
     @property
     def bytes_per_token(self) -> int:
-        return sum(s.elems_per_token for s in self.shapes) * self.dtype.size
+        return self.format.bytes_per_token(self.shapes)
 
     @property
     def nbytes(self) -> int:
@@ -191,10 +199,11 @@ class LiveKV:
 
     def arrays(self) -> list[mx.array]:
         """Every buffer (KV, then recurrent state): what a pass updates."""
-        return self.keys + self.values + [a for slot in self.states for a in slot if a is not None]
+        return self._kv() + [a for slot in self.states for a in slot if a is not None]
 
     def _kv(self) -> list[mx.array]:
-        return self.keys + self.values
+        """Every stored K/V array: each layer's K (its parts, when quantized), then each layer's V."""
+        return [a for kv in self.keys + self.values for a in parts(kv)]
 
     def resize(self, rows: int, capacity: int) -> None:
         """Reallocate to rows x capacity, keeping the overlapping content."""
@@ -205,11 +214,12 @@ class LiveKV:
         def allocate() -> tuple[list[mx.array], list[mx.array]]:
             new_k, new_v = [], []
             for i, s in enumerate(self.shapes):
-                k = mx.zeros((rows, s.k_heads, capacity, s.k_dim), self.dtype)
-                v = mx.zeros((rows, s.v_heads, capacity, s.v_dim), self.dtype)
+                k = self.format.zeros((rows, s.k_heads, capacity), s.k_dim)
+                v = self.format.zeros((rows, s.v_heads, capacity), s.v_dim)
                 if keep_r and keep_c:
-                    k[:keep_r, :, :keep_c] = self.keys[i][:keep_r, :, :keep_c]
-                    v[:keep_r, :, :keep_c] = self.values[i][:keep_r, :, :keep_c]
+                    for new, old in ((k, self.keys[i]), (v, self.values[i])):
+                        for a, b in zip(parts(new), parts(old)):
+                            a[:keep_r, :, :keep_c] = b[:keep_r, :, :keep_c]
                 new_k.append(k)
                 new_v.append(v)
             mx.eval(new_k, new_v)
@@ -253,11 +263,17 @@ class LiveKV:
                 slot[e] = a
 
     def _set(self, bufs: list[mx.array]) -> None:
-        half = len(self.shapes)
-        self.keys, self.values = bufs[:half], bufs[half:]
+        """The stored arrays after an update, in `_kv()`'s order."""
+        it = iter(bufs)
+
+        def take(kv: KV) -> KV:
+            return tuple(next(it) for _ in kv) if isinstance(kv, tuple) else next(it)
+
+        self.keys = [take(k) for k in self.keys]
+        self.values = [take(v) for v in self.values]
 
     def read_positions(self, row: int, positions: mx.array, *, materialize: bool = True) -> list[mx.array]:
-        """Copies of a row's KV at `positions` (per layer, K then V: [heads, n, dim]); the caller
+        """Copies of a row's KV at `positions` (per stored array, `_kv()`'s order: [heads, n, width]); the caller
         must evaluate them before the next update of the buffers when `materialize` is False."""
         out = [mx.take(buf[row], positions, axis=1) for buf in self._kv()]
         if materialize:
@@ -265,7 +281,7 @@ class LiveKV:
         return out
 
     def write_prefix(self, row: int, data: list[mx.array]) -> None:
-        """Positions [0, n) of a row := data (per layer, K then V: [heads, n, dim])."""
+        """Positions [0, n) of a row := data (per stored array, `_kv()`'s order: [heads, n, width])."""
         bufs = self._kv()
         for buf, d in zip(bufs, data):
             buf[row, :, :d.shape[1]] = d
@@ -295,30 +311,27 @@ class RowsView(LayerView):
     def __init__(self, live: LiveKV, layer: int, ctx: PassContext) -> None:
         super().__init__(live, layer)
         self._ctx = ctx
-        self._fetched: tuple[mx.array, mx.array] | None = None
+        self._fetched: tuple[KV, KV] | None = None
+        mark(self, live.format)
 
     @property
     def offset(self) -> mx.array:
         return self._ctx.offsets
 
-    def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
+    def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[KV, KV]:
         ctx, live, i = self._ctx, self._live, self._layer
         if keys.shape[0] != ctx.n or keys.shape[2] != ctx.length:
             raise ValueError(f"cache view expected [{ctx.n}, heads, {ctx.length}, dim] keys, got {keys.shape}")
-        k_buf, v_buf = live.keys[i], live.values[i]
+        fmt = live.format
         where = ctx.write_index(keys.shape[1])
-        if ctx.length == 1:
-            k_buf[where] = keys[:, :, 0, :]
-            v_buf[where] = values[:, :, 0, :]
-        else:
-            k_buf[where] = keys.transpose(0, 2, 1, 3)
-            v_buf[where] = values.transpose(0, 2, 1, 3)
+        k_buf = scatter_kv(live.keys[i], fmt.encode(keys), where, ctx.length == 1)
+        v_buf = scatter_kv(live.values[i], fmt.encode(values), where, ctx.length == 1)
         live.keys[i], live.values[i] = k_buf, v_buf
-        r0, r1, t = ctx.row0, ctx.row0 + ctx.n, ctx.span
-        self._fetched = k_buf[r0:r1, :, :t], v_buf[r0:r1, :, :t]
+        rows = (slice(ctx.row0, ctx.row0 + ctx.n), slice(None), slice(None, ctx.span))
+        self._fetched = fmt.fetched(slice_kv(k_buf, rows)), fmt.fetched(slice_kv(v_buf, rows))
         return self._fetched
 
-    def keys_and_values(self) -> tuple[mx.array, mx.array]:
+    def keys_and_values(self) -> tuple[KV, KV]:
         """What the last update_and_fetch returned (gemma3n's and afm7's KV-sharing layers read
         the owner layer's cache so)."""
         if self._fetched is None:
@@ -334,7 +347,15 @@ class RowsView(LayerView):
         return ctx.mask(window_size)
 
     @property
-    def state(self) -> tuple[mx.array, mx.array]:
+    def state(self) -> tuple[KV, KV]:
         ctx, i = self._ctx, self._layer
-        r0, r1 = ctx.row0, ctx.row0 + ctx.n
-        return self._live.keys[i][r0:r1, :, :ctx.span], self._live.values[i][r0:r1, :, :ctx.span]
+        rows = (slice(ctx.row0, ctx.row0 + ctx.n), slice(None), slice(None, ctx.span))
+        return slice_kv(self._live.keys[i], rows), slice_kv(self._live.values[i], rows)
+
+
+def scatter_kv(buf: KV, new: KV, where: tuple[mx.array, mx.array, mx.array], one_token: bool) -> KV:
+    """Store the new K or V [rows, heads, L, width] (each stored part) at `where` (write_index)."""
+    if isinstance(buf, tuple):
+        return tuple(scatter_kv(b, n, where, one_token) for b, n in zip(buf, new))
+    buf[where] = new[:, :, 0, :] if one_token else new.transpose(0, 2, 1, 3)
+    return buf

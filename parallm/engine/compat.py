@@ -33,6 +33,7 @@ import mlx.nn as nn
 from ..models.refused import REFUSED_MODEL_TYPES, refusal_for_type  # noqa: F401 - this module's face too
 from .cache import LayerShape, LiveKV, PassContext
 from .families import KV_STAND_INS, adapt
+from .kv_format import KVFormat
 from .state import ListView, SlotLayout, StateShape
 
 # Attention written by hand with the GQA heads split into their own axis, so the mask needs an
@@ -267,10 +268,10 @@ def _batch_noise(model: nn.Module, info: ModelInfo, prompt: list[int], nxt: int,
 
 
 def _two_row_passes(model: nn.Module, info: ModelInfo, prompts: list[list[int]], nxt: list[int],
-                    padded: bool = True) -> tuple[list[mx.array], list[mx.array]]:
+                    padded: bool = True, kv_format: KVFormat | None = None) -> tuple[list[mx.array], list[mx.array]]:
     """Each row's last prefill logits and its logits for `nxt`, through the engine's views: both prompts
     in one right-padded pass (`padded`; else each in a pass of its own row), then one decode pass."""
-    live = LiveKV(info.shapes, info.dtype, info.layout)
+    live = LiveKV(info.shapes, info.dtype, info.layout, kv_format)
     live.resize(2, 16)
     L = max(map(len, prompts))
     if padded:
@@ -321,3 +322,36 @@ def check_batched_rows(model: nn.Module, info: ModelInfo, *, padded: bool = True
                 raise UnsupportedModel(f"model type {info.model_type!r} is not served: {why} (batched rows of "
                                        f"different lengths give other logits than each sequence alone: {what}, "
                                        f"row {row}, max difference {diff:.3g})")
+
+
+def kv_format_for(model: nn.Module, info: ModelInfo, bits: int, group_size: int) -> KVFormat:
+    """The KV format of `kv.bits` for this model: for quantized K/V, how its attention reads them
+    (kv_format.py): through the quantized matmuls where its forward runs on them and gives the logits
+    it gives on the same K/V dequantized, else dequantized. ValueError naming the flag when the heads
+    do not split into groups; UnsupportedModel when the model runs on neither."""
+    fmt = KVFormat(info.dtype, bits, group_size)
+    if not bits:
+        return fmt
+    fmt.check(info.shapes)
+    ids = max(1, min(50, _vocab_size(model) - 1))
+    prompts = [[(5 + 11 * j) % ids + 1 for j in range(6)], [(2 + 17 * j) % ids + 1 for j in range(9)]]
+    nxt = [13 % ids + 1, 19 % ids + 1]
+    got: dict[str, list[mx.array]] = {}
+    failed = ""
+    for read in ("matmul", "dequantize"):
+        try:
+            pre, dec = _two_row_passes(model, info, prompts, nxt, kv_format=dataclasses.replace(fmt, read=read))
+            got[read] = [x.astype(mx.float32) for x in pre + dec]
+            mx.eval(got[read])
+        except Exception as e:  # noqa: BLE001 - attention written by hand reads K/V as arrays
+            failed = f"{type(e).__name__}: {e}"
+    if "dequantize" not in got:
+        raise UnsupportedModel(f"--kv.bits {bits}: model type {info.model_type!r} does not run on quantized K/V "
+                               f"({failed}); serve it with --kv.bits 0")
+    if "matmul" in got:
+        tol = 1e-3 if info.dtype == mx.float32 else 3e-2
+        diff = max(mx.abs(a - b).max().item() / max(1.0, mx.abs(b).max().item())
+                   for a, b in zip(got["matmul"], got["dequantize"]))
+        if diff <= tol:
+            return dataclasses.replace(fmt, read="matmul")
+    return dataclasses.replace(fmt, read="dequantize")

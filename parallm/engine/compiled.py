@@ -48,6 +48,7 @@ from mlx.utils import tree_flatten, tree_unflatten
 from parallm.adapters.lora import LoRARouter
 
 from .cache import WriteIndex
+from .kv_format import KV, KVFormat, mark, slice_kv
 from .compiled_lora import AdaptedLayers, Captured, capture, rebuild
 from .plan import power_of_two_bucket
 
@@ -74,9 +75,10 @@ class StaticRowsView:
     """One layer's cache in a compiled pass over rows [0, B) of the live buffers: row r stores its
     token at offsets[r] (a padded row repeats row n-1's store) and attends over [0, T)."""
 
-    def __init__(self, keys: mx.array, values: mx.array, pass_: "_PassInputs") -> None:
+    def __init__(self, keys: KV, values: KV, pass_: "_PassInputs") -> None:
         self.keys, self.values, self._pass = keys, values, pass_
-        self._fetched: tuple[mx.array, mx.array] | None = None
+        self._fetched: tuple[KV, KV] | None = None
+        mark(self, pass_.kv_format)
 
     def __bool__(self) -> bool:
         return True
@@ -88,16 +90,18 @@ class StaticRowsView:
     def is_trimmable(self) -> bool:
         return False
 
-    def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
+    def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[KV, KV]:
         p = self._pass
         if keys.shape[0] != p.rows or keys.shape[2] != 1:
             raise ValueError(f"compiled decode view expected [{p.rows}, heads, 1, dim] keys, got {keys.shape}")
-        self.keys = _store(self.keys, keys, p)
-        self.values = _store(self.values, values, p)
-        self._fetched = self.keys[:p.rows, :, :p.span], self.values[:p.rows, :, :p.span]
+        fmt = p.kv_format
+        self.keys = _store(self.keys, fmt.encode(keys), p)
+        self.values = _store(self.values, fmt.encode(values), p)
+        rows = (slice(0, p.rows), slice(None), slice(None, p.span))
+        self._fetched = fmt.fetched(slice_kv(self.keys, rows)), fmt.fetched(slice_kv(self.values, rows))
         return self._fetched
 
-    def keys_and_values(self) -> tuple[mx.array, mx.array]:
+    def keys_and_values(self) -> tuple[KV, KV]:
         if self._fetched is None:
             raise ValueError("keys_and_values() before this pass stored any keys")
         return self._fetched
@@ -108,20 +112,29 @@ class StaticRowsView:
         return self._pass.mask(window_size)
 
     @property
-    def state(self) -> tuple[mx.array, mx.array]:
+    def state(self) -> tuple[KV, KV]:
         return self.keys, self.values
 
 
-def _store(buf: mx.array, new: mx.array, p: "_PassInputs") -> mx.array:
-    buf[p.write_index(new.shape[1])] = new[:, :, 0, :][p.src]  # [B, heads, dim]; a padded row repeats row n-1
+def _stored(out: list) -> list[KV]:
+    """A compiled pass's returned buffers as the live KV keeps them (a quantized layer's parts as a tuple)."""
+    return [tuple(kv) if isinstance(kv, (list, tuple)) else kv for kv in out]
+
+
+def _store(buf: KV, new: KV, p: "_PassInputs") -> KV:
+    """The new token's K or V [B, heads, 1, width] (each stored part) into the buffer at each row's offset."""
+    if isinstance(buf, tuple):
+        return tuple(_store(b, n, p) for b, n in zip(buf, new))
+    buf[p.write_index(new.shape[1])] = new[:, :, 0, :][p.src]  # [B, heads, width]; a padded row repeats row n-1
     return buf
 
 
 class _PassInputs:
     """The traced per-pass inputs the layer views share (tracers inside the compiled function)."""
 
-    def __init__(self, offsets: mx.array, src: mx.array, span: int, mask5d: bool) -> None:
+    def __init__(self, offsets: mx.array, src: mx.array, span: int, mask5d: bool, kv_format: KVFormat) -> None:
         self.offsets, self.src, self.span, self.mask5d = offsets, src, span, mask5d
+        self.kv_format = kv_format
         self.rows = int(src.shape[0])  # B
         self._masks: dict[int | None, mx.array] = {}
         self.write_index = WriteIndex(src, offsets)  # a padded row repeats row n-1's (row, position)
@@ -191,7 +204,7 @@ class CompiledDecode:
                 self.counts["eager_adapter"] += 1
                 return None
         signature, lora_arrays = captured
-        fn, fresh = self._trace(live, B, T, signature)
+        fn, fresh = self._trace(live, B, T, signature, live.format)
         saved = tree_flatten(self.model) if fresh else None  # a failed trace leaves its tracers in the model
         if pad:
             tokens = mx.concatenate([tokens.astype(mx.int32), mx.zeros((pad,), mx.int32)])
@@ -208,14 +221,14 @@ class CompiledDecode:
             log.warning("compiled decode disabled: the model's decode pass did not trace (%s: %s)",
                         type(exc).__name__, exc)
             return None
-        live.keys, live.values = list(keys), list(values)
+        live.keys, live.values = _stored(keys), _stored(values)
         self.counts["compiled"] += 1
         for name, happened in (("padded", pad), ("adapter", adapted)):
             if happened:
                 self.counts[name] += 1
         return logits[:n] if pad else logits
 
-    def _trace(self, live: Any, B: int, T: int, signature: tuple) -> tuple[Callable, bool]:
+    def _trace(self, live: Any, B: int, T: int, signature: tuple, kv_format: KVFormat) -> tuple[Callable, bool]:
         """The compiled pass of this key, and whether it is new (traced on this call); at most
         MAX_TRACES kept. MLX does not put the model's own arrays back when a trace raises, so the
         caller saves them around a new one (a trace MLX redoes inside a kept function, for a model
@@ -225,19 +238,19 @@ class CompiledDecode:
         if fn is not None:
             self._fns.move_to_end(key)
             return fn, False
-        fn = self._fns[key] = mx.compile(self._pass_fn(T, signature), inputs=self.model)
+        fn = self._fns[key] = mx.compile(self._pass_fn(T, signature, kv_format), inputs=self.model)
         self.counts["traces"] += 1
         while len(self._fns) > MAX_TRACES:
             self._fns.popitem(last=False)
             self.counts["evicted"] += 1
         return fn, True
 
-    def _pass_fn(self, span: int, signature: tuple) -> Callable:
+    def _pass_fn(self, span: int, signature: tuple, kv_format: KVFormat) -> Callable:
         """A new function object per trace key (mx.compile caches by function, so dropping one frees its traces)."""
         call_model, mask5d, router = self.call_model, self.mask5d, self.router
 
         def decode_pass(tokens: mx.array, offsets: mx.array, src: mx.array, keys: list, values: list, lora: list):
-            p = _PassInputs(offsets, src, span, mask5d)
+            p = _PassInputs(offsets, src, span, mask5d, kv_format)
             views = [StaticRowsView(k, v, p) for k, v in zip(keys, values)]
             if router is not None:
                 router.plan = rebuild(signature, lora)

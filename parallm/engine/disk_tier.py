@@ -100,7 +100,7 @@ class DiskTier:
         return True
 
     def get(self, block_hash: int, token_ids: tuple[int, ...],
-            itemsize: int) -> tuple[BlockHeader, list[np.ndarray]] | None:
+            itemsize: int | list[int]) -> tuple[BlockHeader, list[np.ndarray]] | None:
         """The block's header and arrays (uint8, one per layer's K then V) read back and verified, or
         None: not on disk (a miss), or torn/corrupt/another block (deleted and counted)."""
         if not self.contains(block_hash):

@@ -25,7 +25,7 @@ from .blocks import BlockManager
 from .constraints import Constraints, GrammarError, tokenizer_from_file
 from .counters import StepCounters
 from .think_gate import thinking_from_file
-from .compat import check_model
+from .compat import check_model, kv_format_for
 from .faults import PassState, log, prefill_passes
 from .memory import (auto_kv_budget_bytes, bound_cuda_cache, fit_state_rows, limit_buffer_cache, set_wired_limit,
                      split_kv_budget, weight_bytes)
@@ -83,7 +83,8 @@ class Engine(EngineReport):
             settings = msgspec.structs.replace(settings, max_num_seqs=fit_state_rows(
                 self.kv_budget_bytes, info.layout.state_bytes_per_row, settings.max_num_seqs))
         bs = settings.block_size
-        live_tokens, pool_blocks = split_kv_budget(self.kv_budget_bytes, info.kv_bytes_per_token,
+        self.kv_format = kv_format_for(self.model, info, config.kv.bits, config.kv.group_size)  # kv.bits: kv_format.py
+        live_tokens, pool_blocks = split_kv_budget(self.kv_budget_bytes, self.kv_format.bytes_per_token(info.shapes),
                                                    info.state_bytes_per_row, settings)
         merge_mb = config.adapters.merge_mb
         self.adapter_settings = msgspec.structs.replace(
@@ -100,7 +101,8 @@ class Engine(EngineReport):
                                   fast_math=bool(settings.fast_math), compiled_decode=settings.compiled_decode,
                                   in_place_kv_mb=settings.in_place_kv_mb,
                                   unfused_prefill_keys=settings.unfused_prefill_keys,
-                                  unfused_decode=settings.unfused_decode, vision=self.vision)
+                                  unfused_decode=settings.unfused_decode, vision=self.vision,
+                                  kv_format=self.kv_format)
         resolved: dict = {"kv_budget_mb": self.kv_budget_bytes / (1 << 20)}
         if settings.buffer_cache_mb is None and (cap := bound_cuda_cache(self.kv_budget_bytes,
                                                                          weight_bytes(self.model))) is not None:
@@ -124,7 +126,7 @@ class Engine(EngineReport):
             if settings.tensor_parallel > 1:
                 log.warning("kv.disk_dir is ignored with engine.tensor_parallel > 1 (each rank holds a shard)")
             else:
-                self.disk_tier = open_disk_tier(config.kv, config.model.path, self.model, info.dtype, info.shapes,
+                self.disk_tier = open_disk_tier(config.kv, config.model.path, self.model, self.kv_format, info.shapes,
                                                 bs, self.runner, self.blocks)
         self.constraints = Constraints(self.vocab_size, self.eos_token_ids, lambda: tokenizer_from_file(
             _model_dir(config) / "tokenizer.json", self.vocab_size, self.eos_token_ids),

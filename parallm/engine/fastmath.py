@@ -16,8 +16,9 @@ SwiGLU 6.1 -> 1.4 ms for 225 x 1536, 0.44 -> 0.12 ms for
 The fast functions replace mlx-lm's `swiglu` and `scaled_dot_product_attention` in the model's
 own module only while `FastMath` is entered (the engine enters it around its passes), so any
 other use of mlx-lm in the process (mlx_lm.generate, a trainer's loss) keeps the stock kernels.
-They take float32 only; every other case (half precision, attention sinks, a quantized KV cache)
-goes to the stock function. Likewise the model's rotate-half RoPE modules are stood in for by
+They take float32 only; every other case (half precision, attention sinks) goes to the stock
+function. Quantized K/V (kv.bits, a cache with `bits`) get the same attention with MLX's quantized
+matmuls in place of the two products (the stock quantized attention's softmax is libm's exp). Likewise the model's rotate-half RoPE modules are stood in for by
 `FastRoPE` (see `RopeTables`), and the attention runs packed passes (packed.PackedContext), which
 only these functions understand.
 """
@@ -96,14 +97,15 @@ def scaled_dot_product_attention(queries: mx.array, keys: mx.array, values: mx.a
         if sinks is not None or queries.dtype != mx.float32:
             raise ValueError("packed passes take float32 attention without sinks")
         return cache.packed.attend(queries, keys, values, scale, mask.window, scaled_dot_product_attention)
-    if sinks is not None or hasattr(cache, "bits") or queries.dtype != mx.float32:
+    if sinks is not None or queries.dtype != mx.float32:
         return _stock_sdpa(queries, keys, values, cache, scale, mask, sinks)
-    scores, boolean = _grouped_scores(queries, keys, scale, mask)
+    quant = (cache.group_size, cache.bits) if hasattr(cache, "bits") else None  # keys/values: mx.quantize's parts
+    scores, boolean = _grouped_scores(queries, keys, scale, mask, quant)
     frac, bits = _exp_parts_shifted(scores, scores.max(-1, keepdims=True))
     scale_bits = bits.view(mx.float32)
     weights = _masked_weights(frac, scale_bits, boolean) if boolean is not None else frac * scale_bits
     weights = weights / weights.sum(-1, keepdims=True)
-    return _attend_values(weights, values, queries.shape)
+    return _attend_values(weights, values, queries.shape, quant)
 
 
 def unfused_sdpa(queries: mx.array, keys: mx.array, values: mx.array, scale: float, mask: Any) -> mx.array:
@@ -114,16 +116,23 @@ def unfused_sdpa(queries: mx.array, keys: mx.array, values: mx.array, scale: flo
     return _attend_values(mx.softmax(scores, axis=-1, precise=True), values, queries.shape)
 
 
-def _grouped_scores(queries: mx.array, keys: mx.array, scale: float, mask: Any) -> tuple[mx.array, mx.array | None]:
+def _grouped_scores(queries: mx.array, keys: Any, scale: float, mask: Any,
+                    quant: tuple[int, int] | None = None) -> tuple[mx.array, mx.array | None]:
     """Masked scores [B, kv_heads, rep, L, T] of queries [B, heads, L, dim] against keys [B,
-    kv_heads, T, dim], and the boolean mask (None when there is none or it is additive)."""
+    kv_heads, T, dim] (with `quant`, (group size, bits): mx.quantize's parts of them), and the boolean
+    mask (None when there is none or it is additive)."""
     B, H, L, D = queries.shape
-    kv_heads, T = keys.shape[1], keys.shape[2]
+    first = keys[0] if quant else keys
+    kv_heads, T = first.shape[1], first.shape[2]
     rep = H // kv_heads
     # the query heads sharing a kv head are stacked as rows of one matmul against it (no
     # broadcast of K or V), then viewed [B, kv_heads, rep, L, T] for the mask
     q = (queries * scale).reshape(B, kv_heads, rep * L, D)
-    scores = (q @ keys.swapaxes(-1, -2)).reshape(B, kv_heads, rep, L, T)
+    if quant:
+        products = mx.quantized_matmul(q, *keys, transpose=True, group_size=quant[0], bits=quant[1])
+    else:
+        products = q @ keys.swapaxes(-1, -2)
+    scores = products.reshape(B, kv_heads, rep, L, T)
     if isinstance(mask, str):
         if mask != "causal":
             raise ValueError(f"unknown attention mask {mask!r}")
@@ -141,10 +150,17 @@ def _grouped_scores(queries: mx.array, keys: mx.array, scale: float, mask: Any) 
     return scores, boolean
 
 
-def _attend_values(weights: mx.array, values: mx.array, shape: tuple[int, ...]) -> mx.array:
+def _attend_values(weights: mx.array, values: Any, shape: tuple[int, ...],
+                   quant: tuple[int, int] | None = None) -> mx.array:
     B, H, L, _ = shape
-    kv_heads, T = values.shape[1], values.shape[2]
-    return (weights.reshape(B, kv_heads, (H // kv_heads) * L, T) @ values).reshape(B, H, L, -1)
+    first = values[0] if quant else values
+    kv_heads, T = first.shape[1], first.shape[2]
+    w = weights.reshape(B, kv_heads, (H // kv_heads) * L, T)
+    if quant:
+        out = mx.quantized_matmul(w, *values, transpose=False, group_size=quant[0], bits=quant[1])
+    else:
+        out = w @ values
+    return out.reshape(B, H, L, -1)
 
 
 @partial(mx.compile, shapeless=True)

@@ -32,8 +32,8 @@ class BlockHeader(msgspec.Struct, frozen=True, array_like=True):
     fingerprint: str
     block_hash: int
     token_ids: list[int]
-    dtype: str                      # the KV arrays' dtype (an mx.Dtype's name)
-    shapes: list[tuple[int, ...]]   # per layer, K then V: [heads, block_size, dim]
+    dtype: str                      # the KV's dtype (an mx.Dtype's name; quantized: plus /q<bits>g<group size>)
+    shapes: list[tuple[int, ...]]   # per stored array (K of each layer, then V): [heads, block_size, width]
 
 
 class CorruptBlock(ValueError):
@@ -52,9 +52,10 @@ def encode_block(header: BlockHeader, arrays: list[bytes]) -> bytes:
 
 
 def decode_block(data: bytes, fingerprint: str, block_hash: int, token_ids: tuple[int, ...] | None = None,
-                 itemsize: int | None = None) -> tuple[BlockHeader, list[np.ndarray]]:
+                 itemsize: int | list[int] | None = None) -> tuple[BlockHeader, list[np.ndarray]]:
     """The header and the per-array uint8 views of a block file's bytes; CorruptBlock if the file is
-    torn or corrupt, or is another block (fingerprint, hash or, when given, tokens differ)."""
+    torn or corrupt, or is another block (fingerprint, hash or, when given, tokens differ). `itemsize`:
+    the arrays' element size, one for all or one per array (quantized K/V mix uint32 and float parts)."""
     if len(data) < len(MAGIC) + 2 * _LEN.size or data[:len(MAGIC)] != MAGIC:
         raise CorruptBlock("not a block file (bad magic or too short)")
     body, (crc,) = data[:-_LEN.size], _LEN.unpack(data[-_LEN.size:])
@@ -71,8 +72,10 @@ def decode_block(data: bytes, fingerprint: str, block_hash: int, token_ids: tupl
     if token_ids is not None and tuple(header.token_ids) != tuple(token_ids):
         raise CorruptBlock("another block (token ids differ)")
     payload = memoryview(body)[start + head_len:]
-    size = itemsize or 1
-    sizes = [int(np.prod(shape)) * size for shape in header.shapes]
+    sizes_of = itemsize if isinstance(itemsize, list) else [itemsize or 1] * len(header.shapes)
+    if len(sizes_of) != len(header.shapes):
+        raise CorruptBlock(f"the file holds {len(header.shapes)} arrays, the tier's format {len(sizes_of)}")
+    sizes = [int(np.prod(shape)) * size for shape, size in zip(header.shapes, sizes_of)]
     if itemsize is not None and sum(sizes) != len(payload):
         raise CorruptBlock(f"payload is {len(payload)} bytes, the shapes want {sum(sizes)}")
     out, at = [], 0

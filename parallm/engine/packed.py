@@ -11,7 +11,8 @@ from typing import Any
 
 import mlx.core as mx
 
-from .cache import LayerView, LiveKV, PassContext, WriteIndex
+from .cache import LayerView, LiveKV, PassContext, WriteIndex, scatter_kv
+from .kv_format import KV, KVFormat, slice_kv
 
 
 class TokenPositions:
@@ -56,6 +57,7 @@ class PackedContext:
         self.rows = mx.array(rows, dtype=mx.int32)
         self.positions = TokenPositions(mx.array(pos, dtype=mx.int32))
         self.write_index = WriteIndex(self.rows, self.positions.positions)  # each token's K/V, per head count
+        self.kv_format: KVFormat | None = None  # the live KV's, set by views()
         if not self.uniform:
             # prompt token j of prefill row i sits at packed index first[i] + j; a padded
             # [k, L] view repeats each row's last token past its end (those outputs are dropped)
@@ -68,12 +70,17 @@ class PackedContext:
         """One view per layer of `live` for this pass (LiveKV.views)."""
         if live.layout:
             raise ValueError("a model with recurrent state cannot run packed passes")
+        if live.format.quantized and not live.format.marks_cache:
+            raise ValueError("packed passes read quantized K/V through the quantized matmuls only")
+        self.kv_format = live.format
         return [PackedView(live, i, self) for i in range(len(live.shapes))]
 
-    def attend(self, queries: mx.array, keys: mx.array, values: mx.array, scale: float, window: int | None,
+    def attend(self, queries: mx.array, keys: KV, values: KV, scale: float, window: int | None,
                sdpa: Any) -> mx.array:
         """Attention of the packed queries [1, heads, N, dim] over the live K/V buffers, with
-        `sdpa(q, k, v, cache, scale, mask)` for [rows, heads, L, dim] queries."""
+        `sdpa(q, k, v, cache, scale, mask)` for [rows, heads, L, dim] queries (quantized K/V: its `cache`
+        is the KV format, whose `bits` and `group_size` switch it to the quantized matmuls)."""
+        cache = self.kv_format if isinstance(keys, tuple) else None
         q = queries[0]
         H, _, D = q.shape
         outs = []
@@ -81,15 +88,16 @@ class PackedContext:
             ctx, n = self.decode, self.n_dec
             mask = None if ctx.unmasked and (window is None or ctx.span <= window) else ctx.mask(window)
             qd = q[:, :n].transpose(1, 0, 2)[:, :, None]
-            od = sdpa(qd, keys[:n, :, :ctx.span], values[:n, :, :ctx.span], None, scale, mask)
+            rows = (slice(0, n), slice(None), slice(None, ctx.span))
+            od = sdpa(qd, slice_kv(keys, rows), slice_kv(values, rows), cache, scale, mask)
             outs.append(od[:, :, 0].transpose(1, 0, 2))
         ctx, k, L = self.prefill, len(self.lengths), self.prefill.length
         qp = q[:, self.n_dec:]
         if not self.uniform:
             qp = qp[:, self.pad_index]
         qp = qp.reshape(H, k, L, D).transpose(1, 0, 2, 3)
-        r0, r1 = ctx.row0, ctx.row0 + k
-        op = sdpa(qp, keys[r0:r1, :, :ctx.span], values[r0:r1, :, :ctx.span], None, scale, ctx.mask(window))
+        rows = (slice(ctx.row0, ctx.row0 + k), slice(None), slice(None, ctx.span))
+        op = sdpa(qp, slice_kv(keys, rows), slice_kv(values, rows), cache, scale, ctx.mask(window))
         op = op.transpose(1, 0, 2, 3).reshape(H, k * L, -1)
         if not self.uniform:
             op = op[:, self.unpad_index]
@@ -109,14 +117,13 @@ class PackedView(LayerView):
     def offset(self) -> TokenPositions:
         return self.packed.positions
 
-    def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
+    def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[KV, KV]:
         ctx, live, i = self.packed, self._live, self._layer
         if keys.shape[0] != 1 or keys.shape[2] != ctx.size:
             raise ValueError(f"packed cache view expected [1, heads, {ctx.size}, dim] keys, got {keys.shape}")
-        k_buf, v_buf = live.keys[i], live.values[i]
-        where = ctx.write_index(keys.shape[1])
-        k_buf[where] = keys[0].transpose(1, 0, 2)
-        v_buf[where] = values[0].transpose(1, 0, 2)
+        where = ctx.write_index(keys.shape[1])  # [N, heads] indices: the pass's tokens as rows of one token
+        k_buf = scatter_kv(live.keys[i], _as_rows(live.format.encode(keys)), where, True)
+        v_buf = scatter_kv(live.values[i], _as_rows(live.format.encode(values)), where, True)
         live.keys[i], live.values[i] = k_buf, v_buf
         return k_buf, v_buf
 
@@ -126,5 +133,12 @@ class PackedView(LayerView):
         return PackedMask(window_size)
 
     @property
-    def state(self) -> tuple[mx.array, mx.array]:
+    def state(self) -> tuple[KV, KV]:
         return self._live.keys[self._layer], self._live.values[self._layer]
+
+
+def _as_rows(kv: KV) -> KV:
+    """[1, heads, N, width] -> [N, heads, 1, width] (each stored part)."""
+    if isinstance(kv, tuple):
+        return tuple(_as_rows(a) for a in kv)
+    return kv[0].transpose(1, 0, 2)[:, :, None]

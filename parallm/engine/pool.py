@@ -1,22 +1,26 @@
 """The prefix cache's physical storage: per layer, K and V blocks of block_size tokens that live
-rows copy into (write-backs) and out of (prefix loads)."""
+rows copy into (write-backs) and out of (prefix loads), in the live KV's format (kv_format.py:
+quantized K/V are stored as they are, so a prefix hit is never re-quantized)."""
 
 from __future__ import annotations
 
 import mlx.core as mx
 
 from .cache import LayerShape
+from .kv_format import KVFormat, parts
 
 
 class KVPool:
-    """Physical storage of prefix-cache blocks: per layer [num_blocks, heads, block_size, dim]."""
+    """Physical storage of prefix-cache blocks: per stored array [num_blocks, heads, block_size, width]."""
 
-    def __init__(self, shapes: list[LayerShape], dtype: mx.Dtype, num_blocks: int, block_size: int) -> None:
+    def __init__(self, shapes: list[LayerShape], dtype: mx.Dtype, num_blocks: int, block_size: int,
+                 kv_format: KVFormat | None = None) -> None:
         self.shapes = shapes
         self.dtype = dtype
+        self.format = kv_format or KVFormat(dtype)
         self.num_blocks = num_blocks
         self.block_size = block_size
-        self.arrays: list[mx.array] = []  # K of every layer, then V
+        self.arrays: list[mx.array] = []  # K of every layer (its parts, when quantized), then V
 
     def allocate(self) -> None:
         """Commit the pool's memory now (zero-filling GBs takes a while: do it at start-up)."""
@@ -24,19 +28,24 @@ class KVPool:
 
     @property
     def nbytes(self) -> int:
-        return self.num_blocks * self.block_size * sum(s.elems_per_token for s in self.shapes) * self.dtype.size
+        return self.num_blocks * self.block_size * self.format.bytes_per_token(self.shapes)
+
+    def block_specs(self) -> list[tuple[tuple[int, int, int], mx.Dtype]]:
+        """(shape [heads, block_size, width], dtype) of one block's part of each stored array, in order."""
+        heads_dims = [(s.k_heads, s.k_dim) for s in self.shapes] + [(s.v_heads, s.v_dim) for s in self.shapes]
+        return [((h, self.block_size, w), dt) for h, d in heads_dims for w, dt in self.format.widths(d)]
 
     def _ensure(self) -> None:
         if self.arrays or not self.num_blocks:
             return
-        bs = self.block_size
-        ks = [mx.zeros((self.num_blocks, s.k_heads, bs, s.k_dim), self.dtype) for s in self.shapes]
-        vs = [mx.zeros((self.num_blocks, s.v_heads, bs, s.v_dim), self.dtype) for s in self.shapes]
+        bs, fmt = self.block_size, self.format
+        ks = [a for s in self.shapes for a in parts(fmt.zeros((self.num_blocks, s.k_heads, bs), s.k_dim))]
+        vs = [a for s in self.shapes for a in parts(fmt.zeros((self.num_blocks, s.v_heads, bs), s.v_dim))]
         self.arrays = ks + vs
         mx.eval(self.arrays)
 
     def write(self, block_ids: list[int], data: list[mx.array]) -> None:
-        """Blocks := data (per layer, K then V: [heads, n * block_size, dim], already materialized)."""
+        """Blocks := data (per stored array: [heads, n * block_size, width], already materialized)."""
         self._ensure()
         ids = mx.array(block_ids, dtype=mx.int32)
         n, bs = len(block_ids), self.block_size
@@ -48,7 +57,7 @@ class KVPool:
         self.arrays = out
 
     def read_many(self, groups: list[list[int]]) -> list[list[mx.array]]:
-        """Per group of blocks, [heads, n * block_size, dim] per layer (K then V) of those blocks in
+        """Per group of blocks, [heads, n * block_size, width] per stored array of those blocks in
         order, all materialized in one evaluation."""
         self._ensure()
         bs = self.block_size

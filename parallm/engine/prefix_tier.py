@@ -30,6 +30,7 @@ from parallm.protocol import KVDiskStats
 
 from .blocks import BlockManager, block_hash
 from .cache import LayerShape
+from .kv_format import KVFormat
 from .disk_tier import DiskTier
 from .kv_files import BlockHeader
 from .plan import RowOp, WriteBack
@@ -41,10 +42,11 @@ Policy = Literal["evict_only", "write_through"]
 
 
 def fingerprint(model_path: str, model: nn.Module, dtype: mx.Dtype, shapes: Sequence[LayerShape],
-                block_size: int, kv_bits: int = 0) -> str:
+                block_size: int, kv_bits: int = 0, group_size: int = 0) -> str:
     """What a block file's KV depends on besides its tokens: the model (its path as configured, and
     every parameter's name, shape, dtype and first values: retrained weights at the same path, or
-    models built in memory, differ), the KV dtype and bits, the layer shapes and the block size."""
+    models built in memory, differ), the KV dtype, bits and group size (kv.bits, kv.group_size), the
+    layer shapes and the block size."""
     h = hashlib.blake2b(digest_size=12)
     h.update(model_path.encode())
     for name, param in sorted(tree_flatten(model.parameters()), key=lambda kv: kv[0]):
@@ -52,14 +54,15 @@ def fingerprint(model_path: str, model: nn.Module, dtype: mx.Dtype, shapes: Sequ
         h.update(f"{name}{param.shape}{param.dtype}".encode())
         h.update(np.array(sample.view(mx.uint8) if sample.dtype == mx.bfloat16 else sample).tobytes())
     layout = [(s.k_heads, s.k_dim, s.v_heads, s.v_dim) for s in shapes]
-    h.update(f"{dtype}|{kv_bits}|{block_size}|{layout}".encode())
+    quantized = f"|g{group_size}" if kv_bits else ""  # unquantized: the fingerprint of files written before kv.bits
+    h.update(f"{dtype}|{kv_bits}|{block_size}|{layout}{quantized}".encode())
     return h.hexdigest()
 
 
-def open_disk_tier(config: KVConfig, model_path: str, model: nn.Module, dtype: mx.Dtype,
+def open_disk_tier(config: KVConfig, model_path: str, model: nn.Module, kv_format: KVFormat,
                    shapes: Sequence[LayerShape], block_size: int, runner, blocks: BlockManager) -> "PrefixDiskTier":
     """The disk tier of kv.disk_dir, attached to the prefix cache (`blocks`) and the runner's row ops."""
-    key = fingerprint(model_path, model, dtype, shapes, block_size, getattr(config, "bits", 0) or 0)
+    key = fingerprint(model_path, model, kv_format.dtype, shapes, block_size, kv_format.bits, kv_format.group_size)
     disk = DiskTier(config.disk_dir, key, max_bytes=int(config.disk_max_gb * (1 << 30)), ttl_s=config.disk_ttl_s,
                     queue_blocks=config.disk_queue_blocks)
     tier = PrefixDiskTier(disk, runner.pool, config.disk_policy)
@@ -78,10 +81,12 @@ class PrefixDiskTier:
         self.pool = pool
         self.policy = policy
         self.manager: BlockManager | None = None
-        self._itemsize = pool.dtype.size
-        self._dtype = str(pool.dtype)
-        self._shapes = [(s.k_heads, pool.block_size, s.k_dim) for s in pool.shapes] + \
-                       [(s.v_heads, pool.block_size, s.v_dim) for s in pool.shapes]
+        specs = pool.block_specs()  # one per stored array (a quantized K or V: values, scales, biases)
+        self._shapes = [shape for shape, _ in specs]
+        self._dtypes = [dt for _, dt in specs]
+        self._itemsizes = [dt.size for dt in self._dtypes]
+        fmt = pool.format
+        self._dtype = str(fmt.dtype) + (f"/q{fmt.bits}g{fmt.group_size}" if fmt.quantized else "")
         self._persistable: set[int] = set()            # hashes of resident blocks that may go to disk
         self._unwritten: dict[int, int] = {}            # block id -> hash whose KV has not reached the pool
         self._evicted: list[tuple[int, int, tuple[int, ...]]] = []  # (block id, hash, tokens) to save
@@ -124,7 +129,7 @@ class PrefixDiskTier:
         if adapter != "" or self.manager is None:
             return None
         key = block_hash(parent, tokens, adapter)
-        got = self.disk.get(key, tokens, self._itemsize)
+        got = self.disk.get(key, tokens, self._itemsizes)
         if got is None:
             return None
         header, arrays = got
@@ -134,8 +139,7 @@ class PrefixDiskTier:
         if block_id is None:
             return None
         self._save_evicted()  # the block taken may hold KV still to be saved
-        dtype = self.pool.dtype
-        data = [mx.array(a).view(dtype).reshape(shape) for a, shape in zip(arrays, self._shapes)]
+        data = [mx.array(a).view(dt).reshape(shape) for a, dt, shape in zip(arrays, self._dtypes, self._shapes)]
         self.pool.write([block_id], data)
         self._persistable.add(key)
         self._unwritten.pop(block_id, None)

@@ -17,6 +17,7 @@ from .compiled import CompiledDecode
 from .fastmath import FastMath
 from .head import OutputHead
 from .images import prefill_embeddings
+from .kv_format import KVFormat
 from .packed import PackedContext, PackedView
 from .plan import PrefillWork, RowOp
 from .pool import KVPool
@@ -79,7 +80,8 @@ class ModelRunner:
     def __init__(self, model: nn.Module, info: ModelInfo, *, vocab_size: int, pool_blocks: int, block_size: int,
                  eos_ids: Iterable[int] = (), lora: LoRARouter | None = None, compile: bool = True,
                  fast_math: bool = False, compiled_decode: bool = False, in_place_kv_mb: float = -1,
-                 unfused_prefill_keys: int = 0, unfused_decode: bool = False, vision: Any = None) -> None:
+                 unfused_prefill_keys: int = 0, unfused_decode: bool = False, vision: Any = None,
+                 kv_format: KVFormat | None = None) -> None:
         """`eos_ids`: the tokens `min_tokens` masks until reached (with each request's stop ids);
         `lora`: the router that tells the adapted layers which adapter each row of a pass uses;
         `compiled_decode`: pure-decode passes under mx.compile where they fit (compiled.py);
@@ -87,15 +89,17 @@ class ModelRunner:
         flight first (LiveKV.settle); negative: never; `unfused_prefill_keys`: prefill passes over at
         most this many keys attend without the fused kernel (fastmath.unfused_sdpa); `unfused_decode`:
         decode passes under a mask (rows at different lengths) do too; `vision`: a vision-language
-        model's encoder, whose features prefill puts at the image tokens (images.py)."""
+        model's encoder, whose features prefill puts at the image tokens (images.py); `kv_format`: how K/V
+        are stored (kv.bits, kv_format.py; the model's dtype by default)."""
         self.model = model
         self.vision = vision
         self.info = info
         self.vocab_size = vocab_size
         self.block_size = block_size
-        self.live = LiveKV(info.shapes, info.dtype, info.layout)
+        self.kv_format = kv_format or KVFormat(info.dtype)
+        self.live = LiveKV(info.shapes, info.dtype, info.layout, self.kv_format)
         self.live.settle_bytes = in_place_kv_mb * 2**20 if in_place_kv_mb >= 0 else None
-        self.pool = KVPool(info.shapes, info.dtype, pool_blocks, block_size)
+        self.pool = KVPool(info.shapes, info.dtype, pool_blocks, block_size, self.kv_format)
         self.penalties = PenaltyState(vocab_size)
         self.sampler = Sampler(vocab_size, compiled=compile)
         self._params_key: tuple | None = None
@@ -110,8 +114,10 @@ class ModelRunner:
         self.unfused_decode = self.fast_math is None and unfused_decode
         self.head = OutputHead(model)
         # recurrent state (a packed pass is one sequence: a scan would run across rows) or several
-        # caches per layer: no packed views; otherwise checked on first use (can_pack)
-        self._packing: bool | None = False if info.layout is not None else None
+        # caches per layer, or quantized K/V read dequantized (a packed pass reads the whole buffers):
+        # no packed views; otherwise checked on first use (can_pack)
+        dequantized = self.kv_format.quantized and not self.kv_format.marks_cache
+        self._packing: bool | None = False if info.layout is not None or dequantized else None
         self.constraints = None  # constraints.Constraints: the grammar masks of constrained rows
         self.compiled = (CompiledDecode(model, self.call_model, mask5d=info.mask5d, router=lora)
                          if compiled_decode else None)
@@ -366,7 +372,7 @@ class ModelRunner:
         def ids(n: int, seed: int) -> list[int]:
             return [(seed * 7919 + j * 104729) % vocab for j in range(n)]
 
-        scratch = LiveKV(self.info.shapes, self.info.dtype)
+        scratch = LiveKV(self.info.shapes, self.info.dtype, kv_format=self.kv_format)
         scratch.resize(4, 32)
         m5 = self.info.mask5d
         try:

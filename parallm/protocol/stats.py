@@ -191,7 +191,7 @@ class EngineStats(Struct, tag="engine", kw_only=True):
     weights_updates: int = 0
     recomputed_tokens: int = 0    # computed tokens preemptions threw away (recomputed when readmitted)
     oom_retries: int = 0          # allocations retried after freeing MLX's buffer cache (engine/memory.py)
-    kv_capacity_tokens: int = 0   # tokens the KV budget holds (live rows and prefix cache) at the KV dtype
+    kv_capacity_tokens: int = 0   # tokens the KV budget holds (live rows and prefix cache) at the KV dtype and bits
     kv_live_tokens: int = 0       # tokens running and prefilling sequences hold
     kv_waiting_tokens: int = 0    # tokens waiting sequences need
     kv_utilization: float = 0.0   # kv_live_tokens / live_token_slots

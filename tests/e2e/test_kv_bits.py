@@ -1,0 +1,61 @@
+"""Quantized KV on real servers (issue 41, `--kv.bits`), parallm-launch on the default model: at the
+same --engine.kv-budget-mb, /metrics' parallm_kv_capacity_tokens is >= 1.9x (8 bits) and >= 3.5x
+(4 bits) that of full-precision K/V, chat completions are served from the quantized rows and prefix
+pool, the engine's idle integrity check never failed; a group size the model's heads cannot take
+stops the server at start with a message naming the flag."""
+
+from __future__ import annotations
+
+import httpx
+import openai
+import pytest
+
+from .server import Server
+
+pytestmark = pytest.mark.slow  # three server starts (one refused): ~1 min on two cores
+
+BUDGET = ["--engine.kv-budget-mb", "64"]
+
+
+def capacity(server: Server) -> float:
+    for line in httpx.get(f"{server.url}/metrics", timeout=30).text.splitlines():
+        if line.startswith("parallm_kv_capacity_tokens "):
+            return float(line.split()[1])
+    raise AssertionError("no parallm_kv_capacity_tokens in /metrics")
+
+
+def chat_twice(server: Server) -> list[str]:
+    """The same greedy chat twice (the second hits the prefix cache's quantized blocks)."""
+    client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=300)
+    model = client.models.list().data[0].id
+    messages = [{"role": "user", "content": "Name three rivers of Europe and say one thing about each of them."}]
+    return [client.chat.completions.create(model=model, messages=messages, max_tokens=24, temperature=0.0)
+            .choices[0].message.content for _ in range(2)]
+
+
+def full_precision_capacity() -> int:
+    """What a server without --kv.bits holds at BUDGET: the default model's float32 K/V (as split_kv_budget
+    divides the budget; tests/test_engine_kv_bits.py compares engines of both kinds)."""
+    from parallm.engine.compat import check_model
+    from parallm.engine.kv_format import KVFormat
+    from tests._default_model import default_model
+
+    info = check_model(default_model())
+    return int(BUDGET[1]) * (1 << 20) // KVFormat(info.dtype).bytes_per_token(info.shapes)
+
+
+@pytest.mark.timeout(1200)  # two server starts with warm-up: minutes on a loaded 2-core machine
+def test_quantized_kv_holds_more_tokens_and_serves():
+    base = full_precision_capacity()
+    for bits, at_least in (("8", 1.9), ("4", 3.5)):
+        with Server(*BUDGET, "--kv.bits", bits) as server:
+            assert capacity(server) >= at_least * base, bits
+            first, second = chat_twice(server)
+            assert first and first == second
+            stats = server.engine_stats_after_idle_check()
+            assert stats.prefix_hit_tokens > 0 and stats.integrity_checks > 0 and stats.integrity_failures == 0
+
+
+def test_a_group_size_the_heads_cannot_take_stops_the_server_naming_the_flag():
+    with pytest.raises(RuntimeError, match=r"--kv.group-size 128 does not divide the model's K/V head dimension 64"):
+        Server(*BUDGET, "--kv.bits", "8", "--kv.group-size", "128").start()
