@@ -6,10 +6,10 @@ import numpy as np
 import pytest
 
 from _adapter_helpers import adapter_tensors, lora_model
-from _engine_helpers import greedy, make_engine, run_all, req, tiny_model
+from _engine_helpers import greedy, make_engine, run_all, req, tiny_model, wide_heads_model
 
 from parallm.adapters import save_bytes
-from parallm.config import SpecConfig
+from parallm.config import KVConfig, SpecConfig
 from parallm.engine.spec.control import SpecControl
 from parallm.engine.spec.ngram import NGramProposer
 from parallm.engine.sequence import Sequence
@@ -211,4 +211,14 @@ def test_default_model_greedy_identical_with_speculation_batched_with_staggered_
     for key in plain:
         assert spec[key]["tokens"] == plain[key]["tokens"], key
         np.testing.assert_allclose(spec[key]["logprobs"], plain[key]["logprobs"], atol=2e-3)
+    assert engine.stats().spec.accepted_tokens > 0
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+def test_speculation_over_quantized_kv_gives_the_same_tokens(bits):
+    """A verify pass writes k + 1 positions per row into the quantized rows (kv.bits) and a rollback
+    shrinks them, as with full-precision K/V: the tokens equal the same engine's without speculation."""
+    plain, spec, engine = both(lambda: wide_heads_model("llama"), staggered(lambda i: greedy(20 + 2 * i)),
+                               max_num_seqs=8, kv=KVConfig(bits=bits, group_size=32))
+    assert {k: v["tokens"] for k, v in spec.items()} == {k: v["tokens"] for k, v in plain.items()}
     assert engine.stats().spec.accepted_tokens > 0
