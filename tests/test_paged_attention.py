@@ -122,7 +122,7 @@ def test_bad_shapes_are_refused():
 
 
 def _kernel_matches_gather(way: str, **kw) -> None:
-    for lengths, heads, kv_heads, dim in CASES + [([2048, 1], 24, 8, 128)]:
+    for lengths, heads, kv_heads, dim in CASES + [([2048, 1], 24, 8, 128), ([4096] * 3 + [17], 32, 8, 128)]:
         for dtype, tol in ((mx.float32, 1e-4), (mx.bfloat16, 2e-2)):
             q, _, _, k_store, v_store, tables, lens = paged_case(lengths, heads, kv_heads, dim, dtype)
             scale = dim ** -0.5
