@@ -11,7 +11,9 @@ device MLX computes on.
 - `dense_fused`: MLX's own mx.fast.scaled_dot_product_attention with the same mask (GPU only: on
   the CPU it is the composed fallback, slower than `dense`);
 - `gather`: parallm.engine.paged_attention's reference read of a head-major block store
-  [kv_heads, blocks, 16, dim] whose blocks are handed out shuffled (as a churned store's are);
+  [kv_heads, blocks, 16, dim] whose blocks are handed out shuffled (as a churned store's are): the
+  rows' blocks copied out, then matmuls;
+- `gather_mm`: the same store read in place by mx.gather_mm (float32 only on the CPU);
 - `kernel`: the backend's paged kernel (CUDA or Metal; not on the CPU), split-K chosen by
   paged_kernels.auto_splits.
 
@@ -19,12 +21,15 @@ Shape: Llama-3.2-3B's attention (24 query heads, 8 KV heads, head dim 128). One 
 `--calls` layer calls (on a GPU 28, a model step's worth; on the CPU one per distinct layer)
 cycling through `--layers` distinct layers, each with its own buffers (as many as it takes to read
 256 MiB of KV, at most 28, so a GPU's L2 cache does not hold them across calls); times are per
-layer call (a pass / its calls); a 28-layer step's attention is 28x that. Ways alternate within each repeat. `uniform`
-rows all hold the context; `ragged` ones hold context - (37 i mod context/2) keys (the longest
-holds the context; one row is always uniform, so rows=1 is measured uniform only). The writes of the new tokens (one scatter per layer either way) are not timed.
+layer call (a pass / its calls); a 28-layer step's attention is 28x that. Ways alternate within
+each repeat. `uniform` rows all hold the context; `ragged` ones hold context - (37 i mod context/2) keys (the longest
+holds the context; one row is always uniform, so rows=1 is measured uniform only). What the engine
+makes once per pass for all layers is made before timing: the dense mask, the block tables (one set
+shared by every layer's store) and their PagedRead. The writes of the new tokens (one scatter per
+layer either way) are not timed.
 
-    python -m perf.bench_paged_attention --rows 1,16,64 --contexts 512,2048          # CPU, float32
-    python -m perf.bench_paged_attention --rows 1,64,256 --contexts 512,2048 --dtype bfloat16   # GPU
+    python -m perf.bench_paged_attention --rows 1,16,64 --contexts 512,2048 --repeats 7   # CPU, float32
+    python -m perf.bench_paged_attention --rows 1,64,256 --contexts 512,2048 --repeats 20  # GPU, bfloat16
 """
 
 from __future__ import annotations
@@ -39,6 +44,7 @@ from typing import Callable
 import mlx.core as mx
 import numpy as np
 
+from parallm.engine.paged_attention import PagedRead
 from perf.harness import Results, add_results_options, describe
 
 BLOCK = 16
@@ -51,26 +57,24 @@ def lengths_for(rows: int, context: int, mix: str) -> list[int]:
     return [context - (i * 37) % max(1, context // 2) for i in range(rows)]
 
 
-def build_layer(rows: int, context: int, lengths: list[int], args: argparse.Namespace, rng: np.random.Generator,
+def build_layer(rows: int, context: int, tab: mx.array, n_blocks: int, args: argparse.Namespace,
                 dtype: mx.Dtype) -> dict:
-    """One layer's dense buffers and block store holding the same K/V."""
+    """One layer's dense buffers and block store holding the same K/V (the block tables `tab` are the
+    pass's, shared by every layer as the engine's are)."""
     H, D = args.kv_heads, args.head_dim
-    width = -(-context // BLOCK)
+    width = tab.shape[1]
     capacity = context + 64  # the dense buffer is longer than its longest row, as the engine's is
-    n_blocks = rows * width + 16
     k_dense = mx.random.normal((rows, H, capacity, D)).astype(dtype)
     v_dense = mx.random.normal((rows, H, capacity, D)).astype(dtype)
-    tables = rng.permutation(n_blocks)[: rows * width].reshape(rows, width).astype(np.int32)
-    tab = mx.array(tables)
-    # the store: block tables[r, j] of head h holds the dense row r's positions [16 j, 16 j + 16)
+    # the store: block tab[r, j] of head h holds the dense row r's positions [16 j, 16 j + 16)
     k_store = mx.zeros((H, n_blocks, BLOCK, D), dtype=dtype)
     v_store = mx.zeros((H, n_blocks, BLOCK, D), dtype=dtype)
     k_blocks = k_dense[:, :, : width * BLOCK].reshape(rows, H, width, BLOCK, D).transpose(1, 0, 2, 3, 4)
     v_blocks = v_dense[:, :, : width * BLOCK].reshape(rows, H, width, BLOCK, D).transpose(1, 0, 2, 3, 4)
     k_store[:, tab.reshape(-1)] = k_blocks.reshape(H, rows * width, BLOCK, D)
     v_store[:, tab.reshape(-1)] = v_blocks.reshape(H, rows * width, BLOCK, D)
-    mx.eval(k_dense, v_dense, k_store, v_store, tab)
-    return {"k_dense": k_dense, "v_dense": v_dense, "k_store": k_store, "v_store": v_store, "tables": tab}
+    mx.eval(k_dense, v_dense, k_store, v_store)
+    return {"k_dense": k_dense, "v_dense": v_dense, "k_store": k_store, "v_store": v_store}
 
 
 def ways_for(device: str, dtype: mx.Dtype) -> list[str]:
@@ -79,7 +83,7 @@ def ways_for(device: str, dtype: mx.Dtype) -> list[str]:
     return ["dense", "dense_fused", "gather", "gather_mm", "kernel"]
 
 
-def attend(way: str, layer: dict, q: mx.array, lengths: mx.array, mask: mx.array | None, context: int,
+def attend(way: str, layer: dict, q: mx.array, read: PagedRead, mask: mx.array | None, context: int,
            scale: float, device: str) -> mx.array:
     from parallm.engine import fastmath, paged_attention, paged_kernels
 
@@ -93,13 +97,12 @@ def attend(way: str, layer: dict, q: mx.array, lengths: mx.array, mask: mx.array
             return fastmath.unfused_sdpa(q, k, v, scale, mask)
         return mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask=mask)
     if way == "gather":
-        return paged_attention.gather_attention(q, layer["k_store"], layer["v_store"], layer["tables"], lengths, scale)
+        return paged_attention.gather_attention(q, layer["k_store"], layer["v_store"], read, scale)
     if way == "gather_mm":
-        return paged_attention.gather_mm_attention(q, layer["k_store"], layer["v_store"], layer["tables"], lengths,
-                                                   scale)
+        return paged_attention.gather_mm_attention(q, layer["k_store"], layer["v_store"], read, scale)
     if device == "cuda":
-        return paged_kernels.cuda_attention(q, layer["k_store"], layer["v_store"], layer["tables"], lengths, scale)
-    return paged_kernels.metal_attention(q, layer["k_store"], layer["v_store"], layer["tables"], lengths, scale)
+        return paged_kernels.cuda_attention(q, layer["k_store"], layer["v_store"], read.tables, read.lengths, scale)
+    return paged_kernels.metal_attention(q, layer["k_store"], layer["v_store"], read.tables, read.lengths, scale)
 
 
 def measure(rows: int, context: int, mix: str, args: argparse.Namespace, device: str) -> dict:
@@ -109,19 +112,24 @@ def measure(rows: int, context: int, mix: str, args: argparse.Namespace, device:
     lens = lengths_for(rows, context, mix)
     per_layer = 2 * rows * args.kv_heads * context * args.head_dim * dtype.size
     n_layers = args.layers or min(28, max(1, math.ceil(L2_DEFEAT_BYTES / per_layer)))
-    layers = [build_layer(rows, context, lens, args, rng, dtype) for _ in range(n_layers)]
+    width = -(-context // BLOCK)
+    n_blocks = rows * width + 16
+    tab = mx.array(rng.permutation(n_blocks)[: rows * width].reshape(rows, width).astype(np.int32))
+    layers = [build_layer(rows, context, tab, n_blocks, args, dtype) for _ in range(n_layers)]
     q = mx.random.normal((rows, args.heads, 1, args.head_dim)).astype(dtype)
     lengths = mx.array(lens, dtype=mx.int32)
-    # as the engine: no mask when every row is at the same length (always so for one row)
+    # made once per pass, as the engine's mask is: no mask when every row is at the same length (always so
+    # for one row); the block tables' derived indices likewise
     mask = None if len(set(lens)) == 1 else (mx.arange(context)[None] < lengths[:, None])[:, None, None, :]
-    mx.eval(q, lengths, *([mask] if mask is not None else []))
+    read = PagedRead(tab, lengths)
+    mx.eval(q, lengths, read.visible(BLOCK), read.tiles(args.kv_heads, n_blocks), *([mask] if mask is not None else []))
     scale = args.head_dim ** -0.5
     ways = [w for w in ways_for(device, dtype) if not args.ways or w in args.ways.split(",")]
 
     calls = max(n_layers, args.calls if args.calls >= 0 else (0 if device == "cpu" else 28))
 
     def one_pass(way: str) -> Callable[[], None]:
-        return lambda: mx.eval([attend(way, layers[i % n_layers], q, lengths, mask, context, scale, device)
+        return lambda: mx.eval([attend(way, layers[i % n_layers], q, read, mask, context, scale, device)
                                 for i in range(calls)])
 
     passes = {w: one_pass(w) for w in ways}
@@ -141,13 +149,13 @@ def measure(rows: int, context: int, mix: str, args: argparse.Namespace, device:
             passes[w]()
             mx.synchronize()
             times[w].append(1000 * (time.perf_counter() - t0) / calls)
-    ref = attend("dense", layers[0], q, lengths, mask, context, scale, device).astype(mx.float32)
+    ref = attend("dense", layers[0], q, read, mask, context, scale, device).astype(mx.float32)
     row = {"rows": rows, "context": context, "lengths": mix, "layers": n_layers, "calls": calls, "repeats": args.repeats,
            "kv_mb_per_layer": round(per_layer / 2**20, 2), **({"failed": failed} if failed else {})}
     for w in ways:
         row[f"{w}_ms"] = round(statistics.median(times[w]), 4)
         row[f"{w}_min_ms"] = round(min(times[w]), 4)
-        out = attend(w, layers[0], q, lengths, mask, context, scale, device).astype(mx.float32)
+        out = attend(w, layers[0], q, read, mask, context, scale, device).astype(mx.float32)
         row[f"{w}_max_abs_diff"] = float(mx.max(mx.abs(out - ref)))
     for w in ways[1:]:  # > 1: faster than dense
         row[f"{w}_vs_dense"] = round(row["dense_ms"] / row[f"{w}_ms"], 3)

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from parallm.engine import paged_attention, paged_kernels
-from parallm.engine.paged_attention import choose_way, paged_decode_attention
+from parallm.engine.paged_attention import PagedRead, choose_way, paged_decode_attention
 
 
 def paged_case(lengths: list[int], heads: int, kv_heads: int, dim: int, dtype: mx.Dtype, block_size: int = 16,
@@ -62,7 +62,7 @@ def test_mlx_op_ways_equal_dense_attention(lengths, heads, kv_heads, dim, way, d
     q, keys, values, k_store, v_store, tables, lens = paged_case(lengths, heads, kv_heads, dim, dtype)
     scale = dim ** -0.5
     want = dense_attention(q, keys, values, lens, scale).astype(mx.float32)
-    got = paged_decode_attention(q, k_store, v_store, tables, lens, scale, way=way)
+    got = paged_decode_attention(q, k_store, v_store, PagedRead(tables, lens), scale, way=way)
     assert got.shape == q.shape and got.dtype == dtype
     assert mx.max(mx.abs(got.astype(mx.float32) - want)).item() < tol
 
@@ -116,9 +116,11 @@ def test_splits_give_few_long_rows_more_threadblocks():
 def test_bad_shapes_are_refused():
     q, _, _, k_store, v_store, tables, lens = paged_case([20, 3], 6, 2, 64, mx.float32)
     with pytest.raises(ValueError, match="queries"):
-        paged_decode_attention(mx.concatenate([q, q], axis=2), k_store, v_store, tables, lens, 0.1)
+        paged_decode_attention(mx.concatenate([q, q], axis=2), k_store, v_store, PagedRead(tables, lens), 0.1)
     with pytest.raises(ValueError, match="rows"):
-        paged_decode_attention(q, k_store, v_store, tables[:1], lens, 0.1)
+        paged_decode_attention(q, k_store, v_store, PagedRead(tables[:1], lens[:1]), 0.1)
+    with pytest.raises(ValueError, match="lengths"):
+        PagedRead(tables, lens[:1])
 
 
 def _kernel_matches_gather(way: str, **kw) -> None:
@@ -126,14 +128,14 @@ def _kernel_matches_gather(way: str, **kw) -> None:
         for dtype, tol in ((mx.float32, 1e-4), (mx.bfloat16, 2e-2)):
             q, _, _, k_store, v_store, tables, lens = paged_case(lengths, heads, kv_heads, dim, dtype)
             scale = dim ** -0.5
-            want = paged_decode_attention(q, k_store, v_store, tables, lens, scale, way="gather")
+            want = paged_decode_attention(q, k_store, v_store, PagedRead(tables, lens), scale, way="gather")
             if way == "cuda":
                 for splits in (1, 3, None):
                     got = paged_kernels.cuda_attention(q, k_store, v_store, tables, lens, scale, splits=splits)
                     diff = mx.max(mx.abs(got.astype(mx.float32) - want.astype(mx.float32))).item()
                     assert diff < tol, (lengths, dtype, splits, diff)
             else:
-                got = paged_decode_attention(q, k_store, v_store, tables, lens, scale, way=way)
+                got = paged_decode_attention(q, k_store, v_store, PagedRead(tables, lens), scale, way=way)
                 assert mx.max(mx.abs(got.astype(mx.float32) - want.astype(mx.float32))).item() < tol
 
 

@@ -4,9 +4,10 @@ and values in a paged block store, without copying the row's KV out first where 
 The layout (head-major): per layer, K and V stores of shape [kv_heads, blocks, block_size, dim];
 block b of KV head h is `store[h, b]`, one contiguous [block_size, dim] tile. A row's KV is its
 block table (`tables[row]`: block ids, its first `ceil(lengths[row] / block_size)` entries in
-use) and `lengths[row]` (keys held, the token just written included). Entries past a row's
-blocks may name any block of the store: their keys are masked (the kernels never read them). The
-stores must hold finite values (zero-initialised; the MLX-op ways multiply masked values by 0).
+use) and `lengths[row]` (keys held, the token just written included), both in a `PagedRead` made
+once per pass. Entries past a row's blocks may name any block of the store: their keys are masked
+(the kernels never read them). The stores must hold finite values (zero-initialised; the MLX-op
+ways multiply masked values by 0).
 
 Ways (`choose_way` picks one per backend; perf/bench_paged_attention.py measured them):
 - "gather": the rows' blocks gathered head-major, `store[:, tables]` ([kv_heads, rows, keys, dim],
@@ -51,28 +52,61 @@ def choose_way(queries: mx.array, k_store: mx.array) -> Way:
     return "gather_mm" if queries.dtype == mx.float32 else "gather"
 
 
-def paged_decode_attention(queries: mx.array, k_store: mx.array, v_store: mx.array, tables: mx.array,
-                           lengths: mx.array, scale: float, way: Way | None = None) -> mx.array:
+class PagedRead:
+    """One pass's block tables [rows, width] and lengths [rows] (int32), with what the MLX-op ways
+    derive from them (the tiles' indices, the visible keys) made once and shared by every layer."""
+
+    def __init__(self, tables: mx.array, lengths: mx.array) -> None:
+        if tables.ndim != 2 or lengths.shape != (tables.shape[0],):
+            raise ValueError(f"tables [rows, width] and lengths [rows] expected, got {tables.shape} and {lengths.shape}")
+        self.tables = tables.astype(mx.int32)
+        self.lengths = lengths.astype(mx.int32)
+        self.rows, self.width = tables.shape
+        self._derived: dict[tuple, tuple[mx.array, ...]] = {}
+
+    def visible(self, block_size: int) -> mx.array:
+        """[rows, width * block_size]: which key positions each row holds."""
+        key = ("visible", block_size)
+        if key not in self._derived:
+            keys = mx.arange(self.width * block_size, dtype=mx.int32)
+            self._derived[key] = (keys[None] < self.lengths[:, None],)
+        return self._derived[key][0]
+
+    def tiles(self, kv_heads: int, blocks: int) -> tuple[mx.array, mx.array, mx.array]:
+        """gather_mm's indices, each [kv_heads, rows, width]: the store tile of every (head, row, table
+        entry) in stores viewed [kv_heads * blocks, ...], the (head, row) of its queries, and its own
+        position (the weights' tile)."""
+        key = ("tiles", kv_heads, blocks)
+        if key not in self._derived:
+            head = mx.arange(kv_heads, dtype=mx.uint32)[:, None, None]
+            tiles = head * blocks + self.tables.astype(mx.uint32)[None]
+            per_row = head * self.rows + mx.arange(self.rows, dtype=mx.uint32)[None, :, None] + mx.zeros_like(tiles)
+            own = mx.arange(tiles.size, dtype=mx.uint32).reshape(tiles.shape)
+            self._derived[key] = (tiles, per_row, own)
+        return self._derived[key]  # type: ignore[return-value]
+
+
+def paged_decode_attention(queries: mx.array, k_store: mx.array, v_store: mx.array, read: PagedRead,
+                           scale: float, way: Way | None = None) -> mx.array:
     """Attention of queries [rows, heads, 1, dim] (heads a multiple of kv_heads: grouped-query
-    heads h * rep .. h * rep + rep - 1 share KV head h) over each row's first `lengths[row]` keys
-    of the stores [kv_heads, blocks, block_size, dim] through `tables` [rows, width] (int32):
-    [rows, heads, 1, dim] in the queries' dtype. `way`: None = choose_way."""
+    heads h * rep .. h * rep + rep - 1 share KV head h) over each row's first `read.lengths[row]`
+    keys of the stores [kv_heads, blocks, block_size, dim] through `read.tables`: [rows, heads, 1,
+    dim] in the queries' dtype. `way`: None = choose_way."""
     rows, heads, length, dim = queries.shape
     kv_heads, _, block_size, store_dim = k_store.shape
     if length != 1 or store_dim != dim or heads % kv_heads or v_store.shape != k_store.shape:
         raise ValueError(f"paged decode attention takes queries [rows, heads, 1, dim] and stores [kv_heads, "
                          f"blocks, block_size, dim]; got {queries.shape}, {k_store.shape}, {v_store.shape}")
-    if tables.ndim != 2 or tables.shape[0] != rows or lengths.shape != (rows,):
-        raise ValueError(f"tables {tables.shape} and lengths {lengths.shape} must have {rows} rows")
+    if read.rows != rows:
+        raise ValueError(f"the block tables have {read.rows} rows, the queries {rows}")
     way = choose_way(queries, k_store) if way is None else way
-    tables, lengths = tables.astype(mx.int32), lengths.astype(mx.int32)
     if way == "cuda":
-        return paged_kernels.cuda_attention(queries, k_store, v_store, tables, lengths, scale)
+        return paged_kernels.cuda_attention(queries, k_store, v_store, read.tables, read.lengths, scale)
     if way == "metal":
-        return paged_kernels.metal_attention(queries, k_store, v_store, tables, lengths, scale)
+        return paged_kernels.metal_attention(queries, k_store, v_store, read.tables, read.lengths, scale)
     if way == "gather_mm":
-        return gather_mm_attention(queries, k_store, v_store, tables, lengths, scale)
-    return gather_attention(queries, k_store, v_store, tables, lengths, scale)
+        return gather_mm_attention(queries, k_store, v_store, read, scale)
+    return gather_attention(queries, k_store, v_store, read, scale)
 
 
 def _softmax(scores: mx.array, visible: mx.array, axis: int | tuple[int, ...], dtype: mx.Dtype) -> mx.array:
@@ -84,41 +118,37 @@ def _softmax(scores: mx.array, visible: mx.array, axis: int | tuple[int, ...], d
     return (weights / weights.sum(axis, keepdims=True)).astype(dtype)
 
 
-def gather_attention(queries: mx.array, k_store: mx.array, v_store: mx.array, tables: mx.array,
-                     lengths: mx.array, scale: float) -> mx.array:
+def gather_attention(queries: mx.array, k_store: mx.array, v_store: mx.array, read: PagedRead,
+                     scale: float) -> mx.array:
     """The reference way (module docstring): gather, two matmuls, a masked float32 softmax."""
     rows, heads, _, dim = queries.shape
-    kv_heads = k_store.shape[0]
+    kv_heads, _, block_size, _ = k_store.shape
     rep = heads // kv_heads
-    keys = k_store[:, tables].reshape(kv_heads, rows, -1, dim)  # [kv_heads, rows, T, dim], contiguous
-    values = v_store[:, tables].reshape(kv_heads, rows, -1, dim)
+    keys = k_store[:, read.tables].reshape(kv_heads, rows, -1, dim)  # [kv_heads, rows, T, dim], contiguous
+    values = v_store[:, read.tables].reshape(kv_heads, rows, -1, dim)
     q = (queries * scale).reshape(rows, kv_heads, rep, dim).transpose(1, 0, 2, 3)  # [kv_heads, rows, rep, dim]
     scores = q @ keys.swapaxes(-1, -2)  # [kv_heads, rows, rep, T]
-    visible = (mx.arange(scores.shape[-1], dtype=mx.int32)[None] < lengths[:, None])[None, :, None, :]
+    visible = read.visible(block_size)[None, :, None, :]
     out = _softmax(scores, visible, -1, queries.dtype) @ values  # [kv_heads, rows, rep, dim]
     return out.transpose(1, 0, 2, 3).reshape(rows, heads, 1, dim)
 
 
-def gather_mm_attention(queries: mx.array, k_store: mx.array, v_store: mx.array, tables: mx.array,
-                        lengths: mx.array, scale: float) -> mx.array:
+def gather_mm_attention(queries: mx.array, k_store: mx.array, v_store: mx.array, read: PagedRead,
+                        scale: float) -> mx.array:
     """The stores read in place by mx.gather_mm (module docstring)."""
     rows, heads, _, dim = queries.shape
     kv_heads, blocks, block_size, _ = k_store.shape
-    rep, width = heads // kv_heads, tables.shape[1]
-    head = mx.arange(kv_heads, dtype=mx.uint32)[:, None, None]
-    tiles = head * blocks + tables.astype(mx.uint32)[None]  # [kv_heads, rows, width]: tile of the stores
-    per_row = head * rows + mx.arange(rows, dtype=mx.uint32)[None, :, None] + mx.zeros_like(tiles)
+    rep, width = heads // kv_heads, read.width
+    tiles, per_row, own = read.tiles(kv_heads, blocks)
     q = (queries * scale).reshape(rows, kv_heads, rep, dim).transpose(1, 0, 2, 3).reshape(kv_heads * rows, rep, dim)
     # each tile's scores: the row's query heads [rep, dim] times its keys [dim, block]: [kv_heads, rows, width, rep, block]
     scores = mx.gather_mm(q, k_store.reshape(kv_heads * blocks, block_size, dim).swapaxes(-1, -2),
                           lhs_indices=per_row, rhs_indices=tiles)
-    visible = (mx.arange(width * block_size, dtype=mx.int32)[None] < lengths[:, None]).reshape(
-        1, rows, width, 1, block_size)
+    visible = read.visible(block_size).reshape(1, rows, width, 1, block_size)
     weights = _softmax(scores, visible, (2, 4), queries.dtype)  # over the row's tiles and their keys
     # each tile's weights [rep, block] times its values [block, dim], summed over the tiles
     out = mx.gather_mm(weights.reshape(kv_heads * rows * width, rep, block_size),
                        v_store.reshape(kv_heads * blocks, block_size, dim),
-                       lhs_indices=mx.arange(kv_heads * rows * width, dtype=mx.uint32).reshape(tiles.shape),
-                       rhs_indices=tiles)  # [kv_heads, rows, width, rep, dim]
+                       lhs_indices=own, rhs_indices=tiles)  # [kv_heads, rows, width, rep, dim]
     out = out.sum(2) if out.dtype == mx.float32 else out.astype(mx.float32).sum(2).astype(out.dtype)
     return out.transpose(1, 0, 2, 3).reshape(rows, heads, 1, dim)
