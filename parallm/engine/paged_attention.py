@@ -16,10 +16,11 @@ Ways (`choose_way` picks one per backend; perf/bench_paged_attention.py measured
 - "gather_mm": the same without the copy: `mx.gather_mm` multiplies each (KV head, row)'s query
   heads by the store's key tiles in place (scores [kv_heads, rows, width, rep, block_size], the
   softmax over the row's tiles and their keys at once), and the weights by the value tiles,
-  summed over the row's tiles. MLX's CPU gather_mm takes
-  float32 only: the CPU's way for float32 models (the CPU's copy-gather costs more than the
-  attention: perf/results/paged-attention-cpu.md).
-- "cuda": paged_kernels.cuda_attention (flash-decoding over the table, split-K for few rows).
+  summed over the row's tiles. MLX's CPU gather_mm takes float32 only: the CPU's way for float32
+  models (near the dense rows at 512 keys, the copy-gather 0.2-0.6x: perf/results/paged-attention-
+  cpu*.md). On CUDA it is slow and fails at 64+ long rows (perf/results/paged-attention-h200-run1).
+- "cuda": paged_kernels.cuda_attention (flash-decoding over the table, split-K for few long rows;
+  1.3-3.5x faster than the dense rows at 64 and 256 rows on the H200).
 - "metal": paged_kernels.metal_attention, only where Metal is (Apple silicon).
 """
 

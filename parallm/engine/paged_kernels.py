@@ -8,11 +8,13 @@ CUDA (flash-decoding): a warp takes one block of the row at a time; `G = D / VEC
 key (VEC = one 16-byte load per lane), so a warp reads `32 / G` keys per load, a block's keys
 and values in a few coalesced loads, and keeps per lane group a running max, sum and output for
 its query heads; the warps of a threadblock and the lane groups of a warp are merged at the end.
-With `splits` > 1 (few rows: fewer threadblocks than the GPU has room for) each split takes a
-share of the row's blocks and writes float32 partials that a second kernel merges.
+With `splits` > 1 (few long rows: fewer threadblocks than the GPU has room for) each split takes
+a share of the row's blocks and writes float32 partials that a second kernel merges. Checked
+against the gather on the H200 (tests/test_paged_attention.py's CUDA test: |diff| <= 9.5e-4 in
+float32, one bfloat16 ulp in bfloat16); 168 registers a thread in bfloat16 (nvcc -Xptxas -v).
 
 Metal: the same walk with one simdgroup per block and scalar loads, no splits; it runs only on
-Apple silicon (the caller's guard) and is tested only there.
+Apple silicon (the caller's guard) and is tested only there: not run yet (no Mac here).
 """
 
 from __future__ import annotations
