@@ -52,6 +52,9 @@
 #   cudnn     llama-3.2-3b over HTTP at c=256 with MLX's cuDNN attention on, then off (MLX_CUDA_USE_CUDNN_SDPA=0), then
 #             on with engine.unfused_prefill_keys 4096 (prefills of short spans attend without the fused kernel): is a
 #             new prefill shape's cuDNN graph build what the first-seen pass shapes cost? (issue 24), ~6 min
+#   pagedattn  paged decode attention (issue 41): the CUDA kernel against the gather (tests/test_paged_attention.py), then
+#             one layer's decode attention, llama-3.2-3b's heads, dense rows vs the block store's ways at 1, 64, 256 rows,
+#             512 and 2048 keys, uniform and ragged, then one row of 8192 keys (perf/bench_paged_attention.py), ~2 min
 #   decodeattn  decode attention over 28 layers of llama-3.2-3b's shape at 1, 16, 64 and 256 rows and spans 256 and
 #             1024: the engine's masked call (MLX's CUDA fallback: its vector kernel takes no array mask) vs unmasked
 #             (the fused kernel) vs fastmath.unfused_sdpa (perf/profile_decode_attention.py; issue 24's c=256), ~2 min
@@ -88,7 +91,9 @@
 #             engines (perf/bench_kv_bits.py; random weights: no agreement figures), ~6 min
 # A fresh server per wave: `waves` fits 6-7 waves in one 10-minute call; run it twice for ten.
 set -uo pipefail
-case "${1:-}" in diag|llama|adapters|qwen-a|qwen-b|serving|waves|ingress|moe|moe256|hybrid|structured|tp|tp8b|dp|threads|compiled|republish|buckets|serve256|inplace|mixed|cudnn|decodeattn|unfuseddecode|defaults|defaultsab|qwendtype|qwenmlx|embeddings|policy|vision|trainmem|spec|kvbits) ;;
+# A fresh server per wave: `waves` fits 6-7 waves in one 10-minute call; run it twice for ten.
+set -uo pipefail
+case "${1:-}" in diag|llama|adapters|qwen-a|qwen-b|serving|waves|ingress|moe|moe256|hybrid|structured|tp|tp8b|dp|threads|compiled|republish|buckets|serve256|inplace|mixed|cudnn|decodeattn|unfuseddecode|defaults|defaultsab|qwendtype|qwenmlx|embeddings|policy|vision|trainmem|spec|kvbits|pagedattn) ;;
   *) sed -n '2,/^# A fresh server per wave/p' "$0"; exit 2 ;; esac
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
@@ -181,6 +186,11 @@ case "${1:-}" in
                 --server-args "$([ $run = unfused ] && echo --engine.unfused-prefill-keys 4096)" \
                 --tokenizer-dir $TOK --work-dir $WORK --experiment llama-3.2-3b-c256-cudnn-$run --out-dir "$OUT"
             done ;;
+  pagedattn) python3 -m pytest tests/test_paged_attention.py -q -p no:cacheprovider
+            python3 -m perf.bench_paged_attention --rows 1,64,256 --contexts 512,2048 --mixes uniform,ragged --repeats 20 \
+              --out-dir "$OUT"
+            python3 -m perf.bench_paged_attention --rows 1 --contexts 8192 --mixes uniform --repeats 20 --experiment long \
+              --out-dir "$OUT" ;;
   decodeattn) python3 -m perf.profile_decode_attention --rows 1,16,64,256 --spans 256,1024 --repeats 10 \
               --out-dir "$OUT" ;;
   defaults) SECONDS=0

@@ -101,11 +101,18 @@ def scaled_dot_product_attention(queries: mx.array, keys: mx.array, values: mx.a
         return _stock_sdpa(queries, keys, values, cache, scale, mask, sinks)
     quant = (cache.group_size, cache.bits) if hasattr(cache, "bits") else None  # keys/values: mx.quantize's parts
     scores, boolean = _grouped_scores(queries, keys, scale, mask, quant)
-    frac, bits = _exp_parts_shifted(scores, scores.max(-1, keepdims=True))
+    return _attend_values(masked_softmax(scores, boolean), values, queries.shape, quant)
+
+
+def masked_softmax(scores: mx.array, visible: mx.array | None, axis: int | tuple[int, ...] = -1) -> mx.array:
+    """Softmax over `axis` (one or several) of float32 scores with this module's exp; `visible` (boolean,
+    broadcastable, or None) gives the positions that count: the others get weight 0 (their
+    scores must already be at most the visible ones', e.g. set to the float's min as
+    _grouped_scores does)."""
+    frac, bits = _exp_parts_shifted(scores, scores.max(axis, keepdims=True))
     scale_bits = bits.view(mx.float32)
-    weights = _masked_weights(frac, scale_bits, boolean) if boolean is not None else frac * scale_bits
-    weights = weights / weights.sum(-1, keepdims=True)
-    return _attend_values(weights, values, queries.shape, quant)
+    weights = _masked_weights(frac, scale_bits, visible) if visible is not None else frac * scale_bits
+    return weights / weights.sum(axis, keepdims=True)
 
 
 def unfused_sdpa(queries: mx.array, keys: mx.array, values: mx.array, scale: float, mask: Any) -> mx.array:

@@ -1,0 +1,155 @@
+"""Decode attention read through block tables: one query token per row against that row's keys
+and values in a paged block store, without copying the row's KV out first where the device allows.
+
+The layout (head-major): per layer, K and V stores of shape [kv_heads, blocks, block_size, dim];
+block b of KV head h is `store[h, b]`, one contiguous [block_size, dim] tile. A row's KV is its
+block table (`tables[row]`: block ids, its first `ceil(lengths[row] / block_size)` entries in
+use) and `lengths[row]` (keys held, the token just written included), both in a `PagedRead` made
+once per pass. Entries past a row's blocks may name any block of the store: their keys are masked
+(the kernels never read them). The stores must hold finite values (zero-initialised; the MLX-op
+ways multiply masked values by 0).
+
+Ways (`choose_way` picks one per backend; perf/bench_paged_attention.py measured them):
+- "gather": the rows' blocks gathered head-major, `store[:, tables]` ([kv_heads, rows, keys, dim],
+  contiguous), two batched matmuls with the query heads of a KV head as the rows of one matmul,
+  a float32 softmax. Any device and dtype: the reference the others are tested against.
+- "gather_mm": the same without the copy: `mx.gather_mm` multiplies each (KV head, row)'s query
+  heads by the store's key tiles in place (scores [kv_heads, rows, width, rep, block_size], the
+  softmax over the row's tiles and their keys at once), and the weights by the value tiles,
+  summed over the row's tiles. MLX's CPU gather_mm takes float32 only: the CPU's way for float32
+  models (near the dense rows at 512 keys, the copy-gather 0.2-0.6x: perf/results/paged-attention-
+  cpu*.md). On CUDA it is slow and fails at 64+ long rows (perf/results/paged-attention-h200-run1).
+- "cuda": paged_kernels.cuda_attention (flash-decoding over the table, split-K for few long rows;
+  1.3-3.5x faster than the dense rows at 64 and 256 rows on the H200).
+- "metal": paged_kernels.metal_attention, only where Metal is (Apple silicon).
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import mlx.core as mx
+
+from . import fastmath, paged_kernels
+
+Way = Literal["gather", "gather_mm", "cuda", "metal"]
+
+
+def backend() -> str:
+    """The GPU backend MLX computes on ("metal", "cuda"), or "cpu"."""
+    if mx.default_device() != mx.gpu:
+        return "cpu"
+    if mx.metal.is_available():
+        return "metal"
+    return "cuda" if mx.cuda.is_available() else "cpu"
+
+
+def choose_way(queries: mx.array, k_store: mx.array) -> Way:
+    """The backend's kernel when it takes the shape (paged_kernels.kernel_fits); elsewhere
+    gather_mm for float32 on the CPU, else the gather."""
+    where = backend()
+    if where in ("cuda", "metal"):
+        return where if paged_kernels.kernel_fits(queries, k_store) else "gather"  # type: ignore[return-value]
+    return "gather_mm" if queries.dtype == mx.float32 else "gather"
+
+
+class PagedRead:
+    """One pass's block tables [rows, width] and lengths [rows] (int32), with what the MLX-op ways
+    derive from them (the tiles' indices, the visible keys) made once and shared by every layer."""
+
+    def __init__(self, tables: mx.array, lengths: mx.array) -> None:
+        if tables.ndim != 2 or lengths.shape != (tables.shape[0],):
+            raise ValueError(f"tables [rows, width] and lengths [rows] expected, got {tables.shape} and {lengths.shape}")
+        self.tables = tables.astype(mx.int32)
+        self.lengths = lengths.astype(mx.int32)
+        self.rows, self.width = tables.shape
+        self._derived: dict[tuple, tuple[mx.array, ...]] = {}
+
+    def visible(self, block_size: int) -> mx.array:
+        """[rows, width * block_size]: which key positions each row holds."""
+        key = ("visible", block_size)
+        if key not in self._derived:
+            keys = mx.arange(self.width * block_size, dtype=mx.int32)
+            self._derived[key] = (keys[None] < self.lengths[:, None],)
+        return self._derived[key][0]
+
+    def tiles(self, kv_heads: int, blocks: int) -> tuple[mx.array, mx.array, mx.array]:
+        """gather_mm's indices, each [kv_heads, rows, width]: the store tile of every (head, row, table
+        entry) in stores viewed [kv_heads * blocks, ...], the (head, row) of its queries, and its own
+        position (the weights' tile)."""
+        key = ("tiles", kv_heads, blocks)
+        if key not in self._derived:
+            head = mx.arange(kv_heads, dtype=mx.uint32)[:, None, None]
+            tiles = head * blocks + self.tables.astype(mx.uint32)[None]
+            per_row = head * self.rows + mx.arange(self.rows, dtype=mx.uint32)[None, :, None] + mx.zeros_like(tiles)
+            own = mx.arange(tiles.size, dtype=mx.uint32).reshape(tiles.shape)
+            self._derived[key] = (tiles, per_row, own)
+        return self._derived[key]  # type: ignore[return-value]
+
+
+def paged_decode_attention(queries: mx.array, k_store: mx.array, v_store: mx.array, read: PagedRead,
+                           scale: float, way: Way | None = None) -> mx.array:
+    """Attention of queries [rows, heads, 1, dim] (heads a multiple of kv_heads: grouped-query
+    heads h * rep .. h * rep + rep - 1 share KV head h) over each row's first `read.lengths[row]`
+    keys of the stores [kv_heads, blocks, block_size, dim] through `read.tables`: [rows, heads, 1,
+    dim] in the queries' dtype. `way`: None = choose_way."""
+    rows, heads, length, dim = queries.shape
+    kv_heads, _, block_size, store_dim = k_store.shape
+    if length != 1 or store_dim != dim or heads % kv_heads or v_store.shape != k_store.shape:
+        raise ValueError(f"paged decode attention takes queries [rows, heads, 1, dim] and stores [kv_heads, "
+                         f"blocks, block_size, dim]; got {queries.shape}, {k_store.shape}, {v_store.shape}")
+    if read.rows != rows:
+        raise ValueError(f"the block tables have {read.rows} rows, the queries {rows}")
+    way = choose_way(queries, k_store) if way is None else way
+    if way == "cuda":
+        return paged_kernels.cuda_attention(queries, k_store, v_store, read.tables, read.lengths, scale)
+    if way == "metal":
+        return paged_kernels.metal_attention(queries, k_store, v_store, read.tables, read.lengths, scale)
+    if way == "gather_mm":
+        return gather_mm_attention(queries, k_store, v_store, read, scale)
+    return gather_attention(queries, k_store, v_store, read, scale)
+
+
+def _softmax(scores: mx.array, visible: mx.array, axis: int | tuple[int, ...], dtype: mx.Dtype) -> mx.array:
+    """Masked softmax over `axis` in float32 (fastmath's exp for float32 models), weights in `dtype`."""
+    scores = mx.where(visible, scores.astype(mx.float32), mx.finfo(mx.float32).min)
+    if dtype == mx.float32:
+        return fastmath.masked_softmax(scores, visible, axis)
+    weights = mx.exp(scores - scores.max(axis, keepdims=True))
+    return (weights / weights.sum(axis, keepdims=True)).astype(dtype)
+
+
+def gather_attention(queries: mx.array, k_store: mx.array, v_store: mx.array, read: PagedRead,
+                     scale: float) -> mx.array:
+    """The reference way (module docstring): gather, two matmuls, a masked float32 softmax."""
+    rows, heads, _, dim = queries.shape
+    kv_heads, _, block_size, _ = k_store.shape
+    rep = heads // kv_heads
+    keys = k_store[:, read.tables].reshape(kv_heads, rows, -1, dim)  # [kv_heads, rows, T, dim], contiguous
+    values = v_store[:, read.tables].reshape(kv_heads, rows, -1, dim)
+    q = (queries * scale).reshape(rows, kv_heads, rep, dim).transpose(1, 0, 2, 3)  # [kv_heads, rows, rep, dim]
+    scores = q @ keys.swapaxes(-1, -2)  # [kv_heads, rows, rep, T]
+    visible = read.visible(block_size)[None, :, None, :]
+    out = _softmax(scores, visible, -1, queries.dtype) @ values  # [kv_heads, rows, rep, dim]
+    return out.transpose(1, 0, 2, 3).reshape(rows, heads, 1, dim)
+
+
+def gather_mm_attention(queries: mx.array, k_store: mx.array, v_store: mx.array, read: PagedRead,
+                        scale: float) -> mx.array:
+    """The stores read in place by mx.gather_mm (module docstring)."""
+    rows, heads, _, dim = queries.shape
+    kv_heads, blocks, block_size, _ = k_store.shape
+    rep, width = heads // kv_heads, read.width
+    tiles, per_row, own = read.tiles(kv_heads, blocks)
+    q = (queries * scale).reshape(rows, kv_heads, rep, dim).transpose(1, 0, 2, 3).reshape(kv_heads * rows, rep, dim)
+    # each tile's scores: the row's query heads [rep, dim] times its keys [dim, block]: [kv_heads, rows, width, rep, block]
+    scores = mx.gather_mm(q, k_store.reshape(kv_heads * blocks, block_size, dim).swapaxes(-1, -2),
+                          lhs_indices=per_row, rhs_indices=tiles)
+    visible = read.visible(block_size).reshape(1, rows, width, 1, block_size)
+    weights = _softmax(scores, visible, (2, 4), queries.dtype)  # over the row's tiles and their keys
+    # each tile's weights [rep, block] times its values [block, dim], summed over the tiles
+    out = mx.gather_mm(weights.reshape(kv_heads * rows * width, rep, block_size),
+                       v_store.reshape(kv_heads * blocks, block_size, dim),
+                       lhs_indices=own, rhs_indices=tiles)  # [kv_heads, rows, width, rep, dim]
+    out = out.sum(2) if out.dtype == mx.float32 else out.astype(mx.float32).sum(2).astype(out.dtype)
+    return out.transpose(1, 0, 2, 3).reshape(rows, heads, 1, dim)

@@ -1,0 +1,355 @@
+"""Paged decode attention as one GPU kernel per layer (CUDA through `mx.fast.cuda_kernel`, Metal
+through `mx.fast.metal_kernel`): each threadblock attends one (row, KV head) for the query heads
+that share it, walking the row's blocks through its block table with an online softmax, so no
+row's K/V is ever gathered into a copy. parallm.engine.paged_attention says when they run and
+holds the layout they read (and the gather they are tested against).
+
+CUDA (flash-decoding): a warp takes one block of the row at a time; `G = D / VEC` lanes hold one
+key (VEC = one 16-byte load per lane), so a warp reads `32 / G` keys per load, a block's keys
+and values in a few coalesced loads, and keeps per lane group a running max, sum and output for
+its query heads; the warps of a threadblock and the lane groups of a warp are merged at the end.
+With `splits` > 1 (few long rows: fewer threadblocks than the GPU has room for) each split takes
+a share of the row's blocks and writes float32 partials that a second kernel merges. Checked
+against the gather on the H200 (tests/test_paged_attention.py's CUDA test: |diff| <= 9.5e-4 in
+float32, one bfloat16 ulp in bfloat16); 168 registers a thread in bfloat16 (nvcc -Xptxas -v).
+
+Metal: the same walk with one simdgroup per block and scalar loads, no splits; it runs only on
+Apple silicon (the caller's guard) and is tested only there: not run yet (no Mac here).
+"""
+
+from __future__ import annotations
+
+import math
+from functools import lru_cache
+from typing import Any
+
+import mlx.core as mx
+
+LOG2E = 1.4426950408889634
+WARPS = 4  # warps (simdgroups) per threadblock
+TARGET_BLOCKS = 512  # threadblocks a pass should give the GPU before splitting rows (H100/H200: 132 SMs)
+SPLIT_BLOCKS = 128  # blocks (2,048 keys) a split takes at least: below, the merge's launch costs more than it saves
+
+_CUDA_WALK = """
+    constexpr int VEC = 16 / sizeof(T);
+    constexpr int G = D / VEC;        // lanes per key
+    constexpr int KPW = 32 / G;       // keys per warp load
+    constexpr int STEPS = BS / KPW;   // warp loads per block
+    constexpr int CH = STEPS < 8 ? STEPS : 8;
+    using Vec = AlignedVector<T, VEC>;
+    const int lane = threadIdx.x & 31;
+    const int warp = threadIdx.x >> 5;
+    const int grp = lane / G;
+    const int sub = lane % G;
+    const int row = blockIdx.y / HKV;
+    const int h = blockIdx.y % HKV;
+    const int split = blockIdx.z;
+    const int splits = gridDim.z;
+    const int len = lengths[row];
+    const int maxb = tables_shape[1];
+    const long nb_store = k_shape[1];
+    const int nblk = min((len + BS - 1) / BS, maxb);
+    const int per = (maxb + splits - 1) / splits;
+    const int b0 = split * per;
+    const int b1 = min(b0 + per, nblk);
+    const float sc = scale[0];
+
+    float qf[REP][VEC];
+    float m[REP], l[REP], o[REP][VEC];
+#pragma unroll
+    for (int r = 0; r < REP; ++r) {
+        Vec qv = *reinterpret_cast<const Vec*>(q + ((long)(row * HKV + h) * REP + r) * D + sub * VEC);
+#pragma unroll
+        for (int i = 0; i < VEC; ++i) { qf[r][i] = static_cast<float>(qv[i]) * sc; o[r][i] = 0.f; }
+        m[r] = -1e30f;
+        l[r] = 0.f;
+    }
+    const int* trow = tables + (long)row * maxb;
+    for (int b = b0 + warp; b < b1; b += WARPS) {
+        const long base = ((long)h * nb_store + trow[b]) * (BS * D) + sub * VEC;
+#pragma unroll
+        for (int c = 0; c < STEPS; c += CH) {
+            Vec kr[CH], vr[CH];
+#pragma unroll
+            for (int s = 0; s < CH; ++s) {
+                const long off = base + (long)((c + s) * KPW + grp) * D;
+                kr[s] = *reinterpret_cast<const Vec*>(k + off);
+                vr[s] = *reinterpret_cast<const Vec*>(v + off);
+            }
+            float sco[REP][CH];
+#pragma unroll
+            for (int s = 0; s < CH; ++s) {
+                const bool valid = b * BS + (c + s) * KPW + grp < len;
+#pragma unroll
+                for (int r = 0; r < REP; ++r) {
+                    float d = 0.f;
+#pragma unroll
+                    for (int i = 0; i < VEC; ++i) d += qf[r][i] * static_cast<float>(kr[s][i]);
+#pragma unroll
+                    for (int x = G / 2; x > 0; x >>= 1) d += __shfl_xor_sync(0xffffffff, d, x);
+                    sco[r][s] = valid ? d : -1e30f;  // masked: never above a real score, never accumulated
+                }
+            }
+#pragma unroll
+            for (int r = 0; r < REP; ++r) {
+                float mx_ = m[r];
+#pragma unroll
+                for (int s = 0; s < CH; ++s) mx_ = fmaxf(mx_, sco[r][s]);
+                const float f = exp2f(m[r] - mx_);
+                m[r] = mx_;
+                l[r] *= f;
+#pragma unroll
+                for (int i = 0; i < VEC; ++i) o[r][i] *= f;
+            }
+#pragma unroll
+            for (int s = 0; s < CH; ++s) {
+                if (b * BS + (c + s) * KPW + grp < len) {
+#pragma unroll
+                    for (int r = 0; r < REP; ++r) {
+                        const float p = exp2f(sco[r][s] - m[r]);
+                        l[r] += p;
+#pragma unroll
+                        for (int i = 0; i < VEC; ++i) o[r][i] += p * static_cast<float>(vr[s][i]);
+                    }
+                }
+            }
+        }
+    }
+    // merge the lane groups of the warp (they share `sub`, so lanes x and x ^ G*j hold the same slice)
+#pragma unroll
+    for (int x = G; x < 32; x <<= 1) {
+#pragma unroll
+        for (int r = 0; r < REP; ++r) {
+            const float mo = __shfl_xor_sync(0xffffffff, m[r], x);
+            const float lo = __shfl_xor_sync(0xffffffff, l[r], x);
+            const float mn = fmaxf(m[r], mo);
+            const float fa = exp2f(m[r] - mn), fb = exp2f(mo - mn);
+            l[r] = l[r] * fa + lo * fb;
+#pragma unroll
+            for (int i = 0; i < VEC; ++i) {
+                const float oo = __shfl_xor_sync(0xffffffff, o[r][i], x);
+                o[r][i] = o[r][i] * fa + oo * fb;
+            }
+            m[r] = mn;
+        }
+    }
+    // merge the warps
+    __shared__ float sm_m[WARPS][REP], sm_l[WARPS][REP];
+    __shared__ float sm_o[WARPS][REP][D];
+    if (grp == 0) {
+#pragma unroll
+        for (int r = 0; r < REP; ++r) {
+#pragma unroll
+            for (int i = 0; i < VEC; ++i) sm_o[warp][r][sub * VEC + i] = o[r][i];
+            if (sub == 0) { sm_m[warp][r] = m[r]; sm_l[warp][r] = l[r]; }
+        }
+    }
+    __syncthreads();
+    for (int idx = threadIdx.x; idx < REP * D; idx += WARPS * 32) {
+        const int r = idx / D, d = idx % D;
+        float M = -1e30f;
+#pragma unroll
+        for (int w = 0; w < WARPS; ++w) M = fmaxf(M, sm_m[w][r]);
+        float L = 0.f, O = 0.f;
+#pragma unroll
+        for (int w = 0; w < WARPS; ++w) {
+            const float f = exp2f(sm_m[w][r] - M);
+            L += sm_l[w][r] * f;
+            O += sm_o[w][r][d] * f;
+        }
+        const long qh = (long)row * HKV * REP + h * REP + r;  // (row, query head)
+"""
+
+_CUDA_ONE_PASS = _CUDA_WALK + """
+        out[qh * D + d] = static_cast<T>(L > 0.f ? O / L : 0.f);
+    }
+"""
+
+_CUDA_SPLIT = _CUDA_WALK + """
+        const long p = qh * splits + split;
+        part_o[p * D + d] = O;
+        if (d == 0) { part_m[p] = M; part_l[p] = L; }
+    }
+"""
+
+_CUDA_MERGE = """
+    const int d = threadIdx.x;
+    const long qh = blockIdx.y;
+    const int splits = part_m_shape[2];
+    float M = -1e30f;
+    for (int s = 0; s < splits; ++s) M = fmaxf(M, part_m[qh * splits + s]);
+    float L = 0.f, O = 0.f;
+    for (int s = 0; s < splits; ++s) {
+        const float f = exp2f(part_m[qh * splits + s] - M);
+        L += part_l[qh * splits + s] * f;
+        O += part_o[(qh * splits + s) * D + d] * f;
+    }
+    out[qh * D + d] = static_cast<T>(L > 0.f ? O / L : 0.f);
+"""
+
+_METAL = """
+    constexpr int G = D / VEC;
+    constexpr int KPW = 32 / G;
+    const uint lane = thread_index_in_simdgroup;
+    const uint warp = simdgroup_index_in_threadgroup;
+    const uint tid = thread_position_in_threadgroup.x;
+    const int grp = lane / G;
+    const int sub = lane % G;
+    const int row = threadgroup_position_in_grid.y / HKV;
+    const int h = threadgroup_position_in_grid.y % HKV;
+    const int len = lengths[row];
+    const int maxb = tables_shape[1];
+    const long nb_store = k_shape[1];
+    const int nblk = metal::min((len + BS - 1) / BS, maxb);
+    const float sc = scale[0];
+    float qf[REP][VEC];
+    float m[REP], l[REP], o[REP][VEC];
+    for (int r = 0; r < REP; ++r) {
+        for (int i = 0; i < VEC; ++i) {
+            qf[r][i] = float(q[((long)(row * HKV + h) * REP + r) * D + sub * VEC + i]) * sc;
+            o[r][i] = 0.0f;
+        }
+        m[r] = -1e30f;
+        l[r] = 0.0f;
+    }
+    for (int b = warp; b < nblk; b += WARPS) {
+        const long base = ((long)h * nb_store + tables[(long)row * maxb + b]) * (BS * D) + sub * VEC;
+        for (int t = grp; t < BS; t += KPW) {
+            const bool valid = b * BS + t < len;
+            float s[REP];
+            for (int r = 0; r < REP; ++r) {
+                float d = 0.0f;
+                for (int i = 0; i < VEC; ++i) d += qf[r][i] * float(k[base + (long)t * D + i]);
+                for (ushort x = G / 2; x > 0; x >>= 1) d += metal::simd_shuffle_xor(d, x);
+                s[r] = d;
+            }
+            if (valid) {
+                for (int r = 0; r < REP; ++r) {
+                    const float mn = metal::max(m[r], s[r]);
+                    const float f = metal::exp2(m[r] - mn), p = metal::exp2(s[r] - mn);
+                    m[r] = mn;
+                    l[r] = l[r] * f + p;
+                    for (int i = 0; i < VEC; ++i) o[r][i] = o[r][i] * f + p * float(v[base + (long)t * D + i]);
+                }
+            }
+        }
+    }
+    for (ushort x = G; x < 32; x <<= 1) {
+        for (int r = 0; r < REP; ++r) {
+            const float mo = metal::simd_shuffle_xor(m[r], x), lo = metal::simd_shuffle_xor(l[r], x);
+            const float mn = metal::max(m[r], mo);
+            const float fa = metal::exp2(m[r] - mn), fb = metal::exp2(mo - mn);
+            l[r] = l[r] * fa + lo * fb;
+            for (int i = 0; i < VEC; ++i) o[r][i] = o[r][i] * fa + metal::simd_shuffle_xor(o[r][i], x) * fb;
+            m[r] = mn;
+        }
+    }
+    threadgroup float sm_m[WARPS][REP];
+    threadgroup float sm_l[WARPS][REP];
+    threadgroup float sm_o[WARPS][REP][D];
+    if (grp == 0) {
+        for (int r = 0; r < REP; ++r) {
+            for (int i = 0; i < VEC; ++i) sm_o[warp][r][sub * VEC + i] = o[r][i];
+            if (sub == 0) { sm_m[warp][r] = m[r]; sm_l[warp][r] = l[r]; }
+        }
+    }
+    metal::threadgroup_barrier(metal::mem_flags::mem_threadgroup);
+    for (uint idx = tid; idx < REP * D; idx += WARPS * 32) {
+        const int r = idx / D, d = idx % D;
+        float M = -1e30f;
+        for (int w = 0; w < WARPS; ++w) M = metal::max(M, sm_m[w][r]);
+        float L = 0.0f, O = 0.0f;
+        for (int w = 0; w < WARPS; ++w) {
+            const float f = metal::exp2(sm_m[w][r] - M);
+            L += sm_l[w][r] * f;
+            O += sm_o[w][r][d] * f;
+        }
+        out[((long)row * HKV * REP + h * REP + r) * D + d] = T(L > 0.0f ? O / L : 0.0f);
+    }
+"""
+
+_INPUTS = ["q", "k", "v", "tables", "lengths", "scale"]
+
+
+@lru_cache(maxsize=None)
+def _cuda_kernels() -> tuple[Any, Any, Any]:
+    one = mx.fast.cuda_kernel(name="paged_decode", input_names=_INPUTS, output_names=["out"], source=_CUDA_ONE_PASS)
+    split = mx.fast.cuda_kernel(name="paged_decode_split", input_names=_INPUTS,
+                                output_names=["part_o", "part_m", "part_l"], source=_CUDA_SPLIT)
+    merge = mx.fast.cuda_kernel(name="paged_decode_merge", input_names=["part_o", "part_m", "part_l"],
+                                output_names=["out"], source=_CUDA_MERGE)
+    return one, split, merge
+
+
+@lru_cache(maxsize=None)
+def _metal_kernel() -> Any:
+    return mx.fast.metal_kernel(name="paged_decode", input_names=_INPUTS, output_names=["out"], source=_METAL)
+
+
+def kernel_fits(queries: mx.array, k_store: mx.array) -> bool:
+    """Whether the kernels take this shape and dtype: a head dim of whole 16-byte loads with at
+    most 32 of them, block size a multiple of the keys a warp loads at once."""
+    dim, block_size = queries.shape[-1], k_store.shape[2]
+    if queries.dtype not in (mx.float32, mx.float16, mx.bfloat16) or k_store.dtype != queries.dtype:
+        return False
+    vec = 16 // queries.dtype.size
+    lanes = dim // vec
+    return (dim % vec == 0 and 0 < lanes <= 32 and 32 % lanes == 0 and block_size % (32 // lanes) == 0
+            and queries.shape[1] % k_store.shape[0] == 0)
+
+
+def auto_splits(rows: int, kv_heads: int, table_width: int) -> int:
+    """Splits of each row's blocks so a pass has about TARGET_BLOCKS threadblocks, each split
+    taking at least SPLIT_BLOCKS blocks. On the H200 a decode pass of one row up to 2,048 keys is
+    bound by launches, not by reading: one kernel (no split, no merge) was fastest there
+    (perf/results/paged-attention-h200.md)."""
+    want = math.ceil(TARGET_BLOCKS / max(1, rows * kv_heads))
+    return max(1, min(want, table_width // SPLIT_BLOCKS))
+
+
+@lru_cache(maxsize=64)
+def _scale(scale: float) -> mx.array:
+    """The kernels' score scale (times log2 e: they exponentiate with exp2), made once per value:
+    an array made per call is one more op per layer, which a one-row pass pays in full."""
+    return mx.array([scale * LOG2E], dtype=mx.float32)
+
+
+def _template(queries: mx.array, k_store: mx.array) -> list[tuple[str, Any]]:
+    kv_heads, _, block_size, dim = k_store.shape
+    return [("T", queries.dtype), ("D", dim), ("REP", queries.shape[1] // kv_heads), ("HKV", kv_heads),
+            ("BS", block_size), ("WARPS", WARPS)]
+
+
+def cuda_attention(queries: mx.array, k_store: mx.array, v_store: mx.array, tables: mx.array, lengths: mx.array,
+                   scale: float, splits: int | None = None) -> mx.array:
+    """Decode attention [rows, heads, 1, dim] through the CUDA kernel (arguments as
+    paged_attention.paged_decode_attention; `splits`: None = auto_splits)."""
+    rows, heads, _, dim = queries.shape
+    kv_heads = k_store.shape[0]
+    splits = auto_splits(rows, kv_heads, tables.shape[1]) if splits is None else splits
+    one, split, merge = _cuda_kernels()
+    inputs = [queries, k_store, v_store, tables, lengths, _scale(scale)]
+    template = _template(queries, k_store)
+    threads = (WARPS * 32, 1, 1)
+    if splits == 1:
+        return one(inputs=inputs, template=template, grid=(WARPS * 32, rows * kv_heads, 1), threadgroup=threads,
+                   output_shapes=[queries.shape], output_dtypes=[queries.dtype])[0]
+    part_o, part_m, part_l = split(inputs=inputs, template=template, grid=(WARPS * 32, rows * kv_heads, splits),
+                                   threadgroup=threads,
+                                   output_shapes=[(rows, heads, splits, dim), (rows, heads, splits),
+                                                  (rows, heads, splits)],
+                                   output_dtypes=[mx.float32] * 3)
+    return merge(inputs=[part_o, part_m, part_l], template=[("T", queries.dtype), ("D", dim)],
+                 grid=(dim, rows * heads, 1), threadgroup=(dim, 1, 1), output_shapes=[queries.shape],
+                 output_dtypes=[queries.dtype])[0]
+
+
+def metal_attention(queries: mx.array, k_store: mx.array, v_store: mx.array, tables: mx.array, lengths: mx.array,
+                    scale: float) -> mx.array:
+    """Decode attention [rows, heads, 1, dim] through the Metal kernel (Apple silicon only)."""
+    rows = queries.shape[0]
+    template = _template(queries, k_store) + [("VEC", 16 // queries.dtype.size)]
+    return _metal_kernel()(inputs=[queries, k_store, v_store, tables, lengths, _scale(scale)],
+                           template=template, grid=(WARPS * 32, rows * k_store.shape[0], 1),
+                           threadgroup=(WARPS * 32, 1, 1), output_shapes=[queries.shape],
+                           output_dtypes=[queries.dtype])[0]

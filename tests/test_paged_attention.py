@@ -1,0 +1,149 @@
+"""parallm.engine.paged_attention: decode attention through block tables equals the dense rows'
+attention (mx.fast.scaled_dot_product_attention with the engine's per-row mask) for ragged rows,
+grouped-query heads and both dtypes; each backend's guard picks its way (device queries stubbed);
+the Metal and CUDA kernels equal the gather where their device is."""
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from parallm.engine import paged_attention, paged_kernels
+from parallm.engine.paged_attention import PagedRead, choose_way, paged_decode_attention
+
+
+def paged_case(lengths: list[int], heads: int, kv_heads: int, dim: int, dtype: mx.Dtype, block_size: int = 16,
+               spare_blocks: int = 5, seed: int = 0):
+    """Dense per-row K/V [rows, kv_heads, T, dim] and the same KV in a head-major block store whose
+    blocks are handed out in a shuffled order (tables padded with other rows' block ids)."""
+    rng = np.random.default_rng(seed)
+    rows, span = len(lengths), max(lengths)
+    width = -(-span // block_size)
+    keys = rng.standard_normal((rows, kv_heads, width * block_size, dim)).astype(np.float32)
+    values = rng.standard_normal((rows, kv_heads, width * block_size, dim)).astype(np.float32)
+    used = [-(-n // block_size) for n in lengths]
+    n_blocks = sum(used) + spare_blocks
+    order = rng.permutation(n_blocks)
+    k_store = rng.standard_normal((kv_heads, n_blocks, block_size, dim)).astype(np.float32)
+    v_store = rng.standard_normal((kv_heads, n_blocks, block_size, dim)).astype(np.float32)
+    tables = np.zeros((rows, width), dtype=np.int32)
+    nxt = 0
+    for r, n in enumerate(used):
+        for j in range(n):
+            b = order[nxt]
+            nxt += 1
+            tables[r, j] = b
+            k_store[:, b] = keys[r, :, j * block_size:(j + 1) * block_size]
+            v_store[:, b] = values[r, :, j * block_size:(j + 1) * block_size]
+        tables[r, n:] = rng.integers(0, n_blocks, width - n)  # padding: any block, masked
+    queries = rng.standard_normal((rows, heads, 1, dim)).astype(np.float32)
+    arr = (lambda a: mx.array(a).astype(dtype))
+    return (arr(queries), arr(keys[:, :, :span]), arr(values[:, :, :span]), arr(k_store), arr(v_store),
+            mx.array(tables), mx.array(lengths, dtype=mx.int32))
+
+
+def dense_attention(queries, keys, values, lengths, scale):
+    """The dense rows' decode attention as the engine calls it: a boolean mask [rows, 1, 1, T]."""
+    span = keys.shape[2]
+    mask = (mx.arange(span)[None] < lengths[:, None])[:, None, None, :]
+    return mx.fast.scaled_dot_product_attention(queries, keys, values, scale=scale, mask=mask)
+
+
+CASES = [
+    ([1, 17, 40, 33, 16], 6, 2, 64),  # ragged, GQA 3 query heads per KV head, a row of one key
+    ([100] * 4, 4, 4, 32),  # uniform, no GQA
+    ([5, 300, 64, 129], 24, 8, 128),  # Llama-3.2-3B's heads and head dim
+]
+
+
+@pytest.mark.parametrize("way,dtype,tol", [("gather", mx.float32, 2e-5), ("gather", mx.bfloat16, 2e-2),
+                                            ("gather_mm", mx.float32, 2e-5)])
+@pytest.mark.parametrize("lengths,heads,kv_heads,dim", CASES)
+def test_mlx_op_ways_equal_dense_attention(lengths, heads, kv_heads, dim, way, dtype, tol):
+    q, keys, values, k_store, v_store, tables, lens = paged_case(lengths, heads, kv_heads, dim, dtype)
+    scale = dim ** -0.5
+    want = dense_attention(q, keys, values, lens, scale).astype(mx.float32)
+    got = paged_decode_attention(q, k_store, v_store, PagedRead(tables, lens), scale, way=way)
+    assert got.shape == q.shape and got.dtype == dtype
+    assert mx.max(mx.abs(got.astype(mx.float32) - want)).item() < tol
+
+
+def test_the_cpu_reads_float32_in_place_and_gathers_other_dtypes(monkeypatch):
+    monkeypatch.setattr(mx, "default_device", lambda: mx.cpu)
+    assert paged_attention.backend() == "cpu"
+    for dtype, way in ((mx.float32, "gather_mm"), (mx.bfloat16, "gather")):
+        q, _, _, k_store, _, _, _ = paged_case([20, 3], 6, 2, 64, dtype)
+        assert choose_way(q, k_store) == way
+
+
+@pytest.fixture
+def gpu(monkeypatch):
+    """Stub MLX's device queries: a GPU is the default device; which backend is set per test."""
+    monkeypatch.setattr(mx, "default_device", lambda: mx.gpu)
+
+    def answer(metal: bool, cuda: bool) -> None:
+        monkeypatch.setattr(mx.metal, "is_available", lambda: metal)
+        monkeypatch.setattr(mx.cuda, "is_available", lambda: cuda)
+    return answer
+
+
+def test_the_guard_picks_metal_only_on_apple_silicon_and_the_gather_elsewhere(gpu):
+    q, _, _, k_store, _, _, _ = paged_case([20, 3], 6, 2, 64, mx.bfloat16)
+    gpu(metal=True, cuda=False)
+    assert choose_way(q, k_store) == "metal"
+    gpu(metal=False, cuda=True)
+    assert choose_way(q, k_store) == "cuda"
+    gpu(metal=False, cuda=False)  # a GPU device MLX has neither backend for: the MLX ops
+    assert choose_way(q, k_store) == "gather"
+
+
+def test_shapes_the_kernels_do_not_take_go_to_the_gather(gpu):
+    gpu(metal=False, cuda=True)
+    wide = mx.zeros((2, 8, 1, 256))  # float32 head dim 256: 64 lanes of 16 bytes, more than a warp
+    assert choose_way(wide, mx.zeros((2, 4, 16, 256))) == "gather"
+    odd = mx.zeros((2, 8, 1, 72), dtype=mx.bfloat16)
+    assert choose_way(odd, mx.zeros((2, 4, 16, 72), dtype=mx.bfloat16)) == "gather"
+    assert choose_way(mx.zeros((2, 8, 1, 128), dtype=mx.bfloat16), mx.zeros((2, 4, 16, 128), dtype=mx.bfloat16)) == "cuda"
+
+
+def test_splits_give_few_long_rows_more_threadblocks():
+    assert paged_kernels.auto_splits(rows=1, kv_heads=8, table_width=128) == 1  # 2,048 keys: one launch
+    assert paged_kernels.auto_splits(rows=1, kv_heads=8, table_width=512) == 4
+    assert paged_kernels.auto_splits(rows=1, kv_heads=8, table_width=8192) == 64
+    assert paged_kernels.auto_splits(rows=16, kv_heads=8, table_width=2048) == 4
+    assert paged_kernels.auto_splits(rows=256, kv_heads=8, table_width=2048) == 1
+
+
+def test_bad_shapes_are_refused():
+    q, _, _, k_store, v_store, tables, lens = paged_case([20, 3], 6, 2, 64, mx.float32)
+    with pytest.raises(ValueError, match="queries"):
+        paged_decode_attention(mx.concatenate([q, q], axis=2), k_store, v_store, PagedRead(tables, lens), 0.1)
+    with pytest.raises(ValueError, match="rows"):
+        paged_decode_attention(q, k_store, v_store, PagedRead(tables[:1], lens[:1]), 0.1)
+    with pytest.raises(ValueError, match="lengths"):
+        PagedRead(tables, lens[:1])
+
+
+def _kernel_matches_gather(way: str, **kw) -> None:
+    for lengths, heads, kv_heads, dim in CASES + [([2048, 1], 24, 8, 128), ([4096] * 3 + [17], 32, 8, 128)]:
+        for dtype, tol in ((mx.float32, 1e-4), (mx.bfloat16, 2e-2)):
+            q, _, _, k_store, v_store, tables, lens = paged_case(lengths, heads, kv_heads, dim, dtype)
+            scale = dim ** -0.5
+            want = paged_decode_attention(q, k_store, v_store, PagedRead(tables, lens), scale, way="gather")
+            if way == "cuda":
+                for splits in (1, 3, None):
+                    got = paged_kernels.cuda_attention(q, k_store, v_store, tables, lens, scale, splits=splits)
+                    diff = mx.max(mx.abs(got.astype(mx.float32) - want.astype(mx.float32))).item()
+                    assert diff < tol, (lengths, dtype, splits, diff)
+            else:
+                got = paged_decode_attention(q, k_store, v_store, PagedRead(tables, lens), scale, way=way)
+                assert mx.max(mx.abs(got.astype(mx.float32) - want.astype(mx.float32))).item() < tol
+
+
+@pytest.mark.skipif(not mx.metal.is_available(), reason="the Metal kernel runs on Apple silicon only")
+def test_metal_kernel_equals_the_gather():
+    _kernel_matches_gather("metal")
+
+
+@pytest.mark.skipif(not mx.cuda.is_available(), reason="the CUDA kernel runs on an NVIDIA GPU only")
+def test_cuda_kernel_equals_the_gather():
+    _kernel_matches_gather("cuda")
