@@ -75,8 +75,8 @@
 #   policy    the policy stage (issue 34): act round trip at batch 1 over ZeroMQ and HTTP less the bare forward, and
 #             actions/s at 256 environments, flush_us 0 and 200, on the device's MLX (perf/bench_policy.py), ~2 min
 #   vision    image requests/s and TTFT at c=1 and 16, parallm vs mlx_vlm.server on the random-weight Pixtral-shaped
-#             checkpoint (perf/bench_vision.py; issue 35). Needs in .gpu/b: `pip download --no-deps mlx-vlm==0.7.10
-#             -d .gpu/b` and, for the baseline, `pip download fastapi cryptography -d .gpu/b/vlmsrv` plus
+#             checkpoint (perf/bench_vision.py; issue 35). Needs in .gpu/b (install.sh installs every wheel there):
+#             `pip download --no-deps mlx-vlm==0.7.10 -d .gpu/b`, a cp312 manylinux Pillow wheel and, for the baseline, `pip download fastapi cryptography -d .gpu/b/vlmsrv` plus
 #             `pip download --no-deps mlx-audio websockets -d .gpu/b/vlmsrv` (installed into a venv layered on this
 #             one; without them only parallm is measured), ~5 min
 #   trainmem  the trainer at an 8B shape (issue 33): qwen3-8b 4-bit, QLoRA (base kept 4-bit) vs a bfloat16 copy:
@@ -129,7 +129,7 @@ case "${1:-}" in
               --max-tokens 128 --client-procs 4 --deadline-s 480 --tokenizer-dir $TOK --work-dir $WORK \
               --out-dir "$OUT" ;;
   policy)   python3 -m perf.bench_policy --out-dir "$OUT" ;;
-  vision)   python3 -m pip install -q --no-deps .gpu/b/mlx_vlm-*.whl && python3 -m pip install -q "Pillow>=10.3"
+  vision)   python3 -c "import mlx_vlm, PIL" || { echo "vision: stage mlx-vlm and Pillow wheels in .gpu/b" >&2; exit 3; }
             base=""
             if [ -d .gpu/b/vlmsrv ]; then
               python3 -m venv /tmp/vlmsrv && python3 -c "import site; print(site.getsitepackages()[0])" \
