@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shlex
 import statistics
 import threading
 import time
@@ -75,14 +76,18 @@ ATTACKS: dict[str, Callable[[httpx.Client], Any]] = {
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m perf.bench_isolation", description=__doc__.split("\n\n")[0])
     parser.add_argument("--canaries", type=int, default=20, help="canary requests per phase (%(default)s)")
+    parser.add_argument("--attacks", default=",".join(ATTACKS), help="attacks to run, comma-separated (%(default)s)")
+    parser.add_argument("--server-args", default="", help="extra parallm-launch arguments, e.g. "
+                        "'--engine.prefill-pass-s 0' (pacing off)")
     add_results_options(parser)
     args = parser.parse_args(argv)
     results = Results.from_args("isolation", args, argv)
     data: dict[str, Any] = {}
-    with Server() as srv:
+    with Server(*shlex.split(args.server_args)) as srv:
         canary(srv.url, 5)  # warm-up
         data["idle"] = summary(canary(srv.url, args.canaries))
-        for name, attack in ATTACKS.items():
+        for name in args.attacks.split(","):
+            attack = ATTACKS[name]
             lat, out = under(srv.url, attack, args.canaries)
             data[name] = {**lat, **out, "p99_over_idle": round(lat["p99_s"] / data["idle"]["p99_s"], 2)}
             print(name, json.dumps(data[name]), flush=True)
