@@ -134,3 +134,27 @@ def test_the_engine_paces_its_passes_and_the_tokens_do_not_change(mixed: bool):
         if target:
             assert chunks[0] == 128 and max(chunks[1:]) <= 16 + 3  # 16 of the long prompt (+ the short one's 3)
     assert {k: v["tokens"] for k, v in out[0.0].items()} == {k: v["tokens"] for k, v in out[1e-6].items()}
+
+
+def test_prompt_logprobs_are_paced_like_any_prefill_and_do_not_change():
+    """Issue 30: a 6k-token prompt with prompt_logprobs (never served from the prefix cache: every
+    position's logits need its full forward pass) was prefilled in full-budget passes, each longer than
+    the plain prompt's. Paced, its chunks shrink to what the target allows while its values stay those
+    of the unpaced run."""
+    from tests._engine_helpers import greedy, make_engine, req, run_all, tiny_model
+
+    model = tiny_model("llama")
+    prompt = [(5 * i) % 90 + 3 for i in range(200)]
+    got = {}
+    for target in (0.0, 1e-6):
+        engine = make_engine(model, max_prefill_tokens=128, prefill_pass_s=target)
+        chunks: list[int] = []
+        prefill = engine.trace.prefill
+        engine.trace.prefill = lambda rows, tokens, *a: (chunks.append(tokens), prefill(rows, tokens, *a))
+        got[target] = run_all(engine, [req("lp", prompt, greedy(2, prompt_logprobs=3))])[("lp", 0)]
+        assert (chunks == [128, 72]) if not target else (chunks[0] == 128 and max(chunks[1:]) <= 16)
+    assert got[1e-6]["prompt_logprobs"] is not None
+    plain, paced = got[0.0]["prompt_logprobs"][0], got[1e-6]["prompt_logprobs"][0]
+    assert len(paced) == len(prompt) and paced[0] is None
+    assert max(abs(a - b) for a, b in zip(plain[1:], paced[1:])) < 1e-4
+    assert got[0.0]["tokens"] == got[1e-6]["tokens"]
