@@ -26,7 +26,8 @@ from parallm.engine import Engine, EngineModel, Request, RequestRejected, ScoreR
 from parallm.engine.compile_queue import CompileQueue
 from parallm.pooling.queue import Pooled, PoolingQueue
 from parallm.runtime import StageRuntime
-from parallm.stages.engine_adapters import AdapterMessages, adapter_list
+from parallm.stages.engine_adapters import (AdapterMessages, adapter_list, adapter_roots, load_adapter,  # noqa: F401
+                                             weights_path)  # adapter_roots, load_adapter, weights_path: imported from here
 from parallm.stages.engine_reads import FileReads
 from parallm.stages.engine_replies import rejection, score_reply, to_delta
 from parallm.stages.skeleton import Handler, Stage
