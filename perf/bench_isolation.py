@@ -1,7 +1,8 @@
 """Issue 30's canary: a short completion's latency while another client attacks the server.
 
 A canary client sends 2-token completions one after another; its latency is measured idle, then while
-each attack runs: a 6k-token uncached prompt (the long-prefill case: goal <= 2 s p99 on a CPU), a
+each attack runs: a 6k-token uncached prompt (the long-prefill case: goal <= 2 s p99 on a CPU), the same
+prompt again with prompt_logprobs 20 (recomputed whole, 8.5 MB of logprobs out), a
 64 KiB grammar constraint (the most engine.max_constraint_bytes lets through; compiled off the step
 loop), a 7.5 MB prompt (refused before it is tokenized whole), and a 1,024 x 2,000-id request (refused
 by server.max_request_prompt_tokens). Goal: each attack's canary p99 at most 2x the idle p99 (the
@@ -14,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shlex
 import statistics
 import threading
 import time
@@ -59,9 +61,13 @@ def under(url: str, attack: Callable[[httpx.Client], Any], count: int) -> tuple[
     return summary(times), out
 
 
+LONG_PROMPT = [[(7 * i) % 40000 + 100 for i in range(6000)]]
+
 ATTACKS: dict[str, Callable[[httpx.Client], Any]] = {
-    "long_prefill_6k": lambda c: c.post("/v1/completions", json={
-        "prompt": [[(7 * i) % 40000 + 100 for i in range(6000)]], "max_tokens": 1}),
+    "long_prefill_6k": lambda c: c.post("/v1/completions", json={"prompt": LONG_PROMPT, "max_tokens": 1}),
+    # the same prompt again with prompt_logprobs: never from the prefix cache, 20 alternatives a position
+    "prompt_logprobs_6k": lambda c: c.post("/v1/completions", json={
+        "prompt": LONG_PROMPT, "max_tokens": 1, "prompt_logprobs": 20}),
     "constraint_64k": lambda c: c.post("/v1/completions", json={
         "prompt": "Pick one:", "max_tokens": 4,
         "structured_outputs": {"choice": [f"option number {i:05d}" for i in range(2800)]}}),
@@ -75,14 +81,18 @@ ATTACKS: dict[str, Callable[[httpx.Client], Any]] = {
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m perf.bench_isolation", description=__doc__.split("\n\n")[0])
     parser.add_argument("--canaries", type=int, default=20, help="canary requests per phase (%(default)s)")
+    parser.add_argument("--attacks", default=",".join(ATTACKS), help="attacks to run, comma-separated (%(default)s)")
+    parser.add_argument("--server-args", default="", help="extra parallm-launch arguments, e.g. "
+                        "'--engine.prefill-pass-s 0' (pacing off)")
     add_results_options(parser)
     args = parser.parse_args(argv)
     results = Results.from_args("isolation", args, argv)
     data: dict[str, Any] = {}
-    with Server() as srv:
+    with Server(*shlex.split(args.server_args)) as srv:
         canary(srv.url, 5)  # warm-up
         data["idle"] = summary(canary(srv.url, args.canaries))
-        for name, attack in ATTACKS.items():
+        for name in args.attacks.split(","):
+            attack = ATTACKS[name]
             lat, out = under(srv.url, attack, args.canaries)
             data[name] = {**lat, **out, "p99_over_idle": round(lat["p99_s"] / data["idle"]["p99_s"], 2)}
             print(name, json.dumps(data[name]), flush=True)

@@ -20,14 +20,16 @@ import zmq
 
 from parallm import blas, protocol, routing
 from parallm.adapters import AdapterError, HeldRequests
-from parallm.engine.weights import Applied, ChunkStaging, WeightsError
+from parallm.engine.weights import ChunkStaging
 from parallm.config import Config
 from parallm.engine import Engine, EngineModel, Request, RequestRejected, ScoreResult, SeqOutput, distributed
 from parallm.engine.compile_queue import CompileQueue
 from parallm.engine.images import unpack_images
 from parallm.pooling.queue import Pooled, PoolingQueue
 from parallm.runtime import StageRuntime
-from parallm.stages.engine_adapters import adapter_list, adapter_roots, load_adapter, weights_path
+from parallm.stages.engine_adapters import (AdapterMessages, adapter_list, adapter_roots, load_adapter,  # noqa: F401
+                                             weights_path)  # adapter_roots, load_adapter, weights_path: imported from here
+from parallm.stages.engine_reads import FileReads
 from parallm.stages.engine_replies import rejection, score_reply, to_delta
 from parallm.stages.skeleton import Handler, Stage
 from parallm.transport import Receiver, Sender, open_socket
@@ -37,7 +39,7 @@ FANNED_OUT = (protocol.Abort, protocol.AdapterPublish, protocol.AdapterUnload, p
               protocol.WeightsUpdate)
 
 
-class EngineStage(Stage):
+class EngineStage(AdapterMessages, Stage):
     log = log
 
     def __init__(self, config: Config, runtime: StageRuntime, engine: Engine, model_info: dict[str, Any],
@@ -76,6 +78,7 @@ class EngineStage(Stage):
         self.staging = ChunkStaging(lambda tensors: self.engine.weights.check_chunk(tensors),  # chunked weight updates
                                     root=config.adapters.weights_staging_dir,
                                     timeout_s=config.adapters.weights_chunk_timeout_s)
+        self.reads: FileReads[protocol.AdapterPublish | protocol.WeightsUpdate] = FileReads()  # loads by path
         self.held: HeldRequests[protocol.Submit] = HeldRequests(config.adapters)  # waiting for their version
         settings = config.engine
         self.compiling: CompileQueue[protocol.Submit] = CompileQueue(  # waiting for their grammar
@@ -165,70 +168,6 @@ class EngineStage(Stage):
         publish on the PUB socket)."""
         if message.qid and message.reply_to:
             self.out.send(message)
-
-    # ------------------------------------------------------------------ adapters
-    def on_publish(self, message: protocol.AdapterPublish) -> None:
-        try:
-            self.reply(load_adapter(self.engine, message, adapter_roots(self.config)))
-        except AdapterError as exc:
-            log.warning("adapter %r version %d rejected: %s", message.name, message.version, exc.message)
-            if message.qid and message.reply_to:
-                self.out.send(rejection(message.qid, message.reply_to, exc))
-
-    # ------------------------------------------------------------------ full-weight updates
-    def on_weights(self, message: protocol.WeightsUpdate) -> None:
-        """Apply new base weights now (between two steps): a directory at once; the chunks of an update
-        sent over PUB are checked and staged as they come (weights.ChunkStaging) and applied from the
-        staging directory once the last is in, so generation goes on under the old weights meanwhile and
-        an update that fails midway changes nothing (why is in the stats' `weights` and the log)."""
-        try:
-            if message.path:
-                path = weights_path(message.path, adapter_roots(self.config))
-                applied, complete = self.engine.update_weights(path=path, version=message.version), True
-            else:
-                staged = self.staging.add(message.update_id, message.chunk, message.chunks, message.weights,
-                                          version=message.version, current_version=self.engine.weights_version)
-                applied, complete = Applied(0, 0, 0.0), staged is not None
-                if staged is not None:
-                    try:
-                        applied = self.engine.update_weights(path=str(staged.directory), version=staged.version)
-                    except WeightsError as exc:
-                        self.staging.done(exc)
-                        raise
-                    self.staging.done(version=self.engine.weights_version)
-        except WeightsError as exc:
-            log.warning("weight update rejected: %s", exc.message)
-            if message.qid and message.reply_to:
-                self.out.send(protocol.RequestError(rid=message.qid, reply_to=message.reply_to, status=exc.status,
-                                                    code=exc.code, message=exc.message))
-            return
-        if complete:
-            log.info("full-weight update: base model version %d (%d tensors, %d layers, %.1f ms)",
-                     self.engine.weights_version, applied.tensors, applied.layers, applied.load_ms)
-        self.reply(protocol.WeightsUpdated(qid=message.qid, reply_to=message.reply_to,
-                                           version=self.engine.weights_version, tensors=applied.tensors,
-                                           load_ms=applied.load_ms, complete=complete))
-
-    def expire_weights(self) -> None:
-        """Drop a chunked update whose next chunk is overdue (adapters.weights_chunk_timeout_s); delete the
-        staged chunks of applied updates once every rank serves them (a tensor-parallel group's other
-        ranks confirm the weights version in their step digests: stats' `ranks`)."""
-        error = self.staging.expire()
-        if error is not None:
-            log.warning("weight update rejected: %s", error.message)
-        if self.staging.spent:
-            ranks = self.engine.stats().ranks[1:]
-            self.staging.sweep(lambda version: all(r.policy.get("", 0) >= version for r in ranks))
-
-    def on_unload(self, message: protocol.AdapterUnload) -> None:
-        try:
-            removed = self.engine.unload_adapter(message.name)
-        except AdapterError as exc:
-            if message.qid and message.reply_to:
-                self.out.send(rejection(message.qid, message.reply_to, exc))
-            return
-        self.reply(protocol.AdapterUnloaded(qid=message.qid, reply_to=message.reply_to, name=message.name,
-                                            versions_removed=removed))
 
     def on_submit(self, message: protocol.Submit, *, held_since: float | None = None) -> None:
         spec = message.spec
@@ -375,7 +314,7 @@ class EngineStage(Stage):
         self.reports.tick(self.stats)
 
     def idle_wait_ms(self) -> int:
-        return min(self.beat_ms, 20) if self.compiling else self.beat_ms  # a grammar compiling: look again soon
+        return min(self.beat_ms, 20) if self.compiling or self.reads else self.beat_ms  # look again soon
 
     def work(self) -> bool:
         """Between polls: requests waiting for a version or a grammar, chunked weight updates' timeouts,
@@ -388,6 +327,8 @@ class EngineStage(Stage):
             self.retry_held()
         if self.compiling:
             self.admit_compiled()
+        if self.reads:
+            self.take_reads()
         if self.staging.pending is not None or self.staging.spent:
             self.expire_weights()
         paused_owing = self.paused and self.engine.owes_outputs()

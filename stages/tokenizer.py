@@ -8,6 +8,7 @@ detokenizer, like every other reply; everything else goes on to the engine as a 
 from __future__ import annotations
 
 import logging
+from functools import partial
 from typing import Any, Callable
 
 import msgspec
@@ -20,6 +21,7 @@ from parallm.routing import Router
 from parallm.runtime import StageRuntime
 from parallm.text.templating import Templater, TemplateError
 from parallm.stages.skeleton import Stage, text_tokenizer
+from parallm.stages.tokenizer_offload import LARGE_TEXT_CHARS, Offload, text_chars
 from parallm.transport import Receiver, Sender, open_socket
 from parallm.vision.fetch import ImageError, ImageLimits
 from parallm.vision.inputs import ImageInputs, load_vision_inputs, request_images
@@ -46,13 +48,15 @@ class TokenizerStage(Stage):
         self.to_engine = self.to_engines[0]
         self.router = Router(replicas, config.engine.block_size, down=range(config.engine.replicas, replicas))
         self.rejected = 0
+        self.offload = Offload()  # large tokenizations, on a worker thread
         self.inbox = Receiver(open_socket(ctx, zmq.PULL, addrs.tokenizers[runtime.replica], bind=True, hwm=hwm),
                               protocol.TokenizerInbound, name="tokenizer",
                               on_rejected=lambda error: self.to_detok.send(error, block=False))
         self.listen(self.inbox, {
             protocol.TextSubmit: self.on_text_submit,
             protocol.Tokenize: lambda m: self._answer(m, lambda: protocol.TokenizeReply(
-                qid=m.qid, reply_to=m.reply_to, ids=protocol.pack_ids(self.templater.tokenize(m)))),
+                qid=m.qid, reply_to=m.reply_to, ids=protocol.pack_ids(self.templater.tokenize(m))),
+                large=text_chars([m.prompt, m.messages]) > LARGE_TEXT_CHARS),
             protocol.Detokenize: lambda m: self._answer(m, lambda: protocol.DetokenizeReply(
                 qid=m.qid, reply_to=m.reply_to, text=self.templater.detokenize(m))),
             protocol.GetStats: lambda m: self.answer(protocol.StatsReply(qid=m.qid, reply_to=m.reply_to,
@@ -65,14 +69,31 @@ class TokenizerStage(Stage):
         """Replies and errors go to the detokenizer, which routes them to the client."""
         self.to_detok.send(message)
 
-    def _answer(self, request: Any, compute: Callable[[], protocol.Reply]) -> None:
-        """Send the reply `compute` builds for a control request, or the template error as its RequestError."""
+    def _answer(self, request: Any, compute: Callable[[], protocol.Reply], large: bool = False) -> None:
+        """Send the reply `compute` builds for a control request, or the template error as its RequestError;
+        a `large` one is computed on the worker thread (stages/tokenizer_offload.py)."""
+        if large:
+            self.offload.submit(compute, lambda done: self.safely(lambda m: self._answer(m, done.result), request))
+            return
         try:
             reply = compute()
         except TemplateError as exc:
             self.to_detok.send(exc.to_error(request.qid, request.reply_to))
             return
         self.to_detok.send(reply)
+
+    def work(self) -> bool:
+        """Send what the worker thread finished (a large request's ids or its error)."""
+        return self.offload.finish() > 0 if self.offload else False
+
+    def idle_wait_ms(self) -> int:
+        return min(self.beat_ms, 5) if self.offload else self.beat_ms  # large work running: look again soon
+
+    def in_flight(self) -> int:
+        return len(self.offload)
+
+    def encode(self, message: protocol.TextSubmit) -> list[int]:
+        return self.templater_for(message.spec).encode(message)
 
     def templater_for(self, spec: protocol.RequestSpec) -> Templater:
         """The generator's templater, or a pooling request's model's."""
@@ -90,10 +111,17 @@ class TokenizerStage(Stage):
             # a pooling model scores the conversation as it stands: no generation prompt, and the template
             # writes the special tokens itself
             message = msgspec.structs.replace(message, add_generation_prompt=False, add_special_tokens=False)
+        encode = partial(self.encode, message)
+        if text_chars([message.prompt, message.messages]) > LARGE_TEXT_CHARS:
+            self.offload.submit(encode, lambda done: self.safely(lambda m: self._submit(m, done.result), message))
+            return
+        self._submit(message, encode)
+
+    def _submit(self, message: protocol.TextSubmit, encode: Callable[[], list[int]]) -> None:
+        """Send the request on to an engine with the ids `encode` gives, or refuse it with the template error."""
         try:
-            templater = self.templater_for(message.spec)
-            ids = templater.encode(message)
-            images = self.prepare_images(message, ids, templater)
+            ids = encode()
+            images = self.prepare_images(message, ids, self.templater_for(message.spec))
         except TemplateError as exc:
             self.rejected += 1
             log.info("refused: %s", exc.message, extra=request_extra(message.rid, status=exc.status, param=exc.param))

@@ -26,8 +26,13 @@ def test_cpu_resolution_is_unchanged():
     assert _resolved("cpu") == CPU_BEFORE
     unset = msgspec.structs.asdict(EngineConfig())
     resolved = msgspec.structs.asdict(resolve_engine_config(EngineConfig(), "cpu"))
-    assert {k: v for k, v in resolved.items() if v != unset[k]} == {k: v for k, v in CPU_BEFORE.items()
-                                                                    if unset[k] is None}
+    assert {k: v for k, v in resolved.items() if v != unset[k]} == {
+        **{k: v for k, v in CPU_BEFORE.items() if unset[k] is None}, "prefill_pass_s": 0.25}  # issue 30's pacing
+
+
+def test_prefill_pacing_is_on_only_on_the_cpu():
+    assert [resolve_engine_config(EngineConfig(), d).prefill_pass_s for d in ("cpu", "cuda", "metal")] == [0.25, 0, 0]
+    assert resolve_engine_config(EngineConfig(prefill_pass_s=0.5), "cuda").prefill_pass_s == 0.5
 
 
 def test_cuda_attends_unfused_and_metal_keeps_mlx_calls():

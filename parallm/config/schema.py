@@ -57,6 +57,11 @@ class EngineConfig(Struct, frozen=True, kw_only=True, forbid_unknown_fields=True
                                                  "MLX's CPU device 128 with mixed passes, else 256; 512 "
                                                  "elsewhere")] = None
     max_prefill_rows: Annotated[int, _d("sequences prefilled together in one pass")] = 16
+    prefill_pass_s: Annotated[float | None, _d("seconds one prefill pass (a mixed pass with its decode rows) should "
+                                               "take: the step's prefill budget shrinks below max_prefill_tokens "
+                                               "from the measured cost of the last passes, so a short prompt never "
+                                               "waits long behind a long one's chunks; 0 = off; unset = 0.25 on "
+                                               "MLX's CPU device, off elsewhere (docs/scheduling.md)")] = None
     pooling_batch_tokens: Annotated[int, _d("padded tokens per batched pass of a pooling model (model.pooling); "
                                             "one pass runs between two generation steps: 512 held the generation drop "
                                             "to ~10 percent under an embeddings burst on the CPU, 8192 to 65 percent "
@@ -158,6 +163,7 @@ def auto_adapter_merge_mb(on_cpu: bool) -> int:
 ComputeDevice = Literal["cpu", "cuda", "metal"]  # the backend MLX computes on (parallm.device.compute_device)
 
 CUDA_UNFUSED_PREFILL_KEYS = 4096  # engine.unfused_prefill_keys unset on a CUDA GPU
+CPU_PREFILL_PASS_S = 0.25  # engine.prefill_pass_s unset on MLX's CPU device (docs/scheduling.md)
 
 
 def resolve_engine_config(config: EngineConfig, device: ComputeDevice) -> EngineConfig:
@@ -186,6 +192,8 @@ def resolve_engine_config(config: EngineConfig, device: ComputeDevice) -> Engine
         changes["fast_math"] = on_cpu
     if config.mixed_passes is None:
         changes["mixed_passes"] = on_cpu
+    if config.prefill_pass_s is None:
+        changes["prefill_pass_s"] = CPU_PREFILL_PASS_S if on_cpu else 0.0
     if config.prefill_buckets is None:
         changes["prefill_buckets"] = False  # a GPU default waits for `bash perf/gpu_runs.sh buckets`
     if config.unfused_decode is None:

@@ -30,6 +30,7 @@ class AdmissionPolicy:
         self.budget = budget
         self.buckets = buckets  # pad a pass's length to its bucket (engine.prefill_buckets)
         self.max_prefill_tokens = max_prefill_tokens
+        self.pass_tokens = max_prefill_tokens  # this step's budget: max_prefill_tokens, or less when paced (pacing.py)
         self.headroom = headroom
         self.priority = priority
 
@@ -37,7 +38,7 @@ class AdmissionPolicy:
         """The padded chunk length L of a prefill pass over rows with these remaining tokens."""
         if not remaining:
             return 0
-        return min(max(remaining), max(1, self.max_prefill_tokens // len(remaining)))
+        return min(max(remaining), max(1, self.pass_tokens // len(remaining)))
 
     def pass_shape(self, region: list[Sequence], rems: list[int], now: float) -> PassShape:
         """Equal priorities: every row, as many tokens each as the budget allows. Otherwise the
@@ -52,7 +53,7 @@ class AdmissionPolicy:
             top += 1
         length = self.chunk_len(rems[:top])
         k = top
-        while k < len(region) and (k + 1) * length <= self.max_prefill_tokens and 2 * min(rems[k], length) >= length:
+        while k < len(region) and (k + 1) * length <= self.pass_tokens and 2 * min(rems[k], length) >= length:
             k += 1
         return PassShape(top, k, length, self._padded(length))
 
@@ -99,7 +100,7 @@ class AdmissionPolicy:
         if 2 * min(remaining, length) >= length:
             return False
         chunked = all(r > self.chunk_len(others) for r in others)  # the others alone would not finish this pass
-        return not (chunked and 2 * length >= self.max_prefill_tokens)
+        return not (chunked and length >= self.pass_tokens // 2)
 
     def victim(self, seq: Sequence, pool: list[Sequence], rows_in_use: int, live: list[Sequence], now: float,
                check_memory: bool = True) -> Sequence | None:

@@ -31,6 +31,7 @@ from .memory import (auto_kv_budget_bytes, bound_cuda_cache, fit_state_rows, lim
                      split_kv_budget, weight_bytes)
 from .images import attach_images
 from .model import EngineModel
+from .pacing import PrefillPacer, context_weight
 from .output import OutputProcessor, StepOutputs, unseen_versions
 from .plan import KVBudget, Plan, PrefillWork
 from .prefix_tier import PrefixDiskTier, open_disk_tier
@@ -113,7 +114,8 @@ class Engine(EngineReport):
         self.budget = KVBudget(budget_tokens=live_tokens, max_rows=settings.max_num_seqs,
                                max_len=self.max_model_len + settings.max_prefill_tokens + 1)
         self.blocks = BlockManager(pool_blocks, bs) if settings.prefix_cache else None
-        self.scheduler = Scheduler(budget=self.budget, max_prefill_tokens=settings.max_prefill_tokens,
+        self.pacer = PrefillPacer(settings.prefill_pass_s or 0.0, settings.max_prefill_tokens, context_weight(self.model))
+        self.scheduler = Scheduler(budget=self.budget, max_prefill_tokens=settings.max_prefill_tokens, pacer=self.pacer,
                                    blocks=self.blocks, block_size=bs, max_prefill_rows=settings.max_prefill_rows,
                                    writeback_interval=settings.writeback_interval,
                                    priority_aging_s=settings.priority_aging_s,
@@ -268,11 +270,15 @@ class Engine(EngineReport):
         if work is not None:
             self.trace.prefill(len(work.seqs), sum(work.lengths), work.length, max(work.starts) + work.length,
                                self.runner.live.capacity)
-        if work is not None and self._can_mix(work) and self._mixed(work, out, emit):
-            self._phase("mixed", time.perf_counter() - t1)
-            return "mixed"
+        if work is not None and self._can_mix(work):
+            contexts = [s.num_computed for s in self.scheduler.running]  # decoded in the same pass
+            if self._mixed(work, out, emit):
+                self._phase("mixed", seconds := time.perf_counter() - t1)
+                self.pacer.observe(seconds, work.starts, work.lengths, contexts)
+                return "mixed"
         if work is not None:
             self._prefill(work, out, emit)
+            self.pacer.observe(time.perf_counter() - t1, work.starts, [work.length] * len(work.seqs))
         t2 = time.perf_counter()
         verified = self.spec is not None and self.spec.step(out)  # speculated: verify pass read
         launched = not verified and self._launch()

@@ -31,6 +31,7 @@ from typing import Callable, Iterable
 
 from .admission import AdmissionPolicy, PassShape
 from .blocks import BlockManager
+from .pacing import PrefillPacer
 from .plan import (CopyRow, InitRow, KVBudget, LoadPrefix, Plan, PrefillWork, Resize, RowOp,  # noqa: F401 - re-exported
                    SwapRows, WriteBack)
 from .priority import PriorityPolicy, WaitingQueue
@@ -42,7 +43,7 @@ class Scheduler(RowLayout):
     def __init__(self, *, budget: KVBudget, max_prefill_tokens: int, blocks: BlockManager | None,
                  block_size: int, max_prefill_rows: int = 16, writeback_interval: int = 16,
                  headroom: int = 16, priority_aging_s: float = 0.0, prefill_buckets: bool = False,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 pacer: PrefillPacer | None = None, clock: Callable[[], float] = time.monotonic) -> None:
         super().__init__(blocks, block_size)
         self.budget = budget
         self.max_prefill_tokens = max_prefill_tokens
@@ -52,6 +53,7 @@ class Scheduler(RowLayout):
         self.policy = PriorityPolicy(priority_aging_s, clock)
         self.admission = AdmissionPolicy(budget=budget, max_prefill_tokens=max_prefill_tokens, headroom=headroom,
                                          priority=self.policy, buckets=prefill_buckets)
+        self.pacer = pacer  # sizes each step's prefill budget to a time target (engine.prefill_pass_s)
         self.waiting = WaitingQueue(self.policy)
         self._admissions = 0
         self._arrivals = 0
@@ -113,6 +115,7 @@ class Scheduler(RowLayout):
         plan = Plan()
         now = self.policy.clock()
         self._periodic_write_back()
+        self._pace()
         self._order_prefilling(now)
         self._preempt_until_fits(plan, now)
         self._resize_at = len(self._pending)  # a grow goes before the admissions that write into new rows
@@ -126,6 +129,13 @@ class Scheduler(RowLayout):
         plan.ops = self.take_ops()
         plan.prefill = self._prefill_work(now)
         return plan
+
+    def _pace(self) -> None:
+        """This step's prefill budget: max_prefill_tokens, or what the pacer says a pass lasting
+        engine.prefill_pass_s can take at the prefilling rows' positions beside the running rows."""
+        if self.pacer is not None:
+            start = max((s.num_computed for s in self.prefilling), default=0)
+            self.admission.pass_tokens = self.pacer.budget(start, [s.num_computed for s in self.running])
 
     def row_demand(self) -> int:
         """Rows in use and the rows the waiting sequences want (their n > 1 siblings too): what a

@@ -1,0 +1,160 @@
+"""Prefill pacing (engine/pacing.py): a step's prefill budget sized to engine.prefill_pass_s from the
+measured cost of earlier passes, so a short prompt's wait behind a long prompt's chunks is bounded in
+time, not only in tokens (issue 30's long-prefill canary)."""
+
+from __future__ import annotations
+
+import pytest
+
+from parallm.engine.pacing import PrefillPacer, context_weight, pass_work
+from parallm.engine.scheduler import KVBudget, Scheduler
+from parallm.engine.sequence import Sequence, Status
+from parallm.protocol import SamplingParams
+
+from tests.test_engine_scheduler import FakeRunner
+
+C = 3072.0  # SmolLM2-135M's context weight
+# a CPU like the 2-core one of issue 30: a 128-token chunk at position 5,900 takes ~2 s
+A = 2.0 / pass_work(C, [5900], [128])
+OVERHEAD_S = 0.02  # per pass, whatever its size
+
+
+def simulated_seconds(starts: list[int], lengths: list[int], contexts: list[int]) -> float:
+    return OVERHEAD_S + A * pass_work(C, starts, lengths, contexts)
+
+
+def test_the_budget_is_the_largest_chunk_within_the_target():
+    pacer = PrefillPacer(0.25, 128, C)
+    assert pacer.budget(5000) == 128  # nothing measured yet
+    pacer.observe(A * pass_work(C, [0], [128]), [0], [128])
+    t = pacer.budget(5000)
+    assert A * pass_work(C, [5000], [t]) <= 0.25 < A * pass_work(C, [5000], [t + 1])
+    assert pacer.budget(0) > t and pacer.budget(10**7) == 16  # cheaper early in a prompt; at least `least`
+    assert pacer.budget(5000, [5000] * 8) < t  # decode rows in the same pass take their share
+    pacer.target_s = 10.0
+    assert pacer.budget(0) == 128  # at most max_prefill_tokens
+
+
+def test_one_stalled_pass_moves_the_estimate_at_most_twofold():
+    pacer = PrefillPacer(0.25, 128, C)
+    pacer.observe(1.0, [0], [100])
+    rate = pacer.seconds_per_unit
+    pacer.observe(1000.0, [0], [100])
+    assert rate < pacer.seconds_per_unit <= 2 * rate
+
+
+def test_off_is_the_token_budget():
+    pacer = PrefillPacer(0.0, 128, C)
+    pacer.observe(5.0, [0], [128])
+    assert pacer.budget(6000) == 128
+
+
+def test_context_weight_from_the_models_shape():
+    class Args:
+        hidden_size, intermediate_size, num_attention_heads, num_key_value_heads, head_dim = 576, 1536, 9, 3, 64
+
+    class Model:
+        args = Args()
+
+    assert context_weight(Model()) == pytest.approx(3072.0)
+    assert context_weight(object()) > 0
+
+
+def run(target_s: float) -> tuple[list[float], dict[str, float], float]:
+    """A 6,000-token prompt prefilled while an 8-token request arrives every 6th pass; every pass timed
+    by the cost model above and reported to the pacer. Returns the pass times, each short request's
+    latency (its arrival to the end of the pass after the one that prefilled it: its second token) and
+    the long prompt's prefill time."""
+    budget = KVBudget(budget_tokens=200_000, max_rows=16, max_len=8000)
+    pacer = PrefillPacer(target_s, 128, C)
+    sched = Scheduler(budget=budget, max_prefill_tokens=128, blocks=None, block_size=16, pacer=pacer)
+    runner = FakeRunner(16, 16)
+    long = Sequence(seq_id=0, rid="long", index=0, prompt_ids=[1] * 6000, params=SamplingParams(), seed=0)
+    sched.add([long])
+    clock, times, arrived, latency, decoding, long_done = 0.0, [], {}, {}, [], 0.0
+    for step in range(2000):
+        if step % 6 == 3 and long.status is not Status.RUNNING:
+            rid = f"s{step}"
+            sched.add([Sequence(seq_id=100 + step, rid=rid, index=0, prompt_ids=[1] * 8, params=SamplingParams(),
+                                seed=0)])
+            arrived[rid] = clock
+        plan = sched.schedule()
+        runner.execute(plan.ops)
+        contexts = [s.num_computed for s in sched.running]
+        work = plan.prefill
+        seconds = simulated_seconds(work.starts, work.lengths, contexts) if work else 0.001
+        clock += seconds
+        times.append(seconds)
+        for seq in decoding:  # its second token came from this pass
+            latency[seq.rid] = clock - arrived[seq.rid]
+            sched.finish(seq, "length")
+        if work is not None:
+            pacer.observe(seconds, work.starts, work.lengths, contexts)
+            runner.prefill(work)
+            runner.execute(sched.complete_prefill(work))
+        decoding = [s for s in sched.running if s.rid != "long"]
+        if long.status is Status.RUNNING and not long_done:
+            long_done = clock
+            break
+    sched.check_integrity()
+    return times, latency, long_done
+
+
+def test_a_short_prompt_waits_a_bounded_time_beside_a_long_prefill():
+    """Issue 30: a 2-token completion took 14.4 s on the CPU while a 6k-token prompt prefilled, each
+    128-token chunk near its end taking seconds. Paced to 0.25 s a pass, every pass after the first few
+    stays near the target, a short request gets its second token within ~3 passes, and the long prompt's
+    own prefill takes at most 1.6x as long (the fixed cost of the extra passes)."""
+    times, latency, long_s = run(0.25)
+    assert max(times[3:]) <= 0.25 * 1.3
+    assert len(latency) >= 10 and max(latency.values()) <= 1.0
+    _, unpaced_latency, unpaced_long_s = run(0.0)
+    assert max(unpaced_latency.values()) > 2.5  # unpaced: the wait grows with the long prompt's position
+    assert long_s <= 1.6 * unpaced_long_s
+
+
+@pytest.mark.parametrize("mixed", [False, True])
+def test_the_engine_paces_its_passes_and_the_tokens_do_not_change(mixed: bool):
+    """The engine reports every prefill (or mixed) pass to its pacer: with a target no pass can meet, a
+    long prompt goes in chunks of the pacer's least (16 tokens) after its first pass, and a short request
+    arriving meanwhile gets the same greedy tokens as without pacing."""
+    from tests._engine_helpers import greedy, make_engine, req, run_all, tiny_model
+
+    model = tiny_model("llama")
+    prompt = [(7 * i) % 90 + 3 for i in range(300)]
+    out = {}
+    for target in (0.0, 1e-6):
+        engine = make_engine(model, max_prefill_tokens=128, prefill_pass_s=target, mixed_passes=mixed)
+        chunks: list[int] = []
+        prefill = engine.trace.prefill
+        engine.trace.prefill = lambda rows, tokens, *a: (chunks.append(tokens), prefill(rows, tokens, *a))
+        out[target] = run_all(engine, [req("long", prompt, greedy(4))],
+                              arrivals={2: [req("short", [5, 6, 7], greedy(4))]})
+        assert engine.pacer.passes == (len(chunks) if target else 0)
+        if target:
+            assert chunks[0] == 128 and max(chunks[1:]) <= 16 + 3  # 16 of the long prompt (+ the short one's 3)
+    assert {k: v["tokens"] for k, v in out[0.0].items()} == {k: v["tokens"] for k, v in out[1e-6].items()}
+
+
+def test_prompt_logprobs_are_paced_like_any_prefill_and_do_not_change():
+    """Issue 30: a 6k-token prompt with prompt_logprobs (never served from the prefix cache: every
+    position's logits need its full forward pass) was prefilled in full-budget passes, each longer than
+    the plain prompt's. Paced, its chunks shrink to what the target allows while its values stay those
+    of the unpaced run."""
+    from tests._engine_helpers import greedy, make_engine, req, run_all, tiny_model
+
+    model = tiny_model("llama")
+    prompt = [(5 * i) % 90 + 3 for i in range(200)]
+    got = {}
+    for target in (0.0, 1e-6):
+        engine = make_engine(model, max_prefill_tokens=128, prefill_pass_s=target)
+        chunks: list[int] = []
+        prefill = engine.trace.prefill
+        engine.trace.prefill = lambda rows, tokens, *a: (chunks.append(tokens), prefill(rows, tokens, *a))
+        got[target] = run_all(engine, [req("lp", prompt, greedy(2, prompt_logprobs=3))])[("lp", 0)]
+        assert (chunks == [128, 72]) if not target else (chunks[0] == 128 and max(chunks[1:]) <= 16)
+    assert got[1e-6]["prompt_logprobs"] is not None
+    plain, paced = got[0.0]["prompt_logprobs"][0], got[1e-6]["prompt_logprobs"][0]
+    assert len(paced) == len(prompt) and paced[0] is None
+    assert max(abs(a - b) for a, b in zip(plain[1:], paced[1:])) < 1e-4
+    assert got[0.0]["tokens"] == got[1e-6]["tokens"]
