@@ -24,7 +24,7 @@ from parallm.engine.weights import Applied, ChunkStaging, WeightsError
 from parallm.config import Config
 from parallm.engine import Engine, EngineModel, Request, RequestRejected, ScoreResult, SeqOutput, distributed
 from parallm.engine.compile_queue import CompileQueue
-from parallm.pooling.queue import Pooled, PoolingQueue
+from parallm.engine.pooling_queue import Pooled, PoolingQueue
 from parallm.runtime import StageRuntime
 from parallm.stages.engine_adapters import adapter_list, adapter_roots, load_adapter, weights_path
 from parallm.stages.engine_replies import rejection, score_reply, to_delta

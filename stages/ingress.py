@@ -29,7 +29,8 @@ from parallm.api.backend import BackendError
 from parallm.config import Config, serves_lm
 from parallm.metrics import ServerMetrics
 from parallm.pipeline import Pipeline
-from parallm.pooling.spec import PoolingInfo, describe, parse_spec
+from parallm.config.pooling import parse_entry
+from parallm.pooling.spec import PoolingInfo, describe
 from parallm.policies.client import AsyncPolicyClient
 from parallm.runtime import StageRuntime
 from parallm.streams import ClientError
@@ -83,7 +84,7 @@ def pooling_infos(entries: list[str]) -> dict[str, PoolingInfo]:
     """model.pooling's models as the supervisor resolved them ('NAME:TASK=DIR'), read without loading them."""
     out = {}
     for entry in entries:
-        name, task, path = parse_spec(entry)
+        name, task, path = parse_entry(entry)
         out[name] = describe(Path(path), name, task)
     return out
 

@@ -15,6 +15,7 @@ from typing import Annotated, Any, Literal, Mapping, Sequence, Union, get_args, 
 import msgspec
 from msgspec import Meta, Struct
 
+from .pooling import parse_entry
 from .schema import AUTO, ENV_PREFIX, TOOL_CALL_PARSERS, Config, PoliciesConfig, TrainerConfig
 
 if sys.version_info >= (3, 11):
@@ -228,10 +229,8 @@ def _check(config: Config) -> None:
             problems.append(f"server.tool_call_parser {config.server.tool_call_parser!r} is not one of: "
                             + ", ".join(known))
     for entry in config.model.pooling:
-        from parallm.pooling.spec import parse_spec
-
         try:
-            parse_spec(entry)
+            parse_entry(entry)
         except ValueError as exc:
             problems.append(str(exc))
     if config.engine.pooling_batch_tokens < 1:

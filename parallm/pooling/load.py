@@ -24,7 +24,8 @@ from ..models.loader import load_tokenizer
 from ..models.source import check_model_dir, read_config
 from .bert import BertArgs, BertEncoder
 from .model import PoolingModel
-from .spec import PoolingInfo, PoolingModelError, describe, parse_spec
+from ..config.pooling import parse_entry
+from .spec import PoolingInfo, PoolingModelError, describe
 
 log = logging.getLogger(__name__)
 
@@ -65,7 +66,7 @@ def resolve_entries(entries: list[str], cache_dir: str = "") -> list[str]:
     'NAME:TASK=DIR', what the supervisor hands the stages."""
     out = []
     for entry in entries:
-        name, task, spec = parse_spec(entry)
+        name, task, spec = parse_entry(entry)
         path, _ = resolve_pooling_dir(spec, cache_dir)
         out.append(f"{name}:{_describe(path, name, task).task}={path}")
     return out
@@ -133,5 +134,5 @@ def load_pooling_model(spec: str, *, name: str = "", task: str = "", cache_dir: 
 
 def load_entry(entry: str, cache_dir: str = "") -> PoolingModel:
     """A model.pooling entry ('NAME[:TASK]=PATH') loaded."""
-    name, task, spec = parse_spec(entry)
+    name, task, spec = parse_entry(entry)
     return load_pooling_model(spec, name=name, task=task, cache_dir=cache_dir)

@@ -1,5 +1,6 @@
 """What a pooling model is, read from its directory without loading it (no MLX here: ingress and the
-tokenizer stage use it too), and the `NAME[:TASK]=PATH` spelling of `model.pooling` entries."""
+tokenizer stage use it too). The `NAME[:TASK]=PATH` spelling of `model.pooling` entries is
+parallm/config/pooling.py's."""
 
 from __future__ import annotations
 
@@ -8,11 +9,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from ..config.pooling import TASKS
+
 
 class PoolingModelError(ValueError):
     """A pooling model directory that cannot be served as asked (load.py raises it as a ModelLoadError)."""
 
-TASKS = ("embed", "reward", "classify")
 ENCODER_TYPES = ("bert", "roberta", "xlm-roberta")
 
 
@@ -35,18 +37,6 @@ class PoolingInfo:
         if self.matryoshka is None:
             return False
         return 0 < dims <= self.dims and (not self.matryoshka or dims in self.matryoshka)
-
-
-def parse_spec(text: str) -> tuple[str, str, str]:
-    """'NAME[:TASK]=PATH' -> (name, task or '', path); PATH 'default' is the embedded all-MiniLM-L6-v2."""
-    head, sep, path = text.partition("=")
-    name, _, task = head.partition(":")
-    name, task, path = name.strip(), task.strip(), path.strip()
-    if not sep or not name or not path:
-        raise ValueError(f"model.pooling entry {text!r} is not NAME=PATH or NAME:TASK=PATH")
-    if task and task not in TASKS:
-        raise ValueError(f"model.pooling entry {text!r}: task {task!r} is not one of {', '.join(TASKS)}")
-    return name, task, path
 
 
 def _read_json(path: Path) -> Any:
