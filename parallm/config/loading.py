@@ -16,7 +16,8 @@ import msgspec
 from msgspec import Meta, Struct
 
 from .pooling import parse_entry
-from .schema import AUTO, ENV_PREFIX, TOOL_CALL_PARSERS, Config, PoliciesConfig, TrainerConfig
+from .schema import (AUTO, ENV_PREFIX, TOOL_CALL_PARSERS, Config, PoliciesConfig, TrainerConfig, generates,
+                     pooling_only_problems)
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -38,6 +39,7 @@ ALIASES: dict[str, str] = {
     "chat-template": "model.chat_template",
     "adapter": "adapters.preload",
     "pooling-model": "model.pooling",
+    "task": "model.task",
     "trust-remote-code": "model.trust_remote_code",
     "generation-config": "model.generation_config",
     "policy-model": "policies.models",
@@ -233,6 +235,8 @@ def _check(config: Config) -> None:
             parse_entry(entry)
         except ValueError as exc:
             problems.append(str(exc))
+    if not generates(config):
+        problems += pooling_only_problems(config)
     if config.engine.pooling_batch_tokens < 1:
         problems.append("engine.pooling_batch_tokens must be >= 1")
     if config.engine.max_num_seqs < 1:

@@ -17,3 +17,13 @@ def parse_entry(text: str) -> tuple[str, str, str]:
     if task and task not in TASKS:
         raise ValueError(f"model.pooling entry {text!r}: task {task!r} is not one of {', '.join(TASKS)}")
     return name, task, path
+
+
+TASK_MODELS = {"embed": "an embedding model", "reward": "a reward model", "classify": "a classifier model"}
+
+
+def no_generator(model: str, task: str) -> str:
+    """Why a server whose model.path is a pooling model refuses generation (ingress, the tokenizer and
+    engine stages all say it in these words)."""
+    return (f"this server runs no text generator: its model '{model}' is {TASK_MODELS.get(task, 'a pooling model')} "
+            f"(model.task {task})")

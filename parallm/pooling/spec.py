@@ -74,6 +74,19 @@ def task_of(config: dict[str, Any]) -> str:
     return "embed"
 
 
+def pooling_task(path: Path) -> str | None:
+    """The task of a model directory that is a pooling model (an encoder, a `*ForSequenceClassification`
+    head, a sentence-transformers directory with a Pooling module), or None: a generator (model.task auto)."""
+    config = _read_json(path / "config.json")
+    if not isinstance(config, dict):
+        return None
+    text = {**config.get("text_config", {}), **config}
+    archs = [str(a) for a in config.get("architectures") or []]
+    if text.get("model_type") in ENCODER_TYPES or any(a.endswith("ForSequenceClassification") for a in archs):
+        return task_of(config)
+    return "embed" if st_pooling(path)[0] else None
+
+
 def num_labels(config: dict[str, Any]) -> int:
     if isinstance(config.get("id2label"), dict) and config["id2label"]:
         return len(config["id2label"])
