@@ -2,8 +2,9 @@
 
 The float32 kernels themselves (exp as 2^n * 2^f, SwiGLU, attention; why, and what they saved)
 are parallm/kernels.py. The fast functions replace mlx-lm's `swiglu` and
-`scaled_dot_product_attention` in the model's own module only while `FastMath` is entered (the engine enters it around its passes), so any
-other use of mlx-lm in the process (mlx_lm.generate, a trainer's loss) keeps the stock kernels.
+`scaled_dot_product_attention` in the model's own module only while `FastMath` is entered (the
+engine enters it around its passes), so any other use of mlx-lm in the process (mlx_lm.generate, a
+trainer's loss) keeps the stock kernels.
 They take float32 only; every other case (half precision, attention sinks, a quantized KV cache)
 goes to the stock function. Likewise the model's rotate-half RoPE modules are stood in for by
 `FastRoPE` (see `RopeTables`), and the attention runs packed passes (packed.PackedContext), which
