@@ -12,7 +12,7 @@ from __future__ import annotations
 import logging
 import signal
 import time
-from typing import Any, Callable, Sequence
+from typing import Any, Callable
 
 import mlx.core as mx
 import msgspec
