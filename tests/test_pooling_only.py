@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 from starlette.testclient import TestClient
+from test_api_fakes import FakeBackend
 
 from parallm.api.app import SERVED_WITHOUT_GENERATOR, build_app
 from parallm.config import ConfigError, ModelConfig, ServerConfig, build_config, generates
@@ -18,7 +19,6 @@ from parallm.models.resolve import resolve_model
 from parallm.pooling.load import resolve_served_model
 from parallm.pooling.spec import PoolingInfo, pooling_task
 from tests._pooling_helpers import write_decoder
-from tests.test_api_fakes import FakeBackend
 
 
 @pytest.fixture(scope="module")
