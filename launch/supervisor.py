@@ -24,7 +24,7 @@ import msgspec
 import zmq
 
 from parallm import protocol
-from parallm.config import Config, enabled_trainers, serves_lm
+from parallm.config import Config, enabled_trainers, generates, pooling_only_problems, serves_lm
 from parallm.keys import CurveKeyError, stage_curve, supervisor_keys
 from parallm.logs import write_line
 from parallm.transport import Receiver, Sender, addresses, open_socket, set_curve, stop_authenticators
@@ -127,20 +127,33 @@ class Supervisor:
             raise StartupError(str(exc)) from None
 
     def _resolve_model(self):
-        """Convert/locate the model once here (with progress), so stages load a ready directory."""
+        """Convert/locate the model once here (with progress), so stages load a ready directory. A pooling
+        model as model.path (model.task, or auto and its directory says so) is served with no generator:
+        its entry leads model.pooling and model.task names its task."""
         from parallm.models import ModelLoadError, resolve_model
+        from parallm.pooling.load import resolve_entries, resolve_served_model
 
+        model = self.config.model
         try:
-            source = resolve_model(self.config.model, progress=True)
-            from parallm.pooling.load import resolve_entries
-
-            pooling = resolve_entries(self.config.model.pooling, self.config.model.cache_dir)
+            served = resolve_served_model(model, model.cache_dir)
+            source = resolve_model(model, progress=True) if served is None else None
+            pooling = resolve_entries(model.pooling, model.cache_dir)
         except ModelLoadError as exc:
-            raise StartupError(f"cannot load model {self.config.model.path!r}: {exc}") from None
+            raise StartupError(f"cannot load model {model.path!r}: {exc}") from None
         except ValueError as exc:
             raise StartupError(f"cannot serve model.pooling: {exc}") from None
-        return msgspec.structs.replace(self.config.model, path=str(source.path), pooling=pooling,
-                                       served_name=self.config.model.served_name or source.name)
+        if source is not None:
+            return msgspec.structs.replace(model, path=str(source.path), pooling=pooling, task="generate",
+                                           served_name=model.served_name or source.name)
+        entry, task = served
+        name, path = entry.partition(":")[0], entry.partition("=")[2]
+        resolved = msgspec.structs.replace(model, path=path, pooling=[entry, *pooling], task=task, served_name=name)
+        problems = pooling_only_problems(msgspec.structs.replace(self.config, model=resolved))
+        if any(other.partition(":")[0] == name for other in pooling):
+            problems.append(f"model.pooling names '{name}' too")
+        if problems:
+            raise StartupError(f"cannot serve {model.path!r} as a pooling model: {'; '.join(problems)}")
+        return resolved
 
     def _specs(self) -> list[StageSpec]:
         """The stages to run: the language model's (unless only policies are served), the policy stage
@@ -225,7 +238,9 @@ class Supervisor:
 
     def _served(self) -> str:
         """What the ready line names: the model and the policies."""
-        names = [f"model {self.config.model.served_name}"] if serves_lm(self.config) else []
+        model = self.config.model
+        names = [f"model {model.served_name}" + ("" if generates(self.config) else f" ({model.task}, no generator)")] \
+            if serves_lm(self.config) else []
         policies = [entry.partition("=")[0] for entry in self.config.policies.models]
         return ", ".join(names + ([f"policies {', '.join(policies)}"] if policies else []))
 

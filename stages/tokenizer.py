@@ -15,7 +15,8 @@ import msgspec
 import zmq
 
 from parallm import protocol, routing
-from parallm.config import Config
+from parallm.config import Config, generates
+from parallm.config.pooling import no_generator
 from parallm.logs import request_extra
 from parallm.routing import Router
 from parallm.runtime import StageRuntime
@@ -96,8 +97,13 @@ class TokenizerStage(Stage):
         return self.templater_for(message.spec).encode(message)
 
     def templater_for(self, spec: protocol.RequestSpec) -> Templater:
-        """The generator's templater, or a pooling request's model's."""
+        """The generator's templater, or a pooling request's model's. A server whose model.path is a pooling
+        model has no generator (its own tokenizer still answers Tokenize and Detokenize)."""
         if spec.pooling is None:
+            if not generates(self.config):
+                model = self.config.model
+                raise TemplateError(f"{no_generator(model.served_name, model.task)}; it serves pooling requests only "
+                                    "(embeddings, rewards, classifications)", "model", code="model_not_generative")
             return self.templater
         templater = self.poolers.get(spec.pooling.model)
         if templater is None:

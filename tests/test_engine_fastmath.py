@@ -1,4 +1,4 @@
-"""The libm-free exp, SwiGLU and attention of parallm.engine.fastmath against MLX's own kernels."""
+"""The libm-free exp, SwiGLU and attention of parallm.kernels and parallm.engine.fastmath against MLX's own kernels."""
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -10,7 +10,8 @@ from mlx_lm.models.rope_utils import Llama3RoPE
 from _engine_helpers import greedy, make_engine, run_all, tiny_model, req
 
 from parallm.engine.packed import TokenPositions
-from parallm.engine.fastmath import FastMath, FastRoPE, RopeTables, exp, scaled_dot_product_attention, swiglu
+from parallm.engine.fastmath import FastMath, FastRoPE, RopeTables, scaled_dot_product_attention, swiglu
+from parallm.kernels import exp
 from parallm.protocol import SamplingParams
 
 

@@ -1,4 +1,4 @@
-"""The engine process's pooling queue (parallm/pooling/queue.py): validation, priority order, batches
+"""The engine process's pooling queue (parallm/engine/pooling_queue.py): validation, priority order, batches
 under the token budget, aborts, Matryoshka truncation."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import pytest
 
 from parallm.engine.request import RequestRejected
 from parallm.pooling.load import load_pooling_model
-from parallm.pooling.queue import PoolingQueue
+from parallm.engine.pooling_queue import PoolingQueue
 from parallm.protocol import PoolingSpec
 from tests._pooling_helpers import write_decoder
 

@@ -36,6 +36,7 @@ from parallm.api.schemas import (DetokenizeRequest, DetokenizeResponse, ModelCar
 from parallm.api.translate import message_dict
 from parallm.api.validate import Limits, check_model, check_token_ids, check_tokenize, decode
 from parallm.config import ServerConfig
+from parallm.config.pooling import no_generator
 from parallm.metrics import ServerMetrics
 from parallm.protocol import Detokenize, Tokenize, pack_ids
 
@@ -79,34 +80,39 @@ async def _http_error(request: Request, exc: Exception) -> Response:
 class Routes:
     """The non-generation endpoints."""
 
-    def __init__(self, backend: Backend, server: ServerConfig) -> None:
+    def __init__(self, backend: Backend, server: ServerConfig, generates: bool = True) -> None:
         self.backend = backend
         self.server = server
+        self.generates = generates
         self.created = int(time.time())
         self.openapi = openapi_document()
 
-    def card(self) -> ModelCard:
+    def cards(self) -> list[ModelCard]:
+        """The generator (when one is served), then the pooling models (model.pooling)."""
         name = self.backend.model_name
-        return ModelCard(id=name, created=self.created, root=name,
-                         max_model_len=int(self.backend.max_model_len or 0) or None)
+        generator = [ModelCard(id=name, created=self.created, root=name,
+                               max_model_len=int(self.backend.max_model_len or 0) or None)] if self.generates else []
+        return generator + [ModelCard(id=info.name, created=self.created, root=info.name, max_model_len=info.max_len)
+                            for info in self.backend.pooling_models.values()]
 
     async def models(self, request: Request) -> Response:
-        """The served model, then one card per loaded adapter as vLLM lists LoRA adapters: `root` where
-        its latest version was loaded from, `parent` the served model. An engine that cannot answer (down,
-        restarting) leaves the adapters out rather than failing the listing."""
+        """The served model and the pooling models, then one card per loaded adapter as vLLM lists LoRA
+        adapters: `root` where its latest version was loaded from, `parent` the served model. An engine that
+        cannot answer (down, restarting) leaves the adapters out rather than failing the listing."""
         try:
-            adapters = (await self.backend.list_adapters()).adapters
+            adapters = (await self.backend.list_adapters()).adapters if self.generates else []
         except BackendError:
             adapters = []
         cards = [ModelCard(id=a.name, created=self.created, owned_by="parallm", parent=self.backend.model_name,
                            root=a.versions[-1].source if a.versions else a.name) for a in adapters]
-        return json_response(ModelList(data=[self.card(), *cards]))
+        return json_response(ModelList(data=[*self.cards(), *cards]))
 
     async def model(self, request: Request) -> Response:
         name = request.path_params["model"]
-        if name != self.backend.model_name:
+        card = next((c for c in self.cards() if c.id == name), None)
+        if card is None:
             raise model_not_found(name)
-        return json_response(self.card())
+        return json_response(card)
 
     async def tokenize(self, request: Request) -> Response:
         req = decode(await read_body(request, self.server.max_body_bytes), TokenizeRequest)
@@ -139,17 +145,41 @@ def _limits_model(backend: Backend) -> Limits:
     return Limits(model_name=backend.model_name)
 
 
+# What a server with no generator (model.path a pooling model) serves; every other route answers 400
+SERVED_WITHOUT_GENERATOR = frozenset({
+    "/v1/embeddings", "/v1/classifications", "/classify", "/v1/rewards", "/pooling", "/v1/models",
+    "/v1/models/{model:path}", "/v1/tokenize", "/v1/detokenize", "/tokenize", "/detokenize", "/health", "/livez",
+    "/readyz", "/metrics", "/openapi.json", "/pause", "/resume", "/is_paused"})
+
+
+def _no_generator(backend: Backend, route: Route) -> Route:
+    """`route` answering 400 naming why: the server's model is a pooling model, no generator runs."""
+    name = backend.model_name
+    info = backend.pooling_models.get(name)
+    task = info.task if info is not None else "pooling"
+    routes = {"embed": "/v1/embeddings", "reward": "/v1/rewards", "classify": "/v1/classifications"}
+
+    async def refuse(request: Request) -> Response:
+        raise APIError(400, f"{request.method} {route.path} needs a text generator; {no_generator(name, task)}. It "
+                            f"serves {routes.get(task, '/pooling')}, /pooling, /v1/models, /tokenize, /health and "
+                            "/metrics.", param="model", code="model_not_generative")
+
+    return Route(route.path, endpoint(refuse), methods=list(route.methods or []))
+
+
 def build_app(backend: Backend, server: ServerConfig, metrics: ServerMetrics | None = None,
-              policies: PolicyBackend | None = None) -> Starlette:
+              policies: PolicyBackend | None = None, *, generates: bool = True) -> Starlette:
     """The Starlette app serving `backend` with the auth, body and concurrency limits of `server`.
 
     `metrics` is where /metrics reads from (the ingress stage shares it with its backend, which
     feeds it engine stats and token timings); without one the app counts HTTP answers only.
     With `policies` (the policy stage), /v1/rl/act, /v1/predict and /v1/policies are served too.
+    Without `generates` (model.path is a pooling model), only SERVED_WITHOUT_GENERATOR's routes (and the
+    policies') serve; the others answer 400 `model_not_generative`, naming the model and its task.
     """
     metrics = metrics or ServerMetrics()
     gen = GenerationRoutes(backend, server, metrics)
-    misc = Routes(backend, server)
+    misc = Routes(backend, server, generates)
     health = HealthRoutes(backend)
     routes = [
         Route("/v1/completions", endpoint(gen.completions), methods=["POST"]),
@@ -171,8 +201,11 @@ def build_app(backend: Backend, server: ServerConfig, metrics: ServerMetrics | N
         *pooling_routes(backend, server, gen.gate, endpoint),
         *adapters.routes(backend, server, endpoint),
         *vllm_admin.routes(backend, server, endpoint),
-        *(policy_routes(policies, server, lambda: _draining(backend), endpoint, metrics) if policies is not None else []),
     ]
+    if not generates:
+        routes = [r if r.path in SERVED_WITHOUT_GENERATOR else _no_generator(backend, r) for r in routes]
+    if policies is not None:
+        routes += policy_routes(policies, server, lambda: _draining(backend), endpoint, metrics)
     app = _assemble(routes, server, metrics)
     app.state.backend = backend
     app.state.generator = gen

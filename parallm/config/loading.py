@@ -15,7 +15,9 @@ from typing import Annotated, Any, Literal, Mapping, Sequence, Union, get_args, 
 import msgspec
 from msgspec import Meta, Struct
 
-from .schema import AUTO, ENV_PREFIX, TOOL_CALL_PARSERS, Config, PoliciesConfig, TrainerConfig
+from .pooling import parse_entry
+from .schema import (AUTO, ENV_PREFIX, TOOL_CALL_PARSERS, Config, PoliciesConfig, TrainerConfig, generates,
+                     pooling_only_problems)
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -37,6 +39,7 @@ ALIASES: dict[str, str] = {
     "chat-template": "model.chat_template",
     "adapter": "adapters.preload",
     "pooling-model": "model.pooling",
+    "task": "model.task",
     "trust-remote-code": "model.trust_remote_code",
     "generation-config": "model.generation_config",
     "policy-model": "policies.models",
@@ -265,12 +268,12 @@ def _check(config: Config) -> None:
             problems.append(f"server.tool_call_parser {config.server.tool_call_parser!r} is not one of: "
                             + ", ".join(known))
     for entry in config.model.pooling:
-        from parallm.pooling.spec import parse_spec
-
         try:
-            parse_spec(entry)
+            parse_entry(entry)
         except ValueError as exc:
             problems.append(str(exc))
+    if not generates(config):
+        problems += pooling_only_problems(config)
     if config.engine.pooling_batch_tokens < 1:
         problems.append("engine.pooling_batch_tokens must be >= 1")
     if config.engine.max_num_seqs < 1:

@@ -16,8 +16,7 @@ __all__ = ["ENV_PREFIX", "AUTO", "ModelConfig", "EngineConfig", "auto_prefill_to
            "TokenizerConfig", "ServerConfig", "TransportConfig", "SupervisorConfig", "AdaptersConfig",
            "DetokenizerConfig", "TrainerServerConfig", "TrainerModelConfig", "LoRATrainConfig",
            "RLTrainingConfig", "CheckpointConfig", "TrainerMemoryConfig", "TrainerConfig", "KVConfig", "SpecConfig",
-           "PoliciesConfig", "Config",
-           "serves_lm"]
+           "PoliciesConfig", "Config", "serves_lm", "generates", "pooling_only_problems"]
 
 
 ENV_PREFIX = "PARALLM_"
@@ -45,6 +44,13 @@ class ModelConfig(Struct, frozen=True, kw_only=True, forbid_unknown_fields=True)
                                                 "generation_config.json (temperature, top_p, top_k, min_p, "
                                                 "repetition_penalty; max_new_tokens as max_tokens), 'none' = none, "
                                                 "or a directory holding a generation_config.json")] = None
+    task: Annotated[Literal["generate", "embed", "reward", "classify"] | None,
+                    _d("what model.path is served for (--task): generate (text generation), or embed, reward or "
+                       "classify: a pooling model and no generator (the pooling routes answer; generation routes "
+                       "answer 400 naming why); unset (auto) = a pooling task when model.path is an embedding, "
+                       "reward or classifier model (an encoder, a *ForSequenceClassification head, a "
+                       "sentence-transformers directory), else generate; with a pooling task, 'default' is the "
+                       "embedded all-MiniLM-L6-v2")] = None
     pooling: Annotated[list[str], _d("pooling models served beside the generator, NAME=PATH or NAME:TASK=PATH "
                                      "(--pooling-model, repeatable): TASK embed, reward or classify (unset: from "
                                      "the model's config); PATH 'default' = the embedded all-MiniLM-L6-v2, a "
@@ -526,3 +532,19 @@ class Config(Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
 def serves_lm(config: Config) -> bool:
     """Whether the language-model stages run: policies.lm, or (unset) when no policy model is given."""
     return config.policies.lm if config.policies.lm is not None else not config.policies.models
+
+
+def generates(config: Config) -> bool:
+    """Whether a text generator is served: model.task generate, or unset (the supervisor resolves an unset
+    task into generate or the pooling task of model.path before the stages start)."""
+    return config.model.task in (None, "generate")
+
+
+def pooling_only_problems(config: Config) -> list[str]:
+    """What a server whose model.path is a pooling model (no generator) cannot do, by the setting that asks."""
+    engine = config.engine
+    asked = [("engine.replicas > 1", engine.replicas > 1), ("engine.remote_replicas", bool(engine.remote_replicas)),
+             ("engine.tensor_parallel > 1", engine.tensor_parallel > 1), ("trainer.enabled", config.trainer.enabled),
+             ("adapters.preload", bool(config.adapters.preload))]
+    return [f"{name} needs a text generator; model.task {config.model.task} serves {config.model.path!r} as a "
+            "pooling model only" for name, on in asked if on]

@@ -30,7 +30,9 @@ from typing import Literal
 
 import mlx.core as mx
 
-from . import fastmath, paged_kernels
+from parallm import kernels
+
+from . import paged_kernels
 
 Way = Literal["gather", "gather_mm", "cuda", "metal"]
 
@@ -111,10 +113,10 @@ def paged_decode_attention(queries: mx.array, k_store: mx.array, v_store: mx.arr
 
 
 def _softmax(scores: mx.array, visible: mx.array, axis: int | tuple[int, ...], dtype: mx.Dtype) -> mx.array:
-    """Masked softmax over `axis` in float32 (fastmath's exp for float32 models), weights in `dtype`."""
+    """Masked softmax over `axis` in float32 (the kernels module's exp for float32 models), weights in `dtype`."""
     scores = mx.where(visible, scores.astype(mx.float32), mx.finfo(mx.float32).min)
     if dtype == mx.float32:
-        return fastmath.masked_softmax(scores, visible, axis)
+        return kernels.masked_softmax(scores, visible, axis)
     weights = mx.exp(scores - scores.max(axis, keepdims=True))
     return (weights / weights.sum(axis, keepdims=True)).astype(dtype)
 

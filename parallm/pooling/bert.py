@@ -16,7 +16,7 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn as nn
 
-from ..engine import fastmath
+from .. import kernels
 
 @dataclass(frozen=True)
 class BertArgs:
@@ -122,8 +122,8 @@ class _Attention(nn.Module):
         b, n, d = x.shape
         split = lambda t: t.reshape(b, n, self.heads, -1).transpose(0, 2, 1, 3)  # noqa: E731
         q, k, v = split(self.self.query(x)), split(self.self.key(x)), split(self.self.value(x))
-        if x.dtype == mx.float32 and mx.default_device() == mx.cpu:  # the engine's exp without libm (fastmath)
-            o = fastmath.scaled_dot_product_attention(q, k, v, None, self.scale, mask)
+        if x.dtype == mx.float32 and mx.default_device() == mx.cpu:  # exp without libm (parallm/kernels.py)
+            o = kernels.scaled_dot_product_attention(q, k, v, None, self.scale, mask)
         else:
             o = mx.fast.scaled_dot_product_attention(q, k, v, scale=self.scale, mask=mask)
         o = o.transpose(0, 2, 1, 3).reshape(b, n, d)

@@ -16,6 +16,8 @@ from pathlib import Path
 
 import mlx.core as mx
 
+from ..config import ModelConfig
+from ..config.pooling import parse_entry
 from ..models import embedded
 from ..models.cache import cache_root, ensure_dir, file_key
 from ..models.errors import ModelLoadError
@@ -24,7 +26,7 @@ from ..models.loader import load_tokenizer
 from ..models.source import check_model_dir, read_config
 from .bert import BertArgs, BertEncoder
 from .model import PoolingModel
-from .spec import PoolingInfo, PoolingModelError, describe, parse_spec
+from .spec import PoolingInfo, PoolingModelError, describe, pooling_task
 
 log = logging.getLogger(__name__)
 
@@ -60,12 +62,40 @@ def resolve_pooling_dir(spec: str, cache_dir: str = "") -> tuple[Path, str]:
                          "not a Hugging Face id of the form org/name")
 
 
+def resolve_served_model(model: ModelConfig, cache_dir: str = "") -> tuple[str, str] | None:
+    """(the 'NAME:TASK=DIR' entry, its task) when model.path is served as a pooling model with no generator:
+    model.task a pooling task (then 'default' is the embedded all-MiniLM-L6-v2), or unset (auto) and model.path a
+    directory (or hub id) that pooling_task recognises; None: a generator (resolve_model's business)."""
+    spec, task = model.path.strip(), model.task
+    if task == "generate" or (task is None and (spec == "default" or spec.lower().endswith(".gguf"))):
+        return None
+    if task is None:
+        path = Path(spec).expanduser()
+        if path.is_dir():
+            path = path.resolve()
+        elif looks_like_hub_id(spec) and not path.exists():
+            path = fetch_snapshot(spec)
+        else:
+            return None  # not a directory: resolve_model says what it is not
+        try:
+            found = pooling_task(path)
+        except PoolingModelError as exc:
+            raise ModelLoadError(str(exc)) from None
+        if found is None:
+            return None
+        spec, task = str(path), found
+    path, default_name = resolve_pooling_dir(spec, cache_dir)
+    name = model.served_name or default_name
+    info = _describe(path, name, task)
+    return f"{name}:{info.task}={path}", info.task
+
+
 def resolve_entries(entries: list[str], cache_dir: str = "") -> list[str]:
     """model.pooling entries with every path resolved (converted once) and every task stated:
     'NAME:TASK=DIR', what the supervisor hands the stages."""
     out = []
     for entry in entries:
-        name, task, spec = parse_spec(entry)
+        name, task, spec = parse_entry(entry)
         path, _ = resolve_pooling_dir(spec, cache_dir)
         out.append(f"{name}:{_describe(path, name, task).task}={path}")
     return out
@@ -133,5 +163,5 @@ def load_pooling_model(spec: str, *, name: str = "", task: str = "", cache_dir: 
 
 def load_entry(entry: str, cache_dir: str = "") -> PoolingModel:
     """A model.pooling entry ('NAME[:TASK]=PATH') loaded."""
-    name, task, spec = parse_spec(entry)
+    name, task, spec = parse_entry(entry)
     return load_pooling_model(spec, name=name, task=task, cache_dir=cache_dir)

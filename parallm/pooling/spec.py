@@ -1,5 +1,6 @@
 """What a pooling model is, read from its directory without loading it (no MLX here: ingress and the
-tokenizer stage use it too), and the `NAME[:TASK]=PATH` spelling of `model.pooling` entries."""
+tokenizer stage use it too). The `NAME[:TASK]=PATH` spelling of `model.pooling` entries is
+parallm/config/pooling.py's."""
 
 from __future__ import annotations
 
@@ -8,11 +9,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from ..config.pooling import TASKS
+
 
 class PoolingModelError(ValueError):
     """A pooling model directory that cannot be served as asked (load.py raises it as a ModelLoadError)."""
 
-TASKS = ("embed", "reward", "classify")
 ENCODER_TYPES = ("bert", "roberta", "xlm-roberta")
 
 
@@ -35,18 +37,6 @@ class PoolingInfo:
         if self.matryoshka is None:
             return False
         return 0 < dims <= self.dims and (not self.matryoshka or dims in self.matryoshka)
-
-
-def parse_spec(text: str) -> tuple[str, str, str]:
-    """'NAME[:TASK]=PATH' -> (name, task or '', path); PATH 'default' is the embedded all-MiniLM-L6-v2."""
-    head, sep, path = text.partition("=")
-    name, _, task = head.partition(":")
-    name, task, path = name.strip(), task.strip(), path.strip()
-    if not sep or not name or not path:
-        raise ValueError(f"model.pooling entry {text!r} is not NAME=PATH or NAME:TASK=PATH")
-    if task and task not in TASKS:
-        raise ValueError(f"model.pooling entry {text!r}: task {task!r} is not one of {', '.join(TASKS)}")
-    return name, task, path
 
 
 def _read_json(path: Path) -> Any:
@@ -82,6 +72,19 @@ def task_of(config: dict[str, Any]) -> str:
     if any(str(a).endswith("ForSequenceClassification") for a in archs):
         return "reward" if num_labels(config) == 1 else "classify"
     return "embed"
+
+
+def pooling_task(path: Path) -> str | None:
+    """The task of a model directory that is a pooling model (an encoder, a `*ForSequenceClassification`
+    head, a sentence-transformers directory with a Pooling module), or None: a generator (model.task auto)."""
+    config = _read_json(path / "config.json")
+    if not isinstance(config, dict):
+        return None
+    text = {**config.get("text_config", {}), **config}
+    archs = [str(a) for a in config.get("architectures") or []]
+    if text.get("model_type") in ENCODER_TYPES or any(a.endswith("ForSequenceClassification") for a in archs):
+        return task_of(config)
+    return "embed" if st_pooling(path)[0] else None
 
 
 def num_labels(config: dict[str, Any]) -> int:

@@ -58,11 +58,12 @@ def load_pooling_templaters(entries: list[str], trust_remote_code: bool = False)
     length. A model without a chat template keeps none (chat messages to it are refused)."""
     from transformers import AutoTokenizer
 
-    from parallm.pooling.spec import describe, parse_spec
+    from parallm.config.pooling import parse_entry
+    from parallm.pooling.spec import describe
 
     out = {}
     for entry in entries:
-        name, task, path = parse_spec(entry)
+        name, task, path = parse_entry(entry)
         tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
         out[name] = (tokenizer, describe(Path(path), name, task))
     return out

@@ -25,14 +25,24 @@ class WithRewardModel:
                  model_weight: float = 1.0) -> None:
         self.task, self.client, self.model = task, client, model
         self.task_weight, self.model_weight = task_weight, model_weight
+        self.scores: list[float] = []  # the reward model's own scores since `take_scores` (the trainer's metrics)
+        self.batches = 0               # pool() calls since then: one per group
 
     def sample(self, rng: random.Random) -> TaskPrompt:
         return self.task.sample(rng)
 
     def score(self, conversations: Sequence[Conversation], infos: Sequence[dict[str, Any]]) -> list[float]:
-        scored = self.client.pool([list(c) for c in conversations], self.model, task="reward")
+        scored = [float(r[0]) for r in self.client.pool([list(c) for c in conversations], self.model, task="reward")]
+        self.scores += scored
+        self.batches += 1
         from_task = self.task.score(conversations, infos) if self.task_weight else [0.0] * len(conversations)
-        return [self.task_weight * float(t) + self.model_weight * float(r[0]) for t, r in zip(from_task, scored)]
+        return [self.task_weight * float(t) + self.model_weight * r for t, r in zip(from_task, scored)]
+
+    def take_scores(self) -> tuple[list[float], int]:
+        """(the reward model's scores, pool() calls) since the last call."""
+        taken = self.scores, self.batches
+        self.scores, self.batches = [], 0
+        return taken
 
 
 def with_reward_model(task: Task, client: PoolingClient, model: str, task_weight: float,

@@ -43,7 +43,7 @@ from .publisher import AdapterPublisher
 from .tensorboard import EventWriter, scalars
 from .atropos import AtroposRollouts
 from .rollouts import GeneratedRollouts, Group, SubscribedRollouts
-from .reward_model import with_reward_model
+from .reward_model import WithRewardModel, with_reward_model
 from .tasks import Task, load_task, score_group
 
 log = logging.getLogger("parallm.trainer")
@@ -324,6 +324,7 @@ class Trainer:
         sampled_s = max((g.sampled_s for g in groups), default=0.0)
         groups = self._keep_fresh(groups)
         samples, rewards, flat = self._samples(groups)
+        judged, judge_calls = self.task.take_scores() if isinstance(self.task, WithRewardModel) else ([], 0)
         if not any(s.advantage for s in samples):
             # nothing to learn from (every sample stale, or every group's rewards equal): no
             # optimizer step, no new version; ask for another batch
@@ -363,6 +364,8 @@ class Trainer:
         self.last = {
             "step": self.step, "version": self.version, "time": time.time(),
             "loss": stats.loss, "reward_mean": mean, "reward_std": std,
+            "reward_model_mean": sum(judged) / len(judged) if judged else None,  # rl_training.reward_model's part
+            "reward_model_batches": judge_calls,
             "kl": stats.kl if self.rl.kl_coef else None,
             "clip_fraction": stats.clip_fraction, "ratio_mean": stats.ratio_mean, "grad_norm": stats.grad_norm,
             "logprob_gap_mean": gap[0], "logprob_gap_max": gap[1], "dtype": self.policy.dtype,
@@ -381,8 +384,10 @@ class Trainer:
             f.write(json.dumps(self.last) + "\n")
         if self.board is not None:
             self.board.add_scalars(self.step, scalars(self.last), wall_time=self.last["time"])
-        log.info("step %d v%d: reward %.3f±%.3f loss %.4f%s len %.1f (%.1f s + %.1f s waiting for rollouts)",
-                 self.step, self.version, mean, std, stats.loss, f" kl {stats.kl:.4f}" if self.rl.kl_coef else "",
+        log.info("step %d v%d: reward %.3f±%.3f%s loss %.4f%s len %.1f (%.1f s + %.1f s waiting for rollouts)",
+                 self.step, self.version, mean, std,
+                 f" (reward model {self.last['reward_model_mean']:.3f} over {len(judged)} in {judge_calls} batches)"
+                 if judged else "", stats.loss, f" kl {stats.kl:.4f}" if self.rl.kl_coef else "",
                  self.last["completion_len_mean"], self.last["step_s"], wait_s)
         if self.step % self.cfg.checkpointing.every_steps == 0:
             self.save_checkpoint()

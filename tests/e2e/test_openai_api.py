@@ -24,8 +24,9 @@ def chat_prompt_tokens(server, messages) -> int:
 def test_models_and_health(server, openai_client):
     models = openai_client.models.list()
     base = server_model(openai_client)
-    assert [m.id for m in models.data if (m.model_extra or {}).get("parent") is None] == [base]
-    assert all(m.model_extra["parent"] == base for m in models.data[1:])  # loaded adapters (vLLM's listing)
+    served = [m.id for m in models.data if (m.model_extra or {}).get("parent") is None]
+    assert served == [base, "minilm", "rm", "clf", "emb"]  # the generator, then its pooling models
+    assert all(m.model_extra["parent"] == base for m in models.data[len(served):])  # loaded adapters (vLLM's listing)
     assert httpx.get(f"{server.url}/health", timeout=10).json()["status"] == "ok"
 
 

@@ -3,6 +3,7 @@ serving; stale rollouts from the rollout stream dropped and counted; status on i
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import threading
@@ -152,5 +153,41 @@ def test_rollouts_older_than_max_staleness_are_not_trained_on_and_are_counted(se
         assert status["totals"]["rollouts_dropped_stale"] == 4 and status["staleness_hist"]["1"] == 4
         metrics = httpx.get(f"{server.url}/metrics", timeout=10).text
         assert 'parallm_training_rollouts_stale_dropped_total{adapter="staleness-probe",trainer="probe"} 4.0' in metrics
+    finally:
+        trainer.close()
+
+
+def test_a_served_reward_model_is_the_trainers_reward(server, http, tmp_path):
+    """parallm-train's rl_training.reward_model on the session server's `rm` (a random-weight
+    LlamaForSequenceClassification beside the default model): the trainer's own rollouts are scored in one
+    pool() batch per group over its ZeroMQ connection, each sample's reward is 0.5 x the length task's +
+    2.0 x /v1/rewards' score of the same conversation, and the step's metrics report the model's part."""
+    rl = RLTrainingConfig(prompts_per_step=1, group_size=4, max_tokens=8, learning_rate=1e-3, seed=5,
+                          reward_model="rm", task_reward_weight=0.5, reward_model_weight=2.0)
+    config = TrainerConfig(model=TrainerModelConfig(path="default", adapter="rm-probe"),
+                           lora=LoRATrainConfig(rank=4, num_layers=2), rl_training=rl,
+                           checkpointing=CheckpointConfig(dir=str(tmp_path / "ck"), every_steps=100))
+    trainer = Trainer(config, router=server.router, model=ModelConfig(path="default"), name="rm-probe")
+    trainer.setup()
+    try:
+        groups = trainer._next_groups()
+        samples, rewards, _ = trainer._samples(groups)
+        judged, calls = trainer.task.take_scores()
+        assert calls == 1 and len(judged) == len(samples) == 4
+        group = groups[0]
+        convs = [group.messages + [{"role": "assistant", "content": c.text}] for c in group.completions]
+        served = [d["reward"] for d in http.post("/v1/rewards", json={"model": "rm", "messages": convs}).json()["data"]]
+        task = trainer.task.task.score(convs, [{**group.info, "finish_reason": c.finish_reason}
+                                               for c in group.completions])
+        assert judged == pytest.approx(served, abs=1e-5)
+        assert rewards == pytest.approx([0.5 * t + 2.0 * r for t, r in zip(task, served)], abs=1e-5)
+        for _ in range(5):  # a step (a group whose rewards differ: a random reward model's almost always do)
+            last = trainer.train_step(groups)
+            if last:
+                break
+            groups = trainer._next_groups()
+        assert last and last["reward_model_batches"] == 1 and last["reward_model_mean"] is not None
+        line = json.loads((tmp_path / "ck" / "metrics.jsonl").read_text().splitlines()[-1])
+        assert line["reward_model_mean"] == pytest.approx(last["reward_model_mean"])
     finally:
         trainer.close()

@@ -1,7 +1,7 @@
-"""The engine process's pooling work: requests waiting for a pooling model, taken in priority order
-(lower first, then arrival, as generation) and run in batched prefill-only passes under a token budget.
-No sockets here: the engine stage feeds it Submits with RequestSpec.pooling and sends what `step`
-returns; tests drive it directly."""
+"""The engine process's pooling work: requests waiting for a pooling model (parallm/pooling/), taken in
+priority order (lower first, then arrival, as generation) and run in batched prefill-only passes under a
+token budget. No sockets here: the engine stage feeds it Submits with RequestSpec.pooling and sends what
+`step` returns; tests drive it directly. It refuses as the engine does (RequestRejected)."""
 
 from __future__ import annotations
 
@@ -11,10 +11,10 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from ..engine.request import RequestRejected
+from ..pooling.heads import truncate_dims
+from ..pooling.model import PoolingModel
 from ..protocol import PoolingSpec
-from .heads import truncate_dims
-from .model import PoolingModel
+from .request import RequestRejected
 
 
 @dataclass(order=True)
