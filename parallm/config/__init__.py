@@ -9,7 +9,8 @@ A setting decided for the machine when it is not given has one spelling of "auto
 The engine resolves its unset settings once, where it starts (`resolve_engine_config`), and
 reports what it chose in its stats.
 
-- schema.py: the structs, their defaults and the engine's resolution of unset settings;
+- schema.py: the structs, their defaults and the engine's resolution of unset settings (the trainer's structs:
+  trainer_schema.py; fields.py: how a field is described);
 - loading.py: building a Config from a file, the environment and the command line, and its checks.
 """
 
