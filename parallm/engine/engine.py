@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import time
 from typing import Callable, get_args
-from typing import Sequence as Seq
 
 import mlx.core as mx
 import msgspec
@@ -18,7 +17,7 @@ from parallm.adapters.lora import packable
 from parallm.engine.weights import Applied, WeightsError, WeightSwapper, rebase_adapters
 from parallm.config import Config, auto_adapter_merge_mb, auto_prefill_tokens, resolve_engine_config
 from parallm.device import compute_device
-from parallm.protocol import FinishReason, SamplingParams
+from parallm.protocol import FinishReason
 from parallm.text.grammar import check_size
 
 from .blocks import BlockManager
@@ -37,7 +36,8 @@ from .plan import KVBudget, Plan, PrefillWork
 from .prefix_tier import PrefixDiskTier, open_disk_tier
 from .pressure import PressureGate
 from .report import EngineReport
-from .request import Request, RequestRejected, ScoreResult, SeqOutput, validate, validate_score
+from .scoring import EngineScoring
+from .request import Request, RequestRejected, ScoreResult, SeqOutput, validate
 from .runner import Launch, ModelRunner
 from .sampling import splitmix64
 from .scheduler import Scheduler
@@ -47,7 +47,6 @@ from .sequence import Sequence
 from .warmup import warm_up
 
 Output = SeqOutput | ScoreResult
-SCORE_PARAMS = SamplingParams(max_tokens=1, temperature=0.0)  # a score samples nothing; its rows never decode
 FINISH_REASONS: tuple[str, ...] = get_args(FinishReason)
 
 
@@ -58,7 +57,7 @@ def _model_dir(config: Config):
     return resolve_model(config.model).path
 
 
-class Engine(EngineReport):
+class Engine(EngineReport, EngineScoring):
     def __init__(self, model: EngineModel, config: Config) -> None:
         """The engine over `model`, with the `engine` and `adapters` sections of `config`. Every
         setting left unset is resolved here, once, and reported in stats (`settings`)."""
@@ -462,49 +461,3 @@ class Engine(EngineReport):
         Pause(keep)/Resume semantics, adapters.VersionPolicy); returns how many moved. Passes
         already launched keep the version they were built with, and their tokens report it."""
         return self.versions.follow_latest(s for seqs in self._requests.values() for s in seqs)
-
-    # ------------------------------------------------------------------ scoring
-    def add_score(self, qid: str, ids: Seq[int], start: int = 1, top_logprobs: int = 0, adapter: str = "",
-                  adapter_version: int = 0) -> None:
-        """Queue a teacher-forced score of ids[start:] under the raw model distribution (of
-        `adapter`, a pinned version or the latest): prefill-only work, batched with the prompts in
-        the steps' prefill passes, through the prefix cache for the positions before start-1. The
-        `step()` that finishes it returns a ScoreResult with this `qid` (aborted ones too)."""
-        try:
-            ids = [int(t) for t in ids]
-        except (TypeError, ValueError):
-            raise RequestRejected("token ids must be integers", "ids") from None
-        if not isinstance(qid, str) or not qid:
-            raise RequestRejected("a score needs a non-empty query id", "qid")
-        if qid in self._requests:
-            raise RequestRejected(f"query id {qid!r} is already in use", "qid")
-        validate_score(ids, start, top_logprobs, vocab_size=self.vocab_size, max_model_len=self.max_model_len)
-        if not self.budget.fits(1, len(ids) + self.scheduler.headroom):
-            raise RequestRejected(f"scoring {len(ids)} ids needs more KV memory than the engine has "
-                                  f"({self.budget.budget_tokens} token slots for live rows)", "ids")
-        try:
-            lora = self.versions.resolve(adapter, adapter_version)
-        except AdapterError as exc:
-            raise RequestRejected(exc.message, "adapter", status=exc.status, code=exc.code) from None
-        self._seq_counter += 1
-        seq = Sequence(seq_id=self._seq_counter, rid=qid, index=0, prompt_ids=ids, params=SCORE_PARAMS, seed=0,
-                       adapter=self._cache_key(lora), adapter_name=lora.name if lora else "",
-                       adapter_version=lora.version if lora else 0, lora=lora, pinned=True, score_start=start,
-                       score_top=top_logprobs)
-        self._requests[qid] = [seq]
-        self.scheduler.add([seq])
-
-    def score(self, ids: Seq[int], start: int = 1, top_logprobs: int = 0, adapter: str = "",
-              adapter_version: int = 0) -> ScoreResult:
-        """`add_score`, then steps until it is done (in-process convenience): other requests advance
-        in those steps, and their outputs are kept for the next `step()` or `flush()`."""
-        self._score_counter += 1
-        qid = f"__score_{self._score_counter}"
-        self.add_score(qid, ids, start, top_logprobs, adapter, adapter_version)
-        while True:
-            outputs = self.step()
-            for o in outputs:
-                if isinstance(o, ScoreResult) and o.qid == qid:
-                    self._owed.extend(x for x in outputs if x is not o)
-                    return o
-            self._owed.extend(outputs)
