@@ -1,5 +1,5 @@
 """Image requests per second and time to first token, served: parallm-launch vs mlx_vlm.server on the
-same random-weight Pixtral-shaped checkpoint (parallm/vision/tiny.py; no model hub here), streamed
+same random-weight Pixtral-shaped checkpoint (parallm/models/tiny_vlm.py; no model hub here), streamed
 chat completions with one base64 PNG each (a different image per request: no prefix-cache help), at
 concurrency 1 and 16. Pixtral, because mlx-vlm 0.7.10's own LLaVA processor fails under transformers
 5.24, so mlx_vlm.server could not serve the LLaVA model.
@@ -51,7 +51,7 @@ TEMPLATE = ("{% for message in messages %}<|im_start|>{{ message['role'] }}\n{% 
 
 
 def build(path: Path, tokenizer_dir: Path | None = None) -> Path:
-    from parallm.vision.tiny import write_vlm
+    from parallm.models.tiny_vlm import write_vlm
 
     write_vlm(path, "pixtral", seed=0, spread=1.0, text=TEXT, vision=VISION, edge=EDGE, tokenizer_dir=tokenizer_dir)
     (path / "chat_template.jinja").write_text(TEMPLATE)
@@ -59,7 +59,7 @@ def build(path: Path, tokenizer_dir: Path | None = None) -> Path:
 
 
 def images(n: int) -> list[str]:
-    from parallm.vision.tiny import data_url, png
+    from parallm.models.tiny_vlm import data_url, png
 
     return [data_url(png(1000 + i, (320, 240))) for i in range(n)]
 

@@ -1,4 +1,4 @@
-"""The vision tests' helpers: the tiny checkpoints (parallm/vision/tiny.py, shared with perf/bench_vision)
+"""The vision tests' helpers: the tiny checkpoints (parallm/models/tiny_vlm.py, shared with perf/bench_vision)
 and mlx-vlm's own greedy generation as the reference."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 
-from parallm.vision.tiny import (FAMILIES, IMAGE_SIZE, IMAGE_TOKEN, PATCH, PIXTRAL_EDGE, PIXTRAL_TOKENS,  # noqa: F401
+from parallm.models.tiny_vlm import (FAMILIES, IMAGE_SIZE, IMAGE_TOKEN, PATCH, PIXTRAL_EDGE, PIXTRAL_TOKENS,  # noqa: F401
                                  data_url, png, write_vlm)
 
 

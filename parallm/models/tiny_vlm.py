@@ -18,7 +18,7 @@ import numpy as np
 from mlx.utils import tree_flatten, tree_unflatten
 
 from parallm.config import ModelConfig
-from parallm.models.resolve import resolve_model
+from .resolve import resolve_model
 
 IMAGE_TOKEN = "<image>"
 IMAGE_SIZE = 32
