@@ -113,10 +113,9 @@ def main(argv: list[str] | None = None) -> None:
     runs = [run(1, args), run(args.replicas, args)]
     data = {"args": {k: v for k, v in vars(args).items() if k not in ("out_dir", "out")}, "runs": runs,
             "ratio": round(runs[1]["hit_rate"] / runs[0]["hit_rate"], 4) if runs[0]["hit_rate"] else 0.0}
-    results.write(data)
-    data = {"command": results.command, **data}
-    results.write(data, markdown(data))
-    print(markdown(data))
+    text = markdown({"command": results.command, **data})
+    results.write(data, text)
+    print(text)
 
 
 if __name__ == "__main__":
