@@ -10,6 +10,7 @@ the inbox; each is loaded between two steps, so a version takes effect at a step
 from __future__ import annotations
 
 import logging
+import math
 import signal
 import time
 from typing import Any, Callable
@@ -24,6 +25,7 @@ from parallm.engine.weights import ChunkStaging
 from parallm.config import Config, generates
 from parallm.engine import Engine, EngineModel, Request, RequestRejected, ScoreResult, SeqOutput, distributed
 from parallm.engine.compile_queue import CompileQueue
+from parallm.engine.device_share import DeviceShare
 from parallm.engine.images import unpack_images
 from parallm.engine.pooling_queue import Pooled, PoolingQueue
 from parallm.runtime import StageRuntime
@@ -37,7 +39,8 @@ from parallm.transport import Receiver, Sender, open_socket
 
 log = logging.getLogger("parallm.engine.stage")
 FANNED_OUT = (protocol.Abort, protocol.AdapterPublish, protocol.AdapterUnload, protocol.Pause, protocol.Resume,
-              protocol.WeightsUpdate)
+              protocol.WeightsUpdate, protocol.TrainingPhase)
+UNANSWERED = (protocol.Abort, protocol.TrainingPhase)  # handed on as they are (no qid to clear)
 
 
 class EngineStage(AdapterMessages, Stage):
@@ -87,6 +90,7 @@ class EngineStage(AdapterMessages, Stage):
             engine.constraints, settings.constraint_timeout_s, settings.max_constraint_bytes)
         self.scores: dict[str, bytes] = {}  # qid -> reply_to of the score requests in the engine
         self.step_count = 0
+        self.share = DeviceShare(settings.training_share)  # rests while a trainer's update runs
         self.on_idle: Callable[[], None] = lambda: None  # a tensor-parallel rank 0 tells the others it is idle
         self.integrity_checks = 0    # engine.check_integrity() runs, once each time the engine goes idle
         self.integrity_failures = 0
@@ -99,7 +103,8 @@ class EngineStage(AdapterMessages, Stage):
             protocol.WeightsUpdate: self.on_weights, protocol.ResetPrefixCache: self.on_reset_prefix_cache,
             protocol.ReplicaStats: self.reports.receive,
             protocol.ListAdapters: lambda m: self.reply(adapter_list(self.engine, m.qid, m.reply_to)),
-            protocol.Pause: self.on_pause, protocol.Resume: self.on_resume}
+            protocol.Pause: self.on_pause, protocol.Resume: self.on_resume,
+            protocol.TrainingPhase: lambda m: self.share.on_phase(m.trainer, m.updating, m.lease_s)}
         if self.peers:  # replica 0 hands these on to the other replicas before it handles them itself
             handlers.update({kind: self.fanned_out(handlers[kind]) for kind in FANNED_OUT})
         self.listen(self.adapter_sub, handlers)
@@ -109,7 +114,7 @@ class EngineStage(AdapterMessages, Stage):
     def fanned_out(self, handler: Handler) -> Handler:
         """`handler`, after sending its message on to every other replica (only replica 0 answers)."""
         def fan_out(message: Any) -> None:
-            copy = message if isinstance(message, protocol.Abort) else \
+            copy = message if isinstance(message, UNANSWERED) else \
                 msgspec.structs.replace(message, qid="", reply_to=b"")
             for peer in self.peers:
                 peer.send(copy, block=False)
@@ -261,6 +266,8 @@ class EngineStage(AdapterMessages, Stage):
             last_error_code=staging.last_error_code, last_error_at=staging.last_error_at)
         stats.replicas = self.reports.others()
         stats.dropped_frames = self.inbox.dropped + self.adapter_sub.dropped
+        stats.training_share, stats.training_phases = self.share.share, self.share.phases
+        stats.training_updating, stats.training_rest_s = self.share.training(), self.share.rested_s
         stats.loop = self.loop_stats()
         if self.blas is not None:
             stats.blas = self.blas.stats()
@@ -288,7 +295,9 @@ class EngineStage(AdapterMessages, Stage):
         self.reports.tick(self.stats)
 
     def idle_wait_ms(self) -> int:
-        return min(self.beat_ms, 20) if self.compiling or self.reads else self.beat_ms  # look again soon
+        wait = min(self.beat_ms, 20) if self.compiling or self.reads else self.beat_ms  # look again soon
+        resting = self.share.resting_s()
+        return min(wait, max(1, math.ceil(resting * 1000))) if resting else wait
 
     def work(self) -> bool:
         """Between polls: requests waiting for a version or a grammar, chunked weight updates' timeouts,
@@ -305,6 +314,9 @@ class EngineStage(AdapterMessages, Stage):
             self.take_reads()
         if self.staging.pending is not None or self.staging.spent:
             self.expire_weights()
+        if self.share.resting_s():  # a trainer's update has the device for now
+            spent["inbox_s"] += clock() - t0
+            return False
         paused_owing = self.paused and self.engine.owes_outputs()
         generating = paused_owing or (self.engine.has_work() and not self.paused)
         pooling = bool(self.pooling.queue) and not self.paused
@@ -326,6 +338,7 @@ class EngineStage(AdapterMessages, Stage):
             self.stop(self.fail_in_flight(exc))
             return False
         t2 = clock()
+        self.share.after_step(t2 - t1)
         if outputs:
             self.send(outputs)
         self.pooling.send(pooled, self.step_count)

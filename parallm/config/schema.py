@@ -68,6 +68,10 @@ class EngineConfig(Struct, frozen=True, kw_only=True, forbid_unknown_fields=True
                                                "from the measured cost of the last passes, so a short prompt never "
                                                "waits long behind a long one's chunks; 0 = off; unset = 0.25 on "
                                                "MLX's CPU device, off elsewhere (docs/scheduling.md)")] = None
+    training_share: Annotated[float, _d("share of the device left to a trainer's update while one runs on the "
+                                        "same device: after each step the engine rests step x s / (1 - s), "
+                                        "only while a trainer says its update runs; 0 = never rest "
+                                        "(docs/training.md, Sharing the device)")] = 0.0
     pooling_batch_tokens: Annotated[int, _d("padded tokens per batched pass of a pooling model (model.pooling); "
                                             "one pass runs between two generation steps: 512 held the generation drop "
                                             "to ~10 percent under an embeddings burst on the CPU, 8192 to 65 percent "

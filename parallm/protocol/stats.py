@@ -210,6 +210,10 @@ class EngineStats(Struct, tag="engine", kw_only=True):
     held_for_version: int = 0
     received: int = 0
     dropped_frames: int = 0
+    training_share: float = 0.0   # engine.training_share: the device's share left to a trainer's update
+    training_phases: int = 0      # trainers' update phases the engine heard begin (TrainingPhase)
+    training_updating: bool = False  # a trainer's update runs now
+    training_rest_s: float = 0.0  # seconds the engine rested to leave them the device
     loop: LoopStats = msgspec.field(default_factory=LoopStats)
     blas: BlasStats | None = None
     ranks: list[RankState] = []    # a tensor-parallel group's ranks, rank 0 first (engine.tensor_parallel > 1)

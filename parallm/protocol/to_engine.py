@@ -3,7 +3,7 @@ full-weight updates, and replica i > 0's stats for replica 0."""
 
 from __future__ import annotations
 
-from typing import Any, Literal, Union
+from typing import Annotated, Any, Literal, Union
 
 import msgspec
 
@@ -13,7 +13,7 @@ from .tensors import Tensor
 from .to_tokenizer import GetStats
 
 __all__ = ["Submit", "Score", "Abort", "Pause", "Resume", "AdapterPublish", "WeightsUpdate", "ResetPrefixCache",
-           "AdapterUnload", "ListAdapters", "ReplicaStats", "EngineInbound"]
+           "AdapterUnload", "ListAdapters", "ReplicaStats", "TrainingPhase", "EngineInbound"]
 
 
 class Submit(Message, tag="submit"):
@@ -137,6 +137,16 @@ class ReplicaStats(Message, tag="replica_stats"):
     pid: int = 0  # its process (a remote replica's liveness and restarts reach the supervisor through replica 0)
 
 
+class TrainingPhase(Message, tag="training_phase"):
+    """A trainer's update began (`updating`, renewed after every micro-batch) or ended, sent on its PUB
+    socket: while one runs, the engine leaves `engine.training_share` of the device to it
+    (engine/device_share.py). The phase lapses `lease_s` seconds after the last message."""
+
+    trainer: str
+    updating: bool
+    lease_s: Annotated[float, msgspec.Meta(gt=0, le=3600)] = 30.0
+
+
 EngineInbound = Union[Submit, Score, Abort, Pause, Resume, GetStats, AdapterPublish, AdapterUnload, ListAdapters,
-                      WeightsUpdate, ResetPrefixCache, ReplicaStats]
+                      WeightsUpdate, ResetPrefixCache, ReplicaStats, TrainingPhase]
 """What an engine replica's PULL socket (and its adapters SUB socket) accepts."""

@@ -95,6 +95,15 @@ class AdapterPublisher:
         self.published += 1
         return update_id
 
+    def training_phase(self, trainer: str, updating: bool, lease_s: float = 30.0) -> None:
+        """Tell the engine that `trainer`'s update began or still runs (`updating`; it lapses `lease_s`
+        seconds after this message) or ended: meanwhile the engine leaves engine.training_share of the
+        device to it."""
+        wait = self._ready_at - time.monotonic()
+        if wait > 0:
+            time.sleep(wait)
+        self.sender.send(protocol.TrainingPhase(trainer=trainer, updating=updating, lease_s=lease_s))
+
     def close(self, linger_ms: int = 5000) -> None:
         """Close, giving queued versions up to `linger_ms` to leave (a PUB closed at once drops them)."""
         self.sender.sock.close(linger=linger_ms)

@@ -49,6 +49,8 @@ from .tasks import Task, load_task, score_group
 log = logging.getLogger("parallm.trainer")
 
 VERSION_WAIT_S = 60.0
+PHASE_LEASE_S = 30.0  # an update phase the engine hears of lapses this long after the last micro-batch
+PHASE_RENEW_S = 2.0   # renewed at most this often
 
 
 class TrainerError(RuntimeError):
@@ -82,6 +84,7 @@ class Trainer:
         self.last: dict[str, Any] = {}
         self.rng = random.Random(self.rl.seed)
         self._ctx = zmq.Context()
+        self._phase_renewed = 0.0  # when the engine last heard that this trainer's update runs
 
     # ------------------------------------------------------------------ setup
     def setup(self) -> None:
@@ -96,7 +99,7 @@ class Trainer:
         loss_cfg = LossConfig(clip_low=self.rl.clip_low, clip_high=self.rl.clip_high, kl_coef=self.rl.kl_coef,
                               temperature=self.rl.temperature)
         self.updater = GRPOUpdater(self.policy.model, self.optimizer, loss_cfg, micro_batch=self.plan.micro_batch,
-                                   max_grad_norm=self.rl.max_grad_norm, progress=self.progress)
+                                   max_grad_norm=self.rl.max_grad_norm, progress=self._micro_batch_done)
         self.task = with_reward_model(self.task, self.client, self.rl.reward_model, self.rl.task_reward_weight,
                                       self.rl.reward_model_weight)
         addrs = self.client.welcome.addresses
@@ -138,6 +141,14 @@ class Trainer:
     @property
     def adapter(self) -> str:
         return self.cfg.model.adapter
+
+    def _micro_batch_done(self) -> None:
+        """After every micro-batch of an update: the stage's heartbeat, and the update phase renewed."""
+        self.progress()
+        now = time.monotonic()
+        if now - self._phase_renewed >= PHASE_RENEW_S:
+            self.publisher.training_phase(self.name, True, PHASE_LEASE_S)
+            self._phase_renewed = now
 
     def _check_config(self) -> None:
         rl = self.rl
@@ -344,11 +355,16 @@ class Trainer:
         mx.reset_peak_memory()
         stats = StepStats()
         gap = (0.0, 0.0)
-        for i in range(max(1, self.rl.updates_per_batch)):
-            stats = self.updater.step(samples)
-            if i == 0:  # before any update: the trainer's weights are the sampling version's (on-policy)
-                gap = (stats.logprob_gap_mean, stats.logprob_gap_max)
-            self.progress()
+        self.publisher.training_phase(self.name, True, PHASE_LEASE_S)  # the engine leaves it its share
+        self._phase_renewed = time.monotonic()
+        try:
+            for i in range(max(1, self.rl.updates_per_batch)):
+                stats = self.updater.step(samples)
+                if i == 0:  # before any update: the trainer's weights are the sampling version's (on-policy)
+                    gap = (stats.logprob_gap_mean, stats.logprob_gap_max)
+                self.progress()
+        finally:
+            self.publisher.training_phase(self.name, False)
         train_s = time.perf_counter() - t_train
         self.step += 1
         self.version += 1

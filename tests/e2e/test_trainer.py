@@ -62,7 +62,8 @@ def test_supervised_trainers_two_at_once_one_killed_resumes_with_increasing_vers
     ckpt = tmp_path / "ckpt"
     second = tmp_path / "second.toml"
     second.write_text(SECOND_TRAINER.format(dir=tmp_path / "ckpt-arith"))
-    with Server("--config", str(second), *SMALL_TRAINER, "--trainer.checkpointing.dir", str(ckpt)) as srv:
+    with Server("--config", str(second), *SMALL_TRAINER, "--trainer.checkpointing.dir", str(ckpt),
+                "--engine.training-share", "0.5") as srv:
         def trainer_at(step: int, name: str = "trainer"):
             trainers = {t["trainer"]: t for t in training_status(srv.url)["trainers"]}
             found = trainers.get(name)
@@ -83,6 +84,8 @@ def test_supervised_trainers_two_at_once_one_killed_resumes_with_increasing_vers
         metrics = httpx.get(f"{srv.url}/metrics", timeout=10).text
         assert 'parallm_training_step{adapter="policy",trainer="trainer"}' in metrics
         assert "parallm_training_staleness_bucket" in metrics
+        phases = [line for line in metrics.splitlines() if line.startswith("parallm_training_phases_total ")]
+        assert phases and float(phases[0].split()[1]) >= 3  # both trainers' updates reached the engine
 
         served, errors, stop = [], [], threading.Event()
 
