@@ -2,6 +2,7 @@
 trainer per `[[trainer]]` entry, each its own adapter and task; reports every trainer's reward curve.
 
     PYTHONPATH=$PWD python -m perf.bench_train_multi --config examples/train_two_cpu.toml
+    PYTHONPATH=$PWD python -m perf.bench_train_multi --from-run /tmp/parallm-train-multi-XXXX   # report a run again
 
 The server runs in a fresh work directory, so the entries' relative checkpoint directories start empty
 there. Writes perf/results/train-multi-DEVICE.json (every trainer's metrics lines), .md and .png.
@@ -46,13 +47,30 @@ def run(config: Path, timeout_s: float) -> tuple[dict[str, list[dict]], float]:
     return rows, round(time.monotonic() - t0, 1)
 
 
+def finished(config: Path, work: Path) -> tuple[dict[str, list[dict]], float]:
+    """The metrics of a run that ended (e.g. before its report was written), from its work directory."""
+    from parallm.config import build_config, enabled_trainers
+
+    rows = {t.name: [json.loads(line) for line in
+                     (work / (t.checkpointing.metrics_file or Path(t.checkpointing.dir) / "metrics.jsonl"))
+                     .read_text().splitlines()]
+            for t in enabled_trainers(build_config(file=config, environ={}))}
+    first = min(r[0]["time"] - r[0]["step_s"] - r[0]["rollout_wait_s"] for r in rows.values())
+    return rows, round(max(r[-1]["time"] for r in rows.values()) - first, 1)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", type=Path, default=ROOT / "examples/train_two_cpu.toml")
     parser.add_argument("--timeout", type=float, default=3600)
+    parser.add_argument("--from-run", type=Path, metavar="DIR", help="report a finished run of this benchmark (its "
+                        "parallm-train-multi-* directory) instead of training again")
     add_results_options(parser, "multi")
     args = parser.parse_args()
-    rows, wall = run(args.config.resolve(), args.timeout)
+    if args.from_run:
+        rows, wall = finished(args.config.resolve(), args.from_run)
+    else:
+        rows, wall = run(args.config.resolve(), args.timeout)
     results = Results.from_args("train", args)
     summary = {name: {"reward_first5": sum(r["reward_mean"] for r in rs[:5]) / len(rs[:5]),
                       "reward_last5": sum(r["reward_mean"] for r in rs[-5:]) / len(rs[-5:]),
