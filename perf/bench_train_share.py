@@ -2,7 +2,8 @@
 parallm-launch with its supervised trainer (GRPO, LoRA, the length task), one server run per share.
 
     PYTHONPATH=$PWD python -m perf.bench_train_share --shares 0,0.5,0.75 --steps 6
-    # a GPU: a random-weight shape with a real tokenizer (rewards are noise there; the timings are not)
+    # a GPU: a random-weight shape with a real tokenizer, trained on perf/train_tasks.py's VowelShareTask
+    # (a random model never stops, so the length task would give every reply 0; the timings are what counts)
     python -m perf.bench_train_share --shape llama-3.2-1b --tokenizer-dir TOK --work-dir W --shares 0,0.5,0.75
 
 The engine rests after each step while the trainer's update runs (engine/device_share.py), so the update
@@ -44,7 +45,7 @@ def main() -> None:
 
         vocab = len(AutoTokenizer.from_pretrained(args.tokenizer_dir))
         model = build_model_dir(args.shape, args.work_dir / args.shape, args.tokenizer_dir, vocab_size=vocab)
-        extra += ["--model.path", str(model)]
+        extra += ["--model.path", str(model), "--trainer.rl-training.task", "perf.train_tasks:VowelShareTask"]
     runs = []
     for share in [float(s) for s in args.shares.split(",")]:
         rows, info = run(args.config, args.steps, args.timeout, [*extra, "--engine.training-share", str(share)])

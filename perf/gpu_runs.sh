@@ -92,11 +92,13 @@
 #   kvbits    quantized KV (--kv.bits 8 and 4, issue 41) vs bfloat16 K/V, llama-3.2-3b in-process: kv_capacity_tokens
 #             at one budget (groups of 64, then 128), decode step time at 1, 64 and 256 rows alternating the three
 #             engines (perf/bench_kv_bits.py; random weights: no agreement figures), ~6 min
+#   trainshare parallm-launch with its trainer on the llama-3.2-3b shape (random weights, the length task), engine.training_share
+#             0 / 0.5 / 0.75: the GRPO update's time against the rollouts' tokens/s (issue 33 item 5), ~5 min
 # A fresh server per wave: `waves` fits 6-7 waves in one 10-minute call; run it twice for ten.
 set -uo pipefail
 # A fresh server per wave: `waves` fits 6-7 waves in one 10-minute call; run it twice for ten.
 set -uo pipefail
-case "${1:-}" in diag|llama|adapters|qwen-a|qwen-b|serving|waves|ingress|moe|moe256|hybrid|structured|tp|tp8b|dp|threads|compiled|republish|buckets|serve256|inplace|mixed|cudnn|decodeattn|unfuseddecode|defaults|defaultsab|qwendtype|qwenmlx|embeddings|policy|vision|trainmem|spec|kvbits|pagedattn) ;;
+case "${1:-}" in diag|llama|adapters|qwen-a|qwen-b|serving|waves|ingress|moe|moe256|hybrid|structured|tp|tp8b|dp|threads|compiled|republish|buckets|serve256|inplace|mixed|cudnn|decodeattn|unfuseddecode|defaults|defaultsab|qwendtype|qwenmlx|embeddings|policy|vision|trainmem|spec|kvbits|pagedattn|trainshare) ;;
   *) sed -n '2,/^# A fresh server per wave/p' "$0"; exit 2 ;; esac
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
@@ -263,6 +265,10 @@ case "${1:-}" in
             python3 -m perf.profile_threads --shape llama-3.2-3b --concurrency 1 --max-tokens 128 --min-requests 8 \
               --sample-ms 0 --py-spy off --tokenizer-dir $TOK --work-dir $WORK --experiment llama-3.2-3b-bare \
               --out-dir "$OUT" ;;
+  trainshare) python3 -m perf.bench_train_share --shape llama-3.2-3b --tokenizer-dir $TOK --work-dir $WORK \
+              --shares 0,0.5,0.75 --steps 6 --timeout 600 --server-args "--engine.max-num-seqs 256 \
+              --trainer.rl-training.prompts-per-step 16 --trainer.rl-training.max-tokens 128 --trainer.lora.num-layers 28" \
+              --experiment llama-3.2-3b --out-dir "$OUT" ;;
   kvbits)   python3 -m perf.bench_kv_bits --shape llama-3.2-3b --tokenizer-dir $TOK --work-dir $WORK --group-size 64 \
               --batches 1,64,256 --prompt-len 256 --steps 16 --rounds 3 --budget-mb 4096 --skip attention --out-dir "$OUT"
             python3 -m perf.bench_kv_bits --shape llama-3.2-3b --tokenizer-dir $TOK --work-dir $WORK --group-size 128 \
