@@ -267,8 +267,9 @@ case "${1:-}" in
               --out-dir "$OUT" ;;
   trainshare) python3 -m perf.bench_train_share --shape llama-3.2-3b --tokenizer-dir $TOK --work-dir $WORK \
               --shares 0,0.5,0.75 --steps 6 --timeout 600 --server-args "--engine.max-num-seqs 256 \
-              --trainer.rl-training.prompts-per-step 16 --trainer.rl-training.max-tokens 128 --trainer.lora.num-layers 28" \
-              --experiment llama-3.2-3b --out-dir "$OUT" ;;
+              --trainer.rl-training.prompts-per-step 16 --trainer.rl-training.max-tokens 128 --trainer.lora.num-layers 28 \
+              --trainer.rl-training.prefetch 1" \
+              --experiment llama-3.2-3b-prefetch1 --out-dir "$OUT" ;;
   kvbits)   python3 -m perf.bench_kv_bits --shape llama-3.2-3b --tokenizer-dir $TOK --work-dir $WORK --group-size 64 \
               --batches 1,64,256 --prompt-len 256 --steps 16 --rounds 3 --budget-mb 4096 --skip attention --out-dir "$OUT"
             python3 -m perf.bench_kv_bits --shape llama-3.2-3b --tokenizer-dir $TOK --work-dir $WORK --group-size 128 \
