@@ -95,6 +95,8 @@ def stage(tmp_path):
 
 
 def test_the_engine_stage_rests_while_a_trainer_updates_and_steps_again_when_it_ends(stage):
+    clock = Clock()  # stands still unless moved: the rest cannot run out while a loaded machine is slow
+    stage.share = DeviceShare(0.5, clock)
     stage.handle(submit("r", max_tokens=200))
     assert stage.work() and stage.work()                            # no trainer: steps back to back
     assert stage.stats().training_rest_s == 0
@@ -103,6 +105,9 @@ def test_the_engine_stage_rests_while_a_trainer_updates_and_steps_again_when_it_
     assert stage.share.resting_s() > 0
     assert not stage.work()                                         # resting: no step
     assert 1 <= stage.idle_wait_ms() <= 1000                        # the poll wakes when the rest ends
+    clock.now += MAX_REST_S
+    assert stage.work()                                             # rested: the next step, then a rest again
+    assert not stage.work()
     stats = stage.stats()
     assert stats.training_updating and stats.training_phases == 1 and stats.training_rest_s > 0
     assert stats.training_share == 0.5
