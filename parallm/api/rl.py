@@ -108,6 +108,8 @@ class RLRoutes:
         try:
             async for i, out in outputs:
                 gathered.add(i, out, self.backend.last_batch_size)
+        except BackendError as exc:  # the tokenizer stage's errors name `prompt` and `images[k]` of one prompt
+            raise job.renamed(exc) from None
         finally:
             await outputs.aclose()
         return gathered
