@@ -134,8 +134,8 @@ def token(path) -> str:
 
 def test_raw_client_and_rl_generate_shapes_take_images(vlm):
     """The raw ZeroMQ client (token ids with one image token, vLLM's multi_modal_data), TRL's /generate
-    `images` (base64 without a prefix) and vLLM's /generate TokensPrompt multi_modal_data: the same image
-    and prompt give the tokens mlx-vlm gives."""
+    `images` (base64 without a prefix), vLLM's /generate TokensPrompt multi_modal_data and SGLang's
+    `image_data`: the same image and prompt give the tokens mlx-vlm gives; a bad image is named as sent."""
     import httpx
 
     from parallm.client import Client
@@ -159,19 +159,27 @@ def test_raw_client_and_rl_generate_shapes_take_images(vlm):
                                             "logprobs": 0, **sampling})
         bad = http.post("/generate", json={"prompts": [text], "images": ["bm90IGFuIGltYWdl"], **sampling})
         two = text.replace("What?", token(path) + "What?")
-        refusals = [http.post("/generate", json={**body, **sampling}) for body in (
+        sglang = {"temperature": 0, "max_new_tokens": MAX, "ignore_eos": True}
+        refusals = [http.post("/generate", json={**body, **({} if "sampling_params" in body else sampling)})
+                    for body in (
             {"prompts": [text, text], "images": [b64, "bm90IGFuIGltYWdl"]},
             {"prompts": [two], "images": [[b64, "bm90IGFuIGltYWdl"]]},
             {"prompts": [text, "No image token here."], "images": [b64, b64]},
             {"prompt": [text, {"prompt_token_ids": ids, "multi_modal_data": {"image": data_url(b"no image")}}]},
+            {"text": [text, two], "image_data": [b64, [b64, "bm90IGFuIGltYWdl"]], "sampling_params": sglang},
+            {"input_ids": ids, "image_data": [b64, b64], "sampling_params": sglang},
         )]
+        sglang_out = http.post("/generate", json={"input_ids": ids, "image_data": data_url(image),
+                                                  "sampling_params": sglang}).json()
     assert vllm.status_code == 200, vllm.text
     want = reference_tokens(path, trl["prompt_ids"][0], pixels_of(path, [image]), MAX)
     assert trl["completion_ids"][0] == want
     assert by_ids.token_ids == want and by_text.token_ids == want
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "images[0]", bad.text
     # a bad image of a later prompt, or inside a prompt's list, is named as the request holds it
-    for r, param in zip(refusals, ["images[1]", "images[0][1]", "prompts[1]", "prompt[1].multi_modal_data.image"]):
+    assert sglang_out["output_ids"] == want, sglang_out
+    for r, param in zip(refusals, ["images[1]", "images[0][1]", "prompts[1]", "prompt[1].multi_modal_data.image",
+                                   "image_data[1][1]", "input_ids"]):
         error = r.json()["error"]
         assert r.status_code == 400 and error["param"] == param, r.text
         assert param in error["message"] or "placeholders" in error["message"], r.text
