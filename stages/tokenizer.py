@@ -142,17 +142,17 @@ class TokenizerStage(Stage):
     def prepare_images(self, message: protocol.TextSubmit, ids: list[int], templater: Templater) -> list[protocol.Tensor]:
         """The request's images as pixel tensors, fetched, decoded and processed here (`ids` expanded in place
         to the image-token runs they fill); a bad image is a TemplateError naming its part."""
+        prompt_param = "messages" if message.messages is not None else "prompt"
         try:
             parts = request_images(message)
             if not parts:
                 return []
             if self.images is None or templater is not self.templater:
                 raise ImageError(f"{parts[0][0]}: {templater.text_only}", parts[0][0])
-            expanded, tensors = self.images.prepare(ids, parts)
+            expanded, tensors = self.images.prepare(ids, parts, prompt_param)
         except ImageError as exc:
             raise TemplateError(exc.message, exc.param, status=exc.status) from None
-        templater.check_length(len(expanded), message.spec.params.max_tokens,
-                               "messages" if message.messages is not None else "prompt")
+        templater.check_length(len(expanded), message.spec.params.max_tokens, prompt_param)
         ids[:] = expanded
         return tensors
 

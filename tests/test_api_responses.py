@@ -53,8 +53,17 @@ def test_a_tool_round_trip_becomes_one_assistant_message_and_a_tool_message():
 
 
 @pytest.mark.parametrize("body, param", [
-    ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "http://x/a.png"}]}]},
-     "input[0].content[0].type"),
+    ({"input": [{"role": "user", "content": [{"type": "input_image", "file_id": "file-1"}]}]},
+     "input[0].content[0].file_id"),
+    ({"input": [{"role": "user", "content": [{"type": "input_image"}]}]}, "input[0].content[0].image_url"),
+    ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "data:,x", "detail": "max"}]}]},
+     "input[0].content[0].detail"),
+    ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "data:,x"},
+                                             {"type": "input_file", "file_id": "file-1"}]}]},
+     "input[0].content[1].type"),
+    ({"input": [{"type": "function_call_output", "call_id": "c", "output": [{"type": "input_image",
+                                                                            "image_url": "data:,x"}]}]},
+     "input[0].output[0].type"),
     ({"input": [{"type": "item_reference", "id": "msg_1"}]}, "input[0].type"),
     ({"input": [{"type": "computer_call_output", "call_id": "c"}]}, "input[0].type"),
     ({"input": "x", "tools": [{"type": "web_search"}]}, "tools[0].type"),
@@ -79,6 +88,33 @@ def test_what_cannot_be_served_is_a_400_naming_the_field(body, param):
         responses_plan(request(**body), LIMITS)
     assert err.value.status == 400 and err.value.param == param, err.value.message
     assert param.split("[")[0].split(".")[0] in err.value.message
+
+
+def test_input_images_become_the_chat_routes_image_parts_and_their_errors_name_the_input():
+    """input_image parts reach the tokenizer stage in place among the text parts; an error it reports for
+    `messages[k]` names the input item (after the instructions and a continued conversation) instead."""
+    from parallm.api.backend import BackendError
+
+    content = [{"type": "input_text", "text": "Compare"}, {"type": "input_image", "image_url": "data:,a"},
+               {"type": "input_image", "image_url": "https://h/b.png", "detail": "low"}]
+    history = [chat.ChatMessage(role="user", content="Hi"), chat.ChatMessage(role="assistant", content="Hello")]
+    rp = responses_plan(request(input=[{"role": "user", "content": content}], instructions="Be brief."), LIMITS,
+                        history)
+    assert rp.plan.submits[0].messages[3]["content"] == [
+        {"type": "text", "text": "Compare"}, {"type": "input_image", "image_url": {"url": "data:,a"}},
+        {"type": "input_image", "image_url": {"url": "https://h/b.png"}}]
+    assert rp.input_items[0]["content"][2] == {"type": "input_image", "image_url": "https://h/b.png",
+                                               "file_id": None, "detail": "low"}
+    err = rp.renamed(BackendError(400, "invalid_request_error", "messages[3].content[2]: the image URL could not be "
+                                  "fetched", "messages[3].content[2].image_url"))
+    assert (err.param, err.message) == ("input[0].content[2].image_url",
+                                        "input[0].content[2]: the image URL could not be fetched")
+    err = rp.renamed(BackendError(400, "invalid_request_error", "messages[1].content[0]: x", "messages[1].content[0]"))
+    assert err.param == "previous_response_id" and err.message.startswith("the conversation of previous_response_id's "
+                                                                          "messages[0].content[0]")
+    assert rp.renamed(BackendError(400, "invalid_request_error", "too long", "messages")).param == "input"
+    plain = responses_plan(request(input=[{"role": "user", "content": content[:1]}]), LIMITS)
+    assert plain.plan.submits[0].messages[0]["content"] == "Compare"  # text only: a string, as before
 
 
 def test_tools_tool_choice_and_text_format_use_the_chat_constraints():

@@ -52,6 +52,11 @@ CLIENT_BODIES = [  # the bodies of docs/rl.md's client table (tests/test_rl_clie
                 "return_logprob": True, "input_ids": [1, 2, 3], "return_routed_experts": True}),  # slime
     ("sglang", {"input_ids": [[1, 2], [3, 4]], "sampling_params": {"max_new_tokens": 2}}),     # SkyRL-train
     ("sglang", {"text": "hi", "sampling_params": {"max_new_tokens": 2}}),
+    # images (a vision-language model: docs/vision.md)
+    ("trl", {"prompts": ["<image>What?"], "images": ["iVBORw0KGgo="], "max_tokens": 2}),     # TRL pil_to_base64
+    ("vllm", {"prompt": {"prompt_token_ids": [1, 2], "multi_modal_data": {"image": "data:image/png;base64,x"}}}),
+    ("sglang", {"text": ["<image>a", "b"], "image_data": [["data:image/png;base64,x"], None],
+                "sampling_params": {"max_new_tokens": 2}}),                                   # slime, batched
 ]
 
 MIXED = [  # fields of two formats: (body, the fields the 400 names)

@@ -5,15 +5,12 @@ tensors (protocol/tensors.py)."""
 from __future__ import annotations
 
 import base64
-import http.server
 import io
-import threading
-import time
 
 import numpy as np
 import pytest
 
-from _vision_helpers import data_url, png
+from _vision_helpers import data_url, image_site, png
 from parallm import protocol
 from parallm.vision.fetch import ImageError, ImageLimits, decode_image, fetch_image, image_url_of
 from parallm.vision.inputs import image_parts
@@ -21,31 +18,10 @@ from parallm.vision.inputs import image_parts
 W = "messages[0].content[1]"
 
 
-class _Handler(http.server.BaseHTTPRequestHandler):
-    def do_GET(self) -> None:  # noqa: N802 - the stdlib's name
-        if self.path == "/slow.png":
-            time.sleep(2)
-        body = png(1) if self.path != "/big.png" else b"\0" * 5000
-        self.send_response(200 if self.path != "/missing.png" else 404)
-        self.send_header("Content-Length", str(len(body)))
-        self.end_headers()
-        try:
-            self.wfile.write(body)
-        except BrokenPipeError:  # the client timed out (slow.png)
-            pass
-
-    def log_message(self, *args) -> None:
-        pass
-
-
 @pytest.fixture(scope="module")
 def site():
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Handler)
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    yield f"http://127.0.0.1:{server.server_address[1]}"
-    server.shutdown()
-    server.server_close()
+    with image_site() as url:
+        yield url
 
 
 def refused(url: str, limits: ImageLimits = ImageLimits()) -> ImageError:

@@ -19,7 +19,8 @@ class BackendError(Exception):
 
     `status` is the HTTP status (400: the request is at fault, e.g. the prompt is too long;
     503: a stage is down), `code` the OpenAI error code, `param` the offending request field,
-    `retryable` whether the same request may succeed later (adds `Retry-After`).
+    `retryable` whether the same request may succeed later (adds `Retry-After`). `prompt`: the index of
+    the request's prompt (its TextSubmit) whose failure this is, when `merge.merged` knows it.
     """
 
     def __init__(self, status: int, code: str, message: str, param: str | None = None,
@@ -27,6 +28,7 @@ class BackendError(Exception):
         super().__init__(message)
         self.status, self.code, self.message = status, code, message
         self.param, self.retryable = param, retryable
+        self.prompt: int | None = None
 
 
 @runtime_checkable

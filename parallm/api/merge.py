@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 from typing import AsyncIterator
 
-from parallm.api.backend import Backend
+from parallm.api.backend import Backend, BackendError
 from parallm.api.errors import APIError
 from parallm.protocol import Output, TextSubmit
 
@@ -48,7 +48,8 @@ async def _next(it: AsyncIterator[Output]) -> Output:
 
 async def merged(backend: Backend, submits: list[TextSubmit],
                  deadlines: Deadlines | None = None) -> AsyncIterator[tuple[int, Output]]:
-    """Outputs of every submit, tagged with its index; raises BackendError or a 504 APIError."""
+    """Outputs of every submit, tagged with its index; raises BackendError (its `prompt` the submit's index)
+    or a 504 APIError."""
     deadlines = deadlines or Deadlines()
     iterators = [backend.generate(s) for s in submits]
     pending: dict[asyncio.Future[Output], int] = {}
@@ -61,6 +62,9 @@ async def merged(backend: Backend, submits: list[TextSubmit],
                     out = await (it.__anext__() if left is None else asyncio.wait_for(it.__anext__(), left))
                 except StopAsyncIteration:
                     return
+                except BackendError as exc:
+                    exc.prompt = 0
+                    raise
                 except asyncio.TimeoutError:
                     raise timed_out(not deadlines.started) from None
                 deadlines.started = True
@@ -77,6 +81,9 @@ async def merged(backend: Backend, submits: list[TextSubmit],
                     out = task.result()
                 except StopAsyncIteration:
                     continue
+                except BackendError as exc:
+                    exc.prompt = i
+                    raise
                 pending[asyncio.ensure_future(_next(iterators[i]))] = i
                 deadlines.started = True
                 yield i, out

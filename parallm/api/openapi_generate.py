@@ -23,7 +23,7 @@ from parallm.api.rl_schemas import RLSampling, TokensPrompt
 from parallm.api.rl_shape import FIELD_FORMATS, FORMATS, MLX_RL_MARKERS, NAMES, PROMPT_FIELDS
 
 GENERATION_KWARGS = frozenset(RLSampling.__struct_fields__) | {"logprobs"}  # what rl_plan.parse merges from TRL's
-REFUSED = ("images", "input_embeds", "image_data")  # multimodal inputs: text models only
+REFUSED = ("input_embeds",)  # images are served (docs/vision.md); embeddings as input are not
 RULE = ("One route, four formats told apart by their fields (docs/rl.md, POST /generate: which format): every "
         "field must belong to the body's format; a token-id `prompt` or a boolean `logprobs` is MLX RL's, an "
         "object `prompt` vLLM's; a string `prompt` with no MLX RL field (policy_version, step_id, request_id) is "

@@ -3,24 +3,29 @@
 The request becomes a `ChatCompletionRequest` and goes through `chat_plan`, so the chat template,
 constrained decoding (tool_choice, text.format), reasoning parsing and logprobs are the chat
 route's own, and greedy output equals /v1/chat/completions for the same messages. An error the
-chat checks raise names the Responses field (`max_output_tokens`, `text.format`, ...).
+chat checks raise names the Responses field (`max_output_tokens`, `text.format`, ...); so does an
+error the tokenizer stage reports for a message's image (`ResponsesPlan.renamed`).
 """
 
 from __future__ import annotations
 
+import re
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
+from parallm.api.backend import BackendError
 from parallm.api.errors import APIError, invalid
 from parallm.api.responses_schemas import InputItem, InputPart, ResponsesNotSupported, ResponsesRequest
-from parallm.api.schemas import ChatCompletionRequest, ChatMessage, ResponseFormat
+from parallm.api.schemas import ChatCompletionRequest, ChatMessage, ContentPart, ImageURL, ResponseFormat
 from parallm.api.translate import Plan, chat_plan
 from parallm.api.validate import Limits, unsupported
 
 MESSAGE_ROLES = ("user", "system", "developer", "assistant")
 TEXT_PART_TYPES = ("input_text", "output_text", "text")
 REASONING_PART_TYPES = ("reasoning_text", "text")
+IMAGE_PART = "input_image"
+IMAGE_DETAILS = ("auto", "low", "high", "original")
 INCLUDE_LOGPROBS = "message.output_text.logprobs"
 INCLUDE_ACCEPTED = (INCLUDE_LOGPROBS, "reasoning.encrypted_content")
 MAX_METADATA = 16
@@ -39,20 +44,65 @@ class ResponsesPlan:
     messages: list[ChatMessage]       # the whole conversation sent to the template, instructions excluded
     input_items: list[dict[str, Any]]  # this request's own input items, with ids (GET .../input_items)
     logprobs: bool
+    # the tokenizer stage's `messages[k]` (the conversation sent to the template) as this request names it:
+    # `input[i]`, or the conversation of previous_response_id (whose messages may hold images too)
+    names: dict[int, str] = field(default_factory=dict)
+
+    def renamed(self, exc: BaseException) -> BaseException:
+        """A backend error (the tokenizer stage's: a bad image, a prompt past the context) naming the
+        Responses field rather than the chat message it was sent as."""
+        if not isinstance(exc, (APIError, BackendError)) or not exc.param:
+            return exc
+        if exc.param == "messages":
+            exc.param = "input"
+        elif (at := _MESSAGE_AT.match(exc.param)) is not None and int(at[1]) in self.names:
+            name = self.names[int(at[1])]
+            exc.message = exc.message.replace(at[0], name, 1)
+            exc.param = name + exc.param[at.end():] if name.startswith("input[") else "previous_response_id"
+        return exc
 
 
-def _text_of(parts: str | list[InputPart] | None, where: str, types: tuple[str, ...] = TEXT_PART_TYPES) -> str:
+_MESSAGE_AT = re.compile(r"messages\[(\d+)\]")
+
+
+def _text_of(parts: str | list[InputPart] | None, where: str, types: tuple[str, ...] = TEXT_PART_TYPES,
+             at: int = 0) -> str:
+    """The text of content parts (`at`: the index of the first of `parts` in its content)."""
     if parts is None or isinstance(parts, str):
         return parts or ""
     texts = []
-    for j, part in enumerate(parts):
+    for j, part in enumerate(parts, at):
         if part.type not in types:
-            raise unsupported(f"{where}[{j}]: content type {part.type!r} is not supported; this server takes text "
-                              "only (input_text).", f"{where}[{j}].type")
+            images = " (input_image goes in a message's content)" if part.type == IMAGE_PART else ""
+            raise unsupported(f"{where}[{j}]: content type {part.type!r} is not supported here; this server takes "
+                              f"{' / '.join(types)} parts{images}.", f"{where}[{j}].type")
         if part.text is None:
             raise invalid(f"{where}[{j}] has no 'text'.", f"{where}[{j}].text")
         texts.append(part.text)
     return "".join(texts)
+
+
+def _image(part: InputPart, where: str) -> ContentPart:
+    """An input_image part as the chat route's image part; the tokenizer stage fetches and decodes it."""
+    if part.file_id is not None:
+        raise unsupported(f"{where}.file_id: images by file_id are not supported (this server keeps no files); "
+                          "send the image as image_url, a data: URL.", f"{where}.file_id")
+    if not part.image_url:
+        raise invalid(f"{where} has no image_url (a data: URL, or an http(s) URL).", f"{where}.image_url")
+    if part.detail is not None and part.detail not in IMAGE_DETAILS:
+        raise invalid(f"{where}.detail must be one of {', '.join(IMAGE_DETAILS)}.", f"{where}.detail")
+    return ContentPart(type=IMAGE_PART, image_url=ImageURL(url=part.image_url, detail=part.detail))
+
+
+def _content(parts: str | list[InputPart] | None, where: str) -> str | list[str | ContentPart]:
+    """A message's content: its text, or, when it holds images, its parts in order (text and images)."""
+    if not isinstance(parts, list) or not any(part.type == IMAGE_PART for part in parts):
+        return _text_of(parts, where)
+    out: list[str | ContentPart] = []
+    for j, part in enumerate(parts):
+        out.append(_image(part, f"{where}[{j}]") if part.type == IMAGE_PART else
+                   ContentPart(type="text", text=_text_of([part], where, at=j)))
+    return out
 
 
 def _reasoning_text(item: InputItem, at: str) -> str:
@@ -71,9 +121,11 @@ def _last_assistant(messages: list[ChatMessage]) -> ChatMessage:
     return messages[-1]
 
 
-def items_to_messages(items: list[InputItem], where: str = "input") -> list[ChatMessage]:
+def items_to_messages(items: list[InputItem], where: str = "input",
+                      sources: dict[int, int] | None = None) -> list[ChatMessage]:
     """Input items as chat messages: an assistant's reasoning, text and function calls that follow one
-    another form one assistant message; a function_call_output is a `tool` message."""
+    another form one assistant message; a function_call_output is a `tool` message. `sources` gets the
+    item index of each message made from one message item."""
     messages: list[ChatMessage] = []
     names: dict[str, str] = {}
     reasoning: str | None = None
@@ -83,8 +135,10 @@ def items_to_messages(items: list[InputItem], where: str = "input") -> list[Chat
         if kind == "message":
             if item.role not in MESSAGE_ROLES:
                 raise invalid(f"{at}.role must be one of {', '.join(MESSAGE_ROLES)}.", f"{at}.role")
-            text = _text_of(item.content, f"{at}.content")
-            messages.append(ChatMessage(role=item.role, content=text))  # type: ignore[arg-type]
+            content = _content(item.content, f"{at}.content")
+            if sources is not None:
+                sources[len(messages)] = i
+            messages.append(ChatMessage(role=item.role, content=content))  # type: ignore[arg-type]
             if item.role == "assistant" and reasoning is not None:
                 messages[-1].reasoning_content, reasoning = reasoning, None
         elif kind == "function_call":
@@ -113,10 +167,19 @@ def items_to_messages(items: list[InputItem], where: str = "input") -> list[Chat
     return messages
 
 
-def input_messages(req: ResponsesRequest) -> list[ChatMessage]:
+def input_messages(req: ResponsesRequest, sources: dict[int, int] | None = None) -> list[ChatMessage]:
     if isinstance(req.input, str):
         return [ChatMessage(role="user", content=req.input)] if req.input else []
-    return items_to_messages(req.input)
+    return items_to_messages(req.input, sources=sources)
+
+
+def _part_dict(part: InputPart, kind_of_text: str) -> dict[str, Any]:
+    """A content part as an input item lists it (GET .../input_items)."""
+    if part.type == IMAGE_PART:
+        return {"type": IMAGE_PART, "image_url": part.image_url, "file_id": part.file_id,
+                "detail": part.detail or "auto"}
+    return {"type": part.type or kind_of_text, "text": part.text or "",
+            **({"annotations": []} if part.type == "output_text" else {})}
 
 
 def input_item_dicts(req: ResponsesRequest) -> list[dict[str, Any]]:
@@ -133,8 +196,7 @@ def input_item_dicts(req: ResponsesRequest) -> list[dict[str, Any]]:
                 kind_of_text = "output_text" if item.role == "assistant" else "input_text"
                 parts = item.content if isinstance(item.content, list) else \
                     [InputPart(type=kind_of_text, text=item.content or "")]
-                out["content"] = [{"type": p.type, "text": p.text or "",
-                                   **({"annotations": []} if p.type == "output_text" else {})} for p in parts]
+                out["content"] = [_part_dict(p, kind_of_text) for p in parts]
             elif kind == "function_call":
                 out.update(call_id=item.call_id, name=item.name, arguments=item.arguments)
             elif kind == "function_call_output":
@@ -253,10 +315,15 @@ def responses_plan(req: ResponsesRequest, limits: Limits, history: list[ChatMess
     """Check a Responses request and build its Plan; `history` is the conversation of
     previous_response_id (its input and output messages), which comes before this input."""
     _check_fields(req)
-    messages = [*(history or []), *input_messages(req)]
+    sources: dict[int, int] = {}
+    history = history or []
+    messages = [*history, *input_messages(req, sources)]
     if not messages:
         raise invalid("input must not be empty.", "input")
     system = [ChatMessage(role="system", content=req.instructions)] if req.instructions else []
+    names = {len(system) + h: f"the conversation of previous_response_id's messages[{h}]"
+             for h in range(len(history))}
+    names.update({len(system) + len(history) + m: f"input[{i}]" for m, i in sources.items()})
     logprobs = INCLUDE_LOGPROBS in (req.include or [])
     chat = ChatCompletionRequest(
         messages=[*system, *messages], model=req.model, max_tokens=req.max_output_tokens,
@@ -276,4 +343,4 @@ def responses_plan(req: ResponsesRequest, limits: Limits, history: list[ChatMess
     for submit in plan.submits:
         submit.rid = rid
         submit.spec.metadata["request_id"] = rid
-    return ResponsesPlan(plan, req, messages, input_item_dicts(req), logprobs)
+    return ResponsesPlan(plan, req, messages, input_item_dicts(req), logprobs, names)

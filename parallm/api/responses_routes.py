@@ -97,8 +97,12 @@ class ResponsesRoutes:
             self._keep(rp, response)
             return json_response(response)
 
-        return await self.gen.answer(request, rp.plan.submits, collect,
-                                     (lambda first, outputs: self._events(rp, first, outputs)) if req.stream else None)
+        try:
+            return await self.gen.answer(request, rp.plan.submits, collect,
+                                         (lambda first, outputs: self._events(rp, first, outputs)) if req.stream
+                                         else None)
+        except (APIError, BackendError) as exc:  # the tokenizer stage's errors name chat messages
+            raise rp.renamed(exc) from None
 
     async def _events(self, rp: ResponsesPlan, first: Any, outputs: Any) -> AsyncIterator[bytes]:
         writer = ResponseEvents(rp)
@@ -114,6 +118,7 @@ class ResponsesRoutes:
             for event in writer.closing():
                 yield event
         except (APIError, BackendError) as exc:
+            rp.renamed(exc)
             for event in writer.failed(exc.code, exc.message, exc.param):
                 yield event
         except Exception:  # noqa: BLE001 - the stream has begun: the client gets error events, not a 500
@@ -159,7 +164,7 @@ class ResponsesRoutes:
         except Exception as exc:  # noqa: BLE001 - a background failure is the stored response's error
             if not isinstance(exc, (APIError, BackendError)):
                 log.exception("background response %s failed", rp.plan.id)
-            response = _failed(rp, exc)
+            response = _failed(rp, rp.renamed(exc))
         finally:
             await outputs.aclose()
             self.gen.gate.leave()

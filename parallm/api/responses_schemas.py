@@ -17,10 +17,15 @@ from parallm.api.schemas import INT32, PRIORITY_DOC, Penalty, _d
 
 
 class InputPart(Struct, kw_only=True):
-    """A content part: input_text / output_text (text); anything else is refused by its type."""
+    """A content part: input_text / output_text (text), or input_image (`image_url`: a data: URL or an
+    http(s) URL, for a vision-language model: docs/vision.md); anything else is refused by its type."""
 
     type: str
     text: str | None = None
+    image_url: str | None = None
+    file_id: Annotated[str | None, _d("not supported: a 400 unless null (this server keeps no files)")] = None
+    detail: Annotated[str | None, _d("auto, low, high or original; accepted, the checkpoint's image processor "
+                                     "decides the resolution")] = None
 
 
 class InputItem(Struct, kw_only=True):

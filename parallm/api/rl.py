@@ -58,8 +58,9 @@ class RLRoutes:
             raise invalid("The request body must be a JSON object.", code="invalid_json")
         shape = shape_of(raw)
         if shape == "sglang":
-            sglang, req = sglang_request(raw)
+            sglang, req, names = sglang_request(raw)
             job = build("vllm", req, self.limits(), answer="sglang")
+            job.prompt_params, job.image_params = names.prompts, names.images
             if sglang.return_text_in_logprobs:
                 job.text_in_logprobs = True
                 for submit in job.submits:
@@ -108,6 +109,8 @@ class RLRoutes:
         try:
             async for i, out in outputs:
                 gathered.add(i, out, self.backend.last_batch_size)
+        except BackendError as exc:  # the tokenizer stage's errors name `prompt` and `images[k]` of one prompt
+            raise job.renamed(exc) from None
         finally:
             await outputs.aclose()
         return gathered

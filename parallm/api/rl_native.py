@@ -14,6 +14,7 @@ one validation and one generation path) and answered in their own shape:
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 from typing import Any
 
 import msgspec
@@ -73,14 +74,23 @@ def tito_request(raw: dict[str, Any], base: str) -> tuple[GenerateTokensRequest,
     return req, _convert(body, VllmGenerateRequest)
 
 
-def sglang_request(raw: dict[str, Any]) -> tuple[SglangGenerateRequest, VllmGenerateRequest]:
-    """A SGLang /generate body as (itself, the vLLM /generate request it runs as)."""
+@dataclass
+class SglangNames:
+    """The fields of a SGLang body that the tokenizer stage's errors about one prompt name (Job.renamed)."""
+
+    prompts: list[str]
+    images: list[list[str]]
+
+
+def sglang_request(raw: dict[str, Any]) -> tuple[SglangGenerateRequest, VllmGenerateRequest, SglangNames]:
+    """A SGLang /generate body as (itself, the vLLM /generate request it runs as, its fields by prompt): a
+    prompt with `image_data` becomes a vLLM TokensPrompt with `multi_modal_data`."""
     req = _convert(raw, SglangGenerateRequest)
     if req.stream:
         raise unsupported("stream is not supported on SGLang's /generate here; use /v1/completions.", "stream")
-    for name in ("input_embeds", "image_data"):
-        if getattr(req, name) is not None:
-            raise unsupported(f"{name} is not supported by this server (token ids or text only).", name)
+    if req.input_embeds is not None:
+        raise unsupported("input_embeds is not supported by this server (token ids or text, and images).",
+                          "input_embeds")
     if (req.input_ids is None) == (req.text is None):
         raise invalid("Give exactly one of input_ids or text.", "input_ids")
     if req.logprob_start_len not in (-1, 0) and req.return_logprob:
@@ -90,15 +100,24 @@ def sglang_request(raw: dict[str, Any]) -> tuple[SglangGenerateRequest, VllmGene
     for name in _SGLANG_REFUSED:
         if getattr(sp, name) is not None:
             raise unsupported(f"sampling_params.{name} is not supported by this server.", f"sampling_params.{name}")
-    prompts: Any
     if req.input_ids is not None:
         ids = req.input_ids
         batch = bool(ids) and isinstance(ids[0], list)
         if any(isinstance(p, list) != batch for p in ids):
             raise invalid("input_ids must be a list of token ids or a list of such lists, not a mix.", "input_ids")
-        prompts = [{"prompt_token_ids": p} for p in ids] if batch else {"prompt_token_ids": ids}
+        field, listed = "input_ids", [{"prompt_token_ids": p} for p in (ids if batch else [ids])]
     else:
-        prompts = req.text
+        batch = isinstance(req.text, list)
+        field, listed = "text", [{"prompt": t} for t in (req.text if batch else [req.text])]
+    images = _sglang_images(req.image_data, len(listed), batch)
+    for p, each in zip(listed, images):
+        if each:
+            p["multi_modal_data"] = {"image": [image for _, image in each]}
+    if not any(images) and field == "text":
+        listed = [p["prompt"] for p in listed]  # plain strings, as before images
+    prompts: Any = listed if batch else listed[0]
+    names = SglangNames([f"{field}[{i}]" for i in range(len(listed))] if batch else [field],
+                        [[name for name, _ in each] for each in images])
     body: dict[str, Any] = {
         "prompt": prompts, "n": sp.n, "max_tokens": sp.max_new_tokens, "min_tokens": sp.min_new_tokens,
         "temperature": sp.temperature, "top_p": sp.top_p, "top_k": sp.top_k, "min_p": sp.min_p,
@@ -108,7 +127,26 @@ def sglang_request(raw: dict[str, Any]) -> tuple[SglangGenerateRequest, VllmGene
         "include_stop_str_in_output": sp.no_stop_trim, "seed": sp.sampling_seed, "priority": req.priority,
         "logprobs": req.top_logprobs_num if req.return_logprob else None, "adapter": req.lora_path or "",
     }
-    return req, _convert(body, VllmGenerateRequest)
+    return req, _convert(body, VllmGenerateRequest), names
+
+
+def _sglang_images(data: Any, n_prompts: int, batch: bool) -> list[list[tuple[str, Any]]]:
+    """SGLang's image_data as (its field, the image) per prompt: for one prompt an image or a list of them, for a
+    batch one entry per prompt (an image, a list, or null). An image is a URL, base64 text or {"url": ...}."""
+    if data is None:
+        return [[] for _ in range(n_prompts)]
+    if batch and (not isinstance(data, list) or len(data) != n_prompts):
+        raise invalid(f"image_data must hold one entry per prompt ({n_prompts}) for a batch.", "image_data")
+    out = []
+    for where, entry in zip([f"image_data[{i}]" for i in range(n_prompts)] if batch else ["image_data"],
+                            data if batch else [data]):
+        items = [] if entry is None else [(f"{where}[{k}]", x) for k, x in enumerate(entry)] \
+            if isinstance(entry, list) else [(where, entry)]
+        for name, image in items:
+            if not isinstance(image, (str, dict)) or not image:
+                raise invalid(f"{name} must be an image URL, base64 text or {{\"url\": ...}}.", name)
+        out.append(items)
+    return out
 
 
 # --------------------------------------------------------------------------- answers

@@ -6,6 +6,7 @@ the request echo fields), so rl_render.py never looks at the request again.
 
 from __future__ import annotations
 
+import re
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -13,6 +14,7 @@ from typing import Any
 
 import msgspec
 
+from parallm.api.backend import BackendError
 from parallm.api.errors import APIError, from_validation, invalid
 from parallm.api.rl_schemas import (MlxRlGenerateRequest, RLSampling, Shape, TokensPrompt, TrlGenerateRequest,
                                     VllmGenerateRequest)
@@ -24,6 +26,7 @@ from parallm.protocol import DetokSpec, SamplingParams, TextSubmit, pack_ids
 
 Prompt = str | list[int]
 
+_IMAGE_AT = re.compile(r"images\[(\d+)\]")
 _REQUESTS: dict[str, type] = {"vllm": VllmGenerateRequest, "trl": TrlGenerateRequest, "mlx_rl": MlxRlGenerateRequest}
 _SAMPLING_FIELDS = frozenset(RLSampling.__struct_fields__) | {"logprobs"}
 
@@ -44,6 +47,24 @@ class Job:
     rid: str = field(default_factory=lambda: "gen-" + uuid.uuid4().hex)
     submits: list[TextSubmit] = field(default_factory=list)
     started: float = field(default_factory=time.monotonic)
+    # each prompt's field and its images' fields, as the request names them (`prompts[1]`, `images[1][0]`,
+    # `prompt.multi_modal_data.image`): what the tokenizer stage's `prompt` / `images[k]` errors become
+    prompt_params: list[str] = field(default_factory=list)
+    image_params: list[list[str]] = field(default_factory=list)
+
+    def renamed(self, exc: BaseException) -> BaseException:
+        """The tokenizer stage's error about one prompt (it names the prompt `prompt` and its images
+        `images[k]`) naming the field of this request instead."""
+        if not isinstance(exc, BackendError) or exc.prompt is None or exc.prompt >= len(self.prompt_params):
+            return exc
+        images = self.image_params[exc.prompt]
+        if exc.param == "prompt":
+            exc.param = self.prompt_params[exc.prompt]
+        elif (at := _IMAGE_AT.match(exc.param or "")) is not None and int(at[1]) < len(images):
+            name = images[int(at[1])]
+            exc.message = exc.message.replace(at[0], name, 1)
+            exc.param = name + exc.param[at.end():]
+        return exc
 
     @property
     def metadata(self) -> dict[str, Any]:
@@ -152,16 +173,30 @@ def build(shape: Shape, req: Any, limits: Limits, answer: Shape | None = None) -
                       skip_special_tokens=req.skip_special_tokens, echo=True)
     spec = request_spec(req, params, detok, adapter=req.adapter, metadata=job.metadata)
     images = images_of(shape, req, len(prompts))
+    job.prompt_params = prompt_params(shape, req, len(prompts))
+    job.image_params = [[param for param, _ in each] for each in images]
     for i, prompt in enumerate(prompts):
         text, ids = (prompt, None) if isinstance(prompt, str) else (None, pack_ids(prompt))
         job.submits.append(TextSubmit(rid=job.rid if len(prompts) == 1 else f"{job.rid}-{i}", reply_to=b"", spec=spec,
-                                      prompt=text, prompt_ids=ids, images=images[i]))
+                                      prompt=text, prompt_ids=ids, images=[url for _, url in images[i]]))
     return job
 
 
-def images_of(shape: Shape, req: Any, n_prompts: int) -> list[list[str]]:
-    """Each prompt's image URLs: TRL's `images` (one entry per prompt: an image, a list, or null) or vLLM's
-    TokensPrompt `multi_modal_data={"image": ...}`; the tokenizer stage fetches and checks them."""
+def prompt_params(shape: Shape, req: Any, n_prompts: int) -> list[str]:
+    """The field each prompt came in."""
+    if shape == "trl":
+        return [f"prompts[{i}]" for i in range(n_prompts)]
+    if shape == "vllm" and req.prompt is None:
+        return ["prompt_token_ids"]
+    if shape == "vllm" and isinstance(req.prompt, list):
+        return [f"prompt[{i}]" for i in range(n_prompts)]
+    return ["prompt"] * n_prompts
+
+
+def images_of(shape: Shape, req: Any, n_prompts: int) -> list[list[tuple[str, str]]]:
+    """Each prompt's images as (the field it came in, its URL): TRL's `images` (one entry per prompt: an
+    image, a list, or null) or vLLM's TokensPrompt `multi_modal_data={"image": ...}`; the tokenizer stage
+    fetches and checks them."""
     if shape == "trl":
         entries = req.images if req.images is not None else [None] * n_prompts
         return [_urls(e, f"images[{i}]") for i, e in enumerate(entries)]
@@ -178,13 +213,17 @@ def images_of(shape: Shape, req: Any, n_prompts: int) -> list[list[str]]:
     return out
 
 
-def _urls(entry: Any, param: str) -> list[str]:
+def _urls(entry: Any, param: str) -> list[tuple[str, str]]:
     from parallm.vision.inputs import as_image_url
     from parallm.vision.fetch import ImageError
 
     if entry is None:
         return []
-    try:
-        return [as_image_url(x) for x in (entry if isinstance(entry, list) else [entry])]
-    except ImageError as exc:
-        raise invalid(exc.message, param) from None
+    named = [(f"{param}[{k}]", x) for k, x in enumerate(entry)] if isinstance(entry, list) else [(param, entry)]
+    out = []
+    for where, x in named:
+        try:
+            out.append((where, as_image_url(x)))
+        except ImageError as exc:
+            raise invalid(f"{where}: {exc.message}", where) from None
+    return out

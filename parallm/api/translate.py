@@ -128,7 +128,7 @@ def _part_dict(part: Any) -> dict[str, Any]:
         return {"type": "text", "text": part}
     if part.image_url is not None:
         url = part.image_url if isinstance(part.image_url, str) else part.image_url.url
-        return {"type": "image_url", "image_url": {"url": url}}
+        return {"type": part.type, "image_url": {"url": url}}  # the type as sent: errors name it
     return {"type": "text", "text": part.text or ""}
 
 

@@ -73,8 +73,10 @@ class ImageInputs:
         """One image's pixel values, [channels, height, width], as the checkpoint's processor makes them."""
         return np.asarray(self.processor([image], return_tensors="np")["pixel_values"][0], dtype=np.float32)
 
-    def prepare(self, ids: list[int], parts: list[tuple[str, str]]) -> tuple[list[int], list[Tensor]]:
-        """The prompt ids with each image placeholder expanded, and the images' pixel tensors."""
+    def prepare(self, ids: list[int], parts: list[tuple[str, str]],
+                prompt_param: str = "messages") -> tuple[list[int], list[Tensor]]:
+        """The prompt ids with each image placeholder expanded, and the images' pixel tensors (`prompt_param`:
+        what a placeholder count that does not match the images names: messages, or a prompt request's prompt)."""
         limits = self.limits
         if len(parts) > limits.max_images:
             where = parts[limits.max_images][0]
@@ -83,7 +85,7 @@ class ImageInputs:
         found = [i for i, t in enumerate(ids) if t == self.image_token_id]
         if len(found) != len(parts):
             raise ImageError(f"the prompt holds {len(found)} image placeholders ({self.image_token!r}) for "
-                             f"{len(parts)} image parts; do not write the image token in text", "messages")
+                             f"{len(parts)} images; do not write the image token in text", prompt_param)
         tensors, out, last = [], [], 0
         for (where, url), pos in zip(parts, found):
             pixels = self.pixels(fetch_image(url, where, limits))
