@@ -9,6 +9,7 @@ the inbox; each is loaded between two steps, so a version takes effect at a step
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import signal
@@ -369,8 +370,17 @@ def main(config: Config, replica: int = 0) -> int:
     from parallm.engine import UnsupportedModel
     from parallm.models.preload import load_adapters_at_start
 
+    draft = None
+    if config.spec.mode == "draft":
+        from parallm.models import load_draft
+
+        try:
+            draft = load_draft(config).model
+        except ModelLoadError as exc:
+            runtime.fatal(f"cannot load the draft model {config.spec.draft_model!r}: {exc}")
+            return 2
     try:
-        engine = Engine(EngineModel.of(loaded), config)
+        engine = Engine(dataclasses.replace(EngineModel.of(loaded), draft=draft), config)
     except UnsupportedModel as exc:  # refused at start, naming why (parallm.engine.compat)
         runtime.fatal(f"cannot serve model {config.model.path!r}: {exc}")
         return 2

@@ -113,14 +113,14 @@ def run_all(engine: Engine, requests: list[Request] | None = None, *, arrivals: 
 
 def make_engine(model: nn.Module, *, eos: list[int] | None = None, max_model_len: int = 512,
                 kv_budget_bytes: int = 64 << 20, adapter_merge_mb: int | None = None, spec: SpecConfig | None = None,
-                kv: KVConfig | None = None, **engine) -> Engine:
+                kv: KVConfig | None = None, draft: nn.Module | None = None, **engine) -> Engine:
     """An Engine on `model` with these engine settings (a 64 MiB KV budget unless given; `spec`: speculative
-    decoding's; `kv`: the KV store's, e.g. kv.bits; prefill pacing off unless given, so a pass's chunks do not
+    decoding's; `draft`: its draft model (spec.mode draft); `kv`: the KV store's, e.g. kv.bits; prefill pacing off unless given, so a pass's chunks do not
     depend on how loaded the machine is)."""
     engine.setdefault("prefill_pass_s", 0.0)
     config = Config(engine=EngineConfig(kv_budget_mb=kv_budget_bytes / (1 << 20), **engine),
                     adapters=AdaptersConfig(merge_mb=adapter_merge_mb), spec=spec or SpecConfig(), kv=kv or KVConfig())
-    return Engine(EngineModel(model, tuple(eos or ()), max_model_len), config)
+    return Engine(EngineModel(model, tuple(eos or ()), max_model_len, draft=draft), config)
 
 def tracked_engine(engines: list[Engine], model: nn.Module, **kw) -> Engine:
     """make_engine, registered with the `engines` fixture (integrity and leak checks at teardown)."""

@@ -33,10 +33,17 @@ def test_config_file_from_env(tmp_path):
     ({"PARALLM_ENGINE__OVERLAP": "perhaps"}, "not a boolean"),
     ({"PARALLM_MODEL__DTYPE": "int3"}, "is not one of"),
     ({"PARALLM_ENGINE__MAX_NUM_SEQS": "0"}, "max_num_seqs"),
+    ({"PARALLM_SPEC__MODE": "draft"}, "spec.mode draft needs spec.draft_model"),
+    ({"PARALLM_SPEC__DRAFT_MODEL": "/d"}, "only read with spec.mode draft"),
 ])
 def test_bad_values_name_the_setting(environ, fragment):
     with pytest.raises(ConfigError, match=fragment):
         build_config(environ=environ)
+
+
+def test_draft_mode_flags():
+    config, _ = parse_args(["--spec.mode", "draft", "--spec.draft-model", "/models/small", "--spec.k", "3"])
+    assert (config.spec.mode, config.spec.draft_model, config.spec.k) == ("draft", "/models/small", 3)
 
 
 def test_unknown_file_key_is_refused(tmp_path):

@@ -309,8 +309,9 @@ def _check(config: Config) -> None:
         problems.append("spec.ngram_min and spec.ngram_max must satisfy 1 <= ngram_min <= ngram_max")
     if not 0 <= spec.min_acceptance < 1:
         problems.append("spec.min_acceptance must be in [0, 1)")
-    if spec.mode == "draft":
-        problems.append("spec.mode draft is not available yet (issue 36 item 5): use ngram or none")
+    if spec.mode == "draft" and not spec.draft_model.strip():
+        problems.append("spec.mode draft needs spec.draft_model (the draft model's path: a smaller model "
+                        "sharing the served model's vocabulary)")
     if spec.draft_model and spec.mode != "draft":
         problems.append("spec.draft_model is only read with spec.mode draft")
     if config.adapters.weights_chunk_timeout_s <= 0:

@@ -247,9 +247,11 @@ class SpecConfig(Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     mode: Annotated[Literal["none", "ngram", "draft"],
                     _d("none; ngram: prompt lookup (the continuation of the latest earlier match of the "
                        "sequence's last tokens, over prompt and output; no extra model); draft: a smaller "
-                       "model (not available yet: refused at start)")] = "none"
+                       "model (spec.draft_model) proposes, batched over the rows")] = "none"
     k: Annotated[int, _d("most tokens proposed per row and step; each row's k adapts to its acceptance")] = 4
-    draft_model: Annotated[str, _d("the draft model for mode draft (shares the served model's vocabulary)")] = ""
+    draft_model: Annotated[str, _d("the draft model for mode draft: any model spec (as model.path), loaded in the "
+                                  "served model's dtype; refused at start unless it shares the served model's "
+                                  "vocabulary")] = ""
     disable_batch_size: Annotated[int, _d("no speculation in a step with more running rows than this (a verify pass "
                                           "pads every row to the longest proposal: B x (k + 1) tokens)")] = 4
     ngram_min: Annotated[int, _d("shortest suffix (tokens) the n-gram proposer matches")] = 2

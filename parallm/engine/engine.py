@@ -63,6 +63,7 @@ class Engine(EngineReport, EngineScoring):
         setting left unset is resolved here, once, and reported in stats (`settings`)."""
         self.model = model.module
         self.vision = model.vision  # a vision-language model's encoder (parallm/vision), or None
+        self.draft_model = model.draft  # spec.mode draft's model, or None
         device = compute_device()
         on_cpu = device == "cpu"
         settings = resolve_engine_config(config.engine, device)

@@ -19,6 +19,7 @@ class EngineModel:
     max_model_len: int = 2048
     vocab_size: int = 0
     vision: Any = None  # a vision-language model's parallm.vision.encoder.VisionEncoder
+    draft: nn.Module | None = None  # spec.mode draft's model (shares the vocabulary; parallm.models.draft)
 
 
     @classmethod

@@ -209,9 +209,30 @@ class Sampler:
                bitmask: mx.array | None = None) -> SampleOut:
         """Sample one token per row. `positions[i]` is the output index row i is sampling;
         `bitmask`: the grammar constraints' allowed tokens (None: no row is constrained)."""
-        l = logits.astype(mx.float32)
         if bp.plain_greedy and bitmask is None:
-            return SampleOut(mx.argmax(l, axis=-1).astype(mx.int32))
+            return SampleOut(mx.argmax(logits.astype(mx.float32), axis=-1).astype(mx.int32))
+        z = self.process(logits, bp, positions, counts, seen, bitmask)
+        if bp.any_sampled:
+            noise = gumbel_noise([noise_key(s, p) for s, p in zip(bp.seeds, positions)], self.vocab_size,
+                                 compiled=self.compiled)
+            tokens = mx.argmax(z + noise * bp.noise_on, axis=-1).astype(mx.int32)
+        else:
+            tokens = mx.argmax(z, axis=-1).astype(mx.int32)
+        out = SampleOut(tokens)
+        if bp.want_logprobs:
+            lp = log_softmax(z)
+            out.logprobs = mx.take_along_axis(lp, tokens[:, None], axis=-1)[:, 0]
+            if bp.top_n:
+                out.top_ids, out.top_logprobs = top_of(lp, bp.top_n)
+        return out
+
+    def process(self, logits: mx.array, bp: BatchParams, positions: list[int],
+                counts: mx.array | None = None, seen: mx.array | None = None,
+                bitmask: mx.array | None = None) -> mx.array:
+        """The distribution each row samples from, as float32 logits z (softmax(z) is it): penalties,
+        logit bias, min_tokens, the grammar mask, then for sampled rows temperature and the filters
+        (filtered tokens at -inf); a greedy row's z is its processed logits (its sample is their argmax)."""
+        l = logits.astype(mx.float32)
         if bp.any_penalty:
             pen = _penalize_compiled if self.compiled else _penalize
             l = pen(l, counts, seen, bp.rep, bp.pres, bp.freq)
@@ -225,22 +246,9 @@ class Sampler:
             l = l.at[rows, toks].add(mx.full((len(masked),), NEG_INF))
         if bitmask is not None:
             l = apply_bitmask(l, bitmask, compiled=self.compiled)
-        z = l
         if bp.any_sampled:
-            z = z * bp.inv_temp
-            z = self._filter(z, bp)
-            noise = gumbel_noise([noise_key(s, p) for s, p in zip(bp.seeds, positions)], self.vocab_size,
-                                 compiled=self.compiled)
-            tokens = mx.argmax(z + noise * bp.noise_on, axis=-1).astype(mx.int32)
-        else:
-            tokens = mx.argmax(z, axis=-1).astype(mx.int32)
-        out = SampleOut(tokens)
-        if bp.want_logprobs:
-            lp = log_softmax(z)
-            out.logprobs = mx.take_along_axis(lp, tokens[:, None], axis=-1)[:, 0]
-            if bp.top_n:
-                out.top_ids, out.top_logprobs = top_of(lp, bp.top_n)
-        return out
+            return self._filter(l * bp.inv_temp, bp)
+        return l
 
     def _filter(self, z: mx.array, bp: BatchParams) -> mx.array:
         if bp.kmax:

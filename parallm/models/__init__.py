@@ -6,8 +6,10 @@ The engine and stages use only what is exported here (see docs/models.md):
     loaded = load_model(config.model)           # LoadedModel: mlx-lm model, dtype, eos ids, limits
     tokenizer = load_tokenizer(loaded.source)   # transformers PreTrainedTokenizerFast
     path = materialize(source, "float32")       # the same weights on disk, for baselines
+    draft = load_draft(config)                  # spec.draft_model, refused unless it shares the vocabulary
 """
 
+from .draft import load_draft
 from .errors import ModelLoadError
 from .loader import LoadedModel, load_model, load_tokenizer, materialize
 from .resolve import resolve_model
@@ -17,6 +19,7 @@ __all__ = [
     "LoadedModel",
     "ModelLoadError",
     "ModelSource",
+    "load_draft",
     "load_model",
     "load_tokenizer",
     "materialize",

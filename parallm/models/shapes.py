@@ -27,6 +27,17 @@ SHAPES: dict[str, dict[str, Any]] = {
                               num_attention_heads=32, num_key_value_heads=8, head_dim=64, rms_norm_eps=1e-5,
                               vocab_size=128256, rope_theta=500000.0, tie_word_embeddings=True,
                               max_position_embeddings=131072, dtype="bfloat16", quantize_bits=4),
+    # speculative decoding's draft models (spec.mode draft, issue 36): a tiny one for the default model's
+    # vocabulary (CPU tests and benchmarks; built with the default tokenizer), and a small one for
+    # llama-3.2-3b's (the GPU benchmark's draft: 4 layers of 1024, ~0.18B parameters with the embeddings)
+    "tiny-draft": dict(model_type="llama", hidden_size=64, num_hidden_layers=2, intermediate_size=128,
+                       num_attention_heads=4, num_key_value_heads=2, head_dim=16, rms_norm_eps=1e-5,
+                       vocab_size=49152, rope_theta=10000.0, tie_word_embeddings=True,
+                       max_position_embeddings=8192, dtype="float32"),
+    "llama-draft-small": dict(model_type="llama", hidden_size=1024, num_hidden_layers=4, intermediate_size=2816,
+                              num_attention_heads=16, num_key_value_heads=4, head_dim=64, rms_norm_eps=1e-5,
+                              vocab_size=128256, rope_theta=500000.0, tie_word_embeddings=True,
+                              max_position_embeddings=131072, dtype="bfloat16"),
     # a tiny 4-bit llama (CPU smoke runs of the GPU entries that want a quantized model)
     "tiny-4bit": dict(model_type="llama", hidden_size=256, num_hidden_layers=4, intermediate_size=512,
                       num_attention_heads=4, num_key_value_heads=2, head_dim=64, rms_norm_eps=1e-5, vocab_size=50000,

@@ -1,7 +1,11 @@
 """RL rollouts under speculative decoding (issue 36): a server with --spec.mode ngram answers /generate and
 raw ZeroMQ rollouts (an adapter version loaded while serving) with the same tokens, per-token logprobs and
 policy versions as the session's server, which does not speculate; its /v1/spec_decode/metrics and
-Prometheus metrics show that it did."""
+Prometheus metrics show that it did. A server with --spec.mode draft (the default model as its own draft:
+its base rows accept every proposal, adapter rows verify under their adapter) gives greedy rollouts the
+same tokens, logprobs and versions, and sampled rollouts the versions and the target's logprobs of the
+tokens it emits (rejection sampling draws other tokens than plain decoding for a seed: the teacher-forced
+scores of the session's server are the reference)."""
 
 from __future__ import annotations
 
@@ -27,9 +31,15 @@ def spec_server():
         yield srv
 
 
-def generate(url: str) -> dict:
-    body = {"prompt": {"prompt_token_ids": PROMPT}, "logprobs": 0, "n": 3, "max_tokens": 24, "temperature": 0.7,
-            "ignore_eos": True, "seed": 11}
+@pytest.fixture(scope="module")
+def draft_server():
+    with Server("--spec.mode", "draft", "--spec.draft-model", "default", "--engine.max-num-seqs", "32") as srv:
+        yield srv
+
+
+def generate(url: str, temperature: float = 0.7) -> dict:
+    body = {"prompt": {"prompt_token_ids": PROMPT}, "logprobs": 0, "n": 3, "max_tokens": 24,
+            "temperature": temperature, "ignore_eos": True, "seed": 11}
     r = httpx.post(f"{url}/generate", json=body, timeout=300)
     assert r.status_code == 200, r.text
     return r.json()
@@ -42,6 +52,32 @@ def test_generate_under_speculation_carries_the_same_tokens_logprobs_and_version
         lp_a = [next(iter(item[0].values())) for item in a]
         lp_b = [next(iter(item[0].values())) for item in b]
         assert max(abs(x - y) for x, y in zip(lp_a, lp_b)) < 1e-3
+
+
+def test_generate_under_draft_speculation_carries_the_same_greedy_tokens_logprobs_and_versions(server,
+                                                                                                  draft_server):
+    want, got = generate(server.url, 0.0), generate(draft_server.url, 0.0)
+    assert got["token_ids"] == want["token_ids"] and got["versions"] == want["versions"]
+    for a, b in zip(want["logprobs"], got["logprobs"]):
+        lp_a = [next(iter(item[0].values())) for item in a]
+        lp_b = [next(iter(item[0].values())) for item in b]
+        assert max(abs(x - y) for x, y in zip(lp_a, lp_b)) < 1e-3
+
+
+def test_raw_rollouts_under_draft_speculation_carry_versions_and_the_targets_logprobs(server, draft_server):
+    want, got = rollouts(server.router, "draft-pol"), rollouts(draft_server.router, "draft-pol")
+    with Client(server.router, timeout=300) as c:
+        for i, (a, b) in enumerate(zip(want, got)):
+            assert b.versions == a.versions and b.adapter == a.adapter and len(b.token_ids) == len(a.token_ids)
+            if i < 4:  # rollouts(): temperature 0 (base, adapter; n = 2), then temperature 1
+                assert b.token_ids == a.token_ids
+                assert max(abs(x - y) for x, y in zip(a.logprobs, b.logprobs)) < 1e-3
+            else:  # temperature 1, no filter: the target's logprob of each emitted token is its teacher-forced score
+                scored = c.score(PROMPT + b.token_ids, start=len(PROMPT), adapter=b.adapter,
+                                 adapter_version=b.versions[0][1] if b.adapter else 0)["logprobs"]
+                assert max(abs(x - y) for x, y in zip(scored, b.logprobs)) < 1e-3
+    metrics = httpx.get(f"{draft_server.url}/v1/spec_decode/metrics", timeout=30).json()
+    assert metrics["mode"] == "draft" and metrics["accepted_tokens"] > 0
 
 
 def rollouts(router: str, name: str) -> list:

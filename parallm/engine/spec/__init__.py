@@ -1,5 +1,6 @@
-"""Speculative decoding: proposers (ngram.py), the per-row control of k (control.py), the
-verification pass (verify.py) and the engine step that ties them (decoder.py)."""
+"""Speculative decoding: proposers (ngram.py; draft.py with its KV rows, draft_kv.py), the per-row
+control of k (control.py), the verification passes (verify.py; draft_verify.py) and the engine step
+that ties them (decoder.py)."""
 
 from __future__ import annotations
 
@@ -9,8 +10,9 @@ from typing import TYPE_CHECKING
 
 from parallm.config import EngineConfig, SpecConfig
 
-from ..compat import ModelInfo
+from ..compat import ModelInfo, check_model
 from .decoder import SpecDecoder
+from .draft import DraftProposer
 
 if TYPE_CHECKING:
     from ..engine import Engine
@@ -24,13 +26,26 @@ def spec_decoder(config: SpecConfig, settings: EngineConfig, info: ModelInfo, en
     """`engine`'s speculative decoder for `config` (None with mode none, or where it cannot be exact)."""
     if config.mode == "none":
         return None
-    if config.mode != "ngram":
-        raise ValueError(f"spec.mode {config.mode!r} is not available (ngram or none)")
+    if config.mode not in ("ngram", "draft"):
+        raise ValueError(f"spec.mode {config.mode!r} is not one of none, ngram, draft")
     if info.layout is not None:  # a recurrent state cannot be rolled back to the accepted position
         log.warning("spec.mode %s is off: the model keeps a recurrent state (%s)", config.mode, info.model_type)
         return None
     if settings.tensor_parallel > 1:
         log.warning("spec.mode %s is off with engine.tensor_parallel > 1", config.mode)
         return None
+    draft = draft_proposer(engine) if config.mode == "draft" else None
     return SpecDecoder(config, engine.runner, engine.scheduler, engine.output, engine.counters, engine.trace,
-                       engine._launches, engine._execute)
+                       engine._launches, engine._execute, draft)
+
+
+def draft_proposer(engine: "Engine") -> DraftProposer:
+    """The proposer over the engine's draft model (EngineModel.draft); a ValueError names why there is none."""
+    model = engine.draft_model
+    if model is None:
+        raise ValueError("spec.mode draft needs a draft model (spec.draft_model)")
+    info = check_model(model)
+    if info.layout is not None:
+        raise ValueError(f"the draft model ({info.model_type}) keeps a recurrent state, which cannot be rolled "
+                         "back to the accepted position: pick an attention-only draft")
+    return DraftProposer(model, info, engine.vocab_size, engine.eos_token_ids, compiled=engine.config.compile)

@@ -72,6 +72,12 @@ class SpecControl:
     def forget(self, key: int) -> None:
         self._rows.pop(key, None)
 
+    def keys(self) -> list[int]:
+        return list(self._rows)
+
+    def __len__(self) -> int:
+        return len(self._rows)
+
     def stats(self) -> dict:
         """The counters as plain values: acceptance rate, mean accepted tokens per verified row, the k
         distribution (proposal length -> rows)."""

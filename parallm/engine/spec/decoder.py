@@ -1,5 +1,6 @@
-"""Speculative decoding in the engine's step: which rows speculate, their proposals, the verification
-pass (verify.py) and what it emits (docs/engine.md, "Speculative decoding").
+"""Speculative decoding in the engine's step: which rows speculate, their proposals (n-gram: ngram.py;
+draft model: draft.py), the verification pass (verify.py; draft_verify.py) and what it emits
+(docs/engine.md, "Speculative decoding").
 
 A step speculates when speculation is on, the running rows are at most `disable_batch_size`, and
 some row may (its k, control.py, is not 0; it uses no penalty and no grammar; verify.py says why)
@@ -24,6 +25,8 @@ from ..scheduler import Scheduler
 from ..sequence import Sequence
 from ..trace import StepTracer
 from .control import SpecControl
+from .draft import DraftProposer
+from .draft_verify import verify_draft
 from .ngram import NGramProposer
 from .verify import verify
 
@@ -31,9 +34,9 @@ from .verify import verify
 class SpecDecoder:
     def __init__(self, config: SpecConfig, runner: ModelRunner, scheduler: Scheduler, output: OutputProcessor,
                  counters: StepCounters, trace: StepTracer, launches: list[Launch],
-                 execute: Callable[[list], None]) -> None:
+                 execute: Callable[[list], None], draft: DraftProposer | None = None) -> None:
         """`launches`: the engine's passes in flight (read here before a verify pass); `execute`: how the
-        engine runs row ops."""
+        engine runs row ops; `draft`: the draft model's proposer (spec.mode draft; None: n-gram)."""
         self.runner = runner
         self.launches = launches
         self.execute = execute
@@ -43,6 +46,7 @@ class SpecDecoder:
         self.trace = trace
         self.disable_batch_size = config.disable_batch_size
         self.proposer = NGramProposer(config.ngram_min, config.ngram_max)
+        self.draft = draft
         self.control = SpecControl(config.k, config.min_acceptance)
         self.steps_off_batch = 0  # steps not speculating because more rows ran than disable_batch_size
 
@@ -63,8 +67,11 @@ class SpecDecoder:
             return 0
         self._prune(seqs)
         ks = {s.seq_id: self.control.k(s.seq_id) for s in seqs if self.may_speculate(s)}
-        if not any(k and self.proposer.propose(s.seq_id, s.token_ids, 1)
-                   for s in seqs if (k := ks.get(s.seq_id))):
+        if self.draft is None:
+            if not any(k and self.proposer.propose(s.seq_id, s.token_ids, 1)
+                       for s in seqs if (k := ks.get(s.seq_id))):
+                return 0
+        elif not any(ks.values()):
             return 0
         while self.launches:
             self.output.read(self.launches.pop(0), out)
@@ -73,21 +80,27 @@ class SpecDecoder:
         if not seqs:
             return 0
         room = self.runner.live.capacity - max(s.num_computed for s in seqs) - 1
-        drafts = [self.proposer.propose(s.seq_id, s.token_ids,
-                                        min(ks.get(s.seq_id, 0), room, s.params.max_tokens - s.num_output - 1))
-                  for s in seqs]
-        if not any(drafts):
-            return 0
-        got = verify(self.runner, seqs, drafts)
+        limits = [max(0, min(ks.get(s.seq_id, 0), room, s.params.max_tokens - s.num_output - 1)) for s in seqs]
+        if self.draft is None:
+            drafts = [self.proposer.propose(s.seq_id, s.token_ids, k) for s, k in zip(seqs, limits)]
+            if not any(drafts):
+                return 0
+            got = verify(self.runner, seqs, drafts)
+            emitted = [got.emitted(i, d) for i, d in enumerate(drafts)]
+            proposed = [len(d) for d in drafts]
+        else:
+            if not any(limits):
+                return 0
+            emitted = self._draft_verify(seqs, limits)
+            proposed = limits
         self.control.verify_passes += 1
         self.trace.decode(len(seqs))
         self.counters.decoded(len(seqs))
         self.output.note_first_tokens(unseen_versions(seqs))
-        emitted = [got.emitted(i, d) for i, d in enumerate(drafts)]
-        for s, d, e in zip(seqs, drafts, emitted):
+        for s, k, e in zip(seqs, proposed, emitted):
             self.runner.rollback(s, s.num_computed + len(e))  # the accepted positions; the rest is dropped
-            if d:
-                self.control.record(s.seq_id, len(d), len(e) - 1)
+            if k:
+                self.control.record(s.seq_id, k, len(e) - 1)
         for s, e in zip(list(seqs), emitted):
             for sampled, at in e:
                 stop = self.output.accept(s, s.adapter_version, sampled, at, out)
@@ -96,20 +109,40 @@ class SpecDecoder:
                     break
         return len(seqs)
 
+    def _draft_verify(self, seqs: list[Sequence], ks: list[int]) -> list[list]:
+        """The draft proposes ks[i] tokens for each row with ks[i] > 0, the target verifies them (and
+        decodes the other rows) in one pass, the draft rows keep what was accepted; each row's emitted
+        (sampled columns, index) pairs."""
+        draft = self.draft
+        rows = [i for i, k in enumerate(ks) if k]
+        prop = draft.propose([seqs[i] for i in rows], [ks[i] for i in rows], [s.seq_id for s in seqs])
+        draft_row: list[int | None] = [None] * len(seqs)
+        for r, i in enumerate(rows):
+            draft_row[i] = r
+        got = verify_draft(self.runner, seqs, ks, prop, draft_row)
+        emitted = [got.emitted(i, k, draft_row[i], s.params.temperature > 0) for i, (s, k) in enumerate(zip(seqs, ks))]
+        for r, i in enumerate(rows):
+            draft.accepted(prop, r, len(emitted[i]) - 1)
+        return emitted
+
     def _prune(self, seqs: list[Sequence]) -> None:
         """Forget the rows no longer running (their index and control state come back if they do)."""
-        if len(self.proposer) <= 2 * len(seqs) + 16:
+        if max(len(self.proposer), len(self.control)) <= 2 * len(seqs) + 16:
             return
         keep = {s.seq_id for s in seqs} | {s.seq_id for s in self.scheduler.prefilling}
-        for key in [k for k in self.proposer.keys() if k not in keep]:
+        for key in [k for k in {*self.proposer.keys(), *self.control.keys()} if k not in keep]:
             self.proposer.forget(key)
             self.control.forget(key)
+            if self.draft is not None:
+                self.draft.forget(key)
 
     def reset(self) -> None:
         """Counters and per-row state back to none (warm-up's prompts are not the server's)."""
         self.control = SpecControl(self.control.k_max, self.control.min_acceptance)
         self.proposer = NGramProposer(self.proposer.n_min, self.proposer.n_max)
+        if self.draft is not None:
+            self.draft.reset()
         self.steps_off_batch = 0
 
     def stats(self) -> SpecStats:
-        return SpecStats(mode="ngram", **self.control.stats(), steps_off_batch=self.steps_off_batch)
+        return SpecStats(mode="ngram" if self.draft is None else "draft", **self.control.stats(), steps_off_batch=self.steps_off_batch)

@@ -1,0 +1,138 @@
+"""The draft-model proposer (spec.mode draft): a smaller model sharing the target's vocabulary proposes
+k tokens for every speculating row, batched across rows, from its own KV rows (draft_kv.py).
+
+A proposal is built as one lazy graph (no read-back until the target's verify pass has been built on
+it too): the rows catch up (each from its own computed length to the sequence's last token; a row
+more than `BATCHED_LAG` tokens behind, a new one, is prefilled alone first in chunks), then k - 1
+single-token passes feed the draft's own samples. Each proposed token is sampled from the draft's
+processed distribution q (the row's own temperature, top-k/p, min-p, logit bias, min_tokens: the
+decode sampler's processing, sampling.Sampler.process) with noise of its own stream (the row's seed
+and output position, salted: independent of the target's), or is q's argmax for a greedy row. The
+verify pass (draft_verify.py) needs q itself, so the proposal keeps it for sampled rows.
+
+The draft runs base weights: a LoRA row's adapter is the target's alone (it verifies under it).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from ..compat import ModelInfo
+from ..sampling import BatchParams, Sampler, gumbel_noise, noise_key
+from ..sequence import Sequence
+from .draft_kv import DraftKV
+
+BATCHED_LAG = 8  # rows at most this many tokens behind catch up in the batched pass
+CHUNK = 512  # a lagging row's catch-up pass length
+DRAFT_SALT = 0x5EC0D4A1F7  # the draft's sampling noise: the row's seed xor this
+
+
+@dataclass(slots=True)
+class Proposal:
+    """Row r of the proposal is seqs[r]'s: `tokens` [m, kmax] (row r's first ks[r] are its proposal),
+    `probs` [m, kmax, V] the draft's distributions they were drawn from (None when every row is greedy),
+    `lengths` each row's sequence length when proposed."""
+
+    seqs: list[Sequence]
+    ks: list[int]
+    tokens: mx.array
+    probs: mx.array | None
+    lengths: list[int]
+
+    @property
+    def kmax(self) -> int:
+        return max(self.ks)
+
+
+class DraftProposer:
+    def __init__(self, model: nn.Module, info: ModelInfo, vocab_size: int, eos_ids: list[int],
+                 compiled: bool = True) -> None:
+        """`vocab_size`: the target's logits width (the draft's are cut or padded with -inf to it)."""
+        self.model = model
+        self.info = info
+        self.vocab_size = vocab_size
+        self.eos_ids = eos_ids
+        self.kv = DraftKV(info)
+        self.sampler = Sampler(vocab_size, compiled=compiled)
+        self.prefill_tokens = 0  # tokens the draft caught up on outside the batched pass
+
+    def propose(self, seqs: list[Sequence], ks: list[int], keep: list[int] = ()) -> Proposal:
+        """Up to ks[i] >= 1 tokens for seqs[i] (every row proposes max(ks); row i's first ks[i] count);
+        `keep`: sequences whose draft rows stay although they do not propose now (resting rows).
+        Builds the graph; the caller evaluates it (with the verify pass)."""
+        kmax = max(ks)
+        kv = self.kv
+        kv.arrange([s.seq_id for s in seqs], max(s.num_tokens for s in seqs) + max(kmax, BATCHED_LAG) + 1, keep)
+        self._catch_up_alone(seqs)
+        lengths = [s.num_tokens for s in seqs]
+        starts = [kv.length(s.seq_id) for s in seqs]
+        lags = [n - st for n, st in zip(lengths, starts)]
+        L = max(lags)
+        rows = [s.token_ids[st:] + [0] * (L - lag) for s, st, lag in zip(seqs, starts, lags)]
+        logits = self._run(mx.array(rows, dtype=mx.int32), kv.views(starts, L))
+        logits = logits[mx.arange(len(seqs)), mx.array([lag - 1 for lag in lags], dtype=mx.int32)]
+        bp = BatchParams(seqs, self.eos_ids, self.vocab_size)
+        tokens, probs = [], []
+        for j in range(kmax):
+            positions = [s.num_output + j for s in seqs]
+            z = self.sampler.process(self._fit(logits), bp, positions)
+            if bp.any_sampled:
+                noise = gumbel_noise([noise_key(s.seed ^ DRAFT_SALT, p) for s, p in zip(seqs, positions)],
+                                     self.vocab_size, compiled=self.sampler.compiled)
+                tok = mx.argmax(z + noise * bp.noise_on, axis=-1).astype(mx.int32)
+                probs.append(mx.softmax(z, axis=-1))
+            else:
+                tok = mx.argmax(z, axis=-1).astype(mx.int32)
+            tokens.append(tok)
+            if j + 1 < kmax:
+                logits = self._run(tok[:, None], kv.views([n + j for n in lengths], 1))[:, -1]
+        for s, n in zip(seqs, lengths):
+            kv.advance(s.seq_id, n + kmax - 1)
+        return Proposal(list(seqs), list(ks), mx.stack(tokens, axis=1),
+                        mx.stack(probs, axis=1) if probs else None, lengths)
+
+    def accepted(self, prop: Proposal, row: int, accepted: int) -> None:
+        """Row `row` of `prop` had this many proposed tokens accepted: its draft row keeps them (those it
+        computed) and drops the rest."""
+        self.kv.rollback(prop.seqs[row].seq_id, prop.lengths[row] + min(accepted, prop.kmax - 1))
+
+    def _catch_up_alone(self, seqs: list[Sequence]) -> None:
+        """Prefill each row more than BATCHED_LAG tokens behind up to its last token but one, alone and
+        in chunks (a new row would otherwise pad every row of the batched pass to its prompt)."""
+        kv = self.kv
+        for i, s in enumerate(seqs):
+            start, end = kv.length(s.seq_id), s.num_tokens - 1
+            if end - start <= BATCHED_LAG:
+                continue
+            ids = s.token_ids
+            while start < end:
+                n = min(CHUNK, end - start)
+                self._run(mx.array([ids[start:start + n]], dtype=mx.int32), kv.views([start], n, row0=i))
+                mx.eval(kv.arrays())  # the K/V only: the logits of these positions are never computed
+                start += n
+                self.prefill_tokens += n
+            kv.advance(s.seq_id, end)
+
+    def _run(self, tokens: mx.array, cache: list) -> mx.array:
+        return self.model(tokens, cache=cache)
+
+    def _fit(self, logits: mx.array) -> mx.array:
+        """The draft's logits [B, V_draft] as [B, V_target] float32: cut, or padded with -inf."""
+        l = logits.astype(mx.float32)
+        d = l.shape[-1] - self.vocab_size
+        if d > 0:
+            return l[:, :self.vocab_size]
+        if d < 0:
+            return mx.concatenate([l, mx.full((l.shape[0], -d), float("-inf"))], axis=-1)
+        return l
+
+    def forget(self, key: int) -> None:
+        self.kv.forget(key)
+
+    def reset(self) -> None:
+        """No rows (warm-up's sequences are not the server's)."""
+        self.kv = DraftKV(self.info)
+        self.prefill_tokens = 0
