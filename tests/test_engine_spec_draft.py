@@ -75,6 +75,12 @@ def test_n_samples_preemption_and_an_abort_mid_speculation():
     stats = engine.stats()
     assert stats.preemptions > 0 and stats.spec.accepted_tokens > 0
 
+    # n > 1 siblings copy the prompt from the first one's draft row instead of each prefilling it
+    prompt = repetitive(20, 5)
+    plain, spec, engine = both(target, tiny_draft(), lambda: ([req("s", prompt, greedy(16), n=4)], None), max_num_seqs=8)
+    same(plain, spec)
+    assert len(prompt) - 1 <= engine.spec.draft.prefill_tokens < 2 * len(prompt)
+
     engine = make_engine(target, spec=DRAFT, draft=target, max_num_seqs=8)
     ref = run_all(make_engine(target, max_num_seqs=8), [req(f"r{i}", repetitive(4, i), greedy(30)) for i in range(3)])
     for i in range(3):
@@ -153,3 +159,18 @@ def test_vocabulary_mismatch_names_the_difference():
     assert "do not cover token id 2" in vocabulary_mismatch(vocab, dict(vocab), 2)
     why = vocabulary_mismatch(vocab, {"a": 0, "c": 1, "<s>": 2}, 3)
     assert "tokenizer differs" in why and "'b' = 1" in why
+
+
+def test_a_prefix_cache_hit_is_caught_up_by_the_draft():
+    """The second request's prompt comes from the prefix cache (the target computes only its tail); the draft,
+    which has no row for it, prefills the whole prompt itself, and the tokens stay the target's."""
+    target = tiny_model("llama")
+    prompt = repetitive(12, 3)
+    plain = run_all(make_engine(target), [req("a", prompt, greedy(20))])
+    engine = make_engine(target, spec=DRAFT, draft=tiny_draft(), block_size=8)
+    first = run_all(engine, [req("a", prompt, greedy(20))])
+    before = engine.spec.draft.prefill_tokens
+    again = run_all(engine, [req("b", prompt, greedy(20))])
+    assert engine.stats().prefix_hit_tokens >= 32
+    assert first[("a", 0)]["tokens"] == again[("b", 0)]["tokens"] == plain[("a", 0)]["tokens"]
+    assert engine.spec.draft.prefill_tokens - before >= len(prompt) - 1 - 8  # the whole prompt, in the draft

@@ -101,10 +101,18 @@ class DraftProposer:
 
     def _catch_up_alone(self, seqs: list[Sequence]) -> None:
         """Prefill each row more than BATCHED_LAG tokens behind up to its last token but one, alone and
-        in chunks (a new row would otherwise pad every row of the batched pass to its prompt)."""
+        in chunks (a new row would otherwise pad every row of the batched pass to its prompt); an n > 1
+        sibling of a row that holds the prompt copies it instead."""
         kv = self.kv
+        prompted: dict[str, int] = {}  # rid -> a sequence of it whose row holds the whole prompt
         for i, s in enumerate(seqs):
             start, end = kv.length(s.seq_id), s.num_tokens - 1
+            sibling = prompted.get(s.rid)
+            if sibling is not None and start < s.num_prompt and end - start > BATCHED_LAG:
+                start = min(s.num_prompt, kv.length(sibling))
+                kv.fork(sibling, s.seq_id, start)  # n > 1: the prompt is the siblings' own
+            if kv.length(s.seq_id) >= s.num_prompt or end - start > BATCHED_LAG:
+                prompted.setdefault(s.rid, s.seq_id)
             if end - start <= BATCHED_LAG:
                 continue
             ids = s.token_ids

@@ -6,7 +6,8 @@ compaction, preemption, fork, abort, the prefix cache's copies) never touch them
 the speculating sequences are arranged into rows [0, m) in the pass's order (one row copy each that
 moved; sequences not running any more lose their rows), and each row catches up from its own length:
 a new sequence (admitted, forked, resumed after preemption, or a prefix-cache hit the target did not
-recompute) is prefilled here from position 0, a row that rested runs what it missed. A verify pass's
+recompute) is prefilled here from position 0 (an n > 1 sibling copies the prompt from a sibling's row
+instead: `fork`), a row that rested runs what it missed. A verify pass's
 rejected positions are dropped by `rollback` (the row's length; the tail is never attended and is
 overwritten). This module is the one interface to the draft's KV, so that a block store can replace
 the dense buffers (issue 41) without the proposer changing.
@@ -56,6 +57,12 @@ class DraftKV:
     def advance(self, key: int, length: int) -> None:
         """Sequence `key`'s row now holds `length` computed positions."""
         self._length[key] = length
+
+    def fork(self, src: int, dst: int, length: int) -> None:
+        """Sequence `dst`'s row := positions [0, length) of `src`'s (both arranged; n > 1 siblings share
+        their prompt)."""
+        self.live.copy_rows([(self._row[src], self._row[dst])], length)
+        self._length[dst] = length
 
     def rollback(self, key: int, length: int) -> None:
         """Keep positions [0, length) of `key`'s row (a verify pass rejected the rest)."""
