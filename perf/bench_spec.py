@@ -126,6 +126,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--draft-model", default="tiny-draft",
                         help="draft mode's model: a path, 'default' or a parallm.models.shapes name (%(default)s)")
     parser.add_argument("--work-dir", default="/tmp/parallm-bench-spec", help="where a shapes draft is built")
+    parser.add_argument("--workloads", default="", help="comma-separated workloads to run (default: all)")
     add_results_options(parser, default_help="ngram, or draft-<model>")
     args = parser.parse_args(argv)
     if not args.experiment:
@@ -150,6 +151,8 @@ def main(argv: list[str] | None = None) -> int:
     workloads = {name: ([ids], args.max_tokens) for name, ids in prompts.items()}
     order = list(prompts)
     workloads[f"batch{args.batch}"] = ([prompts[order[i % len(order)]] for i in range(args.batch)], args.batch_tokens)
+    if args.workloads:
+        workloads = {k: v for k, v in workloads.items() if k in args.workloads.split(",")}
     results: dict[str, Any] = {"model": lm.source.name, "dtype": "float32", "rounds": args.rounds, "mode": mode,
                                "draft_model": args.draft_model if mode == "draft" else None, "workloads": {}}
     for name, (batch, max_tokens) in workloads.items():
