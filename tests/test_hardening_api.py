@@ -186,3 +186,24 @@ def test_one_request_cannot_ask_for_more_prefill_than_the_cap():
     assert len(backend.submits) == 50  # one submit per prompt, n samples each
     client, backend = make(max_request_prompt_tokens=0)  # no cap
     assert client.post("/v1/completions", json=big).status_code == 200
+
+
+def test_a_request_over_the_prompt_cap_is_refused_without_a_pass_over_its_ids():
+    """Issue 30's canary beside 1,024 x 2,000 ids sent again and again: the ingress read every id in Python to
+    check its range (0.12 s of its event loop each time, after a 0.07 s decode that had bounded them already:
+    schemas.TokenId) before the prompt-token cap refused the request. Now no pass over the ids is made."""
+    from parallm.api.errors import APIError
+    from parallm.api.schemas import CompletionRequest
+    from parallm.api.validate import Limits, check_completion
+
+    class Counted(list):
+        reads = 0
+
+        def __iter__(self):
+            Counted.reads += 1
+            return super().__iter__()
+
+    req = CompletionRequest(prompt=[Counted([5] * 2000) for _ in range(1024)], max_tokens=1)
+    with pytest.raises(APIError, match="max_request_prompt_tokens"):
+        check_completion(req, Limits(model_name=MODEL, max_request_prompt_tokens=262_144))
+    assert Counted.reads == 0

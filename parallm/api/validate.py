@@ -181,7 +181,9 @@ def _check_sampling(req: SamplingRequest, limits: Limits, n_prompts: int, resolv
 
 
 def prompts(prompt: str | list[Any]) -> list[str | list[int]]:
-    """The prompts of a completion request: strings or token-id lists, one per choice group."""
+    """The prompts of a completion request: strings or token-id lists, one per choice group. Each id's range was
+    checked by the decoder (schemas.TokenId, in C); a pass over them here in Python took 0.12 s of the
+    ingress's event loop for 1,024 x 2,000 ids, which server.max_request_prompt_tokens then refused anyway."""
     if isinstance(prompt, str):
         return [prompt]
     if not prompt:
@@ -193,9 +195,6 @@ def prompts(prompt: str | list[Any]) -> list[str | list[int]]:
     else:
         raise invalid("prompt must be a string, a list of strings, a list of token ids or a list of "
                       "token-id lists (not a mix).", "prompt")
-    for i, p in enumerate(out):
-        if isinstance(p, list) and any(not 0 <= t <= MAX_TOKEN_ID for t in p):
-            raise invalid(f"prompt {i} has a token id that is negative or past {MAX_TOKEN_ID}.", "prompt")
     return out
 
 
