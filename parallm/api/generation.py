@@ -19,10 +19,10 @@ from parallm.api.errors import APIError
 from parallm.api.http import REQUEST_ID, ClientGone, DisconnectWatch, EventStream, json_response, read_body
 from parallm.api.merge import Deadlines, merged
 from parallm.api.outputs import Collector
-from parallm.api.schemas import ChatCompletionRequest, CompletionRequest
+from parallm.api.schemas import ChatCompletionRequest
 from parallm.api.sse import DONE, events
 from parallm.api.translate import Plan, chat_plan, completion_plan
-from parallm.api.validate import Limits, decode
+from parallm.api.validate import Limits, decode, decode_completion
 from parallm.api.vllm_admin import chat_tokens_plan
 from parallm.config import ServerConfig
 from parallm.metrics import ServerMetrics
@@ -74,7 +74,7 @@ class GenerationRoutes:
         return backend_limits(self.backend, self.server)
 
     async def completions(self, request: Request) -> Response:
-        return await self._serve(request, lambda body, limits: completion_plan(decode(body, CompletionRequest), limits))
+        return await self._serve(request, lambda body, limits: completion_plan(decode_completion(body, limits), limits))
 
     async def chat(self, request: Request) -> Response:
         return await self._serve(request, lambda body, limits: chat_plan(decode(body, ChatCompletionRequest), limits))
