@@ -31,10 +31,13 @@ import httpx
 from perf.harness import Results, Server, add_results_options
 
 
-def canary(url: str, count: int) -> list[float]:
-    times = []
+def canary(url: str, count: int, until: Any = None) -> list[float]:
+    """`count` 2-token completions one after another, and more until `until` (an Event) is set if given."""
+    times: list[float] = []
     with httpx.Client(base_url=url, timeout=300) as c:
-        for i in range(count):
+        i = 0
+        while i < count or (until is not None and not until.is_set()):
+            i += 1
             t0 = time.perf_counter()
             r = c.post("/v1/completions", json={"prompt": f"Hello {i}", "max_tokens": 2, "temperature": 0})
             r.raise_for_status()
@@ -52,7 +55,7 @@ def summary(times: list[float]) -> dict[str, float]:
 Attack = list[tuple[str, dict[str, Any]]]  # (path, body) requests sent at once
 
 
-def _attack(url: str, make: Callable[[int], Attack], stop: Any, out: Any) -> None:
+def _attack(url: str, make: Callable[[int], Attack], stop: Any, first_done: Any, out: Any) -> None:
     """Send round r's requests (`make(r)`, at once) for r = 0, 1, ... until `stop` is set, at least once: a
     short attack (a refusal in 0.1 s, a grammar compiled in 0.1 s) overlaps every canary, not one. A body is
     encoded once (a round may repeat the last one's: the 1,024 x 2,000 ids take 0.3 s to encode)."""
@@ -72,22 +75,24 @@ def _attack(url: str, make: Callable[[int], Attack], stop: Any, out: Any) -> Non
             responses = list(pool.map(lambda p: c.post(p[0], content=p[1], headers=JSON), posts))
             statuses.append(max(r.status_code for r in responses))
             seconds.append(time.perf_counter() - t0)
+            first_done.set()
         pool.shutdown()
     out.put({"status": statuses[0] if len(set(statuses)) == 1 else "/".join(map(str, sorted(set(statuses)))),
              "attack_s": round(statistics.median(seconds), 3), "attacks": len(seconds)})
 
 
 def under(url: str, attack: Callable[[int], Attack], count: int) -> tuple[dict[str, float], Any]:
-    """The canary's latencies while `attack` runs, sent again until the canary is done (started first; the
-    canary starts 0.3 s later). The attack runs in a process of its own, as another client would: in a thread of
-    this one, encoding its body (json.dumps of the 1,024 x 2,000 ids: 0.32 s holding the GIL) stalled the
-    canary's own client, and that was timed."""
+    """The canary's latencies while `attack` runs: the attack starts first, the canary 0.3 s later, and it goes
+    on until the attack's first round has ended (a 6k-token prefill: its whole prefill and its answer, 8.5 MB
+    with prompt_logprobs) and it has sent `count`; a shorter attack is sent again until then. The attack runs in
+    a process of its own, as another client would: in a thread of this one, encoding its body (json.dumps of
+    the 1,024 x 2,000 ids: 0.32 s holding the GIL) stalled the canary's own client, and that was timed."""
     ctx = multiprocessing.get_context("fork")  # the child uses no MLX
-    stop, out = ctx.Event(), ctx.Queue()
-    child = ctx.Process(target=_attack, args=(url, attack, stop, out))
+    stop, first_done, out = ctx.Event(), ctx.Event(), ctx.Queue()
+    child = ctx.Process(target=_attack, args=(url, attack, stop, first_done, out))
     child.start()
     time.sleep(0.3)
-    times = canary(url, count)
+    times = canary(url, count, until=first_done)
     stop.set()
     result = out.get(timeout=900)
     child.join()
