@@ -219,3 +219,46 @@ def test_finish_reason_stop_from_the_script():
     client, _ = make(FakeBackend(script=words_script(["a"], finish="stop")))
     body = client.post("/v1/chat/completions", json={"messages": CHAT}).json()
     assert body["choices"][0]["finish_reason"] == "stop"
+
+
+def _on_event_loop() -> bool:
+    import asyncio
+
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return False
+    return True
+
+
+@pytest.mark.parametrize("path, stream", [("/v1/completions", False), ("/v1/completions", True), ("/generate", False)])
+def test_prompt_logprobs_are_built_off_the_event_loop(monkeypatch, path, stream):
+    """Issue 30: a 6k-token prompt's prompt_logprobs (20 alternatives a position) took 0.5 s of Python to turn
+    into a response (PromptInfo.of, prompt_logprobs, 7.5 MB of JSON), and on the ingress's event loop no other
+    client was answered meanwhile. That work runs on a worker thread now, streamed or not, and on the RL
+    routes (TRL asks 100 alternatives a position)."""
+    from parallm.api import outputs, rl_render, sse
+
+    where: list[bool] = []
+    of, build = outputs.PromptInfo.of.__func__, outputs.prompt_logprobs
+
+    def info_of(cls, out, top_k):
+        if out.prompt_logprobs:
+            where.append(_on_event_loop())
+        return of(cls, out, top_k)
+
+    def prompt_logprobs(info, k):
+        where.append(_on_event_loop())
+        return build(info, k)
+
+    monkeypatch.setattr(outputs.PromptInfo, "of", classmethod(info_of))
+    monkeypatch.setattr(outputs, "prompt_logprobs", prompt_logprobs)
+    monkeypatch.setattr(sse, "prompt_logprobs", prompt_logprobs)
+    monkeypatch.setattr(rl_render, "prompt_logprobs", prompt_logprobs)
+    client, _ = make()
+    r = client.post(path, json={"model": MODEL, "prompt": "Say", "max_tokens": 2, "prompt_logprobs": 1,
+                                **({"stream": True} if stream else {})})
+    assert r.status_code == 200, r.text
+    first = events(r)[0] if stream else r.json()
+    assert len(first["prompt_logprobs"] if path == "/generate" else first["choices"][0]["prompt_logprobs"]) == 5
+    assert len(where) == 2 and not any(where)  # both steps ran, neither on the event loop

@@ -186,3 +186,39 @@ def test_one_request_cannot_ask_for_more_prefill_than_the_cap():
     assert len(backend.submits) == 50  # one submit per prompt, n samples each
     client, backend = make(max_request_prompt_tokens=0)  # no cap
     assert client.post("/v1/completions", json=big).status_code == 200
+
+
+def test_a_request_over_the_prompt_cap_is_refused_without_a_pass_over_its_ids():
+    """Issue 30's canary beside 1,024 x 2,000 ids sent again and again: the ingress read every id in Python to
+    check its range (0.12 s of its event loop each time, after a 0.07 s decode that had bounded them already:
+    schemas.TokenId) before the prompt-token cap refused the request. Now no pass over the ids is made."""
+    from parallm.api.errors import APIError
+    from parallm.api.schemas import CompletionRequest
+    from parallm.api.validate import Limits, check_completion
+
+    class Counted(list):
+        reads = 0
+
+        def __iter__(self):
+            Counted.reads += 1
+            return super().__iter__()
+
+    req = CompletionRequest(prompt=[Counted([5] * 2000) for _ in range(1024)], max_tokens=1)
+    with pytest.raises(APIError, match="max_request_prompt_tokens"):
+        check_completion(req, Limits(model_name=MODEL, max_request_prompt_tokens=262_144))
+    assert Counted.reads == 0
+
+
+def test_a_large_body_of_ids_past_the_cap_is_refused_before_its_ids_are_decoded():
+    """Decoding the 6 MB of 1,024 x 2,000 ids took 0.07 s of the ingress's event loop before the cap refused
+    them. A large body's ids are counted from its bytes first: the cap's 400 comes even for a body whose last
+    id the decoder would have refused, which shows no id was decoded."""
+    client, backend = make()
+    ids = [[5] * 2000] * 1023 + [[5] * 1999 + [-1]]
+    r = client.post("/v1/completions", json={"model": MODEL, "prompt": ids, "max_tokens": 1})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "prompt"
+    assert "2048000" in r.json()["error"]["message"] and "max_request_prompt_tokens" in r.json()["error"]["message"]
+    r = client.post("/v1/completions", json={"model": MODEL, "prompt": [[5] * 2000] * 300, "max_tokens": 1, "n": 2})
+    assert "1200000" in r.json()["error"]["message"]  # n counts
+    under = [[5] * 2000] * 130  # 1.3 MB, within the cap: decoded and served
+    assert client.post("/v1/completions", json={"model": MODEL, "prompt": under, "max_tokens": 1}).status_code == 200

@@ -15,8 +15,9 @@ request ids it stands for. Any other id (a `cmpl-...`, a raw client's rid) is pa
 
 from __future__ import annotations
 
+import asyncio
 import logging
-from typing import Any
+from typing import Any, Callable
 
 import msgspec
 from starlette.requests import ClientDisconnect, Request
@@ -67,11 +68,13 @@ class RLRoutes:
                     if submit.spec.detok is not None:
                         submit.spec.detok.token_strings = True
             name = str(sglang.rid or request.headers.get("x-request-id") or job.rid)
-            return json_response(render_sglang(await self._run(job, name, request)))
+            gathered = await self._run(job, name, request)
+            return await _respond(job, lambda: json_response(render_sglang(gathered)))
         job = build(shape, parse(shape, raw), self.limits())
         job.trl_nested = shape == "trl" and ("logprobs" in raw or "logprobs" in (raw.get("generation_kwargs") or {}))
         name = str(raw.get("request_id") or request.headers.get("x-request-id") or job.rid)
-        return json_response(render(await self._run(job, name, request)))
+        gathered = await self._run(job, name, request)
+        return await _respond(job, lambda: json_response(render(gathered)))
 
     async def generate_tokens(self, request: Request) -> Response:
         """vLLM's POST /inference/v1/generate: token ids in, token ids and logprobs out."""
@@ -83,7 +86,8 @@ class RLRoutes:
         job = build("vllm", req, self.limits(), answer="tito")
         job.model = tito.model or self.backend.model_name
         name = str(tito.request_id or request.headers.get("x-request-id") or job.rid)
-        return json_response(render_tito(await self._run(job, name, request), tito))
+        gathered = await self._run(job, name, request)
+        return await _respond(job, lambda: json_response(render_tito(gathered, tito)))
 
     async def _run(self, job: Job, name: str, request: Request) -> Any:
         """Run a Job under its client-visible id (abortable through /v1/abort); a 499 if the client left."""
@@ -108,7 +112,10 @@ class RLRoutes:
                          Deadlines(self.server.first_token_timeout_s, self.server.request_timeout_s))
         try:
             async for i, out in outputs:
-                gathered.add(i, out, self.backend.last_batch_size)
+                if out.prompt_logprobs:  # off the event loop (sse.added says why)
+                    await asyncio.to_thread(gathered.add, i, out, self.backend.last_batch_size)
+                else:
+                    gathered.add(i, out, self.backend.last_batch_size)
         except BackendError as exc:  # the tokenizer stage's errors name `prompt` and `images[k]` of one prompt
             raise job.renamed(exc) from None
         finally:
@@ -160,6 +167,12 @@ class RLRoutes:
         rids = [rid for name in req.request_ids for rid in self.live.get(name, [name])]
         await self.backend.abort(rids, all=req.all)
         return json_response({"aborted": req.request_ids, "all": req.all})
+
+
+async def _respond(job: Job, build: Callable[[], Response]) -> Response:
+    """The response, built on a worker thread when it carries prompt logprobs (TRL asks 100 a position: their
+    JSON is Python work that held the ingress's event loop; sse.added)."""
+    return await asyncio.to_thread(build) if job.prompt_logprobs is not None else build()
 
 
 def _optional_body(body: bytes, kind: type) -> Any:

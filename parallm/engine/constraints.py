@@ -19,6 +19,7 @@ that runs out of max_tokens first ends with "length" and the partial text, as an
 from __future__ import annotations
 
 import json
+import logging
 import threading
 import time
 from collections import OrderedDict
@@ -36,6 +37,7 @@ from .sequence import Sequence
 from .think_gate import Markers, ThinkGate
 
 TokenizerSource = Callable[[], Any]
+log = logging.getLogger("parallm.constraints")
 
 
 def mask_words(vocab_size: int) -> int:
@@ -133,6 +135,7 @@ class Constraints:
         self.eos_ids = [int(t) for t in eos_ids]
         self._tokenizer_source = tokenizer
         self._tokenizer: Any = None
+        self._tokenizer_error = "this engine has no tokenizer for grammar constraints"
         self._thinking_source = thinking
         self._thinking: Markers | None | bool = False  # False: not looked up yet
         # (kind, value) -> compiled matcher, or the GrammarError it raised (LRU): keyed by content, so that a
@@ -160,16 +163,45 @@ class Constraints:
     @property
     def thinking(self) -> Markers | None:
         if self._thinking is False:
-            self._thinking = self._thinking_source() if self._thinking_source is not None else None
+            try:
+                self._thinking = self._thinking_source() if self._thinking_source is not None else None
+            except (OSError, ValueError) as exc:  # no tokenizer.json: no markers, the grammar begins at once
+                log.warning("no thinking markers for grammar constraints: %s", exc)
+                self._thinking = None
         return self._thinking  # type: ignore[return-value]
 
     @property
     def tokenizer(self) -> Any:
         if self._tokenizer is None:
             if self._tokenizer_source is None:
-                raise GrammarError("this engine has no tokenizer for grammar constraints")
-            self._tokenizer = self._tokenizer_source()
+                raise GrammarError(self._tokenizer_error)
+            try:
+                self._tokenizer = self._tokenizer_source()
+            except (OSError, ValueError) as exc:  # no tokenizer.json, or one llguidance cannot read
+                log.warning("no llguidance tokenizer for grammar constraints: %s", exc)
+                self._tokenizer_source = None  # not tried again on every grammar (each try reads the file)
+                self._tokenizer_error = "this model's tokenizer cannot be used for grammar constraints"
+            if self._tokenizer is None:
+                raise GrammarError(self._tokenizer_error)
         return self._tokenizer
+
+    def prepare(self) -> Future:
+        """Build the llguidance tokenizer and look up the thinking markers now, on the compile thread: the
+        engine stage does it beside its warm-up, before it serves. Built when a first grammar compiled, it
+        held the GIL for its whole build (0.6-0.9 s for SmolLM2's 49k tokens on a CPU), and every running
+        row's next token waited that long (issue 30: a canary's p99 2.2-3.1x its idle p99 beside a first
+        constraint). The future's result is None; a model without a usable tokenizer raises GrammarError."""
+
+        def build() -> None:
+            self.tokenizer  # noqa: B018 - built and kept
+            self.thinking  # noqa: B018
+
+        return self._compile_thread().submit(build)
+
+    def _compile_thread(self) -> ThreadPoolExecutor:
+        if self._compiler is None:
+            self._compiler = ThreadPoolExecutor(1, thread_name_prefix="parallm-grammar", initializer=name_os_thread)
+        return self._compiler
 
     def _template(self, c: Constraint) -> Any:
         key = (c.kind, c.value)
@@ -215,15 +247,12 @@ class Constraints:
         """Compile `c`'s grammar on the compile thread (one, apart from the mask worker, so that the masks of
         running rows never wait behind it); the future's result is None, or the GrammarError. A compile still
         queued at `deadline` (time.monotonic) is skipped: its request was refused meanwhile."""
-        if self._compiler is None:
-            self._compiler = ThreadPoolExecutor(1, thread_name_prefix="parallm-grammar", initializer=name_os_thread)
-
         def compile_one() -> None:
             if time.monotonic() > deadline:
                 raise TimeoutError("the grammar waited past its deadline to compile")
             self._template(c)
 
-        return self._compiler.submit(compile_one)
+        return self._compile_thread().submit(compile_one)
 
     # ------------------------------------------------------------------ sequences
     def attach(self, seqs: Seq[Sequence], c: Constraint) -> None:
