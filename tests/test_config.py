@@ -35,6 +35,9 @@ def test_config_file_from_env(tmp_path):
     ({"PARALLM_ENGINE__MAX_NUM_SEQS": "0"}, "max_num_seqs"),
     ({"PARALLM_SPEC__MODE": "draft"}, "spec.mode draft needs spec.draft_model"),
     ({"PARALLM_SPEC__DRAFT_MODEL": "/d"}, "only read with spec.mode draft"),
+    ({"PARALLM_SPEC__DRAFT_ACCEPTANCE": "rejection"}, "spec.draft_acceptance is only read with spec.mode draft"),
+    ({"PARALLM_SPEC__MODE": "draft", "PARALLM_SPEC__DRAFT_MODEL": "/d", "PARALLM_SPEC__DRAFT_ACCEPTANCE": "maybe"},
+     "is not one of"),
 ])
 def test_bad_values_name_the_setting(environ, fragment):
     with pytest.raises(ConfigError, match=fragment):
@@ -44,6 +47,9 @@ def test_bad_values_name_the_setting(environ, fragment):
 def test_draft_mode_flags():
     config, _ = parse_args(["--spec.mode", "draft", "--spec.draft-model", "/models/small", "--spec.k", "3"])
     assert (config.spec.mode, config.spec.draft_model, config.spec.k) == ("draft", "/models/small", 3)
+    assert config.spec.draft_acceptance == "coupled"  # the default: seeds give plain decoding's tokens
+    config, _ = parse_args(["--spec.mode", "draft", "--spec.draft-model", "/m", "--spec.draft-acceptance", "rejection"])
+    assert config.spec.draft_acceptance == "rejection"
 
 
 def test_unknown_file_key_is_refused(tmp_path):

@@ -1,9 +1,11 @@
 """Speculative decoding with a draft model (spec.mode draft, engine/spec/draft*.py): greedy tokens and
 logprobs identical with and without it (a random tiny draft, low acceptance; the target as its own
 draft, full acceptance; a draft whose logits are wider than the target's), batched with staggered
-arrivals, n > 1 with preemption, an abort mid-speculation, adapters (the draft runs base); sampled rows'
-logprobs are the target's; the draft's KV rows follow the target's; the vocabulary check of
-parallm.models.draft. The sampled distribution: tests/test_engine_spec_draft_distribution.py."""
+arrivals, n > 1 with preemption, an abort mid-speculation, adapters (the draft runs base); sampled rows
+under coupled acceptance (the default): the tokens, logprobs and top alternatives of plain decoding for
+the same seeds, whatever the batch and whether a step speculated; under rejection: the target's logprobs
+of other tokens; the draft's KV rows follow the target's; the vocabulary check of parallm.models.draft.
+The sampled distribution: tests/test_engine_spec_draft_distribution.py."""
 
 import mlx.core as mx
 import numpy as np
@@ -20,7 +22,8 @@ from parallm.models.draft import vocabulary_mismatch
 from parallm.protocol import SamplingParams
 from test_engine_spec import repetitive, staggered
 
-DRAFT = SpecConfig(mode="draft", k=4, disable_batch_size=8, min_acceptance=0.0)
+DRAFT = SpecConfig(mode="draft", k=4, disable_batch_size=8, min_acceptance=0.0)  # draft_acceptance coupled
+REJECTION = SpecConfig(mode="draft", k=4, disable_batch_size=8, min_acceptance=0.0, draft_acceptance="rejection")
 
 
 def tiny_draft(seed: int = 7, vocab: int = COMMON["vocab_size"]):
@@ -115,11 +118,57 @@ def test_the_draft_rows_follow_the_sequences_and_roll_back():
     run_all(engine)
 
 
-def test_sampled_rows_report_the_targets_logprobs_of_the_tokens_they_emit():
+def sampled(i: int, seed: int) -> SamplingParams:
+    """Request i's sampling: temperature, top-p, top-k, min-p with a logit bias, min_tokens with a stop token,
+    greedy (every processor a speculating row may use), seeded from `seed`; later requests run longer (the batch
+    shrinks as the earlier ones finish)."""
+    kinds = [dict(temperature=0.9), dict(temperature=0.7, top_p=0.9), dict(temperature=1.2, top_k=8),
+             dict(temperature=0.8, min_p=0.1, logit_bias={"3": 2.0}), dict(temperature=1.0, min_tokens=10),
+             dict(temperature=0.0)]
+    return SamplingParams(max_tokens=16 + 5 * i, seed=seed + i, ignore_eos=i % 6 != 4, stop_token_ids=[5] if i % 6 == 4 else [],
+                          logprobs=True, top_logprobs=2, **kinds[i % len(kinds)])
+
+
+@pytest.mark.parametrize("draft, seed, disable_batch_size", [
+    ("random", 100, 8), ("random", 7_001, 8), ("random", 31, 2), ("self", 100, 8), ("self", 555, 3)])
+def test_coupled_sampled_rows_emit_plain_decodings_tokens_and_logprobs(draft, seed, disable_batch_size):
+    """Coupled acceptance: every sampled row's tokens, logprobs and top alternatives are plain decoding's for its
+    seed, with staggered arrivals; with disable_batch_size 2 or 3 a row decodes plainly while more rows run and
+    speculates once the others have finished. The target as its own draft proposes the target's own samples:
+    every proposal is accepted."""
+    target = tiny_model("llama", seed=3)
+    model = target if draft == "self" else tiny_draft()
+    spec = SpecConfig(mode="draft", k=4, disable_batch_size=disable_batch_size, min_acceptance=0.0)
+    assert spec.draft_acceptance == "coupled"  # the default
+    plain, got, engine = both(target, model, staggered(lambda i: sampled(i, seed), n=7), spec=spec, max_num_seqs=8)
+    same(plain, got)
+    for key in plain:
+        assert [[t for t, _ in top] for top in got[key]["top"]] == [[t for t, _ in top] for top in plain[key]["top"]]
+    s = engine.stats().spec
+    assert s.verify_passes > 0 and s.accepted_tokens > 0, s
+    if disable_batch_size < 8:
+        assert s.steps_off_batch > 0, s
+    if draft == "self":
+        assert s.acceptance_rate == 1.0, s
+
+
+def test_rejection_sampled_rows_draw_other_tokens_than_plain_decoding():
+    """spec.draft_acceptance rejection (p/q with the residual): greedy rows stay plain decoding's, sampled rows'
+    tokens for a seed are not (their distribution is the target's: the chi-square test)."""
+    target = tiny_model("llama", seed=3)
+    plain, got, engine = both(target, tiny_draft(), staggered(lambda i: sampled(i, 100)), spec=REJECTION,
+                              max_num_seqs=8)
+    assert got[("r5", 0)]["tokens"] == plain[("r5", 0)]["tokens"]  # greedy
+    assert any(got[key]["tokens"] != plain[key]["tokens"] for key in plain)
+    assert engine.stats().spec.accepted_tokens > 0
+
+
+@pytest.mark.parametrize("spec", [DRAFT, REJECTION], ids=["coupled", "rejection"])
+def test_sampled_rows_report_the_targets_logprobs_of_the_tokens_they_emit(spec):
     target = tiny_model("llama", seed=3)
     params = [SamplingParams(max_tokens=30, seed=40 + i, temperature=1.0, ignore_eos=True, logprobs=True)
               for i in range(4)]
-    engine = make_engine(target, spec=DRAFT, draft=target, max_num_seqs=8)
+    engine = make_engine(target, spec=spec, draft=target, max_num_seqs=8)
     res = run_all(engine, [req(f"r{i}", repetitive(3 + i, i), params[i]) for i in range(4)])
     assert engine.stats().spec.accepted_tokens > 0
     for i in range(4):

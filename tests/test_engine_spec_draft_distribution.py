@@ -1,10 +1,13 @@
-"""Draft-model speculation keeps the target's sampling distribution (engine/spec/draft_verify.py: accept a
-draft token x with probability min(1, p(x)/q(x)), else emit a token of the residual max(0, p - q)): the
-same chi-square test as tests/test_engine_spec_distribution.py (joint frequencies of the first three
-sampled tokens of a 5-token-vocabulary model, 2,000 seeded samples, top-k 4 at temperature 1, against the
-exact probabilities), with a random draft of the same vocabulary whose distributions differ from the
-target's (so proposals are both accepted and rejected, and rejections draw from the residual); the
-reported logprobs equal the exact ones.
+"""Draft-model speculation keeps the target's sampling distribution, under both acceptances of
+engine/spec/draft_verify.py: coupled (the default: the draft proposes with the target's own noise, a
+proposal is accepted while it is the target's own sample, so the distribution is trivially the target's,
+checked all the same) and rejection (accept a draft token x with probability min(1, p(x)/q(x)), else emit
+a token of the residual max(0, p - q)): the same chi-square test as tests/test_engine_spec_distribution.py
+(joint frequencies of the first three sampled tokens of a 5-token-vocabulary model, 2,000 seeded samples,
+top-k 4 at temperature 1, against the exact probabilities), with a random draft of the same vocabulary
+whose distributions differ from the target's (so proposals are both accepted and rejected, and under
+rejection rejections draw from the residual); the reported logprobs equal the exact ones. Coupled also
+emits plain decoding's tokens for every seed (the first 256 samples against a run without speculation).
 
 Power: the same test rejects, with p < 1e-12, a verifier that takes every draft token unchecked, and
 with p < 1e-6 one that on rejection samples from p instead of the residual (the classic bug: it
@@ -13,6 +16,7 @@ freedom at n = 2,000: a shift of noncentrality ~40 is detected with probability 
 
 import mlx.core as mx
 import numpy as np
+import pytest
 from mlx_lm.models import llama
 
 from _engine_helpers import COMMON, make_engine, run_all, req
@@ -23,7 +27,8 @@ from parallm.config import SpecConfig
 from parallm.engine.spec import draft_verify
 from parallm.protocol import SamplingParams
 
-SPEC = SpecConfig(mode="draft", k=3, min_acceptance=0.0, disable_batch_size=256)
+SPEC = SpecConfig(mode="draft", k=3, min_acceptance=0.0, disable_batch_size=256, draft_acceptance="rejection")
+COUPLED = SpecConfig(mode="draft", k=3, min_acceptance=0.0, disable_batch_size=256)
 
 
 def draft_model():
@@ -33,28 +38,43 @@ def draft_model():
     return model
 
 
-def sample(model, draft):
-    engine = make_engine(model, max_num_seqs=256, spec=SPEC, draft=draft)
+def sample(model, draft, spec=SPEC, requests=REQUESTS):
+    engine = make_engine(model, max_num_seqs=256, spec=spec, draft=draft)
     params = [SamplingParams(temperature=1.0, top_k=TOP_K, max_tokens=TOKENS + 1, ignore_eos=True, seed=20_000 + 89 * r,
-                             logprobs=True) for r in range(REQUESTS)]
-    return run_all(engine, [req(f"r{r}", PROMPT, params[r], n=N_PER) for r in range(REQUESTS)]), engine
+                             logprobs=True) for r in range(requests)]
+    return run_all(engine, [req(f"r{r}", PROMPT, params[r], n=N_PER) for r in range(requests)]), engine
 
 
-def test_sampled_frequencies_with_a_draft_match_the_target_distribution(monkeypatch):
+@pytest.mark.parametrize("spec", [COUPLED, SPEC], ids=["coupled", "rejection"])
+def test_sampled_frequencies_with_a_draft_match_the_target_distribution(spec):
     model, draft = tiny_vocab_model(), draft_model()
     joint = exact_joint(model)
-    res, engine = sample(model, draft)
+    res, engine = sample(model, draft, spec)
     s = engine.stats().spec
+    print(spec.draft_acceptance, "acceptance", s.acceptance_rate, "mean accepted", s.mean_accepted_tokens)
     assert s.mode == "draft" and s.rows_verified >= REQUESTS * N_PER // 2 and "2" in s.k_distribution
     assert 0.2 * s.proposed_tokens < s.accepted_tokens < 0.9 * s.proposed_tokens, s  # accepted and rejected
     counts = joint_counts(res)
     assert counts.sum() == REQUESTS * N_PER
     p = chi_square_p(counts.ravel(), joint.ravel())
+    print("chi-square p", p)
     assert p > 1e-3, p
     for d in list(res.values())[:200]:  # the reported logprobs are the target's, of the processed distribution
         t0, t1, t2 = d["tokens"][:TOKENS]
         want = [joint[t0].sum(), joint[t0, t1].sum() / joint[t0].sum(), joint[t0, t1, t2] / joint[t0, t1].sum()]
         np.testing.assert_allclose(d["logprobs"][:TOKENS], np.log(want), atol=2e-4)
+    if spec is COUPLED:  # and the tokens are plain decoding's for each seed
+        requests = 256 // N_PER
+        plain = run_all(make_engine(model, max_num_seqs=256),
+                        [req(f"r{r}", PROMPT, SamplingParams(temperature=1.0, top_k=TOP_K, max_tokens=TOKENS + 1,
+                                                             ignore_eos=True, seed=20_000 + 89 * r, logprobs=True),
+                             n=N_PER) for r in range(requests)])
+        assert plain and all(res[key]["tokens"] == plain[key]["tokens"] for key in plain)
+
+
+def test_the_chi_square_test_rejects_broken_rejection_sampling(monkeypatch):
+    model, draft = tiny_vocab_model(), draft_model()
+    joint = exact_joint(model)
 
     # power: a verifier that takes every draft token unchecked
     real_test = draft_verify._test
@@ -77,5 +97,5 @@ def test_sampled_frequencies_with_a_draft_match_the_target_distribution(monkeypa
 
     monkeypatch.setattr(draft_verify, "_test", from_p)
     p_bug = chi_square_p(joint_counts(sample(model, draft)[0]).ravel(), joint.ravel())
-    print("chi-square p: draft", p, "residual bug", p_bug)
+    print("chi-square p: residual bug", p_bug)
     assert p_bug < 1e-6, p_bug

@@ -314,6 +314,8 @@ def _check(config: Config) -> None:
                         "sharing the served model's vocabulary)")
     if spec.draft_model and spec.mode != "draft":
         problems.append("spec.draft_model is only read with spec.mode draft")
+    if spec.draft_acceptance != "coupled" and spec.mode != "draft":
+        problems.append("spec.draft_acceptance is only read with spec.mode draft")
     if config.adapters.weights_chunk_timeout_s <= 0:
         problems.append("adapters.weights_chunk_timeout_s must be > 0")
     if config.adapters.history < 1:

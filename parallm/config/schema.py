@@ -252,6 +252,14 @@ class SpecConfig(Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     draft_model: Annotated[str, _d("the draft model for mode draft: any model spec (as model.path), loaded in the "
                                   "served model's dtype; refused at start unless it shares the served model's "
                                   "vocabulary")] = ""
+    draft_acceptance: Annotated[Literal["coupled", "rejection"],
+                                _d("how mode draft verifies a sampled row's proposal. coupled: the draft samples each "
+                                   "position with the noise the target's sampler uses there (the request's seed and "
+                                   "output position) and a proposal is accepted while it is the target's own sample, "
+                                   "so every token is plain decoding's for that seed, whatever the batch; rejection: "
+                                   "p/q rejection sampling with the residual max(0, p - q), higher acceptance, the "
+                                   "target's distribution, but a seed's tokens differ from plain decoding's and "
+                                   "depend on the batch")] = "coupled"
     disable_batch_size: Annotated[int, _d("no speculation in a step with more running rows than this (a verify pass "
                                           "pads every row to the longest proposal: B x (k + 1) tokens)")] = 4
     ngram_min: Annotated[int, _d("shortest suffix (tokens) the n-gram proposer matches")] = 2

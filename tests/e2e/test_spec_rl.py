@@ -2,10 +2,9 @@
 raw ZeroMQ rollouts (an adapter version loaded while serving) with the same tokens, per-token logprobs and
 policy versions as the session's server, which does not speculate; its /v1/spec_decode/metrics and
 Prometheus metrics show that it did. A server with --spec.mode draft (the default model as its own draft:
-its base rows accept every proposal, adapter rows verify under their adapter) gives greedy rollouts the
-same tokens, logprobs and versions, and sampled rollouts the versions and the target's logprobs of the
-tokens it emits (rejection sampling draws other tokens than plain decoding for a seed: the teacher-forced
-scores of the session's server are the reference)."""
+its base rows accept every proposal, adapter rows verify under their adapter; the default coupled
+acceptance) gives greedy and seeded sampled rollouts the same tokens, logprobs and versions, the sampled
+ones' logprobs also equal to the teacher-forced scores of the session's server."""
 
 from __future__ import annotations
 
@@ -64,15 +63,24 @@ def test_generate_under_draft_speculation_carries_the_same_greedy_tokens_logprob
         assert max(abs(x - y) for x, y in zip(lp_a, lp_b)) < 1e-3
 
 
-def test_raw_rollouts_under_draft_speculation_carry_versions_and_the_targets_logprobs(server, draft_server):
+def test_generate_under_draft_speculation_carries_the_same_sampled_tokens_logprobs_and_versions(server,
+                                                                                                   draft_server):
+    want, got = generate(server.url), generate(draft_server.url)  # temperature 0.7, seed 11, n = 3
+    assert got["token_ids"] == want["token_ids"] and got["versions"] == want["versions"]
+    for a, b in zip(want["logprobs"], got["logprobs"]):
+        lp_a = [next(iter(item[0].values())) for item in a]
+        lp_b = [next(iter(item[0].values())) for item in b]
+        assert max(abs(x - y) for x, y in zip(lp_a, lp_b)) < 1e-3
+
+
+def test_raw_rollouts_under_draft_speculation_carry_the_same_tokens_versions_and_logprobs(server, draft_server):
     want, got = rollouts(server.router, "draft-pol"), rollouts(draft_server.router, "draft-pol")
     with Client(server.router, timeout=300) as c:
         for i, (a, b) in enumerate(zip(want, got)):
-            assert b.versions == a.versions and b.adapter == a.adapter and len(b.token_ids) == len(a.token_ids)
-            if i < 4:  # rollouts(): temperature 0 (base, adapter; n = 2), then temperature 1
-                assert b.token_ids == a.token_ids
-                assert max(abs(x - y) for x, y in zip(a.logprobs, b.logprobs)) < 1e-3
-            else:  # temperature 1, no filter: the target's logprob of each emitted token is its teacher-forced score
+            # rollouts(): temperature 0 (base, adapter; n = 2), then temperature 1, seed 3: coupled acceptance
+            assert b.versions == a.versions and b.adapter == a.adapter and b.token_ids == a.token_ids
+            assert max(abs(x - y) for x, y in zip(a.logprobs, b.logprobs)) < 1e-3
+            if i >= 4:  # temperature 1, no filter: the target's logprob of each emitted token is its teacher-forced score
                 scored = c.score(PROMPT + b.token_ids, start=len(PROMPT), adapter=b.adapter,
                                  adapter_version=b.versions[0][1] if b.adapter else 0)["logprobs"]
                 assert max(abs(x - y) for x, y in zip(scored, b.logprobs)) < 1e-3

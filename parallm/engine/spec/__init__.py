@@ -34,13 +34,14 @@ def spec_decoder(config: SpecConfig, settings: EngineConfig, info: ModelInfo, en
     if settings.tensor_parallel > 1:
         log.warning("spec.mode %s is off with engine.tensor_parallel > 1", config.mode)
         return None
-    draft = draft_proposer(engine) if config.mode == "draft" else None
+    draft = draft_proposer(engine, config.draft_acceptance == "coupled") if config.mode == "draft" else None
     return SpecDecoder(config, engine.runner, engine.scheduler, engine.output, engine.counters, engine.trace,
                        engine._launches, engine._execute, draft)
 
 
-def draft_proposer(engine: "Engine") -> DraftProposer:
-    """The proposer over the engine's draft model (EngineModel.draft); a ValueError names why there is none."""
+def draft_proposer(engine: "Engine", coupled: bool = True) -> DraftProposer:
+    """The proposer over the engine's draft model (EngineModel.draft), coupled to the target's sampling noise or
+    not (spec.draft_acceptance); a ValueError names why there is none."""
     model = engine.draft_model
     if model is None:
         raise ValueError("spec.mode draft needs a draft model (spec.draft_model)")
@@ -48,4 +49,5 @@ def draft_proposer(engine: "Engine") -> DraftProposer:
     if info.layout is not None:
         raise ValueError(f"the draft model ({info.model_type}) keeps a recurrent state, which cannot be rolled "
                          "back to the accepted position: pick an attention-only draft")
-    return DraftProposer(model, info, engine.vocab_size, engine.eos_token_ids, compiled=engine.config.compile)
+    return DraftProposer(model, info, engine.vocab_size, engine.eos_token_ids, compiled=engine.config.compile,
+                         coupled=coupled)

@@ -119,8 +119,10 @@ class SpecDecoder:
         draft_row: list[int | None] = [None] * len(seqs)
         for r, i in enumerate(rows):
             draft_row[i] = r
-        got = verify_draft(self.runner, seqs, ks, prop, draft_row)
-        emitted = [got.emitted(i, k, draft_row[i], s.params.temperature > 0) for i, (s, k) in enumerate(zip(seqs, ks))]
+        rejection = not draft.coupled  # spec.draft_acceptance rejection: sampled rows' proposals are tested by p/q
+        got = verify_draft(self.runner, seqs, ks, prop, draft_row, rejection)
+        emitted = [got.emitted(i, k, draft_row[i], rejection and s.params.temperature > 0)
+                   for i, (s, k) in enumerate(zip(seqs, ks))]
         for r, i in enumerate(rows):
             draft.accepted(prop, r, len(emitted[i]) - 1)
         return emitted

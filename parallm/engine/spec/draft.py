@@ -4,11 +4,15 @@ k tokens for every speculating row, batched across rows, from its own KV rows (d
 A proposal is built as one lazy graph (no read-back until the target's verify pass has been built on
 it too): the rows catch up (each from its own computed length to the sequence's last token; a row
 more than `BATCHED_LAG` tokens behind, a new one, is prefilled alone first in chunks), then k - 1
-single-token passes feed the draft's own samples. Each proposed token is sampled from the draft's
-processed distribution q (the row's own temperature, top-k/p, min-p, logit bias, min_tokens: the
-decode sampler's processing, sampling.Sampler.process) with noise of its own stream (the row's seed
-and output position, salted: independent of the target's), or is q's argmax for a greedy row. The
-verify pass (draft_verify.py) needs q itself, so the proposal keeps it for sampled rows.
+single-token passes feed the draft's own proposals. Each proposed token is the argmax of the draft's
+processed distribution q (the row's own temperature, top-k/p, min-p, logit bias, min_tokens: the decode
+sampler's processing, sampling.Sampler.process), plus Gumbel noise for a sampled row:
+- coupled (spec.draft_acceptance, the default): the very noise the target's sampler adds at that output
+  position of that request (sampling.py: a function of the sequence's seed and the position alone), so
+  the draft proposes argmax(q's logits + g) where the target will sample argmax(p's logits + g); the
+  closer q is to p, the likelier they agree, and the verify pass accepts while they do;
+- rejection: noise of its own stream (the seed salted: independent of the target's), a sample of q;
+  the verify pass (draft_verify.py) needs q itself, so the proposal keeps it for sampled rows.
 
 The draft runs base weights: a LoRA row's adapter is the target's alone (it verifies under it).
 """
@@ -27,13 +31,14 @@ from .draft_kv import DraftKV
 
 BATCHED_LAG = 8  # rows at most this many tokens behind catch up in the batched pass
 CHUNK = 512  # a lagging row's catch-up pass length
-DRAFT_SALT = 0x5EC0D4A1F7  # the draft's sampling noise: the row's seed xor this
+DRAFT_SALT = 0x5EC0D4A1F7  # the draft's sampling noise under rejection: the row's seed xor this
 
 
 @dataclass(slots=True)
 class Proposal:
     """Row r of the proposal is seqs[r]'s: `tokens` [m, kmax] (row r's first ks[r] are its proposal),
-    `probs` [m, kmax, V] the draft's distributions they were drawn from (None when every row is greedy),
+    `probs` [m, kmax, V] the draft's distributions they were drawn from (None when every row is greedy or
+    the proposal is coupled),
     `lengths` each row's sequence length when proposed."""
 
     seqs: list[Sequence]
@@ -49,12 +54,14 @@ class Proposal:
 
 class DraftProposer:
     def __init__(self, model: nn.Module, info: ModelInfo, vocab_size: int, eos_ids: list[int],
-                 compiled: bool = True) -> None:
-        """`vocab_size`: the target's logits width (the draft's are cut or padded with -inf to it)."""
+                 compiled: bool = True, coupled: bool = True) -> None:
+        """`vocab_size`: the target's logits width (the draft's are cut or padded with -inf to it); `coupled`:
+        sampled rows propose with the target's own noise (spec.draft_acceptance coupled) instead of their own."""
         self.model = model
         self.info = info
         self.vocab_size = vocab_size
         self.eos_ids = eos_ids
+        self.coupled = coupled
         self.kv = DraftKV(info)
         self.sampler = Sampler(vocab_size, compiled=compiled)
         self.prefill_tokens = 0  # tokens the draft caught up on outside the batched pass
@@ -80,10 +87,12 @@ class DraftProposer:
             positions = [s.num_output + j for s in seqs]
             z = self.sampler.process(self._fit(logits), bp, positions)
             if bp.any_sampled:
-                noise = gumbel_noise([noise_key(s.seed ^ DRAFT_SALT, p) for s, p in zip(seqs, positions)],
+                salt = 0 if self.coupled else DRAFT_SALT  # coupled: the key the target's sampler uses there
+                noise = gumbel_noise([noise_key(s.seed ^ salt, p) for s, p in zip(seqs, positions)],
                                      self.vocab_size, compiled=self.sampler.compiled)
                 tok = mx.argmax(z + noise * bp.noise_on, axis=-1).astype(mx.int32)
-                probs.append(mx.softmax(z, axis=-1))
+                if not self.coupled:
+                    probs.append(mx.softmax(z, axis=-1))
             else:
                 tok = mx.argmax(z, axis=-1).astype(mx.int32)
             tokens.append(tok)

@@ -7,16 +7,25 @@ processed distribution p_j (the decode sampler's: the row's temperature, filters
 min_tokens; such a row has no penalty and no grammar, decoder.py) is compared with the draft's q_j,
 the distribution its token x was drawn from:
 - a greedy row accepts x while it is the target's argmax; the first other position emits the argmax;
-- a sampled row accepts x with probability min(1, p_j(x) / q_j(x)) (a uniform of the row's seed and
-  output position, salted), and the first rejection emits a token drawn from the residual
-  max(0, p_j - q_j), normalized (Gumbel-max with its own salted noise), so every emitted token is
-  distributed as p_j given the tokens before it;
+- a sampled row under spec.draft_acceptance coupled (the default) is verified as a greedy one, against
+  the target's own sample: the draft proposed x = argmax(q's logits + g) with the noise g the target's
+  sampler adds at that position for that request (draft.py), the target's sample there is
+  argmax(p's logits + g); x is accepted while it equals that sample and the first other position emits
+  the sample, so every emitted token is the one plain decoding draws for the seed (n-gram mode's rule,
+  verify.py), whatever the batch and whether the step speculated;
+- a sampled row under rejection accepts x with probability min(1, p_j(x) / q_j(x)) (a uniform of the
+  row's seed and output position, salted), and the first rejection emits a token drawn from the
+  residual max(0, p_j - q_j), normalized (Gumbel-max with its own salted noise), so every emitted token
+  is distributed as p_j given the tokens before it;
 - a row that accepts all k emits the target's own sample at position k (the decode sampler's noise),
   and a row without a proposal emits its position-0 sample (penalties, grammar masks and all).
 The logprobs reported are the target's, log p_j of the emitted token, with position j's top
-alternatives. A greedy row emits exactly what it emits without speculation; a sampled row's tokens
-have the target's distribution but, for a given seed, are not those of plain decoding (the
-acceptance test draws other noise than the target's sampler).
+alternatives. A greedy row, and a sampled row under coupled acceptance, emits exactly what it emits
+without speculation; under rejection a sampled row's tokens have the target's distribution but, for a
+given seed, are not those of plain decoding (the acceptance test draws other noise than the target's
+sampler), at a higher acceptance: rejection accepts a position with probability sum_x min(p(x), q(x))
+= 1 - TV(p, q), the most any coupling of p and q can agree; the shared Gumbel noise's agreement is at
+most that.
 """
 
 from __future__ import annotations
@@ -56,15 +65,17 @@ class DraftVerified:
         """The target's own sample of row i at position j."""
         return (self.first, i) if j == 0 else (self.rest, self.starts[i] + j - 1)
 
-    def emitted(self, i: int, k: int, r: int | None, sampled: bool) -> list[tuple[SampledLists, int]]:
-        """Row i's tokens as (sampled columns, index) pairs; `k` its proposal's length, `r` its draft row."""
+    def emitted(self, i: int, k: int, r: int | None, rejection: bool) -> list[tuple[SampledLists, int]]:
+        """Row i's tokens as (sampled columns, index) pairs; `k` its proposal's length, `r` its draft row,
+        `rejection`: its proposal was tested by rejection sampling (else it is matched against the target's
+        own samples)."""
         if not k:
             return [(self.first, i)]
         out = []
         for j in range(k):
             x = self.proposed[r][j]
             std, at = self._at(i, j)
-            if not sampled:
+            if not rejection:
                 out.append((std, at))
                 if std.tokens[at] != x:
                     return out
@@ -91,10 +102,11 @@ def _uniform(keys: list[int]) -> mx.array:
 
 
 def verify_draft(runner: ModelRunner, seqs: list[Sequence], ks: list[int], prop: Proposal,
-                 draft_row: list[int | None]) -> DraftVerified:
+                 draft_row: list[int | None], rejection: bool = False) -> DraftVerified:
     """Run rows [0, len(seqs)) over [last token] + their proposal (row i: ks[i] tokens of draft row
-    draft_row[i]; 0 and None: no proposal), padded to 1 + prop.kmax, sample and test every position a
-    row needs, and wait for it (the draft's graph included). Nothing may be in flight."""
+    draft_row[i]; 0 and None: no proposal), padded to 1 + prop.kmax, sample every position a row needs
+    (and, with `rejection`, test a sampled row's proposals by rejection sampling against prop.probs), and
+    wait for it (the draft's graph included). Nothing may be in flight."""
     B, kmax = len(seqs), prop.kmax
     L = 1 + kmax
     offsets = [s.num_computed for s in seqs]
@@ -124,7 +136,7 @@ def verify_draft(runner: ModelRunner, seqs: list[Sequence], ks: list[int], prop:
     t_rows, t_cols, t_seqs, t_pos, d_rows = [], [], [], [], []
     for i, (s, k, r) in enumerate(zip(seqs, ks, draft_row)):
         tested.append(len(t_rows))
-        if k and s.params.temperature > 0:
+        if rejection and k and s.params.temperature > 0:
             for j in range(k):
                 t_rows.append(i)
                 t_cols.append(j)
