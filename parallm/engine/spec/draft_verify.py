@@ -34,11 +34,11 @@ from dataclasses import dataclass
 
 import mlx.core as mx
 
-from ..cache import PassContext
 from ..runner import ModelRunner
 from ..sampling import BatchParams, SampledLists, gumbel_noise, log_softmax, noise_key
 from ..sequence import Sequence
 from .draft import Proposal
+from .verify import target_pass
 
 ACCEPT_SALT = 0xACC3F7C0DE  # the acceptance test's uniforms: the row's seed xor this
 RESIDUAL_SALT = 0x2E51D0A1B9  # the residual's Gumbel noise
@@ -107,31 +107,11 @@ def verify_draft(runner: ModelRunner, seqs: list[Sequence], ks: list[int], prop:
     draft_row[i]; 0 and None: no proposal), padded to 1 + prop.kmax, sample every position a row needs
     (and, with `rejection`, test a sampled row's proposals by rejection sampling against prop.probs), and
     wait for it (the draft's graph included). Nothing may be in flight."""
-    B, kmax = len(seqs), prop.kmax
-    L = 1 + kmax
-    offsets = [s.num_computed for s in seqs]
-    assert max(offsets) + L <= runner.live.capacity, "a verify pass past the live rows' capacity"
     src = mx.array([r if r is not None else 0 for r in draft_row], dtype=mx.int32)
     has = mx.array([[r is not None] for r in draft_row])
     proposed = mx.where(has, prop.tokens[src], 0)
     tokens = mx.concatenate([mx.array([[s.last_token] for s in seqs], dtype=mx.int32), proposed], axis=1)
-    ctx = PassContext(0, offsets, L, max(offsets) + L, mask5d=runner.info.mask5d)
-    job = runner._mask_job(seqs)
-    logits = runner._forward(seqs, tokens, runner.live.views(ctx))
-    bitmask = None if job is None else mx.array(job.result())
-    first = runner._sample_rows(seqs, logits[:, 0, :], [s.num_output for s in seqs], bitmask)
-    rows, cols, flat, positions, starts = [], [], [], [], []
-    for i, (s, k) in enumerate(zip(seqs, ks)):
-        starts.append(len(rows))
-        for j in range(1, k + 1):
-            rows.append(i)
-            cols.append(j)
-            flat.append(s)
-            positions.append(s.num_output + j)
-    rest = None
-    if rows:
-        picked = logits[mx.array(rows, dtype=mx.int32), mx.array(cols, dtype=mx.int32)]
-        rest = runner.sampler.sample(picked, BatchParams(flat, runner.eos_ids, runner.vocab_size), positions)
+    logits, first, rest, starts = target_pass(runner, seqs, tokens, ks)
     tested, test = [], None
     t_rows, t_cols, t_seqs, t_pos, d_rows = [], [], [], [], []
     for i, (s, k, r) in enumerate(zip(seqs, ks, draft_row)):

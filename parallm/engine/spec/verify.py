@@ -62,18 +62,31 @@ def verify(runner: ModelRunner, seqs: list[Sequence], drafts: list[list[int]]) -
     length on, sample every position a row needs, and wait for it. Nothing may be in flight (the
     rows' last tokens are read back): the caller drains the overlapped schedule first."""
     L = 1 + max(len(d) for d in drafts)
+    tokens = mx.array([[s.last_token, *d] + [0] * (L - 1 - len(d)) for s, d in zip(seqs, drafts)], dtype=mx.int32)
+    _, first, rest, starts = target_pass(runner, seqs, tokens, [len(d) for d in drafts])
+    runner.live.settle()
+    mx.eval(first.arrays(), rest.arrays() if rest else [], runner.penalties.arrays(), runner.live.arrays())
+    return Verified(first.read(), rest.read() if rest else None, starts)
+
+
+def target_pass(runner: ModelRunner, seqs: list[Sequence], tokens: mx.array,
+                counts: list[int]) -> tuple[mx.array, SampledLists, SampledLists | None, list[int]]:
+    """The target's one pass over `tokens` ([rows, 1 + longest proposal]: each row's last token, then its
+    proposal, padded) from each row's length on, and its samples, not yet evaluated: the logits, the
+    position-0 samples, and the samples at positions 1 .. counts[i] of every row (row i's from starts[i] on).
+    Shared by the n-gram verify and the draft verify."""
+    L = tokens.shape[1]
     offsets = [s.num_computed for s in seqs]
     assert max(offsets) + L <= runner.live.capacity, "a verify pass past the live rows' capacity"
-    tokens = mx.array([[s.last_token, *d] + [0] * (L - 1 - len(d)) for s, d in zip(seqs, drafts)], dtype=mx.int32)
     ctx = PassContext(0, offsets, L, max(offsets) + L, mask5d=runner.info.mask5d)
     job = runner._mask_job(seqs)  # grammar masks of position 0 (filled while the graph is built)
     logits = runner._forward(seqs, tokens, runner.live.views(ctx))
     bitmask = None if job is None else mx.array(job.result())
     first = runner._sample_rows(seqs, logits[:, 0, :], [s.num_output for s in seqs], bitmask)
     rows, cols, flat_seqs, positions, starts = [], [], [], [], []
-    for i, (s, d) in enumerate(zip(seqs, drafts)):
+    for i, (s, k) in enumerate(zip(seqs, counts)):
         starts.append(len(rows))
-        for j in range(1, len(d) + 1):
+        for j in range(1, k + 1):
             rows.append(i)
             cols.append(j)
             flat_seqs.append(s)
@@ -82,6 +95,4 @@ def verify(runner: ModelRunner, seqs: list[Sequence], drafts: list[list[int]]) -
     if rows:
         picked = logits[mx.array(rows, dtype=mx.int32), mx.array(cols, dtype=mx.int32)]
         rest = runner.sampler.sample(picked, BatchParams(flat_seqs, runner.eos_ids, runner.vocab_size), positions)
-    runner.live.settle()
-    mx.eval(first.arrays(), rest.arrays() if rest else [], runner.penalties.arrays(), runner.live.arrays())
-    return Verified(first.read(), rest.read() if rest else None, starts)
+    return logits, first, rest, starts
