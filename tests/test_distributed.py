@@ -84,7 +84,9 @@ def rank_main(out: str) -> int:
     group = distributed.join(int(os.environ["TP_SIZE"]), backend="ring")
     model = model_of(os.environ["TP_MODEL"])
     shard_model(model, group)
-    engine = make_engine(model, kv=kv_of())
+    engine = make_engine(model, kv=kv_of(), prefill_pass_s=float(os.environ.get("TP_PACE_S", "0")))
+    if group.rank() > 0 and os.environ.get("TP_PACE_S"):
+        slow_clock(engine.pacer)
     distributed.freeze_clock(engine)
     engine.warm_up()
     addresses = distributed.control_addresses(str(Path(out).parent))
@@ -97,11 +99,17 @@ def rank_main(out: str) -> int:
     return 0
 
 
-def run_group(tmp_path: Path, ranks: int, model: str, **extra_env: str) -> dict[str, list[int]]:
+def slow_clock(pacer) -> None:
+    """This rank's passes look 50x slower to its prefill pacer (as on a loaded or slower machine)."""
+    observe = pacer.observe
+    pacer.observe = lambda seconds, *a, **k: observe(seconds * 50, *a, **k)
+
+
+def run_group(tmp_path: Path, ranks: int, model: str, timeout_s: float = 600.0, **extra_env: str) -> dict[str, list[int]]:
     """`ranks` processes on the ring over localhost; rank 0's tokens."""
     out = tmp_path / "tokens.json"
     env = {**os.environ, "TP_SIZE": str(ranks), "TP_MODEL": model, "PYTHONPATH": str(ROOT), **extra_env}
-    assert run_ring(__file__, str(out), tmp_path, ranks, env) == [0] * ranks
+    assert run_ring(__file__, str(out), tmp_path, ranks, env, timeout_s) == [0] * ranks
     return json.loads(out.read_text())
 
 
@@ -110,6 +118,15 @@ def test_two_ring_ranks_match_the_single_rank_engine(tmp_path):
     want = both_phases(make_engine(tiny_model("llama")))
     assert got == want
     assert len(got) == 14 and all(len(t) >= 6 for t in got.values())
+
+
+def test_ranks_that_time_their_passes_differently_pace_prefill_as_rank_0(tmp_path):
+    """engine.prefill_pass_s on (the CPU default) with rank 1's passes timed 50x slower: a follower
+    pacing by its own timings would admit fewer prompt tokens per step than rank 0 and diverge (the
+    group restarts, or its passes' collectives no longer pair up and the ranks hang: hence the 60 s);
+    every rank steps with rank 0's rate and the group samples what one engine does."""
+    got = run_group(tmp_path, 2, "tiny", timeout_s=60, TP_PACE_S="0.05")
+    assert got == both_phases(make_engine(tiny_model("llama")))
 
 
 @pytest.mark.slow

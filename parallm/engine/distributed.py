@@ -238,7 +238,8 @@ class Leader:
         return self._record(call, run)
 
     def step(self, emit: Callable | None = None) -> list:
-        return self._sync(Step(), lambda: self._engine.step(emit=emit))
+        call = Step(prefill_rate=self._engine.pacer.seconds_per_unit)
+        return self._sync(call, lambda: self._engine.step(emit=emit))
 
     def flush(self) -> list:
         return self._sync(Flush(), self._engine.flush)
@@ -296,6 +297,11 @@ def _load_adapter(engine, call: LoadAdapter) -> Any:
                                format=call.format, version=call.version)
 
 
+def _step(engine, call: Step) -> Any:
+    engine.pacer.seconds_per_unit = call.prefill_rate  # rank 0's pacing (Step's docstring)
+    return engine.step()
+
+
 _REPLAY: dict[type, Callable[[Any, Any], Any]] = {
     AddRequest: lambda engine, c: engine.add_request(Request(c.rid, c.prompt_ids, c.spec)),
     AbortRequest: lambda engine, c: engine.abort(c.rid, c.reason, c.index),
@@ -307,7 +313,7 @@ _REPLAY: dict[type, Callable[[Any, Any], Any]] = {
     DropCachedBlocks: lambda engine, c: engine.blocks.drop_cached(),
     UpdateWeights: lambda engine, c: engine.update_weights(path=c.path, tensors=load_bytes(c.weights) if c.weights
                                                            else None, version=c.version, complete=c.complete),
-    Step: lambda engine, c: engine.step(),
+    Step: lambda engine, c: _step(engine, c),
     Flush: lambda engine, c: engine.flush(),
 }
 """How a follower replays each call rank 0 sends (StopFollowing ends `follow` instead)."""
