@@ -91,11 +91,12 @@ class EngineStage(AdapterMessages, Stage):
         self.staging = ChunkStaging(lambda tensors: self.engine.weights.check_chunk(tensors),  # chunked weight updates
                                     root=config.adapters.weights_staging_dir,
                                     timeout_s=config.adapters.weights_chunk_timeout_s)
-        self.reads: FileReads[protocol.AdapterPublish | protocol.WeightsUpdate] = FileReads()  # loads by path
+        self.reads: FileReads[protocol.AdapterPublish | protocol.WeightsUpdate] = FileReads(
+            on_done=self.waker.wake)  # loads by path
         self.held: HeldRequests[protocol.Submit] = HeldRequests(config.adapters)  # waiting for their version
         settings = config.engine
         self.compiling: CompileQueue[protocol.Submit] = CompileQueue(  # waiting for their grammar
-            engine.constraints, settings.constraint_timeout_s, settings.max_constraint_bytes)
+            engine.constraints, settings.constraint_timeout_s, settings.max_constraint_bytes, on_done=self.waker.wake)
         self.scores: dict[str, bytes] = {}  # qid -> reply_to of the score requests in the engine
         self.step_count = 0
         self.share = DeviceShare(settings.training_share)  # rests while a trainer's update runs
