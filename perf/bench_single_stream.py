@@ -13,7 +13,7 @@ time of `--max-tokens` tokens (EOS never sampled, greedy, the same prompt ids ev
 - `http`: the same request not streamed.
 
 ms/token is (last token's arrival - first token's arrival) / (tokens - 1) for the in-process engine and
-the HTTP stream, and (latency of `--max-tokens` tokens - latency of 1 token) / (tokens - 1) for the raw
+the HTTP stream (whose events may carry several tokens of a stream that fell behind: tokens_per_event), and (latency of `--max-tokens` tokens - latency of 1 token) / (tokens - 1) for the raw
 client (whose thread hop can bunch a stream's arrivals) and non-streamed HTTP, the median over
 `--requests` requests of each round. A 1-token request's latency, sent as soon as the previous request
 ended, is what a single client pays per request beside its tokens. The served engine's own loop split (inbox, step,
@@ -25,8 +25,7 @@ DIR is a checkout (e.g. `git worktree add --detach /tmp/base main`) whose `paral
 `parallm/launch` resolve (the script links them, as perf.bench_ingress does).
 
     python -m perf.bench_single_stream --rounds 3 --source base=/tmp/base      # CPU, tiny-draft shape
-    python -m perf.bench_single_stream --shape llama-3.2-3b --tokenizer-dir .gpu-tok --max-tokens 128 \\
-        --experiment llama-3.2-3b                                                # bash perf/gpu_runs.sh single
+    bash perf/gpu_runs.sh single      # the smollm2-135m and llama-3.2-3b shapes on a GPU
 """
 
 from __future__ import annotations
@@ -34,6 +33,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import socket
 import statistics
 import subprocess
@@ -57,9 +57,12 @@ def prompt_ids(count: int, vocab: int, seed: int = 0) -> list[int]:
 def inprocess(server_args: list[str], ids: list[int], max_tokens: int, requests: int) -> dict[str, Any]:
     """The engine of `parallm-launch SERVER_ARGS`, in this process: ms/token of each request. On a CPU the
     process re-executes itself with OpenBLAS (and mimalloc) preloaded first, as the engine stage does."""
+    import mlx.core as mx
+
     from parallm import blas
 
-    blas.reexec_with_openblas()
+    if mx.default_device() == mx.cpu:  # as the supervisor does for the engine stage (launch/supervisor.py)
+        blas.reexec_with_openblas()
     from parallm.config.loading import parse_args
     from parallm.engine import Engine, EngineModel, make_request
     from parallm.models import load_model
@@ -112,18 +115,20 @@ def http_request(port: int, body: dict[str, Any]) -> tuple[list[float], float, b
 
 def http_levels(port: int, ids: list[int], max_tokens: int, requests: int) -> dict[str, Any]:
     body = {"model": "bench", "prompt": ids, "max_tokens": max_tokens, "temperature": 0.0, "ignore_eos": True}
-    stream = {**body, "stream": True}
+    stream = {**body, "stream": True, "stream_options": {"include_usage": True}}
     http_request(port, stream)  # warm-up
-    streamed = []
+    streamed, per_event = [], []
     for _ in range(requests):
-        events, _, _ = http_request(port, stream)
-        streamed.append(1000 * (events[-1] - events[0]) / max(1, len(events) - 1))
+        events, _, data = http_request(port, stream)
+        tokens = int(re.findall(rb'"completion_tokens":(\d+)', data)[-1])  # an event may carry several (coalesced)
+        streamed.append(1000 * (events[-1] - events[0]) / max(1, tokens - 1))
+        per_event.append(tokens / len(events))
     one, full = [], []
     for _ in range(requests):
         one.append(http_request(port, {**body, "max_tokens": 1})[1])
         full.append(http_request(port, body)[1])
     whole = [1000 * (f - o) / (max_tokens - 1) for f, o in zip(sorted(full), sorted(one))]
-    return {"http_stream": {"ms_per_token": streamed},
+    return {"http_stream": {"ms_per_token": streamed, "tokens_per_event": per_event},
             "http": {"ms_per_token": whole, "latency_1_ms": [1000 * x for x in one],
                      "latency_n_ms": [1000 * x for x in full]}}
 
@@ -184,7 +189,7 @@ def run_round(label: str, root: str | None, model_dir: Path, args: argparse.Name
     row: dict[str, Any] = {"source": label, "load_before": load_average()}
     env = dict(os.environ)
     code_root = root or str(ROOT)
-    env["PYTHONPATH"] = code_root
+    env["PYTHONPATH"] = os.pathsep.join([code_root, *(p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p)])
     child = subprocess.run([sys.executable, str(Path(__file__).resolve()), "--inner-inprocess",
                             json.dumps({"server_args": server_args, "ids": ids, "max_tokens": args.max_tokens,
                                         "requests": args.requests})],
@@ -194,7 +199,8 @@ def run_round(label: str, root: str | None, model_dir: Path, args: argparse.Name
     row["inprocess"] = json.loads(child.stdout.strip().splitlines()[-1])
     server = Server(*server_args, env=dict(os.environ), ready_timeout=600)
     if root is not None:  # that checkout's code for every stage
-        server.env["PYTHONPATH"] = root
+        server.env["PYTHONPATH"] = os.pathsep.join([root, *(p for p in server.env.get("PYTHONPATH", "").split(
+            os.pathsep) if p and p != str(ROOT))])  # (a GPU machine's MLX comes on PYTHONPATH)
         server.argv = ["env", "-C", root, sys.executable, "-m", "parallm.launch", *server.argv[1:]]
     server.start()
     try:
