@@ -46,9 +46,9 @@ UNANSWERED = (protocol.Abort, protocol.TrainingPhase)  # handed on as they are (
 # the idle integrity check waits this long after the last step, so that a client's next request (a single
 # stream's, sent as soon as the last one ended) never waits behind it: the check walks every block of the
 # prefix pool in Python (~21 ms of CPU for 142k blocks on this 2-core CPU, the pool of the 10-layer VLM on an
-# H200; 90k blocks of the tiny-draft shape here took 34-48 ms at a load average of 10), as long as a small
-# model's whole 16-token decode (issue 37). Served 1-token requests back to back on this CPU: 32-75 ms -> 4 ms
-# (docs/performance.md). Shorter than the 0.3 s between launch.local's engine_stats_after_idle_check reads,
+# H200; 90k blocks of the tiny-draft shape here took 34-48 ms at a load average of 10), half of a small
+# model's whole 16-token decode there (issue 37). Served 1-token requests back to back on this CPU: 28-75 ms
+# -> 4-7 ms (docs/performance.md). Shorter than the 0.3 s between launch.local's engine_stats_after_idle_check reads,
 # which rely on it.
 IDLE_CHECK_AFTER_S = 0.1
 
