@@ -183,7 +183,8 @@ class Server(Process):
 
     def engine_stats_after_idle_check(self, timeout: float = 30.0) -> EngineStats:
         """The engine's stats once its stage ran the integrity check it runs each time it goes idle,
-        after the latest work (two reads with the same, non-zero count of checks), or the last read at
+        after the latest work (two reads 0.3 s apart with the same, non-zero count of checks: the stage
+        runs it 0.1 s after its last step, stages/engine.py IDLE_CHECK_AFTER_S), or the last read at
         `timeout`."""
         deadline = time.monotonic() + timeout
         seen = self.engine_stats()

@@ -110,11 +110,16 @@
 #             engines (perf/bench_kv_bits.py; random weights: no agreement figures), ~6 min
 #   trainshare parallm-launch with its trainer on the llama-3.2-3b shape (random weights, the length task), engine.training_share
 #             0 / 0.5 / 0.75: the GRPO update's time against the rollouts' tokens/s (issue 33 item 5), ~5 min
+#   single    one stream's decode, ms per token: in-process engine vs raw ZeroMQ client vs HTTP streamed and not, the
+#             1-token request's latency, stage CPU per token (perf/bench_single_stream.py; issue 37 item 3): the
+#             smollm2-135m shape (launch-bound, like the 10-layer VLM of `vision`), 2 rounds, then llama-3.2-3b, 1
+#             round, 128 tokens. With a base checkout carried as .gpu/base (`git worktree add --detach .gpu/base
+#             <commit>` here; carry [".gpu-tok", ".gpu/base"]) the smollm2 rounds alternate it with this one, ~7 min
 # A fresh server per wave: `waves` fits 6-7 waves in one 10-minute call; run it twice for ten.
 set -uo pipefail
 # A fresh server per wave: `waves` fits 6-7 waves in one 10-minute call; run it twice for ten.
 set -uo pipefail
-case "${1:-}" in diag|llama|adapters|qwen-a|qwen-b|serving|waves|ingress|moe|moe256|hybrid|structured|tp|tp8b|dp|threads|compiled|republish|buckets|serve256|inplace|mixed|cudnn|decodeattn|unfuseddecode|defaults|defaultsab|qwendtype|qwenmlx|embeddings|policy|vision|trainmem|spec|specdraft|kvbits|pagedattn|trainshare) ;;
+case "${1:-}" in diag|llama|adapters|qwen-a|qwen-b|serving|waves|ingress|moe|moe256|hybrid|structured|tp|tp8b|dp|threads|compiled|republish|buckets|serve256|inplace|mixed|cudnn|decodeattn|unfuseddecode|defaults|defaultsab|qwendtype|qwenmlx|embeddings|policy|vision|trainmem|spec|specdraft|kvbits|pagedattn|trainshare|single) ;;
   *) sed -n '2,/^# A fresh server per wave/p' "$0"; exit 2 ;; esac
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
@@ -171,6 +176,11 @@ case "${1:-}" in
               --steps 3 --tokenizer-dir $TOK --work-dir $WORK --experiment memory-qwen3-8b --out-dir "$OUT"
             python3 -m perf.bench_train_logprobs --model $WORK/qwen3-8b --dtypes bfloat16,quantized --seqs 16 \
               --tokens 64 --experiment logprobs-qwen3-8b --out-dir "$OUT" ;;
+  single)   base=$([ -d .gpu/base ] && echo "--source base=.gpu/base")
+            timeout 330 python3 -m perf.bench_single_stream --shape smollm2-135m --max-tokens 128 --requests 5 \
+              --rounds 2 $base --tokenizer-dir $TOK --work-dir $WORK --experiment smollm2-135m --out-dir "$OUT"
+            timeout 240 python3 -m perf.bench_single_stream --shape llama-3.2-3b --max-tokens 128 --requests 5 \
+              --rounds 1 --tokenizer-dir $TOK --work-dir $WORK --experiment llama-3.2-3b --out-dir "$OUT" ;;
   ingress)  python3 -m perf.bench_ingress --shape llama-3.2-3b --concurrency 256 --requests 512 --max-tokens 128 \
               --rounds 4 --tokenizer-dir $TOK --work-dir $WORK --experiment llama-3.2-3b --out-dir "$OUT" ;;
   moe|hybrid) shape=$([ "$1" = moe ] && echo qwen3-30b-a3b || echo qwen3.5-4b-hybrid)

@@ -43,6 +43,14 @@ log = logging.getLogger("parallm.engine.stage")
 FANNED_OUT = (protocol.Abort, protocol.AdapterPublish, protocol.AdapterUnload, protocol.Pause, protocol.Resume,
               protocol.WeightsUpdate, protocol.TrainingPhase)
 UNANSWERED = (protocol.Abort, protocol.TrainingPhase)  # handed on as they are (no qid to clear)
+# the idle integrity check waits this long after the last step, so that a client's next request (a single
+# stream's, sent as soon as the last one ended) never waits behind it: the check walks every block of the
+# prefix pool in Python (~21 ms of CPU for 142k blocks on this 2-core CPU, the pool of the 10-layer VLM on an
+# H200; 90k blocks of the tiny-draft shape here took 34-48 ms at a load average of 10), half of a small
+# model's whole 16-token decode there (issue 37). Served 1-token requests back to back on this CPU: 28-75 ms
+# -> 4-7 ms (docs/performance.md). Shorter than the 0.3 s between launch.local's engine_stats_after_idle_check reads,
+# which rely on it.
+IDLE_CHECK_AFTER_S = 0.1
 
 
 class EngineStage(AdapterMessages, Stage):
@@ -85,11 +93,12 @@ class EngineStage(AdapterMessages, Stage):
         self.staging = ChunkStaging(lambda tensors: self.engine.weights.check_chunk(tensors),  # chunked weight updates
                                     root=config.adapters.weights_staging_dir,
                                     timeout_s=config.adapters.weights_chunk_timeout_s)
-        self.reads: FileReads[protocol.AdapterPublish | protocol.WeightsUpdate] = FileReads()  # loads by path
+        self.reads: FileReads[protocol.AdapterPublish | protocol.WeightsUpdate] = FileReads(
+            on_done=self.waker.wake)  # loads by path
         self.held: HeldRequests[protocol.Submit] = HeldRequests(config.adapters)  # waiting for their version
         settings = config.engine
         self.compiling: CompileQueue[protocol.Submit] = CompileQueue(  # waiting for their grammar
-            engine.constraints, settings.constraint_timeout_s, settings.max_constraint_bytes)
+            engine.constraints, settings.constraint_timeout_s, settings.max_constraint_bytes, on_done=self.waker.wake)
         self.scores: dict[str, bytes] = {}  # qid -> reply_to of the score requests in the engine
         self.step_count = 0
         self.share = DeviceShare(settings.training_share)  # rests while a trainer's update runs
@@ -97,6 +106,7 @@ class EngineStage(AdapterMessages, Stage):
         self.integrity_checks = 0    # engine.check_integrity() runs, once each time the engine goes idle
         self.integrity_failures = 0
         self._checked_at_step = 0
+        self._last_step_at = 0.0  # perf_counter() at the end of the latest step
         handlers: dict[type, Handler] = {
             protocol.Submit: self.on_submit, protocol.Abort: self.on_abort, protocol.Score: self.on_score,
             protocol.GetStats: lambda m: self.reply(protocol.StatsReply(qid=m.qid, reply_to=m.reply_to,
@@ -241,11 +251,21 @@ class EngineStage(AdapterMessages, Stage):
     def in_flight(self) -> int:
         return len(self.engine.request_ids()) + len(self.held) + len(self.compiling) + len(self.pooling.queue)
 
+    def check_pending_s(self) -> float | None:
+        """Seconds until the idle integrity check is due (0 or less: due now), None when none is owed or
+        the engine holds work (paused with requests: it waits for the next idle spell)."""
+        if self.step_count == self._checked_at_step or self.engine.has_work():
+            return None
+        return self._last_step_at + IDLE_CHECK_AFTER_S - time.perf_counter()
+
     def check_when_idle(self) -> None:
         """The engine's check_integrity() once each time it goes idle after steps (no leaked block, row
-        or reference: what the tests run after every scenario, here for every burst a server serves);
-        a failure is logged and counted (EngineStats.integrity_failures), not fatal."""
-        if self.step_count == self._checked_at_step or self.engine.has_work():
+        or reference: what the tests run after every scenario, here for every burst a server serves),
+        IDLE_CHECK_AFTER_S after the last step (a request that arrives sooner is served first, and the
+        check waits for the next idle spell); a failure is logged and counted
+        (EngineStats.integrity_failures), not fatal."""
+        due = self.check_pending_s()
+        if due is None or due > 0:
             return
         self._checked_at_step = self.step_count
         self.integrity_checks += 1
@@ -298,6 +318,9 @@ class EngineStage(AdapterMessages, Stage):
 
     def idle_wait_ms(self) -> int:
         wait = min(self.beat_ms, 20) if self.compiling or self.reads else self.beat_ms  # look again soon
+        due = self.check_pending_s()
+        if due is not None:  # wake for the idle integrity check
+            wait = min(wait, max(1, math.ceil(due * 1000)))
         resting = self.share.resting_s()
         return min(wait, max(1, math.ceil(resting * 1000))) if resting else wait
 
@@ -339,7 +362,7 @@ class EngineStage(AdapterMessages, Stage):
         except Exception as exc:  # noqa: BLE001 - e.g. MLX out of memory: fail fast, get restarted
             self.stop(self.fail_in_flight(exc))
             return False
-        t2 = clock()
+        t2 = self._last_step_at = clock()
         self.share.after_step(t2 - t1)
         if outputs:
             self.send(outputs)

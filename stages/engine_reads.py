@@ -21,15 +21,18 @@ T = TypeVar("T")
 
 
 class FileReads(Generic[T]):
-    def __init__(self, timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
+    def __init__(self, timeout_s: float = DEFAULT_TIMEOUT_S, on_done: Callable[[Future], None] = lambda _: None) -> None:
         self.timeout_s = timeout_s
+        self._on_done = on_done  # on the reader thread, as each read finishes (the stage's Waker.wake)
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="parallm-file-read")
         self._queue: list[tuple[T, Future]] = []
         self.read_bytes = 0
 
     def add(self, message: T, files: Callable[[], list[Path]]) -> None:
         """Read the files `files()` names (called on the reader thread) before `message` is handed back."""
-        self._queue.append((message, self._pool.submit(lambda: prefetch_regular(files(), timeout_s=self.timeout_s))))
+        future = self._pool.submit(lambda: prefetch_regular(files(), timeout_s=self.timeout_s))
+        self._queue.append((message, future))
+        future.add_done_callback(self._on_done)
 
     def take(self) -> list[tuple[T, str | None]]:
         """Messages whose files were read, in arrival order (stopping at the first still being read), each

@@ -57,8 +57,10 @@ line in docs/protocol.md.
 from __future__ import annotations
 
 import logging
+import os
 import time
 import typing
+import weakref
 from collections import Counter
 from typing import Any, Callable, ClassVar, Mapping
 
@@ -72,6 +74,40 @@ from parallm.transport import Receiver, Router
 
 Handler = Callable[..., None]
 """A message's handler: `handler(message)`, or `handler(identity, message)` for a ROUTER's messages."""
+
+
+class Waker:
+    """Wakes a stage's poll from another thread (a worker thread's finished future: `future.add_done_callback(
+    stage.waker.wake)`): a pipe its poller watches. Without it the loop saw a worker's result only at its next
+    timed poll (the tokenizer's 5 ms while a large request was tokenized: every image request, whose data URL
+    counts as text; issue 37)."""
+
+    def __init__(self) -> None:
+        self.fd, self._write = os.pipe()
+        os.set_blocking(self.fd, False)
+        os.set_blocking(self._write, False)
+        weakref.finalize(self, _close_fds, self.fd, self._write)
+
+    def wake(self, *_: object) -> None:
+        try:
+            os.write(self._write, b"\0")
+        except OSError:  # full (a wake-up is pending anyway) or closed (the stage is gone)
+            pass
+
+    def drain(self) -> None:
+        try:
+            while os.read(self.fd, 4096):
+                pass
+        except BlockingIOError:
+            pass
+
+
+def _close_fds(*fds: int) -> None:
+    for fd in fds:
+        try:
+            os.close(fd)
+        except OSError:
+            pass
 
 
 class Stage:
@@ -90,9 +126,12 @@ class Stage:
         self.loop_steps = 0
         self.exit_code: int | None = None
         self._poller = zmq.Poller()
-        self._on_ready: dict[zmq.Socket, Callable[[], None]] = {}
+        self._on_ready: dict[zmq.Socket | int, Callable[[], None]] = {}  # a socket, or a file descriptor
         self._tables: list[Mapping[type, Handler]] = []
         self._poller.register(runtime.control.sock, zmq.POLLIN)  # read after the stage's own sockets
+        self.waker = Waker()  # worker threads wake the poll (the poller reports a descriptor as its number)
+        self._poller.register(self.waker.fd, zmq.POLLIN)
+        self._on_ready[self.waker.fd] = self.waker.drain
 
     # ------------------------------------------------------------------ what a stage declares
     def listen(self, source: Receiver[Any] | Router, handlers: Mapping[type, Handler], *, limit: int = 10_000) -> None:

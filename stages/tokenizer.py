@@ -49,7 +49,7 @@ class TokenizerStage(Stage):
         self.to_engine = self.to_engines[0]
         self.router = Router(replicas, config.engine.block_size, down=range(config.engine.replicas, replicas))
         self.rejected = 0
-        self.offload = Offload()  # large tokenizations, on a worker thread
+        self.offload = Offload(on_done=self.waker.wake)  # large tokenizations, on a worker thread
         self.inbox = Receiver(open_socket(ctx, zmq.PULL, addrs.tokenizers[runtime.replica], bind=True, hwm=hwm),
                               protocol.TokenizerInbound, name="tokenizer",
                               on_rejected=lambda error: self.to_detok.send(error, block=False))
@@ -88,7 +88,7 @@ class TokenizerStage(Stage):
         return self.offload.finish() > 0 if self.offload else False
 
     def idle_wait_ms(self) -> int:
-        return min(self.beat_ms, 5) if self.offload else self.beat_ms  # large work running: look again soon
+        return min(self.beat_ms, 5) if self.offload else self.beat_ms  # large work running (the worker wakes the poll too)
 
     def in_flight(self) -> int:
         return len(self.offload)

@@ -30,13 +30,16 @@ def text_chars(value: Any) -> int:
 class Offload:
     """Work running on a worker thread, each with what the loop does with its finished future."""
 
-    def __init__(self, workers: int = 1) -> None:
+    def __init__(self, workers: int = 1, on_done: Callable[[Future], None] = lambda _: None) -> None:
         self._pool = ThreadPoolExecutor(workers, thread_name_prefix="parallm-tokenize")
         self._pending: list[tuple[Future, Callable[[Future], None]]] = []
+        self._on_done = on_done  # on the worker thread, as each work finishes (the stage's Waker.wake)
         self.offloaded = 0
 
     def submit(self, work: Callable[[], Any], then: Callable[[Future], None]) -> None:
-        self._pending.append((self._pool.submit(work), then))
+        future = self._pool.submit(work)
+        self._pending.append((future, then))
+        future.add_done_callback(self._on_done)
         self.offloaded += 1
 
     def finish(self) -> int:

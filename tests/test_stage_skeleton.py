@@ -71,3 +71,41 @@ def test_reply_address_is_read_from_the_type():
     assert protocol.reply_address(protocol.Abort(qid="q", reply_to=b"c")) == ("q", b"c")
     assert protocol.reply_address(protocol.Abort(rids=["r"])) is None  # an abort that asked for no answer
     assert protocol.reply_address(protocol.StepOutputs(step=1, time=0.0, batch_size=0, outputs=[])) is None
+
+
+class Waiting(Echo):
+    """Idle polls of a minute; work() stops the loop once a worker thread's result is there."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.result: list[float] = []
+
+    def idle_wait_ms(self) -> int:
+        return 60_000
+
+    def work(self) -> bool:
+        if self.result:
+            self.stop(0)
+        return False
+
+
+def test_a_worker_thread_wakes_the_idle_poll(stage_env):
+    """Issue 37: a worker's finished future (`add_done_callback(stage.waker.wake)`) ends the stage's idle poll
+    at once, rather than at its next timed poll."""
+    import concurrent.futures
+    import time
+
+    config, runtime, address = stage_env
+    stage = Waiting(config, runtime, address)
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        start = time.monotonic()
+        future = pool.submit(lambda: (time.sleep(0.3), stage.result.append(time.monotonic()))[1])
+        future.add_done_callback(stage.waker.wake)
+        assert stage.run() == 0
+    assert time.monotonic() - start < 5.0  # not the minute of the idle poll
+    stage.waker.wake()
+    stage.waker.wake()
+    stage.waker.drain()  # wake-ups pile up harmlessly and drain at once
+    for sock in stage._on_ready:
+        if isinstance(sock, zmq.Socket):
+            sock.close(0)

@@ -24,8 +24,9 @@ T = TypeVar("T")
 
 class CompileQueue(Generic[T]):
     def __init__(self, constraints: Constraints, timeout_s: float, max_bytes: int,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic, on_done: Callable[[Future], None] = lambda _: None) -> None:
         self.constraints = constraints
+        self.on_done = on_done  # on the compiling thread, as each grammar is done (the engine stage's Waker.wake)
         self.timeout_s = timeout_s
         self.max_bytes = max_bytes
         self.clock = clock
@@ -45,7 +46,9 @@ class CompileQueue(Generic[T]):
 
     def add(self, rid: str, request: T, c: Constraint) -> None:
         deadline = self.clock() + self.timeout_s
-        self._waiting[rid] = (self.constraints.compile_later(c, deadline), deadline, request)
+        future = self.constraints.compile_later(c, deadline)
+        self._waiting[rid] = (future, deadline, request)
+        future.add_done_callback(self.on_done)
 
     def take(self) -> tuple[list[T], list[T]]:
         """(requests whose grammar is compiled or failed: submit them again, requests past their deadline:

@@ -165,7 +165,10 @@ def test_raw_client_and_rl_generate_shapes_take_images(vlm):
             {"prompts": [text, text], "images": [b64, "bm90IGFuIGltYWdl"]},
             {"prompts": [two], "images": [[b64, "bm90IGFuIGltYWdl"]]},
             {"prompts": [text, "No image token here."], "images": [b64, b64]},
-            {"prompt": [text, {"prompt_token_ids": ids, "multi_modal_data": {"image": data_url(b"no image")}}]},
+            # (prompt[0] must be valid: an image token without an image would be a second error, whose
+            # engine-side refusal can reach ingress first: a race that the stage's idle check used to decide)
+            {"prompt": ["No image token here.", {"prompt_token_ids": ids,
+                                                 "multi_modal_data": {"image": data_url(b"no image")}}]},
             {"text": [text, two], "image_data": [b64, [b64, "bm90IGFuIGltYWdl"]], "sampling_params": sglang},
             {"input_ids": ids, "image_data": [b64, b64], "sampling_params": sglang},
         )]
