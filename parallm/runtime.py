@@ -118,10 +118,11 @@ class StageRuntime:
             while not self._closed.is_set():
                 self._send_beat(sender)
                 self._closed.wait(self._interval)
-        except zmq.ZMQError:
-            if not (self._closed.is_set() or self.ctx.closed):
+        except zmq.ZMQError as error:
+            ended = error.errno in (zmq.ETERM, zmq.ENOTSOCK)  # ctx.destroy() closes the socket under this thread
+            if not (ended or self._closed.is_set() or self.ctx.closed):
                 raise  # the socket failed while the stage runs: loud, as before
-            # else the stage closed (or its context was destroyed) between two beats
+            # else the stage closed (or its context was destroyed, `closed` set only once it ends) between two beats
         finally:
             sender.close()
 
