@@ -113,6 +113,17 @@ def linked_checkout(path: str) -> str:
     return str(root)
 
 
+def checkouts(parser: argparse.ArgumentParser, args: argparse.Namespace) -> list[tuple[str, str | None]]:
+    """(label, import root) of each `--source LABEL=DIR`, then (args.label, None) for this checkout."""
+    sources: list[tuple[str, str | None]] = []
+    for spec in args.source:
+        label, _, path = spec.partition("=")
+        if not path:
+            parser.error(f"--source wants LABEL=DIR, not {spec!r}")
+        sources.append((label, linked_checkout(path)))
+    return [*sources, (args.label, None)]
+
+
 def run_source(label: str, root: str | None, model_dir: Path, args: argparse.Namespace) -> list[dict[str, Any]]:
     env = dict(os.environ)
     profile = ""
@@ -190,13 +201,7 @@ def main(argv: list[str] | None = None) -> int:
 
     model_dir = shape_model_dir(args)
     results = Results.from_args("ingress", args, argv)
-    sources: list[tuple[str, str | None]] = []
-    for spec in args.source:
-        label, _, path = spec.partition("=")
-        if not path:
-            parser.error(f"--source wants LABEL=DIR, not {spec!r}")
-        sources.append((label, linked_checkout(path)))
-    sources.append((args.label, None))
+    sources = checkouts(parser, args)
     rows: list[dict[str, Any]] = []
     for label, root in sources:
         rows += run_source(label, root, model_dir, args)

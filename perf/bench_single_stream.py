@@ -163,12 +163,6 @@ def zmq_level(router: str, ids: list[int], max_tokens: int, requests: int) -> di
 
 # ---------------------------------------------------------------------------- one source, one round
 
-def linked_checkout(path: str) -> str:
-    from perf.bench_ingress import linked_checkout as link
-
-    return link(path)
-
-
 def engine_split(before: Any, after: Any) -> dict[str, Any]:
     """The served engine's loop split per working iteration (ms) and its phases per step between two
     stats reads."""
@@ -268,19 +262,14 @@ def main(argv: list[str] | None = None) -> int:
     add_results_options(parser)
     args = parser.parse_args(argv)
 
+    from perf.bench_ingress import checkouts
     from perf.bench_serving import shape_model_dir
 
     model_dir = shape_model_dir(args)
     vocab = json.loads((model_dir / "config.json").read_text())["vocab_size"]
     ids = prompt_ids(args.prompt_len, vocab)
     results = Results.from_args("single-stream", args, argv)
-    sources: list[tuple[str, str | None]] = []
-    for spec in args.source:
-        label, _, path = spec.partition("=")
-        if not path:
-            parser.error(f"--source wants LABEL=DIR, not {spec!r}")
-        sources.append((label, linked_checkout(path)))
-    sources.append((args.label, None))
+    sources = checkouts(parser, args)
     rows: list[dict[str, Any]] = []
     for r in range(args.rounds):
         for label, root in (sources if r % 2 == 0 else sources[::-1]):
