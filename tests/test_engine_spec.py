@@ -71,6 +71,30 @@ def repetitive(n: int, seed: int, vocab: int = 101) -> list[int]:
     return (head + phrase * n)[:6 * n]
 
 
+def default_model_workload() -> tuple[list, dict[int, list]]:
+    """Four greedy requests with logprobs in the default model's vocabulary, whose prompts repeat a
+    phrase (what a proposer finds): two at once, one arriving at step 2 and one at step 5 (run_all's
+    requests and arrivals; new objects each call)."""
+    rng = np.random.default_rng(5)
+    phrases = [rng.integers(200, 12000, size=int(rng.integers(4, 9))).tolist() for _ in range(5)]
+    made = [req(f"r{i}", [1] + (phrases[i] * 4) + phrases[(i + 1) % 5], greedy(12 + 4 * i, logprobs=True))
+            for i in range(4)]
+    return made[:2], {2: made[2:3], 5: made[3:]}
+
+
+def default_model_settings() -> dict:
+    """make_engine's settings for default_model_workload on the default model."""
+    from _default_model import EOS_TOKEN_ID
+
+    return dict(eos=[EOS_TOKEN_ID], kv_budget_bytes=256 << 20, max_model_len=1024, max_num_seqs=8)
+
+
+def adapter_rows() -> list:
+    """Four greedy requests with logprobs on repetitive prompts, every other one under adapter "a"."""
+    return [req(f"r{i}", repetitive(4, 20 + i), greedy(30, logprobs=True), adapter="a" if i % 2 else "")
+            for i in range(4)]
+
+
 def both(model_fn, requests_fn, *, spec=NGRAM, **kw):
     """The results without and with speculation (fresh engines over the same model and fresh requests from
     `requests_fn() -> (requests, arrivals)`), and the speculating engine."""
@@ -157,12 +181,9 @@ def test_adapter_rows_verify_under_their_adapter():
         engine.load_adapter("a", config=config, weights=save_bytes(adapter_tensors(ref)))
         return engine
 
-    def reqs():
-        return [req(f"r{i}", repetitive(4, 20 + i), greedy(30, logprobs=True), adapter="a" if i % 2 else "")
-                for i in range(4)]
-    plain = run_all(engine_with(None), reqs())
+    plain = run_all(engine_with(None), adapter_rows())
     engine = engine_with(NGRAM)
-    spec = run_all(engine, reqs())
+    spec = run_all(engine, adapter_rows())
     for key in plain:
         assert spec[key]["tokens"] == plain[key]["tokens"], key
         np.testing.assert_allclose(spec[key]["logprobs"], plain[key]["logprobs"], atol=1e-4)
@@ -192,21 +213,14 @@ def test_stop_tokens_and_max_tokens_end_a_row_inside_an_accepted_run():
 
 @pytest.mark.slow  # the default model's verify passes: minutes on a loaded 2-core machine
 def test_default_model_greedy_identical_with_speculation_batched_with_staggered_arrivals():
-    from _default_model import EOS_TOKEN_ID, default_model
+    from _default_model import default_model
 
     model = default_model()
-    rng = np.random.default_rng(5)
-    phrases = [rng.integers(200, 12000, size=int(rng.integers(4, 9))).tolist() for _ in range(5)]
-
-    def reqs():
-        made = [req(f"r{i}", [1] + (phrases[i] * 4) + phrases[(i + 1) % 5], greedy(12 + 4 * i, logprobs=True))
-                for i in range(4)]
-        return made[:2], {2: made[2:3], 5: made[3:]}
-
-    kw = dict(eos=[EOS_TOKEN_ID], kv_budget_bytes=256 << 20, max_model_len=1024, max_num_seqs=8)
-    plain = run_all(make_engine(model, **kw), reqs()[0], arrivals=reqs()[1])
+    kw = default_model_settings()
+    made, arrivals = default_model_workload()
+    plain = run_all(make_engine(model, **kw), made, arrivals=arrivals)
     engine = make_engine(model, spec=NGRAM, **kw)
-    made, arrivals = reqs()
+    made, arrivals = default_model_workload()
     spec = run_all(engine, made, arrivals=arrivals)
     for key in plain:
         assert spec[key]["tokens"] == plain[key]["tokens"], key

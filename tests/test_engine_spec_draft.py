@@ -20,7 +20,7 @@ from parallm.config import SpecConfig
 from parallm.engine.sampling import log_softmax
 from parallm.models.draft import vocabulary_mismatch
 from parallm.protocol import SamplingParams
-from test_engine_spec import repetitive, staggered
+from test_engine_spec import adapter_rows, repetitive, staggered
 
 DRAFT = SpecConfig(mode="draft", k=4, disable_batch_size=8, min_acceptance=0.0)  # draft_acceptance coupled
 REJECTION = SpecConfig(mode="draft", k=4, disable_batch_size=8, min_acceptance=0.0, draft_acceptance="rejection")
@@ -186,12 +186,9 @@ def test_adapter_rows_verify_under_their_adapter_while_the_draft_runs_base():
         engine.load_adapter("a", config=lora_model(ref, rank=4, seed=2), weights=save_bytes(adapter_tensors(ref)))
         return engine
 
-    def reqs():
-        return [req(f"r{i}", repetitive(4, 20 + i), greedy(30, logprobs=True), adapter="a" if i % 2 else "")
-                for i in range(4)]
-    plain = run_all(engine_with(None), reqs())
+    plain = run_all(engine_with(None), adapter_rows())
     engine = engine_with(DRAFT)
-    same(plain, run_all(engine, reqs()))
+    same(plain, run_all(engine, adapter_rows()))
     s = engine.stats().spec
     assert s.accepted_tokens > 0 and s.acceptance_rate < 1.0  # base rows accept all; adapter rows do not
 

@@ -51,24 +51,17 @@ def test_a_draft_of_another_vocabulary_is_refused_naming_why(dirs, which, fragme
 def test_default_model_greedy_identical_with_the_tiny_draft_batched_with_staggered_arrivals(dirs):
     import numpy as np
 
-    from _default_model import EOS_TOKEN_ID, default_model
-    from _engine_helpers import greedy, make_engine, req, run_all
+    from _default_model import default_model
+    from _engine_helpers import make_engine, run_all
+    from test_engine_spec import default_model_settings, default_model_workload
 
     draft = load_draft(config(dirs["good"])).model
-    rng = np.random.default_rng(5)
-    phrases = [rng.integers(200, 12000, size=int(rng.integers(4, 9))).tolist() for _ in range(5)]
-
-    def reqs():
-        made = [req(f"r{i}", [1] + (phrases[i] * 4) + phrases[(i + 1) % 5], greedy(12 + 4 * i, logprobs=True))
-                for i in range(4)]
-        return made[:2], {2: made[2:3], 5: made[3:]}
-
-    kw = dict(eos=[EOS_TOKEN_ID], kv_budget_bytes=256 << 20, max_model_len=1024, max_num_seqs=8)
-    made, arrivals = reqs()
+    kw = default_model_settings()
+    made, arrivals = default_model_workload()
     plain = run_all(make_engine(default_model(), **kw), made, arrivals=arrivals)
     spec = SpecConfig(mode="draft", k=4, disable_batch_size=8, min_acceptance=0.0)
     engine = make_engine(default_model(), spec=spec, draft=draft, **kw)
-    made, arrivals = reqs()
+    made, arrivals = default_model_workload()
     got = run_all(engine, made, arrivals=arrivals)
     for key in plain:
         assert got[key]["tokens"] == plain[key]["tokens"], key
