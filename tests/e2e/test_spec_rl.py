@@ -44,33 +44,30 @@ def generate(url: str, temperature: float = 0.7) -> dict:
     return r.json()
 
 
-def test_generate_under_speculation_carries_the_same_tokens_logprobs_and_versions(server, spec_server):
-    want, got = generate(server.url), generate(spec_server.url)
+def assert_same_generation(want: dict, got: dict) -> None:
+    """Two /generate answers: the same token ids and versions, each token's logprob within 1e-3."""
     assert got["token_ids"] == want["token_ids"] and got["versions"] == want["versions"]
     for a, b in zip(want["logprobs"], got["logprobs"]):
         lp_a = [next(iter(item[0].values())) for item in a]
         lp_b = [next(iter(item[0].values())) for item in b]
         assert max(abs(x - y) for x, y in zip(lp_a, lp_b)) < 1e-3
+
+
+def test_generate_under_speculation_carries_the_same_tokens_logprobs_and_versions(server, spec_server):
+    want, got = generate(server.url), generate(spec_server.url)
+    assert_same_generation(want, got)
 
 
 def test_generate_under_draft_speculation_carries_the_same_greedy_tokens_logprobs_and_versions(server,
                                                                                                   draft_server):
     want, got = generate(server.url, 0.0), generate(draft_server.url, 0.0)
-    assert got["token_ids"] == want["token_ids"] and got["versions"] == want["versions"]
-    for a, b in zip(want["logprobs"], got["logprobs"]):
-        lp_a = [next(iter(item[0].values())) for item in a]
-        lp_b = [next(iter(item[0].values())) for item in b]
-        assert max(abs(x - y) for x, y in zip(lp_a, lp_b)) < 1e-3
+    assert_same_generation(want, got)
 
 
 def test_generate_under_draft_speculation_carries_the_same_sampled_tokens_logprobs_and_versions(server,
                                                                                                    draft_server):
     want, got = generate(server.url), generate(draft_server.url)  # temperature 0.7, seed 11, n = 3
-    assert got["token_ids"] == want["token_ids"] and got["versions"] == want["versions"]
-    for a, b in zip(want["logprobs"], got["logprobs"]):
-        lp_a = [next(iter(item[0].values())) for item in a]
-        lp_b = [next(iter(item[0].values())) for item in b]
-        assert max(abs(x - y) for x, y in zip(lp_a, lp_b)) < 1e-3
+    assert_same_generation(want, got)
 
 
 def test_raw_rollouts_under_draft_speculation_carry_the_same_tokens_versions_and_logprobs(server, draft_server):
