@@ -222,6 +222,11 @@ class ReplicaReports:
                                                        in_flight=message.stats.running + message.stats.waiting),
                                     block=False)
 
+    def silent(self, replica: int) -> bool:
+        """Whether `replica` reported before but not for STALE_AFTER_S (down or restarting)."""
+        seen = self._latest.get(replica)
+        return seen is not None and self.clock() - seen[0] > STALE_AFTER_S
+
     def others(self) -> list[protocol.EngineStats]:
         """The other replicas' latest stats, by replica, leaving out those silent for STALE_AFTER_S."""
         now = self.clock()

@@ -17,7 +17,6 @@ import time
 from typing import Any, Callable
 
 import mlx.core as mx
-import msgspec
 import zmq
 
 from parallm import blas, protocol, routing
@@ -33,6 +32,7 @@ from parallm.runtime import StageRuntime
 from parallm.stages.engine_adapters import (AdapterMessages, adapter_list, adapter_roots, load_adapter,  # noqa: F401
                                              weights_path)  # adapter_roots, load_adapter, weights_path: imported from here
 from parallm.stages.engine_pooling import PooledOut, main as pooling_only_main
+from parallm.stages.engine_fanout import FANNED_OUT, Gathering, PeerAnswers
 from parallm.stages.engine_reads import FileReads
 from parallm.stages.engine_replies import rejection, score_reply, to_delta
 from parallm.stages.skeleton import Handler, Stage
@@ -40,9 +40,6 @@ from parallm.text.grammar import GrammarError
 from parallm.transport import Receiver, Sender, open_socket
 
 log = logging.getLogger("parallm.engine.stage")
-FANNED_OUT = (protocol.Abort, protocol.AdapterPublish, protocol.AdapterUnload, protocol.Pause, protocol.Resume,
-              protocol.WeightsUpdate, protocol.TrainingPhase)
-UNANSWERED = (protocol.Abort, protocol.TrainingPhase)  # handed on as they are (no qid to clear)
 # the idle integrity check waits this long after the last step, so that a client's next request (a single
 # stream's, sent as soon as the last one ended) never waits behind it: the check walks every block of the
 # prefix pool in Python (~21 ms of CPU for 142k blocks on this 2-core CPU, the pool of the 10-layer VLM on an
@@ -64,14 +61,12 @@ class EngineStage(AdapterMessages, Stage):
         ctx = runtime.ctx
         hwm = config.transport.hwm
         replica = runtime.replica
-        self.out = Sender(open_socket(ctx, zmq.PUSH, runtime.addrs.detok, bind=False, hwm=hwm))
-        # model.pooling's requests
-        self.pooling = PooledOut(pooling if pooling is not None else PoolingQueue({}), self.out, replica)
+        to_detokenizer = Sender(open_socket(ctx, zmq.PUSH, runtime.addrs.detok, bind=False, hwm=hwm))
         self.inbox: Receiver = Receiver(open_socket(ctx, zmq.PULL, routing.engine_address(
             runtime.addrs, replica, config.engine), bind=True, hwm=hwm), protocol.EngineInbound, name="engine",
             on_rejected=self.refuse)
         # replica 0 hands aborts, adapter versions and pauses on to the other replicas (parallm/routing.py)
-        self.peers = [Sender(open_socket(ctx, zmq.PUSH, routing.engine_address(runtime.addrs, i, config.engine),
+        peers = [Sender(open_socket(ctx, zmq.PUSH, routing.engine_address(runtime.addrs, i, config.engine),
                                          bind=False, hwm=hwm, curve=routing.replica_curve(config, i)))
                       for i in range(1, routing.replica_count(config.engine))] if replica == 0 else []
         to_first = Sender(open_socket(ctx, zmq.PUSH, routing.engine_address(runtime.addrs, 0), bind=False, hwm=hwm)) \
@@ -80,6 +75,12 @@ class EngineStage(AdapterMessages, Stage):
                          if replica == 0 and config.engine.remote_replicas else None)
         self.reports = routing.ReplicaReports(replica, to_first, to_supervisor=to_supervisor,
                                               remote_from=config.engine.replicas)  # replica i > 0's stats reach 0
+        # answers to control messages wait for every replica's (stages/engine_fanout.py)
+        self.fanout = Gathering(to_detokenizer, peers, self.reports.silent) if peers else None
+        self.out: Sender | Gathering | PeerAnswers = self.fanout or (
+            PeerAnswers(to_detokenizer, to_first, replica) if to_first is not None else to_detokenizer)
+        # model.pooling's requests
+        self.pooling = PooledOut(pooling if pooling is not None else PoolingQueue({}), self.out, replica)
         if replica >= config.engine.replicas:  # a remote replica: the supervisor hears it through its stats
             self.reports.beat_from_thread(lambda: Sender(open_socket(
                 ctx, zmq.PUSH, routing.engine_address(runtime.addrs, 0), bind=False, hwm=hwm)))
@@ -114,22 +115,20 @@ class EngineStage(AdapterMessages, Stage):
             protocol.AdapterPublish: self.on_publish, protocol.AdapterUnload: self.on_unload,
             protocol.WeightsUpdate: self.on_weights, protocol.ResetPrefixCache: self.on_reset_prefix_cache,
             protocol.ReplicaStats: self.reports.receive,
+            protocol.ReplicaAnswer: self.fanout.receive if self.fanout else lambda m: None,
             protocol.ListAdapters: lambda m: self.reply(adapter_list(self.engine, m.qid, m.reply_to)),
             protocol.Pause: self.on_pause, protocol.Resume: self.on_resume,
             protocol.TrainingPhase: lambda m: self.share.on_phase(m.trainer, m.updating, m.lease_s)}
-        if self.peers:  # replica 0 hands these on to the other replicas before it handles them itself
+        if self.fanout:  # replica 0 hands these on to the other replicas before it handles them itself
             handlers.update({kind: self.fanned_out(handlers[kind]) for kind in FANNED_OUT})
         self.listen(self.adapter_sub, handlers)
         self.listen(self.inbox, handlers)
 
     # ------------------------------------------------------------------ messages
     def fanned_out(self, handler: Handler) -> Handler:
-        """`handler`, after sending its message on to every other replica (only replica 0 answers)."""
+        """`handler`, after sending its message on to every other replica (replica 0 answers once they have)."""
         def fan_out(message: Any) -> None:
-            copy = message if isinstance(message, UNANSWERED) else \
-                msgspec.structs.replace(message, qid="", reply_to=b"")
-            for peer in self.peers:
-                peer.send(copy, block=False)
+            self.fanout.fan_out(message)
             handler(message)
         return fan_out
 
@@ -315,6 +314,8 @@ class EngineStage(AdapterMessages, Stage):
         if self.blas is not None:
             self.blas.tick()
         self.reports.tick(self.stats)
+        if self.fanout is not None and self.fanout.pending:
+            self.fanout.expire()
 
     def idle_wait_ms(self) -> int:
         wait = min(self.beat_ms, 20) if self.compiling or self.reads else self.beat_ms  # look again soon

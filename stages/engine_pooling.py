@@ -97,6 +97,7 @@ class PoolingOnlyStage(Stage):
                                                                          stats=self.stats())),
             protocol.AdapterPublish: refuse, protocol.AdapterUnload: refuse, protocol.WeightsUpdate: refuse,
             protocol.ResetPrefixCache: refuse, protocol.ReplicaStats: lambda m: None,
+            protocol.ReplicaAnswer: lambda m: None,
             protocol.TrainingPhase: lambda m: None,  # no generator to rest (and no trainer can train here)
             protocol.ListAdapters: lambda m: self.answer(protocol.AdapterList(qid=m.qid, reply_to=m.reply_to)),
             protocol.Pause: self.on_pause, protocol.Resume: self.on_resume}

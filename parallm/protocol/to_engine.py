@@ -1,5 +1,5 @@
 """The messages an engine replica receives: tokenized requests, scoring, aborts, pauses, adapter and
-full-weight updates, and replica i > 0's stats for replica 0."""
+full-weight updates, and replica i > 0's stats and answers for replica 0."""
 
 from __future__ import annotations
 
@@ -13,7 +13,8 @@ from .tensors import Tensor
 from .to_tokenizer import GetStats
 
 __all__ = ["Submit", "Score", "Abort", "Pause", "Resume", "AdapterPublish", "WeightsUpdate", "ResetPrefixCache",
-           "AdapterUnload", "ListAdapters", "ReplicaStats", "TrainingPhase", "EngineInbound"]
+           "AdapterUnload", "ListAdapters", "ReplicaStats", "ReplicaAnswer", "TrainingPhase",
+           "EngineInbound"]
 
 
 class Submit(Message, tag="submit"):
@@ -137,6 +138,18 @@ class ReplicaStats(Message, tag="replica_stats"):
     pid: int = 0  # its process (a remote replica's liveness and restarts reach the supervisor through replica 0)
 
 
+class ReplicaAnswer(Message, tag="replica_answer"):
+    """Engine replica i > 0's answer to a control message replica 0 handed on to it (an adapter version, an
+    unload, a pause, a weights update: stages/engine_fanout.py). Replica 0 answers the client once every
+    replica has; `status` >= 400 with `code` and `message`: the replica refused it."""
+
+    replica: int
+    qid: str
+    status: int = 200
+    code: str = ""
+    message: str = ""
+
+
 class TrainingPhase(Message, tag="training_phase"):
     """A trainer's update began (`updating`, renewed after every micro-batch) or ended, sent on its PUB
     socket: while one runs, the engine leaves `engine.training_share` of the device to it
@@ -148,5 +161,5 @@ class TrainingPhase(Message, tag="training_phase"):
 
 
 EngineInbound = Union[Submit, Score, Abort, Pause, Resume, GetStats, AdapterPublish, AdapterUnload, ListAdapters,
-                      WeightsUpdate, ResetPrefixCache, ReplicaStats, TrainingPhase]
+                      WeightsUpdate, ResetPrefixCache, ReplicaStats, ReplicaAnswer, TrainingPhase]
 """What an engine replica's PULL socket (and its adapters SUB socket) accepts."""
