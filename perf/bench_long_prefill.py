@@ -131,6 +131,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                     current = None
         if not engine.has_work() and current is None:
             break
+        if args.max_canaries and len(canaries) >= args.max_canaries and current is None:
+            break  # a sample of the prefill, not all of it
     lat = [c["s"] for c in canaries]
     third = max(1, len(lat) // 3)
     summary = {"canaries": len(lat), "p50_s": round(statistics.median(lat), 4), "p99_s": round(percentile(lat, 0.99), 4),
@@ -140,6 +142,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     step_ms = [r["ms"] for r in records]
     summary["step_ms_p50"], summary["step_ms_max"] = round(statistics.median(step_ms), 1), round(max(step_ms), 1)
     return {"settings": {"prompt_tokens": args.prompt_tokens, "skip": args.skip, "no_gap": args.no_gap,
+                         "max_canaries": args.max_canaries,
                          "prompt_logprobs": args.prompt_logprobs, **overrides,
                          "max_prefill_tokens": engine.config.max_prefill_tokens,
                          "prefill_pass_s": engine.config.prefill_pass_s, "mixed_passes": engine.config.mixed_passes},
@@ -153,6 +156,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--prompt-logprobs", type=int, default=0, help="the long prompt asks prompt_logprobs k")
     parser.add_argument("--prefill-pass-s", type=float, default=None, help="engine.prefill_pass_s (default: the engine's)")
     parser.add_argument("--mixed-passes", type=int, default=None, help="engine.mixed_passes 0/1 (default: the engine's)")
+    parser.add_argument("--max-canaries", type=int, default=0, help="stop after this many canaries (0: at the prefill's end)")
     parser.add_argument("--no-gap", action="store_true", help="close the row gap whatever it moves (the old layout)")
     parser.add_argument("--progress-s", type=float, default=10.0, help="seconds between progress lines")
     parser.add_argument("--slowest", type=int, default=12, help="slowest steps printed (%(default)s)")
