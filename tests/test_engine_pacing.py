@@ -158,3 +158,56 @@ def test_prompt_logprobs_are_paced_like_any_prefill_and_do_not_change():
     assert len(paced) == len(prompt) and paced[0] is None
     assert max(abs(a - b) for a, b in zip(plain[1:], paced[1:])) < 1e-4
     assert got[0.0]["tokens"] == got[1e-6]["tokens"]
+
+
+@pytest.mark.parametrize("mixed,prompt_logprobs", [(False, None), (True, None), (True, 2)])
+def test_short_requests_beside_a_paced_long_prefill_finish_in_two_steps_without_moving_it(
+        mixed: bool, prompt_logprobs: int | None):
+    """Issue 30, on the engine: with pacing on (a target no pass meets: the pacer's least, 16 tokens a pass),
+    short requests arriving while a long prompt is prefilled each end within two steps, after the first of them
+    no row op copies the long prompt's row until it is done (the row gap, engine/rows.py), and every request's
+    greedy tokens are what it gets alone. A long prompt asking for prompt logprobs (never mixed, never from
+    the prefix cache) is no exception."""
+    from parallm.engine.plan import CopyRow, SwapRows
+    from tests._engine_helpers import greedy, make_engine, req, run_all, tiny_model
+
+    model = tiny_model("llama")
+    prompt = [(7 * i) % 90 + 3 for i in range(300)]
+    shorts = {k: [req(f"s{k}", [5, 6, k % 50 + 7], greedy(2))] for k in range(2, 30, 3)}
+    engine = make_engine(model, max_prefill_tokens=64, prefill_pass_s=1e-6, mixed_passes=mixed)
+    copied: list[int] = []
+    execute = engine.runner.execute
+
+    def recorded(ops):
+        long = engine._requests.get("long")
+        if long and long[0].status is Status.PREFILLING:  # what moved while it is prefilled
+            copied.extend(2 * op.ntokens if isinstance(op, SwapRows) else op.ntokens
+                          for op in ops if isinstance(op, (CopyRow, SwapRows)))
+        return execute(ops)
+
+    engine.runner.execute = recorded
+    ended: dict[str, int] = {}
+    step_of = engine.step
+
+    def step(*a, **kw):
+        outs = step_of(*a, **kw)
+        for o in outs:
+            if o.finish_reason is not None:
+                ended[o.rid] = engine.counters.steps
+        return outs
+
+    engine.step = step
+    long_params = greedy(3, prompt_logprobs=prompt_logprobs)
+    got = run_all(engine, [req("long", prompt, long_params)], arrivals=shorts)
+    assert engine._requests == {} and len(ended) == 1 + len(shorts)
+    started = {rs[0].rid: k for k, rs in shorts.items()}
+    assert all(ended[rid] - started[rid] <= 2 for rid in started if ended[rid] < ended["long"])
+    # the first short request to finish swaps rows with the long one (there is no free row yet), leaving the
+    # gap; after it, only the short rows (their 3 prompt tokens, then their first output) are copied
+    assert len(copied) >= 5 and max(copied[1:]) <= 3 + 1
+    alone = make_engine(model, max_prefill_tokens=64)
+    want = run_all(alone, [req("long", prompt, long_params)] + [r for rs in shorts.values() for r in rs])
+    assert {k: v["tokens"] for k, v in got.items()} == {k: v["tokens"] for k, v in want.items()}
+    if prompt_logprobs:
+        paced, plain = got[("long", 0)]["prompt_logprobs"][0], want[("long", 0)]["prompt_logprobs"][0]
+        assert len(paced) == len(prompt) and max(abs(a - b) for a, b in zip(paced[1:], plain[1:])) < 1e-4

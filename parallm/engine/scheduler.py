@@ -1,7 +1,8 @@
 """Scheduling policy, pure Python: who gets a row, what is prefilled, who is preempted.
 
 Row layout of the dense live KV (see cache.LiveKV): running sequences occupy rows
-[0, nrun), sequences being prefilled rows [nrun, nrun + npre), in list order. Every change
+[0, nrun), sequences being prefilled rows [pre0, pre0 + npre), in list order (pre0 > nrun leaves a
+gap rather than moving a long prefilling row: rows.py). Every change
 to that layout is emitted as an ordered `RowOp` for the runner, which owns the arrays.
 
 Row ops snapshot `num_computed` when they are emitted, so the caller must run them before
@@ -44,7 +45,7 @@ class Scheduler(RowLayout):
                  block_size: int, max_prefill_rows: int = 16, writeback_interval: int = 16,
                  headroom: int = 16, priority_aging_s: float = 0.0, prefill_buckets: bool = False,
                  pacer: PrefillPacer | None = None, clock: Callable[[], float] = time.monotonic) -> None:
-        super().__init__(blocks, block_size)
+        super().__init__(blocks, block_size, move_limit=max_prefill_tokens)
         self.budget = budget
         self.max_prefill_tokens = max_prefill_tokens
         self.max_prefill_rows = max_prefill_rows
@@ -151,7 +152,7 @@ class Scheduler(RowLayout):
     def _grow_to_rows_in_use(self) -> None:
         """Before a preemption moves rows admitted in this step: make the rows they sit in exist."""
         cap = max(s.num_computed + 1 for s in self.running + self.prefilling)
-        if self.nrun + len(self.prefilling) > self.shape[0] or cap > self.shape[1]:
+        if self.pre0 + len(self.prefilling) > self.shape[0] or cap > self.shape[1]:
             shape = self.budget.shape_for(self.rows_in_use, cap, self.shape)
             assert shape is not None, "admissions left rows that do not fit"
             self._grow(shape)
@@ -181,6 +182,8 @@ class Scheduler(RowLayout):
         while self.running or self.prefilling:
             if self.budget.fits(self.rows_in_use, self.capacity_needed(now)):
                 return
+            if self.close_gap():  # the gap's rows first
+                continue
             victims = self.running + self.prefilling
             if len(victims) == 1 and not self.reserved:
                 raise AssertionError("a single sequence does not fit the KV budget (admission should have refused it)")
@@ -211,6 +214,10 @@ class Scheduler(RowLayout):
             blocked = self._try_admit(seq, plan, now)
             if blocked is None:
                 i += 1
+            elif blocked in ("rows", "memory") and self.gap:  # the gap's rows first
+                self._grow_to_rows_in_use()  # rows admitted in this step may be moved: make them exist
+                self.close_gap()
+                self._resize_at = len(self._pending)  # a later grow (or shrink) comes after these moves
             elif self._preempt_for(seq, blocked, plan, now):
                 made_room.append(plan.preempted[-1])
                 order, i = self.waiting.ordered(now), 0
@@ -252,7 +259,7 @@ class Scheduler(RowLayout):
         if group is not None:
             self.reserved += len(group.followers)
         seq.status = Status.PREFILLING
-        seq.row = self.nrun + len(self.prefilling)
+        seq.row = self.pre0 + len(self.prefilling)
         self.prefilling.append(seq)
         if hit:
             self._pending.append(LoadPrefix(seq.row, list(hit)))
@@ -286,7 +293,7 @@ class Scheduler(RowLayout):
             return None
         shape = self._pass(now)
         seqs = self.prefilling[:shape.k]
-        return PrefillWork(row0=self.nrun, seqs=seqs, starts=[s.num_computed for s in seqs],
+        return PrefillWork(row0=self.pre0, seqs=seqs, starts=[s.num_computed for s in seqs],
                            lengths=[min(s.prefill_remaining, shape.length) for s in seqs], length=shape.padded)
 
     def complete_prefill(self, work: PrefillWork) -> list[RowOp]:
@@ -300,20 +307,39 @@ class Scheduler(RowLayout):
                 if seq.prefill_only:
                     self.finish(seq, "stop")
                     continue
-                j = self.prefilling.index(seq)
-                if j != 0:
-                    first = self.prefilling[0]
-                    self._pending.append(SwapRows(first.row, seq.row, max(first.num_computed, seq.num_computed)))
-                    self.prefilling[0], self.prefilling[j] = seq, first
-                    self._renumber_prefilling()
-                self.prefilling.pop(0)
-                seq.status = Status.RUNNING
-                self.running.append(seq)
-                self._renumber_prefilling()
+                self._to_running(seq)
                 self._pending.append(InitRow(seq.row, seq))
                 self._write_back(seq)
                 self._fork(seq)
         return self.take_ops()
+
+    def _to_running(self, seq: Sequence) -> None:
+        """A prompt is done: its row becomes row nrun, the first after the running ones. At the front of
+        the prefill region it is there already; across a gap (rows.py) only its own row is copied; else it
+        swaps rows with the region's first."""
+        j = self.prefilling.index(seq)
+        if self.gap:
+            self._pending.append(CopyRow(seq.row, self.nrun, seq.num_computed))
+            last = len(self.prefilling) - 1
+            if j == 0:
+                self.pre0 += 1
+            elif j != last:
+                moved = self.prefilling[last]
+                self._pending.append(CopyRow(moved.row, seq.row, moved.num_computed))
+                self.prefilling[j] = moved
+                j = last
+            self.prefilling.pop(j)
+        else:
+            if j != 0:
+                first = self.prefilling[0]
+                self._pending.append(SwapRows(first.row, seq.row, max(first.num_computed, seq.num_computed)))
+                self.prefilling[0], self.prefilling[j] = seq, first
+            self.prefilling.pop(0)
+            self.pre0 += 1
+        seq.row = self.nrun
+        seq.status = Status.RUNNING
+        self.running.append(seq)
+        self._renumber_prefilling()
 
     def _fork(self, leader: Sequence) -> None:
         """n > 1: the followers get rows holding a copy of the leader's prompt KV."""
@@ -339,13 +365,13 @@ class Scheduler(RowLayout):
         for i, s in enumerate(self.running):
             assert s.row == i and s.status is Status.RUNNING, f"running row {i} holds {s.row}/{s.status}"
         for j, s in enumerate(self.prefilling):
-            assert s.row == self.nrun + j and s.status is Status.PREFILLING, "prefilling rows not contiguous"
+            assert s.row == self.pre0 + j and s.status is Status.PREFILLING, "prefilling rows not contiguous"
             assert s.prefill_remaining > 0
         for s in self.running + self.prefilling:
             assert not s.is_finished and s.inflight <= 2 and s.num_computed <= s.num_tokens + s.inflight, s
         for s in self.waiting:
             assert s.status is Status.WAITING and s.row == -1 and not s.block_ids, "waiting sequence holds resources"
-        assert self.reserved >= 0
+        assert self.reserved >= 0 and self.pre0 >= self.nrun
         assert self.rows_in_use <= self.budget.max_rows
         r, c = self.shape
         assert r * c <= self.budget.budget_tokens, "live buffer exceeds the KV budget"
