@@ -9,7 +9,9 @@ under 64 KiB), 60k choices (0.7 MB: refused at the door), a 7.5 MB prompt (refus
 tokenized whole), and a 1,024 x 2,000-id request (refused by server.max_request_prompt_tokens). An attack
 is another client (a process of its own), sent again until the phase's canaries are done. Goal: each
 attack's canary p99 at most 2x the idle p99 (the long prefill: at most 2 s). The default model, one
-server, default settings; each row notes the 1-minute load average when its phase ended.
+server, default settings; each row notes the 1-minute load average when its phase ended, and each phase
+keeps the engine's own figures (perf/engine_figures.py: its steps, their phases and the slowest steps), which
+say whether a slow canary waited on a slow step and what that step did.
 
     python -m perf.bench_isolation [--canaries 20]
 """
@@ -28,6 +30,7 @@ from typing import Any, Callable
 
 import httpx
 
+from perf import engine_figures
 from perf.harness import Results, Server, add_results_options
 
 
@@ -163,15 +166,22 @@ def main(argv: list[str] | None = None) -> int:
         canary(srv.url, 5)  # warm-up
         data["idle"] = {**summary(canary(srv.url, args.canaries)), "load_1m": round(os.getloadavg()[0], 1)}
         for name in args.attacks.split(","):
+            engine_figures.settle()  # the phase's burst of engine steps is its own
+            before = engine_figures.snapshot(srv.router)
             lat, out = under(srv.url, ATTACKS[name](), args.canaries)
             data[name] = {**lat, **out, "p99_over_idle": round(lat["p99_s"] / data["idle"]["p99_s"], 2),
                           "load_1m": round(os.getloadavg()[0], 1)}
-            print(name, json.dumps(data[name]), flush=True)
+            engine_figures.settle()
+            data[name]["engine"] = engine_figures.figures(before, engine_figures.snapshot(srv.router))
+            print(name, json.dumps({k: v for k, v in data[name].items() if k != "engine"}), flush=True)
     lines = ["| phase | canary p50 s | p99 s | p99 / idle p99 | attack status | attack s (median) | attacks sent | "
              "load 1m |", "|---|---:|---:|---:|---:|---:|---:|---:|"]
     for name, row in data.items():
         lines.append(f"| {name} | {row['p50_s']} | {row['p99_s']} | {row.get('p99_over_idle', 1.0)} | "
                      f"{row.get('status', '')} | {row.get('attack_s', '')} | {row.get('attacks', '')} | {row['load_1m']} |")
+    lines += ["", "The engine's own figures during each attack phase (perf/engine_figures.py; the slowest steps "
+              "with their phases in ms):", ""]
+    lines += [line for name, row in data.items() if "engine" in row for line in engine_figures.lines(name, row["engine"])]
     print(results.write(data, "\n".join(lines)))
     print("\n".join(lines))
     return 0
