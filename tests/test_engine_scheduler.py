@@ -276,10 +276,10 @@ def test_short_prompts_start_while_a_long_one_is_chunked():
     sched.check_integrity()
 
 
-def passing_a_long_prefill(move_limit: int | None = None) -> tuple[list[int], dict[str, int], Scheduler]:
+def passing_a_long_prefill(move_limit: int | None = None) -> tuple[list[int], dict[str, int], Scheduler, list[Resize]]:
     """A 6,000-token prompt chunked 128 tokens a pass while short requests come one after another, each
     finishing after its second token (the isolation bench's canary). Returns the positions each step's row
-    ops copied (a swap counts both rows), the steps each short request took and the scheduler."""
+    ops copied (a swap counts both rows), the steps each short request took, the scheduler and its resizes."""
     budget = KVBudget(budget_tokens=100_000, max_rows=16, max_len=8000)
     sched = Scheduler(budget=budget, max_prefill_tokens=128, blocks=BlockManager(64, 16), block_size=16)
     if move_limit is not None:
@@ -288,7 +288,7 @@ def passing_a_long_prefill(move_limit: int | None = None) -> tuple[list[int], di
     long = Sequence(seq_id=0, rid="long", index=0, prompt_ids=[(7 * i) % 50 + 1 for i in range(6000)],
                     params=SamplingParams(max_tokens=1), seed=0)
     sched.add([long])
-    copied, steps, arrived, short = [], {}, {}, None
+    copied, steps, arrived, short, resizes = [], {}, {}, None, []
     for step in range(200):
         if short is None and long.status is Status.PREFILLING:
             short = Sequence(seq_id=100 + step, rid=f"s{step}", index=0, prompt_ids=[3, 4, step % 40 + 5],
@@ -318,11 +318,12 @@ def passing_a_long_prefill(move_limit: int | None = None) -> tuple[list[int], di
         runner.execute(more)
         copied.append(sum(2 * op.ntokens if isinstance(op, SwapRows) else op.ntokens
                           for op in ops if isinstance(op, (CopyRow, SwapRows))))
+        resizes += [op for op in ops if isinstance(op, Resize)]
         check_rows(sched, runner, 16)
         sched.check_integrity()
         if long.status is not Status.PREFILLING:
             break
-    return copied, steps, sched
+    return copied, steps, sched, resizes
 
 
 def test_short_requests_passing_a_long_prefill_do_not_move_its_row():
@@ -332,14 +333,26 @@ def test_short_requests_passing_a_long_prefill_do_not_move_its_row():
     prompt's position (the isolation canary's p99 7.6 s). Now the long row stays where it is, and the
     short ones copy only their own rows, across the gap it leaves. Each short request still takes two
     steps (its prefill beside the long chunk, then its second token), and the rows' contents stay right."""
-    copied, steps, sched = passing_a_long_prefill()
+    copied, steps, sched, _ = passing_a_long_prefill()
     assert len(steps) >= 20 and max(steps.values()) <= 2
     # a short prompt's own row (its 3 prompt tokens and the first output), until the long prompt itself is done
     # and joins the running rows across the gap (one copy of its row)
     assert max(copied[2:-1]) <= 3 + 1 and copied[-1] <= 6000 + 3
-    old, old_steps, _ = passing_a_long_prefill(move_limit=1 << 62)  # the layout before the gap
+    old, old_steps, _, _ = passing_a_long_prefill(move_limit=1 << 62)  # the layout before the gap
     assert old_steps == steps
     assert max(old[len(old) // 2:]) > 3000  # late in the prefill, a short request moved thousands of positions
+
+
+def test_a_long_prompt_chunked_grows_the_capacity_once():
+    """Issue 30: a 6k-token prompt prefilled 128 tokens a pass grew the live buffer's capacity by a quarter at
+    a time, 13 copies of the whole buffer, the late ones 1.3-2.9 s each inside a step of the loaded CPU (the
+    canary's outliers beside it). Now the capacity grows at once to the prompt's end when that fits the budget,
+    and the short requests passing it cost no capacity growth; when it does not fit, growth is by quarters."""
+    _, steps, _, resizes = passing_a_long_prefill()
+    assert max(steps.values()) <= 2
+    assert [op.capacity for op in resizes if op.capacity > 128] == [6016]  # 6,000 + its first token, in 128s
+    budget = KVBudget(budget_tokens=4 * 3000, max_rows=16, max_len=8000)  # 4 rows of the whole prompt do not fit
+    assert budget.shape_for(1, 200, (4, 128), cap_demand=6001) == (4, 256)
 
 
 def test_budget_shape_policy():

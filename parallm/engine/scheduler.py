@@ -124,7 +124,8 @@ class Scheduler(RowLayout):
         self._order_prefilling(now)
         rows = self.rows_in_use
         demand = self.row_demand() if rows > self.shape[0] else 0
-        shape = self.budget.shape_for(rows, self.capacity_needed(now), self.shape, demand)
+        ends = max((s.prefill_target + 1 for s in self.prefilling), default=0)  # the prompts' ends, and a first token
+        shape = self.budget.shape_for(rows, self.capacity_needed(now), self.shape, demand, cap_demand=ends)
         assert shape is not None, "admission/preemption left a plan that does not fit"
         self._grow(shape)
         plan.ops = self.take_ops()
