@@ -110,11 +110,12 @@ class RowLayout:
         if j == 0 and last and self.prefilling[last].num_computed > self.move_limit:
             self.prefilling.pop(0)  # the region starts a row later (a gap) instead of moving a long row
             self.pre0 += 1
-        elif j != last:
-            moved = self.prefilling[last]
-            self._pending.append(CopyRow(moved.row, seq.row, moved.num_computed))
-            self.prefilling[j] = moved
-        self.prefilling.pop()
+        else:
+            if j != last:
+                moved = self.prefilling[last]
+                self._pending.append(CopyRow(moved.row, seq.row, moved.num_computed))
+                self.prefilling[j] = moved
+            self.prefilling.pop()
         self._renumber_prefilling()
 
     def _renumber_prefilling(self) -> None:
