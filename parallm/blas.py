@@ -231,7 +231,11 @@ class ThreadGovernor:
     (served HTTP, c=16, default model): 108 tok/s with 2 threads on a quiet machine against 80
     with one; with one other process spinning on a core, 11 tok/s with 2 threads and still 80 with
     one. So every `interval_s` the engine measures the CPU time other processes used on its cores
-    and uses the cores left over (at least one thread), changing only after two samples agree.
+    and uses the cores left over (at least one thread): fewer threads at the first sample that asks
+    for them, more only after two samples agree. The cost is lopsided (a contended pool runs ~7x
+    slower, one thread too few ~0.74x), and waiting for a second sample left the engine stalled for a
+    second or more whenever a burst began: issue 30's canary took 1-2 s at the start of an attack that
+    kept ingress busy (7.5 MB bodies refused back to back), 0.14 s once the pool was down to one thread.
     """
 
     def __init__(self, set_threads: Callable[[int], None], max_threads: int, cpus: list[int], *,
@@ -284,7 +288,7 @@ class ThreadGovernor:
             return
         self._pending = self._pending + 1 if want == self._candidate else 1
         self._candidate = want
-        if self._pending >= 2:
+        if self._pending >= 2 or want < self.threads:  # fewer threads at once: a contended pool stalls 10x
             log.info("OpenBLAS threads %d -> %d (other processes keep %.2f of %d cores busy)",
                      self.threads, want, self.others_busy, len(self.cpus))
             self._set(want)
