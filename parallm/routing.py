@@ -229,8 +229,7 @@ class ReplicaReports:
 
     def others(self) -> list[protocol.EngineStats]:
         """The other replicas' latest stats, by replica, leaving out those silent for STALE_AFTER_S."""
-        now = self.clock()
-        return [stats for replica, (at, stats) in sorted(self._latest.items()) if now - at <= STALE_AFTER_S]
+        return [stats for replica, (_, stats) in sorted(self._latest.items()) if not self.silent(replica)]
 
 
 def lost_error(rid: str, reply_to: bytes) -> protocol.RequestError:

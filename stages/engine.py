@@ -67,8 +67,8 @@ class EngineStage(AdapterMessages, Stage):
             on_rejected=self.refuse)
         # replica 0 hands aborts, adapter versions and pauses on to the other replicas (parallm/routing.py)
         peers = [Sender(open_socket(ctx, zmq.PUSH, routing.engine_address(runtime.addrs, i, config.engine),
-                                         bind=False, hwm=hwm, curve=routing.replica_curve(config, i)))
-                      for i in range(1, routing.replica_count(config.engine))] if replica == 0 else []
+                                    bind=False, hwm=hwm, curve=routing.replica_curve(config, i)))
+                 for i in range(1, routing.replica_count(config.engine))] if replica == 0 else []
         to_first = Sender(open_socket(ctx, zmq.PUSH, routing.engine_address(runtime.addrs, 0), bind=False, hwm=hwm)) \
             if replica > 0 else None
         to_supervisor = (Sender(open_socket(ctx, zmq.PUSH, runtime.addrs.supervisor, bind=False))

@@ -106,17 +106,20 @@ class RowLayout:
 
     def _remove_prefilling(self, seq: Sequence) -> None:
         j = self.prefilling.index(seq)
-        last = len(self.prefilling) - 1
-        if j == 0 and last and self.prefilling[last].num_computed > self.move_limit:
+        if j == 0 and len(self.prefilling) > 1 and self.prefilling[-1].num_computed > self.move_limit:
             self.prefilling.pop(0)  # the region starts a row later (a gap) instead of moving a long row
             self.pre0 += 1
         else:
-            if j != last:
-                moved = self.prefilling[last]
-                self._pending.append(CopyRow(moved.row, seq.row, moved.num_computed))
-                self.prefilling[j] = moved
-            self.prefilling.pop()
+            self._fill_from_last(j)
         self._renumber_prefilling()
+
+    def _fill_from_last(self, j: int) -> None:
+        """Take prefilling[j] out of the region, the region's last row copied into its row."""
+        last = self.prefilling[-1]
+        if j != len(self.prefilling) - 1:
+            self._pending.append(CopyRow(last.row, self.prefilling[j].row, last.num_computed))
+            self.prefilling[j] = last
+        self.prefilling.pop()
 
     def _renumber_prefilling(self) -> None:
         if not self.prefilling or self.pre0 < self.nrun:

@@ -321,15 +321,11 @@ class Scheduler(RowLayout):
         j = self.prefilling.index(seq)
         if self.gap:
             self._pending.append(CopyRow(seq.row, self.nrun, seq.num_computed))
-            last = len(self.prefilling) - 1
             if j == 0:
+                self.prefilling.pop(0)
                 self.pre0 += 1
-            elif j != last:
-                moved = self.prefilling[last]
-                self._pending.append(CopyRow(moved.row, seq.row, moved.num_computed))
-                self.prefilling[j] = moved
-                j = last
-            self.prefilling.pop(j)
+            else:
+                self._fill_from_last(j)
         else:
             if j != 0:
                 first = self.prefilling[0]
