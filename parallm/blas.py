@@ -29,7 +29,9 @@ import platform
 import re
 import sys
 import tempfile
+import threading
 import time
+from collections import deque
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable
 
@@ -230,27 +232,39 @@ class ThreadGovernor:
     another busy process keeps off its core stalls every call. Measured on the 2-core CI machine
     (served HTTP, c=16, default model): 108 tok/s with 2 threads on a quiet machine against 80
     with one; with one other process spinning on a core, 11 tok/s with 2 threads and still 80 with
-    one. So every `interval_s` the engine measures the CPU time other processes used on its cores
-    and uses the cores left over (at least one thread): fewer threads at the first sample that asks
-    for them, more only after two samples agree. The cost is lopsided (a contended pool runs ~7x
-    slower, one thread too few ~0.74x), and waiting for a second sample left the engine stalled for a
-    second or more whenever a burst began: issue 30's canary took 1-2 s at the start of an attack that
-    kept ingress busy (7.5 MB bodies refused back to back), 0.14 s once the pool was down to one thread.
+    one. So the engine measures the CPU time other processes used on its cores and uses the cores
+    left over (at least one thread): fewer threads as soon as the last `window_s` asks for them, more
+    only once every sample for `up_after_s` has asked for them. The cost is lopsided (a contended
+    pool runs ~7-20x slower, one thread too few ~0.74x).
+
+    `start()` samples on a thread of its own every `interval_s` and sets the count from there, so a
+    burst that begins while the engine is idle, or in the middle of a step, is seen within one
+    interval: sampled from the engine's loop (at most every 0.5 s, over the time since the last
+    sample), a burst that began while the engine waited for requests was averaged with the idle
+    time before it, and the first step after it ran on a contended pool (issue 30: a canary's 3-token
+    pass took 1-2.4 s as an attack began to keep ingress busy, 0.14 s once the pool was down to one
+    thread). OpenBLAS reads its thread count when a call begins, so a change from this thread takes
+    effect at the next matmul (MLX calls OpenBLAS from its own stream thread, never this one).
     """
 
     def __init__(self, set_threads: Callable[[int], None], max_threads: int, cpus: list[int], *,
-                 interval_s: float = 0.5, sample: Callable[[], CpuSample] | None = None) -> None:
+                 interval_s: float = 0.1, window_s: float = 0.2, up_after_s: float = 1.0,
+                 sample: Callable[[], CpuSample] | None = None) -> None:
         self._set = set_threads
         self.max_threads = max(1, max_threads)
         self.cpus = cpus
         self.interval_s = interval_s
+        self.window_s = window_s
+        self.up_after_s = up_after_s
         self._sample = sample or (lambda: cpu_sample(cpus))
-        self._last = self._sample()
-        self._candidate = 0
-        self._pending = 0
+        self._history: deque[CpuSample] = deque([self._sample()])
+        self._up_since: float | None = None  # wall time of the first sample of a run asking for more threads
+        self._up_to = 0  # the fewest threads a sample of that run asked for
         self.threads = self.max_threads
         self.others_busy = 0.0
         self.changes = 0
+        self._thread: threading.Thread | None = None
+        self._stop = threading.Event()
 
     @classmethod
     def for_this_process(cls) -> "ThreadGovernor | None":
@@ -271,30 +285,68 @@ class ThreadGovernor:
         free = len(self.cpus) - others_busy
         return max(1, min(self.max_threads, math.floor(free + 0.5)))
 
+    def _others(self, now: CpuSample) -> float:
+        """Cores other processes kept busy over the last `window_s` (at least; back to the newest sample
+        that old, else the oldest kept)."""
+        ref = self._history[0]
+        for old in self._history:
+            if now[0] - old[0] < self.window_s:
+                break
+            ref = old
+        wall = now[0] - ref[0]
+        if wall <= 0:
+            return self.others_busy
+        return max(0.0, ((now[1] - ref[1]) - (now[2] - ref[2])) / wall)
+
     def tick(self) -> None:
-        """Called from the engine's loop; samples at most every `interval_s`."""
-        if self.max_threads == 1 or time.monotonic() - self._last[0] < self.interval_s:
+        """Take a sample and set the thread count from it (the sampling thread calls it every `interval_s`)."""
+        if self.max_threads == 1:
             return
         now = self._sample()
-        wall = now[0] - self._last[0]
-        others = (now[1] - self._last[1]) - (now[2] - self._last[2])
-        self._last = now
-        if wall <= 0:
-            return
-        self.others_busy = max(0.0, others / wall)
+        self.others_busy = self._others(now)
+        self._history.append(now)
+        while len(self._history) > 2 and now[0] - self._history[1][0] >= self.window_s:
+            self._history.popleft()
         want = self.target(self.others_busy)
-        if want == self.threads:
-            self._candidate = self._pending = 0
+        if want < self.threads:  # fewer threads at once: a contended pool stalls 10x
+            self._change(want)
+        elif want == self.threads:
+            self._up_since = None
+        elif self._up_since is None:
+            self._up_since, self._up_to = now[0], want
+        else:
+            self._up_to = min(self._up_to, want)
+            if now[0] - self._up_since >= self.up_after_s:
+                self._change(self._up_to)
+
+    def _change(self, want: int) -> None:
+        log.info("OpenBLAS threads %d -> %d (other processes keep %.2f of %d cores busy)",
+                 self.threads, want, self.others_busy, len(self.cpus))
+        self._set(want)
+        self.threads = want
+        self.changes += 1
+        self._up_since = None
+
+    def start(self) -> None:
+        """Sample and govern on a daemon thread of its own (`stop()` ends it)."""
+        if self._thread is not None or self.max_threads == 1:
             return
-        self._pending = self._pending + 1 if want == self._candidate else 1
-        self._candidate = want
-        if self._pending >= 2 or want < self.threads:  # fewer threads at once: a contended pool stalls 10x
-            log.info("OpenBLAS threads %d -> %d (other processes keep %.2f of %d cores busy)",
-                     self.threads, want, self.others_busy, len(self.cpus))
-            self._set(want)
-            self.threads = want
-            self.changes += 1
-            self._candidate = self._pending = 0
+
+        def run() -> None:
+            from parallm.threads import name_os_thread
+
+            name_os_thread("blas-governor")
+            while not self._stop.wait(self.interval_s):
+                try:
+                    self.tick()
+                except Exception:  # noqa: BLE001 - a failed sample (e.g. /proc gone at exit) never ends the engine
+                    log.exception("the OpenBLAS thread governor failed a sample")
+
+        self._thread = threading.Thread(target=run, name="blas-governor", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
 
     def stats(self) -> BlasStats:
         from parallm.protocol import BlasStats

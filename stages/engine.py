@@ -311,8 +311,6 @@ class EngineStage(AdapterMessages, Stage):
 
     # ------------------------------------------------------------------ loop
     def tick(self) -> None:
-        if self.blas is not None:
-            self.blas.tick()
         self.reports.tick(self.stats)
         if self.fanout is not None and self.fanout.pending:
             self.fanout.expire()
@@ -452,6 +450,8 @@ def main(config: Config, replica: int = 0) -> int:
     stage = EngineStage(config, runtime, engine, info, PoolingQueue(models, config.engine.pooling_batch_tokens))
     if group is not None:
         stage.on_idle = engine.idle  # takes the other ranks' acks while no step does
+    if stage.blas is not None:
+        stage.blas.start()  # samples and sets the OpenBLAS thread count on a thread of its own
     runtime.ready(info)
     if config.kv.disk_dir:  # stop the loop on SIGTERM too, so the disk tier's blocks are written (engine.close)
         signal.signal(signal.SIGTERM, lambda *_: setattr(runtime, "shutting_down", True))
@@ -463,5 +463,7 @@ def main(config: Config, replica: int = 0) -> int:
             engine.close(3.0)  # the disk tier's blocks (kv.disk_dir), within the supervisor's 5 s stop
         return code
     finally:
+        if stage.blas is not None:
+            stage.blas.stop()
         stage.staging.close()  # a chunked weight update still being received: its staged chunks
         runtime.close()

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Callable, Generic, TypeVar
 
 from parallm.files import DEFAULT_TIMEOUT_S, UnsafeFile, prefetch_regular
+from parallm.threads import background_worker
 
 T = TypeVar("T")
 
@@ -24,7 +25,8 @@ class FileReads(Generic[T]):
     def __init__(self, timeout_s: float = DEFAULT_TIMEOUT_S, on_done: Callable[[Future], None] = lambda _: None) -> None:
         self.timeout_s = timeout_s
         self._on_done = on_done  # on the reader thread, as each read finishes (the stage's Waker.wake)
-        self._pool = ThreadPoolExecutor(1, thread_name_prefix="parallm-file-read")
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="parallm-file-read",
+                                        initializer=background_worker)  # below the step loop's priority
         self._queue: list[tuple[T, Future]] = []
         self.read_bytes = 0
 

@@ -5,13 +5,17 @@ conversation through the chat template); tokenized on the stage's loop it held e
 (issue 30: a prompt of a few MB took 4-7.5 s, and three at once pushed another client's request to 20 s).
 The stage hands the work of a request whose text is over LARGE_TEXT_CHARS to a worker thread here (the
 tokenizers library releases the GIL while it encodes) and keeps handling small requests; what the worker
-computed is sent from the loop, in the order the work finishes.
+computed is sent from the loop, in the order the work finishes. The worker runs below the loop's OS
+priority (parallm.threads.lower_priority), so a large prompt's tokenization takes no core from the engine
+or from the small requests the loop handles.
 """
 
 from __future__ import annotations
 
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Callable
+
+from parallm.threads import background_worker
 
 LARGE_TEXT_CHARS = 16_384  # characters of prompt or message text: smaller ones are tokenized on the loop (~ms)
 
@@ -31,7 +35,8 @@ class Offload:
     """Work running on a worker thread, each with what the loop does with its finished future."""
 
     def __init__(self, workers: int = 1, on_done: Callable[[Future], None] = lambda _: None) -> None:
-        self._pool = ThreadPoolExecutor(workers, thread_name_prefix="parallm-tokenize")
+        self._pool = ThreadPoolExecutor(workers, thread_name_prefix="parallm-tokenize",
+                                        initializer=background_worker)  # below the loop's priority
         self._pending: list[tuple[Future, Callable[[Future], None]]] = []
         self._on_done = on_done  # on the worker thread, as each work finishes (the stage's Waker.wake)
         self.offloaded = 0

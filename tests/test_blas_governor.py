@@ -10,15 +10,16 @@ from parallm import blas
 
 
 class Samples:
-    """A fake /proc/stat: each tick advances 1 s of wall time with the given busy seconds."""
+    """A fake /proc/stat: each advance is `seconds` (1 s unless given) of wall time with `others` and `own`
+    cores busy."""
 
     def __init__(self) -> None:
         self.wall = self.busy = self.own = 0.0
 
-    def advance(self, others: float, own: float = 0.9) -> None:
-        self.wall += 1.0
-        self.own += own
-        self.busy += others + own
+    def advance(self, others: float, own: float = 0.9, seconds: float = 1.0) -> None:
+        self.wall += seconds
+        self.own += own * seconds
+        self.busy += (others + own) * seconds
 
     def __call__(self) -> blas.CpuSample:
         return self.wall, self.busy, self.own
@@ -60,6 +61,67 @@ def test_a_flapping_sample_switches_down_once_and_not_back_up() -> None:
     for others in (1.0, 0.0, 1.0, 0.0, 1.0, 0.0):
         samples.advance(others=others)
         g.tick()
+    assert calls == [1] and g.threads == 1
+
+
+def test_a_burst_is_seen_within_a_window_however_long_the_quiet_before_it() -> None:
+    """Issue 30: sampled from the engine's loop over the time since its last sample, a burst that began while the
+    engine waited for requests was averaged with the idle time before it, and the next step ran on a contended
+    pool (a canary's 3-token pass 1-2.4 s). Sampled every 0.1 s, the last 0.2 s decide."""
+    samples = Samples()
+    g, calls = governor(samples)
+    for _ in range(30):  # 3 s idle
+        samples.advance(others=0.0, own=0.0, seconds=0.1)
+        g.tick()
+    samples.advance(others=1.0, own=0.0, seconds=0.1)
+    g.tick()
+    assert calls == []  # half the window
+    samples.advance(others=1.0, own=0.0, seconds=0.1)
+    g.tick()
+    assert calls == [1] and g.others_busy == pytest.approx(1.0)
+
+
+def test_more_threads_only_after_every_sample_of_a_second_asked_for_them() -> None:
+    samples = Samples()
+    calls: list[int] = []
+    g = blas.ThreadGovernor(calls.append, 2, [0, 1], interval_s=0.0, window_s=0.25, up_after_s=1.0, sample=samples)
+
+    def quiet(n: int) -> None:
+        for _ in range(n):
+            samples.advance(others=0.0, seconds=0.125)
+            g.tick()
+
+    samples.advance(others=1.0, seconds=0.25)
+    g.tick()
+    assert calls == [1]
+    quiet(9)  # the first sample's window still holds the burst; the next eight span 0.875 s
+    samples.advance(others=1.0, seconds=0.25)  # a burst again: the quiet run starts over
+    g.tick()
+    quiet(9)
+    assert calls == [1]
+    quiet(1)  # 1 s of samples that all ask for two threads
+    assert calls == [1, 2]
+
+
+def test_the_governor_samples_on_a_thread_of_its_own() -> None:
+    """Started, it needs no call from the engine's loop (idle, or in the middle of a long step)."""
+    import time
+
+    start = time.monotonic()
+
+    def sample() -> blas.CpuSample:  # another process keeps a core busy from now on
+        wall = time.monotonic()
+        return wall, wall - start, 0.0
+
+    calls: list[int] = []
+    g = blas.ThreadGovernor(calls.append, 2, [0, 1], interval_s=0.02, window_s=0.05, sample=sample)
+    g.start()
+    try:
+        deadline = time.monotonic() + 5
+        while not calls and time.monotonic() < deadline:
+            time.sleep(0.01)
+    finally:
+        g.stop()
     assert calls == [1] and g.threads == 1
 
 

@@ -92,3 +92,24 @@ def test_py_spy_dumps_become_each_threads_frames_innermost_first():
             '    tolist (runner.py:29)\nThread 9 (idle): "heartbeat"\n    clock_nanosleep (libc.so.6)\n')
     assert parse_dump(text) == {"7 MainThread (active)": ["cudaEventSynchronize (libcudart.so.13)", "tolist (runner.py:29)"],
                                 "9 heartbeat (idle)": ["clock_nanosleep (libc.so.6)"]}
+
+
+def _nice() -> int:
+    return os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+
+
+@linux
+def test_a_background_worker_runs_below_the_thread_that_started_it_and_leaves_that_one_alone():
+    """Issue 30: work for requests not running yet (a grammar compiling, a large prompt tokenizing) took cores from
+    the engine's step; ten nice levels lower, the step's threads get the core back as soon as they wake."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    mine = _nice()
+    with ThreadPoolExecutor(1, initializer=threads.background_worker) as pool:
+        theirs = pool.submit(_nice).result(5)
+    assert theirs == min(19, mine + threads.BACKGROUND_NICE) and _nice() == mine
+
+
+def test_lowering_is_left_alone_where_nice_is_not_per_thread(monkeypatch):
+    monkeypatch.setattr(sys, "platform", "darwin")  # there setpriority would lower the whole process
+    assert threads.lower_priority() is False

@@ -6,6 +6,7 @@ purpose (a real one of a few MB takes seconds on the CPU)."""
 
 from __future__ import annotations
 
+import sys
 import time
 
 import pytest
@@ -85,3 +86,25 @@ def test_a_large_request_that_does_not_fit_is_refused_from_the_worker(stage):
 def test_text_chars_counts_every_string_of_the_messages():
     assert text_chars([None, [{"role": "user", "content": [{"type": "text", "text": "abc"}]}]]) == len("usertextabc")
     assert text_chars(["x" * 10, None]) == 10
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="nice is per thread on Linux only")
+def test_large_tokenizations_run_below_the_stage_loops_priority():
+    import os
+    import threading
+
+    from parallm.stages.tokenizer_offload import Offload
+    from parallm.threads import BACKGROUND_NICE
+
+    def nice() -> int:
+        return os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+
+    offload = Offload()
+    got: list[int] = []
+    offload.submit(nice, lambda done: got.append(done.result()))
+    deadline = time.monotonic() + 5
+    while not got and time.monotonic() < deadline:
+        offload.finish()
+        time.sleep(0.01)
+    offload.close()
+    assert got == [min(19, nice() + BACKGROUND_NICE)]

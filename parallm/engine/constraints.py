@@ -31,7 +31,7 @@ import numpy as np
 
 from parallm.protocol import Constraint
 from parallm.text.grammar import GrammarError, compile_text, explain
-from parallm.threads import name_os_thread
+from parallm.threads import lower_priority, name_os_thread
 
 from .sequence import Sequence
 from .think_gate import Markers, ThinkGate
@@ -143,6 +143,7 @@ class Constraints:
         self._templates: OrderedDict[tuple[str, str], Any] = OrderedDict()
         self._lock = threading.Lock()  # the cache is shared with the compile thread
         self._compiler: ThreadPoolExecutor | None = None
+        self._compiler_lowered = False  # the compile thread runs below the step loop once requests compile on it
         self.cache_size = cache_size
         self.rows: dict[int, tuple[Sequence, RowMatcher]] = {}
         self._buf = np.zeros((0, mask_words(vocab_size)), dtype=np.int32)
@@ -246,8 +247,13 @@ class Constraints:
     def compile_later(self, c: Constraint, deadline: float) -> Future:
         """Compile `c`'s grammar on the compile thread (one, apart from the mask worker, so that the masks of
         running rows never wait behind it); the future's result is None, or the GrammarError. A compile still
-        queued at `deadline` (time.monotonic) is skipped: its request was refused meanwhile."""
+        queued at `deadline` (time.monotonic) is skipped: its request was refused meanwhile. The compile thread
+        runs below the step loop's priority (threads.lower_priority): a request's compile never takes a core
+        from the rows that are running."""
         def compile_one() -> None:
+            if not self._compiler_lowered:  # not for prepare(): the start-up build runs beside the warm-up at full speed
+                self._compiler_lowered = True
+                lower_priority()
             if time.monotonic() > deadline:
                 raise TimeoutError("the grammar waited past its deadline to compile")
             self._template(c)
