@@ -154,7 +154,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.workloads:
         workloads = {k: v for k, v in workloads.items() if k in args.workloads.split(",")}
     results: dict[str, Any] = {"model": lm.source.name, "dtype": "float32", "rounds": args.rounds, "mode": mode,
-                               "draft_model": args.draft_model if mode == "draft" else None, "workloads": {}}
+                               "draft_model": args.draft_model if mode == "draft" else None, "workloads": {},
+                               "loadavg_start": os.getloadavg()}
     for name, (batch, max_tokens) in workloads.items():
         runs: dict[str, list[dict[str, Any]]] = {"none": [], mode: []}
         for r in range(args.rounds):
@@ -209,7 +210,7 @@ def markdown(results: dict[str, Any], command: str) -> str:
                      f"{e[f'{mode}_decode_tok_s']:.1f} | {e['speedup']:.2f}x | {e['acceptance_rate']:.2f} | "
                      f"{e['mean_accepted']:.2f} | {e['verify_passes']} | {e['same_tokens']} |")
     lines += ["", f"Speedup: the median over rounds of {mode} / off decode tok/s (each round's two runs back to back). "
-              f"Load average at the end: {results.get('loadavg', 'n/a')}."]
+              f"Load average at the start: {results.get('loadavg_start', 'n/a')}, at the end: {results.get('loadavg', 'n/a')}."]
     return "\n".join(lines)
 
 

@@ -16,14 +16,18 @@ from parallm.engine.sequence import Sequence
 from parallm.protocol import SamplingParams
 
 NGRAM = SpecConfig(mode="ngram", k=4, ngram_min=1, ngram_max=3, disable_batch_size=8)
+DEFAULTS = SpecConfig(mode="ngram", disable_batch_size=8)  # k 7 (passes of 8 tokens), n-grams 2..16
 
 
 # ---------------------------------------------------------------------------------------------- proposer
-def test_ngram_proposes_what_followed_the_latest_earlier_match_longest_suffix_first():
+def test_ngram_proposes_what_followed_the_longest_earlier_match_the_first_of_equals():
     p = NGramProposer(1, 3)
     assert p.propose(0, [1, 2, 3, 4, 5, 1, 2, 3], 3) == [4, 5, 1]
-    # (9, 2, 3) is not there, (2, 3) is: what followed its latest occurrence (at 6) wins over the first
-    assert p.propose(1, [2, 3, 7, 2, 3, 8, 9, 2, 3], 2) == [8, 9]
+    # (9, 2, 3) is not there, (2, 3) is twice: what followed its first occurrence wins (vLLM's rule)
+    assert p.propose(1, [2, 3, 7, 2, 3, 8, 9, 2, 3], 2) == [7, 2]
+    # the occurrence whose match extends furthest back wins over an earlier and a later shorter one
+    assert p.propose(4, [9, 3, 1, 5, 3, 2, 5, 3, 3, 9, 5, 3], 2) == [2, 5]
+    assert NGramProposer(1, 1).propose(4, [9, 3, 1, 5, 3, 2, 5, 3, 3, 9, 5, 3], 2) == [1, 5]  # 1 token: the first
     assert p.propose(2, [5, 6, 7, 8], 3) == []  # the suffix never matches itself
     assert p.propose(3, [1, 2, 3], 0) == []
 
@@ -60,6 +64,21 @@ def test_control_raises_k_on_full_acceptance_cuts_it_on_rejection_and_rests_poor
     assert s["proposed_tokens"] == 4 + 2 + 6 + 1 and s["accepted_tokens"] == 3
     assert s["emitted_tokens"] == 3 + 5 and s["k_distribution"] == {"1": 1, "2": 1, "3": 2, "4": 1}
     assert s["acceptance_rate"] == pytest.approx(3 / 13) and s["mean_accepted_tokens"] == pytest.approx(3 / 5)
+
+
+def test_control_keeps_verify_lengths_whole_multiples():
+    c = SpecControl(k=8, min_acceptance=0.0, multiple=4)
+    assert c.k(1) == 7  # spec.k 8 rounded down to a pass of 8
+    c.record(1, 7, 1)
+    assert c.k(1) == 3  # accepted 1: k 2 rounded up to a pass of 4
+    c.record(1, 3, 3)
+    assert c.k(1) == 7  # all accepted: k 4 rounded up to a pass of 8, no further than spec.k
+    c.record(1, 7, 7)
+    assert c.k(1) == 7
+    c.record(1, 7, 4)
+    assert c.k(1) == 7  # accepted 4: 5 rounds up to 7
+    assert SpecControl(k=2, min_acceptance=0.0, multiple=4).k(1) == 2  # no whole length under spec.k: spec.k
+    assert SpecControl(k=5, min_acceptance=0.0, multiple=1).k(1) == 5
 
 
 # ---------------------------------------------------------------------------------------------- engine
@@ -126,6 +145,19 @@ def test_greedy_tokens_and_logprobs_identical_with_and_without_speculation(arch)
     s = engine.stats().spec
     assert s.verify_passes > 0 and s.accepted_tokens > 0, s  # it did speculate, and proposals were accepted
     assert s.emitted_tokens == s.accepted_tokens + s.rows_verified
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_default_settings_verify_whole_multiples_and_stay_exact(arch):
+    plain, spec, engine = both(lambda: tiny_model(arch), staggered(lambda i: greedy(24 + 3 * i, logprobs=True)),
+                               spec=DEFAULTS, max_num_seqs=8)
+    for key in plain:
+        assert spec[key]["tokens"] == plain[key]["tokens"], key
+        np.testing.assert_allclose(spec[key]["logprobs"], plain[key]["logprobs"], atol=1e-4)
+    ks = engine.stats().spec.k_distribution
+    assert "7" in ks, ks  # rows proposed 7 tokens: verify passes of 8
+    whole = sum(n for k, n in ks.items() if (int(k) + 1) % 4 == 0)
+    assert whole >= 0.8 * sum(ks.values()), ks  # other lengths only where max_tokens cut a proposal short
 
 
 def sampled(i: int) -> SamplingParams:
@@ -219,7 +251,7 @@ def test_default_model_greedy_identical_with_speculation_batched_with_staggered_
     kw = default_model_settings()
     made, arrivals = default_model_workload()
     plain = run_all(make_engine(model, **kw), made, arrivals=arrivals)
-    engine = make_engine(model, spec=NGRAM, **kw)
+    engine = make_engine(model, spec=DEFAULTS, **kw)
     made, arrivals = default_model_workload()
     spec = run_all(engine, made, arrivals=arrivals)
     for key in plain:

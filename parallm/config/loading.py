@@ -301,10 +301,12 @@ def _check(config: Config) -> None:
     if kv.pressure_threshold is not None and not 0 < kv.pressure_threshold <= 1:
         problems.append("kv.pressure_threshold must be in (0, 1] (or unset: no bound)")
     spec = config.spec
-    if spec.k < 1:
-        problems.append("spec.k must be >= 1")
+    if spec.k < 0:
+        problems.append("spec.k must be >= 1 (or 0: the mode's own)")
     if spec.disable_batch_size < 1:
         problems.append("spec.disable_batch_size must be >= 1")
+    if spec.verify_multiple < 1:
+        problems.append("spec.verify_multiple must be >= 1")
     if not 1 <= spec.ngram_min <= spec.ngram_max:
         problems.append("spec.ngram_min and spec.ngram_max must satisfy 1 <= ngram_min <= ngram_max")
     if not 0 <= spec.min_acceptance < 1:

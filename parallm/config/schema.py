@@ -248,7 +248,8 @@ class SpecConfig(Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
                     _d("none; ngram: prompt lookup (the continuation of the latest earlier match of the "
                        "sequence's last tokens, over prompt and output; no extra model); draft: a smaller "
                        "model (spec.draft_model) proposes, batched over the rows")] = "none"
-    k: Annotated[int, _d("most tokens proposed per row and step; each row's k adapts to its acceptance")] = 4
+    k: Annotated[int, _d("most tokens proposed per row and step; each row's k adapts to its acceptance. 0: the "
+                         "mode's own (ngram 7, a verify pass of 8 tokens; draft 4, each drafted token a draft pass)")] = 0
     draft_model: Annotated[str, _d("the draft model for mode draft: any model spec (as model.path), loaded in the "
                                   "served model's dtype; refused at start unless it shares the served model's "
                                   "vocabulary")] = ""
@@ -263,7 +264,12 @@ class SpecConfig(Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     disable_batch_size: Annotated[int, _d("no speculation in a step with more running rows than this (a verify pass "
                                           "pads every row to the longest proposal: B x (k + 1) tokens)")] = 4
     ngram_min: Annotated[int, _d("shortest suffix (tokens) the n-gram proposer matches")] = 2
-    ngram_max: Annotated[int, _d("longest suffix (tokens) the n-gram proposer matches (longest first)")] = 4
+    ngram_max: Annotated[int, _d("longest suffix (tokens) the n-gram proposer matches: of the occurrences of the last "
+                                 "ngram_min tokens, the one whose match extends furthest back (up to this) is copied")] = 16
+    verify_multiple: Annotated[int, _d("mode ngram: a row's k keeps its verify pass's length (1 + k) a multiple of "
+                                       "this, the rounding filled with more proposed tokens (on the CPU a 4- or "
+                                       "8-token pass costs less than a 3-, 5- or 7-token one); 1: any length. Mode "
+                                       "draft rounds nothing (a drafted token costs a draft pass)")] = 4
     min_acceptance: Annotated[float, _d("a row whose recent acceptance rate falls below this stops "
                                         "speculating for a while (doubling, up to 64 steps)")] = 0.3
 

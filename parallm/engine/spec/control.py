@@ -2,10 +2,14 @@
 stops for a while, and the counters the engine reports (acceptance rate, mean accepted tokens, the
 distribution of k).
 
-Per row: k starts at the configured most; a verify that accepts every proposed token raises it by
-one (up to the most), one that rejects sets it to what was accepted plus one. The row's acceptance
-rate is an exponential average (weight 1/2) of accepted / proposed; below `min_acceptance` the row
-rests for `backoff` steps (doubled at each rest, up to 64; reset to 2 by a verify that accepts all).
+Per row: k starts at the configured most (rounded down to a whole length, below); a verify that
+accepts every proposed token raises it by one, one that rejects sets it to what was accepted plus one,
+each rounded up so that the row's verify length (1 + k) is a multiple of `multiple`
+(spec.verify_multiple: on the CPU a pass of 4 or 8 tokens costs less than one of 3, 5 or 7,
+docs/performance.md; the tokens that round it up are more of the proposal, not padding), and at most
+the configured most. The row's acceptance rate is an exponential average (weight 1/2) of accepted /
+proposed; below `min_acceptance` the row rests for `backoff` steps (doubled at each rest, up to 64;
+reset to 2 by a verify that accepts all).
 A resting row decodes as it would without speculation, so a step whose rows all rest or have no
 proposal costs what a plain step costs (free text: docs/performance.md).
 """
@@ -27,9 +31,11 @@ class _Row:
 
 
 class SpecControl:
-    def __init__(self, k: int, min_acceptance: float) -> None:
+    def __init__(self, k: int, min_acceptance: float, multiple: int = 1) -> None:
         self.k_max = k
         self.min_acceptance = min_acceptance
+        self.multiple = m = max(1, multiple)
+        self.k_top = (k + 1) // m * m - 1 if k + 1 >= m else k  # the largest k <= spec.k of a whole length
         self._rows: dict[int, _Row] = {}
         self.verify_passes = 0  # target passes that verified proposals
         self.rows_verified = 0  # (row, pass) pairs that had a proposal
@@ -42,7 +48,7 @@ class SpecControl:
         """How many tokens row `key` may propose this step (0: it rests)."""
         row = self._rows.get(key)
         if row is None:
-            row = self._rows[key] = _Row(self.k_max)
+            row = self._rows[key] = _Row(self.k_top)
         if row.rest:
             row.rest -= 1
             return 0
@@ -57,17 +63,22 @@ class SpecControl:
         self.k_counts[proposed] += 1
         row = self._rows.get(key)
         if row is None:
-            row = self._rows[key] = _Row(self.k_max)
+            row = self._rows[key] = _Row(self.k_top)
         row.rate = 0.5 * row.rate + 0.5 * accepted / proposed
         if accepted == proposed:
-            row.k = min(row.k + 1, self.k_max)
+            row.k = self._fit(row.k + 1)
             row.backoff = 2
         else:
-            row.k = max(1, accepted + 1)
+            row.k = self._fit(accepted + 1)
         if row.rate < self.min_acceptance:
             row.rest = row.backoff
             row.backoff = min(2 * row.backoff, MAX_BACKOFF)
             row.rate = self.min_acceptance  # back at the threshold: one more poor verify rests it again
+
+    def _fit(self, k: int) -> int:
+        """The least k' >= k whose verify length (1 + k') is a multiple of `multiple`, at most k_top."""
+        m = self.multiple
+        return max(1, min(self.k_top, -(-(k + 1) // m) * m - 1))
 
     def forget(self, key: int) -> None:
         self._rows.pop(key, None)

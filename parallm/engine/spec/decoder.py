@@ -30,6 +30,9 @@ from .draft_verify import verify_draft
 from .ngram import NGramProposer
 from .verify import verify
 
+NGRAM_K = 7  # spec.k 0 in mode ngram: a verify pass of 8 tokens (a whole multiple of spec.verify_multiple 4)
+DRAFT_K = 4  # spec.k 0 in mode draft
+
 
 class SpecDecoder:
     def __init__(self, config: SpecConfig, runner: ModelRunner, scheduler: Scheduler, output: OutputProcessor,
@@ -47,7 +50,8 @@ class SpecDecoder:
         self.disable_batch_size = config.disable_batch_size
         self.proposer = NGramProposer(config.ngram_min, config.ngram_max)
         self.draft = draft
-        self.control = SpecControl(config.k, config.min_acceptance)
+        k = config.k or (NGRAM_K if draft is None else DRAFT_K)
+        self.control = SpecControl(k, config.min_acceptance, config.verify_multiple if draft is None else 1)
         self.steps_off_batch = 0  # steps not speculating because more rows ran than disable_batch_size
 
     def may_speculate(self, seq: Sequence) -> bool:
@@ -140,7 +144,7 @@ class SpecDecoder:
 
     def reset(self) -> None:
         """Counters and per-row state back to none (warm-up's prompts are not the server's)."""
-        self.control = SpecControl(self.control.k_max, self.control.min_acceptance)
+        self.control = SpecControl(self.control.k_max, self.control.min_acceptance, self.control.multiple)
         self.proposer = NGramProposer(self.proposer.n_min, self.proposer.n_max)
         if self.draft is not None:
             self.draft.reset()

@@ -1,11 +1,13 @@
-"""The n-gram (prompt lookup) proposer: the continuation of the latest earlier occurrence of a
-sequence's last tokens, found in an index over its own prompt and output. No extra model.
+"""The n-gram (prompt lookup) proposer: the continuation of the earlier occurrence of a sequence's last
+tokens that matches the longest suffix, found in an index over its own prompt and output. No extra model.
 
-Each sequence gets a dict from every n-gram (n in [n_min, n_max]) to the position just after its
-latest occurrence, grown by the tokens added since the last call (amortized O(n_max) per token).
-A lookup tries the longest suffix first; the proposal is what followed that occurrence, at most k
-tokens; a match that ends less than k tokens before the end continues periodically (the suffix repeats
-with period end - match).
+Each sequence gets a dict from every n_min-gram to the positions just after its occurrences, grown by
+the tokens added since the last call (one entry per token). A lookup takes the occurrences of the last
+n_min tokens (the latest MAX_CANDIDATES of them) and extends each match backwards, up to n_max tokens;
+the longest match wins, the first (earliest) occurrence among equally long ones, as vLLM's prompt lookup
+picks (the text being copied is usually the prompt; a row's own output repeats what it changed, docs/
+performance.md). The proposal is what followed that occurrence, at most k tokens; a match that ends less
+than k tokens before the end continues periodically (the suffix repeats with period end - match).
 The index covers n-grams that end before the last token, so the suffix never matches itself.
 """
 
@@ -13,16 +15,18 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+MAX_CANDIDATES = 64  # occurrences of the last n_min tokens a lookup extends (the latest ones)
+
 
 @dataclass(slots=True)
 class _Index:
     length: int = 0  # tokens seen at the last call
-    after: dict[tuple[int, ...], int] = field(default_factory=dict)  # n-gram -> position after its latest end
-    indexed: int = 0  # n-grams ending before this position are in `after`
+    ends: dict[tuple[int, ...], list[int]] = field(default_factory=dict)  # n_min-gram -> positions after it, in order
+    indexed: int = 0  # n_min-grams ending before this position are in `ends`
 
 
 class NGramProposer:
-    def __init__(self, n_min: int = 2, n_max: int = 4) -> None:
+    def __init__(self, n_min: int = 2, n_max: int = 16) -> None:
         if not 1 <= n_min <= n_max:
             raise ValueError("n-gram sizes must satisfy 1 <= n_min <= n_max")
         self.n_min = n_min
@@ -30,30 +34,35 @@ class NGramProposer:
         self._rows: dict[int, _Index] = {}
 
     def propose(self, key: int, tokens: list[int], k: int) -> list[int]:
-        """At most k tokens that followed the latest earlier occurrence of the longest suffix of
-        `tokens` (n_max down to n_min tokens long) in `tokens`; [] when there is none. `key` names the
-        sequence: its index is kept between calls and extended by the tokens appended since (a
-        sequence's tokens only grow; fewer than last time re-index it)."""
+        """At most k tokens that followed the earlier occurrence of `tokens`' last n_min tokens whose match
+        extends furthest back (up to n_max tokens; the earliest among equally long ones); [] when there is
+        none. `key` names the sequence: its index is kept between calls and extended by the tokens appended
+        since (a sequence's tokens only grow; fewer than last time re-index it)."""
         if k <= 0 or len(tokens) <= self.n_min:
             return []
         idx = self._index(key, tokens)
         end = len(tokens)
-        for n in range(min(self.n_max, end - 1), self.n_min - 1, -1):
-            at = idx.after.get(tuple(tokens[end - n:]))
-            if at is not None:
-                return _continue(tokens, at, k)
-        return []
+        found = idx.ends.get(tuple(tokens[end - self.n_min:]))
+        if not found:
+            return []
+        best, at = 0, 0
+        for a in reversed(found[-MAX_CANDIDATES:]):  # the latest first: a tie keeps the earlier
+            n = self.n_min  # tokens[a - n:a] == tokens[end - n:end]
+            while n < self.n_max and n < a and tokens[a - 1 - n] == tokens[end - 1 - n]:
+                n += 1
+            if n >= best:
+                best, at = n, a
+        return _continue(tokens, at, k)
 
     def _index(self, key: int, tokens: list[int]) -> _Index:
         idx = self._rows.get(key)
         if idx is None or len(tokens) < idx.length:
             idx = self._rows[key] = _Index()
         idx.length = len(tokens)
-        after = idx.after
+        ends, n = idx.ends, self.n_min
         last = len(tokens) - 1  # n-grams ending at the last token stay out: the suffix would find itself
-        for end in range(idx.indexed + 1, last + 1):  # an n-gram tokens[end - n:end], followed by tokens[end]
-            for n in range(self.n_min, min(self.n_max, end) + 1):
-                after[tuple(tokens[end - n:end])] = end
+        for end in range(max(idx.indexed + 1, n), last + 1):  # tokens[end - n:end], followed by tokens[end]
+            ends.setdefault(tuple(tokens[end - n:end]), []).append(end)
         idx.indexed = max(idx.indexed, last)
         return idx
 
