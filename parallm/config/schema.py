@@ -245,9 +245,9 @@ class SpecConfig(Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     pass, every emitted token the target's own sample (its logprobs and versions unchanged)."""
 
     mode: Annotated[Literal["none", "ngram", "draft"],
-                    _d("none; ngram: prompt lookup (the continuation of the latest earlier match of the "
-                       "sequence's last tokens, over prompt and output; no extra model); draft: a smaller "
-                       "model (spec.draft_model) proposes, batched over the rows")] = "none"
+                    _d("none; ngram: prompt lookup (the continuation of the earlier match of the sequence's "
+                       "last tokens that extends furthest back, over prompt and output; no extra model); "
+                       "draft: a smaller model (spec.draft_model) proposes, batched over the rows")] = "none"
     k: Annotated[int, _d("most tokens proposed per row and step; each row's k adapts to its acceptance. 0: the "
                          "mode's own (ngram 7, a verify pass of 8 tokens; draft 4, each drafted token a draft pass)")] = 0
     draft_model: Annotated[str, _d("the draft model for mode draft: any model spec (as model.path), loaded in the "
