@@ -115,11 +115,16 @@
 #             smollm2-135m shape (launch-bound, like the 10-layer VLM of `vision`), 2 rounds, then llama-3.2-3b, 1
 #             round, 128 tokens. With a base checkout carried as .gpu/base (`git worktree add --detach .gpu/base
 #             <commit>` here; carry [".gpu-tok", ".gpu/base"]) the smollm2 rounds alternate it with this one, ~7 min
+#   pagedkv / pagedkvserve  issue 41: the KV block store with paged decode attention (this tree) vs the dense rows of
+#             main before it (BEFORE, default .gpu/before: `mkdir -p .gpu/before && git archive 690f356 | tar -x -C
+#             .gpu/before`, 7 MB, carried with the call), alternating trees: `pagedkv` the engine's decode step at 1, 64
+#             and 256 rows of llama-3.2-3b (perf/profile_decode: the CUDA kernel; then this tree with
+#             --engine.paged-decode off, the gather), ~7 min; `pagedkvserve` HTTP at c=256, 512 requests, 128 tokens,
+#             a fresh server per tree (the engine's figures give the schedule phase per step, the row ops and the
+#             KV bytes they copied), ~8 min
 # A fresh server per wave: `waves` fits 6-7 waves in one 10-minute call; run it twice for ten.
 set -uo pipefail
-# A fresh server per wave: `waves` fits 6-7 waves in one 10-minute call; run it twice for ten.
-set -uo pipefail
-case "${1:-}" in diag|llama|adapters|qwen-a|qwen-b|serving|waves|ingress|moe|moe256|hybrid|structured|tp|tp8b|dp|threads|compiled|republish|buckets|serve256|inplace|mixed|cudnn|decodeattn|unfuseddecode|defaults|defaultsab|qwendtype|qwenmlx|embeddings|policy|vision|trainmem|spec|specdraft|kvbits|pagedattn|trainshare|single) ;;
+case "${1:-}" in diag|llama|adapters|qwen-a|qwen-b|serving|waves|ingress|moe|moe256|hybrid|structured|tp|tp8b|dp|threads|compiled|republish|buckets|serve256|inplace|mixed|cudnn|decodeattn|unfuseddecode|defaults|defaultsab|qwendtype|qwenmlx|embeddings|policy|vision|trainmem|spec|specdraft|kvbits|pagedattn|trainshare|single|pagedkv|pagedkvserve) ;;
   *) sed -n '2,/^# A fresh server per wave/p' "$0"; exit 2 ;; esac
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
@@ -223,6 +228,21 @@ case "${1:-}" in
                 --shape llama-3.2-3b --concurrency 256 --max-tokens 128 --client-procs 4 --targets http \
                 --server-args "$([ $run = unfused ] && echo --engine.unfused-prefill-keys 4096)" \
                 --tokenizer-dir $TOK --work-dir $WORK --experiment llama-3.2-3b-c256-cudnn-$run --out-dir "$OUT"
+            done ;;
+  pagedkv)  BEFORE=${BEFORE:-$PWD/.gpu/before}  # this tree's perf/profile_decode.py runs over each tree's parallm
+            for b in 1 64 256; do for name in dense paged paged-gather; do
+              tree=$([ $name = dense ] && echo "$BEFORE" || echo "$PWD")
+              extra=$([ $name = paged-gather ] && echo "--engine paged_decode=off" || true)
+              PYTHONPATH=/tmp/site:$tree timeout 170 python3 perf/profile_decode.py --shape llama-3.2-3b --batch $b \
+                --steps 30 --default-only $extra --tokenizer-dir $TOK --work-dir $WORK \
+                --out "$OUT/decode-profile-pagedkv-$name-b$b-h200.json" | tail -2
+            done; done ;;
+  pagedkvserve) BEFORE=${BEFORE:-$PWD/.gpu/before}
+            for tree in "$BEFORE" "$PWD"; do
+              name=$([ "$tree" = "$PWD" ] && echo paged || echo dense)
+              (cd "$tree" && PYTHONPATH=/tmp/site:$tree timeout 280 python3 -m perf.bench_serving --shape llama-3.2-3b \
+                --concurrency 256 --requests-per-client 2 --max-tokens 128 --client-procs 4 --targets http \
+                --tokenizer-dir $OLDPWD/$TOK --work-dir $WORK --out "$OUT/serving-c256-pagedkv-$name-h200.json" | grep -v '^{"target"')
             done ;;
   pagedattn) python3 -m pytest tests/test_paged_attention.py -q -p no:cacheprovider
             python3 -m perf.bench_paged_attention --rows 1,64,256 --contexts 512,2048 --mixes uniform,ragged --repeats 20 \

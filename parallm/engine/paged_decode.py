@@ -1,0 +1,55 @@
+"""Whether a model's decode passes read the block store through paged attention (cache.PagedMask,
+paged_attention.py) instead of attending over the rows' gathered K/V: only where the engine's
+attention stand-ins replaced the model module's stock attention (fastmath.FastMath.replaced: a model
+with attention of its own gets the boolean mask and the gather), and once checked on this model
+against the gather (a decode pass of two rows at different lengths on a scratch store)."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Callable
+
+import mlx.core as mx
+
+from .cache import LiveKV, PassContext
+from .paged_attention import choose_way
+
+log = logging.getLogger("parallm.engine")
+
+
+def replaces_attention(context: Any) -> bool:
+    """Whether a FastMath context puts its attention stand-in into the model's module."""
+    return context is not None and "scaled_dot_product_attention" in context.replaced
+
+
+def check_paged_decode(call_model: Callable[..., mx.array], info: Any, kv_format: Any, block_size: int,
+                       vocab: int, way: str) -> bool:
+    """Logits of a two-row decode pass read through the block tables (`way`) against the same pass
+    over the gathered K/V, on scratch stores; False (and why, logged) where they differ or it fails."""
+    if kv_format.quantized:
+        return False
+    scratch = LiveKV(info.shapes, info.dtype, kv_format=kv_format, block_size=block_size)
+    scratch.resize(2, 32)
+    ids = [[(seed * 7919 + j * 104729) % vocab for j in range(7)] for seed in (1, 2)]
+    m5 = info.mask5d
+    try:
+        mx.eval(call_model(mx.array([ids[0][:5] + [0, 0], ids[1]]), scratch.views(PassContext(0, [0, 0], 7, 7, mask5d=m5))),
+                scratch.arrays())
+        step = mx.array([[ids[0][5]], [ids[1][0]]])
+        want = call_model(step, scratch.views(PassContext(0, [5, 7], 1, 8, mask5d=m5)), paged=True)[:, -1]
+        mx.eval(want, scratch.arrays())
+        ctx = PassContext(0, [5, 7], 1, 8, mask5d=m5)
+        ctx.paged_way = way  # type: ignore[assignment]
+        got = call_model(step, scratch.views(ctx), paged=True)[:, -1]
+        mx.eval(got)
+        atol = 1e-2 if info.dtype == mx.float32 else 5e-2
+        ok = bool(mx.allclose(got, want, rtol=1e-3, atol=atol).item())
+        diff = mx.abs(got.astype(mx.float32) - want.astype(mx.float32)).max().item()
+        shown = choose_way(mx.zeros((1, 1, 1, 1), info.dtype), mx.zeros((1, 1, 1, 1), info.dtype)) \
+            if way == "auto" else way
+        log.info("paged decode attention %s (%s): logits within %.4g of the gathered K/V's", "on" if ok else "off",
+                 shown, diff)
+        return ok
+    except Exception as e:  # noqa: BLE001 - a model whose attention does not take the paged mask
+        log.info("paged decode attention off: %s: %s", type(e).__name__, e)
+        return False

@@ -1,0 +1,44 @@
+"""Decode passes read the KV block store through paged attention (cache.PagedMask, engine/paged_decode.py)
+where the engine's attention stand-ins run the model's attention: every way gives the tokens the
+gathered K/V give, and a model whose own attention takes no paged mask falls back to the gather."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests._engine_helpers import greedy, make_engine, reference_greedy, req, run_all, tiny_model, wide_heads_model
+
+PROMPTS = [[(i * 7 + k) % 97 + 1 for i in range(9 + 13 * k)] for k in range(4)]
+
+
+def outputs(engine) -> dict:
+    """Greedy tokens of four prompts of different lengths, two arriving later (rows at different lengths)."""
+    reqs = [req(f"r{k}", p, greedy(12)) for k, p in enumerate(PROMPTS)]
+    out = run_all(engine, reqs[:2], arrivals={3: reqs[2:]}, check_every=True)
+    return {k: v["tokens"] for k, v in out.items()}
+
+
+@pytest.mark.parametrize("way", [None, "gather", "gather_mm"])
+def test_every_paged_way_gives_the_gathered_tokens(way):
+    model = tiny_model("llama")
+    want = outputs(make_engine(model, paged_decode="off", block_size=4))
+    engine = make_engine(model, paged_decode=way, block_size=4)
+    assert outputs(engine) == want
+    assert engine.runner.pages_decode and engine.runner.paged_way == (way or "auto")
+    assert want[("r0", 0)] == reference_greedy(model, PROMPTS[0], 12)
+
+
+def test_off_and_quantized_kv_read_the_gather():
+    from parallm.config import KVConfig
+
+    model = tiny_model("llama")
+    assert not make_engine(model, paged_decode="off").runner.pages_decode
+    assert not make_engine(wide_heads_model(), kv=KVConfig(bits=8, group_size=32)).runner.pages_decode
+
+
+def test_a_model_with_its_own_attention_reads_the_gather():
+    """gemma2's attention splits the GQA heads itself (no stock attention call to stand in for)."""
+    model = tiny_model("gemma2")
+    engine = make_engine(model)
+    assert engine.runner.paged_way is None and not engine.runner.pages_decode
+    assert outputs(engine)[("r1", 0)] == reference_greedy(model, PROMPTS[1], 12)
