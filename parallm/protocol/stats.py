@@ -179,8 +179,8 @@ class EngineStats(Struct, tag="engine", kw_only=True):
     step_ms_mean: dict[str, float] = {}
     live_rows: int = 0
     live_capacity: int = 0
-    live_bytes: int = 0
-    pool_bytes: int = 0
+    live_bytes: int = 0           # the KV block store's arrays (and per-row state) allocated now
+    pool_bytes: int = 0           # the store's cached blocks (no live reference)
     bytes_per_token: int = 0
     penalty_state: bool = False
     compiled_decode: dict[str, int] = {}  # engine.compiled_decode: passes run compiled, traces, eager_<reason> fallbacks
