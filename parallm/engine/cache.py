@@ -132,7 +132,8 @@ class PassContext:
         self.tables = tables
         self._masks: dict[int | None, mx.array] = {}
         self._bound: LiveKV | None = None
-        self.read: mx.array | None = None  # [n, span] slot of every (row, key position)
+        self._table: np.ndarray | None = None  # [n, blocks] the rows' block ids (bind)
+        self._read: mx.array | None = None
         self.write: mx.array | None = None  # [n * L] slot of every new token, row-major
         self.write_index: WriteIndex | None = None
         self.paged: PagedRead | None = None  # decode passes: the tables as paged attention reads them
@@ -143,11 +144,23 @@ class PassContext:
         if self._bound is live:
             return
         tables = self.tables if self.tables is not None else live.default_tables(self.row0, self.n, self.span)
-        self.read, self.write, table = live.pass_slots(tables, self.offset_list, self.length, self.span)
+        self._table, write = live.pass_slots(tables, self.offset_list, self.length, self.span)
+        self._read = None
+        self.write = mx.array(write)
         self.write_index = WriteIndex(self.write)
         if self.length == 1:
-            self.paged = PagedRead(mx.array(table + 1), self.offsets + 1)
+            self.paged = PagedRead(mx.array(self._table + 1), self.offsets + 1)
         self._bound = live
+
+    @property
+    def read(self) -> mx.array:
+        """[n, span] the store slot of every (row, key position): made on first use (a decode pass read
+        through the block tables never gathers, so it never builds them)."""
+        if self._read is None:
+            if self._bound is None or self._table is None:
+                raise ValueError("a pass's read slots before bind()")
+            self._read = mx.array(read_slots(self._table, self._bound.block_size, self.span))
+        return self._read
 
     def mask(self, window: int | None) -> mx.array:
         m = self._masks.get(window)
@@ -160,6 +173,13 @@ class PassContext:
             m = m[:, None] if not self.mask5d else m[:, None, None]
             self._masks[window] = m
         return m
+
+
+def read_slots(table: np.ndarray, block_size: int, span: int) -> np.ndarray:
+    """[n, span] the store slot of every key position [0, span) of rows whose block tables are `table`."""
+    n, nb = table.shape
+    base = (table + 1) * block_size
+    return (base[:, :, None] + np.arange(block_size, dtype=np.int32)).reshape(n, nb * block_size)[:, :span]
 
 
 @dataclass(frozen=True, slots=True)
@@ -330,10 +350,11 @@ class LiveKV:
         return [list(range(r * per_row, (r + 1) * per_row)) for r in range(row0, row0 + n)]
 
     def pass_slots(self, tables: list[list[int]], offsets: list[int], length: int,
-                   span: int) -> tuple[mx.array, mx.array, np.ndarray]:
-        """(read [n, span], write [n * length], table [n, blocks]): the store slot of every key position
-        of each row, of each new token at offsets[i] + t (a position its table does not reach: the
-        trash block), and the block ids of the rows' tables (unheld entries TRASH)."""
+                   span: int) -> tuple[np.ndarray, np.ndarray]:
+        """(table [n, blocks], write [n * length]): the block ids of the rows' tables over `span` key
+        positions (unheld entries TRASH), and the store slot of each new token at offsets[i] + t (a
+        position past `span` writes where position span - 1 does; one the table does not reach: the
+        trash block), the store grown to the ids. The slots of every key position: read_slots."""
         bs = self.block_size
         n, nb = len(tables), -(-span // bs)
         table = np.full((n, nb), TRASH, dtype=np.int32)
@@ -341,11 +362,10 @@ class LiveKV:
             k = min(nb, len(t))
             table[i, :k] = t[:k]
         self.ensure(int(table.max()) + 1)
-        base = (table + 1) * bs  # [n, nb]
-        read = (base[:, :, None] + np.arange(bs, dtype=np.int32)).reshape(n, nb * bs)[:, :span]
-        pos = np.asarray(offsets, dtype=np.int32)[:, None] + np.arange(length, dtype=np.int32)[None]
-        write = np.take_along_axis(read, np.minimum(pos, span - 1), axis=1).reshape(-1)
-        return mx.array(read), mx.array(write), table
+        pos = np.minimum(np.asarray(offsets, dtype=np.int32)[:, None] + np.arange(length, dtype=np.int32)[None],
+                         span - 1)  # [n, length]
+        blk = np.take_along_axis(table, pos // bs, axis=1)
+        return table, ((blk + 1) * bs + pos % bs).reshape(-1).astype(np.int32)
 
     def _slots(self, block_ids: list[int]) -> mx.array:
         bs = self.block_size

@@ -11,7 +11,7 @@ A compiled function needs fixed shapes, so a pure-decode pass of n rows runs as 
 state) attending over T key positions (the longest row's span rounded up to a power of two, at
 least MIN_SPAN, at most the rows' capacity), with a mask hiding each row's unused tail. The KV
 block stores themselves are its inputs and outputs, with each row's write slot [B] and read slots
-[B, T] (from its block table, cache.LiveKV.pass_slots): each row's new K/V is scattered at its
+[B, T] (from its block table, cache.LiveKV.pass_slots and read_slots): each row's new K/V is scattered at its
 own slot and the rows' K/V gathered through their slots, as the eager pass does. A padded row
 (n <= r < B) reads row n-1's slots and its logits are dropped; it writes nothing of its own: its
 store repeats row n-1's (same slot and values, so the scatter's duplicate indices agree). It
@@ -50,7 +50,7 @@ from mlx.utils import tree_flatten, tree_unflatten
 
 from parallm.adapters.lora import LoRARouter
 
-from .cache import WriteIndex, gather
+from .cache import WriteIndex, gather, read_slots
 from .kv_format import KV, KVFormat, mark
 from .compiled_lora import AdaptedLayers, Captured, capture, rebuild
 from .plan import power_of_two_bucket
@@ -216,7 +216,8 @@ class CompiledDecode:
         offs = mx.array(offsets + offsets[-1:] * pad, dtype=mx.int32)
         src = mx.array(list(range(n)) + [n - 1] * pad, dtype=mx.int32)
         tables = [s.block_ids for s in seqs] if tables is None else tables
-        read, write, _ = live.pass_slots(tables + tables[-1:] * pad, offsets + offsets[-1:] * pad, 1, T)
+        table, write = live.pass_slots(tables + tables[-1:] * pad, offsets + offsets[-1:] * pad, 1, T)
+        read, write = mx.array(read_slots(table, live.block_size, T)), mx.array(write)
         try:
             logits, keys, values = fn(tokens.astype(mx.int32), offs, src, write, read, live.keys, live.values,
                                       lora_arrays)

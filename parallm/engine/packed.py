@@ -13,6 +13,7 @@ import mlx.core as mx
 
 from .cache import LayerView, LiveKV, PassContext, WriteIndex, gather, scatter
 from .kv_format import KV, KVFormat
+from .paged_attention import paged_decode_attention
 
 
 class TokenPositions:
@@ -42,7 +43,9 @@ class PackedContext:
     decode tokens and the prompt chunks together (on the CPU the weights' memory traffic is most
     of a decode step: a separate prefill pass reads them all again). Only attention is per
     segment: `attend` splits the queries back into [rows, heads, L, dim] for the decode rows
-    and the prefill rows and attends each over its own rows of the live KV."""
+    and the prefill rows and attends each over its own rows of the live KV: the decode segment
+    through the block tables in place where the runner says decode passes do (`decode.paged_way`,
+    paged_attention.py), the prompt chunks over their rows' gathered K/V."""
 
     def __init__(self, decode_offsets: list[int], row0: int, starts: list[int], lengths: list[int],
                  decode_tables: list[list[int]] | None = None, prefill_tables: list[list[int]] | None = None) -> None:
@@ -108,9 +111,17 @@ class PackedContext:
         outs = []
         if self.decode is not None:
             ctx, n = self.decode, self.n_dec
-            mask = None if ctx.unmasked and (window is None or ctx.span <= window) else ctx.mask(window)
+            whole = window is None or ctx.span <= window  # every held key is in the window
             qd = q[:, :n].transpose(1, 0, 2)[:, :, None]
-            od = sdpa(qd, gather(keys, ctx.read), gather(values, ctx.read), cache, scale, mask)
+            if ctx.paged_way is not None and ctx.paged is not None and whole and cache is None:
+                # read through the block tables in place, as a decode pass is (no copy of the rows' K/V)
+                bs = self._bound.block_size
+                k4 = keys.reshape(keys.shape[0], -1, bs, keys.shape[-1])
+                v4 = values.reshape(values.shape[0], -1, bs, values.shape[-1])
+                od = paged_decode_attention(qd, k4, v4, ctx.paged, scale, None if ctx.paged_way == "auto" else ctx.paged_way)
+            else:
+                mask = None if ctx.unmasked and whole else ctx.mask(window)
+                od = sdpa(qd, gather(keys, ctx.read), gather(values, ctx.read), cache, scale, mask)
             outs.append(od[:, :, 0].transpose(1, 0, 2))
         ctx, k, L = self.prefill, len(self.lengths), self.prefill.length
         qp = q[:, self.n_dec:]

@@ -362,6 +362,8 @@ class ModelRunner:
         n = len(seqs)
         ctx = PackedContext([s.num_computed for s in seqs], work.row0, work.starts, work.lengths,
                             [s.block_ids for s in seqs], [s.block_ids for s in work.seqs])
+        if ctx.decode is not None and self.pages_decode:
+            ctx.decode.paged_way = self.paged_way  # the decode segment reads the store in place
         prompt = [t for seq, start, k in zip(work.seqs, work.starts, work.lengths) for t in seq.token_ids[start:start + k]]
         tokens = mx.concatenate([inputs.astype(mx.int32), mx.array(prompt, dtype=mx.int32)])[None]
         finishing: list[tuple[int, Sequence]] = []
