@@ -121,3 +121,23 @@ def test_one_long_row_and_fifteen_short_ones_hold_their_own_tokens():
         engine.step()
     engine.check_integrity()
     assert engine.blocks.num_used == 0
+
+
+def test_a_preallocated_store_holds_the_budget_from_the_start_and_never_grows(engines):
+    """engine.kv_preallocate (a CUDA GPU's default): the store is allocated at the budget's blocks when the
+    engine starts, so no growth copies it (or waits for the device) while requests run; same tokens."""
+    from parallm.config import EngineConfig, resolve_engine_config
+
+    assert resolve_engine_config(EngineConfig(), "cuda").kv_preallocate is True
+    assert resolve_engine_config(EngineConfig(), "cpu").kv_preallocate is False
+    model = tiny_model("llama")
+    engine = make_engine(model, kv_preallocate=True)
+    engines.append(engine)
+    live = engine.runner.live
+    blocks = live.store_blocks
+    assert blocks * engine.config.block_size == engine.kv_capacity_tokens
+    prompts = [[1 + i, 5, 9, 2 + i, 7][: 3 + i % 3] for i in range(6)]
+    results = run_all(engine, [make_request(f"r{i}", p, greedy(12)) for i, p in enumerate(prompts)])
+    assert {rid: r["tokens"] for (rid, _), r in results.items()} == \
+        {f"r{i}": reference_greedy(model, p, 12) for i, p in enumerate(prompts)}
+    assert live.store_blocks == blocks

@@ -125,6 +125,10 @@ class EngineConfig(Struct, frozen=True, kw_only=True, forbid_unknown_fields=True
                                "float32 on the CPU, else the rows' blocks gathered; gather / gather_mm force "
                                "those; off = attend over the rows' gathered K/V with the model's own attention "
                                "call (docs/engine.md, 'Decode attention through the block tables')")] = None
+    kv_preallocate: Annotated[bool | None, _d("allocate the KV block store at the whole budget when the engine starts "
+                                              "(as vLLM does) instead of growing it by half as blocks are used, which "
+                                              "copies the store and waits for the device each time; unset = on with a "
+                                              "CUDA GPU, off elsewhere (the CPU's memory is the other processes' too)")] = None
     compiled_decode: Annotated[bool, _d("run pure-decode passes (no prompt chunk) under mx.compile, traced once per "
                                         "(rows bucket, key-span bucket), fewer kernel launches per step for small "
                                         "batches on a GPU; rows under an adapter and models it cannot trace run "
@@ -212,6 +216,8 @@ def resolve_engine_config(config: EngineConfig, device: ComputeDevice) -> Engine
         changes["prefill_pass_s"] = CPU_PREFILL_PASS_S if on_cpu else 0.0
     if config.prefill_buckets is None:
         changes["prefill_buckets"] = False  # a GPU default waits for `bash perf/gpu_runs.sh buckets`
+    if config.kv_preallocate is None:
+        changes["kv_preallocate"] = on_cuda
     if config.unfused_decode is None:
         changes["unfused_decode"] = on_cuda
     if config.unfused_prefill_keys is None:

@@ -126,6 +126,8 @@ class Engine(EngineReport, EngineScoring):
                                    priority_aging_s=settings.priority_aging_s,
                                    prefill_buckets=bool(settings.prefill_buckets) and not info.prefill_alone)
         self.kv_capacity_tokens = num_blocks * bs  # the block store's tokens (live and cached alike)
+        if settings.kv_preallocate:
+            self.runner.live.ensure(num_blocks)  # the whole budget now: the store never grows (never copies itself)
         self.pressure = PressureGate(config.kv.pressure_threshold)
         self.disk_tier: PrefixDiskTier | None = None
         if config.kv.disk_dir and settings.prefix_cache:
