@@ -116,7 +116,7 @@
 #             round, 128 tokens. With a base checkout carried as .gpu/base (`git worktree add --detach .gpu/base
 #             <commit>` here; carry [".gpu-tok", ".gpu/base"]) the smollm2 rounds alternate it with this one, ~7 min
 #   pagedkv / pagedkvserve  issue 41: the KV block store with paged decode attention (this tree) vs the dense rows of
-#             main before it (BEFORE, default .gpu/before: `mkdir -p .gpu/before && git archive <main> | tar -x -C
+#             main before it (BEFORE, default .gpu/before: `mkdir -p .gpu/before && git archive be43360 | tar -x -C
 #             .gpu/before`, 7 MB, carried with the call), alternating trees: `pagedkv` the engine's decode step at 1, 64
 #             and 256 rows of llama-3.2-3b (perf/profile_decode: the CUDA kernel; then this tree with
 #             --engine.paged-decode off, the gather), ~7 min; `pagedkvserve` HTTP at c=256, 512 requests, 128 tokens,
