@@ -42,3 +42,36 @@ def test_a_model_with_its_own_attention_reads_the_gather():
     engine = make_engine(model)
     assert engine.runner.paged_way is None and not engine.runner.pages_decode
     assert outputs(engine)[("r1", 0)] == reference_greedy(model, PROMPTS[1], 12)
+
+
+def buffer_addresses(arrays) -> list[int]:
+    """Where each (evaluated) array's data lives: a write that copies the array moves it."""
+    import numpy as np
+
+    out = []
+    for a in arrays:
+        view = np.asarray(memoryview(a))
+        out.append(view.ctypes.data)
+        del view  # a view left alive would itself keep the next write from happening in place
+    return out
+
+
+@pytest.mark.parametrize("paged", ["auto", "off"])
+def test_decode_steps_write_the_block_store_in_place(paged):
+    """A pass scatters its new K/V into each layer's store; MLX writes in place only when nothing else
+    holds the store (a view, a gather, a graph not yet evaluated), otherwise it copies the whole store
+    first. Over decode steps of rows at different lengths the stores' buffers never move: no step
+    copies them (the store is allocated at the budget, so growth does not move it either)."""
+    engine = make_engine(tiny_model("llama"), paged_decode=paged, block_size=4, kv_preallocate=True)
+    live = engine.runner.live
+    for k, p in enumerate(PROMPTS):
+        engine.add_request(req(f"r{k}", p, greedy(24)))
+    while engine.stats().waiting or engine.stats().prefilling:
+        engine.step()
+    before = buffer_addresses(live.arrays())
+    for _ in range(8):
+        engine.step()
+        assert engine.stats().running == len(PROMPTS)
+        assert buffer_addresses(live.arrays()) == before
+    while engine.has_work():
+        engine.step()
