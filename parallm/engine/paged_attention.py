@@ -78,7 +78,8 @@ class PagedRead:
     def tiles(self, kv_heads: int, blocks: int) -> tuple[mx.array, mx.array, mx.array]:
         """gather_mm's indices, each [kv_heads, rows, width]: the store tile of every (head, row, table
         entry) in stores viewed [kv_heads * blocks, ...], the (head, row) of its queries, and its own
-        position (the weights' tile)."""
+        position (the weights' tile). Head-major like the store: the matmuls walk one head's store at
+        a time (row-major indices, which would spare the output's transpose, were 6 % slower at 64 rows)."""
         key = ("tiles", kv_heads, blocks)
         if key not in self._derived:
             head = mx.arange(kv_heads, dtype=mx.uint32)[:, None, None]
@@ -138,7 +139,12 @@ def gather_attention(queries: mx.array, k_store: mx.array, v_store: mx.array, re
 
 def gather_mm_attention(queries: mx.array, k_store: mx.array, v_store: mx.array, read: PagedRead,
                         scale: float) -> mx.array:
-    """The stores read in place by mx.gather_mm (module docstring)."""
+    """The stores read in place by mx.gather_mm (module docstring). For float32 the softmax is left
+    unnormalized until the values are summed: each maximum and sum is taken over the tile's keys,
+    then over the row's tiles (two reductions of contiguous runs, not one over two strided axes),
+    the boolean mask is applied once (a masked key's weight is 2^-100 of the largest, not 0: the
+    stores hold finite values), and the division falls on the output [rows, heads, dim] instead of on
+    every weight (the default model's 30 layers at 64 rows of 144 keys: 43-45 -> 38-40 ms a step)."""
     rows, heads, _, dim = queries.shape
     kv_heads, blocks, block_size, _ = k_store.shape
     rep, width = heads // kv_heads, read.width
@@ -148,10 +154,19 @@ def gather_mm_attention(queries: mx.array, k_store: mx.array, v_store: mx.array,
     scores = mx.gather_mm(q, k_store.reshape(kv_heads * blocks, block_size, dim).swapaxes(-1, -2),
                           lhs_indices=per_row, rhs_indices=tiles)
     visible = read.visible(block_size).reshape(1, rows, width, 1, block_size)
-    weights = _softmax(scores, visible, (2, 4), queries.dtype)  # over the row's tiles and their keys
+    total = None
+    if queries.dtype == mx.float32:
+        scores = mx.where(visible, scores, mx.finfo(mx.float32).min)
+        weights = kernels.exp_shifted(scores, scores.max(4, keepdims=True).max(2, keepdims=True))
+        total = weights.sum(4).sum(2)  # [kv_heads, rows, rep]
+    else:
+        weights = _softmax(scores, visible, (2, 4), queries.dtype)  # over the row's tiles and their keys
     # each tile's weights [rep, block] times its values [block, dim], summed over the tiles
     out = mx.gather_mm(weights.reshape(kv_heads * rows * width, rep, block_size),
                        v_store.reshape(kv_heads * blocks, block_size, dim),
                        lhs_indices=own, rhs_indices=tiles)  # [kv_heads, rows, width, rep, dim]
-    out = out.sum(2) if out.dtype == mx.float32 else out.astype(mx.float32).sum(2).astype(out.dtype)
+    if total is not None:
+        out = out.sum(2) / total[..., None]
+    else:
+        out = out.sum(2) if out.dtype == mx.float32 else out.astype(mx.float32).sum(2).astype(out.dtype)
     return out.transpose(1, 0, 2, 3).reshape(rows, heads, 1, dim)
