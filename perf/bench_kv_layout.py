@@ -134,7 +134,7 @@ def child(args) -> dict[str, Any]:
     return {"tree": str(Path(parallm.__file__).resolve().parents[1]),
             "paged_way": getattr(runner, "paged_way", None) if getattr(runner, "pages_decode", False) else None,
             "steps": step_times(engine, P, args.batches, args.steps, args.context),
-            "churn": churn(engine, P, args.requests)}
+            "churn": churn(engine, P, args.requests) if args.requests else None}
 
 
 def _parse_variant(text: str) -> tuple[str, dict[str, Any]]:
@@ -155,21 +155,28 @@ def markdown(res: dict[str, Any]) -> str:
              f"Load average 1/5/15 min at start {res['loadavg_start']}, at end {res['loadavg_end']} "
              f"({res['machine']['cpus']} CPUs; figures at a load above ~6 are noise).", "",
              f"Decode step time with every row at {res['context']} tokens, median ms of {res['steps']} steps, "
-             f"median over {res['repeats']} alternating child runs per variant:", "",
+             f"median over {res['repeats']} alternating child runs per variant (in parentheses the fastest step "
+             "of all its runs, the better guide on a loaded machine):", "",
              "| batch | " + " | ".join(f"{n} ms" for n in names) + " | " +
              " | ".join(f"{n}/{base}" for n in names[1:]) + " |",
              "|---:|" + "---:|" * (2 * len(names) - 1)]
     for b in res["batches"]:
-        row = [f"{res['summary'][n]['step_ms'][str(b)]:.2f}" for n in names]
-        row += [f"{res['summary'][n]['step_ms'][str(b)] / res['summary'][base]['step_ms'][str(b)]:.3f}x"
+        med = {n: res["summary"][n]["step_ms"][str(b)] for n in names}
+        low = {n: res["summary"][n].get("step_ms_min", {}).get(str(b)) for n in names}
+        row = [f"{med[n]:.2f}" + (f" ({low[n]:.2f})" if low[n] is not None else "") for n in names]
+        row += [f"{med[n] / med[base]:.3f}x" + (f" ({low[n] / low[base]:.3f}x)" if low[n] and low[base] else "")
                 for n in names[1:]]
         lines.append(f"| {b} | " + " | ".join(row) + " |")
-    lines += ["", "(time ratios: below 1 is faster than the first variant.)", "",
-              f"Row operations of the churn workload ({res['requests']} requests: 4 shared 64-token prefixes, "
-              "every 5th n = 2, 4-48 output tokens): count / KV bytes copied", "",
-              "| variant | op | count | KV bytes |", "|---|---|---:|---:|"]
+    lines += ["", "(time ratios: below 1 is faster than the first variant.) Load average (1 min) at the end of each run: "
+              + "; ".join(f"{n} " + ", ".join(str(r.get("loadavg_end", "?")) for r in res["runs"][n]) for n in names)]
+    if res["requests"]:
+        lines += ["", f"Row operations of the churn workload ({res['requests']} requests: 4 shared 64-token prefixes, "
+                  "every 5th n = 2, 4-48 output tokens): count / KV bytes copied", "",
+                  "| variant | op | count | KV bytes |", "|---|---|---:|---:|"]
     for n in names:
         c = res["summary"][n]["churn"]
+        if c is None:
+            continue
         for op, count in sorted(c["op_counts"].items()):
             lines.append(f"| {n} | {op} | {count} | {c['op_kv_bytes'].get(op, 0)} |")
         lines.append(f"| {n} | all | | {c['copy_bytes_total']} (wall {c['wall_s']:.2f} s, {c['steps']} steps, "
@@ -189,7 +196,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 16, 64], help="decode batch sizes")
     parser.add_argument("--steps", type=int, default=24, help="decode steps timed per batch")
     parser.add_argument("--context", type=int, default=256, help="each row's tokens before timing")
-    parser.add_argument("--requests", type=int, default=96, help="requests of the churn workload")
+    parser.add_argument("--requests", type=int, default=96, help="requests of the churn workload (0: none)")
     parser.add_argument("--repeats", type=int, default=3, help="child runs per variant, alternating")
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--settings", default="{}", help=argparse.SUPPRESS)
@@ -221,9 +228,10 @@ def main(argv: list[str] | None = None) -> int:
                 res["runs"][name].append({"error": proc.stderr[-1500:]})
                 continue
             r = json.loads(proc.stdout.splitlines()[-1])
+            r["loadavg_end"] = round(os.getloadavg()[0], 2)
             res["runs"][name].append(r)
             log("  step ms " + ", ".join(f"b{b} {s['step_ms_median']:.2f}" for b, s in r["steps"].items())
-                + f"; churn copy bytes {r['churn']['copy_bytes_total']}")
+                + (f"; churn copy bytes {r['churn']['copy_bytes_total']}" if r["churn"] else ""))
     res["loadavg_end"] = [round(x, 2) for x in os.getloadavg()]
     res["summary"] = {}
     for name, runs in res["runs"].items():
@@ -231,7 +239,9 @@ def main(argv: list[str] | None = None) -> int:
         if ok:
             res["summary"][name] = {"paged_way": ok[-1].get("paged_way"), "churn": ok[-1]["churn"],
                                     "step_ms": {str(b): statistics.median(r["steps"][str(b)]["step_ms_median"]
-                                                                          for r in ok) for b in args.batches}}
+                                                                          for r in ok) for b in args.batches},
+                                    "step_ms_min": {str(b): min(r["steps"][str(b)]["step_ms_min"] for r in ok)
+                                                    for b in args.batches}}
     files.write(res, markdown(res))
     log(f"wrote {files.json}")
     return 0
