@@ -193,6 +193,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--variant", action="append", default=[],
                         help="NAME:KEY=VALUE,... engine settings of a variant of this checkout (repeatable; "
                              "default 'paged' with the defaults)")
+    parser.add_argument("--engine", default="", metavar="KEY=VALUE,...",
+                        help="engine settings of every variant, the compared tree's too (e.g. prefill_pass_s=0,"
+                             "max_prefill_tokens=4096: the rows fill in a few passes instead of the CPU pacer's "
+                             "small chunks)")
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 16, 64], help="decode batch sizes")
     parser.add_argument("--steps", type=int, default=24, help="decode steps timed per batch")
     parser.add_argument("--context", type=int, default=256, help="each row's tokens before timing")
@@ -205,11 +209,12 @@ def main(argv: list[str] | None = None) -> int:
         json.dump(child(args), sys.stdout)
         return 0
     variants: dict[str, dict[str, Any]] = {}
+    _, common = _parse_variant(f"all:{args.engine}")
     if args.compare_tree:
-        variants["dense"] = {"tree": str(Path(args.compare_tree).resolve()), "settings": {}}
+        variants["dense"] = {"tree": str(Path(args.compare_tree).resolve()), "settings": dict(common)}
     for text in args.variant or ["paged:"]:
         name, settings = _parse_variant(text)
-        variants[name] = {"tree": str(HERE), "settings": settings}
+        variants[name] = {"tree": str(HERE), "settings": {**common, **settings}}
     files = Results.from_args("kv-layout", args, argv)
     res: dict[str, Any] = {"command": files.command, "machine": files.machine, "variants": variants,
                            "batches": args.batches, "steps": args.steps, "context": args.context,
