@@ -438,22 +438,3 @@ def test_n_forks_share_full_blocks_and_copy_only_the_last():
     check_rows(sched, runner, bs)
     sched.check_integrity()
 
-
-def test_the_front_prefilling_row_leaving_beside_a_long_one_keeps_the_long_one():
-    """The row gap's other case: a prefilling row leaving from the front of the region beside a long
-    prefilling row moves the region's start (a gap) instead of the long row. It used to drop the long row
-    from the region as well (it was popped a second time), so it was neither prefilled nor released."""
-    sched = Scheduler(budget=KVBudget(budget_tokens=4000, max_rows=8, max_len=2000), max_prefill_tokens=16,
-                      blocks=BlockManager(250, 16), block_size=16)
-    short = Sequence(seq_id=1, rid="short", index=0, prompt_ids=[3, 4, 5], params=SamplingParams(max_tokens=2), seed=0)
-    long = Sequence(seq_id=2, rid="long", index=0, prompt_ids=list(range(1, 1001)), params=SamplingParams(max_tokens=2),
-                    seed=0)
-    sched.add([short])
-    sched.add([long])
-    plan = sched.schedule()
-    assert plan.prefill is not None and sched.prefilling == [short, long] and plan.prefill.lengths[1] > 0
-    long.num_computed = plan.prefill.lengths[1]  # its first chunk computed (a pass ran), short's not yet
-    sched.move_limit = 0  # any computed position makes a row long
-    sched.finish(short, "abort")
-    assert sched.prefilling == [long] and long.row == 1 and sched.gap == 1
-    sched.check_integrity()
