@@ -8,6 +8,10 @@ BlockManager is slots [(b + 1) * block_size, (b + 2) * block_size) of every head
 [0, block_size), is a trash block that pad positions and unheld table entries point at. Viewed as
 [kv_heads, blocks + 1, block_size, dim] (a free reshape), block b + 1 of head h is one contiguous
 tile: the paged attention kernels' layout (paged_attention.py), the disk tier's block files' too.
+Where decode attention reads the store with mx.gather_mm on the CPU (float32), K is stored as
+transposed tiles instead (`keys_transposed`: [kv_heads, blocks + 1, dim, block_size], key_tiles.py);
+the functions here (`scatter`, `gather`, the block copies and reads) take either layout, and what
+leaves the store (a block's tile for the disk tier) is head-major either way.
 A sequence's KV is its block table (`Sequence.block_ids`), so a prefix hit, a finished block, an
 n > 1 fork and a row move are references, never copies (only a fork's partly filled last block is
 copied: `copy_blocks`). The store grows (`ensure`) as far as the block ids in use reach, so its
@@ -47,6 +51,7 @@ from typing import Any, Protocol, runtime_checkable
 import mlx.core as mx
 import numpy as np
 
+from . import key_tiles
 from .kv_format import KV, KVFormat, mark, parts
 from .memory import retry_out_of_memory
 from .paged_attention import PagedRead, Way, paged_decode_attention
@@ -98,6 +103,7 @@ class WriteIndex:
     def __init__(self, slots: mx.array) -> None:
         self._slots = slots
         self._built: dict[int, tuple[mx.array, mx.array]] = {}
+        self._flat: dict[tuple[int, ...], mx.array] = {}
 
     def __call__(self, heads: int) -> tuple[mx.array, mx.array]:
         found = self._built.get(heads)
@@ -105,6 +111,13 @@ class WriteIndex:
             shape = (heads, self._slots.shape[0])
             found = self._built[heads] = (mx.broadcast_to(mx.arange(heads, dtype=mx.int32)[:, None], shape),
                                           mx.broadcast_to(self._slots[None], shape))
+        return found
+
+    def tiles(self, store_shape: tuple[int, ...]) -> mx.array:
+        """The flat element positions of the new tokens in a transposed K store (key_tiles.write_index)."""
+        found = self._flat.get(store_shape)
+        if found is None:
+            found = self._flat[store_shape] = key_tiles.write_index(self._slots, store_shape)
         return found
 
 
@@ -134,6 +147,7 @@ class PassContext:
         self._bound: LiveKV | None = None
         self._table: np.ndarray | None = None  # [n, blocks] the rows' block ids (bind)
         self._read: mx.array | None = None
+        self._read_tiles: dict[tuple[int, ...], mx.array] = {}
         self.write: mx.array | None = None  # [n * L] slot of every new token, row-major
         self.write_index: WriteIndex | None = None
         self.paged: PagedRead | None = None  # decode passes: the tables as paged attention reads them
@@ -146,6 +160,7 @@ class PassContext:
         tables = self.tables if self.tables is not None else live.default_tables(self.row0, self.n, self.span)
         self._table, write = live.pass_slots(tables, self.offset_list, self.length, self.span)
         self._read = None
+        self._read_tiles = {}
         self.write = mx.array(write)
         self.write_index = WriteIndex(self.write)
         if self.length == 1:
@@ -161,6 +176,16 @@ class PassContext:
                 raise ValueError("a pass's read slots before bind()")
             self._read = mx.array(read_slots(self._table, self._bound.block_size, self.span))
         return self._read
+
+    def gather(self, store: KV) -> KV:
+        """The rows' keys or values through their slots: `gather(store, self.read)`, a transposed K
+        store's element positions made once per pass."""
+        if isinstance(store, mx.array) and store.ndim == 4:
+            index = self._read_tiles.get(store.shape)
+            if index is None:
+                index = self._read_tiles[store.shape] = key_tiles.read_index(self.read, store.shape)
+            return key_tiles.gather(store, self.read, index)
+        return gather(store, self.read)
 
     def mask(self, window: int | None) -> mx.array:
         m = self._masks.get(window)
@@ -193,19 +218,23 @@ class PagedMask:
 
 def gather(store: KV, read: mx.array) -> KV:
     """The keys or values of rows through their slots `read` [n, T]: [n, heads, T, width] per stored
-    array (the reference paged read: one Gather each)."""
+    array (the reference paged read: one Gather each; a transposed K store: key_tiles.gather)."""
     if isinstance(store, tuple):
         return tuple(gather(a, read) for a in store)
+    if store.ndim == 4:
+        return key_tiles.gather(store, read)
     return mx.take(store, read, axis=1).transpose(1, 0, 2, 3)
 
 
-def scatter(store: KV, new: KV, where: tuple[mx.array, mx.array]) -> KV:
-    """Store the new K or V [n, heads, L, width] (each stored part) at the pass's slots (WriteIndex)."""
+def scatter(store: KV, new: KV, index: WriteIndex) -> KV:
+    """Store the new K or V [n, heads, L, width] (each stored part) at the pass's slots (`index`)."""
     if isinstance(store, tuple):
-        return tuple(scatter(a, b, where) for a, b in zip(store, new))
+        return tuple(scatter(a, b, index) for a, b in zip(store, new))
     n, heads, L, width = new.shape
     x = new[:, :, 0, :].transpose(1, 0, 2) if L == 1 else new.transpose(1, 0, 2, 3).reshape(heads, n * L, width)
-    store[where] = x
+    if store.ndim == 4:  # transposed K tiles
+        return key_tiles.write(store, x, index.tiles(store.shape))
+    store[index(heads)] = x
     return store
 
 
@@ -230,10 +259,16 @@ class LayerView:
 class LiveKV:
     """Per-layer K/V block stores [heads, slots, dim] shared by all live sequences and the prefix
     cache, and the per-row recurrent state of the model's state slots, if any (parallm.engine.state).
-    `rows` x `capacity`: the rows of per-row state and the longest row the tables cover (Resize)."""
+    `rows` x `capacity`: the rows of per-row state and the longest row the tables cover (Resize).
+    `keys_transposed`: K as transposed tiles [heads, blocks, dim, block_size] (key_tiles.py; not with
+    quantized K/V)."""
 
     def __init__(self, shapes: list[LayerShape], dtype: mx.Dtype, layout: SlotLayout | None = None,
-                 kv_format: KVFormat | None = None, *, block_size: int = 16, max_blocks: int | None = None) -> None:
+                 kv_format: KVFormat | None = None, *, block_size: int = 16, max_blocks: int | None = None,
+                 keys_transposed: bool = False) -> None:
+        if keys_transposed and kv_format is not None and kv_format.quantized:
+            raise ValueError("quantized K/V are stored head-major: keys_transposed takes the model's dtype only")
+        self.keys_transposed = keys_transposed
         self.shapes = shapes
         self.dtype = dtype
         self.layout = layout
@@ -255,7 +290,7 @@ class LiveKV:
     @property
     def store_blocks(self) -> int:
         """Blocks the store holds now (the trash block not counted)."""
-        return parts(self.keys[0])[0].shape[1] // self.block_size - 1 if self.keys else 0
+        return parts(self.values[0])[0].shape[1] // self.block_size - 1 if self.values else 0
 
     @property
     def kv_bytes(self) -> int:
@@ -305,18 +340,18 @@ class LiveKV:
         if self.max_blocks is not None:
             want = max(blocks, min(want, self.max_blocks))
         slots = (want + 1) * self.block_size
-        old = (have + 1) * self.block_size if self.keys else 0
         fmt = self.format
 
         def grow() -> tuple[list[KV], list[KV]]:
             new_k, new_v = [], []
             for i, s in enumerate(self.shapes):
-                k = fmt.zeros((s.k_heads, slots), s.k_dim)
+                k = key_tiles.zeros(s.k_heads, slots, s.k_dim, self.block_size, self.dtype) if self.keys_transposed \
+                    else fmt.zeros((s.k_heads, slots), s.k_dim)
                 v = fmt.zeros((s.v_heads, slots), s.v_dim)
-                if old:
+                if self.keys:
                     for new, cur in ((k, self.keys[i]), (v, self.values[i])):
                         for a, b in zip(parts(new), parts(cur)):
-                            a[:, :old] = b
+                            a[:, :b.shape[1]] = b  # slots, or a transposed K store's blocks
                 new_k.append(k)
                 new_v.append(v)
             mx.eval(new_k, new_v)
@@ -371,17 +406,21 @@ class LiveKV:
         bs = self.block_size
         return mx.array([(b + 1) * bs + t for b in block_ids for t in range(bs)], dtype=mx.int32)
 
+    def _places(self, buf: mx.array, block_ids: list[int]) -> mx.array:
+        """Where blocks `block_ids` lie along axis 1 of a stored array: slots, or a transposed K store's blocks."""
+        return mx.array([b + 1 for b in block_ids], dtype=mx.int32) if buf.ndim == 4 else self._slots(block_ids)
+
     def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
         """Block dst := block src for every (src, dst) (a fork's partly filled last block)."""
         if not pairs:
             return
         self.ensure(max(max(p) for p in pairs) + 1)
-        src, dst = self._slots([s for s, _ in pairs]), self._slots([d for _, d in pairs])
-        reads = [mx.take(buf, src, axis=1) for buf in self._kv()]
+        src, dst = [s for s, _ in pairs], [d for _, d in pairs]
+        reads = [mx.take(buf, self._places(buf, src), axis=1) for buf in self._kv()]
         mx.eval(reads)
         bufs = self._kv()
         for buf, r in zip(bufs, reads):
-            buf[:, dst] = r
+            buf[:, self._places(buf, dst)] = r
         self._set(bufs)
         self.copied["cow"] += len(pairs) * self.block_size * self.bytes_per_token
 
@@ -394,18 +433,26 @@ class LiveKV:
         """Per block, its tile [heads, block_size, width] of each stored array (`_kv()`'s order), all
         materialized in one evaluation (the disk tier saves them)."""
         self.ensure(max(block_ids) + 1)
-        out = [[mx.take(buf, self._slots([b]), axis=1) for buf in self._kv()] for b in block_ids]
+        out = [[key_tiles.tile(buf, self._places(buf, [b])) if buf.ndim == 4 else mx.take(buf, self._slots([b]), axis=1)
+                for buf in self._kv()] for b in block_ids]
         mx.eval(out)
         return out
 
     def write_block(self, block_id: int, data: list[mx.array]) -> None:
         """Block `block_id` := data (per stored array, `_kv()`'s order: [heads, block_size, width])."""
         self.ensure(block_id + 1)
-        slots = self._slots([block_id])
         bufs = self._kv()
         for buf, d in zip(bufs, data):
-            buf[:, slots] = d
+            buf[:, self._places(buf, [block_id])] = key_tiles.untile(d, self.block_size) if buf.ndim == 4 else d
         self._set(bufs)
+
+    def tiles(self, layer: int) -> tuple[mx.array, mx.array]:
+        """Layer `layer`'s K and V stores as paged attention reads them: [heads, blocks + 1, block_size,
+        dim] each (free reshapes), K as [heads, blocks + 1, dim, block_size] where `keys_transposed`."""
+        bs = self.block_size
+        k, v = self.keys[layer], self.values[layer]
+        k4 = k if k.ndim == 4 else k.reshape(k.shape[0], -1, bs, k.shape[-1])
+        return k4, v.reshape(v.shape[0], -1, bs, v.shape[-1])
 
     def copy_rows(self, pairs: list[tuple[int, int]], ntokens: int | list[int] = 0) -> None:
         """Row dst := row src of the per-row state for every (src, dst), reading all sources before
@@ -461,10 +508,10 @@ class RowsView(LayerView):
         if keys.shape[0] != ctx.n or keys.shape[2] != ctx.length:
             raise ValueError(f"cache view expected [{ctx.n}, heads, {ctx.length}, dim] keys, got {keys.shape}")
         fmt = live.format
-        k_buf = scatter(live.keys[i], fmt.encode(keys), ctx.write_index(keys.shape[1]))
-        v_buf = scatter(live.values[i], fmt.encode(values), ctx.write_index(values.shape[1]))
+        k_buf = scatter(live.keys[i], fmt.encode(keys), ctx.write_index)
+        v_buf = scatter(live.values[i], fmt.encode(values), ctx.write_index)
         live.keys[i], live.values[i] = k_buf, v_buf
-        self._fetched = fmt.fetched(gather(k_buf, ctx.read)), fmt.fetched(gather(v_buf, ctx.read))
+        self._fetched = fmt.fetched(ctx.gather(k_buf)), fmt.fetched(ctx.gather(v_buf))
         return self._fetched
 
     def keys_and_values(self) -> tuple[KV, KV]:
@@ -493,14 +540,11 @@ class RowsView(LayerView):
         ctx, live, i = self._ctx, self._live, self._layer
         if self._fetched is None or keys is not self._fetched[0] or ctx.paged is None:
             return None
-        bs = live.block_size
-        k, v = live.keys[i], live.values[i]
-        k4 = k.reshape(k.shape[0], -1, bs, k.shape[-1])
-        v4 = v.reshape(v.shape[0], -1, bs, v.shape[-1])
+        k4, v4 = live.tiles(i)
         way = None if ctx.paged_way == "auto" else ctx.paged_way
-        return paged_decode_attention(queries, k4, v4, ctx.paged, scale, way)
+        return paged_decode_attention(queries, k4, v4, ctx.paged, scale, way, keys_transposed=live.keys_transposed)
 
     @property
     def state(self) -> tuple[KV, KV]:
         ctx, i = self._ctx, self._layer
-        return gather(self._live.keys[i], ctx.read), gather(self._live.values[i], ctx.read)
+        return ctx.gather(self._live.keys[i]), ctx.gather(self._live.values[i])

@@ -50,6 +50,7 @@ from mlx.utils import tree_flatten, tree_unflatten
 
 from parallm.adapters.lora import LoRARouter
 
+from . import key_tiles
 from .cache import WriteIndex, gather, read_slots
 from .kv_format import KV, KVFormat, mark
 from .compiled_lora import AdaptedLayers, Captured, capture, rebuild
@@ -127,7 +128,10 @@ def _store(buf: KV, new: KV, p: "_PassInputs") -> KV:
     """The new token's K or V [B, heads, 1, width] (each stored part) into the store at each row's slot."""
     if isinstance(buf, tuple):
         return tuple(_store(b, n, p) for b, n in zip(buf, new))
-    buf[p.write_index(new.shape[1])] = new[:, :, 0, :][p.src].transpose(1, 0, 2)  # [heads, B, width]
+    x = new[:, :, 0, :][p.src].transpose(1, 0, 2)  # [heads, B, width]
+    if buf.ndim == 4:  # transposed K tiles (key_tiles.py)
+        return key_tiles.write(buf, x, p.write_index.tiles(buf.shape))
+    buf[p.write_index(new.shape[1])] = x
     return buf
 
 

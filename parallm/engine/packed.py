@@ -11,7 +11,7 @@ from typing import Any
 
 import mlx.core as mx
 
-from .cache import LayerView, LiveKV, PassContext, WriteIndex, gather, scatter
+from .cache import LayerView, LiveKV, PassContext, WriteIndex, scatter
 from .kv_format import KV, KVFormat
 from .paged_attention import paged_decode_attention
 
@@ -116,19 +116,20 @@ class PackedContext:
             if ctx.paged_way is not None and ctx.paged is not None and whole and cache is None:
                 # read through the block tables in place, as a decode pass is (no copy of the rows' K/V)
                 bs = self._bound.block_size
-                k4 = keys.reshape(keys.shape[0], -1, bs, keys.shape[-1])
+                k4 = keys if keys.ndim == 4 else keys.reshape(keys.shape[0], -1, bs, keys.shape[-1])  # ndim 4: K tiles transposed
                 v4 = values.reshape(values.shape[0], -1, bs, values.shape[-1])
-                od = paged_decode_attention(qd, k4, v4, ctx.paged, scale, None if ctx.paged_way == "auto" else ctx.paged_way)
+                od = paged_decode_attention(qd, k4, v4, ctx.paged, scale, None if ctx.paged_way == "auto" else ctx.paged_way,
+                                            keys_transposed=keys.ndim == 4)
             else:
                 mask = None if ctx.unmasked and whole else ctx.mask(window)
-                od = sdpa(qd, gather(keys, ctx.read), gather(values, ctx.read), cache, scale, mask)
+                od = sdpa(qd, ctx.gather(keys), ctx.gather(values), cache, scale, mask)
             outs.append(od[:, :, 0].transpose(1, 0, 2))
         ctx, k, L = self.prefill, len(self.lengths), self.prefill.length
         qp = q[:, self.n_dec:]
         if not self.uniform:
             qp = qp[:, self.pad_index]
         qp = qp.reshape(H, k, L, D).transpose(1, 0, 2, 3)
-        op = sdpa(qp, gather(keys, ctx.read), gather(values, ctx.read), cache, scale, ctx.mask(window))
+        op = sdpa(qp, ctx.gather(keys), ctx.gather(values), cache, scale, ctx.mask(window))
         op = op.transpose(1, 0, 2, 3).reshape(H, k * L, -1)
         if not self.uniform:
             op = op[:, self.unpad_index]
@@ -153,8 +154,8 @@ class PackedView(LayerView):
         if keys.shape[0] != 1 or keys.shape[2] != ctx.size:
             raise ValueError(f"packed cache view expected [1, heads, {ctx.size}, dim] keys, got {keys.shape}")
         fmt = live.format  # the pass's tokens are one row of N: the store's layout [heads, N, width]
-        k_buf = scatter(live.keys[i], fmt.encode(keys), ctx.write_index(keys.shape[1]))
-        v_buf = scatter(live.values[i], fmt.encode(values), ctx.write_index(values.shape[1]))
+        k_buf = scatter(live.keys[i], fmt.encode(keys), ctx.write_index)
+        v_buf = scatter(live.values[i], fmt.encode(values), ctx.write_index)
         live.keys[i], live.values[i] = k_buf, v_buf
         return k_buf, v_buf
 

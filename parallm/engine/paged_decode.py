@@ -23,12 +23,14 @@ def replaces_attention(context: Any) -> bool:
 
 
 def check_paged_decode(call_model: Callable[..., mx.array], info: Any, kv_format: Any, block_size: int,
-                       vocab: int, way: str) -> bool:
+                       vocab: int, way: str, keys_transposed: bool = False) -> bool:
     """Logits of a two-row decode pass read through the block tables (`way`) against the same pass
-    over the gathered K/V, on scratch stores; False (and why, logged) where they differ or it fails."""
+    over the gathered K/V, on scratch stores laid out as the engine's (`keys_transposed`); False
+    (and why, logged) where they differ or it fails."""
     if kv_format.quantized:
         return False
-    scratch = LiveKV(info.shapes, info.dtype, kv_format=kv_format, block_size=block_size)
+    scratch = LiveKV(info.shapes, info.dtype, kv_format=kv_format, block_size=block_size,
+                     keys_transposed=keys_transposed)
     scratch.resize(2, 32)
     ids = [[(seed * 7919 + j * 104729) % vocab for j in range(7)] for seed in (1, 2)]
     m5 = info.mask5d

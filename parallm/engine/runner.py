@@ -19,6 +19,7 @@ from .head import OutputHead
 from .images import prefill_embeddings
 from .kv_format import KVFormat
 from .packed import PackedContext, PackedView
+from .paged_attention import transposes_keys
 from .paged_decode import check_paged_decode, replaces_attention
 from .plan import PrefillWork, RowOp
 from .prefix_tier import PrefixDiskTier
@@ -98,9 +99,6 @@ class ModelRunner:
         self.vocab_size = vocab_size
         self.block_size = block_size
         self.kv_format = kv_format or KVFormat(info.dtype)
-        self.live = LiveKV(info.shapes, info.dtype, info.layout, self.kv_format, block_size=block_size,
-                           max_blocks=num_blocks)
-        self.live.settle_bytes = in_place_kv_mb * 2**20 if in_place_kv_mb >= 0 else None
         self.penalties = PenaltyState(vocab_size)
         self.sampler = Sampler(vocab_size, compiled=compile)
         self._params_key: tuple | None = None
@@ -118,6 +116,11 @@ class ModelRunner:
         self.paged_way = paged_decode if paged_decode != "off" and replaces_attention(self.fast_math or self.packing) \
             else None
         self._paged: bool | None = None if self.paged_way is not None else False
+        # K as transposed tiles where decode passes read the store with gather_mm (the CPU's way, key_tiles.py)
+        self.live = LiveKV(info.shapes, info.dtype, info.layout, self.kv_format, block_size=block_size,
+                           max_blocks=num_blocks, keys_transposed=transposes_keys(self.paged_way, info.dtype,
+                                                                                self.kv_format.quantized))
+        self.live.settle_bytes = in_place_kv_mb * 2**20 if in_place_kv_mb >= 0 else None
         self.head = OutputHead(model)
         # recurrent state (a packed pass is one sequence: a scan would run across rows) or several
         # caches per layer, or quantized K/V read dequantized (a packed pass reads the whole buffers):
@@ -159,7 +162,7 @@ class ModelRunner:
         """Whether decode passes read the block store through paged attention (paged_decode.py)."""
         if self._paged is None:
             self._paged = check_paged_decode(self.call_model, self.info, self.kv_format, self.block_size,
-                                             self.vocab_size, self.paged_way)
+                                             self.vocab_size, self.paged_way, self.live.keys_transposed)
         return self._paged
 
     def _forward(self, seqs: list[Sequence], tokens: mx.array, cache, per_token: list | None = None,
@@ -399,7 +402,8 @@ class ModelRunner:
         def ids(n: int, seed: int) -> list[int]:
             return [(seed * 7919 + j * 104729) % vocab for j in range(n)]
 
-        scratch = LiveKV(self.info.shapes, self.info.dtype, kv_format=self.kv_format, block_size=self.block_size)
+        scratch = LiveKV(self.info.shapes, self.info.dtype, kv_format=self.kv_format, block_size=self.block_size,
+                         keys_transposed=self.live.keys_transposed)
         scratch.resize(4, 32)
         m5 = self.info.mask5d
         try:
