@@ -52,6 +52,7 @@ CASES = [
     ([1, 17, 40, 33, 16], 6, 2, 64),  # ragged, GQA 3 query heads per KV head, a row of one key
     ([100] * 4, 4, 4, 32),  # uniform, no GQA
     ([5, 300, 64, 129], 24, 8, 128),  # Llama-3.2-3B's heads and head dim
+    ([16, 3], 9, 3, 64),  # every row in one block (a table one entry wide)
 ]
 
 

@@ -94,14 +94,15 @@ class PagedRead:
 
     def tiles(self, kv_heads: int, blocks: int) -> tuple[mx.array, mx.array, mx.array]:
         """gather_mm's indices, each [kv_heads, rows, width]: the store tile of every (head, row, table
-        entry) in stores viewed [kv_heads * blocks, ...], the (head, row) of its queries, and its own
+        entry) in stores viewed [kv_heads * blocks, ...], its queries' place in the queries viewed
+        [rows * kv_heads, rep, dim] (row-major as they come: no transposed copy of them), and its own
         position (the weights' tile). Head-major like the store: the matmuls walk one head's store at
         a time (row-major indices, which would spare the output's transpose, were 6 % slower at 64 rows)."""
         key = ("tiles", kv_heads, blocks)
         if key not in self._derived:
             head = mx.arange(kv_heads, dtype=mx.uint32)[:, None, None]
             tiles = head * blocks + self.tables.astype(mx.uint32)[None]
-            per_row = head * self.rows + mx.arange(self.rows, dtype=mx.uint32)[None, :, None] + mx.zeros_like(tiles)
+            per_row = mx.arange(self.rows, dtype=mx.uint32)[None, :, None] * kv_heads + head + mx.zeros_like(tiles)
             own = mx.arange(tiles.size, dtype=mx.uint32).reshape(tiles.shape)
             self._derived[key] = (tiles, per_row, own)
         return self._derived[key]  # type: ignore[return-value]
@@ -174,7 +175,7 @@ def gather_mm_attention(queries: mx.array, k_store: mx.array, v_store: mx.array,
     kv_heads, blocks, block_size, _ = v_store.shape
     rep, width = heads // kv_heads, read.width
     tiles, per_row, own = read.tiles(kv_heads, blocks)
-    q = (queries * scale).reshape(rows, kv_heads, rep, dim).transpose(1, 0, 2, 3).reshape(kv_heads * rows, rep, dim)
+    q = (queries * scale).reshape(rows * kv_heads, rep, dim)
     # each tile's scores: the row's query heads [rep, dim] times its keys [dim, block]: [kv_heads, rows, width, rep, block]
     k_tiles = k_store.reshape(kv_heads * blocks, dim, block_size) if keys_transposed else \
         k_store.reshape(kv_heads * blocks, block_size, dim).swapaxes(-1, -2)
