@@ -122,9 +122,13 @@
 #             --engine.paged-decode off, the gather), ~7 min; `pagedkvserve` HTTP at c=256, 512 requests, 128 tokens,
 #             a fresh server per tree (the engine's figures give the schedule phase per step, the row ops and the
 #             KV bytes they copied), ~8 min
+#   pagedkvdiag  issue 41: perf/diag_paged_step.py at 1, 64, 256 rows (the paged read's check and its log, the
+#             step time as checked and with the check forced on, stores moved, greedy rows agreeing), then the
+#             engine's decode step of BEFORE's dense rows and this tree alternating (as pagedkv, without the
+#             gather), ~5 min
 # A fresh server per wave: `waves` fits 6-7 waves in one 10-minute call; run it twice for ten.
 set -uo pipefail
-case "${1:-}" in diag|llama|adapters|qwen-a|qwen-b|serving|waves|ingress|moe|moe256|hybrid|structured|tp|tp8b|dp|threads|compiled|republish|buckets|serve256|inplace|mixed|cudnn|decodeattn|unfuseddecode|defaults|defaultsab|qwendtype|qwenmlx|embeddings|policy|vision|trainmem|spec|specdraft|kvbits|pagedattn|trainshare|single|pagedkv|pagedkvserve) ;;
+case "${1:-}" in diag|llama|adapters|qwen-a|qwen-b|serving|waves|ingress|moe|moe256|hybrid|structured|tp|tp8b|dp|threads|compiled|republish|buckets|serve256|inplace|mixed|cudnn|decodeattn|unfuseddecode|defaults|defaultsab|qwendtype|qwenmlx|embeddings|policy|vision|trainmem|spec|specdraft|kvbits|pagedattn|trainshare|single|pagedkv|pagedkvserve|pagedkvdiag) ;;
   *) sed -n '2,/^# A fresh server per wave/p' "$0"; exit 2 ;; esac
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
@@ -236,6 +240,15 @@ case "${1:-}" in
               PYTHONPATH=/tmp/site:$tree timeout 170 python3 perf/profile_decode.py --shape llama-3.2-3b --batch $b \
                 --steps 30 --default-only $extra --tokenizer-dir $TOK --work-dir $WORK \
                 --out "$OUT/decode-profile-pagedkv-$name-b$b-h200.json" | tail -2
+            done; done ;;
+  pagedkvdiag) BEFORE=${BEFORE:-$PWD/.gpu/before}
+            python3 -m perf.diag_paged_step --shape llama-3.2-3b --batches 1,64,256 --steps 20 --tokenizer-dir $TOK \
+              --work-dir $WORK --out "$OUT/paged-step-diag-h200.json" | cut -c1-900
+            for b in 1 64 256; do for name in dense paged; do
+              tree=$([ $name = dense ] && echo "$BEFORE" || echo "$PWD")
+              PYTHONPATH=/tmp/site:$tree timeout 170 python3 perf/profile_decode.py --shape llama-3.2-3b --batch $b \
+                --steps 30 --default-only --tokenizer-dir $TOK --work-dir $WORK \
+                --out "$OUT/decode-profile-pagedkv-$name-b$b-h200.json" | tail -1
             done; done ;;
   pagedkvserve) BEFORE=${BEFORE:-$PWD/.gpu/before}
             for tree in "$BEFORE" "$PWD"; do

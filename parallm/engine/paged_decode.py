@@ -16,6 +16,12 @@ from .paged_attention import choose_way
 
 log = logging.getLogger("parallm.engine")
 
+# The largest logit difference a paged read may show against the gather, relative to the largest logit
+# (at least 1), for 16-bit and float32 models: the two ways round differently (a kernel accumulates in
+# float32, a GPU's float32 matmuls may use TF32), so their logits differ by rounding that grows with the
+# model's depth and logit scale; a read that misses or misplaces keys differs by far more.
+CHECK_TOLERANCE = {False: 2e-2, True: 2e-3}
+
 
 def replaces_attention(context: Any) -> bool:
     """Whether a FastMath context puts its attention stand-in into the model's module."""
@@ -44,13 +50,13 @@ def check_paged_decode(call_model: Callable[..., mx.array], info: Any, kv_format
         ctx.paged_way = way  # type: ignore[assignment]
         got = call_model(step, scratch.views(ctx), paged=True)[:, -1]
         mx.eval(got)
-        atol = 1e-2 if info.dtype == mx.float32 else 5e-2
-        ok = bool(mx.allclose(got, want, rtol=1e-3, atol=atol).item())
         diff = mx.abs(got.astype(mx.float32) - want.astype(mx.float32)).max().item()
+        scale = max(mx.abs(want.astype(mx.float32)).max().item(), 1.0)
+        ok = diff <= CHECK_TOLERANCE[info.dtype == mx.float32] * scale
         shown = choose_way(mx.zeros((1, 1, 1, 1), info.dtype), mx.zeros((1, 1, 1, 1), info.dtype)) \
             if way == "auto" else way
-        log.info("paged decode attention %s (%s): logits within %.4g of the gathered K/V's", "on" if ok else "off",
-                 shown, diff)
+        log.info("paged decode attention %s (%s): logits within %.4g of the gathered K/V's (largest logit %.4g)",
+                 "on" if ok else "off", shown, diff, scale)
         return ok
     except Exception as e:  # noqa: BLE001 - a model whose attention does not take the paged mask
         log.info("paged decode attention off: %s: %s", type(e).__name__, e)
