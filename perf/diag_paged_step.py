@@ -1,9 +1,11 @@
 """Why a block-store decode step is slower than the dense rows' on a GPU (issue 41): per batch, the
-engine as configured (paged decode checked on first use, paged_decode.check_paged_decode) and the same
-engine with the check's verdict forced on, each with what the check logged (its way and the logits'
-difference), whether the paged read was used, the step time overlapped and synchronized, whether any
-step moved a layer's store (a copy instead of an in-place write), and how many rows' greedy tokens
-the forced engine shares with the checked one.
+engine as configured (paged decode checked on first use, paged_decode.check_paged_decode; where the
+check turns it off, the same engine with its verdict forced on as well) and the engine reading the
+gathered K/V (paged_decode off), each with what the check logged (its way and the logits' difference),
+whether the paged read was used, the step time overlapped and synchronized, whether any step moved a
+layer's store (a copy instead of an in-place write), and how many rows' greedy tokens agree with the
+first engine's; at one batch also two stock attention ways over the same gathered K/V (the fused kernel
+and the unfused matmuls): how far rounding alone moves a random-weight model's greedy tokens.
 
     python perf/diag_paged_step.py --shape llama-3.2-3b --batches 1,64,256 --tokenizer-dir DIR
         # -> $OUT/paged-step-diag-<device>.json
@@ -45,7 +47,8 @@ def _addresses(arrays: list[mx.array]) -> list[int] | None:
         return None
 
 
-def run_variant(model: Any, batch: int, steps: int, prompt_len: int, force: bool) -> dict[str, Any]:
+def run_variant(model: Any, batch: int, steps: int, prompt_len: int, force: bool,
+                **settings: Any) -> tuple[dict[str, Any], dict[str, list[int]]]:
     from parallm.engine import runner as runner_module
     from perf.profile_decode import decoding_engine
 
@@ -56,7 +59,7 @@ def run_variant(model: Any, batch: int, steps: int, prompt_len: int, force: bool
     if force:
         runner_module.check_paged_decode = lambda *a, **k: (real_check(*a, **k), True)[1]
     try:
-        engine = decoding_engine(model, batch, steps * 2 + 4, prompt_len)
+        engine = decoding_engine(model, batch, steps * 2 + 4, prompt_len, **settings)
     finally:
         runner_module.check_paged_decode = real_check
         logging.getLogger("parallm.engine").removeHandler(lines)
@@ -79,7 +82,7 @@ def run_variant(model: Any, batch: int, steps: int, prompt_len: int, force: bool
     tokens = {s.rid: list(s.output_ids) for s in engine.scheduler.running} \
         if hasattr(engine, "scheduler") else {}
     out = {
-        "batch": batch, "forced": force,
+        "batch": batch, "forced": force, "asked": settings,
         "paged_way": runner.paged_way, "pages_decode": runner.pages_decode,
         "keys_transposed": getattr(live, "keys_transposed", False),
         "store_mb": sum(a.nbytes for a in live.arrays()) / 2**20,
@@ -96,6 +99,11 @@ def run_variant(model: Any, batch: int, steps: int, prompt_len: int, force: bool
     gc.collect()
     mx.clear_cache()
     return out, tokens
+
+
+def agreeing(want: dict[str, list[int]], got: dict[str, list[int]]) -> tuple[int, int]:
+    """(rows whose greedy tokens are the same in both, rows compared)."""
+    return sum(got.get(k) == v for k, v in want.items()), len(want)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -116,14 +124,28 @@ def main(argv: list[str] | None = None) -> int:
     model, _ = load_model(build_model_dir(args.shape, args.work_dir / args.shape, args.tokenizer_dir))
     results = Results.from_args("paged-step-diag", args, argv, experiment=args.shape)
     report: dict[str, Any] = {"shape": args.shape, "runs": []}
-    for batch in [int(b) for b in args.batches.split(",")]:
+    batches = [int(b) for b in args.batches.split(",")]
+    yardstick_batch = 64 if 64 in batches else batches[-1]
+    for batch in batches:
         checked, want = run_variant(model, batch, args.steps, args.prompt_len, force=False)
         print(checked, flush=True)
-        forced, got = run_variant(model, batch, args.steps, args.prompt_len, force=True)
-        forced["same_tokens_rows"] = sum(got.get(k) == v for k, v in want.items())
-        forced["rows_compared"] = len(want)
-        print(forced, flush=True)
-        report["runs"] += [checked, forced]
+        report["runs"].append(checked)
+        if not checked["pages_decode"]:
+            forced, got = run_variant(model, batch, args.steps, args.prompt_len, force=True)
+            forced["same_tokens_rows"], forced["rows_compared"] = agreeing(want, got)
+            print(forced, flush=True)
+            report["runs"].append(forced)
+        gathered, tokens = run_variant(model, batch, args.steps, args.prompt_len, force=False, paged_decode="off")
+        gathered["same_tokens_rows"], gathered["rows_compared"] = agreeing(want, tokens)
+        print(gathered, flush=True)
+        report["runs"].append(gathered)
+        if batch == yardstick_batch:  # two stock ways of attention over the same gathered K/V
+            fused, other = run_variant(model, batch, args.steps, args.prompt_len, force=False, paged_decode="off",
+                                       unfused_decode=False)
+            fused["same_tokens_rows"], fused["rows_compared"] = agreeing(tokens, other)
+            fused["compared_with"] = "paged_decode off, unfused_decode on"
+            print(fused, flush=True)
+            report["runs"].append(fused)
     results.write(report)
     return 0
 

@@ -44,6 +44,32 @@ def test_a_model_with_its_own_attention_reads_the_gather():
     assert outputs(engine)[("r1", 0)] == reference_greedy(model, PROMPTS[1], 12)
 
 
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("fault", ["none", "drop_newest_key", "scale_1.25"])
+def test_the_check_turns_off_a_read_that_is_wrong_not_one_that_rounds(monkeypatch, dtype, fault):
+    """check_paged_decode judges the logits' difference against the largest logit: a paged read that
+    misses the newest key or scales the scores (32 % / 10 % of the largest logit on this model) is turned
+    off, in float32 and bfloat16 alike; the read itself is kept."""
+    import mlx.core as mx
+
+    from parallm.engine import cache as cache_module
+    from parallm.engine.paged_attention import PagedRead
+
+    real = cache_module.paged_decode_attention
+
+    def read(queries, k4, v4, paged, scale, way, **kw):
+        if fault == "drop_newest_key":
+            paged = PagedRead(paged.tables, paged.lengths - 1)
+        elif fault == "scale_1.25":
+            scale *= 1.25
+        return real(queries, k4, v4, paged, scale, way, **kw)
+
+    monkeypatch.setattr(cache_module, "paged_decode_attention", read)
+    model = tiny_model("llama")
+    model.set_dtype(getattr(mx, dtype))
+    assert make_engine(model, paged_decode="gather").runner.pages_decode == (fault == "none")
+
+
 def buffer_addresses(arrays) -> list[int]:
     """Where each (evaluated) array's data lives: a write that copies the array moves it."""
     import numpy as np

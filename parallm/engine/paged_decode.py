@@ -19,8 +19,10 @@ log = logging.getLogger("parallm.engine")
 # The largest logit difference a paged read may show against the gather, relative to the largest logit
 # (at least 1), for 16-bit and float32 models: the two ways round differently (a kernel accumulates in
 # float32, a GPU's float32 matmuls may use TF32), so their logits differ by rounding that grows with the
-# model's depth and logit scale; a read that misses or misplaces keys differs by far more.
-CHECK_TOLERANCE = {False: 2e-2, True: 2e-3}
+# model's depth and logit scale (the H200's CUDA kernel on a 28-layer bfloat16 model: 0.19 of 5.5, 3.5 %;
+# float32 matmuls there use TF32 unless MLX_ENABLE_TF32=0); a read that misses the newest key or scales the
+# scores by 1.25 differs by 32 % / 10 % (tests/test_engine_paged_decode.py).
+CHECK_TOLERANCE = {False: 5e-2, True: 5e-3}
 
 
 def replaces_attention(context: Any) -> bool:
