@@ -122,13 +122,16 @@
 #             --engine.paged-decode off, the gather), ~7 min; `pagedkvserve` HTTP at c=256, 512 requests, 128 tokens,
 #             a fresh server per tree (the engine's figures give the schedule phase per step, the row ops and the
 #             KV bytes they copied), ~8 min
+#   pagedkvinplace  issue 41: the CUDA in-place K/V writes: their tests (kernel vs scatter, the engine's tokens
+#             with and without), after the decode step at 1 row (BEFORE's dense rows, this tree, this tree with
+#             --engine kv_write_in_place=false: every step waits for the one in flight) and at 64 rows (this tree), ~3 min
 #   pagedkvdiag  issue 41: perf/diag_paged_step.py at 1, 64, 256 rows (the paged read's check and its log, the
 #             step time as checked and with the check forced on, stores moved, greedy rows agreeing), then the
 #             engine's decode step of BEFORE's dense rows and this tree alternating (as pagedkv, without the
 #             gather), ~5 min
 # A fresh server per wave: `waves` fits 6-7 waves in one 10-minute call; run it twice for ten.
 set -uo pipefail
-case "${1:-}" in diag|llama|adapters|qwen-a|qwen-b|serving|waves|ingress|moe|moe256|hybrid|structured|tp|tp8b|dp|threads|compiled|republish|buckets|serve256|inplace|mixed|cudnn|decodeattn|unfuseddecode|defaults|defaultsab|qwendtype|qwenmlx|embeddings|policy|vision|trainmem|spec|specdraft|kvbits|pagedattn|trainshare|single|pagedkv|pagedkvserve|pagedkvdiag) ;;
+case "${1:-}" in diag|llama|adapters|qwen-a|qwen-b|serving|waves|ingress|moe|moe256|hybrid|structured|tp|tp8b|dp|threads|compiled|republish|buckets|serve256|inplace|mixed|cudnn|decodeattn|unfuseddecode|defaults|defaultsab|qwendtype|qwenmlx|embeddings|policy|vision|trainmem|spec|specdraft|kvbits|pagedattn|trainshare|single|pagedkv|pagedkvserve|pagedkvdiag|pagedkvinplace) ;;
   *) sed -n '2,/^# A fresh server per wave/p' "$0"; exit 2 ;; esac
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
@@ -241,6 +244,16 @@ case "${1:-}" in
                 --steps 30 --default-only $extra --tokenizer-dir $TOK --work-dir $WORK \
                 --out "$OUT/decode-profile-pagedkv-$name-b$b-h200.json" | tail -2
             done; done ;;
+  pagedkvinplace) BEFORE=${BEFORE:-$PWD/.gpu/before}
+            for run in dense-b1 paged-b1 paged-waiting-b1 paged-b64; do name=${run%-b*}; b=${run##*-b}
+              tree=$([ $name = dense ] && echo "$BEFORE" || echo "$PWD")
+              extra=$([ $name = paged-waiting ] && echo "--engine kv_write_in_place=false" || true)
+              PYTHONPATH=/tmp/site:$tree timeout 100 python3 perf/profile_decode.py --shape llama-3.2-3b --batch $b \
+                --steps 30 --default-only $extra --tokenizer-dir $TOK --work-dir $WORK \
+                --out "$OUT/decode-profile-pagedkv-inplace-$name-b$b-h200.json" | tail -1
+            done
+            timeout 120 python3 -m pytest tests/test_paged_attention.py tests/test_engine_paged_decode.py -q \
+              -p no:cacheprovider -k "in_place or cuda_kernel" 2>&1 | tail -4 ;;
   pagedkvdiag) BEFORE=${BEFORE:-$PWD/.gpu/before}
             python3 -m perf.diag_paged_step --shape llama-3.2-3b --batches 1,64,256 --steps 20 --tokenizer-dir $TOK \
               --work-dir $WORK --out "$OUT/paged-step-diag-h200.json" | cut -c1-900

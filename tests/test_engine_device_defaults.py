@@ -28,7 +28,14 @@ def test_cpu_resolution_is_unchanged():
     resolved = msgspec.structs.asdict(resolve_engine_config(EngineConfig(), "cpu"))
     assert {k: v for k, v in resolved.items() if v != unset[k]} == {
         **{k: v for k, v in CPU_BEFORE.items() if unset[k] is None}, "prefill_pass_s": 0.25,  # issue 30's pacing
-        "kv_preallocate": False}  # issue 41: the block store grows as it is used (allocated whole on CUDA)
+        "kv_preallocate": False,  # issue 41: the block store grows as it is used (allocated whole on CUDA)
+        "kv_write_in_place": False}  # issue 41: decode passes store K/V in place only through the CUDA kernel
+
+
+def test_in_place_kv_writes_are_on_only_with_cuda():
+    assert [resolve_engine_config(EngineConfig(), d).kv_write_in_place for d in ("cpu", "cuda", "metal")] == \
+        [False, True, False]
+    assert resolve_engine_config(EngineConfig(kv_write_in_place=False), "cuda").kv_write_in_place is False
 
 
 def test_prefill_pacing_is_on_only_on_the_cpu():

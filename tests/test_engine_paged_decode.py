@@ -101,3 +101,49 @@ def test_decode_steps_write_the_block_store_in_place(paged):
         assert buffer_addresses(live.arrays()) == before
     while engine.has_work():
         engine.step()
+
+
+def test_settle_waits_only_for_writes_made_of_mlx_ops(monkeypatch):
+    """With in-place writes (CUDA), a pass waits for the one in flight only when an MLX op writes into the
+    store (a prefill's scatter, a block copy): a decode pass's own writes never copy the store."""
+    import mlx.core as mx
+
+    from parallm.engine.cache import LiveKV
+
+    waits = []
+    monkeypatch.setattr(mx, "synchronize", lambda *a: waits.append(1))
+    engine = make_engine(tiny_model("llama"))
+    live: LiveKV = engine.runner.live
+    live.ensure(8)
+    live.settle_bytes = 0
+    live.settle()
+    assert len(waits) == 1  # not in place: every pass waits
+    live.writes_in_place = True
+    live.settle()
+    assert len(waits) == 1  # nothing but in-place writes since
+    live.op_written()
+    live.settle()
+    assert len(waits) == 2
+    live.copy_blocks([(1, 2)])
+    live.settle()
+    assert len(waits) == 3
+    live.settle()
+    assert len(waits) == 3
+
+
+def test_in_place_writes_need_the_cuda_kernel():
+    """Off CUDA the engine never asks for in-place writes, whatever the setting says."""
+    engine = make_engine(tiny_model("llama"), kv_write_in_place=True)
+    outputs(engine)
+    assert engine.runner.pages_decode and not engine.runner.live.writes_in_place
+
+
+@pytest.mark.skipif(not __import__("mlx.core").core.cuda.is_available(), reason="in-place writes are CUDA's")
+def test_in_place_writes_give_the_scatters_tokens_on_cuda():
+    """The same greedy tokens with the decode passes' K/V stored in place as with the scatter (and no
+    wait for the pass in flight: a missing ordering edge would show as different tokens)."""
+    model = tiny_model("llama")
+    want = outputs(make_engine(model, kv_write_in_place=False))
+    engine = make_engine(model, kv_write_in_place=True)
+    assert outputs(engine) == want
+    assert engine.runner.live.writes_in_place

@@ -158,3 +158,42 @@ def test_metal_kernel_equals_the_gather():
 @pytest.mark.skipif(not mx.cuda.is_available(), reason="the CUDA kernel runs on an NVIDIA GPU only")
 def test_cuda_kernel_equals_the_gather():
     _kernel_matches_gather("cuda")
+
+
+@pytest.mark.skipif(not mx.cuda.is_available(), reason="the CUDA kernel runs on an NVIDIA GPU only")
+def test_cuda_in_place_writes_equal_the_scatter_and_order_the_reads():
+    """cuda_write stores new tokens through the store's pointer (the store array is the same object
+    after it); what it wrote is what a scatter would have stored, and the reads that take its flag (the
+    attention kernel, cuda_gather_after) see it within the same evaluation."""
+    heads, kv_heads, dim, bs = 8, 2, 64, 16
+    for dtype in (mx.float32, mx.bfloat16):
+        store = mx.random.normal((kv_heads, 40 * bs, dim)).astype(dtype)
+        mx.eval(store)
+        reference = mx.array(np.array(store.astype(mx.float32))).astype(dtype)
+        slots = mx.array([5 * bs + 3, 17 * bs, 30 * bs + 15], dtype=mx.int32)
+        new = mx.random.normal((kv_heads, 3, dim)).astype(dtype)
+        reference[:, slots] = new
+        read = mx.array([[5 * bs + 3, 17 * bs, 2], [30 * bs + 15, 1, 0]], dtype=mx.int32)
+        done = paged_kernels.cuda_write(store, new, slots)
+        got = paged_kernels.cuda_gather_after(store, read, done)
+        want = mx.take(reference, read, axis=1).transpose(1, 0, 2, 3)
+        assert mx.array_equal(got, want).item()
+        mx.eval(done)
+        assert mx.array_equal(store, reference).item()
+        # the attention kernel reading the store right after the write, in one evaluation
+        tables = mx.array([[0, 1, 2], [3, 4, 5]], dtype=mx.int32)
+        lens = mx.array([40, 33], dtype=mx.int32)
+        store2 = mx.zeros((kv_heads, 7 * bs, dim), dtype=dtype)
+        vstore = mx.zeros((kv_heads, 7 * bs, dim), dtype=dtype)
+        mx.eval(store2, vstore)
+        pos = mx.array([(1 + 2) * bs + 7, (4 + 2) * bs], dtype=mx.int32)  # each row's newest key
+        kn = mx.random.normal((kv_heads, 2, dim)).astype(dtype)
+        vn = mx.random.normal((kv_heads, 2, dim)).astype(dtype)
+        q = mx.random.normal((2, heads, 1, dim)).astype(dtype)
+        flags = (paged_kernels.cuda_write(store2, kn, pos), paged_kernels.cuda_write(vstore, vn, pos))
+        k4, v4 = (s.reshape(kv_heads, -1, bs, dim) for s in (store2, vstore))
+        got = paged_kernels.cuda_attention(q, k4, v4, tables + 1, lens, dim ** -0.5, written=flags)
+        mx.eval(got)
+        want = paged_decode_attention(q, k4, v4, PagedRead(tables + 1, lens), dim ** -0.5, way="gather")
+        assert mx.max(mx.abs(got.astype(mx.float32) - want.astype(mx.float32))).item() < 2e-2
+        assert mx.max(mx.abs(want.astype(mx.float32))).item() > 0  # the newest keys were seen

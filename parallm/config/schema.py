@@ -129,6 +129,12 @@ class EngineConfig(Struct, frozen=True, kw_only=True, forbid_unknown_fields=True
                                               "(as vLLM does) instead of growing it by half as blocks are used, which "
                                               "copies the store and waits for the device each time; unset = on with a "
                                               "CUDA GPU, off elsewhere (the CPU's memory is the other processes' too)")] = None
+    kv_write_in_place: Annotated[bool | None, _d("decode passes read through the CUDA paged-attention kernel store "
+                                                 "their new K/V into the block store in place with a kernel of their "
+                                                 "own, so they never wait for the pass in flight (a write made of MLX "
+                                                 "ops into a store a running pass reads is a copy of the store, "
+                                                 "engine.in_place_kv_mb); unset = on with a CUDA GPU (docs/engine.md, "
+                                                 "'Writing the block store in place on CUDA')")] = None
     compiled_decode: Annotated[bool, _d("run pure-decode passes (no prompt chunk) under mx.compile, traced once per "
                                         "(rows bucket, key-span bucket), fewer kernel launches per step for small "
                                         "batches on a GPU; rows under an adapter and models it cannot trace run "
@@ -220,6 +226,8 @@ def resolve_engine_config(config: EngineConfig, device: ComputeDevice) -> Engine
         changes["kv_preallocate"] = on_cuda
     if config.unfused_decode is None:
         changes["unfused_decode"] = on_cuda
+    if config.kv_write_in_place is None:
+        changes["kv_write_in_place"] = on_cuda
     if config.unfused_prefill_keys is None:
         changes["unfused_prefill_keys"] = CUDA_UNFUSED_PREFILL_KEYS if on_cuda else 0
     return msgspec.structs.replace(config, **changes) if changes else config

@@ -51,7 +51,7 @@ from typing import Any, Protocol, runtime_checkable
 import mlx.core as mx
 import numpy as np
 
-from . import key_tiles
+from . import key_tiles, paged_kernels
 from .kv_format import KV, KVFormat, mark, parts
 from .memory import retry_out_of_memory
 from .paged_attention import PagedRead, Way, paged_decode_attention
@@ -226,6 +226,13 @@ def gather(store: KV, read: mx.array) -> KV:
     return mx.take(store, read, axis=1).transpose(1, 0, 2, 3)
 
 
+def _tokens(new: mx.array) -> mx.array:
+    """New K or V [n, heads, L, width] as the in-place write takes them: [heads, n * L, width], row-major
+    (the order of PassContext.write)."""
+    n, heads, L, width = new.shape
+    return new.transpose(1, 0, 2, 3).reshape(heads, n * L, width)
+
+
 def scatter(store: KV, new: KV, index: WriteIndex) -> KV:
     """Store the new K or V [n, heads, L, width] (each stored part) at the pass's slots (`index`)."""
     if isinstance(store, tuple):
@@ -281,6 +288,11 @@ class LiveKV:
         self.values: list[KV] = []
         self.states: list[list[mx.array | None]] = []  # per state slot, per entry: [rows, ...]
         self.settle_bytes: float | None = None  # see settle()
+        # decode passes that read the store through the CUDA kernel store their new K/V through its
+        # pointer (paged_kernels.cuda_write: set by the runner once the paged read is checked), so only a
+        # write made of MLX ops (a prefill's scatter, a block copy) makes a pass wait in settle()
+        self.writes_in_place = False
+        self._op_written = True
         self.copied: Counter[str] = Counter()  # bytes copied by row ops, by kind ("cow": a fork's last block, "state")
 
     @property
@@ -309,8 +321,14 @@ class LiveKV:
         whose completion MLX has not processed yet) holds its inputs until MLX's completion handler
         runs: the write then copies the whole buffer, every layer's, every step. mx.synchronize returns
         after those handlers ran (on CUDA: the stream, then a handler queued behind theirs)."""
-        if self.settle_bytes is not None and self.keys and self.nbytes >= self.settle_bytes:
+        if self.settle_bytes is not None and self.keys and self.nbytes >= self.settle_bytes \
+                and (self._op_written or not self.writes_in_place):
             mx.synchronize()
+        self._op_written = False
+
+    def op_written(self) -> None:
+        """An MLX op (not an in-place write) writes into the stores in the pass being built: settle waits."""
+        self._op_written = True
 
     def arrays(self) -> list[mx.array]:
         """Every buffer (KV, then recurrent state): what a pass updates."""
@@ -329,6 +347,7 @@ class LiveKV:
 
         self.keys = [take(k) for k in self.keys]
         self.values = [take(v) for v in self.values]
+        self._op_written = True
 
     def ensure(self, blocks: int) -> None:
         """Make the store hold block ids [0, blocks): grown by at least half (at most to
@@ -497,6 +516,7 @@ class RowsView(LayerView):
         super().__init__(live, layer)
         self._ctx = ctx
         self._fetched: tuple[KV, KV] | None = None
+        self._written: tuple[mx.array, mx.array] | None = None  # the in-place writes' flags (cuda_write)
         mark(self, live.format)
 
     @property
@@ -508,6 +528,14 @@ class RowsView(LayerView):
         if keys.shape[0] != ctx.n or keys.shape[2] != ctx.length:
             raise ValueError(f"cache view expected [{ctx.n}, heads, {ctx.length}, dim] keys, got {keys.shape}")
         fmt = live.format
+        if live.writes_in_place and ctx.paged is not None and ctx.paged_way is not None:
+            k_buf, v_buf = live.keys[i], live.values[i]
+            self._written = (paged_kernels.cuda_write(k_buf, _tokens(keys), ctx.write),
+                             paged_kernels.cuda_write(v_buf, _tokens(values), ctx.write))
+            self._fetched = (paged_kernels.cuda_gather_after(k_buf, ctx.read, self._written[0]),
+                             paged_kernels.cuda_gather_after(v_buf, ctx.read, self._written[1]))
+            return self._fetched
+        live.op_written()
         k_buf = scatter(live.keys[i], fmt.encode(keys), ctx.write_index)
         v_buf = scatter(live.values[i], fmt.encode(values), ctx.write_index)
         live.keys[i], live.values[i] = k_buf, v_buf
@@ -542,9 +570,12 @@ class RowsView(LayerView):
             return None
         k4, v4 = live.tiles(i)
         way = None if ctx.paged_way == "auto" else ctx.paged_way
-        return paged_decode_attention(queries, k4, v4, ctx.paged, scale, way, keys_transposed=live.keys_transposed)
+        return paged_decode_attention(queries, k4, v4, ctx.paged, scale, way, keys_transposed=live.keys_transposed,
+                                      written=self._written)
 
     @property
     def state(self) -> tuple[KV, KV]:
         ctx, i = self._ctx, self._layer
+        if self._written is not None:  # stored in place: read after the writes
+            return self._fetched
         return ctx.gather(self._live.keys[i]), ctx.gather(self._live.values[i])

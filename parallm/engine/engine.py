@@ -104,7 +104,8 @@ class Engine(EngineReport, EngineScoring):
                                   in_place_kv_mb=settings.in_place_kv_mb,
                                   unfused_prefill_keys=settings.unfused_prefill_keys,
                                   unfused_decode=settings.unfused_decode, vision=self.vision,
-                                  kv_format=self.kv_format, paged_decode=settings.paged_decode or "auto")
+                                  kv_format=self.kv_format, paged_decode=settings.paged_decode or "auto",
+                                  write_in_place=bool(settings.kv_write_in_place))
         resolved: dict = {"kv_budget_mb": self.kv_budget_bytes / (1 << 20)}
         if settings.buffer_cache_mb is None and (cap := bound_cuda_cache(self.kv_budget_bytes,
                                                                          weight_bytes(self.model))) is not None:

@@ -154,6 +154,7 @@ class PackedView(LayerView):
         if keys.shape[0] != 1 or keys.shape[2] != ctx.size:
             raise ValueError(f"packed cache view expected [1, heads, {ctx.size}, dim] keys, got {keys.shape}")
         fmt = live.format  # the pass's tokens are one row of N: the store's layout [heads, N, width]
+        live.op_written()
         k_buf = scatter(live.keys[i], fmt.encode(keys), ctx.write_index)
         v_buf = scatter(live.values[i], fmt.encode(values), ctx.write_index)
         live.keys[i], live.values[i] = k_buf, v_buf

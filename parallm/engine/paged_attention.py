@@ -109,12 +109,14 @@ class PagedRead:
 
 
 def paged_decode_attention(queries: mx.array, k_store: mx.array, v_store: mx.array, read: PagedRead,
-                           scale: float, way: Way | None = None, *, keys_transposed: bool = False) -> mx.array:
+                           scale: float, way: Way | None = None, *, keys_transposed: bool = False,
+                           written: tuple[mx.array, mx.array] | None = None) -> mx.array:
     """Attention of queries [rows, heads, 1, dim] (heads a multiple of kv_heads: grouped-query
     heads h * rep .. h * rep + rep - 1 share KV head h) over each row's first `read.lengths[row]`
     keys of the stores [kv_heads, blocks, block_size, dim] (K [kv_heads, blocks, dim, block_size]
     with `keys_transposed`) through `read.tables`: [rows, heads, 1, dim] in the queries' dtype.
-    `way`: None = choose_way."""
+    `way`: None = choose_way; `written`: the flags of this pass's in-place writes of the stores (the CUDA
+    kernel only: paged_kernels.cuda_write)."""
     rows, heads, length, dim = queries.shape
     kv_heads, _, block_size, store_dim = v_store.shape
     k_shape = v_store.shape if not keys_transposed else (kv_heads, v_store.shape[1], dim, block_size)
@@ -127,8 +129,11 @@ def paged_decode_attention(queries: mx.array, k_store: mx.array, v_store: mx.arr
     way = choose_way(queries, v_store, keys_transposed) if way is None else way
     if keys_transposed and way in ("cuda", "metal"):
         raise ValueError(f"the {way} kernel reads head-major K tiles, not transposed ones")
+    if written is not None and way != "cuda":
+        raise ValueError(f"stores written in place are read by the CUDA kernel only, not the {way} way")
     if way == "cuda":
-        return paged_kernels.cuda_attention(queries, k_store, v_store, read.tables, read.lengths, scale)
+        return paged_kernels.cuda_attention(queries, k_store, v_store, read.tables, read.lengths, scale,
+                                            written=written)
     if way == "metal":
         return paged_kernels.metal_attention(queries, k_store, v_store, read.tables, read.lengths, scale)
     if way == "gather_mm":

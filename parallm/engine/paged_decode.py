@@ -31,14 +31,16 @@ def replaces_attention(context: Any) -> bool:
 
 
 def check_paged_decode(call_model: Callable[..., mx.array], info: Any, kv_format: Any, block_size: int,
-                       vocab: int, way: str, keys_transposed: bool = False) -> bool:
+                       vocab: int, way: str, keys_transposed: bool = False, in_place: bool = False) -> bool:
     """Logits of a two-row decode pass read through the block tables (`way`) against the same pass
     over the gathered K/V, on scratch stores laid out as the engine's (`keys_transposed`); False
-    (and why, logged) where they differ or it fails."""
+    (and why, logged) where they differ or it fails; `in_place`: the paged pass stores its K/V as the
+    engine's would, through the CUDA kernel's in-place writes (paged_kernels.cuda_write)."""
     if kv_format.quantized:
         return False
     scratch = LiveKV(info.shapes, info.dtype, kv_format=kv_format, block_size=block_size,
                      keys_transposed=keys_transposed)
+    scratch.writes_in_place = in_place
     scratch.resize(2, 32)
     ids = [[(seed * 7919 + j * 104729) % vocab for j in range(7)] for seed in (1, 2)]
     m5 = info.mask5d
@@ -55,11 +57,22 @@ def check_paged_decode(call_model: Callable[..., mx.array], info: Any, kv_format
         diff = mx.abs(got.astype(mx.float32) - want.astype(mx.float32)).max().item()
         scale = max(mx.abs(want.astype(mx.float32)).max().item(), 1.0)
         ok = diff <= CHECK_TOLERANCE[info.dtype == mx.float32] * scale
-        shown = choose_way(mx.zeros((1, 1, 1, 1), info.dtype), mx.zeros((1, 1, 1, 1), info.dtype)) \
-            if way == "auto" else way
-        log.info("paged decode attention %s (%s): logits within %.4g of the gathered K/V's (largest logit %.4g)",
-                 "on" if ok else "off", shown, diff, scale)
+        shown = resolved_way(info, block_size) if way == "auto" else way
+        log.info("paged decode attention %s (%s%s): logits within %.4g of the gathered K/V's (largest logit %.4g)",
+                 "on" if ok else "off", shown, ", K/V written in place" if in_place else "", diff, scale)
         return ok
     except Exception as e:  # noqa: BLE001 - a model whose attention does not take the paged mask
         log.info("paged decode attention off: %s: %s", type(e).__name__, e)
         return False
+
+
+def resolved_way(info: Any, block_size: int) -> str:
+    """The way "auto" reads this model's block store on this backend: the GPU's kernel where it takes
+    every layer's shape (K and V of one width), else what paged_attention.choose_way says for the first."""
+    ways = set()
+    for shape in info.shapes:
+        queries = mx.zeros((1, shape.k_heads, 1, shape.k_dim), dtype=info.dtype)
+        store = mx.zeros((shape.k_heads, 1, block_size, shape.k_dim), dtype=info.dtype)
+        ways.add(choose_way(queries, store) if shape.k_dim == shape.v_dim and shape.k_heads == shape.v_heads
+                 else "gather")
+    return ways.pop() if len(ways) == 1 else "gather"

@@ -269,12 +269,49 @@ _METAL = """
 """
 
 _INPUTS = ["q", "k", "v", "tables", "lengths", "scale"]
+# the CUDA kernels also take the flags of this pass's in-place K and V writes (cuda_write): unread, they
+# give MLX's CUDA graph the edge write -> read, which it draws only from arrays a kernel declares
+_CUDA_INPUTS = _INPUTS + ["written_k", "written_v"]
+
+# New tokens' K or V [heads, N, width] stored at their slots of a layer's store [heads, slots, width]
+# through its pointer: MLX never sees the store change, so it never copies a store that the pass in flight
+# still reads (docs/engine.md, "Writing the block store in place on CUDA"); `done` orders the pass's reads.
+_CUDA_WRITE = """
+    const long i = (long)blockIdx.x * blockDim.x + threadIdx.x;
+    const long W = x_shape[2];
+    const long N = x_shape[1];
+    if (i < (long)x_shape[0] * N * W) {
+        const long w = i % W;
+        const long n = (i / W) % N;
+        const long h = i / (W * N);
+        T* dst = const_cast<T*>(store);
+        dst[(h * (long)store_shape[1] + slots[n]) * W + w] = x[i];
+    }
+    if (i == 0) done[0] = 1;
+"""
+
+# A layer's K or V [rows, heads, span, width] through the slots [rows, span] after the pass's in-place write
+# (`after`: its flag, for the graph's edge): what a model that reads the fetched K/V gets in such a pass.
+_CUDA_GATHER = """
+    const long i = (long)blockIdx.x * blockDim.x + threadIdx.x;
+    const long W = store_shape[2];
+    const long S = slots_shape[1];
+    const long H = store_shape[0];
+    if (i < (long)slots_shape[0] * H * S * W) {
+        const long w = i % W;
+        const long t = (i / W) % S;
+        const long h = (i / (W * S)) % H;
+        const long r = i / (W * S * H);
+        out[i] = store[(h * (long)store_shape[1] + slots[r * S + t]) * W + w];
+    }
+"""
 
 
 @lru_cache(maxsize=None)
 def _cuda_kernels() -> tuple[Any, Any, Any]:
-    one = mx.fast.cuda_kernel(name="paged_decode", input_names=_INPUTS, output_names=["out"], source=_CUDA_ONE_PASS)
-    split = mx.fast.cuda_kernel(name="paged_decode_split", input_names=_INPUTS,
+    one = mx.fast.cuda_kernel(name="paged_decode", input_names=_CUDA_INPUTS, output_names=["out"],
+                              source=_CUDA_ONE_PASS)
+    split = mx.fast.cuda_kernel(name="paged_decode_split", input_names=_CUDA_INPUTS,
                                 output_names=["part_o", "part_m", "part_l"], source=_CUDA_SPLIT)
     merge = mx.fast.cuda_kernel(name="paged_decode_merge", input_names=["part_o", "part_m", "part_l"],
                                 output_names=["out"], source=_CUDA_MERGE)
@@ -320,15 +357,69 @@ def _template(queries: mx.array, k_store: mx.array) -> list[tuple[str, Any]]:
             ("BS", block_size), ("WARPS", WARPS)]
 
 
+@lru_cache(maxsize=None)
+def _write_kernels() -> tuple[Any, Any]:
+    # the store is never made row-contiguous by MLX (a copy would take the writes); the callers pass
+    # contiguous new K/V and slots
+    write = mx.fast.cuda_kernel(name="paged_kv_write", input_names=["store", "x", "slots"], output_names=["done"],
+                                source=_CUDA_WRITE, ensure_row_contiguous=False)
+    gather = mx.fast.cuda_kernel(name="paged_kv_gather_after", input_names=["store", "slots", "after"],
+                                 output_names=["out"], source=_CUDA_GATHER, ensure_row_contiguous=False)
+    return write, gather
+
+
+@lru_cache(maxsize=None)
+def _not_written() -> mx.array:
+    """The write flag a pass without in-place writes gives the CUDA kernels."""
+    flag = mx.zeros((1,), dtype=mx.int32)
+    mx.eval(flag)
+    return flag
+
+
+_THREADS = 256
+
+
+def _grid(total: int) -> tuple[int, int, int]:
+    return (-(-total // _THREADS) * _THREADS, 1, 1)
+
+
+def cuda_write(store: mx.array, new: mx.array, slots: mx.array) -> mx.array:
+    """Store `new` [heads, N, width] at `slots` [N] of `store` [heads, slots, width] in place; returns
+    the write's flag, which every read of the store in the same pass must take as an input."""
+    write, _ = _write_kernels()
+    heads, n, width = new.shape
+    if store.ndim != 3 or store.shape[0] != heads or store.shape[2] != width or slots.shape != (n,):
+        raise ValueError(f"an in-place write takes new [heads, N, width] into a store [heads, slots, width] at "
+                         f"slots [N]; got {new.shape}, {store.shape}, {slots.shape}")
+    x = mx.contiguous(new.astype(store.dtype))
+    return write(inputs=[store, x, mx.contiguous(slots.astype(mx.int32))], template=[("T", store.dtype)],
+                 grid=_grid(heads * n * width), threadgroup=(_THREADS, 1, 1), output_shapes=[(1,)],
+                 output_dtypes=[mx.int32])[0]
+
+
+def cuda_gather_after(store: mx.array, slots: mx.array, after: mx.array) -> mx.array:
+    """[rows, heads, span, width]: `store` [heads, slots, width] at `slots` [rows, span], read after the
+    in-place write whose flag is `after`."""
+    _, gather = _write_kernels()
+    heads, _, width = store.shape
+    rows, span = slots.shape
+    return gather(inputs=[store, mx.contiguous(slots.astype(mx.int32)), after], template=[("T", store.dtype)],
+                  grid=_grid(rows * heads * span * width), threadgroup=(_THREADS, 1, 1),
+                  output_shapes=[(rows, heads, span, width)], output_dtypes=[store.dtype])[0]
+
+
 def cuda_attention(queries: mx.array, k_store: mx.array, v_store: mx.array, tables: mx.array, lengths: mx.array,
-                   scale: float, splits: int | None = None) -> mx.array:
+                   scale: float, splits: int | None = None,
+                   written: tuple[mx.array, mx.array] | None = None) -> mx.array:
     """Decode attention [rows, heads, 1, dim] through the CUDA kernel (arguments as
-    paged_attention.paged_decode_attention; `splits`: None = auto_splits)."""
+    paged_attention.paged_decode_attention; `splits`: None = auto_splits; `written`: the flags of this
+    pass's in-place writes of the layer's K and V, cuda_write)."""
     rows, heads, _, dim = queries.shape
     kv_heads = k_store.shape[0]
     splits = auto_splits(rows, kv_heads, tables.shape[1]) if splits is None else splits
     one, split, merge = _cuda_kernels()
-    inputs = [queries, k_store, v_store, tables, lengths, _scale(scale)]
+    flags = list(written) if written is not None else [_not_written(), _not_written()]
+    inputs = [queries, k_store, v_store, tables, lengths, _scale(scale)] + flags
     template = _template(queries, k_store)
     threads = (WARPS * 32, 1, 1)
     if splits == 1:

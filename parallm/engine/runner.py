@@ -20,7 +20,7 @@ from .images import prefill_embeddings
 from .kv_format import KVFormat
 from .packed import PackedContext, PackedView
 from .paged_attention import transposes_keys
-from .paged_decode import check_paged_decode, replaces_attention
+from .paged_decode import check_paged_decode, replaces_attention, resolved_way
 from .plan import PrefillWork, RowOp
 from .prefix_tier import PrefixDiskTier
 from .row_ops import execute_row_ops
@@ -82,7 +82,7 @@ class ModelRunner:
                  eos_ids: Iterable[int] = (), lora: LoRARouter | None = None, compile: bool = True,
                  fast_math: bool = False, compiled_decode: bool = False, in_place_kv_mb: float = -1,
                  unfused_prefill_keys: int = 0, unfused_decode: bool = False, vision: Any = None,
-                 kv_format: KVFormat | None = None, paged_decode: str = "auto") -> None:
+                 kv_format: KVFormat | None = None, paged_decode: str = "auto", write_in_place: bool = False) -> None:
         """`eos_ids`: the tokens `min_tokens` masks until reached (with each request's stop ids);
         `lora`: the router that tells the adapted layers which adapter each row of a pass uses;
         `compiled_decode`: pure-decode passes under mx.compile where they fit (compiled.py);
@@ -92,7 +92,9 @@ class ModelRunner:
         decode passes under a mask (rows at different lengths) do too; `vision`: a vision-language
         model's encoder, whose features prefill puts at the image tokens (images.py); `kv_format`: how K/V
         are stored (kv.bits, kv_format.py; the model's dtype by default); `paged_decode`: how a decode
-        pass reads the block store (engine.paged_decode; "auto": the backend's way, paged_decode.py)."""
+        pass reads the block store (engine.paged_decode; "auto": the backend's way, paged_decode.py);
+        `write_in_place`: decode passes read by the CUDA kernel store their K/V in place (engine.kv_write_in_place,
+        cache.LiveKV.writes_in_place)."""
         self.model = model
         self.vision = vision
         self.info = info
@@ -116,6 +118,7 @@ class ModelRunner:
         self.paged_way = paged_decode if paged_decode != "off" and replaces_attention(self.fast_math or self.packing) \
             else None
         self._paged: bool | None = None if self.paged_way is not None else False
+        self._write_in_place = write_in_place
         # K as transposed tiles where decode passes read the store with gather_mm (the CPU's way, key_tiles.py)
         self.live = LiveKV(info.shapes, info.dtype, info.layout, self.kv_format, block_size=block_size,
                            max_blocks=num_blocks, keys_transposed=transposes_keys(self.paged_way, info.dtype,
@@ -161,8 +164,12 @@ class ModelRunner:
     def pages_decode(self) -> bool:
         """Whether decode passes read the block store through paged attention (paged_decode.py)."""
         if self._paged is None:
+            in_place = self._write_in_place and self.paged_way == "auto" and not self.kv_format.quantized \
+                and not self.live.keys_transposed and self.info.layout is None \
+                and resolved_way(self.info, self.block_size) == "cuda"
             self._paged = check_paged_decode(self.call_model, self.info, self.kv_format, self.block_size,
-                                             self.vocab_size, self.paged_way, self.live.keys_transposed)
+                                             self.vocab_size, self.paged_way, self.live.keys_transposed, in_place)
+            self.live.writes_in_place = self._paged and in_place
         return self._paged
 
     def _forward(self, seqs: list[Sequence], tokens: mx.array, cache, per_token: list | None = None,
