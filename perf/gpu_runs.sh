@@ -125,13 +125,16 @@
 #   pagedkvinplace  issue 41: the CUDA in-place K/V writes: their tests (kernel vs scatter, the engine's tokens
 #             with and without), after the decode step at 1 row (BEFORE's dense rows, this tree, this tree with
 #             --engine kv_write_in_place=false: every step waits for the one in flight) and at 64 rows (this tree), ~3 min
+#   pagedkvfinal / pagedkvserveall  issue 41, with the in-place writes: the paged tests on CUDA, then the decode step
+#             at 1, 64, 256 rows, dense (BEFORE) and this tree alternating, ~6 min; HTTP at c=1,64 then c=256, both
+#             trees, ~5 min
 #   pagedkvdiag  issue 41: perf/diag_paged_step.py at 1, 64, 256 rows (the paged read's check and its log, the
 #             step time as checked and with the check forced on, stores moved, greedy rows agreeing), then the
 #             engine's decode step of BEFORE's dense rows and this tree alternating (as pagedkv, without the
 #             gather), ~5 min
 # A fresh server per wave: `waves` fits 6-7 waves in one 10-minute call; run it twice for ten.
 set -uo pipefail
-case "${1:-}" in diag|llama|adapters|qwen-a|qwen-b|serving|waves|ingress|moe|moe256|hybrid|structured|tp|tp8b|dp|threads|compiled|republish|buckets|serve256|inplace|mixed|cudnn|decodeattn|unfuseddecode|defaults|defaultsab|qwendtype|qwenmlx|embeddings|policy|vision|trainmem|spec|specdraft|kvbits|pagedattn|trainshare|single|pagedkv|pagedkvserve|pagedkvdiag|pagedkvinplace) ;;
+case "${1:-}" in diag|llama|adapters|qwen-a|qwen-b|serving|waves|ingress|moe|moe256|hybrid|structured|tp|tp8b|dp|threads|compiled|republish|buckets|serve256|inplace|mixed|cudnn|decodeattn|unfuseddecode|defaults|defaultsab|qwendtype|qwenmlx|embeddings|policy|vision|trainmem|spec|specdraft|kvbits|pagedattn|trainshare|single|pagedkv|pagedkvserve|pagedkvdiag|pagedkvinplace|pagedkvfinal|pagedkvserveall) ;;
   *) sed -n '2,/^# A fresh server per wave/p' "$0"; exit 2 ;; esac
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
@@ -270,6 +273,23 @@ case "${1:-}" in
                 --concurrency 256 --requests-per-client 2 --max-tokens 128 --client-procs 4 --targets http \
                 --tokenizer-dir $OLDPWD/$TOK --work-dir $WORK --out "$OUT/serving-c256-pagedkv-$name-h200.json" | grep -v '^{"target"')
             done ;;
+  pagedkvfinal) BEFORE=${BEFORE:-$PWD/.gpu/before}
+            timeout 150 python3 -m pytest tests/test_paged_attention.py tests/test_engine_paged_decode.py -q \
+              -p no:cacheprovider 2>&1 | tail -6
+            for b in 1 64 256; do for name in dense paged; do
+              tree=$([ $name = dense ] && echo "$BEFORE" || echo "$PWD")
+              PYTHONPATH=/tmp/site:$tree timeout 100 python3 perf/profile_decode.py --shape llama-3.2-3b --batch $b \
+                --steps 30 --default-only --tokenizer-dir $TOK --work-dir $WORK \
+                --out "$OUT/decode-profile-pagedkv-final-$name-b$b-h200.json" | tail -1
+            done; done ;;
+  pagedkvserveall) BEFORE=${BEFORE:-$PWD/.gpu/before}
+            for conc in 1,64 256; do for tree in "$BEFORE" "$PWD"; do
+              name=$([ "$tree" = "$PWD" ] && echo paged || echo dense)
+              (cd "$tree" && PYTHONPATH=/tmp/site:$tree timeout 140 python3 -m perf.bench_serving --shape llama-3.2-3b \
+                --concurrency $conc --requests-per-client 2 --max-tokens 128 --client-procs 4 --targets http \
+                --tokenizer-dir $OLDPWD/$TOK --work-dir $WORK \
+                --out "$OUT/serving-c${conc/,/-}-pagedkv-final-$name-h200.json" | grep -v '^{"target"')
+            done; done ;;
   pagedattn) python3 -m pytest tests/test_paged_attention.py -q -p no:cacheprovider
             python3 -m perf.bench_paged_attention --rows 1,64,256 --contexts 512,2048 --mixes uniform,ragged --repeats 20 \
               --out-dir "$OUT"
