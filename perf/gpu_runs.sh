@@ -128,13 +128,16 @@
 #   pagedkvfinal / pagedkvserveall  issue 41, with the in-place writes: the paged tests on CUDA, then the decode step
 #             at 1, 64, 256 rows, dense (BEFORE) and this tree alternating, ~6 min; HTTP at c=1,64 then c=256, both
 #             trees, ~5 min
+#   pagedkvhost  issue 41: the CUDA tests of the in-place writes, what a custom kernel costs the host
+#             (perf/diag_kernel_launch.py), the decode step at 1, 64, 256 rows (both trees), then cProfile of 200
+#             one-row steps of each tree (host-profile-*.prof), ~7 min
 #   pagedkvdiag  issue 41: perf/diag_paged_step.py at 1, 64, 256 rows (the paged read's check and its log, the
 #             step time as checked and with the check forced on, stores moved, greedy rows agreeing), then the
 #             engine's decode step of BEFORE's dense rows and this tree alternating (as pagedkv, without the
 #             gather), ~5 min
 # A fresh server per wave: `waves` fits 6-7 waves in one 10-minute call; run it twice for ten.
 set -uo pipefail
-case "${1:-}" in diag|llama|adapters|qwen-a|qwen-b|serving|waves|ingress|moe|moe256|hybrid|structured|tp|tp8b|dp|threads|compiled|republish|buckets|serve256|inplace|mixed|cudnn|decodeattn|unfuseddecode|defaults|defaultsab|qwendtype|qwenmlx|embeddings|policy|vision|trainmem|spec|specdraft|kvbits|pagedattn|trainshare|single|pagedkv|pagedkvserve|pagedkvdiag|pagedkvinplace|pagedkvfinal|pagedkvserveall) ;;
+case "${1:-}" in diag|llama|adapters|qwen-a|qwen-b|serving|waves|ingress|moe|moe256|hybrid|structured|tp|tp8b|dp|threads|compiled|republish|buckets|serve256|inplace|mixed|cudnn|decodeattn|unfuseddecode|defaults|defaultsab|qwendtype|qwenmlx|embeddings|policy|vision|trainmem|spec|specdraft|kvbits|pagedattn|trainshare|single|pagedkv|pagedkvserve|pagedkvdiag|pagedkvinplace|pagedkvfinal|pagedkvserveall|pagedkvhost) ;;
   *) sed -n '2,/^# A fresh server per wave/p' "$0"; exit 2 ;; esac
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
@@ -290,6 +293,22 @@ case "${1:-}" in
                 --tokenizer-dir $OLDPWD/$TOK --work-dir $WORK \
                 --out "$OUT/serving-c${conc/,/-}-pagedkv-final-$name-h200.json" | grep -v '^{"target"')
             done; done ;;
+  pagedkvhost) BEFORE=${BEFORE:-$PWD/.gpu/before}
+            timeout 240 python3 -m pytest tests/test_paged_attention.py tests/test_engine_paged_decode.py -q \
+              -p no:cacheprovider -k "cuda or in_place" 2>&1 | tail -4
+            python3 -m perf.diag_kernel_launch --out "$OUT/kernel-launch-cost-h200.json" | tail -1
+            for b in 1 64 256; do for name in dense paged; do
+              tree=$([ $name = dense ] && echo "$BEFORE" || echo "$PWD")
+              PYTHONPATH=/tmp/site:$tree timeout 100 python3 perf/profile_decode.py --shape llama-3.2-3b --batch $b \
+                --steps 30 --default-only --tokenizer-dir $TOK --work-dir $WORK \
+                --out "$OUT/decode-profile-pagedkv-fused-$name-b$b-h200.json" | tail -1
+            done; done
+            for name in dense paged; do
+              tree=$([ $name = dense ] && echo "$BEFORE" || echo "$PWD")
+              PYTHONPATH=/tmp/site:$tree timeout 100 python3 -m cProfile -o "$OUT/host-profile-$name-b1-h200.prof" \
+                perf/profile_decode.py --shape llama-3.2-3b --batch 1 --steps 200 --default-only --tokenizer-dir $TOK \
+                --work-dir $WORK --out /tmp/ignored-$name.json | tail -1
+            done ;;
   pagedattn) python3 -m pytest tests/test_paged_attention.py -q -p no:cacheprovider
             python3 -m perf.bench_paged_attention --rows 1,64,256 --contexts 512,2048 --mixes uniform,ragged --repeats 20 \
               --out-dir "$OUT"

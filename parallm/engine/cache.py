@@ -530,10 +530,9 @@ class RowsView(LayerView):
         fmt = live.format
         if live.writes_in_place and ctx.paged is not None and ctx.paged_way is not None:
             k_buf, v_buf = live.keys[i], live.values[i]
-            self._written = (paged_kernels.cuda_write(k_buf, _tokens(keys), ctx.write),
-                             paged_kernels.cuda_write(v_buf, _tokens(values), ctx.write))
-            self._fetched = (paged_kernels.cuda_gather_after(k_buf, ctx.read, self._written[0]),
-                             paged_kernels.cuda_gather_after(v_buf, ctx.read, self._written[1]))
+            done = paged_kernels.cuda_write(k_buf, v_buf, _tokens(keys), _tokens(values), ctx.write)
+            self._written = (done, done)
+            self._fetched = paged_kernels.cuda_gather_after(k_buf, v_buf, ctx.read, done)
             return self._fetched
         live.op_written()
         k_buf = scatter(live.keys[i], fmt.encode(keys), ctx.write_index)
