@@ -131,13 +131,15 @@
 #   pagedkvhost  issue 41: the CUDA tests of the in-place writes, what a custom kernel costs the host
 #             (perf/diag_kernel_launch.py), the decode step at 1, 64, 256 rows (both trees), then cProfile of 200
 #             one-row steps of each tree (host-profile-*.prof), ~7 min
+#   pagedkvlast  issue 41: the CUDA tests of the in-place writes (their whole report in paged-tests-h200.txt), then
+#             pagedkvserveall, ~7 min
 #   pagedkvdiag  issue 41: perf/diag_paged_step.py at 1, 64, 256 rows (the paged read's check and its log, the
 #             step time as checked and with the check forced on, stores moved, greedy rows agreeing), then the
 #             engine's decode step of BEFORE's dense rows and this tree alternating (as pagedkv, without the
 #             gather), ~5 min
 # A fresh server per wave: `waves` fits 6-7 waves in one 10-minute call; run it twice for ten.
 set -uo pipefail
-case "${1:-}" in diag|llama|adapters|qwen-a|qwen-b|serving|waves|ingress|moe|moe256|hybrid|structured|tp|tp8b|dp|threads|compiled|republish|buckets|serve256|inplace|mixed|cudnn|decodeattn|unfuseddecode|defaults|defaultsab|qwendtype|qwenmlx|embeddings|policy|vision|trainmem|spec|specdraft|kvbits|pagedattn|trainshare|single|pagedkv|pagedkvserve|pagedkvdiag|pagedkvinplace|pagedkvfinal|pagedkvserveall|pagedkvhost) ;;
+case "${1:-}" in diag|llama|adapters|qwen-a|qwen-b|serving|waves|ingress|moe|moe256|hybrid|structured|tp|tp8b|dp|threads|compiled|republish|buckets|serve256|inplace|mixed|cudnn|decodeattn|unfuseddecode|defaults|defaultsab|qwendtype|qwenmlx|embeddings|policy|vision|trainmem|spec|specdraft|kvbits|pagedattn|trainshare|single|pagedkv|pagedkvserve|pagedkvdiag|pagedkvinplace|pagedkvfinal|pagedkvserveall|pagedkvhost|pagedkvlast) ;;
   *) sed -n '2,/^# A fresh server per wave/p' "$0"; exit 2 ;; esac
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
@@ -309,6 +311,17 @@ case "${1:-}" in
                 perf/profile_decode.py --shape llama-3.2-3b --batch 1 --steps 200 --default-only --tokenizer-dir $TOK \
                 --work-dir $WORK --out /tmp/ignored-$name.json | tail -1
             done ;;
+  pagedkvlast) timeout 200 python3 -m pytest tests/test_paged_attention.py tests/test_engine_paged_decode.py -q \
+              -p no:cacheprovider -rA --tb=short -k "cuda or in_place" > "$OUT/paged-tests-h200.txt" 2>&1
+            grep -E "^(PASSED|FAILED|ERROR|SKIPPED)|passed|failed" "$OUT/paged-tests-h200.txt" | tail -12
+            BEFORE=${BEFORE:-$PWD/.gpu/before}
+            for conc in 1,64 256; do for tree in "$BEFORE" "$PWD"; do
+              name=$([ "$tree" = "$PWD" ] && echo paged || echo dense)
+              (cd "$tree" && PYTHONPATH=/tmp/site:$tree timeout 140 python3 -m perf.bench_serving --shape llama-3.2-3b \
+                --concurrency $conc --requests-per-client 2 --max-tokens 128 --client-procs 4 --targets http \
+                --tokenizer-dir $OLDPWD/$TOK --work-dir $WORK \
+                --out "$OUT/serving-c${conc/,/-}-pagedkv-final-$name-h200.json" | grep -v '^{"target"')
+            done; done ;;
   pagedattn) python3 -m pytest tests/test_paged_attention.py -q -p no:cacheprovider
             python3 -m perf.bench_paged_attention --rows 1,64,256 --contexts 512,2048 --mixes uniform,ragged --repeats 20 \
               --out-dir "$OUT"
