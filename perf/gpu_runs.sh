@@ -133,13 +133,15 @@
 #             one-row steps of each tree (host-profile-*.prof), ~7 min
 #   pagedkvlast  issue 41: the CUDA tests of the in-place writes (their whole report in paged-tests-h200.txt), then
 #             pagedkvserveall, ~7 min
+#   pagedkv256  issue 41: the engine's in-place tests on CUDA, then HTTP c=256 of both trees (png dropped: a call
+#             brings back 8 files), ~5 min
 #   pagedkvdiag  issue 41: perf/diag_paged_step.py at 1, 64, 256 rows (the paged read's check and its log, the
 #             step time as checked and with the check forced on, stores moved, greedy rows agreeing), then the
 #             engine's decode step of BEFORE's dense rows and this tree alternating (as pagedkv, without the
 #             gather), ~5 min
 # A fresh server per wave: `waves` fits 6-7 waves in one 10-minute call; run it twice for ten.
 set -uo pipefail
-case "${1:-}" in diag|llama|adapters|qwen-a|qwen-b|serving|waves|ingress|moe|moe256|hybrid|structured|tp|tp8b|dp|threads|compiled|republish|buckets|serve256|inplace|mixed|cudnn|decodeattn|unfuseddecode|defaults|defaultsab|qwendtype|qwenmlx|embeddings|policy|vision|trainmem|spec|specdraft|kvbits|pagedattn|trainshare|single|pagedkv|pagedkvserve|pagedkvdiag|pagedkvinplace|pagedkvfinal|pagedkvserveall|pagedkvhost|pagedkvlast) ;;
+case "${1:-}" in diag|llama|adapters|qwen-a|qwen-b|serving|waves|ingress|moe|moe256|hybrid|structured|tp|tp8b|dp|threads|compiled|republish|buckets|serve256|inplace|mixed|cudnn|decodeattn|unfuseddecode|defaults|defaultsab|qwendtype|qwenmlx|embeddings|policy|vision|trainmem|spec|specdraft|kvbits|pagedattn|trainshare|single|pagedkv|pagedkvserve|pagedkvdiag|pagedkvinplace|pagedkvfinal|pagedkvserveall|pagedkvhost|pagedkvlast|pagedkv256) ;;
   *) sed -n '2,/^# A fresh server per wave/p' "$0"; exit 2 ;; esac
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
@@ -322,6 +324,18 @@ case "${1:-}" in
                 --tokenizer-dir $OLDPWD/$TOK --work-dir $WORK \
                 --out "$OUT/serving-c${conc/,/-}-pagedkv-final-$name-h200.json" | grep -v '^{"target"')
             done; done ;;
+  pagedkv256) timeout 110 python3 -m pytest tests/test_engine_paged_decode.py -q -p no:cacheprovider -rA --tb=short \
+              -k "in_place" > "$OUT/paged-engine-tests-h200.txt" 2>&1
+            grep -E "^(PASSED|FAILED|ERROR|SKIPPED)|passed|failed" "$OUT/paged-engine-tests-h200.txt" | tail -6
+            BEFORE=${BEFORE:-$PWD/.gpu/before}
+            for tree in "$BEFORE" "$PWD"; do
+              name=$([ "$tree" = "$PWD" ] && echo paged || echo dense)
+              (cd "$tree" && PYTHONPATH=/tmp/site:$tree timeout 130 python3 -m perf.bench_serving --shape llama-3.2-3b \
+                --concurrency 256 --requests-per-client 2 --max-tokens 128 --client-procs 4 --targets http \
+                --tokenizer-dir $OLDPWD/$TOK --work-dir $WORK \
+                --out "$OUT/serving-c256-pagedkv-final2-$name-h200.json" | grep -v '^{"target"' | tail -3)
+            done
+            rm -f "$OUT"/*.png ;;
   pagedattn) python3 -m pytest tests/test_paged_attention.py -q -p no:cacheprovider
             python3 -m perf.bench_paged_attention --rows 1,64,256 --contexts 512,2048 --mixes uniform,ragged --repeats 20 \
               --out-dir "$OUT"

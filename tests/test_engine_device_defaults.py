@@ -91,3 +91,14 @@ def test_engine_on_cuda_runs_the_unfused_forms_with_the_stock_tokens(monkeypatch
     for i, p in enumerate(prompts):
         assert out[(f"r{i}", 0)]["tokens"] == reference_greedy(model, p, 6), i
     assert 1 in calls and max(calls) > 1  # decode under a mask and prefills both went unfused
+
+
+def test_float32_is_judged_as_tf32_on_cuda(monkeypatch):
+    """MLX's CUDA float32 matmuls use TF32: the start-up checks of a float32 model (compat, the paged read)
+    take the 16-bit tolerance there, unless MLX_ENABLE_TF32=0; the CPU's and Metal's float32 is exact."""
+    monkeypatch.delenv("MLX_ENABLE_TF32", raising=False)
+    for backend, exact in (("cpu", True), ("metal", True), ("cuda", False)):
+        monkeypatch.setattr(device_module, "compute_device", lambda b=backend: b)
+        assert device_module.exact_float32() is exact
+    monkeypatch.setenv("MLX_ENABLE_TF32", "0")
+    assert device_module.exact_float32() is True

@@ -7,13 +7,14 @@ against the gather (a decode pass of two rows at different lengths on a scratch 
 from __future__ import annotations
 
 import logging
-import os
 from typing import Any, Callable
 
 import mlx.core as mx
 
+from parallm.device import exact_float32
+
 from .cache import LiveKV, PassContext
-from .paged_attention import backend, choose_way
+from .paged_attention import choose_way
 
 log = logging.getLogger("parallm.engine")
 
@@ -29,8 +30,7 @@ CHECK_TOLERANCE = {False: 5e-2, True: 5e-3}
 def check_tolerance(dtype: mx.Dtype) -> float:
     """CHECK_TOLERANCE for a model of `dtype` on this backend: float32 through TF32 matmuls (CUDA's default)
     rounds like a 16-bit model."""
-    exact = dtype == mx.float32 and not (backend() == "cuda" and os.environ.get("MLX_ENABLE_TF32", "1") != "0")
-    return CHECK_TOLERANCE[exact]
+    return CHECK_TOLERANCE[dtype == mx.float32 and exact_float32()]
 
 
 def replaces_attention(context: Any) -> bool:
