@@ -131,7 +131,7 @@
 #   pagedkvhost  issue 41: the CUDA tests of the in-place writes, what a custom kernel costs the host
 #             (perf/diag_kernel_launch.py), the decode step at 1, 64, 256 rows (both trees), then cProfile of 200
 #             one-row steps of each tree (host-profile-*.prof), ~7 min
-#   pagedkvlast  issue 41: the CUDA tests of the in-place writes (their whole report in paged-tests-h200.txt), then
+#   pagedkvlast  issue 41: the CUDA tests of the in-place writes (their whole report in paged-tests-h200.log), then
 #             pagedkvserveall, ~7 min
 #   pagedkv256  issue 41: the engine's in-place tests on CUDA, then HTTP c=256 of both trees (png dropped: a call
 #             brings back 8 files), ~5 min
@@ -314,8 +314,8 @@ case "${1:-}" in
                 --work-dir $WORK --out /tmp/ignored-$name.json | tail -1
             done ;;
   pagedkvlast) timeout 200 python3 -m pytest tests/test_paged_attention.py tests/test_engine_paged_decode.py -q \
-              -p no:cacheprovider -rA --tb=short -k "cuda or in_place" > "$OUT/paged-tests-h200.txt" 2>&1
-            grep -E "^(PASSED|FAILED|ERROR|SKIPPED)|passed|failed" "$OUT/paged-tests-h200.txt" | tail -12
+              -p no:cacheprovider -rA --tb=short -k "cuda or in_place" > "$OUT/paged-tests-h200.log" 2>&1
+            grep -E "^(PASSED|FAILED|ERROR|SKIPPED)|passed|failed" "$OUT/paged-tests-h200.log" | tail -12
             BEFORE=${BEFORE:-$PWD/.gpu/before}
             for conc in 1,64 256; do for tree in "$BEFORE" "$PWD"; do
               name=$([ "$tree" = "$PWD" ] && echo paged || echo dense)
@@ -325,8 +325,8 @@ case "${1:-}" in
                 --out "$OUT/serving-c${conc/,/-}-pagedkv-final-$name-h200.json" | grep -v '^{"target"')
             done; done ;;
   pagedkv256) timeout 110 python3 -m pytest tests/test_engine_paged_decode.py -q -p no:cacheprovider -rA --tb=short \
-              -k "in_place" > "$OUT/paged-engine-tests-h200.txt" 2>&1
-            grep -E "^(PASSED|FAILED|ERROR|SKIPPED)|passed|failed" "$OUT/paged-engine-tests-h200.txt" | tail -6
+              -k "in_place" > "$OUT/paged-engine-tests-h200.log" 2>&1
+            grep -E "^(PASSED|FAILED|ERROR|SKIPPED)|passed|failed" "$OUT/paged-engine-tests-h200.log" | tail -6
             BEFORE=${BEFORE:-$PWD/.gpu/before}
             for tree in "$BEFORE" "$PWD"; do
               name=$([ "$tree" = "$PWD" ] && echo paged || echo dense)
