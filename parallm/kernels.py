@@ -54,6 +54,14 @@ def _exp_parts_shifted(s: mx.array, m: mx.array) -> tuple[mx.array, mx.array]:
     return _exp_parts(s - m)
 
 
+def exp_shifted(x: mx.array, shift: mx.array) -> mx.array:
+    """exp(x - shift) of float32 arrays (`shift` broadcast): a softmax's unnormalized weights, for a
+    caller that takes the maximum and the sum itself (over several axes, or divides later).
+    Elements at the float's min (masked) get 2^-100 against the largest's 1."""
+    frac, bits = _exp_parts_shifted(x, shift)
+    return frac * bits.view(mx.float32)
+
+
 def exp(x: mx.array) -> mx.array:
     """exp of a float32 array (the reinterpretation of the exponent bits cannot be compiled
     shapeless, so it sits between two fused loops)."""

@@ -61,6 +61,8 @@ def figures(before: dict[str, Any], after: dict[str, Any]) -> dict[str, Any]:
         "live": {"rows": after.get("live_rows", 0), "capacity": after.get("live_capacity", 0),
                  "mib": round(after.get("live_bytes", 0) / (1 << 20), 1)},
         "pool_mib": round(after.get("pool_bytes", 0) / (1 << 20), 1),
+        "kv_copied_bytes": {k: v - (before.get("kv_copied_bytes") or {}).get(k, 0)
+                            for k, v in (after.get("kv_copied_bytes") or {}).items()},
         "settings": {k: settings.get(k) for k in SETTINGS},
         "loop_ms_mean": (after.get("loop") or {}).get("ms_mean", {}),
         "burst": burst,
@@ -90,7 +92,8 @@ def lines(label: str, f: dict[str, Any]) -> list[str]:
            f"({c['recomputed_tokens']} tokens recomputed); OOM retries {c['oom_retries']}; mixed passes "
            f"{c['mixed_passes']}; first-seen pass shapes {b.get('new_shapes', 0)} ({b.get('new_shape_ms', 0):.0f} ms); "
            f"KV budget {f['kv_budget_mib']} MiB ({f['live_token_slots']} live slots), live {live['rows']}x"
-           f"{live['capacity']} ({live['mib']} MiB); row ops {b.get('ops', {})}; step phases ms "
+           f"{live['capacity']} ({live['mib']} MiB); row ops {b.get('ops', {})}; KV bytes copied "
+           f"{f.get('kv_copied_bytes', {})}; step phases ms "
            f"{ {k: round(v) for k, v in b.get('phase_ms', {}).items()} }"]
     new, known = b.get("new_prefill_shapes", 0), b.get("known_prefill_passes", 0)
     if new or known:

@@ -115,11 +115,33 @@
 #             smollm2-135m shape (launch-bound, like the 10-layer VLM of `vision`), 2 rounds, then llama-3.2-3b, 1
 #             round, 128 tokens. With a base checkout carried as .gpu/base (`git worktree add --detach .gpu/base
 #             <commit>` here; carry [".gpu-tok", ".gpu/base"]) the smollm2 rounds alternate it with this one, ~7 min
+#   pagedkv / pagedkvserve  issue 41: the KV block store with paged decode attention (this tree) vs the dense rows of
+#             main before it (BEFORE, default .gpu/before: `mkdir -p .gpu/before && git archive be43360 | tar -x -C
+#             .gpu/before`, 7 MB, carried with the call), alternating trees: `pagedkv` the engine's decode step at 1, 64
+#             and 256 rows of llama-3.2-3b (perf/profile_decode: the CUDA kernel; then this tree with
+#             --engine.paged-decode off, the gather), ~7 min; `pagedkvserve` HTTP at c=256, 512 requests, 128 tokens,
+#             a fresh server per tree (the engine's figures give the schedule phase per step, the row ops and the
+#             KV bytes they copied), ~8 min
+#   pagedkvinplace  issue 41: the CUDA in-place K/V writes: their tests (kernel vs scatter, the engine's tokens
+#             with and without), after the decode step at 1 row (BEFORE's dense rows, this tree, this tree with
+#             --engine kv_write_in_place=false: every step waits for the one in flight) and at 64 rows (this tree), ~3 min
+#   pagedkvfinal / pagedkvserveall  issue 41, with the in-place writes: the paged tests on CUDA, then the decode step
+#             at 1, 64, 256 rows, dense (BEFORE) and this tree alternating, ~6 min; HTTP at c=1,64 then c=256, both
+#             trees, ~5 min
+#   pagedkvhost  issue 41: the CUDA tests of the in-place writes, what a custom kernel costs the host
+#             (perf/diag_kernel_launch.py), the decode step at 1, 64, 256 rows (both trees), then cProfile of 200
+#             one-row steps of each tree (host-profile-*.prof), ~7 min
+#   pagedkvlast  issue 41: the CUDA tests of the in-place writes (their whole report in paged-tests-h200.log), then
+#             pagedkvserveall, ~7 min
+#   pagedkv256  issue 41: the engine's in-place tests on CUDA, then HTTP c=256 of both trees (png dropped: a call
+#             brings back 8 files), ~5 min
+#   pagedkvdiag  issue 41: perf/diag_paged_step.py at 1, 64, 256 rows (the paged read's check and its log, the
+#             step time as checked and with the check forced on, stores moved, greedy rows agreeing), then the
+#             engine's decode step of BEFORE's dense rows and this tree alternating (as pagedkv, without the
+#             gather), ~5 min
 # A fresh server per wave: `waves` fits 6-7 waves in one 10-minute call; run it twice for ten.
 set -uo pipefail
-# A fresh server per wave: `waves` fits 6-7 waves in one 10-minute call; run it twice for ten.
-set -uo pipefail
-case "${1:-}" in diag|llama|adapters|qwen-a|qwen-b|serving|waves|ingress|moe|moe256|hybrid|structured|tp|tp8b|dp|threads|compiled|republish|buckets|serve256|inplace|mixed|cudnn|decodeattn|unfuseddecode|defaults|defaultsab|qwendtype|qwenmlx|embeddings|policy|vision|trainmem|spec|specdraft|kvbits|pagedattn|trainshare|single) ;;
+case "${1:-}" in diag|llama|adapters|qwen-a|qwen-b|serving|waves|ingress|moe|moe256|hybrid|structured|tp|tp8b|dp|threads|compiled|republish|buckets|serve256|inplace|mixed|cudnn|decodeattn|unfuseddecode|defaults|defaultsab|qwendtype|qwenmlx|embeddings|policy|vision|trainmem|spec|specdraft|kvbits|pagedattn|trainshare|single|pagedkv|pagedkvserve|pagedkvdiag|pagedkvinplace|pagedkvfinal|pagedkvserveall|pagedkvhost|pagedkvlast|pagedkv256) ;;
   *) sed -n '2,/^# A fresh server per wave/p' "$0"; exit 2 ;; esac
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
@@ -224,6 +246,96 @@ case "${1:-}" in
                 --server-args "$([ $run = unfused ] && echo --engine.unfused-prefill-keys 4096)" \
                 --tokenizer-dir $TOK --work-dir $WORK --experiment llama-3.2-3b-c256-cudnn-$run --out-dir "$OUT"
             done ;;
+  pagedkv)  BEFORE=${BEFORE:-$PWD/.gpu/before}  # this tree's perf/profile_decode.py runs over each tree's parallm
+            for b in 1 64 256; do for name in dense paged paged-gather; do
+              tree=$([ $name = dense ] && echo "$BEFORE" || echo "$PWD")
+              extra=$([ $name = paged-gather ] && echo "--engine paged_decode=off" || true)
+              PYTHONPATH=/tmp/site:$tree timeout 170 python3 perf/profile_decode.py --shape llama-3.2-3b --batch $b \
+                --steps 30 --default-only $extra --tokenizer-dir $TOK --work-dir $WORK \
+                --out "$OUT/decode-profile-pagedkv-$name-b$b-h200.json" | tail -2
+            done; done ;;
+  pagedkvinplace) BEFORE=${BEFORE:-$PWD/.gpu/before}
+            for run in dense-b1 paged-b1 paged-waiting-b1 paged-b64; do name=${run%-b*}; b=${run##*-b}
+              tree=$([ $name = dense ] && echo "$BEFORE" || echo "$PWD")
+              extra=$([ $name = paged-waiting ] && echo "--engine kv_write_in_place=false" || true)
+              PYTHONPATH=/tmp/site:$tree timeout 100 python3 perf/profile_decode.py --shape llama-3.2-3b --batch $b \
+                --steps 30 --default-only $extra --tokenizer-dir $TOK --work-dir $WORK \
+                --out "$OUT/decode-profile-pagedkv-inplace-$name-b$b-h200.json" | tail -1
+            done
+            timeout 120 python3 -m pytest tests/test_paged_attention.py tests/test_engine_paged_decode.py -q \
+              -p no:cacheprovider -k "in_place or cuda_kernel" 2>&1 | tail -4 ;;
+  pagedkvdiag) BEFORE=${BEFORE:-$PWD/.gpu/before}
+            python3 -m perf.diag_paged_step --shape llama-3.2-3b --batches 1,64,256 --steps 20 --tokenizer-dir $TOK \
+              --work-dir $WORK --out "$OUT/paged-step-diag-h200.json" | cut -c1-900
+            for b in 1 64 256; do for name in dense paged; do
+              tree=$([ $name = dense ] && echo "$BEFORE" || echo "$PWD")
+              PYTHONPATH=/tmp/site:$tree timeout 170 python3 perf/profile_decode.py --shape llama-3.2-3b --batch $b \
+                --steps 30 --default-only --tokenizer-dir $TOK --work-dir $WORK \
+                --out "$OUT/decode-profile-pagedkv-$name-b$b-h200.json" | tail -1
+            done; done ;;
+  pagedkvserve) BEFORE=${BEFORE:-$PWD/.gpu/before}
+            for tree in "$BEFORE" "$PWD"; do
+              name=$([ "$tree" = "$PWD" ] && echo paged || echo dense)
+              (cd "$tree" && PYTHONPATH=/tmp/site:$tree timeout 280 python3 -m perf.bench_serving --shape llama-3.2-3b \
+                --concurrency 256 --requests-per-client 2 --max-tokens 128 --client-procs 4 --targets http \
+                --tokenizer-dir $OLDPWD/$TOK --work-dir $WORK --out "$OUT/serving-c256-pagedkv-$name-h200.json" | grep -v '^{"target"')
+            done ;;
+  pagedkvfinal) BEFORE=${BEFORE:-$PWD/.gpu/before}
+            timeout 150 python3 -m pytest tests/test_paged_attention.py tests/test_engine_paged_decode.py -q \
+              -p no:cacheprovider 2>&1 | tail -6
+            for b in 1 64 256; do for name in dense paged; do
+              tree=$([ $name = dense ] && echo "$BEFORE" || echo "$PWD")
+              PYTHONPATH=/tmp/site:$tree timeout 100 python3 perf/profile_decode.py --shape llama-3.2-3b --batch $b \
+                --steps 30 --default-only --tokenizer-dir $TOK --work-dir $WORK \
+                --out "$OUT/decode-profile-pagedkv-final-$name-b$b-h200.json" | tail -1
+            done; done ;;
+  pagedkvserveall) BEFORE=${BEFORE:-$PWD/.gpu/before}
+            for conc in 1,64 256; do for tree in "$BEFORE" "$PWD"; do
+              name=$([ "$tree" = "$PWD" ] && echo paged || echo dense)
+              (cd "$tree" && PYTHONPATH=/tmp/site:$tree timeout 140 python3 -m perf.bench_serving --shape llama-3.2-3b \
+                --concurrency $conc --requests-per-client 2 --max-tokens 128 --client-procs 4 --targets http \
+                --tokenizer-dir $OLDPWD/$TOK --work-dir $WORK \
+                --out "$OUT/serving-c${conc/,/-}-pagedkv-final-$name-h200.json" | grep -v '^{"target"')
+            done; done ;;
+  pagedkvhost) BEFORE=${BEFORE:-$PWD/.gpu/before}
+            timeout 240 python3 -m pytest tests/test_paged_attention.py tests/test_engine_paged_decode.py -q \
+              -p no:cacheprovider -k "cuda or in_place" 2>&1 | tail -4
+            python3 -m perf.diag_kernel_launch --out "$OUT/kernel-launch-cost-h200.json" | tail -1
+            for b in 1 64 256; do for name in dense paged; do
+              tree=$([ $name = dense ] && echo "$BEFORE" || echo "$PWD")
+              PYTHONPATH=/tmp/site:$tree timeout 100 python3 perf/profile_decode.py --shape llama-3.2-3b --batch $b \
+                --steps 30 --default-only --tokenizer-dir $TOK --work-dir $WORK \
+                --out "$OUT/decode-profile-pagedkv-fused-$name-b$b-h200.json" | tail -1
+            done; done
+            for name in dense paged; do
+              tree=$([ $name = dense ] && echo "$BEFORE" || echo "$PWD")
+              PYTHONPATH=/tmp/site:$tree timeout 100 python3 -m cProfile -o "$OUT/host-profile-$name-b1-h200.prof" \
+                perf/profile_decode.py --shape llama-3.2-3b --batch 1 --steps 200 --default-only --tokenizer-dir $TOK \
+                --work-dir $WORK --out /tmp/ignored-$name.json | tail -1
+            done ;;
+  pagedkvlast) timeout 200 python3 -m pytest tests/test_paged_attention.py tests/test_engine_paged_decode.py -q \
+              -p no:cacheprovider -rA --tb=short -k "cuda or in_place" > "$OUT/paged-tests-h200.log" 2>&1
+            grep -E "^(PASSED|FAILED|ERROR|SKIPPED)|passed|failed" "$OUT/paged-tests-h200.log" | tail -12
+            BEFORE=${BEFORE:-$PWD/.gpu/before}
+            for conc in 1,64 256; do for tree in "$BEFORE" "$PWD"; do
+              name=$([ "$tree" = "$PWD" ] && echo paged || echo dense)
+              (cd "$tree" && PYTHONPATH=/tmp/site:$tree timeout 140 python3 -m perf.bench_serving --shape llama-3.2-3b \
+                --concurrency $conc --requests-per-client 2 --max-tokens 128 --client-procs 4 --targets http \
+                --tokenizer-dir $OLDPWD/$TOK --work-dir $WORK \
+                --out "$OUT/serving-c${conc/,/-}-pagedkv-final-$name-h200.json" | grep -v '^{"target"')
+            done; done ;;
+  pagedkv256) timeout 110 python3 -m pytest tests/test_engine_paged_decode.py -q -p no:cacheprovider -rA --tb=short \
+              -k "in_place" > "$OUT/paged-engine-tests-h200.log" 2>&1
+            grep -E "^(PASSED|FAILED|ERROR|SKIPPED)|passed|failed" "$OUT/paged-engine-tests-h200.log" | tail -6
+            BEFORE=${BEFORE:-$PWD/.gpu/before}
+            for tree in "$BEFORE" "$PWD"; do
+              name=$([ "$tree" = "$PWD" ] && echo paged || echo dense)
+              (cd "$tree" && PYTHONPATH=/tmp/site:$tree timeout 130 python3 -m perf.bench_serving --shape llama-3.2-3b \
+                --concurrency 256 --requests-per-client 2 --max-tokens 128 --client-procs 4 --targets http \
+                --tokenizer-dir $OLDPWD/$TOK --work-dir $WORK \
+                --out "$OUT/serving-c256-pagedkv-final2-$name-h200.json" | grep -v '^{"target"' | tail -3)
+            done
+            rm -f "$OUT"/*.png ;;
   pagedattn) python3 -m pytest tests/test_paged_attention.py -q -p no:cacheprovider
             python3 -m perf.bench_paged_attention --rows 1,64,256 --contexts 512,2048 --mixes uniform,ragged --repeats 20 \
               --out-dir "$OUT"

@@ -6,6 +6,7 @@ the step time with and without overlap, and the top functions by own time.
 
     python -m perf.profile_decode --shape llama-3.2-3b --batch 256 --tokenizer-dir DIR
         # -> perf/results/decode-profile-llama-3.2-3b-b256-h100.json
+    python perf/profile_decode.py ... --default-only --engine paged_decode=off   # one engine's step, settings given
 """
 
 from __future__ import annotations
@@ -69,19 +70,31 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--prompt-len", type=int, default=128)
     parser.add_argument("--tokenizer-dir", type=Path, required=True)
     parser.add_argument("--work-dir", type=Path, default=Path("/tmp/parallm-bench-gpu"))
+    parser.add_argument("--engine", action="append", default=[], metavar="KEY=VALUE",
+                        help="an EngineConfig setting of every engine (repeatable; e.g. paged_decode=off)")
+    parser.add_argument("--default-only", action="store_true",
+                        help="time the default engine only (no overlap/compile variants, no cProfile)")
     add_results_options(parser, default_help="SHAPE-bBATCH")
     args = parser.parse_args(argv)
+    settings = {k: _value(v) for k, _, v in (e.partition("=") for e in args.engine)}
     from mlx_lm.utils import load_model
 
     model, _ = load_model(build_model_dir(args.shape, args.work_dir / args.shape, args.tokenizer_dir))
     results = Results.from_args("decode-profile", args, argv, experiment=f"{args.shape}-b{args.batch}")
-    report = {"shape": args.shape, "batch": args.batch}
-    for name, opts in (("default", {}), ("no_overlap", {"overlap": False}), ("no_compile", {"compile": False})):
-        engine, per_step, phases = decode_steps(model, args.batch, args.steps, args.prompt_len, **opts)
+    report = {"shape": args.shape, "batch": args.batch, "engine": settings}
+    variants = (("default", {}), ("no_overlap", {"overlap": False}), ("no_compile", {"compile": False}))
+    for name, opts in variants[:1] if args.default_only else variants:
+        engine, per_step, phases = decode_steps(model, args.batch, args.steps, args.prompt_len, **settings, **opts)
         report[name] = {"step_ms": 1000 * per_step, "tok_s": args.batch / per_step, "phases_ms": phases}
+        if name == "default":
+            report["paged_decode"] = getattr(engine.runner, "paged_way", None) \
+                if getattr(engine.runner, "pages_decode", False) else None
         print(name, json.dumps(report[name]), flush=True)
         del engine
-    engine, _, _ = decode_steps(model, args.batch, 3, args.prompt_len)
+    if args.default_only:
+        results.write(report)
+        return 0
+    engine, _, _ = decode_steps(model, args.batch, 3, args.prompt_len, **settings)
     profiler = cProfile.Profile()
     profiler.enable()
     for _ in range(args.steps):
@@ -94,6 +107,14 @@ def main(argv: list[str] | None = None) -> int:
     print(text.getvalue())
     results.write(report)
     return 0
+
+
+def _value(text: str):
+    """A setting's value: JSON (numbers, true/false) where it parses, else the string."""
+    try:
+        return json.loads(text)
+    except ValueError:
+        return text
 
 
 if __name__ == "__main__":

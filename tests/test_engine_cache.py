@@ -1,4 +1,5 @@
-"""The live KV cache against mlx-lm's cache protocol (ideas ported from mlx-lm's test_prompt_cache.py)."""
+"""The live KV (a block store read through block tables) against mlx-lm's cache protocol (ideas ported
+from mlx-lm's test_prompt_cache.py)."""
 
 import mlx.core as mx
 import numpy as np
@@ -6,14 +7,13 @@ import pytest
 from mlx_lm.models.base import create_attention_mask, create_causal_mask
 from mlx_lm.models.cache import KVCache, can_trim_prompt_cache
 
-from parallm.engine.cache import KVCacheProtocol, LayerShape, LiveKV, PassContext
-from parallm.engine.pool import KVPool
+from parallm.engine.cache import KVCacheProtocol, LayerShape, LiveKV, PassContext, gather
 
 H, D = 2, 8
 
 
-def live(rows=4, cap=32, layers=1):
-    kv = LiveKV([LayerShape(H, D, H, D)] * layers, mx.float32)
+def live(rows=4, cap=32, layers=1, block_size=4):
+    kv = LiveKV([LayerShape(H, D, H, D)] * layers, mx.float32, block_size=block_size)
     kv.resize(rows, cap)
     return kv
 
@@ -56,19 +56,61 @@ def test_decode_update_writes_each_row_at_its_own_position_like_kvcache():
             assert mx.array_equal(values[r:r + 1, :, :n], rv)
 
 
+def rows_of(kv, rows, span, layer=0):
+    """Rows' keys [n, H, span, D] in the dense layout's tables."""
+    ctx = PassContext(rows[0], [0] * len(rows), 1, span)
+    ctx.bind(kv)
+    return gather(kv.keys[layer], ctx.read)
+
+
 def test_padded_multi_row_prefill_writes_only_into_own_rows():
     kv = live(rows=5, cap=24)
-    marker = mx.full((H, 24, D), 7.0)
-    kv.write_prefix(0, [marker, marker])
+    marker = rand(1, H, 24, D, seed=9)
+    kv.views(PassContext(0, [0], 24, 24))[0].update_and_fetch(marker, marker)
     ctx = PassContext(1, [2, 0, 5], 4, 9)
     k = rand(3, H, 4, D, seed=1)
     keys, _ = kv.views(ctx)[0].update_and_fetch(k, k)
     assert keys.shape == (3, H, 9, D)
-    full = kv.keys[0]
-    assert mx.array_equal(full[0], marker)  # row 0 untouched
+    assert mx.array_equal(rows_of(kv, [0], 24)[0], marker[0])  # row 0 untouched
+    got = rows_of(kv, [1, 2, 3], 24)
     for i, off in enumerate([2, 0, 5]):
-        assert mx.array_equal(full[1 + i, :, off:off + 4], k[i])
-    assert mx.array_equal(full[4], mx.zeros((H, 24, D)))  # row 4 is not in the pass
+        assert mx.array_equal(got[i, :, off:off + 4], k[i])
+    assert mx.array_equal(rows_of(kv, [4], 24)[0], mx.zeros((H, 24, D)))  # row 4 is not in the pass
+
+
+def test_block_tables_share_blocks_without_copies():
+    """Two sequences whose tables start with the same blocks read the same KV (a prefix hit is a
+    reference); positions past a table's blocks go to the trash block, never into another's."""
+    kv = live(rows=0, cap=0, block_size=4)
+    kv.ensure(8)
+    prefix = rand(1, H, 8, D, seed=3)
+    kv.views(PassContext(0, [0], 8, 8, tables=[[5, 2]]))[0].update_and_fetch(prefix, prefix)
+    a, b = rand(2, H, 1, D, seed=4), rand(2, H, 1, D, seed=5)
+    ctx = PassContext(0, [8, 8], 1, 9, tables=[[5, 2, 0], [5, 2, 7]])
+    keys, values = kv.views(ctx)[0].update_and_fetch(a, b)
+    for r in range(2):
+        assert mx.array_equal(keys[r, :, :8], prefix[0]) and mx.array_equal(keys[r, :, 8], a[r, :, 0])
+        assert mx.array_equal(values[r, :, 8], b[r, :, 0])
+    # a pass whose table lacks the block of a pad position writes it to the trash block
+    before = mx.array(kv.keys[0])
+    kv.views(PassContext(0, [0], 3, 3, tables=[[]]))[0].update_and_fetch(a[:1, :, [0, 0, 0]], a[:1, :, [0, 0, 0]])
+    assert mx.array_equal(kv.keys[0][:, 4:], before[:, 4:])  # everything past the trash block's slots
+
+
+def test_copy_blocks_and_growth_keep_content():
+    kv = live(rows=0, cap=0, block_size=4)
+    data = rand(1, H, 4, D, seed=6)
+    kv.ensure(2)
+    kv.views(PassContext(0, [0], 4, 4, tables=[[1]]))[0].update_and_fetch(data, data)
+    kv.copy_blocks([(1, 0)])
+    assert kv.copied["cow"] == 4 * kv.bytes_per_token
+    small = kv.nbytes
+    kv.ensure(100)
+    assert kv.store_blocks >= 100 and kv.nbytes > small
+    for table in ([0], [1]):
+        ctx = PassContext(0, [0], 1, 4, tables=[table])
+        ctx.bind(kv)
+        assert mx.array_equal(gather(kv.keys[0], ctx.read)[0], data[0])
 
 
 @pytest.mark.parametrize("window", [None, 3])
@@ -110,64 +152,21 @@ def test_attention_through_views_equals_per_row_attention():
         assert mx.allclose(out[r:r + 1], ref, atol=1e-6).item()
 
 
-def test_copy_swap_resize_keep_content():
+def test_resize_keeps_rows_of_state_only():
     kv = live(rows=3, cap=8, layers=2)
-    rows = [rand(H, 8, D, seed=i) for i in range(3)]
-    for r in range(3):
-        kv.write_prefix(r, [rows[r]] * 4)
-    kv.copy_rows([(2, 0)], 8)
-    assert mx.array_equal(kv.keys[1][0], rows[2])
-    kv.copy_rows([(1, 2), (2, 1)], 8)  # swap
-    assert mx.array_equal(kv.values[0][1], rows[2]) and mx.array_equal(kv.values[0][2], rows[1])
     kv.resize(5, 12)
-    assert kv.keys[0].shape == (5, H, 12, D)
-    assert mx.array_equal(kv.keys[0][1, :, :8], rows[2])
-    assert mx.array_equal(kv.keys[0][4], mx.zeros((H, 12, D)))
-    kv.resize(2, 6)
-    assert mx.array_equal(kv.keys[0][0, :, :6], rows[2][:, :6])
-
-
-def test_pool_round_trip_through_rows():
-    shapes = [LayerShape(H, D, H, D)] * 2
-    pool = KVPool(shapes, mx.float32, num_blocks=6, block_size=4)
-    kv = LiveKV(shapes, mx.float32)
-    kv.resize(2, 16)
-    data = [rand(H, 12, D, seed=i) for i in range(4)]
-    kv.write_prefix(0, data)
-    pos = mx.array([4, 5, 6, 7, 0, 1, 2, 3], dtype=mx.int32)  # blocks 1 then 0 of the row
-    pool.write([5, 2], kv.read_positions(0, pos))
-    back = pool.read_many([[2, 5]])[0]  # block 0 then block 1 of the row
-    kv.write_prefix(1, back)
-    for buf in kv.arrays():
-        assert mx.array_equal(buf[1, :, :8], buf[0, :, :8])
-
-
-def test_a_prefix_pool_write_does_not_wait_for_the_next_prefix_load():
-    """Issue 30: the pool's writes were left lazy until a later prefix load evaluated them all (a 6k-token prompt's
-    375 blocks, 0.26 s on the CPU, in a short request's step), holding the written data until then. Started at
-    once, the data is the pool's own when the write returns and the device has caught up."""
-    shapes = [LayerShape(H, D, H, D)] * 2
-    pool = KVPool(shapes, mx.float32, num_blocks=64, block_size=4)
-    pool.allocate()
-    data = [rand(H, 48 * 4, D, seed=i) for i in range(4)]
-    mx.eval(data)
-    held = sum(d.nbytes for d in data)
-    base = mx.get_active_memory()
-    pool.write(list(range(48)), data)
-    del data
-    mx.synchronize()
-    assert base - mx.get_active_memory() >= held  # freed: nothing left for a later load to run
-    assert mx.array_equal(pool.read_many([[0]])[0][0], rand(H, 48 * 4, D, seed=0)[:, :4])
+    assert (kv.rows, kv.capacity) == (5, 12) and not kv.keys  # no store until a pass needs one
 
 
 def test_decode_update_is_in_place():
     """A decode scatter must reuse the buffer: a copy would cost a full read+write of the KV."""
     kv = live(rows=8, cap=4096, layers=1)
+    ctx = PassContext(0, [7] * 8, 1, 8)
+    ctx.bind(kv)  # the store, grown to the rows' blocks
     before = kv.keys[0].nbytes
-    mx.eval(kv.arrays())
+    mx.eval(kv.arrays(), ctx.read, ctx.write)
     mx.reset_peak_memory()
     base = mx.get_active_memory()
-    ctx = PassContext(0, [7] * 8, 1, 8)
     k = rand(8, H, 1, D)
     keys, _ = kv.views(ctx)[0].update_and_fetch(k, k)
     mx.eval(keys, kv.arrays())
@@ -175,23 +174,20 @@ def test_decode_update_is_in_place():
 
 
 @pytest.mark.parametrize("length", [1, 5])
-def test_kv_writes_are_one_scatter_each_and_land_where_the_slice_form_puts_them(length):
-    """`buf[rows, :, positions] = kv` made MLX add an arange, three int64 index casts and their
-    broadcasts to every write (5 kernels, twice per layer and pass); write_index's indices, built
-    once per pass, leave one Scatter per write."""
+def test_kv_writes_are_one_scatter_each_and_land_in_the_rows_slots(length):
+    """A layer's write is one Scatter over (head, slot) indices built once per pass (no per-layer
+    index broadcasts or int64 casts: perf/results/kv-writes-cpu.md)."""
     from tests._graph import primitives
 
     kv = live(rows=4, cap=32, layers=2)
-    mx.eval(kv.arrays())
     ctx = PassContext(1, [3, 7, 0], length, 7 + length)
+    ctx.bind(kv)
+    mx.eval(kv.arrays())
     for view in kv.views(ctx):
         view.update_and_fetch(rand(3, H, length, D, seed=1), rand(3, H, length, D, seed=2))
     ops = primitives(kv.arrays())
-    assert ops["Scatter"] == 4 and ops["AsType"] == 0 and ops["Arange"] <= 3, ops  # the pass's rows, heads, positions
-    expected = []
-    for buf, seed in ((mx.zeros_like(kv.keys[0]), 1), (mx.zeros_like(kv.values[0]), 2)):
-        rows = mx.broadcast_to(ctx.rows[:, None], (3, length))
-        buf[rows, :, ctx.offsets[:, None] + mx.arange(length)[None]] = rand(3, H, length, D, seed=seed).transpose(0, 2, 1, 3)
-        expected.append(buf)
-    for layer in range(2):
-        assert mx.array_equal(kv.keys[layer], expected[0]) and mx.array_equal(kv.values[layer], expected[1])
+    # one Scatter per write; the (head, slot) indices are built once for the pass (one Arange of the heads)
+    assert ops["Scatter"] == 4 and ops["AsType"] == 0 and ops["Arange"] <= 1, ops
+    got = rows_of(kv, [1, 2, 3], 32, layer=1)
+    for i, off in enumerate([3, 7, 0]):
+        assert mx.array_equal(got[i, :, off:off + length], rand(3, H, length, D, seed=1)[i])

@@ -23,6 +23,10 @@ from tests._adapter_helpers import adapter_tensors, lora_model
 # math differs only in shapes (padded rows, keys masked up to a power-of-two span), so other BLAS
 # builds may round differently: the tolerance allows float32 rounding.
 ATOL = 1e-5
+# The eager engine's float32 decode passes read the block store with gather_mm over K tiles (the CPU's
+# paged read, paged_attention.py) while the compiled pass attends over the gathered K/V: the default
+# model's 30 layers round those two differently by up to 1.3e-5 in a logprob (the tokens are the same).
+ATOL_ACROSS_READS = 5e-5
 
 
 def prompt(n: int, seed: int) -> list[int]:
@@ -44,13 +48,13 @@ def workload(adapter: str = ""):
     return first, arrivals
 
 
-def assert_same(got: dict, want: dict) -> None:
+def assert_same(got: dict, want: dict, atol: float = ATOL) -> None:
     assert got.keys() == want.keys()
     for key, w in want.items():
         g = got[key]
         assert g["tokens"] == w["tokens"], key
         assert g["finish"] == w["finish"] and g["usage"] == w["usage"], key
-        np.testing.assert_allclose(g["logprobs"], w["logprobs"], rtol=0, atol=ATOL)
+        np.testing.assert_allclose(g["logprobs"], w["logprobs"], rtol=0, atol=atol)
         assert [[t for t, _ in top] for top in g["top"]] == [[t for t, _ in top] for top in w["top"]], key
 
 
@@ -203,7 +207,7 @@ def test_default_model_rows_arriving_over_time():
         out[on] = run_all(e, reqs[:2], arrivals={1: reqs[2:4], 2: reqs[4:6], 3: reqs[6:]})
         if on:
             assert e.stats().compiled_decode["compiled"] >= 5
-    assert_same(out[True], out[False])
+    assert_same(out[True], out[False], ATOL_ACROSS_READS)
 
 
 def test_a_pass_that_does_not_trace_runs_eagerly_from_then_on():

@@ -27,7 +27,15 @@ def test_cpu_resolution_is_unchanged():
     unset = msgspec.structs.asdict(EngineConfig())
     resolved = msgspec.structs.asdict(resolve_engine_config(EngineConfig(), "cpu"))
     assert {k: v for k, v in resolved.items() if v != unset[k]} == {
-        **{k: v for k, v in CPU_BEFORE.items() if unset[k] is None}, "prefill_pass_s": 0.25}  # issue 30's pacing
+        **{k: v for k, v in CPU_BEFORE.items() if unset[k] is None}, "prefill_pass_s": 0.25,  # issue 30's pacing
+        "kv_preallocate": False,  # issue 41: the block store grows as it is used (allocated whole on CUDA)
+        "kv_write_in_place": False}  # issue 41: decode passes store K/V in place only through the CUDA kernel
+
+
+def test_in_place_kv_writes_are_on_only_with_cuda():
+    assert [resolve_engine_config(EngineConfig(), d).kv_write_in_place for d in ("cpu", "cuda", "metal")] == \
+        [False, True, False]
+    assert resolve_engine_config(EngineConfig(kv_write_in_place=False), "cuda").kv_write_in_place is False
 
 
 def test_prefill_pacing_is_on_only_on_the_cpu():
@@ -83,3 +91,14 @@ def test_engine_on_cuda_runs_the_unfused_forms_with_the_stock_tokens(monkeypatch
     for i, p in enumerate(prompts):
         assert out[(f"r{i}", 0)]["tokens"] == reference_greedy(model, p, 6), i
     assert 1 in calls and max(calls) > 1  # decode under a mask and prefills both went unfused
+
+
+def test_float32_is_judged_as_tf32_on_cuda(monkeypatch):
+    """MLX's CUDA float32 matmuls use TF32: the start-up checks of a float32 model (compat, the paged read)
+    take the 16-bit tolerance there, unless MLX_ENABLE_TF32=0; the CPU's and Metal's float32 is exact."""
+    monkeypatch.delenv("MLX_ENABLE_TF32", raising=False)
+    for backend, exact in (("cpu", True), ("metal", True), ("cuda", False)):
+        monkeypatch.setattr(device_module, "compute_device", lambda b=backend: b)
+        assert device_module.exact_float32() is exact
+    monkeypatch.setenv("MLX_ENABLE_TF32", "0")
+    assert device_module.exact_float32() is True

@@ -8,21 +8,22 @@ from parallm.protocol import SamplingParams
 from tests._engine_helpers import make_engine, req, run_all, tiny_model
 
 
-def test_rows_grow_to_the_demand_within_the_budget():
+def test_rows_grow_to_the_demand_within_the_bounds():
     b = KVBudget(budget_tokens=4096, max_rows=64, max_len=500, row_quantum=4, cap_quantum=16)
     assert b.shape_for(5, 48, (4, 48)) == (8, 48)  # by at least half (4 -> 6, to a quantum)
     assert b.shape_for(5, 48, (4, 48), demand=30) == (32, 48)  # to what the queue wants, at once
     assert b.shape_for(5, 48, (4, 48), demand=100) == (64, 48)  # never past max_rows
-    assert b.shape_for(5, 100, (4, 48), demand=64) == (40, 102)  # as many rows as the budget allows
+    assert b.shape_for(5, 100, (4, 48), demand=64) == (64, 112)  # memory is blocks: rows x length is not bounded
     assert b.shape_for(40, 100, (40, 100), demand=64) == (40, 100)  # enough: no change, whatever the demand
-    assert b.shape_for(41, 110, (40, 100), demand=64) is None  # 41 x 110 > 4096
+    assert b.shape_for(65, 110, (40, 100), demand=64) is None  # past max_rows
 
 
 def test_a_burst_grows_the_buffer_in_a_few_resizes():
     engine = make_engine(tiny_model("llama"), max_num_seqs=48, max_prefill_tokens=64)
     resizes: list[Resize] = []
     execute = engine.runner.execute
-    engine.runner.execute = lambda ops: (resizes.extend(op for op in ops if isinstance(op, Resize)), execute(ops))
+    engine.runner.execute = lambda ops, *a: (resizes.extend(op for op in ops if isinstance(op, Resize)),
+                                             execute(ops, *a))
     reqs = [req(f"r{i}", [(5 * i + j) % 97 + 1 for j in range(20)],
                 SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)) for i in range(48)]
     run_all(engine, reqs)

@@ -23,6 +23,7 @@ def _passes(settle: bool) -> tuple[int, int]:
     live = LiveKV([LayerShape(k_heads=2, k_dim=16, v_heads=2, v_dim=16)], mx.float32)
     live.settle_bytes = 0 if settle else None
     live.resize(8, 4096)
+    live.default_tables(0, 8, 4096)  # the store: 8 rows x 4096 slots of blocks
     weight = mx.random.normal((BUSY, BUSY))
     queries = mx.random.normal((8, 4, 1, 16))
     new = [mx.ones((8, 2, 1, 16)) for _ in range(4)]

@@ -54,15 +54,16 @@ def test_greedy_tokens_are_mlx_lm_quantized_kv_caches(name, bits):
     engine.check_integrity()
 
 
-def test_a_prefix_hit_copies_the_quantized_blocks_as_they_are():
+def test_a_prefix_hit_reads_the_quantized_blocks_as_they_are():
     model = wide_heads_model()
     engine = kv_engine(model, 8)
     cold = run_all(engine, [req("a", PROMPTS[3], greedy(8))])[("a", 0)]["tokens"]
     hot = run_all(engine, [req("b", PROMPTS[3], greedy(8))])[("b", 0)]["tokens"]
     stats = engine.stats()
     assert stats.prefix_hit_tokens >= 24 and hot == cold
-    pool = engine.runner.pool
-    assert pool.arrays[0].dtype == mx.uint32 and len(pool.arrays) == 3 * 2 * len(engine.runner.live.shapes)
+    live = engine.runner.live  # the one block store: the prefix hit's blocks are its quantized blocks
+    assert live.arrays()[0].dtype == mx.uint32 and len(live.arrays()) == 3 * 2 * len(live.shapes)
+    assert stats.kv_blocks_cached > 0
     engine.check_integrity()
 
 

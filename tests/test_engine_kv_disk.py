@@ -43,12 +43,12 @@ def test_a_restarted_engine_reads_the_prefix_back_from_disk(tmp_path, policy):
 
 
 def test_evicted_blocks_come_back_from_disk_in_the_same_engine(tmp_path):
-    engine = disk_engine(tmp_path, "evict_only", budget_mb=0.1)  # a pool of 12 blocks of 4 tokens
-    assert engine.blocks.num_blocks == 12
+    engine = disk_engine(tmp_path, "evict_only", budget_mb=0.1)  # a store of 51 blocks of 4 tokens
+    assert engine.blocks.num_blocks == 51 and engine.blocks.max_cached == 12  # a quarter stays cached
     cold = serve(engine, "a", PROMPT)
     others = [[(i * 13 + k) % 97 + 1 for i in range(41)] for k in range(1, 4)]
     for k, other in enumerate(others):
-        serve(engine, f"o{k}", other)  # evicts PROMPT's blocks from the pool
+        serve(engine, f"o{k}", other)  # evicts PROMPT's blocks from the store
     engine.disk_tier.disk.flush()
     assert engine.stats().kv_disk.written >= 10
     hits = engine.stats().kv_disk.hits

@@ -68,7 +68,7 @@ def run(target_s: float) -> tuple[list[float], dict[str, float], float]:
     budget = KVBudget(budget_tokens=200_000, max_rows=16, max_len=8000)
     pacer = PrefillPacer(target_s, 128, C)
     sched = Scheduler(budget=budget, max_prefill_tokens=128, blocks=None, block_size=16, pacer=pacer)
-    runner = FakeRunner(16, 16)
+    runner = FakeRunner(sched.blocks, 16)
     long = Sequence(seq_id=0, rid="long", index=0, prompt_ids=[1] * 6000, params=SamplingParams(), seed=0)
     sched.add([long])
     clock, times, arrived, latency, decoding, long_done = 0.0, [], {}, {}, [], 0.0
@@ -178,12 +178,12 @@ def test_short_requests_beside_a_paced_long_prefill_finish_in_two_steps_without_
     copied: list[int] = []
     execute = engine.runner.execute
 
-    def recorded(ops):
+    def recorded(ops, *a, **kw):
         long = engine._requests.get("long")
         if long and long[0].status is Status.PREFILLING:  # what moved while it is prefilled
             copied.extend(2 * op.ntokens if isinstance(op, SwapRows) else op.ntokens
                           for op in ops if isinstance(op, (CopyRow, SwapRows)))
-        return execute(ops)
+        return execute(ops, *a, **kw)
 
     engine.runner.execute = recorded
     ended: dict[str, int] = {}

@@ -1,50 +1,45 @@
-"""A step's row operations run in batches (ModelRunner.execute): the live KV ends as if each op ran
-alone, in order, with fewer device evaluations (each one a round trip on a GPU)."""
+"""A step's row operations (ModelRunner.execute) move per-row state only: the KV stays in the
+block store, and a batch of copies leaves what the ops one at a time leave."""
 
 import mlx.core as mx
 
-from parallm.engine.plan import CopyRow, InitRow, LoadPrefix, WriteBack
-
-from _engine_helpers import make_engine, tiny_model
-
-
-def _runner():
-    engine = make_engine(tiny_model("llama"), max_num_seqs=6, block_size=4)
-    runner = engine.runner
-    runner.live.resize(6, 16)
-    runner.pool._ensure()
-    for i, buf in enumerate(runner.live.arrays()):  # every row and position distinct
-        buf[:] = mx.arange(buf.size, dtype=buf.dtype).reshape(buf.shape) + 1000 * i
-    for i, buf in enumerate(runner.pool.arrays):
-        buf[:] = -mx.arange(buf.size, dtype=buf.dtype).reshape(buf.shape) - 1000 * i
-    mx.eval(runner.live.arrays(), runner.pool.arrays)
-    return runner
+from parallm.engine.cache import LayerShape, LiveKV, PassContext
+from parallm.engine.plan import CopyBlocks, CopyRow, InitRow, Resize, SwapRows
+from parallm.engine.row_ops import execute_row_ops
+from parallm.engine.sampling import PenaltyState
+from parallm.engine.state import SlotLayout, StateShape
 
 
 class _Seq:
     uses_penalties = False
 
 
-OPS = [
-    WriteBack(0, [(0, 1), (1, 2)]), WriteBack(4, [(0, 3)]),
-    CopyRow(5, 0, 9), CopyRow(4, 5, 12), CopyRow(0, 3, 7),  # the third reads row 0 after the first wrote it
-    LoadPrefix(1, [0, 1]), InitRow(1, _Seq()), LoadPrefix(2, [2]), InitRow(2, _Seq()),
-    CopyRow(1, 4, 8), CopyRow(2, 1, 16),
-]
+def _live():
+    layout = SlotLayout(slots=(("kv", 0), ("state", 0)), states=(StateShape((((3,), mx.float32), None)),))
+    live = LiveKV([LayerShape(2, 4, 2, 4)], mx.float32, layout, block_size=4)
+    live.resize(6, 16)
+    live.states[0][0] = mx.arange(18, dtype=mx.float32).reshape(6, 3)
+    ctx = PassContext(0, [0], 8, 8, tables=[[0, 1]])
+    live.views(ctx)[0].update_and_fetch(mx.ones((1, 2, 8, 4)), mx.ones((1, 2, 8, 4)))
+    mx.eval(live.arrays())
+    return live
 
 
-def test_batched_row_ops_leave_what_one_at_a_time_leaves(monkeypatch):
-    one = _runner()
+OPS = [CopyRow(5, 0, 9), CopyRow(4, 5, 12), CopyRow(0, 3, 7),  # the third reads row 0 after the first wrote it
+       InitRow(1, _Seq()), SwapRows(1, 2, 8), CopyRow(1, 4, 8), CopyRow(2, 1, 16), Resize(8, 32),
+       CopyBlocks([(1, 2)])]
+
+
+def test_row_ops_copy_state_and_no_kv():
+    one, batched = _live(), _live()
+    kv_before = [mx.array(a) for a in one.keys + one.values]
     for op in OPS:
-        one.execute([op])
-    batched = _runner()
-    evals = []
-    real = mx.eval
-    monkeypatch.setattr(mx, "eval", lambda *a: (evals.append(1), real(*a)))
-    batched.execute(OPS)
-    monkeypatch.setattr(mx, "eval", real)
-    mx.eval(one.live.arrays(), batched.live.arrays(), one.pool.arrays, batched.pool.arrays)
-    for a, b in zip(one.live.arrays() + one.pool.arrays, batched.live.arrays() + batched.pool.arrays):
+        execute_row_ops([op], one, PenaltyState(10))
+    execute_row_ops(OPS, batched, PenaltyState(10))
+    assert mx.array_equal(one.states[0][0], batched.states[0][0]).item()
+    assert one.states[0][0].shape == (8, 3)
+    for a, b, before in zip(one.keys + one.values, batched.keys + batched.values, kv_before):
         assert mx.array_equal(a, b).item()
-    # write-backs 1, copies 2 (split where one reads a row written before it), loads 1, copies 1
-    assert len(evals) == 5
+        assert mx.array_equal(a[:, :12], before[:, :12]).item()  # the trash block and blocks 0-1: untouched
+        assert mx.array_equal(a[:, 12:16], before[:, 8:12]).item()  # block 2 := block 1 (copy-on-write)
+    assert set(one.copied) == {"state", "cow"} and one.copied["cow"] == 4 * one.bytes_per_token

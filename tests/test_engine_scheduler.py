@@ -1,13 +1,13 @@
-"""Scheduler policy without a model: a fake runner replays the row operations on token lists,
-so every row's content can be checked against the sequence it belongs to."""
+"""Scheduler policy without a model: a fake runner replays the row operations and the passes on a
+block store of token lists, so every sequence's content, read through its block table, can be
+checked against the sequence it belongs to."""
 
 import random
 
 import pytest
 
 from parallm.engine.blocks import BlockManager
-from parallm.engine.scheduler import (CopyRow, InitRow, KVBudget, LoadPrefix, Resize, Scheduler, SwapRows,
-                                      WriteBack)
+from parallm.engine.scheduler import CopyBlocks, CopyRow, InitRow, KVBudget, Resize, Scheduler, SwapRows
 from parallm.engine.sequence import Sequence, Status
 from parallm.protocol import SamplingParams
 
@@ -15,63 +15,66 @@ PAD = -1
 
 
 class FakeRunner:
-    """Rows and pool as lists of token ids: position p of a row "holds the KV" of token row[p]."""
+    """The block store as token lists: slot t of block b "holds the KV" of token store[b][t]."""
 
-    def __init__(self, num_blocks: int, block_size: int) -> None:
-        self.rows: list[list[int]] = []
+    def __init__(self, blocks: BlockManager | None, block_size: int) -> None:
+        self.blocks = blocks
+        self.store: dict[int, list[int]] = {}
+        self.rows = 0
         self.capacity = 0
         self.bs = block_size
-        self.pool: dict[int, list[int]] = {}
         self.resizes = 0
+        self.copied_blocks = 0
 
     def execute(self, ops):
         for op in ops:
             if isinstance(op, Resize):
                 self.resizes += 1
-                old = self.rows
-                self.rows = [(old[r][:op.capacity] if r < len(old) else []) + [PAD] * 0 for r in range(op.rows)]
-                self.rows = [(r + [PAD] * op.capacity)[:op.capacity] for r in self.rows]
-                self.capacity = op.capacity
-            elif isinstance(op, CopyRow):
-                self.rows[op.dst][:op.ntokens] = self.rows[op.src][:op.ntokens]
-            elif isinstance(op, SwapRows):
-                a, b = self.rows[op.a][:op.ntokens], self.rows[op.b][:op.ntokens]
-                self.rows[op.a][:op.ntokens], self.rows[op.b][:op.ntokens] = b, a
-            elif isinstance(op, LoadPrefix):
-                toks = [t for bid in op.block_ids for t in self.pool[bid]]
-                self.rows[op.row][:len(toks)] = toks
-            elif isinstance(op, WriteBack):
-                for j, bid in op.blocks:
-                    self.pool[bid] = self.rows[op.row][j * self.bs:(j + 1) * self.bs]
-            elif isinstance(op, InitRow):
-                pass
+                self.rows, self.capacity = op.rows, op.capacity
+            elif isinstance(op, CopyBlocks):
+                for src, dst in op.pairs:
+                    self.store[dst] = list(self.store[src])
+                    self.copied_blocks += 1
+            elif isinstance(op, (CopyRow, SwapRows, InitRow)):
+                pass  # per-row state only: the KV moves with the block tables
             else:
                 raise TypeError(op)
 
+    def write(self, seq, pos: int, token: int, *, pad: bool = False) -> None:
+        j = pos // self.bs
+        if j >= len(seq.block_ids):
+            assert pad, f"seq {seq.seq_id} writes position {pos} past its {len(seq.block_ids)} blocks"
+            return  # the trash block
+        bid = seq.block_ids[j]
+        if self.blocks is not None:
+            blk = self.blocks.blocks[bid]
+            assert blk.ref_count == 1 and blk.hash == -1, f"seq {seq.seq_id} writes into shared/keyed block {bid}"
+        self.store.setdefault(bid, [PAD] * self.bs)[pos % self.bs] = token
+
+    def read(self, seq, n: int) -> list[int]:
+        return [self.store.get(seq.block_ids[p // self.bs], [PAD] * self.bs)[p % self.bs] for p in range(n)]
+
     def prefill(self, work):
-        assert work.length * len(work.seqs) <= 10**9
-        for i, (seq, start, n) in enumerate(zip(work.seqs, work.starts, work.lengths)):
-            row = self.rows[work.row0 + i]
-            assert start + work.length <= self.capacity, "prefill writes past the capacity"
-            chunk = seq.token_ids[start:start + n] + [PAD] * (work.length - n)
-            row[start:start + work.length] = chunk
+        for seq, start, n in zip(work.seqs, work.starts, work.lengths):
+            for p in range(start, start + work.length):
+                self.write(seq, p, seq.token_ids[p] if p < start + n else PAD, pad=p >= start + n)
 
     def decode(self, seqs):
         for i, s in enumerate(seqs):
             assert s.row == i
             assert s.num_computed == s.num_tokens - 1
             assert s.num_computed < self.capacity, "decode writes past the capacity"
-            self.rows[i][s.num_computed] = s.token_ids[s.num_computed]
+            self.write(s, s.num_computed, s.token_ids[s.num_computed])
 
 
 def check_rows(sched: Scheduler, runner: FakeRunner, block_size: int):
     for s in sched.running + sched.prefilling:
-        assert runner.rows[s.row][:s.num_computed] == s.token_ids[:s.num_computed], f"row {s.row} of seq {s.seq_id}"
-    for bid, blk in enumerate(sched.blocks.blocks if sched.blocks else []):
-        if blk.hash != -1 and bid in runner.pool:
-            assert tuple(runner.pool[bid]) == blk.token_ids, f"pool block {bid} content"
+        assert runner.read(s, s.num_computed) == s.token_ids[:s.num_computed], f"row {s.row} of seq {s.seq_id}"
+    for bid, blk in enumerate(sched.blocks.blocks):
+        if blk.hash != -1:
+            assert tuple(runner.store[bid]) == blk.token_ids, f"keyed block {bid} content"
     r, c = sched.shape
-    assert (len(runner.rows), runner.capacity) == (r, c)
+    assert (runner.rows, runner.capacity) == (r, c)
 
 
 def simulate(seed: int, *, budget_tokens: int, n_requests: int = 30, max_rows: int = 8, prefill_budget: int = 24,
@@ -79,13 +82,13 @@ def simulate(seed: int, *, budget_tokens: int, n_requests: int = 30, max_rows: i
              priorities: tuple[int, ...] = (0,), aging_s: float = 0.0):
     rng = random.Random(seed)
     clock = [0.0]
-    blocks = BlockManager(pool_blocks, block_size) if pool_blocks else None
+    blocks = BlockManager(budget_tokens // block_size, block_size, max_cached=pool_blocks) if pool_blocks else None
     budget = KVBudget(budget_tokens=budget_tokens, max_rows=max_rows, max_len=200 + prefill_budget + 1,
                       row_quantum=2, cap_quantum=8)
     sched = Scheduler(budget=budget, max_prefill_tokens=prefill_budget, blocks=blocks, block_size=block_size,
                       max_prefill_rows=4, writeback_interval=2, headroom=4, priority_aging_s=aging_s,
                       clock=lambda: clock[0])
-    runner = FakeRunner(pool_blocks, block_size)
+    runner = FakeRunner(sched.blocks, block_size)
     base = [rng.randrange(50) for _ in range(40)]
     seqs_by_req = []
     next_id = 0
@@ -106,7 +109,7 @@ def simulate(seed: int, *, budget_tokens: int, n_requests: int = 30, max_rows: i
                 next_id += 1
                 group.append(Sequence(seq_id=next_id, rid=f"r{i}", index=j, prompt_ids=list(prompt),
                                       params=SamplingParams(max_tokens=max_tokens), seed=0, priority=priority))
-            if len(prompt) + max_tokens + 1 > budget_tokens or n * (len(prompt) + 4) > budget_tokens:
+            if not sched.fits_alone(len(prompt) + max_tokens + 1) or not sched.fits_alone(len(prompt) + 4, n):
                 continue  # the engine would reject it
             seqs_by_req.append(group)
             sched.add(group)
@@ -197,7 +200,7 @@ def test_prefix_hit_counts_and_never_covers_the_last_token():
     blocks = BlockManager(16, 4)
     budget = KVBudget(budget_tokens=1000, max_rows=4, max_len=100)
     sched = Scheduler(budget=budget, max_prefill_tokens=64, blocks=blocks, block_size=4)
-    runner = FakeRunner(16, 4)
+    runner = FakeRunner(blocks, 4)
     prompt = list(range(16))  # exactly 4 blocks
     a = Sequence(seq_id=1, rid="a", index=0, prompt_ids=prompt, params=SamplingParams(), seed=0)
     sched.add([a])
@@ -206,7 +209,7 @@ def test_prefix_hit_counts_and_never_covers_the_last_token():
     runner.prefill(plan.prefill)
     runner.execute(sched.complete_prefill(plan.prefill))
     assert a.status is Status.RUNNING and a.num_computed == 16  # every prompt token: the last gives the logits
-    assert len(a.block_ids) == 4  # 16 computed tokens: 4 full blocks written back
+    assert a.num_keyed == 4  # 16 computed tokens: 4 full blocks keyed (no copy: they are the row's)
     b = Sequence(seq_id=2, rid="b", index=0, prompt_ids=prompt, params=SamplingParams(), seed=0)
     sched.add([b])
     plan = sched.schedule()
@@ -256,7 +259,7 @@ def test_short_prompts_start_while_a_long_one_is_chunked():
     the budget."""
     budget = KVBudget(budget_tokens=100_000, max_rows=16, max_len=8000)
     sched = Scheduler(budget=budget, max_prefill_tokens=128, blocks=None, block_size=16)
-    runner = FakeRunner(16, 16)
+    runner = FakeRunner(sched.blocks, 16)
     long = Sequence(seq_id=0, rid="long", index=0, prompt_ids=[1] * 6000, params=SamplingParams(), seed=0)
     sched.add([long])
     started, long_chunks = {}, []
@@ -281,10 +284,10 @@ def passing_a_long_prefill(move_limit: int | None = None) -> tuple[list[int], di
     finishing after its second token (the isolation bench's canary). Returns the positions each step's row
     ops copied (a swap counts both rows), the steps each short request took, the scheduler and its resizes."""
     budget = KVBudget(budget_tokens=100_000, max_rows=16, max_len=8000)
-    sched = Scheduler(budget=budget, max_prefill_tokens=128, blocks=BlockManager(64, 16), block_size=16)
+    sched = Scheduler(budget=budget, max_prefill_tokens=128, blocks=BlockManager(100_000 // 16, 16), block_size=16)
     if move_limit is not None:
         sched.move_limit = move_limit
-    runner = FakeRunner(64, 16)
+    runner = FakeRunner(sched.blocks, 16)
     long = Sequence(seq_id=0, rid="long", index=0, prompt_ids=[(7 * i) % 50 + 1 for i in range(6000)],
                     params=SamplingParams(max_tokens=1), seed=0)
     sched.add([long])
@@ -346,23 +349,26 @@ def test_short_requests_passing_a_long_prefill_do_not_move_its_row():
 def test_a_long_prompt_chunked_grows_the_capacity_once():
     """Issue 30: a 6k-token prompt prefilled 128 tokens a pass grew the live buffer's capacity by a quarter at
     a time, 13 copies of the whole buffer, the late ones 1.3-2.9 s each inside a step of the loaded CPU (the
-    canary's outliers beside it). Now the capacity grows at once to the prompt's end when that fits the budget,
-    and the short requests passing it cost no capacity growth; when it does not fit, growth is by quarters."""
+    canary's outliers beside it). Now the capacity grows at once to the prompt's end, and the short requests
+    passing it cost no capacity growth. On the block store a Resize reallocates the per-row state only and
+    the capacity is bounded by max_len, not the budget (memory is blocks): at once even where 4 rows of the
+    whole prompt would not have fit the dense rows."""
     _, steps, _, resizes = passing_a_long_prefill()
     assert max(steps.values()) <= 2
     assert [op.capacity for op in resizes if op.capacity > 128] == [6016]  # 6,000 + its first token, in 128s
-    budget = KVBudget(budget_tokens=4 * 3000, max_rows=16, max_len=8000)  # 4 rows of the whole prompt do not fit
-    assert budget.shape_for(1, 200, (4, 128), cap_demand=6001) == (4, 256)
+    budget = KVBudget(budget_tokens=4 * 3000, max_rows=16, max_len=8000)
+    assert budget.shape_for(1, 200, (4, 128), cap_demand=6001) == (4, 6016)
+    assert budget.shape_for(1, 200, (4, 128), cap_demand=9000) == (4, 8000)  # bounded by max_len
 
 
 def test_budget_shape_policy():
+    """The per-row state's shape: grown in quanta, bounded by rows and length only (memory is blocks)."""
     b = KVBudget(budget_tokens=1000, max_rows=8, max_len=500, row_quantum=4, cap_quantum=16)
     assert b.shape_for(3, 40, (0, 0)) == (4, 48)
     assert b.shape_for(4, 48, (4, 48)) == (4, 48)  # enough: no change
     assert b.shape_for(5, 48, (4, 48)) == (8, 48)  # rows grown by a quantum
     assert b.shape_for(4, 49, (4, 48)) == (4, 64)  # capacity grown by at least a quarter
     assert b.shape_for(8, 100, (8, 64)) == (8, 112)  # grown to a capacity quantum
-    assert b.shape_for(8, 120, (8, 64)) == (8, 125)  # as much as fits when the grown shape would not
     assert b.shape_for(6, 30, (8, 125)) == (8, 125)
     assert b.shape_for(9, 10, (8, 64)) is None  # rows over the limit
     assert b.shape_for(2, 501, (0, 0)) is None
@@ -386,3 +392,49 @@ def test_the_front_prefilling_row_leaving_beside_a_long_one_keeps_the_long_one()
     sched.finish(short, "abort")
     assert sched.prefilling == [long] and long.row == 1 and sched.gap == 1
     sched.check_integrity()
+
+
+def test_memory_follows_tokens_held():
+    """One 8k-token sequence and fifteen 100-token ones hold blocks for their own tokens, not 16 rows
+    of the longest: at most 1.2x the sum of their lengths (the dense rows held 16 x 8k)."""
+    bs = 16
+    budget = KVBudget(budget_tokens=20_000, max_rows=16, max_len=9000)
+    sched = Scheduler(budget=budget, max_prefill_tokens=8192, blocks=None, block_size=bs)
+    runner = FakeRunner(sched.blocks, bs)
+    lengths = [8192] + [100] * 15
+    for i, n in enumerate(lengths):
+        sched.add([Sequence(seq_id=i, rid=str(i), index=0, prompt_ids=[1 + i] * n,
+                            params=SamplingParams(max_tokens=8), seed=0)])
+    while sched.prefilling or sched.waiting:
+        plan = sched.schedule()
+        runner.execute(plan.ops)
+        runner.prefill(plan.prefill)
+        runner.execute(sched.complete_prefill(plan.prefill))
+    assert len(sched.running) == 16
+    held = sched.blocks.num_used * bs
+    assert held <= 1.2 * sum(lengths), (held, sum(lengths))
+    check_rows(sched, runner, bs)
+    sched.check_integrity()
+
+
+def test_n_forks_share_full_blocks_and_copy_only_the_last():
+    bs = 4
+    sched = Scheduler(budget=KVBudget(budget_tokens=400, max_rows=8, max_len=200), max_prefill_tokens=64,
+                      blocks=BlockManager(100, bs), block_size=bs)
+    runner = FakeRunner(sched.blocks, bs)
+    group = [Sequence(seq_id=i, rid="g", index=i, prompt_ids=list(range(10)), params=SamplingParams(max_tokens=4),
+                      seed=0) for i in range(3)]
+    sched.add(group)
+    plan = sched.schedule()
+    runner.execute(plan.ops)
+    runner.prefill(plan.prefill)
+    runner.execute(sched.complete_prefill(plan.prefill))
+    lead, *followers = group
+    assert all(f.status is Status.RUNNING for f in group)
+    for f in followers:
+        assert f.block_ids[:2] == lead.block_ids[:2]  # the two full blocks: shared
+        assert f.block_ids[2] != lead.block_ids[2]  # the partly filled third: copied
+    assert runner.copied_blocks == 2
+    check_rows(sched, runner, bs)
+    sched.check_integrity()
+

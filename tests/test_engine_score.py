@@ -158,7 +158,9 @@ def test_preempted_score_is_recomputed_with_the_same_numbers(engines, model):
     """A KV budget that the running rows outgrow while a score is prefilled: the score, admitted
     last, is preempted, and recomputed (partly from the prefix cache) when there is room again."""
     bpt = 2 * 2 * 2 * 16 * 4  # layers x (k, v) x kv heads x head dim x float32
-    e = new(engines, model, kv_budget_bytes=bpt * 400, max_prefill_tokens=8, max_model_len=400)
+    # 17 blocks of 16: a and b at ~95 tokens hold 12, the score's 60 ids + 16 of headroom take the other 5;
+    # a few steps on, a and b need their 7th blocks while the score's chunks still need theirs
+    e = new(engines, model, kv_budget_bytes=bpt * 272, max_prefill_tokens=8, max_model_len=400)
     victims = []
     preempt = e.scheduler.preempt
 

@@ -85,11 +85,11 @@ class EngineConfig(Struct, frozen=True, kw_only=True, forbid_unknown_fields=True
     buffer_cache_mb: Annotated[float | None, _d("memory MLX may keep in its cache of freed buffers, MiB; unset = on a "
                                                 "CUDA GPU 0.8 of the device memory left free after the weights and "
                                                 "the KV budget, elsewhere MLX's own limit")] = None
-    prefix_pool_fraction: Annotated[float, _d("share of the KV budget that holds the prefix cache (the rest holds "
-                                              "the live rows)")] = 0.25
-    writeback_interval: Annotated[int, _d("a long-running sequence writes its new full blocks to the prefix cache "
+    prefix_pool_fraction: Annotated[float, _d("share of the KV block store that free prefix-cache blocks keep before "
+                                              "the least recently used go ahead of never-used blocks")] = 0.25
+    writeback_interval: Annotated[int, _d("a long-running sequence keys its new full blocks in the prefix cache "
                                           "every this many blocks; 0 = only when it ends")] = 16
-    block_size: Annotated[int, _d("tokens per prefix-cache block")] = 16
+    block_size: Annotated[int, _d("tokens per block of the KV block store (and prefix cache)")] = 16
     prefix_cache: Annotated[bool, _d("reuse the KV of shared prompt prefixes")] = True
     overlap: Annotated[bool | None, _d("build and launch step t+1 before reading step t's tokens; unset = on with "
                                        "a GPU, off on MLX's CPU device")] = None
@@ -119,6 +119,22 @@ class EngineConfig(Struct, frozen=True, kw_only=True, forbid_unknown_fields=True
                                             "model's layers allow it; unset = on on MLX's CPU device, off on a GPU "
                                             "(where a packed pass's ever-new shape costs more than the second "
                                             "pass)")] = None
+    paged_decode: Annotated[Literal["gather", "gather_mm", "off"] | None,
+                            _d("how a decode pass reads the KV block store: unset = the GPU's paged attention "
+                               "kernel (CUDA; Metal on Apple silicon), mx.gather_mm over the store in place for "
+                               "float32 on the CPU, else the rows' blocks gathered; gather / gather_mm force "
+                               "those; off = attend over the rows' gathered K/V with the model's own attention "
+                               "call (docs/engine.md, 'Decode attention through the block tables')")] = None
+    kv_preallocate: Annotated[bool | None, _d("allocate the KV block store at the whole budget when the engine starts "
+                                              "(as vLLM does) instead of growing it by half as blocks are used, which "
+                                              "copies the store and waits for the device each time; unset = on with a "
+                                              "CUDA GPU, off elsewhere (the CPU's memory is the other processes' too)")] = None
+    kv_write_in_place: Annotated[bool | None, _d("decode passes read through the CUDA paged-attention kernel store "
+                                                 "their new K/V into the block store in place with a kernel of their "
+                                                 "own, so they never wait for the pass in flight (a write made of MLX "
+                                                 "ops into a store a running pass reads is a copy of the store, "
+                                                 "engine.in_place_kv_mb); unset = on with a CUDA GPU (docs/engine.md, "
+                                                 "'Writing the block store in place on CUDA')")] = None
     compiled_decode: Annotated[bool, _d("run pure-decode passes (no prompt chunk) under mx.compile, traced once per "
                                         "(rows bucket, key-span bucket), fewer kernel launches per step for small "
                                         "batches on a GPU; rows under an adapter and models it cannot trace run "
@@ -206,8 +222,12 @@ def resolve_engine_config(config: EngineConfig, device: ComputeDevice) -> Engine
         changes["prefill_pass_s"] = CPU_PREFILL_PASS_S if on_cpu else 0.0
     if config.prefill_buckets is None:
         changes["prefill_buckets"] = False  # a GPU default waits for `bash perf/gpu_runs.sh buckets`
+    if config.kv_preallocate is None:
+        changes["kv_preallocate"] = on_cuda
     if config.unfused_decode is None:
         changes["unfused_decode"] = on_cuda
+    if config.kv_write_in_place is None:
+        changes["kv_write_in_place"] = on_cuda
     if config.unfused_prefill_keys is None:
         changes["unfused_prefill_keys"] = CUDA_UNFUSED_PREFILL_KEYS if on_cuda else 0
     return msgspec.structs.replace(config, **changes) if changes else config
@@ -221,15 +241,15 @@ class KVConfig(Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
                                 "are read back on a prefix-cache miss instead of recomputed, across engine and "
                                 "server restarts; empty = no disk tier")] = ""
     disk_policy: Annotated[Literal["evict_only", "write_through"],
-                           _d("evict_only: a cached block goes to disk when the prefix pool evicts it; "
-                              "write_through: every block the pool takes is written at once (survives a kill)")] = \
+                           _d("evict_only: a cached block goes to disk when the block store evicts it; "
+                              "write_through: every block the prefix cache keys is written at once (survives a kill)")] = \
         "evict_only"
     disk_max_gb: Annotated[float, _d("GiB the disk tier may hold; the least recently used files go first")] = 10.0
     disk_ttl_s: Annotated[float, _d("seconds a block file is kept after it was last written or read; 0 = no "
                                     "limit")] = 7 * 24 * 3600.0
     disk_queue_blocks: Annotated[int, _d("blocks waiting for the disk writer thread; past it new ones are dropped "
                                          "and counted (the engine's step never waits for the disk)")] = 1024
-    bits: Annotated[Literal[0, 4, 8], _d("bits per K/V element in the live rows, the prefix pool and the disk tier: "
+    bits: Annotated[Literal[0, 4, 8], _d("bits per K/V element in the block store (live and cached blocks) and the disk tier: "
                                          "8 or 4 (quantized with mx.quantize: values plus a scale and bias per "
                                          "group, attention through MLX's quantized matmuls), 0 = the model's dtype")] = 0
     group_size: Annotated[Literal[32, 64, 128], _d("K/V elements sharing one scale and bias with kv.bits (must divide "

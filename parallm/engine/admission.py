@@ -6,6 +6,7 @@ memory. The Scheduler asks; nothing here changes its state (docs/scheduling.md).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 from .plan import KVBudget, length_bucket
 from .priority import PriorityPolicy
@@ -33,6 +34,8 @@ class AdmissionPolicy:
         self.pass_tokens = max_prefill_tokens  # this step's budget: max_prefill_tokens, or less when paced (pacing.py)
         self.headroom = headroom
         self.priority = priority
+        # whether `seq` fits the block store once the sequences given were preempted (the Scheduler's)
+        self.memory_fits: Callable[[Sequence, list[Sequence]], bool] | None = None
 
     def chunk_len(self, remaining: list[int]) -> int:
         """The padded chunk length L of a prefill pass over rows with these remaining tokens."""
@@ -117,7 +120,9 @@ class AdmissionPolicy:
         rows = rows_in_use - sum(_rows_of(s) for s in gone) + _rows_of(seq)
         stay = [s.num_computed + 1 for s in live if s not in gone]
         need = max(stay + [seq.num_tokens + self.headroom])
-        return self.budget.fits(rows, min(need, self.budget.max_len))
+        if not self.budget.fits(rows, min(need, self.budget.max_len)):
+            return False
+        return self.memory_fits is None or self.memory_fits(seq, gone)
 
 
 def _rows_of(seq: Sequence) -> int:

@@ -1,26 +1,32 @@
-"""Prefix-cache bookkeeping, pure Python (modelled on nano-vllm's BlockManager).
+"""The block store's bookkeeping, pure Python (modelled on nano-vllm's BlockManager): which block
+ids hold what, for the live sequences and the prefix cache alike (one store, cache.LiveKV).
 
-A block holds the KV of `block_size` consecutive tokens. Its key is a chained hash of
-(parent block's hash, the block's token ids, adapter identity; parallm/hashing.py), so a block is only ever reused
+A block holds the KV of `block_size` consecutive tokens. A live sequence's KV is its block table
+(`Sequence.block_ids`): blocks it got from `allocate` (written by its passes), blocks it matched
+in the prefix cache, and blocks it shares with its n > 1 siblings (copy-on-write: only a partly
+filled last block is ever copied). A full block gets a key (`register`): a chained hash of
+(parent block's hash, the block's token ids, adapter identity), so a block is only ever reused
 after exactly the same prefix under the same adapter; the token ids are kept too, to catch hash
-collisions. Blocks are reference-counted by the live sequences that matched or wrote them.
-A block whose count drops to zero keeps its hash (it can still be hit) and sits in an LRU list,
-evicted only when a new block is needed; never-hashed free blocks are used first.
+collisions. Blocks are reference-counted by the live sequences that hold them. A block whose count
+drops to zero keeps its hash (it can still be hit) and sits in an LRU list; a never-hashed free
+block is used first (lowest id first, so the store only grows as far as the blocks in use reach),
+unless more than `max_cached` blocks sit in the LRU list (the cache's share of the store), then the
+least recently used is evicted first.
 
-Physical storage (per-layer pool arrays) lives in `pool.KVPool`; this module only decides
-which block ids hold what. An optional lower tier (`tier`, e.g. prefix_tier.PrefixDiskTier) hears
-of blocks keyed and evicted, and may supply the blocks a lookup misses (`BlockTier`).
+An optional lower tier (`tier`, e.g. prefix_tier.PrefixDiskTier) hears of blocks keyed and evicted,
+and may supply the blocks a lookup misses (`BlockTier`).
 """
 
 from __future__ import annotations
 
-from collections import OrderedDict, deque
+import heapq
+from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Mapping, Protocol, Sequence
 
 from ..hashing import NO_HASH, block_hash  # the keys (pure Python, importable without MLX)
 
-__all__ = ["NO_HASH", "Block", "BlockManager", "block_hash"]
+__all__ = ["NO_HASH", "Block", "BlockManager", "BlockTier", "block_hash"]
 
 
 @dataclass(slots=True)
@@ -32,10 +38,10 @@ class Block:
 
 
 class BlockTier(Protocol):
-    """A store below the pool (the disk tier): told of keyed and evicted blocks, asked on a miss."""
+    """A store below the block store (the disk tier): told of keyed and evicted blocks, asked on a miss."""
 
     def stored(self, block_id: int, key: int, tokens: tuple[int, ...], adapter: str) -> None:
-        """Block `block_id` got key `key`; its KV reaches the pool with the next row ops."""
+        """Block `block_id` got key `key`; the passes that computed its KV were launched."""
 
     def evicting(self, block_id: int, key: int, tokens: tuple[int, ...]) -> None:
         """Cached block `block_id` (key `key`) is about to be reused for another."""
@@ -48,26 +54,35 @@ class BlockTier(Protocol):
 
 
 class BlockManager:
-    def __init__(self, num_blocks: int, block_size: int) -> None:
+    def __init__(self, num_blocks: int, block_size: int, max_cached: int | None = None) -> None:
         if block_size < 1:
             raise ValueError("block_size must be >= 1")
         self.tier: BlockTier | None = None
         self.block_size = block_size
-        self.blocks = [Block(i) for i in range(num_blocks)]
+        self.max_cached = num_blocks if max_cached is None else max_cached
+        self._num_blocks = num_blocks
+        # blocks [0, peak) have been handed out at least once (`blocks`); ids from peak on are free
+        # and never used, made as needed (a model with little KV per token can have 10^8 blocks)
+        self.blocks: list[Block] = []
         self.hash_to_block: dict[int, int] = {}
-        self.free_unhashed: deque[int] = deque(range(num_blocks))
+        self.free_unhashed: list[int] = []  # a heap of freed ids below peak: lowest first
         self.free_cached: OrderedDict[int, None] = OrderedDict()  # least recently freed first
         self.evictions = 0
 
     # ------------------------------------------------------------------ counts
     @property
     def num_blocks(self) -> int:
+        return self._num_blocks
+
+    @property
+    def peak(self) -> int:
+        """1 + the highest block id ever handed out: how far the physical store must reach."""
         return len(self.blocks)
 
     @property
     def num_free(self) -> int:
         """Free and holding nothing reusable."""
-        return len(self.free_unhashed)
+        return len(self.free_unhashed) + self._num_blocks - len(self.blocks)
 
     @property
     def num_cached(self) -> int:
@@ -102,7 +117,7 @@ class BlockManager:
         for bid in keep:  # the chain being matched is not evicted for its own continuation
             if bid in self.free_cached:
                 self.free_cached.move_to_end(bid)
-        if not self.free_unhashed and all(bid in keep for bid in self.free_cached):
+        if not self.num_free and all(bid in keep for bid in self.free_cached):
             return None
         bid = self._take_free()
         if bid is None:
@@ -123,6 +138,7 @@ class BlockManager:
             if block.ref_count == 0:
                 if block.hash == NO_HASH:  # pragma: no cover - only hashed blocks are matched
                     self.free_unhashed.remove(bid)
+                    heapq.heapify(self.free_unhashed)
                 else:
                     del self.free_cached[bid]
             block.ref_count += 1
@@ -135,9 +151,53 @@ class BlockManager:
             block.ref_count -= 1
             if block.ref_count == 0:
                 if block.hash == NO_HASH:
-                    self.free_unhashed.append(bid)
+                    heapq.heappush(self.free_unhashed, bid)
                 else:
                     self.free_cached[bid] = None
+
+    def allocate(self, n: int) -> list[int] | None:
+        """`n` blocks for a live sequence to write (a reference held on each, no key), or None (and
+        nothing taken) when fewer than `n` are free or evictable."""
+        if n > self.num_free + self.num_cached:
+            return None
+        out = []
+        for _ in range(n):
+            bid = self._take_free()
+            self.blocks[bid].ref_count = 1
+            out.append(bid)
+        return out
+
+    def register(self, table: list[int], first: int, token_ids: Sequence[int], adapter: str, parent: int,
+                 num_blocks: int) -> tuple[int, int]:
+        """Key full blocks first..num_blocks-1 of a sequence's block `table` (its tokens `token_ids`,
+        `parent`: the hash of block first-1) so later requests can hit them. A block whose key another
+        block already has is replaced in `table` by that one (the reference moves; same tokens after
+        the same prefix: same KV), so duplicates are not kept. Stops at a hash collision. Returns
+        (blocks now keyed, the hash of the last)."""
+        bs = self.block_size
+        for j in range(first, num_blocks):
+            tokens = tuple(token_ids[j * bs:(j + 1) * bs])
+            if len(tokens) < bs:
+                return j, parent
+            h = block_hash(parent, tokens, adapter)
+            bid = table[j]
+            found = self.hash_to_block.get(h)
+            if found is None:
+                block = self.blocks[bid]
+                if block.hash != NO_HASH:  # keyed under another chain (cannot happen for own blocks)
+                    return j, parent
+                block.hash, block.token_ids = h, tokens
+                self.hash_to_block[h] = bid
+                if self.tier is not None:
+                    self.tier.stored(bid, h, tokens, adapter)
+            elif found != bid:
+                if self.blocks[found].token_ids != tokens:
+                    return j, parent  # collision: keep the resident block, stop the chain here
+                self.acquire([found])
+                self.release([bid])
+                table[j] = found
+            parent = h
+        return max(first, num_blocks), parent
 
     def store(self, held: Sequence[int], token_ids: Sequence[int], adapter: str,
               num_blocks: int) -> list[tuple[int, bool]]:
@@ -176,8 +236,11 @@ class BlockManager:
         return out
 
     def _take_free(self) -> int | None:
-        if self.free_unhashed:
-            return self.free_unhashed.popleft()
+        if self.num_free and (not self.free_cached or len(self.free_cached) <= self.max_cached):
+            if self.free_unhashed:
+                return heapq.heappop(self.free_unhashed)
+            self.blocks.append(Block(len(self.blocks)))
+            return self.blocks[-1].block_id
         if self.free_cached:
             bid, _ = self.free_cached.popitem(last=False)
             block = self.blocks[bid]
@@ -200,6 +263,7 @@ class BlockManager:
                 del self.hash_to_block[block.hash]
             block.hash, block.token_ids = NO_HASH, ()
         self.free_unhashed.extend(dropped)
+        heapq.heapify(self.free_unhashed)
         self.free_cached.clear()
         return len(dropped)
 
@@ -208,7 +272,7 @@ class BlockManager:
         if self.num_used:
             raise RuntimeError("cannot reset the prefix cache while blocks are referenced")
         tier = self.tier
-        self.__init__(self.num_blocks, self.block_size)
+        self.__init__(self.num_blocks, self.block_size, self.max_cached)
         self.tier = tier
         if tier is not None:
             tier.forget()
@@ -239,5 +303,5 @@ class BlockManager:
                 assert block.token_ids == ()
         for h, bid in self.hash_to_block.items():
             assert self.blocks[bid].hash == h, f"hash map entry for block {bid} is stale"
-        extra = set(expected_refs) - set(range(self.num_blocks))
+        extra = [b for b in expected_refs if not 0 <= b < len(self.blocks)]
         assert not extra, f"sequences hold unknown blocks {sorted(extra)}"

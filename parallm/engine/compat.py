@@ -30,6 +30,7 @@ from dataclasses import dataclass
 import mlx.core as mx
 import mlx.nn as nn
 
+from ..device import exact_float32
 from ..models.refused import REFUSED_MODEL_TYPES, refusal_for_type  # noqa: F401 - this module's face too
 from .cache import LayerShape, LiveKV, PassContext
 from .families import KV_STAND_INS, adapt
@@ -314,7 +315,7 @@ def check_batched_rows(model: nn.Module, info: ModelInfo, *, padded: bool = True
         for row, (g, w) in enumerate(zip(got, want)):
             g, w = g.astype(mx.float32), w.astype(mx.float32)
             scale = max(1.0, mx.abs(w).max().item())
-            tol = 1e-3 if info.dtype == mx.float32 else 3e-2
+            tol = 1e-3 if info.dtype == mx.float32 and exact_float32() else 3e-2
             diff = mx.abs(g - w).max().item()
             if not diff <= max(tol * scale, 4 * noise):
                 why = ("its recurrent scan ignores a padded row's length" if info.has_state else
@@ -349,7 +350,7 @@ def kv_format_for(model: nn.Module, info: ModelInfo, bits: int, group_size: int)
         raise UnsupportedModel(f"--kv.bits {bits}: model type {info.model_type!r} does not run on quantized K/V "
                                f"({failed}); serve it with --kv.bits 0")
     if "matmul" in got:
-        tol = 1e-3 if info.dtype == mx.float32 else 3e-2
+        tol = 1e-3 if info.dtype == mx.float32 and exact_float32() else 3e-2
         diff = max(mx.abs(a - b).max().item() / max(1.0, mx.abs(b).max().item())
                    for a, b in zip(got["matmul"], got["dequantize"]))
         if diff <= tol:

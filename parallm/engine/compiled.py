@@ -7,16 +7,19 @@ perf/profile_compiled_pass.py, retired: git show 3928439:perf/profile_compiled_p
 13.3 -> 7.9 ms at a 256-slot KV.
 
 A compiled function needs fixed shapes, so a pure-decode pass of n rows runs as one of B rows
-(n rounded up to a bucket: 1, 2, 4, ... 32, then multiples of 32, at most the live buffer's rows)
-attending over T key positions (the longest row's span rounded up to a power of two, at least
-MIN_SPAN, at most the buffer's capacity), with a mask hiding each row's unused tail. The live
-buffers themselves are its inputs and outputs (each row's new K/V is scattered at its own
-position, as the eager pass does: no gather into a temporary). A padded row (n <= r < B) reads
-row r of the buffer (another sequence's, or none) and its logits are dropped; it writes nothing of
-its own: its store repeats row n-1's (same row, position and values, so the scatter's duplicate
-indices agree). It does not read the old value to write it back: a read of the buffer in the pass
-stops MLX from updating it in place, and every step would copy the whole KV (measured: 0.03 ms ->
-211 ms for one layer's scatter at 16 rows x 32,768 slots on the CPU). The model's weights are
+(n rounded up to a bucket: 1, 2, 4, ... 32, then multiples of 32, at most the rows of per-row
+state) attending over T key positions (the longest row's span rounded up to a power of two, at
+least MIN_SPAN, at most the rows' capacity), with a mask hiding each row's unused tail. The KV
+block stores themselves are its inputs and outputs, with each row's write slot [B] and read slots
+[B, T] (from its block table, cache.LiveKV.pass_slots and read_slots): each row's new K/V is scattered at its
+own slot and the rows' K/V gathered through their slots, as the eager pass does. A padded row
+(n <= r < B) reads row n-1's slots and its logits are dropped; it writes nothing of its own: its
+store repeats row n-1's (same slot and values, so the scatter's duplicate indices agree). It
+does not read the old value to write it back: a read of the store in the pass other than the
+gather after the write stops MLX from updating it in place, and every step would copy the whole
+KV (measured with the dense rows: 0.03 ms -> 211 ms for one layer's scatter at 16 rows x 32,768
+slots on the CPU). A trace is kept per store size too (the store grows by half at a time). The
+model's weights are
 inputs too (`mx.compile(..., inputs=model)`), so a full-weight update needs no retrace; a module
 must therefore read its arrays from the model's tree when called, not through a reference kept
 elsewhere (MLX refuses such an "uncaptured input"; fastmath.FastRoPE reads its RoPE's `_freqs`).
@@ -47,8 +50,9 @@ from mlx.utils import tree_flatten, tree_unflatten
 
 from parallm.adapters.lora import LoRARouter
 
-from .cache import WriteIndex
-from .kv_format import KV, KVFormat, mark, slice_kv
+from . import key_tiles
+from .cache import WriteIndex, gather, read_slots
+from .kv_format import KV, KVFormat, mark
 from .compiled_lora import AdaptedLayers, Captured, capture, rebuild
 from .plan import power_of_two_bucket
 
@@ -97,8 +101,7 @@ class StaticRowsView:
         fmt = p.kv_format
         self.keys = _store(self.keys, fmt.encode(keys), p)
         self.values = _store(self.values, fmt.encode(values), p)
-        rows = (slice(0, p.rows), slice(None), slice(None, p.span))
-        self._fetched = fmt.fetched(slice_kv(self.keys, rows)), fmt.fetched(slice_kv(self.values, rows))
+        self._fetched = fmt.fetched(gather(self.keys, p.read)), fmt.fetched(gather(self.values, p.read))
         return self._fetched
 
     def keys_and_values(self) -> tuple[KV, KV]:
@@ -122,22 +125,27 @@ def _stored(out: list) -> list[KV]:
 
 
 def _store(buf: KV, new: KV, p: "_PassInputs") -> KV:
-    """The new token's K or V [B, heads, 1, width] (each stored part) into the buffer at each row's offset."""
+    """The new token's K or V [B, heads, 1, width] (each stored part) into the store at each row's slot."""
     if isinstance(buf, tuple):
         return tuple(_store(b, n, p) for b, n in zip(buf, new))
-    buf[p.write_index(new.shape[1])] = new[:, :, 0, :][p.src]  # [B, heads, width]; a padded row repeats row n-1
+    x = new[:, :, 0, :][p.src].transpose(1, 0, 2)  # [heads, B, width]
+    if buf.ndim == 4:  # transposed K tiles (key_tiles.py)
+        return key_tiles.write(buf, x, p.write_index.tiles(buf.shape))
+    buf[p.write_index(new.shape[1])] = x
     return buf
 
 
 class _PassInputs:
     """The traced per-pass inputs the layer views share (tracers inside the compiled function)."""
 
-    def __init__(self, offsets: mx.array, src: mx.array, span: int, mask5d: bool, kv_format: KVFormat) -> None:
+    def __init__(self, offsets: mx.array, src: mx.array, write: mx.array, read: mx.array, span: int, mask5d: bool,
+                 kv_format: KVFormat) -> None:
         self.offsets, self.src, self.span, self.mask5d = offsets, src, span, mask5d
+        self.read = read  # [B, T] slots
         self.kv_format = kv_format
         self.rows = int(src.shape[0])  # B
         self._masks: dict[int | None, mx.array] = {}
-        self.write_index = WriteIndex(src, offsets)  # a padded row repeats row n-1's (row, position)
+        self.write_index = WriteIndex(write)  # [B] slots: a padded row repeats row n-1's
 
     def mask(self, window: int | None) -> mx.array:
         m = self._masks.get(window)
@@ -181,9 +189,10 @@ class CompiledDecode:
             return "adapter"
         return ""
 
-    def run(self, seqs: list, tokens: mx.array, live: Any) -> mx.array | None:
-        """The logits [n, vocab] of one decode pass over rows [0, n) of `live`, its K/V written, or
-        None when it must run eagerly (the reason counted)."""
+    def run(self, seqs: list, tokens: mx.array, live: Any, tables: list[list[int]] | None = None) -> mx.array | None:
+        """The logits [n, vocab] of one decode pass over rows [0, n) of `live` (their block tables:
+        `tables`, else the sequences'), its K/V written, or None when it must run eagerly (the reason
+        counted)."""
         reason = self.why_not(seqs, live)
         if reason:
             self.counts[f"eager_{reason}"] += 1
@@ -210,8 +219,12 @@ class CompiledDecode:
             tokens = mx.concatenate([tokens.astype(mx.int32), mx.zeros((pad,), mx.int32)])
         offs = mx.array(offsets + offsets[-1:] * pad, dtype=mx.int32)
         src = mx.array(list(range(n)) + [n - 1] * pad, dtype=mx.int32)
+        tables = [s.block_ids for s in seqs] if tables is None else tables
+        table, write = live.pass_slots(tables + tables[-1:] * pad, offsets + offsets[-1:] * pad, 1, T)
+        read, write = mx.array(read_slots(table, live.block_size, T)), mx.array(write)
         try:
-            logits, keys, values = fn(tokens.astype(mx.int32), offs, src, live.keys, live.values, lora_arrays)
+            logits, keys, values = fn(tokens.astype(mx.int32), offs, src, write, read, live.keys, live.values,
+                                      lora_arrays)
         except Exception as exc:  # noqa: BLE001 - a layer that does not trace: this model runs eagerly from now on
             if saved is not None:
                 self.model.update(tree_unflatten(saved), strict=False)
@@ -233,7 +246,7 @@ class CompiledDecode:
         MAX_TRACES kept. MLX does not put the model's own arrays back when a trace raises, so the
         caller saves them around a new one (a trace MLX redoes inside a kept function, for a model
         whose tree an adapter load reshaped, is of a pass that traced before)."""
-        key = (live.rows, live.capacity, B, T, signature)
+        key = (live.rows, live.capacity, live.store_blocks, B, T, signature)
         fn = self._fns.get(key)
         if fn is not None:
             self._fns.move_to_end(key)
@@ -249,8 +262,9 @@ class CompiledDecode:
         """A new function object per trace key (mx.compile caches by function, so dropping one frees its traces)."""
         call_model, mask5d, router = self.call_model, self.mask5d, self.router
 
-        def decode_pass(tokens: mx.array, offsets: mx.array, src: mx.array, keys: list, values: list, lora: list):
-            p = _PassInputs(offsets, src, span, mask5d, kv_format)
+        def decode_pass(tokens: mx.array, offsets: mx.array, src: mx.array, write: mx.array, read: mx.array,
+                        keys: list, values: list, lora: list):
+            p = _PassInputs(offsets, src, write, read, span, mask5d, kv_format)
             views = [StaticRowsView(k, v, p) for k, v in zip(keys, values)]
             if router is not None:
                 router.plan = rebuild(signature, lora)

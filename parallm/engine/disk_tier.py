@@ -1,6 +1,6 @@
 """The disk tier of the prefix cache: block files in a directory, written by a thread of their own.
 
-Knows nothing of MLX or of the prefix pool (prefix_tier.py connects them): a block is its chained
+Knows nothing of MLX or of the block store (prefix_tier.py connects them): a block is its chained
 hash (blocks.block_hash), its token ids and its KV bytes. `put` queues a block for the writer
 thread and never waits: past `queue_blocks` waiting it drops the block and counts it, so a slow
 disk costs cache hits, never step time. `get` reads a block back on the caller's thread and

@@ -27,7 +27,7 @@ from .think_gate import thinking_from_file
 from .compat import check_model, kv_format_for
 from .faults import PassState, log, prefill_passes
 from .memory import (auto_kv_budget_bytes, bound_cuda_cache, fit_state_rows, limit_buffer_cache, set_wired_limit,
-                     split_kv_budget, weight_bytes)
+                     store_blocks, weight_bytes)
 from .images import attach_images
 from .model import EngineModel
 from .pacing import PrefillPacer, context_weight
@@ -85,8 +85,9 @@ class Engine(EngineReport, EngineScoring):
                 self.kv_budget_bytes, info.layout.state_bytes_per_row, settings.max_num_seqs))
         bs = settings.block_size
         self.kv_format = kv_format_for(self.model, info, config.kv.bits, config.kv.group_size)  # kv.bits: kv_format.py
-        live_tokens, pool_blocks = split_kv_budget(self.kv_budget_bytes, self.kv_format.bytes_per_token(info.shapes),
-                                                   info.state_bytes_per_row, settings)
+        # one block store holds the live sequences and the prefix cache (cache.LiveKV, blocks.py)
+        num_blocks = store_blocks(self.kv_budget_bytes, self.kv_format.bytes_per_token(info.shapes),
+                                  info.state_bytes_per_row, settings)
         merge_mb = config.adapters.merge_mb
         self.adapter_settings = msgspec.structs.replace(
             config.adapters, merge_mb=auto_adapter_merge_mb(on_cpu) if merge_mb is None else merge_mb)
@@ -97,13 +98,14 @@ class Engine(EngineReport, EngineScoring):
         self.max_logprobs = config.server.max_logprobs  # logprob alternatives a request may ask (-1: the vocabulary)
         self.weights_version = 0   # the base model's policy version: full-weight updates applied (weights.py)
         self.weights_updates = 0
-        self.runner = ModelRunner(self.model, info, vocab_size=self.vocab_size, pool_blocks=pool_blocks, block_size=bs,
+        self.runner = ModelRunner(self.model, info, vocab_size=self.vocab_size, num_blocks=num_blocks, block_size=bs,
                                   eos_ids=self.eos_token_ids, lora=self.adapters.router, compile=settings.compile,
                                   fast_math=bool(settings.fast_math), compiled_decode=settings.compiled_decode,
                                   in_place_kv_mb=settings.in_place_kv_mb,
                                   unfused_prefill_keys=settings.unfused_prefill_keys,
                                   unfused_decode=settings.unfused_decode, vision=self.vision,
-                                  kv_format=self.kv_format)
+                                  kv_format=self.kv_format, paged_decode=settings.paged_decode or "auto",
+                                  write_in_place=bool(settings.kv_write_in_place))
         resolved: dict = {"kv_budget_mb": self.kv_budget_bytes / (1 << 20)}
         if settings.buffer_cache_mb is None and (cap := bound_cuda_cache(self.kv_budget_bytes,
                                                                          weight_bytes(self.model))) is not None:
@@ -111,20 +113,25 @@ class Engine(EngineReport, EngineScoring):
         if settings.max_prefill_tokens is None:
             resolved["max_prefill_tokens"] = auto_prefill_tokens(on_cpu, settings.mixed_passes and self.runner.can_pack)
         self.config = settings = msgspec.structs.replace(settings, **resolved)
-        self.budget = KVBudget(budget_tokens=live_tokens, max_rows=settings.max_num_seqs,
+        self.budget = KVBudget(budget_tokens=num_blocks * bs, max_rows=settings.max_num_seqs,
                                max_len=self.max_model_len + settings.max_prefill_tokens + 1)
-        self.blocks = BlockManager(pool_blocks, bs) if settings.prefix_cache else None
+        # free blocks keep their prefix-cache key until a new block is needed; past this share of the
+        # store, the least recently used of them go before never-used blocks do (the store grows less)
+        cached = int(num_blocks * settings.prefix_pool_fraction) if settings.prefix_cache else 0
+        self.blocks = BlockManager(num_blocks, bs, max_cached=cached)
         self.pacer = PrefillPacer(settings.prefill_pass_s or 0.0, settings.max_prefill_tokens, context_weight(self.model))
         self.scheduler = Scheduler(budget=self.budget, max_prefill_tokens=settings.max_prefill_tokens, pacer=self.pacer,
                                    blocks=self.blocks, block_size=bs, max_prefill_rows=settings.max_prefill_rows,
+                                   prefix_cache=settings.prefix_cache,
                                    writeback_interval=settings.writeback_interval,
                                    priority_aging_s=settings.priority_aging_s,
                                    prefill_buckets=bool(settings.prefill_buckets) and not info.prefill_alone)
-        self.runner.pool.allocate()
-        self.kv_capacity_tokens = live_tokens + pool_blocks * bs  # live rows and prefix pool
+        self.kv_capacity_tokens = num_blocks * bs  # the block store's tokens (live and cached alike)
+        if settings.kv_preallocate:
+            self.runner.live.ensure(num_blocks)  # the whole budget now: the store never grows (never copies itself)
         self.pressure = PressureGate(config.kv.pressure_threshold)
         self.disk_tier: PrefixDiskTier | None = None
-        if config.kv.disk_dir and self.blocks is not None:
+        if config.kv.disk_dir and settings.prefix_cache:
             if settings.tensor_parallel > 1:
                 log.warning("kv.disk_dir is ignored with engine.tensor_parallel > 1 (each rank holds a shard)")
             else:
@@ -158,10 +165,11 @@ class Engine(EngineReport, EngineScoring):
                  max_num_seqs=self.config.max_num_seqs, max_logprobs=self.max_logprobs)
         spec = request.spec
         p, n, P = spec.params, spec.n, len(request.prompt_ids)
-        if not self.budget.fits(1, P + p.max_tokens + 1) or not self.budget.fits(n, P + self.scheduler.headroom):
+        if not self.scheduler.fits_alone(P + p.max_tokens + 1) or not self.scheduler.fits_alone(
+                P + self.scheduler.headroom, n):
             raise RequestRejected(
                 f"the request needs more KV memory than the engine has ({self.budget.budget_tokens} token slots "
-                f"for live rows); shorten the prompt, max_tokens or n", "max_tokens")
+                f"in the block store); shorten the prompt, max_tokens or n", "max_tokens")
         self.pressure.admit(self.kv_load(), P * n)  # past kv.pressure_threshold: a retryable 503
         try:
             lora = self.versions.resolve(spec.adapter, spec.adapter_version, spec.min_version, spec.max_staleness)
@@ -204,7 +212,7 @@ class Engine(EngineReport, EngineScoring):
         if not live:
             return False
         self.scheduler.abort(live)
-        self.runner.execute(self.scheduler.take_ops())
+        self.runner.execute(self.scheduler.take_ops(), self.blocks.peak)
         self.output.defer_abort(live, reason)
         return True
 
@@ -261,7 +269,7 @@ class Engine(EngineReport, EngineScoring):
 
     def _execute(self, ops: list) -> None:
         self.trace.ops(ops)
-        self.runner.execute(ops)
+        self.runner.execute(ops, self.blocks.peak)
 
     def _run(self, plan: Plan, out: StepOutputs, emit: Callable[[list[Output]], None] | None) -> str:
         """Run the step's passes; what they were (a StepRecord kind, trace.py)."""
@@ -390,7 +398,7 @@ class Engine(EngineReport, EngineScoring):
 
     def close(self, timeout: float = 30.0) -> None:
         """Write the disk tier's queued blocks (up to `timeout`) and stop its writer thread. The row ops
-        still pending (write-backs of sequences that finished last) run first, so their blocks go too;
+        still pending run first, so the blocks keyed since the last step go too (write_through);
         with evict_only every cached block leaves memory now, so it is written too."""
         if self.disk_tier is None:
             return
@@ -407,6 +415,7 @@ class Engine(EngineReport, EngineScoring):
         self.trace.reset()
         self._seq_counter = self._seed_counter = self._score_counter = 0
         self.scheduler.prefix_queried_tokens = self.scheduler.prefix_hit_tokens = 0
+        self.runner.live.copied.clear()
         if self.spec is not None:
             self.spec.reset()
 
@@ -449,8 +458,7 @@ class Engine(EngineReport, EngineScoring):
         if complete:
             self.weights_version = version or self.weights_version + 1
             self.weights_updates += 1
-            if self.blocks is not None:
-                self.blocks.drop_cached()
+            self.blocks.drop_cached()
             for seqs in self._requests.values():
                 for seq in seqs:
                     if seq.lora is None:

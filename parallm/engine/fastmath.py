@@ -24,12 +24,19 @@ import mlx.nn as nn
 from parallm import kernels
 from parallm.kernels import stock_sdpa, swiglu, unfused_sdpa
 
+from .cache import PagedMask
 from .packed import PackedMask, TokenPositions
 
 
 def scaled_dot_product_attention(queries: mx.array, keys: mx.array, values: mx.array, cache: Any,
                                  scale: float, mask: Any, sinks: mx.array | None = None) -> mx.array:
-    """kernels.scaled_dot_product_attention, which also runs a packed pass (each segment with it)."""
+    """kernels.scaled_dot_product_attention, which also runs a packed pass (each segment with it) and
+    a decode pass read through the block tables (cache.PagedMask)."""
+    if isinstance(mask, PagedMask):
+        out = cache.paged_attention(queries, keys, scale) if sinks is None else None
+        if out is not None:
+            return out
+        mask = mask.fallback
     if isinstance(mask, PackedMask):  # a packed pass (parallm.engine.packed.PackedContext)
         if sinks is not None or queries.dtype != mx.float32:
             raise ValueError("packed passes take float32 attention without sinks")
@@ -89,7 +96,13 @@ def packed_sdpa(queries: mx.array, keys: mx.array, values: mx.array, cache: Any,
     """mlx-lm's stock attention, which also runs a packed pass (each segment with the stock kernel),
     and `unfused_sdpa` for more than one query per row over at most `unfused_keys` keys, and (with
     `unfused_decode`) for one query per row under an array mask: what FastMath(exp=False) puts in
-    the model's module (a GPU's mixed passes, short prefills, masked decode)."""
+    the model's module (a GPU's mixed passes, short prefills, masked decode), and a decode pass read
+    through the block tables (cache.PagedMask: a GPU's paged attention kernel)."""
+    if isinstance(mask, PagedMask):
+        out = cache.paged_attention(queries, keys, scale) if sinks is None else None
+        if out is not None:
+            return out
+        mask = mask.fallback
     if isinstance(mask, PackedMask):
         if sinks is not None:
             raise ValueError("packed passes take attention without sinks")

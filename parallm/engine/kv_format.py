@@ -2,11 +2,12 @@
 mlx-lm's QuantizedKVCache stores them (per token and head: the packed values, uint32, and one scale
 and one bias per `kv.group_size` elements, in the model's dtype).
 
-Every store of K/V (the live rows, cache.LiveKV; the prefix pool, pool.KVPool; the disk tier's block
-files) holds, per layer, K then V as one array each in the model's dtype, or as the three arrays
-(values, scales, biases) of the quantized format. Each array is [rows or blocks, heads, tokens, width],
-so a row copy, a prefix load or a write-back moves the stored parts as they are: a prefix hit is
-never re-quantized, and only a token's own K/V is quantized, once, when its pass stores it.
+Every store of K/V (the block store of the live sequences and the prefix cache, cache.LiveKV; the
+disk tier's block files) holds, per layer, K then V as one array each in the model's dtype, or as the
+three arrays (values, scales, biases) of the quantized format. Each array is [heads, slots, width]
+(a block file: [heads, block_size, width]), so a prefix hit is a reference and a fork's copied block
+or a block read from disk moves the stored parts as they are: nothing is re-quantized, and only a
+token's own K/V is quantized, once, when its pass stores it.
 
 Attention reads the quantized K/V in one of two ways (`read`): "matmul", MLX's quantized matmuls over
 the stored parts (mlx-lm's `quantized_scaled_dot_product_attention`, which a cache with a `bits`

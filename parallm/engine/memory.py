@@ -103,16 +103,12 @@ def fit_state_rows(budget_bytes: int, state_bytes_per_row: int, max_num_seqs: in
     return min(max_num_seqs, fits)
 
 
-def split_kv_budget(budget_bytes: int, bytes_per_token: int, state_bytes_per_row: int,
-                    settings: EngineConfig) -> tuple[int, int]:
-    """The KV budget left beside the recurrent state (`state_bytes_per_row` for each of
-    `settings.max_num_seqs` rows; 0 without any), split into the live rows' token slots and the prefix
-    pool's blocks (`prefix_pool_fraction` of it, with the prefix cache on): (live tokens, pool blocks)."""
+def store_blocks(budget_bytes: int, bytes_per_token: int, state_bytes_per_row: int, settings: EngineConfig) -> int:
+    """Blocks of the one KV block store (the live sequences and the prefix cache alike, cache.LiveKV):
+    the KV budget left beside the recurrent state (`state_bytes_per_row` for each of
+    `settings.max_num_seqs` rows; 0 without any) in blocks of `settings.block_size` tokens."""
     state_bytes = state_bytes_per_row * settings.max_num_seqs
-    total_tokens = max(0, budget_bytes - state_bytes) // bytes_per_token
-    bs = settings.block_size
-    pool_blocks = int(total_tokens * settings.prefix_pool_fraction) // bs if settings.prefix_cache else 0
-    return total_tokens - pool_blocks * bs, pool_blocks
+    return max(0, budget_bytes - state_bytes) // bytes_per_token // settings.block_size
 
 
 def weight_bytes(model) -> int:

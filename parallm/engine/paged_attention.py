@@ -9,6 +9,11 @@ once per pass. Entries past a row's blocks may name any block of the store: thei
 (the kernels never read them). The stores must hold finite values (zero-initialised; the MLX-op
 ways multiply masked values by 0).
 
+With `keys_transposed` the K store is [kv_heads, blocks, dim, block_size] instead (each tile
+transposed: cache.LiveKV(keys_transposed=True), key_tiles.py), what the CPU's gather_mm way reads
+fastest (`transposes_keys` says where a store should be so); the MLX-op ways take either layout,
+the kernels the head-major one only.
+
 Ways (`choose_way` picks one per backend; perf/bench_paged_attention.py measured them):
 - "gather": the rows' blocks gathered head-major, `store[:, tables]` ([kv_heads, rows, keys, dim],
   contiguous), two batched matmuls with the query heads of a KV head as the rows of one matmul,
@@ -18,7 +23,10 @@ Ways (`choose_way` picks one per backend; perf/bench_paged_attention.py measured
   softmax over the row's tiles and their keys at once), and the weights by the value tiles,
   summed over the row's tiles. MLX's CPU gather_mm takes float32 only: the CPU's way for float32
   models (near the dense rows at 512 keys, the copy-gather 0.2-0.6x: perf/results/paged-attention-
-  cpu*.md). On CUDA it is slow and fails at 64+ long rows (perf/results/paged-attention-h200-run1).
+  cpu*.md), over transposed K tiles there (the scores' products untransposed: 16 -> 11 ms of a
+  64-row step of the default model, which puts the paged read level with the dense rows':
+  perf/results/pagedkv-decode-rebased-cpu.md). On CUDA it is slow and fails at 64+ long rows
+  (perf/results/paged-attention-h200-run1).
 - "cuda": paged_kernels.cuda_attention (flash-decoding over the table, split-K for few long rows;
   1.3-3.5x faster than the dense rows at 64 and 256 rows on the H200).
 - "metal": paged_kernels.metal_attention, only where Metal is (Apple silicon).
@@ -46,13 +54,22 @@ def backend() -> str:
     return "cuda" if mx.cuda.is_available() else "cpu"
 
 
-def choose_way(queries: mx.array, k_store: mx.array) -> Way:
+def choose_way(queries: mx.array, k_store: mx.array, keys_transposed: bool = False) -> Way:
     """The backend's kernel when it takes the shape (paged_kernels.kernel_fits); elsewhere
     gather_mm for float32 on the CPU, else the gather."""
     where = backend()
-    if where in ("cuda", "metal"):
+    if where in ("cuda", "metal") and not keys_transposed:
         return where if paged_kernels.kernel_fits(queries, k_store) else "gather"  # type: ignore[return-value]
+    if where in ("cuda", "metal"):
+        return "gather"
     return "gather_mm" if queries.dtype == mx.float32 else "gather"
+
+
+def transposes_keys(way: str | None, dtype: mx.Dtype, quantized: bool) -> bool:
+    """Whether a block store whose decode passes read it the `way` (engine.paged_decode: "auto",
+    "gather_mm", "gather", None = not through the tables) should hold K as transposed tiles: where
+    the reads are gather_mm's on the CPU (float32, not quantized)."""
+    return way in ("auto", "gather_mm") and backend() == "cpu" and dtype == mx.float32 and not quantized
 
 
 class PagedRead:
@@ -77,39 +94,51 @@ class PagedRead:
 
     def tiles(self, kv_heads: int, blocks: int) -> tuple[mx.array, mx.array, mx.array]:
         """gather_mm's indices, each [kv_heads, rows, width]: the store tile of every (head, row, table
-        entry) in stores viewed [kv_heads * blocks, ...], the (head, row) of its queries, and its own
-        position (the weights' tile)."""
+        entry) in stores viewed [kv_heads * blocks, ...], its queries' place in the queries viewed
+        [rows * kv_heads, rep, dim] (row-major as they come: no transposed copy of them), and its own
+        position (the weights' tile). Head-major like the store: the matmuls walk one head's store at
+        a time (row-major indices, which would spare the output's transpose, were 6 % slower at 64 rows)."""
         key = ("tiles", kv_heads, blocks)
         if key not in self._derived:
             head = mx.arange(kv_heads, dtype=mx.uint32)[:, None, None]
             tiles = head * blocks + self.tables.astype(mx.uint32)[None]
-            per_row = head * self.rows + mx.arange(self.rows, dtype=mx.uint32)[None, :, None] + mx.zeros_like(tiles)
+            per_row = mx.arange(self.rows, dtype=mx.uint32)[None, :, None] * kv_heads + head + mx.zeros_like(tiles)
             own = mx.arange(tiles.size, dtype=mx.uint32).reshape(tiles.shape)
             self._derived[key] = (tiles, per_row, own)
         return self._derived[key]  # type: ignore[return-value]
 
 
 def paged_decode_attention(queries: mx.array, k_store: mx.array, v_store: mx.array, read: PagedRead,
-                           scale: float, way: Way | None = None) -> mx.array:
+                           scale: float, way: Way | None = None, *, keys_transposed: bool = False,
+                           written: tuple[mx.array, mx.array] | None = None) -> mx.array:
     """Attention of queries [rows, heads, 1, dim] (heads a multiple of kv_heads: grouped-query
     heads h * rep .. h * rep + rep - 1 share KV head h) over each row's first `read.lengths[row]`
-    keys of the stores [kv_heads, blocks, block_size, dim] through `read.tables`: [rows, heads, 1,
-    dim] in the queries' dtype. `way`: None = choose_way."""
+    keys of the stores [kv_heads, blocks, block_size, dim] (K [kv_heads, blocks, dim, block_size]
+    with `keys_transposed`) through `read.tables`: [rows, heads, 1, dim] in the queries' dtype.
+    `way`: None = choose_way; `written`: the flags of this pass's in-place writes of the stores (the CUDA
+    kernel only: paged_kernels.cuda_write)."""
     rows, heads, length, dim = queries.shape
-    kv_heads, _, block_size, store_dim = k_store.shape
-    if length != 1 or store_dim != dim or heads % kv_heads or v_store.shape != k_store.shape:
+    kv_heads, _, block_size, store_dim = v_store.shape
+    k_shape = v_store.shape if not keys_transposed else (kv_heads, v_store.shape[1], dim, block_size)
+    if length != 1 or store_dim != dim or heads % kv_heads or k_store.shape != k_shape:
         raise ValueError(f"paged decode attention takes queries [rows, heads, 1, dim] and stores [kv_heads, "
-                         f"blocks, block_size, dim]; got {queries.shape}, {k_store.shape}, {v_store.shape}")
+                         f"blocks, block_size, dim] (K [kv_heads, blocks, dim, block_size] with keys_transposed); "
+                         f"got {queries.shape}, {k_store.shape}, {v_store.shape}")
     if read.rows != rows:
         raise ValueError(f"the block tables have {read.rows} rows, the queries {rows}")
-    way = choose_way(queries, k_store) if way is None else way
+    way = choose_way(queries, v_store, keys_transposed) if way is None else way
+    if keys_transposed and way in ("cuda", "metal"):
+        raise ValueError(f"the {way} kernel reads head-major K tiles, not transposed ones")
+    if written is not None and way != "cuda":
+        raise ValueError(f"stores written in place are read by the CUDA kernel only, not the {way} way")
     if way == "cuda":
-        return paged_kernels.cuda_attention(queries, k_store, v_store, read.tables, read.lengths, scale)
+        return paged_kernels.cuda_attention(queries, k_store, v_store, read.tables, read.lengths, scale,
+                                            written=written)
     if way == "metal":
         return paged_kernels.metal_attention(queries, k_store, v_store, read.tables, read.lengths, scale)
     if way == "gather_mm":
-        return gather_mm_attention(queries, k_store, v_store, read, scale)
-    return gather_attention(queries, k_store, v_store, read, scale)
+        return gather_mm_attention(queries, k_store, v_store, read, scale, keys_transposed)
+    return gather_attention(queries, k_store, v_store, read, scale, keys_transposed)
 
 
 def _softmax(scores: mx.array, visible: mx.array, axis: int | tuple[int, ...], dtype: mx.Dtype) -> mx.array:
@@ -122,36 +151,54 @@ def _softmax(scores: mx.array, visible: mx.array, axis: int | tuple[int, ...], d
 
 
 def gather_attention(queries: mx.array, k_store: mx.array, v_store: mx.array, read: PagedRead,
-                     scale: float) -> mx.array:
+                     scale: float, keys_transposed: bool = False) -> mx.array:
     """The reference way (module docstring): gather, two matmuls, a masked float32 softmax."""
     rows, heads, _, dim = queries.shape
-    kv_heads, _, block_size, _ = k_store.shape
+    kv_heads, _, block_size, _ = v_store.shape
     rep = heads // kv_heads
-    keys = k_store[:, read.tables].reshape(kv_heads, rows, -1, dim)  # [kv_heads, rows, T, dim], contiguous
+    if keys_transposed:  # [kv_heads, rows, width, dim, block] -> [kv_heads, rows, dim, T]
+        keys_t = k_store[:, read.tables].transpose(0, 1, 3, 2, 4).reshape(kv_heads, rows, dim, -1)
+    else:
+        keys_t = k_store[:, read.tables].reshape(kv_heads, rows, -1, dim).swapaxes(-1, -2)  # gathered contiguous
     values = v_store[:, read.tables].reshape(kv_heads, rows, -1, dim)
     q = (queries * scale).reshape(rows, kv_heads, rep, dim).transpose(1, 0, 2, 3)  # [kv_heads, rows, rep, dim]
-    scores = q @ keys.swapaxes(-1, -2)  # [kv_heads, rows, rep, T]
+    scores = q @ keys_t  # [kv_heads, rows, rep, T]
     visible = read.visible(block_size)[None, :, None, :]
     out = _softmax(scores, visible, -1, queries.dtype) @ values  # [kv_heads, rows, rep, dim]
     return out.transpose(1, 0, 2, 3).reshape(rows, heads, 1, dim)
 
 
 def gather_mm_attention(queries: mx.array, k_store: mx.array, v_store: mx.array, read: PagedRead,
-                        scale: float) -> mx.array:
-    """The stores read in place by mx.gather_mm (module docstring)."""
+                        scale: float, keys_transposed: bool = False) -> mx.array:
+    """The stores read in place by mx.gather_mm (module docstring). For float32 the softmax is left
+    unnormalized until the values are summed: each maximum and sum is taken over the tile's keys,
+    then over the row's tiles (two reductions of contiguous runs, not one over two strided axes),
+    the boolean mask is applied once (a masked key's weight is 2^-100 of the largest, not 0: the
+    stores hold finite values), and the division falls on the output [rows, heads, dim] instead of on
+    every weight (the default model's 30 layers at 64 rows of 144 keys: 43-45 -> 38-40 ms a step)."""
     rows, heads, _, dim = queries.shape
-    kv_heads, blocks, block_size, _ = k_store.shape
+    kv_heads, blocks, block_size, _ = v_store.shape
     rep, width = heads // kv_heads, read.width
     tiles, per_row, own = read.tiles(kv_heads, blocks)
-    q = (queries * scale).reshape(rows, kv_heads, rep, dim).transpose(1, 0, 2, 3).reshape(kv_heads * rows, rep, dim)
+    q = (queries * scale).reshape(rows * kv_heads, rep, dim)
     # each tile's scores: the row's query heads [rep, dim] times its keys [dim, block]: [kv_heads, rows, width, rep, block]
-    scores = mx.gather_mm(q, k_store.reshape(kv_heads * blocks, block_size, dim).swapaxes(-1, -2),
-                          lhs_indices=per_row, rhs_indices=tiles)
+    k_tiles = k_store.reshape(kv_heads * blocks, dim, block_size) if keys_transposed else \
+        k_store.reshape(kv_heads * blocks, block_size, dim).swapaxes(-1, -2)
+    scores = mx.gather_mm(q, k_tiles, lhs_indices=per_row, rhs_indices=tiles)
     visible = read.visible(block_size).reshape(1, rows, width, 1, block_size)
-    weights = _softmax(scores, visible, (2, 4), queries.dtype)  # over the row's tiles and their keys
+    total = None
+    if queries.dtype == mx.float32:
+        scores = mx.where(visible, scores, mx.finfo(mx.float32).min)
+        weights = kernels.exp_shifted(scores, scores.max(4, keepdims=True).max(2, keepdims=True))
+        total = weights.sum(4).sum(2)  # [kv_heads, rows, rep]
+    else:
+        weights = _softmax(scores, visible, (2, 4), queries.dtype)  # over the row's tiles and their keys
     # each tile's weights [rep, block] times its values [block, dim], summed over the tiles
     out = mx.gather_mm(weights.reshape(kv_heads * rows * width, rep, block_size),
                        v_store.reshape(kv_heads * blocks, block_size, dim),
                        lhs_indices=own, rhs_indices=tiles)  # [kv_heads, rows, width, rep, dim]
-    out = out.sum(2) if out.dtype == mx.float32 else out.astype(mx.float32).sum(2).astype(out.dtype)
+    if total is not None:
+        out = out.sum(2) / total[..., None]
+    else:
+        out = out.sum(2) if out.dtype == mx.float32 else out.astype(mx.float32).sum(2).astype(out.dtype)
     return out.transpose(1, 0, 2, 3).reshape(rows, heads, 1, dim)

@@ -269,12 +269,55 @@ _METAL = """
 """
 
 _INPUTS = ["q", "k", "v", "tables", "lengths", "scale"]
+# the CUDA kernels also take the flags of this pass's in-place K and V writes (cuda_write): unread, they
+# give MLX's CUDA graph the edge write -> read, which it draws only from arrays a kernel declares
+_CUDA_INPUTS = _INPUTS + ["written_k", "written_v"]
+
+# New tokens' K and V [heads, N, width] stored at their slots of a layer's stores [heads, slots, width]
+# through their pointers, K and V in one launch (K's elements first, then V's: their widths may differ): MLX
+# never sees a store change, so it never copies a store that the pass in flight still reads (docs/engine.md,
+# "Writing the block store in place on CUDA"); `done` orders the pass's reads.
+_CUDA_WRITE = """
+    const long i = (long)blockIdx.x * blockDim.x + threadIdx.x;
+    const long N = xk_shape[1];
+    const long WK = xk_shape[2], WV = xv_shape[2];
+    const long nk = (long)xk_shape[0] * N * WK;
+    if (i < nk) {
+        const long w = i % WK, n = (i / WK) % N, h = i / (WK * N);
+        const_cast<T*>(k_store)[(h * (long)k_store_shape[1] + slots[n]) * WK + w] = xk[i];
+    } else if (i < nk + (long)xv_shape[0] * N * WV) {
+        const long j = i - nk;
+        const long w = j % WV, n = (j / WV) % N, h = j / (WV * N);
+        const_cast<T*>(v_store)[(h * (long)v_store_shape[1] + slots[n]) * WV + w] = xv[j];
+    }
+    if (i == 0) done[0] = 1;
+"""
+
+# A layer's K and V [rows, heads, span, width] through the slots [rows, span] after the pass's in-place
+# write (`after`: its flag, for the graph's edge), both in one launch: what a model that reads the fetched
+# K/V gets in such a pass.
+_CUDA_GATHER = """
+    const long i = (long)blockIdx.x * blockDim.x + threadIdx.x;
+    const long S = slots_shape[1];
+    const long WK = k_store_shape[2], WV = v_store_shape[2];
+    const long HK = k_store_shape[0], HV = v_store_shape[0];
+    const long nk = (long)slots_shape[0] * HK * S * WK;
+    if (i < nk) {
+        const long w = i % WK, t = (i / WK) % S, h = (i / (WK * S)) % HK, r = i / (WK * S * HK);
+        k_out[i] = k_store[(h * (long)k_store_shape[1] + slots[r * S + t]) * WK + w];
+    } else if (i < nk + (long)slots_shape[0] * HV * S * WV) {
+        const long j = i - nk;
+        const long w = j % WV, t = (j / WV) % S, h = (j / (WV * S)) % HV, r = j / (WV * S * HV);
+        v_out[j] = v_store[(h * (long)v_store_shape[1] + slots[r * S + t]) * WV + w];
+    }
+"""
 
 
 @lru_cache(maxsize=None)
 def _cuda_kernels() -> tuple[Any, Any, Any]:
-    one = mx.fast.cuda_kernel(name="paged_decode", input_names=_INPUTS, output_names=["out"], source=_CUDA_ONE_PASS)
-    split = mx.fast.cuda_kernel(name="paged_decode_split", input_names=_INPUTS,
+    one = mx.fast.cuda_kernel(name="paged_decode", input_names=_CUDA_INPUTS, output_names=["out"],
+                              source=_CUDA_ONE_PASS)
+    split = mx.fast.cuda_kernel(name="paged_decode_split", input_names=_CUDA_INPUTS,
                                 output_names=["part_o", "part_m", "part_l"], source=_CUDA_SPLIT)
     merge = mx.fast.cuda_kernel(name="paged_decode_merge", input_names=["part_o", "part_m", "part_l"],
                                 output_names=["out"], source=_CUDA_MERGE)
@@ -320,15 +363,78 @@ def _template(queries: mx.array, k_store: mx.array) -> list[tuple[str, Any]]:
             ("BS", block_size), ("WARPS", WARPS)]
 
 
+@lru_cache(maxsize=None)
+def _write_kernels() -> tuple[Any, Any]:
+    # the store is never made row-contiguous by MLX (a copy would take the writes); the callers pass
+    # contiguous new K/V and slots
+    write = mx.fast.cuda_kernel(name="paged_kv_write", input_names=["k_store", "v_store", "xk", "xv", "slots"],
+                                output_names=["done"], source=_CUDA_WRITE, ensure_row_contiguous=False)
+    gather = mx.fast.cuda_kernel(name="paged_kv_gather_after", input_names=["k_store", "v_store", "slots", "after"],
+                                 output_names=["k_out", "v_out"], source=_CUDA_GATHER, ensure_row_contiguous=False)
+    return write, gather
+
+
+@lru_cache(maxsize=None)
+def _not_written() -> mx.array:
+    """The write flag a pass without in-place writes gives the CUDA kernels."""
+    flag = mx.zeros((1,), dtype=mx.int32)
+    mx.eval(flag)
+    return flag
+
+
+_THREADS = 256
+
+
+def _grid(total: int) -> tuple[int, int, int]:
+    return (-(-total // _THREADS) * _THREADS, 1, 1)
+
+
+def cuda_write(k_store: mx.array, v_store: mx.array, k_new: mx.array, v_new: mx.array, slots: mx.array) -> mx.array:
+    """Store `k_new` and `v_new` [heads, N, width] at `slots` [N] of `k_store` and `v_store` [heads, slots,
+    width] in place, in one launch (each custom kernel a layer costs the host its own source build and
+    launch: a one-row pass is bound by them); returns the write's flag, which every read of the stores in
+    the same pass must take as an input."""
+    write, _ = _write_kernels()
+    n = slots.shape[0] if slots.ndim == 1 else -1
+    for store, new in ((k_store, k_new), (v_store, v_new)):
+        if store.ndim != 3 or new.ndim != 3 or store.shape[0] != new.shape[0] or store.shape[2] != new.shape[2] \
+                or new.shape[1] != n or store.dtype != k_store.dtype:
+            raise ValueError(f"an in-place write takes new [heads, N, width] into a store [heads, slots, width] at "
+                             f"slots [N], K's and V's stores of one dtype; got {new.shape}, {store.shape}, "
+                             f"{slots.shape}")
+    xk = mx.contiguous(k_new.astype(k_store.dtype))
+    xv = mx.contiguous(v_new.astype(v_store.dtype))
+    return write(inputs=[k_store, v_store, xk, xv, mx.contiguous(slots.astype(mx.int32))],
+                 template=[("T", k_store.dtype)], grid=_grid(xk.size + xv.size), threadgroup=(_THREADS, 1, 1),
+                 output_shapes=[(1,)], output_dtypes=[mx.int32])[0]
+
+
+def cuda_gather_after(k_store: mx.array, v_store: mx.array, slots: mx.array,
+                      after: mx.array) -> tuple[mx.array, mx.array]:
+    """K and V [rows, heads, span, width]: the stores [heads, slots, width] at `slots` [rows, span], read
+    after the in-place write whose flag is `after` (one launch, if anything reads them)."""
+    _, gather = _write_kernels()
+    rows, span = slots.shape
+    shapes = [(rows, store.shape[0], span, store.shape[2]) for store in (k_store, v_store)]
+    k_out, v_out = gather(inputs=[k_store, v_store, mx.contiguous(slots.astype(mx.int32)), after],
+                          template=[("T", k_store.dtype)],
+                          grid=_grid(sum(math.prod(shape) for shape in shapes)), threadgroup=(_THREADS, 1, 1),
+                          output_shapes=shapes, output_dtypes=[k_store.dtype, v_store.dtype])
+    return k_out, v_out
+
+
 def cuda_attention(queries: mx.array, k_store: mx.array, v_store: mx.array, tables: mx.array, lengths: mx.array,
-                   scale: float, splits: int | None = None) -> mx.array:
+                   scale: float, splits: int | None = None,
+                   written: tuple[mx.array, mx.array] | None = None) -> mx.array:
     """Decode attention [rows, heads, 1, dim] through the CUDA kernel (arguments as
-    paged_attention.paged_decode_attention; `splits`: None = auto_splits)."""
+    paged_attention.paged_decode_attention; `splits`: None = auto_splits; `written`: the flags of this
+    pass's in-place write of the layer's K and V, cuda_write: one flag, given twice)."""
     rows, heads, _, dim = queries.shape
     kv_heads = k_store.shape[0]
     splits = auto_splits(rows, kv_heads, tables.shape[1]) if splits is None else splits
     one, split, merge = _cuda_kernels()
-    inputs = [queries, k_store, v_store, tables, lengths, _scale(scale)]
+    flags = list(written) if written is not None else [_not_written(), _not_written()]
+    inputs = [queries, k_store, v_store, tables, lengths, _scale(scale)] + flags
     template = _template(queries, k_store)
     threads = (WARPS * 32, 1, 1)
     if splits == 1:

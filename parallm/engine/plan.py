@@ -1,5 +1,5 @@
-"""What the scheduler hands the runner: the KV budget it plans within, the row operations the
-runner executes in order, and one step's plan (its prefill pass). Pure data, no policy."""
+"""What the scheduler hands the runner: the budget it plans within, the row operations the runner
+executes in order, and one step's plan (its prefill pass). Pure data, no policy."""
 
 from __future__ import annotations
 
@@ -35,7 +35,9 @@ def length_buckets(most: int) -> list[int]:
 
 @dataclass(frozen=True, slots=True)
 class KVBudget:
-    """How large the dense live buffer (rows x capacity token slots) may be."""
+    """The block store's size in tokens (`budget_tokens`: its blocks x block size) and how many rows
+    of per-row state (sampling penalties, recurrent state) and how long a row may be. Memory is
+    counted in blocks (the Scheduler); `fits` and `shape_for` only bound the rows and their length."""
 
     budget_tokens: int
     max_rows: int
@@ -44,23 +46,17 @@ class KVBudget:
     cap_quantum: int = 128
 
     def fits(self, rows: int, cap: int) -> bool:
-        return rows * cap <= self.budget_tokens and rows <= self.max_rows and cap <= self.max_len
+        return rows <= self.max_rows and cap <= self.max_len
 
     def shape_for(self, rows: int, cap: int, current: tuple[int, int], demand: int = 0,
                   cap_demand: int = 0) -> tuple[int, int] | None:
-        """The allocation to use for `rows` x `cap`: the current one when it is enough, else grown
-        in quanta (capacity by at least a quarter; rows by at least half, and at once to `demand`,
-        the rows the queued sequences will want, so a burst of arrivals costs one or two copies of
-        the buffer instead of one per step of admissions), else as many of those rows as the budget
-        allows, else the tightest that fits; None if even the exact need does not fit. Capacity
-        grows at once to `cap_demand` (the ends of the prompts being prefilled) when that fits the
-        budget with the grown rows: a long prompt chunked a pass at a time then costs one copy of the
-        buffer while it is small, not one per quarter of growth (a 6k-token prompt of the default
-        model on the CPU: 13 copies, the last ones 1.3-2.9 s each inside a step, issue 30).
-
-        Every resize allocates a new buffer and copies the old one, which MLX keeps in its buffer
-        cache at its own size: growing 256 rows four at a time churned ~190 GB through the cache
-        for the Qwen3-30B-A3B shape (docs/scheduling.md, "Growing the live buffer")."""
+        """The (rows, capacity) to use for `rows` x `cap`: the current one when it is enough, else grown
+        in quanta (capacity by at least a quarter; rows by at least half, and at once to `demand`, the
+        rows the queued sequences will want, so a burst of arrivals costs one or two reallocations of
+        the per-row state instead of one per step of admissions); None if it does not fit at all.
+        Capacity grows at once to `cap_demand` (the ends of the prompts being prefilled): a long prompt
+        chunked a pass at a time then costs one Resize, not one per quarter of growth (issue 30).
+        A resize reallocates only the per-row state (the KV is in the block store)."""
         r0, c0 = current
         if rows > self.max_rows or cap > self.max_len:
             return None
@@ -69,19 +65,8 @@ class KVBudget:
         grown_r = r0 if rows <= r0 else min(self.max_rows, round_up(max(rows, demand, r0 + r0 // 2), self.row_quantum))
         grown_c = c0 if cap <= c0 else min(self.max_len, round_up(max(cap, c0 + c0 // 4), self.cap_quantum))
         if cap > c0 and cap_demand > grown_c:
-            wanted = min(self.max_len, round_up(cap_demand, self.cap_quantum))
-            if grown_r * wanted <= self.budget_tokens:
-                grown_c = wanted
-        tight_r = min(self.max_rows, round_up(rows, self.row_quantum))
-        fit_r = min(grown_r, self.budget_tokens // max(1, cap) // self.row_quantum * self.row_quantum)  # as many as fit
-        for r in dict.fromkeys((grown_r, fit_r, tight_r, rows)):
-            if r < rows:
-                continue
-            # the grown capacity, or as much of it as the budget allows with r rows
-            c = min(grown_c, self.budget_tokens // r)
-            if c >= cap:
-                return (r, c)
-        return None
+            grown_c = min(self.max_len, round_up(cap_demand, self.cap_quantum))
+        return (max(grown_r, rows), max(grown_c, cap))
 
 
 # ------------------------------------------------------------------ what the runner executes
@@ -94,7 +79,8 @@ class Resize:
 
 @dataclass(slots=True)
 class CopyRow:
-    """Copy positions [0, ntokens) of row src into row dst (src keeps its content)."""
+    """Row dst's per-row state (penalties, recurrent state) := row src's (src keeps its own); the KV
+    is in the sequences' block tables and is not copied."""
 
     src: int
     dst: int
@@ -109,19 +95,11 @@ class SwapRows:
 
 
 @dataclass(slots=True)
-class LoadPrefix:
-    """Copy cached blocks into positions [0, len(block_ids) * block_size) of a row."""
+class CopyBlocks:
+    """Block dst := block src for each (src, dst) of the block store: the copy-on-write of an n > 1
+    fork's partly filled last block (every full block is shared)."""
 
-    row: int
-    block_ids: list[int]
-
-
-@dataclass(slots=True)
-class WriteBack:
-    """Copy full blocks of a row into the prefix pool: (block index in the row, pool block id)."""
-
-    row: int
-    blocks: list[tuple[int, int]]
+    pairs: list[tuple[int, int]]
 
 
 @dataclass(slots=True)
@@ -132,7 +110,7 @@ class InitRow:
     seq: Sequence
 
 
-RowOp = Resize | CopyRow | SwapRows | LoadPrefix | WriteBack | InitRow
+RowOp = Resize | CopyRow | SwapRows | CopyBlocks | InitRow
 
 
 @dataclass(slots=True)

@@ -1,12 +1,16 @@
 """The prefix cache's disk tier in the engine: what connects the block bookkeeping (blocks.py), the
-pool's arrays (pool.py) and the block files (disk_tier.py).
+block store (cache.LiveKV: the live sequences' and the prefix cache's KV alike) and the block files
+(disk_tier.py).
 
-BlockManager calls three hooks (its `tier`): `stored` when a block gets a key (its KV reaches the
-pool with the step's row ops), `evicting` when a cached block is about to be reused, and `fetch`
-when a prefix lookup misses in memory (a block read back from disk is installed in the pool as a
-cached block, and the lookup goes on). The runner calls `before_ops` and `after_ops` around every
-batch of row ops: the KV of evicted blocks is read before anything overwrites it, and blocks whose
-KV just arrived are written through.
+BlockManager calls three hooks (its `tier`): `stored` when a block gets a key (the passes that wrote
+its KV were launched before: a block is keyed once its last token is computed), `evicting` when a
+cached block is about to be reused, and `fetch` when a prefix lookup misses in memory (a block read
+back from disk is written into the store, one copy of its tiles, and installed as a cached block;
+the lookup goes on). The runner calls `before_ops` and `after_ops` around every step's row ops,
+before the step's passes are launched: the KV of blocks evicted since the last step is read before
+any pass writes into them, and (write_through) blocks keyed since then are saved. No write-back
+moves KV between stores: a block file's per-layer tiles [heads, block_size, width] are the store's
+head-major tiles.
 
 Which KV goes to disk: blocks of the base model at its load-time weights (adapter key ""), the
 only ones whose key means the same after a restart: an adapter's name and version, and a
@@ -29,12 +33,10 @@ from parallm.config import KVConfig
 from parallm.protocol import KVDiskStats
 
 from .blocks import BlockManager, block_hash
-from .cache import LayerShape
+from .cache import LayerShape, LiveKV
 from .kv_format import KVFormat
 from .disk_tier import DiskTier
 from .kv_files import BlockHeader
-from .plan import RowOp, WriteBack
-from .pool import KVPool
 
 log = logging.getLogger("parallm.engine")
 
@@ -65,7 +67,7 @@ def open_disk_tier(config: KVConfig, model_path: str, model: nn.Module, kv_forma
     key = fingerprint(model_path, model, kv_format.dtype, shapes, block_size, kv_format.bits, kv_format.group_size)
     disk = DiskTier(config.disk_dir, key, max_bytes=int(config.disk_max_gb * (1 << 30)), ttl_s=config.disk_ttl_s,
                     queue_blocks=config.disk_queue_blocks)
-    tier = PrefixDiskTier(disk, runner.pool, config.disk_policy)
+    tier = PrefixDiskTier(disk, runner.live, config.disk_policy)
     tier.attach(blocks)
     runner.kv_tier = tier
     log.info("disk tier for prefix-cache blocks: %s (%s, %d blocks on disk, at most %.1f GiB)", disk.dir,
@@ -74,21 +76,21 @@ def open_disk_tier(config: KVConfig, model_path: str, model: nn.Module, kv_forma
 
 
 class PrefixDiskTier:
-    """BlockManager's `tier` over a KVPool and a DiskTier (see the module's docstring)."""
+    """BlockManager's `tier` over the block store (cache.LiveKV) and a DiskTier (see the module's docstring)."""
 
-    def __init__(self, disk: DiskTier, pool: KVPool, policy: Policy) -> None:
+    def __init__(self, disk: DiskTier, store: LiveKV, policy: Policy) -> None:
         self.disk = disk
-        self.pool = pool
+        self.store = store
         self.policy = policy
         self.manager: BlockManager | None = None
-        specs = pool.block_specs()  # one per stored array (a quantized K or V: values, scales, biases)
+        specs = store.block_specs()  # one per stored array (a quantized K or V: values, scales, biases)
         self._shapes = [shape for shape, _ in specs]
         self._dtypes = [dt for _, dt in specs]
         self._itemsizes = [dt.size for dt in self._dtypes]
-        fmt = pool.format
+        fmt = store.format
         self._dtype = str(fmt.dtype) + (f"/q{fmt.bits}g{fmt.group_size}" if fmt.quantized else "")
         self._persistable: set[int] = set()            # hashes of resident blocks that may go to disk
-        self._unwritten: dict[int, int] = {}            # block id -> hash whose KV has not reached the pool
+        self._keyed: dict[int, int] = {}                # block id -> hash keyed since the last row ops
         self._evicted: list[tuple[int, int, tuple[int, ...]]] = []  # (block id, hash, tokens) to save
 
     def attach(self, manager: BlockManager) -> None:
@@ -104,27 +106,25 @@ class PrefixDiskTier:
 
     # ------------------------------------------------------------------ BlockManager's hooks
     def stored(self, block_id: int, key: int, tokens: tuple[int, ...], adapter: str) -> None:
-        """A block got key `key`; its KV reaches the pool with the next row ops."""
-        self._unwritten[block_id] = key
+        """A block got key `key`; write-through saves it with the next row ops."""
+        self._keyed[block_id] = key
         if adapter == "":
             self._persistable.add(key)
         else:
             self._persistable.discard(key)
 
     def evicting(self, block_id: int, key: int, tokens: tuple[int, ...]) -> None:
-        """Cached block `block_id` is about to be reused: its KV (if it ever reached the pool) is read
-        before the next write into the pool and saved (evict_only)."""
+        """Cached block `block_id` is about to be reused: its KV is read before the next pass writes
+        into it and saved (evict_only)."""
         if key not in self._persistable:
             return
         self._persistable.discard(key)
-        if self._unwritten.get(block_id) == key:
-            del self._unwritten[block_id]  # its KV was never in the pool
-            return
+        self._keyed.pop(block_id, None)
         if self.policy == "evict_only" and not self.disk.contains(key):
             self._evicted.append((block_id, key, tokens))
 
     def fetch(self, parent: int, tokens: tuple[int, ...], adapter: str, keep: Sequence[int]) -> int | None:
-        """The id of a pool block now holding the block after `parent` with `tokens`, read from disk and
+        """The id of a store block now holding the block after `parent` with `tokens`, read from disk and
         installed as a cached block (no reference taken), or None (not on disk, unreadable, no room)."""
         if adapter != "" or self.manager is None:
             return None
@@ -140,45 +140,44 @@ class PrefixDiskTier:
             return None
         self._save_evicted()  # the block taken may hold KV still to be saved
         data = [mx.array(a).view(dt).reshape(shape) for a, dt, shape in zip(arrays, self._dtypes, self._shapes)]
-        self.pool.write([block_id], data)
+        self.store.write_block(block_id, data)
         self._persistable.add(key)
-        self._unwritten.pop(block_id, None)
+        self._keyed.pop(block_id, None)
         return block_id
 
     def forget(self) -> None:
         """The prefix cache forgot every block (BlockManager.reset)."""
         self._persistable.clear()
-        self._unwritten.clear()
+        self._keyed.clear()
         self._evicted.clear()
 
     # ------------------------------------------------------------------ the runner's hooks
     def before_ops(self) -> None:
         self._save_evicted()
 
-    def after_ops(self, ops: list[RowOp]) -> None:
-        """The KV of the blocks these ops wrote is in the pool now: write-through saves it."""
-        written = [bid for op in ops if isinstance(op, WriteBack) for _, bid in op.blocks]
-        if not written or self.manager is None:
+    def after_ops(self) -> None:
+        """Write-through saves the blocks keyed since the last row ops: the passes that wrote their KV
+        were launched before they were keyed (reading it waits for them)."""
+        keyed, self._keyed = self._keyed, {}
+        if not keyed or self.manager is None or self.policy != "write_through":
             return
         save = []
-        for bid in written:
-            key = self._unwritten.pop(bid, None)
+        for bid, key in keyed.items():
             block = self.manager.blocks[bid]
-            if key is None or block.hash != key:
+            if block.hash != key:
                 continue
             if self.policy == "write_through" and key in self._persistable and not self.disk.contains(key):
                 save.append((bid, key, block.token_ids))
         self._save(save)
 
     def spill(self, deadline_s: float = 30.0) -> int:
-        """Queue every cached block not on disk yet (evict_only at shutdown: the pool's blocks leave
+        """Queue every cached block not on disk yet (evict_only at shutdown: the store's blocks leave
         memory now), waiting for room in the writer's queue up to `deadline_s` in all; how many."""
         if self.manager is None:
             return 0
         self._save_evicted()
         blocks = [(b.block_id, b.hash, b.token_ids) for b in self.manager.blocks
-                  if b.hash in self._persistable and self._unwritten.get(b.block_id) != b.hash
-                  and not self.disk.contains(b.hash)]
+                  if b.hash in self._persistable and not self.disk.contains(b.hash)]
         end = time.monotonic() + deadline_s
         queued = 0
         for i in range(0, len(blocks), 64):
@@ -193,11 +192,11 @@ class PrefixDiskTier:
         self._save(evicted)
 
     def _save(self, blocks: list[tuple[int, int, tuple[int, ...]]], wait_s: float = 0.0) -> int:
-        """Read blocks' KV from the pool (one evaluation) and queue it for the disk writer; how many
+        """Read blocks' KV from the store (one evaluation) and queue it for the disk writer; how many
         were queued."""
         if not blocks:
             return 0
-        reads = self.pool.read_many([[bid] for bid, _, _ in blocks])
+        reads = self.store.read_blocks([bid for bid, _, _ in blocks])
         queued = 0
         for (_, key, tokens), arrays in zip(blocks, reads):
             header = BlockHeader(self.disk.fingerprint, key, list(tokens), self._dtype, self._shapes)

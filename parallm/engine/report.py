@@ -26,7 +26,7 @@ from .trace import StepTracer
 
 class EngineReport:
     scheduler: Scheduler
-    blocks: BlockManager | None
+    blocks: BlockManager
     runner: ModelRunner
     budget: KVBudget
     adapters: AdapterManager
@@ -64,20 +64,22 @@ class EngineReport:
         burst, last_burst = self.trace.stats()
         return EngineStats(
             running=len(s.running), waiting=len(s.waiting), prefilling=len(s.prefilling),
-            kv_blocks_total=b.num_blocks if b else 0, kv_blocks_used=b.num_used if b else 0,
-            kv_blocks_free=b.num_free if b else 0, kv_blocks_cached=b.num_cached if b else 0,
+            kv_blocks_total=b.num_blocks, kv_blocks_used=b.num_used, kv_blocks_free=b.num_free,
+            kv_blocks_cached=b.num_cached,
             kv_budget_bytes=self.kv_budget_bytes, live_token_slots=self.budget.budget_tokens,
             prefix_queried_tokens=s.prefix_queried_tokens, prefix_hit_tokens=s.prefix_hit_tokens,
-            prefix_evictions=b.evictions if b else 0, preemptions=s.preemptions,
+            prefix_evictions=b.evictions, preemptions=s.preemptions,
             priority_preemptions=s.priority_preemptions, **self.counters.stats(),
             prompt_tokens_computed=self.output.prompt_computed,
             generated_tokens=self.output.generated, scored_tokens=self.output.scored,
-            live_rows=r.live.rows, live_capacity=r.live.capacity, live_bytes=r.live.nbytes, pool_bytes=r.pool.nbytes,
+            live_rows=r.live.rows, live_capacity=r.live.capacity, live_bytes=r.live.nbytes,
+            pool_bytes=b.num_cached * b.block_size * r.live.bytes_per_token,
             bytes_per_token=r.live.bytes_per_token, penalty_state=r.penalties.active, adapters=adapters,
             compiled_decode=r.compiled.stats() if r.compiled else {},
             settings=msgspec.to_builtins(self.config), adapter_settings=msgspec.to_builtins(self.adapter_settings),
             weights_version=self.weights_version, weights_updates=self.weights_updates,
             recomputed_tokens=s.recomputed_tokens, oom_retries=oom_retries(), burst=burst, last_burst=last_burst,
+            kv_copied_bytes=dict(r.live.copied),
             spec=self.spec.stats() if self.spec is not None else None,
             **self._kv_stats())
 

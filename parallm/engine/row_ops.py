@@ -1,27 +1,22 @@
-"""A step's row operations (plan.RowOp) on the live KV, the prefix pool and the penalty state, run
-in order as if one at a time, with as few device evaluations as that allows: on a GPU each
-evaluation waits a round trip, the first for the pass in flight."""
+"""A step's row operations (plan.RowOp) on the per-row state (penalties, recurrent state) and the
+block store, run in order. The KV itself moves with the block tables: only an n > 1 fork's partly
+filled last block is copied (CopyBlocks); row moves and copies touch the per-row state alone."""
 
 from __future__ import annotations
 
-import mlx.core as mx
-
 from .cache import LiveKV
-from .plan import CopyRow, InitRow, LoadPrefix, Resize, RowOp, SwapRows, WriteBack
-from .pool import KVPool
+from .plan import CopyBlocks, CopyRow, InitRow, Resize, RowOp, SwapRows
 from .sampling import PenaltyState
 
 
-def execute_row_ops(ops: list[RowOp], live: LiveKV, pool: KVPool, penalties: PenaltyState, block_size: int) -> None:
-    """Runs of write-backs, of row copies and of prefix loads each read the device in one evaluation:
-    a copy joins the run unless it reads a row the run has written; a sampling-state reset (InitRow)
-    touches no KV and joins a run of prefix loads."""
-    run: list[RowOp] = []
+def execute_row_ops(ops: list[RowOp], live: LiveKV, penalties: PenaltyState) -> None:
+    """Consecutive row copies run as one batch (one evaluation) unless one reads a row the batch wrote."""
+    run: list[CopyRow] = []
     for op in ops:
-        if run and not _joins(run, op):
-            _run_batch(run, live, pool, penalties, block_size)
+        if run and not (isinstance(op, CopyRow) and op.src not in {o.dst for o in run}):
+            _copy(run, live, penalties)
             run = []
-        if isinstance(op, (WriteBack, CopyRow, LoadPrefix)):
+        if isinstance(op, CopyRow):
             run.append(op)
         elif isinstance(op, InitRow):
             if op.seq.uses_penalties:
@@ -31,47 +26,16 @@ def execute_row_ops(ops: list[RowOp], live: LiveKV, pool: KVPool, penalties: Pen
             live.resize(op.rows, op.capacity)
             penalties.resize(op.rows)
         elif isinstance(op, SwapRows):
-            pairs = [(op.a, op.b), (op.b, op.a)]
-            live.copy_rows(pairs, op.ntokens)
-            penalties.copy_rows(pairs)
+            _copy([CopyRow(op.a, op.b, op.ntokens), CopyRow(op.b, op.a, op.ntokens)], live, penalties)
+        elif isinstance(op, CopyBlocks):
+            live.copy_blocks(op.pairs)
         else:  # pragma: no cover
             raise TypeError(f"unknown row op {op!r}")
     if run:
-        _run_batch(run, live, pool, penalties, block_size)
+        _copy(run, live, penalties)
 
 
-def _joins(run: list[RowOp], op: RowOp) -> bool:
-    """Whether `op` can run in one batch with the ops of `run`."""
-    kind = type(run[0])
-    if kind is LoadPrefix:
-        return isinstance(op, (LoadPrefix, InitRow))
-    if type(op) is not kind:
-        return False
-    if kind is CopyRow:  # reading a row the run writes would read it before that write
-        return op.src not in {o.dst for o in run}
-    return True
-
-
-def _run_batch(run: list[RowOp], live: LiveKV, pool: KVPool, penalties: PenaltyState, block_size: int) -> None:
-    if isinstance(run[0], WriteBack):
-        _write_back(run, live, pool, block_size)
-    elif isinstance(run[0], CopyRow):
-        pairs = [(op.src, op.dst) for op in run]
-        live.copy_rows(pairs, [op.ntokens for op in run])
-        penalties.copy_rows(pairs)
-    else:  # prefix loads (the InitRows between them ran as they came)
-        for op, data in zip(run, pool.read_many([op.block_ids for op in run])):
-            live.write_prefix(op.row, data)
-
-
-def _write_back(ops: list[WriteBack], live: LiveKV, pool: KVPool, block_size: int) -> None:
-    """Copy blocks of live rows into the prefix pool: every read is materialized in one evaluation
-    (one device round trip for the whole step, not one per row)."""
-    reads = []
-    for op in ops:
-        pos = mx.array([j * block_size + t for j, _ in op.blocks for t in range(block_size)], dtype=mx.int32)
-        reads.append(live.read_positions(op.row, pos, materialize=False))
-    live.settle()  # the reads also run the step's row writes before them
-    mx.eval(reads)
-    for op, data in zip(ops, reads):
-        pool.write([bid for _, bid in op.blocks], data)
+def _copy(run: list[CopyRow], live: LiveKV, penalties: PenaltyState) -> None:
+    pairs = [(op.src, op.dst) for op in run]
+    live.copy_rows(pairs)
+    penalties.copy_rows(pairs)

@@ -1,26 +1,31 @@
-"""The live buffer's row bookkeeping: which sequence holds which row, kept as running rows
-[0, nrun) then prefilling rows [pre0, pre0 + npre), and the row ops (plan.py) that keep them so
-when a sequence leaves, joins the running rows or moves; write-backs of full blocks to the prefix
-cache. The Scheduler (the policy) is built on it.
+"""Row and block bookkeeping: which sequence holds which row, kept as running rows [0, nrun) then
+prefilling rows [pre0, pre0 + npre), and the row ops (plan.py) that keep them so when a sequence
+leaves, joins the running rows or moves (they move per-row state only); each sequence's block
+table (allocated as it grows, keyed in the prefix cache as blocks fill, released when it leaves).
+The Scheduler (the policy) is built on it.
 
-Rows [nrun, pre0) are a gap, free rows left where closing it would copy a long prefilling row
+Rows [nrun, pre0) are a gap, free rows left where closing it would move a long prefilling row
 (more than `move_limit` computed positions): a short prompt finishing its prefill beside a long one
-then copies only its own row to row nrun, and a running row leaving moves nothing. Without the gap,
-every short request that passed a long prompt being prefilled copied the long row three times (a
-swap to the front of the prefill region, then a move back when it finished): 281 MB a copy for a
-6k-token row of the default model (0.4-1.3 s in a micro-benchmark on the loaded 2-core CPU, issue 30).
-The gap is closed when its rows are needed (rows_in_use counts them)."""
+then moves only its own row to row nrun, and a running row leaving moves nothing. Before the block
+store a move copied the row's KV (281 MB for a 6k-token row of the default model, issue 30); here it
+copies the row's per-row state only, and the gap keeps the long row's place all the same. The gap is
+closed when its rows are needed (rows_in_use counts them)."""
 
 from __future__ import annotations
 
 from .blocks import BlockManager
-from .plan import CopyRow, InitRow, RowOp, WriteBack
+from .plan import CopyBlocks, CopyRow, InitRow, RowOp
 from .sequence import Sequence, Status
 
 
+def blocks_for(tokens: int, block_size: int) -> int:
+    return -(-tokens // block_size)
+
+
 class RowLayout:
-    def __init__(self, blocks: BlockManager | None, block_size: int, move_limit: int = 0) -> None:
+    def __init__(self, blocks: BlockManager, block_size: int, prefix_cache: bool = True, move_limit: int = 0) -> None:
         self.blocks = blocks
+        self.prefix_cache = prefix_cache  # full blocks are keyed for later hits (else the store only allocates)
         self.block_size = block_size
         self.move_limit = move_limit  # a prefilling row holding more computed positions is not moved to close the gap
         self.prefilling: list[Sequence] = []
@@ -71,26 +76,30 @@ class RowLayout:
             self._remove_running(seq)
         elif seq.status is Status.PREFILLING:
             self._remove_prefilling(seq)
-        if self.blocks is not None and seq.block_ids:
+        if seq.block_ids:
             self.blocks.release(seq.block_ids)
         seq.block_ids = []
+        seq.num_keyed, seq.chain_hash = 0, -1
         seq.row = -1
         seq.inflight = 0
 
     def _write_back(self, seq: Sequence) -> None:
-        if self.blocks is None:
+        """Key the sequence's full computed blocks in the prefix cache: they are in the store already."""
+        if not self.prefix_cache or not seq.uses_prefix_cache:
             return
-        valid = min(seq.num_computed, seq.num_tokens)
+        valid = min(seq.num_computed, seq.num_tokens, len(seq.block_ids) * self.block_size)
         nfull = valid // self.block_size
-        if nfull <= len(seq.block_ids):
-            return
-        got = self.blocks.store(seq.block_ids, seq.cache_ids, seq.adapter, nfull)
-        first = len(seq.block_ids)
-        seq.block_ids.extend(bid for bid, _ in got)
-        # blocks already cached under the same key are shared, not copied
-        new = [(first + i, bid) for i, (bid, write) in enumerate(got) if write]
-        if new:
-            self._pending.append(WriteBack(seq.row, new))
+        if nfull > seq.num_keyed:
+            seq.num_keyed, seq.chain_hash = self.blocks.register(seq.block_ids, seq.num_keyed, seq.cache_ids,
+                                                                 seq.adapter, seq.chain_hash, nfull)
+
+    def _ensure_blocks(self, seq: Sequence, tokens: int) -> None:
+        """Extend the sequence's block table to hold `tokens` positions (the policy made room)."""
+        need = blocks_for(tokens, self.block_size) - len(seq.block_ids)
+        if need > 0:
+            got = self.blocks.allocate(need)
+            assert got is not None, f"no {need} free blocks for {tokens} tokens (the policy should have made room)"
+            seq.block_ids.extend(got)
 
     def _remove_running(self, seq: Sequence) -> None:
         r, last = seq.row, self.nrun - 1
@@ -138,5 +147,40 @@ class RowLayout:
         seq.status = Status.RUNNING
         self.running.append(seq)
         self._renumber_prefilling()
+        self._share_blocks(seq, copy_from)
         self._pending.append(CopyRow(copy_from.row, seq.row, copy_from.num_computed))
         self._pending.append(InitRow(seq.row, seq))
+
+    def _share_blocks(self, seq: Sequence, source: Sequence) -> None:
+        """`seq`'s table := `source`'s computed blocks: the full ones shared (a reference each), a
+        partly filled last one copied (the two write their next tokens into it)."""
+        n = min(source.num_computed, len(source.block_ids) * self.block_size)
+        full, part = divmod(n, self.block_size)
+        shared = source.block_ids[:full]
+        self.blocks.acquire(shared)
+        seq.block_ids = list(shared)
+        seq.num_keyed, seq.chain_hash = source.num_keyed, source.chain_hash  # only full blocks are keyed
+        if part:
+            got = self.blocks.allocate(1)
+            assert got is not None, "no free block for a fork's last block (the policy should have made room)"
+            self._pending.append(CopyBlocks([(source.block_ids[full], got[0])]))
+            seq.block_ids.extend(got)
+
+    def reserve(self, seq: Sequence, tokens: int) -> int:
+        """Extend a running sequence's table toward `tokens` positions with the blocks that are free or
+        evictable (a speculative verify pass writes past the next token); the positions it holds now."""
+        need = min(blocks_for(tokens, self.block_size) - len(seq.block_ids), self.blocks.num_free + self.blocks.num_cached)
+        if need > 0:
+            got = self.blocks.allocate(need)
+            assert got is not None
+            seq.block_ids.extend(got)
+        return len(seq.block_ids) * self.block_size
+
+    def truncate(self, seq: Sequence, tokens: int) -> None:
+        """Release the blocks of a sequence's table past the first `tokens` positions (spec rollback:
+        the rejected positions' tail); keyed blocks stay."""
+        keep = max(blocks_for(tokens, self.block_size), seq.num_keyed)
+        tail = seq.block_ids[keep:]
+        if tail:
+            self.blocks.release(tail)
+            del seq.block_ids[keep:]

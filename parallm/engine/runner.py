@@ -1,4 +1,4 @@
-"""The one place that owns MLX arrays: live KV, prefix pool, penalty state; runs the passes."""
+"""The one place that owns MLX arrays: the KV block store, per-row state, penalty state; runs the passes."""
 
 from __future__ import annotations
 
@@ -19,8 +19,9 @@ from .head import OutputHead
 from .images import prefill_embeddings
 from .kv_format import KVFormat
 from .packed import PackedContext, PackedView
+from .paged_attention import transposes_keys
+from .paged_decode import check_paged_decode, replaces_attention, resolved_way
 from .plan import PrefillWork, RowOp
-from .pool import KVPool
 from .prefix_tier import PrefixDiskTier
 from .row_ops import execute_row_ops
 from .sampling import (BatchParams, PenaltyState, SampledLists, SampleOut, Sampler, log_softmax, penalty_rows, rank_of,
@@ -77,11 +78,11 @@ def _launch_of(seqs: list[Sequence], out: SampleOut) -> Launch:
 
 
 class ModelRunner:
-    def __init__(self, model: nn.Module, info: ModelInfo, *, vocab_size: int, pool_blocks: int, block_size: int,
+    def __init__(self, model: nn.Module, info: ModelInfo, *, vocab_size: int, num_blocks: int | None, block_size: int,
                  eos_ids: Iterable[int] = (), lora: LoRARouter | None = None, compile: bool = True,
                  fast_math: bool = False, compiled_decode: bool = False, in_place_kv_mb: float = -1,
                  unfused_prefill_keys: int = 0, unfused_decode: bool = False, vision: Any = None,
-                 kv_format: KVFormat | None = None) -> None:
+                 kv_format: KVFormat | None = None, paged_decode: str = "auto", write_in_place: bool = False) -> None:
         """`eos_ids`: the tokens `min_tokens` masks until reached (with each request's stop ids);
         `lora`: the router that tells the adapted layers which adapter each row of a pass uses;
         `compiled_decode`: pure-decode passes under mx.compile where they fit (compiled.py);
@@ -90,16 +91,16 @@ class ModelRunner:
         most this many keys attend without the fused kernel (fastmath.unfused_sdpa); `unfused_decode`:
         decode passes under a mask (rows at different lengths) do too; `vision`: a vision-language
         model's encoder, whose features prefill puts at the image tokens (images.py); `kv_format`: how K/V
-        are stored (kv.bits, kv_format.py; the model's dtype by default)."""
+        are stored (kv.bits, kv_format.py; the model's dtype by default); `paged_decode`: how a decode
+        pass reads the block store (engine.paged_decode; "auto": the backend's way, paged_decode.py);
+        `write_in_place`: decode passes read by the CUDA kernel store their K/V in place (engine.kv_write_in_place,
+        cache.LiveKV.writes_in_place)."""
         self.model = model
         self.vision = vision
         self.info = info
         self.vocab_size = vocab_size
         self.block_size = block_size
         self.kv_format = kv_format or KVFormat(info.dtype)
-        self.live = LiveKV(info.shapes, info.dtype, info.layout, self.kv_format)
-        self.live.settle_bytes = in_place_kv_mb * 2**20 if in_place_kv_mb >= 0 else None
-        self.pool = KVPool(info.shapes, info.dtype, pool_blocks, block_size, self.kv_format)
         self.penalties = PenaltyState(vocab_size)
         self.sampler = Sampler(vocab_size, compiled=compile)
         self._params_key: tuple | None = None
@@ -112,6 +113,17 @@ class ModelRunner:
                                                   unfused_decode=unfused_decode)
         self.unfused_prefill = self.fast_math is None and unfused_prefill_keys > 0
         self.unfused_decode = self.fast_math is None and unfused_decode
+        # decode passes read through the block tables where the attention stand-ins run them (checked
+        # on first use, paged_decode.py); "off": over the gathered K/V, as every other pass
+        self.paged_way = paged_decode if paged_decode != "off" and replaces_attention(self.fast_math or self.packing) \
+            else None
+        self._paged: bool | None = None if self.paged_way is not None else False
+        self._write_in_place = write_in_place
+        # K as transposed tiles where decode passes read the store with gather_mm (the CPU's way, key_tiles.py)
+        self.live = LiveKV(info.shapes, info.dtype, info.layout, self.kv_format, block_size=block_size,
+                           max_blocks=num_blocks, keys_transposed=transposes_keys(self.paged_way, info.dtype,
+                                                                                self.kv_format.quantized))
+        self.live.settle_bytes = in_place_kv_mb * 2**20 if in_place_kv_mb >= 0 else None
         self.head = OutputHead(model)
         # recurrent state (a packed pass is one sequence: a scan would run across rows) or several
         # caches per layer, or quantized K/V read dequantized (a packed pass reads the whole buffers):
@@ -148,27 +160,42 @@ class ModelRunner:
             job = c.submit(seqs, pending_tokens(seqs, prev))
         return logits, mx.array(job.result())
 
+    @property
+    def pages_decode(self) -> bool:
+        """Whether decode passes read the block store through paged attention (paged_decode.py)."""
+        if self._paged is None:
+            in_place = self._write_in_place and self.paged_way == "auto" and not self.kv_format.quantized \
+                and not self.live.keys_transposed and self.info.layout is None \
+                and resolved_way(self.info, self.block_size) == "cuda"
+            self._paged = check_paged_decode(self.call_model, self.info, self.kv_format, self.block_size,
+                                             self.vocab_size, self.paged_way, self.live.keys_transposed, in_place)
+            self.live.writes_in_place = self._paged and in_place
+        return self._paged
+
     def _forward(self, seqs: list[Sequence], tokens: mx.array, cache, per_token: list | None = None,
-                 embeddings: mx.array | None = None) -> mx.array:
+                 embeddings: mx.array | None = None, paged: bool = False) -> mx.array:
         """The model over `tokens` (or their `embeddings`, image features in place), row i under seqs[i]'s
-        adapter (`per_token`: a packed pass's one row, token i under per_token[i]); the graph is fixed on return."""
+        adapter (`per_token`: a packed pass's one row, token i under per_token[i]; `paged`: a decode pass
+        read through the block tables); the graph is fixed on return."""
         lora = self.lora
         if lora is not None:
             lora.bind([s.lora for s in seqs] if per_token is None else per_token, packed=per_token is not None)
         try:
             return self.call_model(tokens, cache, packed=isinstance(cache[0], PackedView) if cache else False,
-                                   embeddings=embeddings)
+                                   embeddings=embeddings, paged=paged)
         finally:
             if lora is not None:
                 lora.unbind()
 
-    def call_model(self, tokens: mx.array, cache, *, packed: bool = False, embeddings: mx.array | None = None) -> mx.array:
+    def call_model(self, tokens: mx.array, cache, *, packed: bool = False, embeddings: mx.array | None = None,
+                   paged: bool = False) -> mx.array:
         """The model's graph over `tokens`, built with the fast-math kernels where enabled (a
-        `packed` pass: with the functions that read its layout); `embeddings`: the pass's input
-        embeddings instead of the tokens' own."""
+        `packed` pass: with the functions that read its layout; a `paged` decode pass: with the
+        attention stand-in that reads the block tables); `embeddings`: the pass's input embeddings
+        instead of the tokens' own."""
         length = tokens.shape[-1]
         unfused = (self.unfused_prefill and length > 1) or (self.unfused_decode and length == 1)
-        context = self.packing if packed or unfused else self.fast_math
+        context = self.packing if packed or unfused else (self.fast_math or self.packing) if paged else self.fast_math
         kw = {} if embeddings is None else {"input_embeddings": embeddings}
         if context is None:
             return self.model(tokens, cache=cache, **kw)
@@ -176,21 +203,25 @@ class ModelRunner:
             return self.model(tokens, cache=cache, **kw)
 
     # ------------------------------------------------------------------ row operations
-    def execute(self, ops: list[RowOp]) -> None:
-        """Run a step's row operations on the live KV, the prefix pool and the penalty state
-        (row_ops.execute)."""
+    def execute(self, ops: list[RowOp], blocks: int = 0) -> None:
+        """Run a step's row operations on the per-row state, the penalty state and the block store
+        (row_ops.execute), the store grown first to hold block ids [0, blocks); the disk tier saves the
+        blocks evicted since the last step before anything overwrites them, and (write-through) the
+        blocks keyed then, whose KV the passes already wrote."""
         tier = self.kv_tier
         if tier is not None:
-            tier.before_ops()  # evicted blocks' KV is saved before anything overwrites it
-        execute_row_ops(ops, self.live, self.pool, self.penalties, self.block_size)
+            tier.before_ops()
+        if blocks:
+            self.live.ensure(blocks)
+        execute_row_ops(ops, self.live, self.penalties)
         if tier is not None:
-            tier.after_ops(ops)
+            tier.after_ops()
 
     def rollback(self, seq: Sequence, length: int) -> None:
-        """Keep only positions [0, length) of `seq`'s row (the rest were written by a pass whose tokens
-        were rejected: speculation's verify pass). The dense live KV keeps a row's length in the
-        sequence (num_computed): positions past it are never attended and the next pass overwrites
-        them. A block store would free the tail's blocks here."""
+        """Keep only positions [0, length) of `seq`'s KV (the rest were written by a pass whose tokens
+        were rejected: speculation's verify pass): num_computed is its length, positions past it are
+        never attended and the next pass overwrites them; the table keeps its blocks (the scheduler
+        allocated them for the next passes, and releases them with the sequence)."""
         seq.num_computed = length
 
     # ------------------------------------------------------------------ prefill
@@ -214,7 +245,7 @@ class ModelRunner:
                     logprob_rows.append((i, lo, hi))
         wants_prompt = bool(logprob_rows)
         ctx = PassContext(work.row0, work.starts, L, max(work.starts) + L, mask5d=self.info.mask5d,
-                          lengths=work.lengths)
+                          lengths=work.lengths, tables=[s.block_ids for s in work.seqs])
         tokens = mx.array(rows, dtype=mx.int32)
         embeds = None if self.vision is None else prefill_embeddings(self.model, self.vision, work.seqs, work.starts,
                                                                     work.lengths, tokens)
@@ -291,8 +322,11 @@ class ModelRunner:
             if self.compiled is not None and (logits := self.compiled.run(seqs, inputs, self.live)) is not None:
                 return logits
             offsets = [s.num_computed for s in seqs]
-            ctx = PassContext(0, offsets, 1, max(offsets) + 1, mask5d=self.info.mask5d)
-            return self._forward(seqs, inputs[:, None], self.live.views(ctx))[:, -1, :]
+            ctx = PassContext(0, offsets, 1, max(offsets) + 1, mask5d=self.info.mask5d,
+                              tables=[s.block_ids for s in seqs])
+            if self.pages_decode:
+                ctx.paged_way = self.paged_way
+            return self._forward(seqs, inputs[:, None], self.live.views(ctx), paged=ctx.paged_way is not None)[:, -1, :]
 
         logits, bitmask = self._forward_masked(seqs, prev, run)
         out = self._sample_rows(seqs, logits, positions, bitmask)
@@ -336,7 +370,10 @@ class ModelRunner:
         the head projects only the sampled positions). Each token runs under its row's adapter
         (lora.packable says which mixes can). Waits for the pass."""
         n = len(seqs)
-        ctx = PackedContext([s.num_computed for s in seqs], work.row0, work.starts, work.lengths)
+        ctx = PackedContext([s.num_computed for s in seqs], work.row0, work.starts, work.lengths,
+                            [s.block_ids for s in seqs], [s.block_ids for s in work.seqs])
+        if ctx.decode is not None and self.pages_decode:
+            ctx.decode.paged_way = self.paged_way  # the decode segment reads the store in place
         prompt = [t for seq, start, k in zip(work.seqs, work.starts, work.lengths) for t in seq.token_ids[start:start + k]]
         tokens = mx.concatenate([inputs.astype(mx.int32), mx.array(prompt, dtype=mx.int32)])[None]
         finishing: list[tuple[int, Sequence]] = []
@@ -372,7 +409,8 @@ class ModelRunner:
         def ids(n: int, seed: int) -> list[int]:
             return [(seed * 7919 + j * 104729) % vocab for j in range(n)]
 
-        scratch = LiveKV(self.info.shapes, self.info.dtype, kv_format=self.kv_format)
+        scratch = LiveKV(self.info.shapes, self.info.dtype, kv_format=self.kv_format, block_size=self.block_size,
+                         keys_transposed=self.live.keys_transposed)
         scratch.resize(4, 32)
         m5 = self.info.mask5d
         try:

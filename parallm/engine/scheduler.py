@@ -1,9 +1,10 @@
 """Scheduling policy, pure Python: who gets a row, what is prefilled, who is preempted.
 
-Row layout of the dense live KV (see cache.LiveKV): running sequences occupy rows
+Rows (the index of a sequence's per-row state, cache.LiveKV): running sequences occupy rows
 [0, nrun), sequences being prefilled rows [pre0, pre0 + npre), in list order (pre0 > nrun leaves a
-gap rather than moving a long prefilling row: rows.py). Every change
-to that layout is emitted as an ordered `RowOp` for the runner, which owns the arrays.
+gap rather than moving a long prefilling row: rows.py). Every change to that layout is emitted as an
+ordered `RowOp` for the runner, which owns the arrays. The KV is in the block store: each sequence
+holds a block table (rows.py), and memory is counted in blocks.
 
 Row ops snapshot `num_computed` when they are emitted, so the caller must run them before
 the next decode launch (the engine runs them at the start of the next step, or at once for
@@ -11,13 +12,13 @@ aborts).
 
 Per step (docs/scheduling.md has the reasoning and the measurements):
 1. rows released since the last step (finished, aborted) are compacted;
-2. if the live buffer cannot grow to what the next passes need, the worst sequences by
-   (effective priority, arrival) are preempted (row freed, full blocks written back to the
-   prefix cache, requeued at their arrival's place to recompute prompt + generated tokens);
+2. if the free blocks do not cover what the next passes write, the worst sequences by
+   (effective priority, arrival) are preempted (row and block references freed, full blocks kept
+   in the prefix cache, requeued at their arrival's place to recompute prompt + generated tokens);
 3. waiting sequences are admitted by (effective priority, arrival) (priority.py) while rows,
-   memory and the prefill budget allow; a prefix-cache hit copies the cached blocks into the new
-   row; when the best one lacks rows or memory, a sequence of strictly worse effective priority
-   is preempted for it;
+   blocks and the prefill budget allow; a prefix-cache hit is a reference to the cached blocks;
+   when the best one lacks rows or memory, a sequence of strictly worse effective priority
+   is preempted for it; then every row gets the blocks its next pass writes;
 4. one prefill pass over the leading rows of the prefill region (kept in priority order): the
    best priority's rows get the next chunk of their prompts, padded to one chunk length L with
    rows x L <= max_prefill_tokens, and worse rows ride along only where the budget has room;
@@ -33,10 +34,10 @@ from typing import Callable, Iterable
 from .admission import AdmissionPolicy, PassShape
 from .blocks import BlockManager
 from .pacing import PrefillPacer
-from .plan import (CopyRow, InitRow, KVBudget, LoadPrefix, Plan, PrefillWork, Resize, RowOp,  # noqa: F401 - re-exported
-                   SwapRows, WriteBack)
+from .plan import (CopyBlocks, CopyRow, InitRow, KVBudget, Plan, PrefillWork, Resize, RowOp,  # noqa: F401 - re-exported
+                   SwapRows)
 from .priority import PriorityPolicy, WaitingQueue
-from .rows import RowLayout
+from .rows import RowLayout, blocks_for
 from .sequence import SeqGroup, Sequence, Status
 
 
@@ -44,8 +45,15 @@ class Scheduler(RowLayout):
     def __init__(self, *, budget: KVBudget, max_prefill_tokens: int, blocks: BlockManager | None,
                  block_size: int, max_prefill_rows: int = 16, writeback_interval: int = 16,
                  headroom: int = 16, priority_aging_s: float = 0.0, prefill_buckets: bool = False,
-                 pacer: PrefillPacer | None = None, clock: Callable[[], float] = time.monotonic) -> None:
-        super().__init__(blocks, block_size, move_limit=max_prefill_tokens)
+                 pacer: PrefillPacer | None = None, clock: Callable[[], float] = time.monotonic,
+                 prefix_cache: bool | None = None) -> None:
+        """`blocks`: the block store's bookkeeping (None: one of budget.budget_tokens, without prefix
+        cache); `prefix_cache`: key full blocks for later hits (default: whether `blocks` was given)."""
+        if prefix_cache is None:
+            prefix_cache = blocks is not None
+        if blocks is None:
+            blocks = BlockManager(budget.budget_tokens // block_size, block_size)
+        super().__init__(blocks, block_size, prefix_cache, move_limit=max_prefill_tokens)
         self.budget = budget
         self.max_prefill_tokens = max_prefill_tokens
         self.max_prefill_rows = max_prefill_rows
@@ -55,6 +63,7 @@ class Scheduler(RowLayout):
         self.admission = AdmissionPolicy(budget=budget, max_prefill_tokens=max_prefill_tokens, headroom=headroom,
                                          priority=self.policy, buckets=prefill_buckets)
         self.pacer = pacer  # sizes each step's prefill budget to a time target (engine.prefill_pass_s)
+        self.admission.memory_fits = self._fits_without
         self.waiting = WaitingQueue(self.policy)
         self._admissions = 0
         self._arrivals = 0
@@ -130,6 +139,11 @@ class Scheduler(RowLayout):
         self._grow(shape)
         plan.ops = self.take_ops()
         plan.prefill = self._prefill_work(now)
+        for seq in self.running:  # the blocks the passes write: each running row's next token, the prompt chunks
+            self._ensure_blocks(seq, seq.num_computed + 1)
+        if plan.prefill is not None:
+            for seq, start, n in zip(plan.prefill.seqs, plan.prefill.starts, plan.prefill.lengths):
+                self._ensure_blocks(seq, start + n)
         return plan
 
     def _pace(self) -> None:
@@ -138,6 +152,48 @@ class Scheduler(RowLayout):
         if self.pacer is not None:
             start = max((s.num_computed for s in self.prefilling), default=0)
             self.admission.pass_tokens = self.pacer.budget(start, [s.num_computed for s in self.running])
+
+    # ------------------------------------------------------------------ memory, in blocks
+    def fits_alone(self, tokens: int, n: int = 1) -> bool:
+        """Whether a request of `tokens` positions (and n - 1 forks of it) fits the empty block store."""
+        return (n <= self.budget.max_rows and tokens <= self.budget.max_len
+                and blocks_for(tokens, self.block_size) + (n - 1) <= self.blocks.num_blocks)
+
+    def _extra(self, seq: Sequence, tokens: int) -> int:
+        """Blocks `seq` lacks to hold `tokens` positions."""
+        return max(0, blocks_for(tokens, self.block_size) - len(seq.block_ids))
+
+    def _available(self) -> int:
+        """Blocks free or evictable (cached without a reference)."""
+        return self.blocks.num_blocks - self.blocks.num_used
+
+    def _demand(self, region: list[Sequence], rems: list[int], starts: list[int], shape: PassShape,
+                skip: Sequence | None = None) -> int:
+        """Blocks the next passes write beyond those held: each running row's next token, each
+        prefill row in the pass its chunk and its first decode token, each row reserved for an
+        n > 1 fork one (its copied or new last block)."""
+        total = self.reserved + sum(self._extra(s, s.num_computed + 1) for s in self.running)
+        for j in range(min(shape.k, len(region))):
+            if region[j] is not skip:
+                total += self._extra(region[j], starts[j] + min(rems[j], shape.length) + 1)
+        return total
+
+    def _blocks_fit(self, now: float) -> bool:
+        rems = [s.prefill_remaining for s in self.prefilling]
+        starts = [s.num_computed for s in self.prefilling]
+        return self._demand(self.prefilling, rems, starts, self._pass(now)) <= self._available()
+
+    def _fits_without(self, seq: Sequence, gone: list[Sequence]) -> bool:
+        """Whether `seq` would fit the blocks once `gone` were preempted (a quick bound, AdmissionPolicy.victim)."""
+        held: dict[int, int] = {}
+        for s in gone:
+            for b in s.block_ids:
+                held[b] = held.get(b, 0) + 1
+        freed = sum(1 for b, k in held.items() if self.blocks.blocks[b].ref_count == k)
+        stay = [s for s in self.running + self.prefilling if s not in gone]
+        need = sum(self._extra(s, s.num_computed + 1) for s in stay) + self.reserved
+        need += blocks_for(min(seq.num_tokens + self.headroom, self.budget.max_len), self.block_size)
+        return need <= self._available() + freed
 
     def row_demand(self) -> int:
         """Rows in use and the rows the waiting sequences want (their n > 1 siblings too): what a
@@ -159,11 +215,13 @@ class Scheduler(RowLayout):
             self._grow(shape)
 
     def _periodic_write_back(self) -> None:
-        if self.blocks is None or self.writeback_interval <= 0:
+        """Key a long-running sequence's full blocks every `writeback_interval` blocks (no copy: they
+        are in the store; keying is hashing)."""
+        if not self.prefix_cache or self.writeback_interval <= 0:
             return
         for s in self.running:
             valid_blocks = min(s.num_computed, s.num_tokens) // self.block_size
-            if valid_blocks - len(s.block_ids) >= self.writeback_interval:
+            if valid_blocks - s.num_keyed >= self.writeback_interval:
                 self._write_back(s)
 
     def _order_prefilling(self, now: float) -> None:
@@ -181,7 +239,7 @@ class Scheduler(RowLayout):
 
     def _preempt_until_fits(self, plan: Plan, now: float) -> None:
         while self.running or self.prefilling:
-            if self.budget.fits(self.rows_in_use, self.capacity_needed(now)):
+            if self.budget.fits(self.rows_in_use, self.capacity_needed(now)) and self._blocks_fit(now):
                 return
             if self.close_gap():  # the gap's rows first
                 continue
@@ -244,16 +302,23 @@ class Scheduler(RowLayout):
         need = max(self.admission.capacity(self.running, starts, shape), seq.num_tokens + self.headroom)
         if not self.budget.fits(self.rows_in_use + nrows, min(need, self.budget.max_len)):
             return "memory"
+        mine = region.index(seq)
+        own = blocks_for(min(max(seq.num_tokens + self.headroom, starts[mine] + min(rems[mine], shape.length) + 1),
+                             self.budget.max_len), self.block_size)
+        own += nrows - 1 - len(hit) + sum(1 for b in hit if self.blocks.blocks[b].ref_count == 0)
+        if self._demand(region, rems, starts, shape, skip=seq) + own > self._available():
+            return "memory"
         self.waiting.remove(seq)
         self._admissions += 1
         seq.admitted_at = self._admissions
         if seq.wants_prompt_logprobs and seq.prompt_logprobs is None:
             seq.prompt_logprobs = []
-        if self.blocks is not None and seq.uses_prefix_cache:
+        if self.prefix_cache and seq.uses_prefix_cache:
             self.prefix_queried_tokens += seq.prefill_target
             self.prefix_hit_tokens += cached
             self.blocks.acquire(hit)
-        seq.block_ids = list(hit)
+        seq.block_ids = list(hit)  # a reference: the cached blocks are the row's KV
+        seq.num_keyed, seq.chain_hash = len(hit), self.blocks.chain_hash(hit)
         seq.num_computed = cached
         if seq.num_cached_first < 0:
             seq.num_cached_first = cached
@@ -262,8 +327,6 @@ class Scheduler(RowLayout):
         seq.status = Status.PREFILLING
         seq.row = self.pre0 + len(self.prefilling)
         self.prefilling.append(seq)
-        if hit:
-            self._pending.append(LoadPrefix(seq.row, list(hit)))
         plan.admitted.append(seq)
         return None
 
@@ -285,7 +348,7 @@ class Scheduler(RowLayout):
         return True
 
     def _match(self, seq: Sequence) -> list[int]:
-        if self.blocks is None or not seq.uses_prefix_cache:
+        if not self.prefix_cache or not seq.uses_prefix_cache:
             return []
         return self.blocks.match(seq.cache_ids, seq.adapter, seq.cacheable_tokens // self.block_size)
 
@@ -311,6 +374,7 @@ class Scheduler(RowLayout):
                 self._to_running(seq)
                 self._pending.append(InitRow(seq.row, seq))
                 self._write_back(seq)
+                self._ensure_blocks(seq, seq.num_computed + 1)  # its first decode token
                 self._fork(seq)
         return self.take_ops()
 
@@ -339,7 +403,7 @@ class Scheduler(RowLayout):
         self._renumber_prefilling()
 
     def _fork(self, leader: Sequence) -> None:
-        """n > 1: the followers get rows holding a copy of the leader's prompt KV."""
+        """n > 1: the followers get rows sharing the leader's prompt blocks (copy-on-write)."""
         group = leader.group
         if group is None or group.leader is not leader:
             return
@@ -352,9 +416,7 @@ class Scheduler(RowLayout):
             self._admissions += 1
             f.admitted_at = self._admissions
             self._insert_running(f, copy_from=leader)
-            if self.blocks is not None and leader.block_ids:
-                self.blocks.acquire(leader.block_ids)
-                f.block_ids = list(leader.block_ids)
+            self._ensure_blocks(f, f.num_computed + 1)
         leader.group = None
 
     # ------------------------------------------------------------------ integrity
@@ -371,13 +433,15 @@ class Scheduler(RowLayout):
         assert self.reserved >= 0 and self.pre0 >= self.nrun
         assert self.rows_in_use <= self.budget.max_rows
         r, c = self.shape
-        assert r * c <= self.budget.budget_tokens, "live buffer exceeds the KV budget"
         if self.running or self.prefilling:
             assert r >= self.rows_in_use, "more rows in use than allocated"
             assert c >= max(s.num_computed for s in self.running + self.prefilling), "a row outgrew the capacity"
-        if self.blocks is not None:
-            refs: dict[int, int] = {}
-            for s in self.running + self.prefilling:
-                for bid in s.block_ids:
-                    refs[bid] = refs.get(bid, 0) + 1
-            self.blocks.check_integrity(refs)
+        for s in self.running + self.prefilling:
+            assert s.num_keyed <= len(s.block_ids)
+            assert s.num_computed <= len(s.block_ids) * self.block_size, \
+                f"sequence {s.seq_id} computed {s.num_computed} positions in {len(s.block_ids)} blocks"
+        refs: dict[int, int] = {}
+        for s in self.running + self.prefilling:
+            for bid in s.block_ids:
+                refs[bid] = refs.get(bid, 0) + 1
+        self.blocks.check_integrity(refs)

@@ -46,9 +46,9 @@ class EngineScoring:
         if qid in self._requests:
             raise RequestRejected(f"query id {qid!r} is already in use", "qid")
         validate_score(ids, start, top_logprobs, vocab_size=self.vocab_size, max_model_len=self.max_model_len)
-        if not self.budget.fits(1, len(ids) + self.scheduler.headroom):
+        if not self.scheduler.fits_alone(len(ids) + self.scheduler.headroom):
             raise RequestRejected(f"scoring {len(ids)} ids needs more KV memory than the engine has "
-                                  f"({self.budget.budget_tokens} token slots for live rows)", "ids")
+                                  f"({self.budget.budget_tokens} token slots in the block store)", "ids")
         try:
             lora = self.versions.resolve(adapter, adapter_version)
         except AdapterError as exc:

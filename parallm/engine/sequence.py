@@ -60,7 +60,9 @@ class Sequence:
     admitted_at: int = -1  # admission counter
     arrival: int = -1  # arrival counter (set when queued; n > 1 siblings share it)
     arrived_at: float = 0.0  # clock time it was queued, for the priority's aging
-    block_ids: list[int] = field(default_factory=list)  # prefix-cache blocks held (refs), in order
+    block_ids: list[int] = field(default_factory=list)  # the block table: its KV's blocks (refs held), in order
+    num_keyed: int = 0  # leading blocks of block_ids registered in the prefix cache (blocks.register)
+    chain_hash: int = -1  # the key of block num_keyed-1 (blocks.NO_HASH when none)
     num_cached_first: int = -1  # prefix-cache hit of the first admission (usage.cached_tokens)
     finish_reason: str | None = None
     prompt_logprobs: list | None = None  # [(logprob, top, rank) per position from logprobs_from], filled by prefill

@@ -2,8 +2,8 @@
 
 A hybrid mlx-lm model gives some layers an `ArraysCache` (a few arrays per sequence: conv state,
 recurrent state) instead of a KV cache. The engine keeps one `[rows, ...]` array per entry of each
-such slot (`LiveKV.states`, resized, row-copied for n > 1 forks and row moves exactly like the KV
-buffers) and hands the model, per pass over rows [row0, row0 + n), a `RowsState` view:
+such slot (`LiveKV.states`, resized, row-copied for n > 1 forks and row moves by the row ops, while
+the KV stays in the block store) and hands the model, per pass over rows [row0, row0 + n), a `RowsState` view:
 
 - it is an `ArraysCache` (mamba writes its state back only `if isinstance(cache, ArraysCache)`);
 - `cache[i]` reads the rows' slice; a row at position 0 of its sequence reads zeros (what a fresh

@@ -78,7 +78,7 @@ class StepRecord(Struct, kw_only=True):
     new_shape: bool = False       # the first step of this (kind, decode rows, prefill rows, L)
     new_prefill_shape: bool = False  # its prefill pass is the first of this (rows, L, span, live capacity)
     phase_ms: dict[str, float] = {}  # schedule (with row ops), prefill, launch, read, mixed
-    ops: dict[str, int] = {}      # row operations run, by kind (Resize, CopyRow, WriteBack, ...)
+    ops: dict[str, int] = {}      # row operations run, by kind (Resize, CopyRow, CopyBlocks, ...)
 
 
 class BurstStats(Struct, kw_only=True):
@@ -179,8 +179,8 @@ class EngineStats(Struct, tag="engine", kw_only=True):
     step_ms_mean: dict[str, float] = {}
     live_rows: int = 0
     live_capacity: int = 0
-    live_bytes: int = 0
-    pool_bytes: int = 0
+    live_bytes: int = 0           # the KV block store's arrays (and per-row state) allocated now
+    pool_bytes: int = 0           # the store's cached blocks (no live reference)
     bytes_per_token: int = 0
     penalty_state: bool = False
     compiled_decode: dict[str, int] = {}  # engine.compiled_decode: passes run compiled, traces, eager_<reason> fallbacks
@@ -191,6 +191,8 @@ class EngineStats(Struct, tag="engine", kw_only=True):
     weights_updates: int = 0
     recomputed_tokens: int = 0    # computed tokens preemptions threw away (recomputed when readmitted)
     oom_retries: int = 0          # allocations retried after freeing MLX's buffer cache (engine/memory.py)
+    kv_copied_bytes: dict[str, int] = {}  # bytes the row ops copied since start, by kind: "cow" (an n > 1
+                                          # fork's partly filled last block: the only KV copy), "state" (per-row state)
     kv_capacity_tokens: int = 0   # tokens the KV budget holds (live rows and prefix cache) at the KV dtype and bits
     kv_live_tokens: int = 0       # tokens running and prefilling sequences hold
     kv_waiting_tokens: int = 0    # tokens waiting sequences need

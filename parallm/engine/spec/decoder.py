@@ -85,16 +85,24 @@ class SpecDecoder:
             return 0
         room = self.runner.live.capacity - max(s.num_computed for s in seqs) - 1
         limits = [max(0, min(ks.get(s.seq_id, 0), room, s.params.max_tokens - s.num_output - 1)) for s in seqs]
+        # the verify pass writes a row's last token and its proposal: its table gets the blocks they
+        # need where free ones are (a proposal the store cannot hold is cut)
         if self.draft is None:
             drafts = [self.proposer.propose(s.seq_id, s.token_ids, k) for s, k in zip(seqs, limits)]
+            drafts = [d[:self._reserve(s, len(d))] if d else d for s, d in zip(seqs, drafts)]
             if not any(drafts):
+                self._release_tails(seqs)
                 return 0
+            self.execute(self.scheduler.take_ops())  # the store grown to the blocks taken
             got = verify(self.runner, seqs, drafts)
             emitted = [got.emitted(i, d) for i, d in enumerate(drafts)]
             proposed = [len(d) for d in drafts]
         else:
+            limits = [self._reserve(s, k) if k else 0 for s, k in zip(seqs, limits)]
             if not any(limits):
+                self._release_tails(seqs)
                 return 0
+            self.execute(self.scheduler.take_ops())  # the store grown to the blocks taken
             emitted = self._draft_verify(seqs, limits)
             proposed = limits
         self.control.verify_passes += 1
@@ -105,6 +113,7 @@ class SpecDecoder:
             self.runner.rollback(s, s.num_computed + len(e))  # the accepted positions; the rest is dropped
             if k:
                 self.control.record(s.seq_id, k, len(e) - 1)
+        self._release_tails(seqs)
         for s, e in zip(list(seqs), emitted):
             for sampled, at in e:
                 stop = self.output.accept(s, s.adapter_version, sampled, at, out)
@@ -130,6 +139,17 @@ class SpecDecoder:
         for r, i in enumerate(rows):
             draft.accepted(prop, r, len(emitted[i]) - 1)
         return emitted
+
+    def _reserve(self, seq: Sequence, k: int) -> int:
+        """Blocks in `seq`'s table for its last token and k proposed ones where the store has them; how
+        many proposed positions fit (k or fewer)."""
+        return max(0, min(k, self.scheduler.reserve(seq, seq.num_computed + 1 + k) - seq.num_computed - 1))
+
+    def _release_tails(self, seqs: list[Sequence]) -> None:
+        """Each row's table back to the blocks its next decode token needs (rollback's other half: the
+        blocks of rejected positions go back to the store)."""
+        for s in seqs:
+            self.scheduler.truncate(s, s.num_computed + 1)
 
     def _prune(self, seqs: list[Sequence]) -> None:
         """Forget the rows no longer running (their index and control state come back if they do)."""

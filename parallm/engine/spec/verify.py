@@ -18,8 +18,9 @@ positions after it only for rows the speculator lets speculate, which use no pro
 moves with the tokens (penalty counts, grammar state), so the sampler applies theirs exactly there.
 
 Rejected positions: the pass wrote K/V for all L positions of every row; the row keeps the accepted
-ones (`ModelRunner.rollback`): in the dense live KV that is its length (num_computed), the rest is
-never attended and is overwritten by the next pass.
+ones (`ModelRunner.rollback`): its length (num_computed); the blocks the scheduler gave its table for
+the draft (`RowLayout.reserve`) go back past the next token's (`RowLayout.truncate`), and a rejected
+position left in a kept block is never attended and is overwritten by the next pass.
 """
 
 from __future__ import annotations
@@ -78,7 +79,7 @@ def target_pass(runner: ModelRunner, seqs: list[Sequence], tokens: mx.array,
     L = tokens.shape[1]
     offsets = [s.num_computed for s in seqs]
     assert max(offsets) + L <= runner.live.capacity, "a verify pass past the live rows' capacity"
-    ctx = PassContext(0, offsets, L, max(offsets) + L, mask5d=runner.info.mask5d)
+    ctx = PassContext(0, offsets, L, max(offsets) + L, mask5d=runner.info.mask5d, tables=[s.block_ids for s in seqs])
     job = runner._mask_job(seqs)  # grammar masks of position 0 (filled while the graph is built)
     logits = runner._forward(seqs, tokens, runner.live.views(ctx))
     bitmask = None if job is None else mx.array(job.result())
