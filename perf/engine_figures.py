@@ -61,6 +61,7 @@ def figures(before: dict[str, Any], after: dict[str, Any]) -> dict[str, Any]:
         "live": {"rows": after.get("live_rows", 0), "capacity": after.get("live_capacity", 0),
                  "mib": round(after.get("live_bytes", 0) / (1 << 20), 1)},
         "pool_mib": round(after.get("pool_bytes", 0) / (1 << 20), 1),
+        "weight_dtype": after.get("weight_dtype"),
         "settings": {k: settings.get(k) for k in SETTINGS},
         "loop_ms_mean": (after.get("loop") or {}).get("ms_mean", {}),
         "burst": burst,
@@ -91,7 +92,8 @@ def lines(label: str, f: dict[str, Any]) -> list[str]:
            f"{c['mixed_passes']}; first-seen pass shapes {b.get('new_shapes', 0)} ({b.get('new_shape_ms', 0):.0f} ms); "
            f"KV budget {f['kv_budget_mib']} MiB ({f['live_token_slots']} live slots), live {live['rows']}x"
            f"{live['capacity']} ({live['mib']} MiB); row ops {b.get('ops', {})}; step phases ms "
-           f"{ {k: round(v) for k, v in b.get('phase_ms', {}).items()} }"]
+           f"{ {k: round(v) for k, v in b.get('phase_ms', {}).items()} }"
+           + (f"; weights served {f['weight_dtype']['served']}" if f.get("weight_dtype") else "")]
     new, known = b.get("new_prefill_shapes", 0), b.get("known_prefill_passes", 0)
     if new or known:
         out.append(f"  - prefill passes of a new (rows, L, span, capacity): {new}, {b.get('new_prefill_ms', 0) / max(new, 1):.1f} ms "
