@@ -53,6 +53,7 @@ import argparse
 import asyncio
 import json
 import os
+import signal
 import sys
 import tempfile
 import time
@@ -202,7 +203,9 @@ def write_report(result: dict[str, Any], results: Results) -> None:
     engine = [line for r in result["runs"] if r.get("engine")
               for line in engine_figures.lines(f"{r['target']} c={r['concurrency']}", r["engine"])]
     md = [f"# Served vs in-process ({result['workload']}, {result['max_tokens']} output tokens)", "",
-          f"Machine: {describe(results.machine)}", "", f"Command: `{results.command}`", "", *rows, "", "Ratios:",
+          f"Machine: {describe(results.machine)}", "", f"Command: `{results.command}`", "",
+          *([f"parallm's weights (in process and served): stored {w['stored']}, served {w['served']} ({w['reason']})", ""]
+            if (w := result.get("weight_dtype")) else []), *rows, "", "Ratios:",
           *ratios, *(["", "CPU seconds per process during each served run:", *cpu] if cpu else []),
           *(["", "The engine's own figures during each served run (perf/engine_figures.py; the slowest steps "
              "with their phases in ms):", *engine] if engine else [])]
@@ -261,6 +264,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--requests-per-client", type=int, default=2,
                         help="requests per concurrency slot (at least 8 in all)")
+    parser.add_argument("--max-requests", type=int, default=0,
+                        help="at most this many requests a level (0: no cap), e.g. 256 with 2 per slot: 128 at c=64, "
+                             "256 at c=256")
+    parser.add_argument("--quantized-weights", choices=("auto", "keep", "dequantize"), default="auto",
+                        help="model.quantized_weights for every target (the in-process model, BatchGenerator's, "
+                             "and parallm-launch's); mlx_lm.server always gets the stored weights with --shape")
     parser.add_argument("--targets", default="inprocess,batchgen,http,zmq")
     parser.add_argument("--mlx-lm-server", action="store_true", help="also run mlx_lm.server on the same weights")
     parser.add_argument("--mlx-lm-shipped", action="store_true",
@@ -282,6 +291,9 @@ def main(argv: list[str] | None = None) -> int:
     from parallm import blas
 
     blas.reexec_with_openblas()
+    # a call's `timeout` (perf/gpu_runs.sh) ends the run with SIGTERM: exit through the finally blocks, so the
+    # servers started below (each in a session of its own) are stopped rather than left holding the GPU
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     from parallm.config import Config, EngineConfig, ModelConfig
     from parallm.engine import Engine, EngineModel
     from parallm.models import load_model, load_tokenizer, materialize
@@ -289,10 +301,14 @@ def main(argv: list[str] | None = None) -> int:
     levels = [int(c) for c in args.concurrency.split(",")]
     targets = args.targets.split(",") + (["mlx_lm.server"] if args.mlx_lm_server else [])
     eos = [2]
-    model_config = ModelConfig()
+    weights = None if args.quantized_weights == "auto" else args.quantized_weights
+    model_config = ModelConfig(quantized_weights=weights)
     if args.shape:
-        model_config = ModelConfig(path=str(shape_model_dir(args)))
+        model_config = ModelConfig(path=str(shape_model_dir(args)), quantized_weights=weights)
     loaded = load_model(model_config)
+    choice = loaded.dtype_choice
+    weight_dtype = {"stored": choice.stored, "served": choice.served, "reason": choice.reason}
+    print(f"weights: {weight_dtype}", flush=True)
     tokenizer = load_tokenizer(loaded.source)
     max_seqs = max(levels)
     runs: list[dict[str, Any]] = []
@@ -302,12 +318,14 @@ def main(argv: list[str] | None = None) -> int:
         """Record a finished run and write what is done so far: a call cut short keeps its rows."""
         runs.append(run)
         print(json.dumps(run), flush=True)
-        results.write({"workload": args.workload, "max_tokens": args.max_tokens, "runs": runs, "partial": True})
+        results.write({"workload": args.workload, "max_tokens": args.max_tokens, "weight_dtype": weight_dtype,
+                       "runs": runs, "partial": True})
 
     def workload_for(c: int) -> Workload:
         base = WORKLOADS[args.workload]
+        requests = max(8, c * args.requests_per_client)
         return Workload(**{**base.__dict__, "max_tokens": args.max_tokens,
-                           "requests": max(8, c * args.requests_per_client)})
+                           "requests": min(requests, args.max_requests) if args.max_requests else requests})
 
     if "inprocess" in targets:
         engine = Engine(EngineModel.of(loaded), Config(engine=EngineConfig(max_num_seqs=max_seqs)))
@@ -332,6 +350,7 @@ def main(argv: list[str] | None = None) -> int:
     if "http" in targets or "zmq" in targets:
         server = Server("--model.path", model_config.path, "--engine.max-num-seqs", str(max_seqs),
                         "--model.served-name", "bench",
+                        *(["--model.quantized-weights", weights] if weights else []),
                         *args.server_args.split(), ready_timeout=600).start()
         try:
             url, router = server.url, server.router
@@ -393,7 +412,7 @@ def main(argv: list[str] | None = None) -> int:
             if (baseline, c) in by and ("http", c) in by:
                 entry[key] = by[("http", c)] / by[(baseline, c)]
         ratios[str(c)] = entry
-    result = {"workload": args.workload, "max_tokens": args.max_tokens,
+    result = {"workload": args.workload, "max_tokens": args.max_tokens, "weight_dtype": weight_dtype,
               "mlx_lm_server_allocator": "mimalloc" if args.mlx_lm_allocator else "system",
               "runs": runs, "ratios": ratios}
     write_report(result, results)

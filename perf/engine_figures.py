@@ -63,6 +63,7 @@ def figures(before: dict[str, Any], after: dict[str, Any]) -> dict[str, Any]:
         "pool_mib": round(after.get("pool_bytes", 0) / (1 << 20), 1),
         "kv_copied_bytes": {k: v - (before.get("kv_copied_bytes") or {}).get(k, 0)
                             for k, v in (after.get("kv_copied_bytes") or {}).items()},
+        "weight_dtype": after.get("weight_dtype"),
         "settings": {k: settings.get(k) for k in SETTINGS},
         "loop_ms_mean": (after.get("loop") or {}).get("ms_mean", {}),
         "burst": burst,
@@ -94,7 +95,8 @@ def lines(label: str, f: dict[str, Any]) -> list[str]:
            f"KV budget {f['kv_budget_mib']} MiB ({f['live_token_slots']} live slots), live {live['rows']}x"
            f"{live['capacity']} ({live['mib']} MiB); row ops {b.get('ops', {})}; KV bytes copied "
            f"{f.get('kv_copied_bytes', {})}; step phases ms "
-           f"{ {k: round(v) for k, v in b.get('phase_ms', {}).items()} }"]
+           f"{ {k: round(v) for k, v in b.get('phase_ms', {}).items()} }"
+           + (f"; weights served {f['weight_dtype']['served']}" if f.get("weight_dtype") else "")]
     new, known = b.get("new_prefill_shapes", 0), b.get("known_prefill_passes", 0)
     if new or known:
         out.append(f"  - prefill passes of a new (rows, L, span, capacity): {new}, {b.get('new_prefill_ms', 0) / max(new, 1):.1f} ms "

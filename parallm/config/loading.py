@@ -342,6 +342,11 @@ def _check(config: Config) -> None:
         problems.append("transport.max_message_mb must be >= 1")
     if config.server.max_logprobs < -1:
         problems.append("server.max_logprobs must be >= 0, or -1 (the vocabulary size)")
+    model = config.model
+    if (model.dtype == "quantized" and model.quantized_weights == "dequantize") or \
+            (model.dtype not in (None, "quantized") and model.quantized_weights == "keep"):
+        problems.append(f"model.dtype {model.dtype} contradicts model.quantized_weights {model.quantized_weights}; "
+                        "set one of them")
     gen = config.model.generation_config
     if gen not in (None, "none") and not Path(gen).expanduser().is_dir():
         problems.append(f"model.generation_config must be auto, none or a directory (got {gen!r})")

@@ -31,7 +31,14 @@ class ModelConfig(Struct, frozen=True, kw_only=True, forbid_unknown_fields=True)
     path: Annotated[str, _d("'default' (embedded SmolLM2-135M-Instruct), an MLX model directory, "
                             "a Hugging Face hub id from the local cache, or a .gguf file")] = "default"
     dtype: Annotated[Literal["float32", "float16", "bfloat16", "quantized"] | None,
-                     _d("weight dtype; unset = float32 on MLX's CPU device, as stored elsewhere")] = None
+                     _d("weight dtype; unset = float32 on MLX's CPU device, elsewhere as stored (a quantized "
+                        "checkpoint: see quantized_weights)")] = None
+    quantized_weights: Annotated[Literal["keep", "dequantize"] | None,
+                                 _d("a quantized checkpoint's weights: keep = served quantized, dequantize = "
+                                    "served in float32 on MLX's CPU device, bfloat16 on a GPU; unset (auto) = "
+                                    "float32 on the CPU, on a CUDA GPU bfloat16 when its bfloat16 weights and the "
+                                    "KV budget fit 0.9 of the device (MLX's CUDA quantized matmul does not scale "
+                                    "with rows), else kept; on Metal kept (docs/models.md)")] = None
     served_name: Annotated[str, _d("model name in /v1/models; empty = derived from the path")] = ""
     max_model_len: Annotated[int, _d("context length limit in tokens; 0 = the model's own")] = 0
     cache_dir: Annotated[str, _d("where converted models are kept; empty = the user cache dir")] = ""

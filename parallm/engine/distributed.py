@@ -330,7 +330,7 @@ def follower_main(config, replica: int = 0) -> int:
     from parallm.models.preload import load_adapters_at_start
 
     group = join(config.engine.tensor_parallel, default_backend())
-    loaded = load_model(config.model)
+    loaded = load_model(config.model, kv_budget_mb=config.engine.kv_budget_mb)
     shard_model(loaded.model, group)
     engine = Engine(EngineModel.of(loaded), agreed_config(config, group))
     load_adapters_at_start(engine, config.adapters.preload)  # as rank 0 does, in the same order

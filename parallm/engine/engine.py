@@ -64,6 +64,9 @@ class Engine(EngineReport, EngineScoring):
         self.model = model.module
         self.vision = model.vision  # a vision-language model's encoder (parallm/vision), or None
         self.draft_model = model.draft  # spec.mode draft's model, or None
+        choice = model.dtype_choice  # the weights' dtype policy's decision (models/dtype.py), for stats
+        self.weight_dtype = None if choice is None else {"stored": choice.stored, "served": choice.served,
+                                                         "reason": choice.reason}
         device = compute_device()
         on_cpu = device == "cpu"
         settings = resolve_engine_config(config.engine, device)

@@ -20,13 +20,15 @@ class EngineModel:
     vocab_size: int = 0
     vision: Any = None  # a vision-language model's parallm.vision.encoder.VisionEncoder
     draft: nn.Module | None = None  # spec.mode draft's model (shares the vocabulary; parallm.models.draft)
+    dtype_choice: Any = None  # parallm.models.dtype.DtypeChoice: stored vs served weight dtype and why
 
 
     @classmethod
     def of(cls, loaded: Any) -> "EngineModel":
         """From a parallm.models.LoadedModel."""
         return cls(loaded.model, tuple(int(t) for t in loaded.eos_token_ids), int(loaded.max_model_len),
-                   int(loaded.vocab_size or 0), getattr(loaded, "vision", None))
+                   int(loaded.vocab_size or 0), getattr(loaded, "vision", None),
+                   dtype_choice=getattr(loaded, "dtype_choice", None))
 
     def resolved_vocab_size(self) -> int:
         if self.vocab_size:

@@ -40,6 +40,7 @@ class EngineReport:
     adapter_settings: AdaptersConfig
     kv_budget_bytes: int
     kv_capacity_tokens: int
+    weight_dtype: dict[str, str] | None
     weights_version: int
     weights_updates: int
     _requests: dict[str, list[Sequence]]
@@ -77,7 +78,7 @@ class EngineReport:
             bytes_per_token=r.live.bytes_per_token, penalty_state=r.penalties.active, adapters=adapters,
             compiled_decode=r.compiled.stats() if r.compiled else {},
             settings=msgspec.to_builtins(self.config), adapter_settings=msgspec.to_builtins(self.adapter_settings),
-            weights_version=self.weights_version, weights_updates=self.weights_updates,
+            weight_dtype=self.weight_dtype, weights_version=self.weights_version, weights_updates=self.weights_updates,
             recomputed_tokens=s.recomputed_tokens, oom_retries=oom_retries(), burst=burst, last_burst=last_burst,
             kv_copied_bytes=dict(r.live.copied),
             spec=self.spec.stats() if self.spec is not None else None,

@@ -47,6 +47,7 @@ def load_draft(config: Config) -> LoadedModel:
     mismatch when its vocabulary is not the served model's."""
     spec = config.spec
     draft_config = type(config.model)(path=spec.draft_model, dtype=config.model.dtype,
+                                       quantized_weights=config.model.quantized_weights,
                                        cache_dir=config.model.cache_dir,
                                        trust_remote_code=config.model.trust_remote_code)
     target_source = resolve_model(config.model, progress=False)

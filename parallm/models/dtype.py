@@ -1,19 +1,27 @@
-"""The weight dtype policy, applied to a loaded mlx-lm model.
+"""The weight dtype policy, applied to a loaded mlx-lm model (docs/models.md, "the dtype policy").
 
-- unset (None): float32 on MLX's CPU device; elsewhere the model's own type ("quantized" if it has
-  quantized layers, else the float type holding most of its parameters), except that on a CUDA GPU
-  a quantized dense model whose bfloat16 weights fit CUDA_DEQUANTIZE_FRACTION of the device's memory
-  is served in bfloat16 (see default_dtype). On CPU, float32 runs through the BLAS (OpenBLAS when
-  preloaded) while quantized matmuls run in MLX's own kernels: measured on a 2-core x86 machine with
-  SmolLM2-135M, float32 + OpenBLAS decoded a 16-row batch about 9x faster than the Q4_1/Q8_0 weights.
-- "float32" / "float16" / "bfloat16": quantized layers are dequantized (through float32) into
-  plain nn.Linear / nn.Embedding, and every floating parameter is cast to that type.
+`choose_dtype` decides what the weights are served as, and why; `apply_dtype` brings them there.
+Two settings decide it: `model.dtype` (a float type, or "quantized") and `model.quantized_weights`
+(keep / dequantize, for a quantized checkpoint). Left unset, per backend:
+- MLX's CPU device: float32. float32 matmuls run through the BLAS (OpenBLAS when preloaded) while
+  quantized matmuls run in MLX's own kernels: measured on a 2-core x86 machine with SmolLM2-135M,
+  float32 + OpenBLAS decoded a 16-row batch about 9x faster than the Q4_1/Q8_0 weights.
+- a CUDA GPU: a quantized dense checkpoint is served dequantized to bfloat16 when its bfloat16 weights
+  and the KV budget fit the device (see cuda_fits); else it stays quantized. MLX's CUDA quantized
+  matmul does not scale with rows: on an H200 a 64-row decode step of a Qwen3-8B-shaped 4-bit model
+  cost 24x a one-row step (issue 37; docs/performance.md). MoE experts stay quantized (not measured).
+- Metal: as stored (MLX's Metal quantized matmul is fast; a quantized model stays quantized).
+Conversions:
+- "float32" / "float16" / "bfloat16": quantized layers are dequantized with mx.dequantize (through
+  float32) into plain nn.Linear / nn.Embedding / SwitchLinear, and every floating parameter is cast.
 - "quantized": quantized layers are kept; the other floating parameters (norms, biases, layers
   stored unquantized) are cast to the quantization scales' type, so the model computes in one
   type instead of promoting every activation to float32 at the first float32 norm.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -26,7 +34,19 @@ from .errors import ModelLoadError
 
 FLOAT_DTYPES = {"float32": mx.float32, "float16": mx.float16, "bfloat16": mx.bfloat16}
 DTYPES = (*FLOAT_DTYPES, "quantized")
+QUANTIZED_WEIGHTS = ("keep", "dequantize")  # model.quantized_weights; unset = auto (the backend's policy)
 _NAMES = {v: k for k, v in FLOAT_DTYPES.items()}
+GIB = 1 << 30
+
+
+@dataclass(frozen=True, slots=True)
+class DtypeChoice:
+    """What the checkpoint's weights are (`stored`), what they are served as (`served`), and why
+    (logged at load, and in the engine's stats as `weight_dtype`)."""
+
+    stored: str
+    served: str
+    reason: str
 
 
 def _quantized_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
@@ -60,11 +80,13 @@ def stored_dtype(model: nn.Module) -> str:
     return _NAMES[dominant]
 
 
-# On a CUDA GPU, quantized dense checkpoints whose bfloat16 weights take at most this share of the
-# device's memory are served dequantized: MLX's CUDA quantized matmul does not scale with rows (on an
-# H200 a 64-row decode step of a Qwen3-8B-shaped 4-bit model cost 24x a one-row step; issue 37).
-# MoE experts (QuantizedSwitchLinear) stay quantized: not measured.
-CUDA_DEQUANTIZE_FRACTION = 0.5
+# On a CUDA GPU with model.quantized_weights unset, a quantized dense checkpoint is served dequantized
+# when its bfloat16 weights plus the KV budget take at most CUDA_USABLE_SHARE of the device's memory
+# (the rest: activations, logits, MLX's buffer cache). The KV budget is engine.kv_budget_mb when set,
+# else CUDA_KV_RESERVE_SHARE of the device: so the weights take at most half of it, and the unset KV
+# budget (half the memory free after the weights, engine/memory.py) gets at least a quarter of it.
+CUDA_USABLE_SHARE = 0.9
+CUDA_KV_RESERVE_SHARE = 0.4
 
 
 def dequantized_bytes(model: nn.Module, itemsize: int = 2) -> int:
@@ -81,19 +103,62 @@ def dequantized_bytes(model: nn.Module, itemsize: int = 2) -> int:
     return total
 
 
-def default_dtype(model: nn.Module, *, on_cpu: bool | None = None, cuda_memory: int | None = None) -> str:
-    """The dtype an unset `model.dtype` resolves to on this device; `on_cpu` and `cuda_memory` (the CUDA
-    device's bytes, None for none) stand in for the device query when given."""
-    if on_cpu if on_cpu is not None else mx.default_device() == mx.cpu:
-        return "float32"
+def cuda_fits(weight_bytes: int, total_bytes: int, kv_budget_bytes: int | None = None) -> tuple[bool, int]:
+    """Whether `weight_bytes` of weights and the KV budget (`kv_budget_bytes`, None: the reserve for an
+    unset one) fit a CUDA device of `total_bytes`; (fits, the KV bytes counted)."""
+    kv = kv_budget_bytes if kv_budget_bytes is not None else int(CUDA_KV_RESERVE_SHARE * total_bytes)
+    return weight_bytes + kv <= CUDA_USABLE_SHARE * total_bytes, kv
+
+
+def _check_settings(dtype: str | None, quantized_weights: str | None) -> None:
+    if dtype is not None and dtype not in DTYPES:
+        raise ModelLoadError(f"unknown dtype '{dtype}'; choose one of {', '.join(DTYPES)} (or leave it unset)")
+    if quantized_weights is not None and quantized_weights not in QUANTIZED_WEIGHTS:
+        raise ModelLoadError(f"unknown quantized_weights '{quantized_weights}'; choose one of "
+                             f"{', '.join(QUANTIZED_WEIGHTS)} (or leave it unset: auto)")
+    if (dtype == "quantized" and quantized_weights == "dequantize") or \
+            (dtype in FLOAT_DTYPES and quantized_weights == "keep"):
+        raise ModelLoadError(f"model.dtype {dtype} contradicts model.quantized_weights {quantized_weights}; "
+                             "set one of them")
+
+
+def choose_dtype(model: nn.Module, dtype: str | None = None, quantized_weights: str | None = None, *,
+                 kv_budget_bytes: int | None = None) -> DtypeChoice:
+    """What `model`'s weights are served as on this backend (parallm.device's queries, which tests
+    stub), given `model.dtype` and `model.quantized_weights` (None: unset) and the configured KV budget
+    (`kv_budget_bytes`, None: unset), with the reason."""
+    _check_settings(dtype, quantized_weights)
     stored = stored_dtype(model)
-    quantized = _quantized_modules(model)
-    if stored != "quantized" or any(isinstance(m, QuantizedSwitchLinear) for _, m in quantized):
-        return stored
-    total = cuda_memory if on_cpu is not None else (device.cuda_memory() or (None, None))[1]
-    if total is not None and dequantized_bytes(model, 2) <= CUDA_DEQUANTIZE_FRACTION * total:
-        return "bfloat16"
-    return stored
+    backend = device.compute_device()
+    if dtype is not None:
+        return DtypeChoice(stored, dtype, f"model.dtype {dtype} (configured)")
+    if backend == "cpu":
+        if stored == "quantized" and quantized_weights is not None:
+            served = "quantized" if quantized_weights == "keep" else "float32"
+            return DtypeChoice(stored, served, f"model.quantized_weights {quantized_weights} (configured)")
+        return DtypeChoice(stored, "float32", "MLX's CPU device: float32 matmuls run through the BLAS, "
+                                              "quantized ones in MLX's slower kernels (docs/models.md)")
+    if stored != "quantized":
+        return DtypeChoice(stored, stored, "not quantized: served as stored")
+    if quantized_weights == "keep":
+        return DtypeChoice(stored, "quantized", "model.quantized_weights keep (configured)")
+    if quantized_weights == "dequantize":
+        return DtypeChoice(stored, "bfloat16", "model.quantized_weights dequantize (configured)")
+    if backend != "cuda":
+        return DtypeChoice(stored, "quantized", f"{backend}: MLX's quantized matmul is fast here, kept as stored")
+    if any(isinstance(m, QuantizedSwitchLinear) for _, m in _quantized_modules(model)):
+        return DtypeChoice(stored, "quantized", "cuda: MoE experts stay quantized (dequantized experts not measured)")
+    memory = device.cuda_memory()
+    if memory is None:
+        return DtypeChoice(stored, "quantized", "cuda: the device's memory is unknown, kept as stored")
+    need = dequantized_bytes(model, 2)
+    fits, kv = cuda_fits(need, memory[1], kv_budget_bytes)
+    sizes = (f"bfloat16 weights {need / GIB:.1f} GiB + KV {kv / GIB:.1f} GiB {'within' if fits else 'over'} "
+             f"{CUDA_USABLE_SHARE:.0%} of the device's {memory[1] / GIB:.1f} GiB")
+    if fits:
+        return DtypeChoice(stored, "bfloat16", "cuda: MLX's quantized matmul does not scale with rows "
+                                               f"(docs/performance.md), dequantized: {sizes}")
+    return DtypeChoice(stored, "quantized", f"cuda: kept quantized, {sizes}")
 
 
 def _dequantize(module: nn.Module, dtype: mx.Dtype) -> nn.Module:
@@ -125,11 +190,10 @@ def _cast(model: nn.Module, dtype: mx.Dtype) -> None:
 
 
 def apply_dtype(model: nn.Module, requested: str | None) -> str:
-    """Bring `model`'s weights to the policy's type in place (None: the device's default); returns
+    """Bring `model`'s weights to `requested` in place (None: choose_dtype's unset policy); returns
     what they are now."""
-    if requested is not None and requested not in DTYPES:
-        raise ModelLoadError(f"unknown dtype '{requested}'; choose one of {', '.join(DTYPES)} (or leave it unset)")
-    target = requested if requested is not None else default_dtype(model)
+    _check_settings(requested, None)
+    target = requested if requested is not None else choose_dtype(model).served
     quantized = _quantized_modules(model)
     if target in FLOAT_DTYPES:
         dtype = FLOAT_DTYPES[target]

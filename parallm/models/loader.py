@@ -18,7 +18,7 @@ from mlx.utils import tree_flatten
 
 from ..config import ModelConfig
 from .cache import FORMAT_VERSION, cache_root, ensure_dir
-from .dtype import DTYPES, FLOAT_DTYPES, apply_dtype
+from .dtype import DTYPES, FLOAT_DTYPES, DtypeChoice, apply_dtype, choose_dtype
 from .errors import ModelLoadError
 from .refused import refusal_for_type
 from .resolve import resolve_model
@@ -40,6 +40,7 @@ class LoadedModel:
     max_model_len: int      # min(ModelConfig.max_model_len or inf, the model's context length)
     vocab_size: int
     vision: Any = None      # a vision-language model's parallm.vision.encoder.VisionEncoder (None: text only)
+    dtype_choice: DtypeChoice | None = None  # stored vs served weight dtype and why (dtype.choose_dtype)
 
 
 def _text_config(config: dict) -> dict:
@@ -84,12 +85,16 @@ def _context_len(config: dict, source: ModelSource, requested: int) -> int:
     return int(limit)
 
 
-def load_model(config: ModelConfig) -> LoadedModel:
-    """Resolve `config.path`, load the mlx-lm model and apply the dtype policy (see dtype.py)."""
+def load_model(config: ModelConfig, *, kv_budget_mb: float | None = None) -> LoadedModel:
+    """Resolve `config.path`, load the mlx-lm model and apply the dtype policy (see dtype.py);
+    `kv_budget_mb` is engine.kv_budget_mb (None: unset), which the policy leaves room for on a CUDA GPU."""
     source = resolve_model(config)
     _check_type(source)
     model, model_config, vision = _load_modules(source)
-    dtype = apply_dtype(model, config.dtype)
+    choice = choose_dtype(model, config.dtype, config.quantized_weights,
+                          kv_budget_bytes=None if kv_budget_mb is None else int(kv_budget_mb * (1 << 20)))
+    dtype = apply_dtype(model, choice.served)
+    log.info("model weights: stored %s, served %s (%s)", choice.stored, dtype, choice.reason)
     mx.eval(model.parameters())
     text = _text_config(model_config)
     vocab = text.get("vocab_size")
@@ -98,7 +103,7 @@ def load_model(config: ModelConfig) -> LoadedModel:
     return LoadedModel(model=model, source=source, config=model_config, dtype=dtype,
                        eos_token_ids=_eos_ids(model_config, source),
                        max_model_len=_context_len(model_config, source, config.max_model_len),
-                       vocab_size=vocab, vision=vision)
+                       vocab_size=vocab, vision=vision, dtype_choice=choice)
 
 
 def _load_modules(source: ModelSource) -> tuple[nn.Module, dict, Any]:

@@ -187,6 +187,7 @@ class EngineStats(Struct, tag="engine", kw_only=True):
     adapters: AdapterStats = msgspec.field(default_factory=AdapterStats)
     settings: dict[str, Any] | None = None  # the engine settings ([engine], every unset one resolved), by name
     adapter_settings: dict[str, Any] | None = None  # the [adapters] settings, by name
+    weight_dtype: dict[str, str] | None = None  # stored, served (the weights' dtype) and reason (models/dtype.py)
     weights_version: int = 0      # the base model's policy version (full-weight updates applied)
     weights_updates: int = 0
     recomputed_tokens: int = 0    # computed tokens preemptions threw away (recomputed when readmitted)
