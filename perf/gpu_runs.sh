@@ -289,61 +289,30 @@ case "${1:-}" in
                 --concurrency 256 --requests-per-client 2 --max-tokens 128 --client-procs 4 --targets http \
                 --tokenizer-dir $OLDPWD/$TOK --work-dir $WORK --out "$OUT/serving-c256-pagedkv-$name-h200.json" | grep -v '^{"target"')
             done ;;
-  pagedkvfinal) BEFORE=${BEFORE:-$PWD/.gpu/before}
-            timeout 150 python3 -m pytest tests/test_paged_attention.py tests/test_engine_paged_decode.py -q \
+  pagedkvfinal) timeout 150 python3 -m pytest tests/test_paged_attention.py tests/test_engine_paged_decode.py -q \
               -p no:cacheprovider 2>&1 | tail -6
-            for b in 1 64 256; do for name in dense paged; do
-              tree=$([ $name = dense ] && echo "$BEFORE" || echo "$PWD")
-              PYTHONPATH=/tmp/site:$tree timeout 100 python3 perf/profile_decode.py --shape llama-3.2-3b --batch $b \
-                --steps 30 --default-only --tokenizer-dir $TOK --work-dir $WORK \
-                --out "$OUT/decode-profile-pagedkv-final-$name-b$b-h200.json" | tail -1
-            done; done ;;
-  pagedkvserveall) BEFORE=${BEFORE:-$PWD/.gpu/before}
-            for conc in 1,64 256; do for tree in "$BEFORE" "$PWD"; do
-              name=$([ "$tree" = "$PWD" ] && echo paged || echo dense)
-              (cd "$tree" && PYTHONPATH=/tmp/site:$tree timeout 140 python3 -m perf.bench_serving --shape llama-3.2-3b \
-                --concurrency $conc --requests-per-client 2 --max-tokens 128 --client-procs 4 --targets http \
-                --tokenizer-dir $OLDPWD/$TOK --work-dir $WORK \
-                --out "$OUT/serving-c${conc/,/-}-pagedkv-final-$name-h200.json" | grep -v '^{"target"')
-            done; done ;;
-  pagedkvhost) BEFORE=${BEFORE:-$PWD/.gpu/before}
-            timeout 240 python3 -m pytest tests/test_paged_attention.py tests/test_engine_paged_decode.py -q \
+            decode_pair final ;;
+  pagedkvserveall) serve_pair final 1,64 256 ;;
+  pagedkvhost) timeout 240 python3 -m pytest tests/test_paged_attention.py tests/test_engine_paged_decode.py -q \
               -p no:cacheprovider -k "cuda or in_place" 2>&1 | tail -4
             python3 -m perf.diag_kernel_launch --out "$OUT/kernel-launch-cost-h200.json" | tail -1
-            for b in 1 64 256; do for name in dense paged; do
-              tree=$([ $name = dense ] && echo "$BEFORE" || echo "$PWD")
-              PYTHONPATH=/tmp/site:$tree timeout 100 python3 perf/profile_decode.py --shape llama-3.2-3b --batch $b \
-                --steps 30 --default-only --tokenizer-dir $TOK --work-dir $WORK \
-                --out "$OUT/decode-profile-pagedkv-fused-$name-b$b-h200.json" | tail -1
-            done; done
+            decode_pair fused
             for name in dense paged; do
               tree=$([ $name = dense ] && echo "$BEFORE" || echo "$PWD")
-              PYTHONPATH=/tmp/site:$tree timeout 100 python3 -m cProfile -o "$OUT/host-profile-$name-b1-h200.prof" \
-                perf/profile_decode.py --shape llama-3.2-3b --batch 1 --steps 200 --default-only --tokenizer-dir $TOK \
-                --work-dir $WORK --out /tmp/ignored-$name.json | tail -1
+              # from the tree: `python -m cProfile` puts the working directory first on sys.path
+              (cd "$tree" && PYTHONPATH=/tmp/site:$tree timeout 100 python3 -m cProfile \
+                -o "$OUT/host-profile-$name-b1-h200.prof" $OLDPWD/perf/profile_decode.py --shape llama-3.2-3b --batch 1 \
+                --steps 200 --default-only --tokenizer-dir $OLDPWD/$TOK --work-dir $WORK --out /tmp/ignored-$name.json \
+                | tail -1)
             done ;;
   pagedkvlast) timeout 200 python3 -m pytest tests/test_paged_attention.py tests/test_engine_paged_decode.py -q \
               -p no:cacheprovider -rA --tb=short -k "cuda or in_place" > "$OUT/paged-tests-h200.log" 2>&1
             grep -E "^(PASSED|FAILED|ERROR|SKIPPED)|passed|failed" "$OUT/paged-tests-h200.log" | tail -12
-            BEFORE=${BEFORE:-$PWD/.gpu/before}
-            for conc in 1,64 256; do for tree in "$BEFORE" "$PWD"; do
-              name=$([ "$tree" = "$PWD" ] && echo paged || echo dense)
-              (cd "$tree" && PYTHONPATH=/tmp/site:$tree timeout 140 python3 -m perf.bench_serving --shape llama-3.2-3b \
-                --concurrency $conc --requests-per-client 2 --max-tokens 128 --client-procs 4 --targets http \
-                --tokenizer-dir $OLDPWD/$TOK --work-dir $WORK \
-                --out "$OUT/serving-c${conc/,/-}-pagedkv-final-$name-h200.json" | grep -v '^{"target"')
-            done; done ;;
+            serve_pair final 1,64 256 ;;
   pagedkv256) timeout 110 python3 -m pytest tests/test_engine_paged_decode.py -q -p no:cacheprovider -rA --tb=short \
               -k "in_place" > "$OUT/paged-engine-tests-h200.log" 2>&1
             grep -E "^(PASSED|FAILED|ERROR|SKIPPED)|passed|failed" "$OUT/paged-engine-tests-h200.log" | tail -6
-            BEFORE=${BEFORE:-$PWD/.gpu/before}
-            for tree in "$BEFORE" "$PWD"; do
-              name=$([ "$tree" = "$PWD" ] && echo paged || echo dense)
-              (cd "$tree" && PYTHONPATH=/tmp/site:$tree timeout 130 python3 -m perf.bench_serving --shape llama-3.2-3b \
-                --concurrency 256 --requests-per-client 2 --max-tokens 128 --client-procs 4 --targets http \
-                --tokenizer-dir $OLDPWD/$TOK --work-dir $WORK \
-                --out "$OUT/serving-c256-pagedkv-final2-$name-h200.json" | grep -v '^{"target"' | tail -3)
-            done
+            serve_pair final2 256
             rm -f "$OUT"/*.png ;;
   pagedattn) python3 -m pytest tests/test_paged_attention.py -q -p no:cacheprovider
             python3 -m perf.bench_paged_attention --rows 1,64,256 --contexts 512,2048 --mixes uniform,ragged --repeats 20 \
