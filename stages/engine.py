@@ -133,8 +133,8 @@ class EngineStage(AdapterMessages, Stage):
         return fan_out
 
     def on_reset_prefix_cache(self, message: protocol.ResetPrefixCache) -> None:
+        dropped = self.engine.drop_cached_blocks()
         blocks = self.engine.blocks
-        dropped = blocks.drop_cached() if blocks is not None else 0
         self.reply(protocol.PrefixCacheReset(qid=message.qid, reply_to=message.reply_to, dropped=dropped,
                                              held=blocks.num_used if blocks is not None else 0))
 

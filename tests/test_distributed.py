@@ -49,7 +49,7 @@ def both_phases(engine) -> dict[str, list[int]]:
     """The workload, the prefix cache reset (as ResetPrefixCache does: every rank must drop the same
     blocks, or their next plans differ), then the workload again under new ids."""
     first = tokens(run_all(engine, workload()))
-    engine.blocks.drop_cached()
+    engine.drop_cached_blocks()
     again = workload()
     for r in again:
         r.rid = "again-" + r.rid
@@ -215,6 +215,44 @@ def test_the_leader_sends_its_calls_without_a_collective(tmp_path, monkeypatch):
     leader.close()
     assert collectives == []
     assert got == tokens(run_all(make_engine(tiny_model("llama")), workload()))
+
+
+def test_the_leader_answers_every_engine_call_the_stage_makes_and_nothing_else():
+    """Rank 0's stage holds a Leader where it would hold an Engine. Every attribute of the engine that
+    the stage modules use must be one the Leader defines (a call that changes state is recorded for the
+    other ranks; a read passes through): no __getattr__ sends an unrecorded call to rank 0's engine alone."""
+    import re
+
+    engine = make_engine(tiny_model("llama"))
+    used = set()
+    for module in (ROOT / "stages").glob("engine*.py"):
+        used |= set(re.findall(r"\bengine\.([a-z_]+)", module.read_text()))
+    used = {name for name in used if hasattr(engine, name)} - {"warm_up"}  # before the Leader wraps it, every rank
+    assert {"add_request", "abort", "step", "set_default_adapter", "drop_cached_blocks"} <= used
+    assert not hasattr(Leader, "__getattr__")
+    assert sorted(name for name in used if not hasattr(Leader, name)) == []
+
+
+def test_setting_the_default_adapter_and_dropping_blocks_are_calls_every_rank_replays(tmp_path):
+    calls_at, acks_at = control_addresses(str(tmp_path))
+    sub = zmq.Context.instance().socket(zmq.SUB)
+    sub.setsockopt(zmq.SUBSCRIBE, b"")
+    sub.connect(calls_at)
+    engine = make_engine(tiny_model("llama"))
+    leader = Leader(engine, TwoRanks(), (calls_at, acks_at))
+    try:
+        run_all(leader, workload()[:2])
+        while sub.poll(100):
+            sub.recv()
+        assert leader.drop_cached_blocks() > 0 and engine.blocks.num_cached == 0
+        leader.set_default_adapter("")
+        leader.step()
+        batch = protocol.decode(sub.recv(), protocol.RankBatch)
+        assert [type(c) for c in batch.calls] == [protocol.DropCachedBlocks, protocol.SetDefaultAdapter,
+                                                   protocol.Step]
+    finally:
+        leader.close()
+        sub.close()
 
 
 class TwoRanks:
