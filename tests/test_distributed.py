@@ -21,6 +21,7 @@ from mlx_lm.models import llama
 from parallm import protocol
 from parallm.launch.group import write_ring_hostfile
 from parallm.engine import distributed
+from parallm.engine.rank_timing import probe_collectives
 from parallm.engine.distributed import (Leader, TensorParallelError, control_addresses, follow,
                                         shard_model, shard_refusal, state_digest)
 from parallm.protocol import SamplingParams
@@ -89,13 +90,19 @@ def rank_main(out: str) -> int:
         slow_clock(engine.pacer)
     distributed.freeze_clock(engine)
     engine.warm_up()
+    collective_us = probe_collectives(model, group)
     addresses = distributed.control_addresses(str(Path(out).parent))
     if group.rank() > 0:
-        return distributed.follow(engine, group, addresses)
-    leader = distributed.Leader(engine, group, addresses)
+        return distributed.follow(engine, group, addresses, collective_us)
+    leader = distributed.Leader(engine, group, addresses, collective_us)
     results = both_phases(leader)
+    deadline = time.monotonic() + 10  # the followers' last acks (with their phases) arrive asynchronously
+    while any(r.step < leader.steps for r in leader.stats().ranks[1:]) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    ranks = [msgspec.to_builtins(r) for r in leader.stats().ranks]
     leader.close()
     Path(out).write_text(json.dumps(results))
+    Path(out).with_suffix(".ranks.json").write_text(json.dumps(ranks))
     return 0
 
 
@@ -118,6 +125,19 @@ def test_two_ring_ranks_match_the_single_rank_engine(tmp_path):
     want = both_phases(make_engine(tiny_model("llama")))
     assert got == want
     assert len(got) == 14 and all(len(t) >= 6 for t in got.values())
+    check_rank_timings(json.loads((tmp_path / "tokens.ranks.json").read_text()))
+
+
+def check_rank_timings(ranks: list[dict]) -> None:
+    """Each rank's step phases and its all-sum probe, as rank 0's stats report them (rank_timing.py)."""
+    assert [r["rank"] for r in ranks] == [0, 1]
+    lead, follower = ranks[0]["step_ms_mean"], ranks[1]["step_ms_mean"]
+    assert {"plan", "schedule", "launch", "read"} <= set(lead) and "wait" not in lead
+    assert {"wait", "replay", "ack", "schedule", "launch", "read"} <= set(follower) and "plan" not in follower
+    assert all(v >= 0 for r in ranks for v in r["step_ms_mean"].values())
+    for r in ranks:  # tiny llama: 64 wide, 2 layers -> 4 all-sums a step
+        assert set(r["collective_us"]) == {"all_sum_1row", "all_sum_64rows", "step_chain_4"}, r
+        assert all(v > 0 for v in r["collective_us"].values())
 
 
 def test_ranks_that_time_their_passes_differently_pace_prefill_as_rank_0(tmp_path):

@@ -67,6 +67,7 @@ from .rank_group import (  # noqa: F401 - re-exported: the engine stage and test
     CONTROL_ENV, TensorParallelError, agree_min, agreed_config, channel_socket, control_addresses, default_backend,
     join, rank_from_env, shard_model, shard_refusal)
 from .constraints import Constraints
+from .rank_timing import RankPhases, probe_collectives
 from .request import Request, RequestRejected
 
 log = logging.getLogger("parallm.engine.distributed")
@@ -124,8 +125,10 @@ class Leader:
     """Rank 0's engine: the real `Engine`, with every state-changing call recorded and sent to the
     other ranks before each step (module docstring). Reads (stats, has_work, ...) pass through."""
 
-    def __init__(self, engine, group: mx.distributed.Group, addresses: tuple[str, str]) -> None:
-        """`addresses`: where to send the calls and hear the followers' acks (control_addresses)."""
+    def __init__(self, engine, group: mx.distributed.Group, addresses: tuple[str, str],
+                 collective_us: dict[str, float] | None = None) -> None:
+        """`addresses`: where to send the calls and hear the followers' acks (control_addresses);
+        `collective_us`: this rank's probe_collectives, for its stats."""
         self._engine = engine
         self._group = group
         self._calls = channel_socket(zmq.XPUB, addresses[0], bind=True)  # never drops a batch for a slow follower
@@ -146,6 +149,9 @@ class Leader:
         self._digest = state_digest(engine)
         self._digest_policy = served_policy(engine)  # what rank 0 served when it computed _digest
         self._ranks = [RankState(rank=r, policy=self._digest_policy) for r in range(group.size())]
+        self._times = RankPhases("plan")  # rank 0's plan phase (rank_timing.py)
+        self._collective_us = collective_us or {}
+        self._rank_times: dict[int, tuple[dict[str, float], dict[str, float]]] = {}  # follower -> its last timings
         engine.scheduler.policy.clock = lambda: self._now
 
     @property
@@ -225,10 +231,15 @@ class Leader:
         while self._acks.poll(0):
             ack = _acks.decode(self._acks.recv())
             self._acked[ack.rank] = max(self._acked.get(ack.rank, 0), ack.seq)
+            if ack.step_ms_mean or ack.collective_us:
+                before = self._rank_times.get(ack.rank, ({}, {}))
+                self._rank_times[ack.rank] = (ack.step_ms_mean or before[0], ack.collective_us or before[1])
             if ack.seq not in self._after:  # a batch whose call raised here: this rank is on its way out
                 continue
             digest, steps, policy = self._after[ack.seq]
-            self._ranks[ack.rank] = RankState(rank=ack.rank, step=steps, agrees=ack.digest == digest, policy=policy)
+            step_ms, collective_us = self._rank_times.get(ack.rank, ({}, {}))
+            self._ranks[ack.rank] = RankState(rank=ack.rank, step=steps, agrees=ack.digest == digest, policy=policy,
+                                              step_ms_mean=step_ms, collective_us=collective_us)
             if ack.digest != digest:
                 raise TensorParallelError(f"rank {ack.rank} diverged from rank 0 after batch {ack.seq} (state "
                                           f"digest {ack.digest} vs {digest}); the group must restart")
@@ -251,7 +262,9 @@ class Leader:
     def _sync(self, call: Step | Flush, run: Callable[[], Any]) -> Any:
         """Send the pending calls and this one, then run it here (the others do the same)."""
         self._now = call.now = time.monotonic()
+        t0 = time.perf_counter()
         self._send(call)
+        self._times.add("plan", time.perf_counter() - t0)
         result = run()
         self._digest = state_digest(self._engine)
         self._digest_policy = served_policy(self._engine)
@@ -263,7 +276,9 @@ class Leader:
         """The engine's stats, with what each rank serves as its last acknowledged batch confirmed."""
         self._drain_acks()
         stats = self._engine.stats()
-        stats.ranks = [RankState(rank=0, step=self._engine.steps, policy=served_policy(self._engine)),
+        stats.ranks = [RankState(rank=0, step=self._engine.steps, policy=served_policy(self._engine),
+                                 step_ms_mean=self._times.step_ms_mean(self._engine),
+                                 collective_us=self._collective_us),
                        *self._ranks[1:]]
         return stats
 
@@ -389,7 +404,8 @@ def follower_main(config, replica: int = 0) -> int:
     load_adapters_at_start(engine, config.adapters.preload)  # as rank 0 does, in the same order
     freeze_clock(engine)
     engine.warm_up()
-    return follow(engine, group, control_addresses(config.transport.run_dir, replica))
+    collective_us = probe_collectives(loaded.model, group)  # with rank 0's, right after its warm-up
+    return follow(engine, group, control_addresses(config.transport.run_dir, replica), collective_us)
 
 
 def freeze_clock(engine) -> None:
@@ -398,11 +414,13 @@ def freeze_clock(engine) -> None:
     engine.scheduler.policy.clock = lambda: 0.0
 
 
-def follow(engine, group: mx.distributed.Group, addresses: tuple[str, str]) -> int:
+def follow(engine, group: mx.distributed.Group, addresses: tuple[str, str],
+           collective_us: dict[str, float] | None = None) -> int:
     """A rank other than 0: replay rank 0's calls (from `addresses`, as control_addresses) on this
-    rank's engine until it says stop, acknowledging each batch with this rank's digest. Returns 0
-    then; raises TensorParallelError when this rank's state no longer matches rank 0's or a batch
-    went missing."""
+    rank's engine until it says stop, acknowledging each batch with this rank's digest and its step
+    phases so far (rank_timing.py; `collective_us`, its probe, in the first ack).
+    Returns 0 then; raises TensorParallelError when this rank's state no longer matches rank 0's or a
+    batch went missing."""
     calls = channel_socket(zmq.SUB, addresses[0], bind=False)
     calls.setsockopt(zmq.SUBSCRIBE, b"")
     acks = channel_socket(zmq.PUSH, addresses[1], bind=False)
@@ -410,10 +428,13 @@ def follow(engine, group: mx.distributed.Group, addresses: tuple[str, str]) -> i
     engine.scheduler.policy.clock = lambda: now
     digest = state_digest(engine)
     rank, expected = group.rank(), 1
+    times, probe = RankPhases("wait", "replay", "ack"), collective_us or {}
     log.info("rank %d of %d follows rank 0", rank, group.size())
     try:
         while True:
+            t0 = time.perf_counter()
             batch = _batches.decode(calls.recv())  # blocks without polling while rank 0 is idle
+            times.add("wait", time.perf_counter() - t0)
             if batch.seq != expected:
                 raise TensorParallelError(f"rank {rank} got rank 0's batch {batch.seq}, expected {expected}: "
                                           "calls were lost; the group must restart")
@@ -425,10 +446,17 @@ def follow(engine, group: mx.distributed.Group, addresses: tuple[str, str]) -> i
                 if isinstance(call, StopFollowing):
                     return 0
                 now = call.now
+                t0 = time.perf_counter()
                 _REPLAY[type(call)](engine, call)
                 if isinstance(call, (Step, Flush)):
                     digest = state_digest(engine)
-            acks.send(protocol.encode(RankAck(rank=rank, seq=batch.seq, digest=digest)))
+                else:
+                    times.add("replay", time.perf_counter() - t0)
+            t0 = time.perf_counter()
+            acks.send(protocol.encode(RankAck(rank=rank, seq=batch.seq, digest=digest, collective_us=probe,
+                                              step_ms_mean=times.step_ms_mean(engine))))
+            probe = {}
+            times.add("ack", time.perf_counter() - t0)
     finally:
         calls.close()
         acks.close()

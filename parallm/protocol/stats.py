@@ -32,6 +32,11 @@ class RankState(Struct, kw_only=True):
     step: int = 0
     agrees: bool = True
     policy: dict[str, int] = {}  # adapter name -> the latest version it serves ("": the base weights' version)
+    # where this rank's steps went, mean ms per engine step by phase (parallm/engine/rank_timing.py): the
+    # engine's (schedule, prefill, mixed, launch, read), rank 0's plan, a follower's wait, replay and ack
+    step_ms_mean: dict[str, float] = {}
+    # all-sums over the group measured alone at start, in microseconds (rank_timing.probe_collectives)
+    collective_us: dict[str, float] = {}
 
 
 class WeightsStatus(Struct, kw_only=True):
