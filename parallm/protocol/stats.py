@@ -231,7 +231,8 @@ class TokenizerStats(Struct, tag="tokenizer", kw_only=True):
     failed: int = 0
     dropped_frames: int = 0
     routed: list[int] = []  # requests sent to each engine replica (parallm/routing.py)
-    affinity_hits: int = 0  # of those, sent to a replica for its cached prefix
+    affinity_hits: int = 0  # of those, sent to the replica this tokenizer placed their prefix on
+    home_hits: int = 0      # of those, sent to their prefix anchor's home replica (parallm/routing.py)
     down: list[int] = []  # engine replicas it sends nothing to: dead, or remote ones not yet heard from
 
 
