@@ -97,6 +97,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import shlex
 import sys
 import time
 from pathlib import Path
@@ -119,9 +120,18 @@ def requests_at(c: int, requests: int, per_stream: int) -> int:
     return max(requests, per_stream * c, c)
 
 
+def parse_layout(entry: str, concurrency: list[int]) -> tuple[str, list[int]]:
+    """A --layouts entry: TPxR, or TPxR@C1/C2/... with its own concurrency levels instead of --concurrency."""
+    layout, _, levels = entry.partition("@")
+    tp, replicas = (int(x) for x in layout.split("x"))
+    if tp < 1 or replicas < 1:
+        raise ValueError(f"layout {entry!r}: TP and replicas must be >= 1")
+    return f"{tp}x{replicas}", [int(c) for c in levels.split("/")] if levels else concurrency
+
+
 def serve_and_measure(model_dir: Path, layout: str, concurrency: list[int], workload: Workload, max_seqs: int,
                       client_procs: int, per_stream: int = 0, publish_every_s: float = 0.0,
-                      still: bool = False) -> list[dict[str, Any]]:
+                      still: bool = False, server_args: list[str] | None = None) -> list[dict[str, Any]]:
     """The rows of one layout: each concurrency level with the adapter republished every
     `publish_every_s` (when > 0), then, with `still`, again under its last version with none published."""
     from parallm.client import Client
@@ -130,7 +140,7 @@ def serve_and_measure(model_dir: Path, layout: str, concurrency: list[int], work
     rows = []
     with Server("--model.path", str(model_dir), "--model.served-name", "bench", "--engine.max-num-seqs",
                 str(max_seqs), "--engine.tensor-parallel", str(tp), "--engine.replicas", str(replicas),
-                "--server.max-concurrent-requests", str(max(concurrency) + PROBES),
+                "--server.max-concurrent-requests", str(max(concurrency) + PROBES), *(server_args or []),
                 ready_timeout=900) as server, Client(server.router, timeout=60) as client:
         asyncio.run(run_http(server.url, "bench", workload_for(4, 2), 2, [], 1))  # warm-up
         publishing = None
@@ -147,7 +157,8 @@ def serve_and_measure(model_dir: Path, layout: str, concurrency: list[int], work
 
                 def run(c=c, w=w, before=before) -> dict[str, Any]:
                     """The load alone (publishing.during publishes and settles around it): counters from here."""
-                    before.update(replicas=per_replica(client, replicas), cpu=server.cpu_seconds())
+                    before.update(replicas=per_replica(client, replicas), cpu=server.cpu_seconds(),
+                                  ranks=rank_seconds(client))
                     r = asyncio.run(run_http(server.url, "bench", w, c, [], seed=c,
                                              procs=client_procs if c >= 16 else 1))
                     r["cpu_s"] = cpu_delta(before["cpu"], server.cpu_seconds())
@@ -160,6 +171,7 @@ def serve_and_measure(model_dir: Path, layout: str, concurrency: list[int], work
                         r = run()
                     time.sleep(REPORT_EVERY_S + 0.5)  # replica i > 0's pushed stats are up to a second old
                     r["per_replica"] = replica_delta(before["replicas"], per_replica(client, replicas), r["wall_s"])
+                    r["ranks"] = rank_delta(before["ranks"], rank_seconds(client))
                     cpu = r["cpu_s"]
                     r["cpu_us_per_token"] = {k: round(1e6 * v / r["output_tokens"], 1) for k, v in cpu.items()} \
                         if r["output_tokens"] else {}
@@ -170,6 +182,8 @@ def serve_and_measure(model_dir: Path, layout: str, concurrency: list[int], work
                           f"{r.get('steady_tok_s', float('nan')):.1f}), TTFT p50 {1000 * r['ttft_p50_s']:.0f} ms, "
                           f"ITL p50 {1000 * r['itl_p50_s']:.1f} ms, p99 {1000 * r['itl_p99_s']:.0f} ms", flush=True)
                     print("  " + load_line(r), flush=True)
+                    if r["ranks"]:
+                        print("  " + ranks_line(r), flush=True)
                     if republish:
                         print("  " + adapter_line(r["adapter"]), flush=True)
                     rows.append(r)
@@ -199,6 +213,33 @@ def per_replica(client: Any, replicas: int) -> dict[str, list]:
     return {"requests": routed, "tokens": [s.generated_tokens for s in engines], "steps": [s.steps for s in engines],
             "phase_s": [{k: v * max(1, s.steps) / 1000 for k, v in s.step_ms_mean.items()} for s in engines],
             "decode_batches": [dict(s.decode_batch_hist) for s in engines]}
+
+
+def rank_seconds(client: Any) -> list[dict[str, Any]]:
+    """Replica 0's tensor-parallel ranks (EngineStats.ranks): each one's seconds by step phase so far, the
+    steps they cover, and its all-sum probe ([] for one rank). A rank's mean ms per step x the steps of
+    its last ack (rank 0's step count then)."""
+    return [{"rank": r.rank, "steps": r.step, "phase_s": {k: v * r.step / 1000 for k, v in r.step_ms_mean.items()},
+             "collective_us": dict(r.collective_us)} for r in client.stats().ranks]
+
+
+def rank_delta(before: list[dict[str, Any]], after: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Each rank's mean ms per step by phase over the run between two rank_seconds readings."""
+    out = []
+    for b, a in zip(before, after):
+        steps = a["steps"] - b["steps"]
+        out.append({"rank": a["rank"], "steps": steps, "collective_us": a["collective_us"],
+                    "step_ms_mean": {k: round(max(0.0, 1000 * (v - b["phase_s"].get(k, 0.0)) / max(1, steps)), 3)
+                                     for k, v in a["phase_s"].items()}})
+    return out
+
+
+def ranks_line(r: dict[str, Any]) -> str:
+    """Where each rank's steps went in the run (ms per step by phase) and the group's all-sum probe."""
+    parts = [f"rank {x['rank']} ({x['steps']} steps): " + ", ".join(f"{k} {v:.2f}" for k, v in x["step_ms_mean"].items())
+             for x in r["ranks"]]
+    probe = r["ranks"][0]["collective_us"]
+    return "ms per step: " + "; ".join(parts) + (f"; all-sum probe (us): {probe}" if probe else "")
 
 
 def replica_delta(before: dict[str, list], after: dict[str, list], wall_s: float = 0.0) -> dict[str, list]:
@@ -259,7 +300,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--shape", default="tiny", help="a perf.bench_gpu shape (random weights)")
     parser.add_argument("--layouts", default="1x1,2x1", help="TPxREPLICAS layouts, comma-separated (1x1 = one "
-                        "engine process)")
+                        "engine process); TPxR@C1/C2 runs that layout at those concurrency levels instead")
     parser.add_argument("--concurrency", default="1,8")
     parser.add_argument("--max-tokens", type=int, default=32)
     parser.add_argument("--requests", type=int, default=16, help="requests per concurrency level (at least c)")
@@ -275,6 +316,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--work-dir", default="", help="where --shape's model is built (reused if there)")
     parser.add_argument("--tokenizer-dir", default="", help="tokenizer files for --shape; default: the converted "
                         "default model's")
+    parser.add_argument("--server-args", default="", help="more parallm-launch flags for every server, one string "
+                        "(e.g. \"--model.dtype bfloat16\")")
     add_results_options(parser, "", "the shape")
     args = parser.parse_args(argv)
     from perf.bench_serving import shape_model_dir
@@ -284,11 +327,14 @@ def main(argv: list[str] | None = None) -> int:
     concurrency = [int(c) for c in args.concurrency.split(",")]
     workload = workload_for(args.max_tokens, args.requests)
     rows: list[dict[str, Any]] = []
-    for layout in args.layouts.split(","):
-        rows += serve_and_measure(model_dir, layout, concurrency, workload, args.max_num_seqs, args.client_procs,
-                                  args.requests_per_stream, args.publish_adapter_every, args.still)
+    for entry in args.layouts.split(","):
+        layout, levels = parse_layout(entry, concurrency)
+        rows += serve_and_measure(model_dir, layout, levels, workload, args.max_num_seqs, args.client_procs,
+                                  args.requests_per_stream, args.publish_adapter_every, args.still,
+                                  shlex.split(args.server_args))
         results.write({"shape": args.shape, "rows": rows})
     md = report(rows) + "\n\n" + "\n".join(f"- {label(r)} c={r['concurrency']}: {load_line(r)}" for r in rows)
+    md += "".join(f"\n- {label(r)} c={r['concurrency']}: {ranks_line(r)}" for r in rows if r.get("ranks"))
     if args.publish_adapter_every > 0:
         md += "\n\n" + "\n".join(f"- {label(r)} c={r['concurrency']}: {adapter_line(r['adapter'])}" for r in rows
                                   if r["republish_every_s"])

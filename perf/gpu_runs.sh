@@ -117,9 +117,15 @@
 #             <commit>` here; carry [".gpu-tok", ".gpu/base"]) the smollm2 rounds alternate it with this one, ~7 min
 # A fresh server per wave: `waves` fits 6-7 waves in one 10-minute call; run it twice for ten.
 set -uo pipefail
+#   tpdp      (nvidia-h200-x2; issue 38) one call: llama-3.2-3b, one engine at c=1, 64, 128, 256, TP=2 at c=1 and 64,
+#             DP=2 at c=256; then qwen3-8b served in bfloat16, one engine and TP=2 at c=1 and 64. No adapter
+#             republishing. Each TP row also gives every rank's ms per step by phase (plan / wait / schedule / launch /
+#             read ...) and the all-sum probe (parallm/engine/rank_timing.py); the c=128 row is DP=2's ideal at c=256
+#             (two engines of 128 streams each). TPDP_SHAPE / TPDP_SHAPE2 / TPDP_TOKENS / TPDP_LIMIT_S change the
+#             shapes, tokens and time limits (the CPU smoke run: tiny shapes), ~9 min
 # A fresh server per wave: `waves` fits 6-7 waves in one 10-minute call; run it twice for ten.
 set -uo pipefail
-case "${1:-}" in diag|llama|adapters|qwen-a|qwen-b|serving|waves|ingress|moe|moe256|hybrid|structured|tp|tp8b|dp|threads|compiled|republish|buckets|serve256|inplace|mixed|cudnn|decodeattn|unfuseddecode|defaults|defaultsab|qwendtype|qwenmlx|embeddings|policy|vision|trainmem|spec|specdraft|kvbits|pagedattn|trainshare|single) ;;
+case "${1:-}" in tpdp|diag|llama|adapters|qwen-a|qwen-b|serving|waves|ingress|moe|moe256|hybrid|structured|tp|tp8b|dp|threads|compiled|republish|buckets|serve256|inplace|mixed|cudnn|decodeattn|unfuseddecode|defaults|defaultsab|qwendtype|qwenmlx|embeddings|policy|vision|trainmem|spec|specdraft|kvbits|pagedattn|trainshare|single) ;;
   *) sed -n '2,/^# A fresh server per wave/p' "$0"; exit 2 ;; esac
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
@@ -282,6 +288,17 @@ case "${1:-}" in
   tp8b)     NCCL_NVLS_ENABLE=0 python3 -m perf.bench_parallel --shape qwen3-8b --layouts 1x1,2x1 --concurrency 1,64 \
               --max-tokens 128 --requests 4 --requests-per-stream 2 --client-procs 4 --publish-adapter-every 2 \
               --tokenizer-dir $TOK --work-dir $WORK --experiment tp-8b --out-dir "$OUT" ;;
+  tpdp)     SECONDS=0; S1=${TPDP_SHAPE:-llama-3.2-3b}; S2=${TPDP_SHAPE2:-qwen3-8b}; T=${TPDP_TOKENS:-128}
+            LIMIT=${TPDP_LIMIT_S:-575}
+            NCCL_NVLS_ENABLE=0 timeout -s INT -k 20 $((LIMIT * 56 / 100)) python3 -m perf.bench_parallel --shape $S1 \
+              --layouts 1x1@1/64/128/256,2x1@1/64,1x2@256 --max-tokens $T --requests 4 --requests-per-stream 2 \
+              --client-procs 8 --tokenizer-dir $TOK --work-dir $WORK --experiment tpdp-3b --out-dir "$OUT"
+            echo "3b: ${SECONDS} s"
+            NCCL_NVLS_ENABLE=0 timeout -s INT -k 15 $((LIMIT - SECONDS)) python3 -m perf.bench_parallel --shape $S2 \
+              --layouts 1x1,2x1 --concurrency 1,64 --max-tokens $T --requests 4 --requests-per-stream 2 --client-procs 4 \
+              --server-args "--model.dtype bfloat16" --tokenizer-dir $TOK --work-dir $WORK --experiment tp-8b-bf16 \
+              --out-dir "$OUT"
+            echo "8b: ${SECONDS} s" ;;
   dp)       python3 -m perf.bench_parallel --shape llama-3.2-3b --layouts 1x1,1x2 --concurrency 256 --max-tokens 128 \
               --requests-per-stream 3 --client-procs 8 --publish-adapter-every 2 --still --tokenizer-dir $TOK \
               --work-dir $WORK --experiment dp --out-dir "$OUT" ;;
