@@ -122,7 +122,9 @@ set -uo pipefail
 #             republishing. Each TP row also gives every rank's ms per step by phase (plan / wait / schedule / launch /
 #             read ...) and the all-sum probe (parallm/engine/rank_timing.py); the c=128 row is DP=2's ideal at c=256
 #             (two engines of 128 streams each). TPDP_SHAPE / TPDP_SHAPE2 / TPDP_TOKENS / TPDP_LIMIT_S change the
-#             shapes, tokens and time limits (the CPU smoke run: tiny shapes), ~9 min
+#             shapes, tokens and time limits (the CPU smoke run: tiny shapes). With 90 s or more left, the 3B again with
+#             engine.compiled_decode, TP=2 first (a step bound by the host launching its kernels: does fewer launches let
+#             TP=2 pay at c=1?), ~9.5 min
 # A fresh server per wave: `waves` fits 6-7 waves in one 10-minute call; run it twice for ten.
 set -uo pipefail
 case "${1:-}" in tpdp|diag|llama|adapters|qwen-a|qwen-b|serving|waves|ingress|moe|moe256|hybrid|structured|tp|tp8b|dp|threads|compiled|republish|buckets|serve256|inplace|mixed|cudnn|decodeattn|unfuseddecode|defaults|defaultsab|qwendtype|qwenmlx|embeddings|policy|vision|trainmem|spec|specdraft|kvbits|pagedattn|trainshare|single) ;;
@@ -298,7 +300,14 @@ case "${1:-}" in
               --layouts 1x1,2x1 --concurrency 1,64 --max-tokens $T --requests 4 --requests-per-stream 2 --client-procs 4 \
               --server-args "--model.dtype bfloat16" --tokenizer-dir $TOK --work-dir $WORK --experiment tp-8b-bf16 \
               --out-dir "$OUT"
-            echo "8b: ${SECONDS} s" ;;
+            echo "8b: ${SECONDS} s"
+            if [ $((LIMIT - SECONDS)) -gt 90 ]; then  # what time is left: the 3B with compiled decode, one engine and TP=2
+              NCCL_NVLS_ENABLE=0 timeout -s INT -k 15 $((LIMIT - SECONDS)) python3 -m perf.bench_parallel --shape $S1 \
+                --layouts 2x1,1x1 --concurrency 1,64 --max-tokens $T --requests 4 --requests-per-stream 2 \
+                --client-procs 4 --server-args "--engine.compiled-decode true" --tokenizer-dir $TOK --work-dir $WORK \
+                --experiment tp-3b-compiled --out-dir "$OUT"
+              echo "3b compiled: ${SECONDS} s"
+            fi ;;
   dp)       python3 -m perf.bench_parallel --shape llama-3.2-3b --layouts 1x1,1x2 --concurrency 256 --max-tokens 128 \
               --requests-per-stream 3 --client-procs 8 --publish-adapter-every 2 --still --tokenizer-dir $TOK \
               --work-dir $WORK --experiment dp --out-dir "$OUT" ;;

@@ -85,7 +85,8 @@ def rank_main(out: str) -> int:
     group = distributed.join(int(os.environ["TP_SIZE"]), backend="ring")
     model = model_of(os.environ["TP_MODEL"])
     shard_model(model, group)
-    engine = make_engine(model, kv=kv_of(), prefill_pass_s=float(os.environ.get("TP_PACE_S", "0")))
+    engine = make_engine(model, kv=kv_of(), prefill_pass_s=float(os.environ.get("TP_PACE_S", "0")),
+                         **({"compiled_decode": True} if os.environ.get("TP_COMPILED") else {}))
     if group.rank() > 0 and os.environ.get("TP_PACE_S"):
         slow_clock(engine.pacer)
     distributed.freeze_clock(engine)
@@ -126,6 +127,13 @@ def test_two_ring_ranks_match_the_single_rank_engine(tmp_path):
     assert got == want
     assert len(got) == 14 and all(len(t) >= 6 for t in got.values())
     check_rank_timings(json.loads((tmp_path / "tokens.ranks.json").read_text()))
+
+
+def test_two_ring_ranks_with_compiled_decode_match_the_single_rank_engine(tmp_path):
+    """engine.compiled_decode on every rank: the decode pass, its all-sums inside, traced once per shape
+    under mx.compile (what cuts a GPU step's host launch cost, the cost TP=2 pays on every rank)."""
+    got = run_group(tmp_path, 2, "tiny", TP_COMPILED="1")
+    assert got == both_phases(make_engine(tiny_model("llama"), compiled_decode=True))
 
 
 def check_rank_timings(ranks: list[dict]) -> None:
