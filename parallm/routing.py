@@ -19,7 +19,8 @@ ingress spreads a conversation's turns over them: turn 2 of a chat reaches a tok
 saw turn 1. So with several, every tokenizer also knows each prompt's home replica, alike and with
 no message between them: the rendezvous-hash winner, over the replicas that are up, of the hash of
 the prompt's anchor block (its ANCHOR_BLOCKS-th full block; a shorter prompt's 8th, 4th, 2nd or 1st,
-the deepest it has: vLLM's and SGLang's routers hash prefixes too, in one process). It tries the
+the deepest it has; SGLang's router mirrors every worker's cache in one radix tree, in one process:
+several tokenizers share no tree, and the home is what they agree on without one). It tries the
 home first, within a load bound of AFFINITY_SLACK times the prompt's full blocks' tokens (what the
 home holds when an earlier turn went there), then what it remembers, then the lightest: what one
 tokenizer remembers may be stale (another may have sent a later turn home), and the home is where
