@@ -28,7 +28,6 @@ from parallm.engine.compile_queue import CompileQueue
 from parallm.engine.device_share import DeviceShare
 from parallm.engine.images import unpack_images
 from parallm.engine.pooling_queue import Pooled, PoolingQueue
-from parallm.engine.rank_timing import probe_collectives
 from parallm.runtime import StageRuntime
 from parallm.stages.engine_adapters import (AdapterMessages, adapter_list, adapter_roots, load_adapter,  # noqa: F401
                                              weights_path)  # adapter_roots, load_adapter, weights_path: imported from here
@@ -437,9 +436,8 @@ def main(config: Config, replica: int = 0) -> int:
         distributed.freeze_clock(engine)
     warm_up(engine)
     if group is not None:
-        collective_us = probe_collectives(loaded.model, group)  # with the other ranks', right after their warm-up
-        engine = distributed.Leader(engine, group, distributed.control_addresses(config.transport.run_dir, replica),
-                                    collective_us)
+        engine = distributed.lead(engine, loaded.model, group,
+                                  distributed.control_addresses(config.transport.run_dir, replica))
     info = {"model": config.model.served_name, "path": str(loaded.source.path), "dtype": loaded.dtype,
             "max_model_len": loaded.max_model_len, "vocab_size": loaded.vocab_size}
     try:

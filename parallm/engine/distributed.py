@@ -121,6 +121,12 @@ def state_digest(engine) -> int:
     return hash(key) & 0x7FFFFFFFFFFFFFFF
 
 
+def lead(engine, model, group: mx.distributed.Group, addresses: tuple[str, str]) -> "Leader":
+    """Rank 0 after its warm-up: the all-sum probe (in lockstep with follower_main's, which runs it
+    after the same warm-up), then the Leader that serves."""
+    return Leader(engine, group, addresses, probe_collectives(model, group))
+
+
 class Leader:
     """Rank 0's engine: the real `Engine`, with every state-changing call recorded and sent to the
     other ranks before each step (module docstring). Reads (stats, has_work, ...) pass through."""
