@@ -14,6 +14,21 @@ decayed with a half-life: it needs no message back from the engines. An n > 1 re
 message, so its samples stay on one replica. A replica the supervisor announced down takes nothing
 until it is back.
 
+With several tokenizers (tokenizer.replicas), each remembers only what it routed itself, and the
+ingress spreads a conversation's turns over them: turn 2 of a chat reaches a tokenizer that never
+saw turn 1. So with several, every tokenizer also knows each prompt's home replica, alike and with
+no message between them: the rendezvous-hash winner, over the replicas that are up, of the hash of
+the prompt's anchor block (its ANCHOR_BLOCKS-th full block; a shorter prompt's 8th, 4th, 2nd or 1st,
+the deepest it has; SGLang's router mirrors every worker's cache in one radix tree, in one process:
+several tokenizers share no tree, and the home is what they agree on without one). It tries the
+home first, within a load bound of AFFINITY_SLACK times the prompt's full blocks' tokens (what the
+home holds when an earlier turn went there), then what it remembers, then the lightest: what one
+tokenizer remembers may be stale (another may have sent a later turn home), and the home is where
+they all converge. A sole tokenizer's memory is complete: it routes by memory and load alone.
+A conversation's turns share their first 256 tokens, so they share a home: the turns of a multi-turn
+chat stay on one replica whichever tokenizer routes them (a chat shorter than that moves when its
+prompt doubles; perf/bench_prefix_routing.py with --server-args --tokenizer.replicas 2).
+
 A dead replica fails only its own requests: the detokenizer fails those it had admitted (each
 Track names its replica), and each tokenizer those it sent it lately (`Router.mark_down` returns
 them: they may have been lost on the way, or waiting in it for an adapter version), while clients
@@ -46,6 +61,7 @@ HALF_LIFE_S = 2.0
 REMEMBER_S = 150.0  # how long a tokenizer remembers where it sent a request (> adapters.hold_timeout_s)
 MAX_REMEMBERED = 65536
 AFFINITY_SLACK = 2.0  # a prefix's replica keeps it while it carries at most this many times the cached tokens more
+ANCHOR_BLOCKS = 16  # a prompt's anchor: its 16th full block (256 tokens); a shorter prompt's 1st, 2nd, 4th or 8th
 MAX_PREFIXES = 65536
 REPORT_EVERY_S = 1.0
 STALE_AFTER_S = 5.0
@@ -94,21 +110,32 @@ def replica_curve(config: Config, replica: int) -> Curve | None:
     return Curve(server_public=keys.server_public, public=keys.server_public, secret=keys.server_secret)
 
 
+def _mix(x: int) -> int:
+    """splitmix64's finalizer: a well-spread 64-bit value of `x` (rendezvous hashing's score)."""
+    x = (x + 0x9E3779B97F4A7C15) & 0xFFFFFFFFFFFFFFFF
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & 0xFFFFFFFFFFFFFFFF
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & 0xFFFFFFFFFFFFFFFF
+    return x ^ (x >> 31)
+
+
 class Router:
     """Chooses a replica per request (module docstring); pure Python, one per tokenizer."""
 
     def __init__(self, replicas: int, block_size: int, *, clock: Callable[[], float] = time.monotonic,
-                 half_life_s: float = HALF_LIFE_S, down: Sequence[int] = ()) -> None:
-        """`down`: replicas that take nothing until `mark_up` (remote ones, until the supervisor has heard them)."""
+                 half_life_s: float = HALF_LIFE_S, down: Sequence[int] = (), tokenizers: int = 1) -> None:
+        """`down`: replicas that take nothing until `mark_up` (remote ones, until the supervisor has heard
+        them); `tokenizers`: how many tokenizers route (tokenizer.replicas), each with its own Router."""
         if replicas < 1:
             raise ValueError("a router needs at least one replica")
         self.replicas = replicas
+        self.tokenizers = tokenizers
         self.block_size = block_size
         self.clock = clock
         self.decay = math.log(2) / half_life_s
         self.load = [0.0] * replicas
         self.routed = [0] * replicas
         self.affinity_hits = 0
+        self.home_hits = 0  # requests sent to their anchor's home replica (module docstring)
         self.down: set[int] = set(down)
         self._stamp = clock()
         self._prefixes: OrderedDict[int, int] = OrderedDict()  # block hash -> replica, least recent first
@@ -127,15 +154,24 @@ class Router:
         up = [r for r in range(self.replicas) if r not in self.down] or list(range(self.replicas))
         lightest = min(up, key=lambda r: (self.load[r], self.routed[r]))
         hashes = block_hashes(ids, self.block_size, adapter) if self.replicas > 1 else []
-        choice = lightest
-        for blocks in range(len(hashes), 0, -1):  # the longest shared prefix first
-            owner = self._prefixes.get(hashes[blocks - 1])
-            if owner is None or owner not in up:
-                continue
-            if self.load[owner] - self.load[lightest] <= AFFINITY_SLACK * blocks * self.block_size:
-                choice = owner
-                self.affinity_hits += 1
-            break
+        known, owner = 0, None
+        for blocks in range(len(hashes), 0, -1):  # the longest prefix this tokenizer placed
+            placed = self._prefixes.get(hashes[blocks - 1])
+            if placed is not None and placed in up:
+                known, owner = blocks, placed
+                break
+        candidates = [(owner, known, "affinity")] if owner is not None else []
+        if hashes and self.tokenizers > 1:  # the home first: where every tokenizer sends this prompt
+            anchor = min(1 << (len(hashes).bit_length() - 1), ANCHOR_BLOCKS)
+            home = max(up, key=lambda r: _mix(hashes[anchor - 1] ^ _mix(r + 1)))
+            candidates.insert(0, (home, len(hashes), "home"))
+        choice, rule = lightest, ""
+        for replica, blocks, why in candidates:  # the first within the load bound
+            if self.load[replica] - self.load[lightest] <= AFFINITY_SLACK * blocks * self.block_size:
+                choice, rule = replica, why
+                break
+        self.affinity_hits += rule == "affinity"
+        self.home_hits += rule == "home"
         for h in hashes:
             self._prefixes[h] = choice
             self._prefixes.move_to_end(h)

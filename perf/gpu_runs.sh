@@ -146,9 +146,17 @@
 #             step time as checked and with the check forced on, stores moved, greedy rows agreeing), then the
 #             engine's decode step of BEFORE's dense rows and this tree alternating (as pagedkv, without the
 #             gather), ~5 min
+#   tpdp      (nvidia-h200-x2; issue 38) one call: llama-3.2-3b, one engine at c=1, 64, 128, 256, TP=2 at c=1 and 64,
+#             DP=2 at c=256; then qwen3-8b served in bfloat16, one engine and TP=2 at c=1 and 64. No adapter
+#             republishing. Each TP row also gives every rank's ms per step by phase (plan / wait / schedule / launch /
+#             read ...) and the all-sum probe (parallm/engine/rank_timing.py); the c=128 row is DP=2's ideal at c=256
+#             (two engines of 128 streams each). TPDP_SHAPE / TPDP_SHAPE2 / TPDP_TOKENS / TPDP_LIMIT_S change the
+#             shapes, tokens and time limits (the CPU smoke run: tiny shapes). With 90 s or more left, the 3B again with
+#             engine.compiled_decode, TP=2 first (a step bound by the host launching its kernels: does fewer launches let
+#             TP=2 pay at c=1?), ~9.5 min
 # A fresh server per wave: `waves` fits 6-7 waves in one 10-minute call; run it twice for ten.
 set -uo pipefail
-case "${1:-}" in diag|llama|adapters|qwen-a|qwen-b|serving|waves|ingress|moe|moe256|hybrid|structured|tp|tp8b|dp|threads|compiled|republish|buckets|serve256|inplace|mixed|cudnn|decodeattn|unfuseddecode|defaults|defaultsab|qwendtype|qwenmlx|qwen8b|embeddings|policy|vision|trainmem|spec|specdraft|kvbits|pagedattn|trainshare|single|pagedkv|pagedkvserve|pagedkvdiag|pagedkvinplace|pagedkvfinal|pagedkvserveall|pagedkvhost|pagedkvlast|pagedkv256) ;;
+case "${1:-}" in tpdp|diag|llama|adapters|qwen-a|qwen-b|serving|waves|ingress|moe|moe256|hybrid|structured|tp|tp8b|dp|threads|compiled|republish|buckets|serve256|inplace|mixed|cudnn|decodeattn|unfuseddecode|defaults|defaultsab|qwendtype|qwenmlx|qwen8b|embeddings|policy|vision|trainmem|spec|specdraft|kvbits|pagedattn|trainshare|single|pagedkv|pagedkvserve|pagedkvdiag|pagedkvinplace|pagedkvfinal|pagedkvserveall|pagedkvhost|pagedkvlast|pagedkv256) ;;
   *) sed -n '2,/^# A fresh server per wave/p' "$0"; exit 2 ;; esac
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
@@ -407,6 +415,24 @@ case "${1:-}" in
   tp8b)     NCCL_NVLS_ENABLE=0 python3 -m perf.bench_parallel --shape qwen3-8b --layouts 1x1,2x1 --concurrency 1,64 \
               --max-tokens 128 --requests 4 --requests-per-stream 2 --client-procs 4 --publish-adapter-every 2 \
               --tokenizer-dir $TOK --work-dir $WORK --experiment tp-8b --out-dir "$OUT" ;;
+  tpdp)     SECONDS=0; S1=${TPDP_SHAPE:-llama-3.2-3b}; S2=${TPDP_SHAPE2:-qwen3-8b}; T=${TPDP_TOKENS:-128}
+            LIMIT=${TPDP_LIMIT_S:-575}
+            NCCL_NVLS_ENABLE=0 timeout -s INT -k 20 $((LIMIT * 56 / 100)) python3 -m perf.bench_parallel --shape $S1 \
+              --layouts 1x1@1/64/128/256,2x1@1/64,1x2@256 --max-tokens $T --requests 4 --requests-per-stream 2 \
+              --client-procs 8 --tokenizer-dir $TOK --work-dir $WORK --experiment tpdp-3b --out-dir "$OUT"
+            echo "3b: ${SECONDS} s"
+            NCCL_NVLS_ENABLE=0 timeout -s INT -k 15 $((LIMIT - SECONDS)) python3 -m perf.bench_parallel --shape $S2 \
+              --layouts 1x1,2x1 --concurrency 1,64 --max-tokens $T --requests 4 --requests-per-stream 2 --client-procs 4 \
+              --server-args "--model.dtype bfloat16" --tokenizer-dir $TOK --work-dir $WORK --experiment tp-8b-bf16 \
+              --out-dir "$OUT"
+            echo "8b: ${SECONDS} s"
+            if [ $((LIMIT - SECONDS)) -gt 90 ]; then  # what time is left: the 3B with compiled decode, one engine and TP=2
+              NCCL_NVLS_ENABLE=0 timeout -s INT -k 15 $((LIMIT - SECONDS)) python3 -m perf.bench_parallel --shape $S1 \
+                --layouts 2x1,1x1 --concurrency 1,64 --max-tokens $T --requests 4 --requests-per-stream 2 \
+                --client-procs 4 --server-args "--engine.compiled-decode true" --tokenizer-dir $TOK --work-dir $WORK \
+                --experiment tp-3b-compiled --out-dir "$OUT"
+              echo "3b compiled: ${SECONDS} s"
+            fi ;;
   dp)       python3 -m perf.bench_parallel --shape llama-3.2-3b --layouts 1x1,1x2 --concurrency 256 --max-tokens 128 \
               --requests-per-stream 3 --client-procs 8 --publish-adapter-every 2 --still --tokenizer-dir $TOK \
               --work-dir $WORK --experiment dp --out-dir "$OUT" ;;

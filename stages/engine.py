@@ -133,8 +133,8 @@ class EngineStage(AdapterMessages, Stage):
         return fan_out
 
     def on_reset_prefix_cache(self, message: protocol.ResetPrefixCache) -> None:
+        dropped = self.engine.drop_cached_blocks()
         blocks = self.engine.blocks
-        dropped = blocks.drop_cached() if blocks is not None else 0
         self.reply(protocol.PrefixCacheReset(qid=message.qid, reply_to=message.reply_to, dropped=dropped,
                                              held=blocks.num_used if blocks is not None else 0))
 
@@ -436,7 +436,8 @@ def main(config: Config, replica: int = 0) -> int:
         distributed.freeze_clock(engine)
     warm_up(engine)
     if group is not None:
-        engine = distributed.Leader(engine, group, distributed.control_addresses(config.transport.run_dir, replica))
+        engine = distributed.lead(engine, loaded.model, group,
+                                  distributed.control_addresses(config.transport.run_dir, replica))
     info = {"model": config.model.served_name, "path": str(loaded.source.path), "dtype": loaded.dtype,
             "max_model_len": loaded.max_model_len, "vocab_size": loaded.vocab_size}
     try:

@@ -49,7 +49,7 @@ def load_adapter(engine: Engine, message: protocol.AdapterPublish,
     adapter = engine.load_adapter(message.name, config=message.config, weights=message.weights or None,
                                   path=path, format=message.format, version=message.version)
     if message.make_default:
-        engine.adapters.set_default(message.name)
+        engine.set_default_adapter(message.name)
     ms = 1000 * (time.perf_counter() - t0)
     log.info("adapter %s version %d loaded (%s, rank %d, %d modules, %.1f ms)%s", message.name, adapter.version,
              adapter.kind, adapter.rank, len(adapter.modules), ms, "; it is the default policy now"

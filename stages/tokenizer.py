@@ -47,7 +47,8 @@ class TokenizerStage(Stage):
                                               bind=False, hwm=hwm, curve=routing.replica_curve(config, i)))
                            for i in range(replicas)]
         self.to_engine = self.to_engines[0]
-        self.router = Router(replicas, config.engine.block_size, down=range(config.engine.replicas, replicas))
+        self.router = Router(replicas, config.engine.block_size, down=range(config.engine.replicas, replicas),
+                             tokenizers=config.tokenizer.replicas)
         self.rejected = 0
         self.offload = Offload(on_done=self.waker.wake)  # large tokenizations, on a worker thread
         self.inbox = Receiver(open_socket(ctx, zmq.PULL, addrs.tokenizers[runtime.replica], bind=True, hwm=hwm),
@@ -168,7 +169,8 @@ class TokenizerStage(Stage):
     def stats(self) -> protocol.TokenizerStats:
         return protocol.TokenizerStats(handled=self.handled, rejected=self.rejected, failed=self.failed,
                                        dropped_frames=self.inbox.dropped, routed=list(self.router.routed),
-                                       affinity_hits=self.router.affinity_hits, down=sorted(self.router.down))
+                                       affinity_hits=self.router.affinity_hits,
+                                       home_hits=self.router.home_hits, down=sorted(self.router.down))
 
 
 def main(config: Config, replica: int = 0) -> int:

@@ -4,7 +4,9 @@ perf/parallel_adapters.py's reading of per-replica, per-rank versions."""
 from __future__ import annotations
 
 from parallm import protocol
-from perf.bench_parallel import load_line, replica_delta, requests_at
+import pytest
+
+from perf.bench_parallel import load_line, parse_layout, rank_delta, ranks_line, replica_delta, requests_at
 from perf.loadgen import RequestRecord, steady_state
 from perf.parallel_adapters import NAME, lora_tensors, served_versions
 
@@ -76,3 +78,25 @@ def test_the_published_lora_fits_the_model(tmp_path):
     assert tensors["model.layers.1.self_attn.o_proj.lora_a"].shape == (64, 8)
     assert tensors["model.layers.0.self_attn.q_proj.lora_b"].shape == (8, 64)
     assert len(tensors) == 8
+
+
+def test_a_layout_may_carry_its_own_concurrency_levels():
+    assert parse_layout("2x1", [1, 64]) == ("2x1", [1, 64])
+    assert parse_layout("1x2@256", [1, 64]) == ("1x2", [256])
+    assert parse_layout("1x1@1/64/128/256", [8]) == ("1x1", [1, 64, 128, 256])
+    with pytest.raises(ValueError):
+        parse_layout("0x1", [1])
+
+
+def test_each_ranks_phases_over_a_run_are_the_difference_of_two_readings():
+    before = [{"rank": 0, "steps": 10, "phase_s": {"plan": 0.01, "read": 0.1}, "collective_us": {"all_sum_1row": 30.0}},
+              {"rank": 1, "steps": 10, "phase_s": {"wait": 0.2}, "collective_us": {}}]
+    after = [{"rank": 0, "steps": 110, "phase_s": {"plan": 0.06, "read": 1.1, "launch": 0.5},
+              "collective_us": {"all_sum_1row": 30.0}},
+             {"rank": 1, "steps": 60, "phase_s": {"wait": 0.7}, "collective_us": {}}]
+    ranks = rank_delta(before, after)
+    assert ranks[0] == {"rank": 0, "steps": 100, "collective_us": {"all_sum_1row": 30.0},
+                        "step_ms_mean": {"plan": 0.5, "read": 10.0, "launch": 5.0}}
+    assert ranks[1]["steps"] == 50 and ranks[1]["step_ms_mean"] == {"wait": 10.0}
+    line = ranks_line({"ranks": ranks})
+    assert "rank 0 (100 steps): plan 0.50, read 10.00, launch 5.00" in line and "all_sum_1row" in line

@@ -21,6 +21,7 @@ from mlx_lm.models import llama
 from parallm import protocol
 from parallm.launch.group import write_ring_hostfile
 from parallm.engine import distributed
+from parallm.engine.rank_timing import probe_collectives
 from parallm.engine.distributed import (Leader, TensorParallelError, control_addresses, follow,
                                         shard_model, shard_refusal, state_digest)
 from parallm.protocol import SamplingParams
@@ -49,7 +50,7 @@ def both_phases(engine) -> dict[str, list[int]]:
     """The workload, the prefix cache reset (as ResetPrefixCache does: every rank must drop the same
     blocks, or their next plans differ), then the workload again under new ids."""
     first = tokens(run_all(engine, workload()))
-    engine.blocks.drop_cached()
+    engine.drop_cached_blocks()
     again = workload()
     for r in again:
         r.rid = "again-" + r.rid
@@ -84,18 +85,25 @@ def rank_main(out: str) -> int:
     group = distributed.join(int(os.environ["TP_SIZE"]), backend="ring")
     model = model_of(os.environ["TP_MODEL"])
     shard_model(model, group)
-    engine = make_engine(model, kv=kv_of(), prefill_pass_s=float(os.environ.get("TP_PACE_S", "0")))
+    engine = make_engine(model, kv=kv_of(), prefill_pass_s=float(os.environ.get("TP_PACE_S", "0")),
+                         **({"compiled_decode": True} if os.environ.get("TP_COMPILED") else {}))
     if group.rank() > 0 and os.environ.get("TP_PACE_S"):
         slow_clock(engine.pacer)
     distributed.freeze_clock(engine)
     engine.warm_up()
+    collective_us = probe_collectives(model, group)
     addresses = distributed.control_addresses(str(Path(out).parent))
     if group.rank() > 0:
-        return distributed.follow(engine, group, addresses)
-    leader = distributed.Leader(engine, group, addresses)
+        return distributed.follow(engine, group, addresses, collective_us)
+    leader = distributed.Leader(engine, group, addresses, collective_us)
     results = both_phases(leader)
+    deadline = time.monotonic() + 10  # the followers' last acks (with their phases) arrive asynchronously
+    while any(r.step < leader.steps for r in leader.stats().ranks[1:]) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    ranks = [msgspec.to_builtins(r) for r in leader.stats().ranks]
     leader.close()
     Path(out).write_text(json.dumps(results))
+    Path(out).with_suffix(".ranks.json").write_text(json.dumps(ranks))
     return 0
 
 
@@ -118,6 +126,26 @@ def test_two_ring_ranks_match_the_single_rank_engine(tmp_path):
     want = both_phases(make_engine(tiny_model("llama")))
     assert got == want
     assert len(got) == 14 and all(len(t) >= 6 for t in got.values())
+    check_rank_timings(json.loads((tmp_path / "tokens.ranks.json").read_text()))
+
+
+def test_two_ring_ranks_with_compiled_decode_match_the_single_rank_engine(tmp_path):
+    """engine.compiled_decode on every rank: the decode pass, its all-sums inside, traced once per shape
+    under mx.compile (what cuts a GPU step's host launch cost, the cost TP=2 pays on every rank)."""
+    got = run_group(tmp_path, 2, "tiny", TP_COMPILED="1")
+    assert got == both_phases(make_engine(tiny_model("llama"), compiled_decode=True))
+
+
+def check_rank_timings(ranks: list[dict]) -> None:
+    """Each rank's step phases and its all-sum probe, as rank 0's stats report them (rank_timing.py)."""
+    assert [r["rank"] for r in ranks] == [0, 1]
+    lead, follower = ranks[0]["step_ms_mean"], ranks[1]["step_ms_mean"]
+    assert {"plan", "schedule", "launch", "read"} <= set(lead) and "wait" not in lead
+    assert {"wait", "replay", "ack", "schedule", "launch", "read"} <= set(follower) and "plan" not in follower
+    assert all(v >= 0 for r in ranks for v in r["step_ms_mean"].values())
+    for r in ranks:  # tiny llama: 64 wide, 2 layers -> 4 all-sums a step
+        assert set(r["collective_us"]) == {"all_sum_1row", "all_sum_64rows", "step_chain_4"}, r
+        assert all(v > 0 for v in r["collective_us"].values())
 
 
 def test_ranks_that_time_their_passes_differently_pace_prefill_as_rank_0(tmp_path):
@@ -215,6 +243,44 @@ def test_the_leader_sends_its_calls_without_a_collective(tmp_path, monkeypatch):
     leader.close()
     assert collectives == []
     assert got == tokens(run_all(make_engine(tiny_model("llama")), workload()))
+
+
+def test_the_leader_answers_every_engine_call_the_stage_makes_and_nothing_else():
+    """Rank 0's stage holds a Leader where it would hold an Engine. Every attribute of the engine that
+    the stage modules use must be one the Leader defines (a call that changes state is recorded for the
+    other ranks; a read passes through): no __getattr__ sends an unrecorded call to rank 0's engine alone."""
+    import re
+
+    engine = make_engine(tiny_model("llama"))
+    used = set()
+    for module in (ROOT / "stages").glob("engine*.py"):
+        used |= set(re.findall(r"\bengine\.([a-z_]+)", module.read_text()))
+    used = {name for name in used if hasattr(engine, name)} - {"warm_up"}  # before the Leader wraps it, every rank
+    assert {"add_request", "abort", "step", "set_default_adapter", "drop_cached_blocks"} <= used
+    assert not hasattr(Leader, "__getattr__")
+    assert sorted(name for name in used if not hasattr(Leader, name)) == []
+
+
+def test_setting_the_default_adapter_and_dropping_blocks_are_calls_every_rank_replays(tmp_path):
+    calls_at, acks_at = control_addresses(str(tmp_path))
+    sub = zmq.Context.instance().socket(zmq.SUB)
+    sub.setsockopt(zmq.SUBSCRIBE, b"")
+    sub.connect(calls_at)
+    engine = make_engine(tiny_model("llama"))
+    leader = Leader(engine, TwoRanks(), (calls_at, acks_at))
+    try:
+        run_all(leader, workload()[:2])
+        while sub.poll(100):
+            sub.recv()
+        assert leader.drop_cached_blocks() > 0 and engine.blocks.num_cached == 0
+        leader.set_default_adapter("")
+        leader.step()
+        batch = protocol.decode(sub.recv(), protocol.RankBatch)
+        assert [type(c) for c in batch.calls] == [protocol.DropCachedBlocks, protocol.SetDefaultAdapter,
+                                                   protocol.Step]
+    finally:
+        leader.close()
+        sub.close()
 
 
 class TwoRanks:

@@ -219,7 +219,7 @@ def rank_0_main(config_file: str, out: str) -> int:
     engine = Engine(EngineModel.of(loaded), config)
     distributed.freeze_clock(engine)
     engine.warm_up()
-    leader = Leader(engine, group, distributed.control_addresses(config.transport.run_dir, 0))
+    leader = distributed.lead(engine, loaded.model, group, distributed.control_addresses(config.transport.run_dir, 0))
     got = run_all(leader, [req(f"w{i}", ids, greedy(n)) for i, (ids, n) in enumerate(WORK)])
     leader.close()
     Path(out).write_text(json.dumps({f"{rid}/{index}": d["tokens"] for (rid, index), d in sorted(got.items())}))

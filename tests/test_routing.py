@@ -160,3 +160,57 @@ def test_a_dead_replica_gives_back_only_the_requests_sent_to_it():
     for rid in ("a", "b", "c"):
         recent.add(rid)
     assert "a" not in recent and "b" in recent and "c" in recent
+
+
+def conversation(session: int, turns: int, system: list[int]) -> list[list[int]]:
+    """A chat's prompts turn by turn: a shared system prompt, a 300-token document of its own, then each
+    turn's answer and question appended to the last prompt."""
+    prompts, ids = [], system + prompt(1000 + session, 300)
+    for turn in range(turns):
+        ids = ids + prompt(50 * session + turn, 30)
+        prompts.append(list(ids))
+    return prompts
+
+
+def route_conversations(tokenizers: list[Router], clock: Clock, chats: int = 15, turns: int = 5) -> dict[int, list[int]]:
+    """Each chat's replica turn by turn; the tokenizers take the requests in turn (as the ingress spreads
+    them), so with an odd number of chats each chat's turns alternate between two tokenizers."""
+    system = prompt(7, 48)
+    convs = [conversation(s, turns, system) for s in range(chats)]
+    placed: dict[int, list[int]] = {s: [] for s in range(chats)}
+    n = 0
+    for turn in range(turns):
+        for s, conv in enumerate(convs):
+            placed[s].append(tokenizers[n % len(tokenizers)].choose(conv[turn], cost=300))
+            n += 1
+            clock.t += 0.05
+    return placed
+
+
+def moves(placed: dict[int, list[int]]) -> int:
+    return sum(a != b for p in placed.values() for a, b in zip(p, p[1:]))
+
+
+def test_a_conversation_stays_on_its_home_replica_across_tokenizers():
+    """Two tokenizers, each with its own router, take a conversation's turns in turn: the tokenizer that
+    routes turn 2 never saw turn 1 (it knows only the system prompt, from other chats). Both send each
+    turn to the chat's home replica (the hash of its anchor block) where the load allows: the chats
+    spread over both replicas, and at most one turn in ten moves (each chat at most once), where routing
+    by each tokenizer's own memory and load moved 16 of 60 turns, some chats every turn."""
+    clock = Clock()
+    tokenizers = [Router(2, 16, clock=clock, tokenizers=2), Router(2, 16, clock=clock, tokenizers=2)]
+    placed = route_conversations(tokenizers, clock)
+    assert moves(placed) <= 6, placed
+    assert all(sum(a != b for a, b in zip(p, p[1:])) <= 1 for p in placed.values()), placed
+    firsts = [p[0] for p in placed.values()]
+    assert 4 <= firsts.count(0) <= 11, firsts
+    assert sum(r.home_hits for r in tokenizers) >= 50
+
+
+def test_a_sole_tokenizer_routes_by_its_memory():
+    """One tokenizer remembers every turn it routed: no home rule, no turn moves."""
+    clock = Clock()
+    router = Router(2, 16, clock=clock)
+    placed = route_conversations([router], clock)
+    assert moves(placed) == 0 and router.home_hits == 0
+    assert 5 <= [p[0] for p in placed.values()].count(0) <= 10

@@ -4,8 +4,13 @@ Every rank loads the model, shards it with mlx-lm's `model.shard(group)` (each r
 of the attention heads and MLP columns; the layers' `sharded-to-all` projections all-sum their
 outputs) and builds the same `Engine`. Rank 0 serves: the engine stage wraps its engine in a
 `Leader`, which records every call that changes the engine's state (a request added, an abort,
-an adapter loaded, a step, ...) and, before each step, sends the calls since the last one to the
-other ranks as one numbered `RankBatch` (parallm/protocol/to_ranks.py: one struct per call) over ZeroMQ (an XPUB socket in the run dir). The other ranks
+an adapter loaded or made the default, the prefix cache dropped, a step, ...) and, before each step,
+sends the calls since the last one to the other ranks as one numbered `RankBatch` (the step's plan:
+parallm/protocol/to_ranks.py, one tagged struct per call) over ZeroMQ (an XPUB socket in the run
+dir). The Leader answers exactly the engine calls the stage makes, each written out (no
+`__getattr__`, no proxies of the engine's parts): a state-changing call the stage starts making
+fails on the Leader until it is a recorded struct (tests/test_distributed.py checks the stage's
+calls against it). The other ranks
 run `follow`: they replay the same calls on their own engine, so every rank schedules the same plan
 and runs the same passes in lockstep (the passes' own all-sums, in mlx-lm's sharded layers, keep
 them in step: those stay on `mx.distributed`). The scheduler's clock (priority aging) is rank 0's,
@@ -47,7 +52,7 @@ from __future__ import annotations
 import logging
 import time
 import zlib
-from typing import Any, Callable
+from typing import Any, Callable, Mapping, Protocol
 
 import mlx.core as mx
 import zmq
@@ -61,6 +66,8 @@ from parallm.protocol import (AbortRequest, AddRequest, AddScore, DropCachedBloc
 from .rank_group import (  # noqa: F401 - re-exported: the engine stage and tests use distributed.<name>
     CONTROL_ENV, TensorParallelError, agree_min, agreed_config, channel_socket, control_addresses, default_backend,
     join, rank_from_env, shard_model, shard_refusal)
+from .constraints import Constraints
+from .rank_timing import RankPhases, probe_collectives
 from .request import Request, RequestRejected
 
 log = logging.getLogger("parallm.engine.distributed")
@@ -72,6 +79,30 @@ ACK_GRACE_S = 2.0  # waited for a late ack before that (rank 0 may itself have b
 
 _batches = protocol.Decoder(protocol.RankBatch)
 _acks = protocol.Decoder(protocol.RankAck)
+
+
+class AdapterReads(Protocol):
+    """What rank 0's stage reads of the loaded adapters (its changes are Leader calls, replayed everywhere)."""
+
+    default_name: str
+
+    def describe(self) -> list[protocol.AdapterInfo]: ...
+
+    @property
+    def nbytes(self) -> int: ...
+
+
+class BlockReads(Protocol):
+    """What rank 0's stage reads of the prefix cache."""
+
+    @property
+    def num_used(self) -> int: ...
+
+
+class WeightChecks(Protocol):
+    """A weight-update chunk checked before it is staged (nothing applied: no rank hears of it)."""
+
+    def check_chunk(self, tensors: Mapping[str, mx.array]) -> None: ...
 
 
 def served_policy(engine) -> dict[str, int]:
@@ -90,12 +121,20 @@ def state_digest(engine) -> int:
     return hash(key) & 0x7FFFFFFFFFFFFFFF
 
 
+def lead(engine, model, group: mx.distributed.Group, addresses: tuple[str, str]) -> "Leader":
+    """Rank 0 after its warm-up: the all-sum probe (in lockstep with follower_main's, which runs it
+    after the same warm-up), then the Leader that serves."""
+    return Leader(engine, group, addresses, probe_collectives(model, group))
+
+
 class Leader:
     """Rank 0's engine: the real `Engine`, with every state-changing call recorded and sent to the
     other ranks before each step (module docstring). Reads (stats, has_work, ...) pass through."""
 
-    def __init__(self, engine, group: mx.distributed.Group, addresses: tuple[str, str]) -> None:
-        """`addresses`: where to send the calls and hear the followers' acks (control_addresses)."""
+    def __init__(self, engine, group: mx.distributed.Group, addresses: tuple[str, str],
+                 collective_us: dict[str, float] | None = None) -> None:
+        """`addresses`: where to send the calls and hear the followers' acks (control_addresses);
+        `collective_us`: this rank's probe_collectives, for its stats."""
         self._engine = engine
         self._group = group
         self._calls = channel_socket(zmq.XPUB, addresses[0], bind=True)  # never drops a batch for a slow follower
@@ -116,16 +155,64 @@ class Leader:
         self._digest = state_digest(engine)
         self._digest_policy = served_policy(engine)  # what rank 0 served when it computed _digest
         self._ranks = [RankState(rank=r, policy=self._digest_policy) for r in range(group.size())]
+        self._times = RankPhases("plan")  # rank 0's plan phase (rank_timing.py)
+        self._collective_us = collective_us or {}
+        self._rank_times: dict[int, tuple[dict[str, float], dict[str, float]]] = {}  # follower -> its last timings
         engine.scheduler.policy.clock = lambda: self._now
-        self.adapters = _RecordingAdapters(engine.adapters, self._record)
-        self.blocks = _RecordingBlocks(engine.blocks, self._record) if engine.blocks is not None else None
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._engine, name)
 
     @property
     def group(self) -> mx.distributed.Group:
         return self._group
+
+    # reads: what the engine stage asks of rank 0's engine; they change nothing, so no rank hears of them
+    # (no __getattr__: a state-changing call the stage starts making fails here, loudly, until it is recorded)
+    def request_ids(self) -> list[str]:
+        return self._engine.request_ids()
+
+    def has_work(self) -> bool:
+        return self._engine.has_work()
+
+    def owes_outputs(self) -> bool:
+        return self._engine.owes_outputs()
+
+    def check_integrity(self) -> None:
+        self._engine.check_integrity()
+
+    def policy(self) -> dict[str, int]:
+        return self._engine.policy()
+
+    @property
+    def last_batch_size(self) -> int:
+        return self._engine.last_batch_size
+
+    @property
+    def steps(self) -> int:
+        return self._engine.steps
+
+    @property
+    def weights_version(self) -> int:
+        return self._engine.weights_version
+
+    @property
+    def weights(self) -> WeightChecks:
+        """Checks a chunk of a weight update before it is applied (check_chunk)."""
+        return self._engine.weights
+
+    @property
+    def constraints(self) -> Constraints:
+        """Grammar compilation (on the stage's compile thread); a compiled grammar is used by the
+        requests that carry it, which every rank gets in AddRequest."""
+        return self._engine.constraints
+
+    @property
+    def adapters(self) -> AdapterReads:
+        """The loaded adapters, to describe; the default is set with set_default_adapter."""
+        return self._engine.adapters
+
+    @property
+    def blocks(self) -> BlockReads | None:
+        """The prefix cache, to count; dropped with drop_cached_blocks."""
+        return self._engine.blocks
 
     def _record(self, call: RankCall, run: Callable[[], Any]) -> Any:
         """Run the call here; if it raised nothing, queue it (stamped with rank 0's clock) for the others."""
@@ -150,10 +237,15 @@ class Leader:
         while self._acks.poll(0):
             ack = _acks.decode(self._acks.recv())
             self._acked[ack.rank] = max(self._acked.get(ack.rank, 0), ack.seq)
+            if ack.step_ms_mean or ack.collective_us:
+                before = self._rank_times.get(ack.rank, ({}, {}))
+                self._rank_times[ack.rank] = (ack.step_ms_mean or before[0], ack.collective_us or before[1])
             if ack.seq not in self._after:  # a batch whose call raised here: this rank is on its way out
                 continue
             digest, steps, policy = self._after[ack.seq]
-            self._ranks[ack.rank] = RankState(rank=ack.rank, step=steps, agrees=ack.digest == digest, policy=policy)
+            step_ms, collective_us = self._rank_times.get(ack.rank, ({}, {}))
+            self._ranks[ack.rank] = RankState(rank=ack.rank, step=steps, agrees=ack.digest == digest, policy=policy,
+                                              step_ms_mean=step_ms, collective_us=collective_us)
             if ack.digest != digest:
                 raise TensorParallelError(f"rank {ack.rank} diverged from rank 0 after batch {ack.seq} (state "
                                           f"digest {ack.digest} vs {digest}); the group must restart")
@@ -176,7 +268,9 @@ class Leader:
     def _sync(self, call: Step | Flush, run: Callable[[], Any]) -> Any:
         """Send the pending calls and this one, then run it here (the others do the same)."""
         self._now = call.now = time.monotonic()
+        t0 = time.perf_counter()
         self._send(call)
+        self._times.add("plan", time.perf_counter() - t0)
         result = run()
         self._digest = state_digest(self._engine)
         self._digest_policy = served_policy(self._engine)
@@ -188,7 +282,9 @@ class Leader:
         """The engine's stats, with what each rank serves as its last acknowledged batch confirmed."""
         self._drain_acks()
         stats = self._engine.stats()
-        stats.ranks = [RankState(rank=0, step=self._engine.steps, policy=served_policy(self._engine)),
+        stats.ranks = [RankState(rank=0, step=self._engine.steps, policy=served_policy(self._engine),
+                                 step_ms_mean=self._times.step_ms_mean(self._engine),
+                                 collective_us=self._collective_us),
                        *self._ranks[1:]]
         return stats
 
@@ -224,6 +320,12 @@ class Leader:
 
     def follow_latest(self) -> int:
         return self._record(FollowLatest(), self._engine.follow_latest)
+
+    def set_default_adapter(self, name: str) -> None:
+        self._record(SetDefaultAdapter(name=name), lambda: self._engine.set_default_adapter(name))
+
+    def drop_cached_blocks(self) -> int:
+        return self._record(DropCachedBlocks(), self._engine.drop_cached_blocks)
 
     def update_weights(self, *, path: str = "", tensors: dict | None = None, version: int = 0,
                        complete: bool = True):
@@ -264,34 +366,6 @@ class Leader:
         self._acks.close()
 
 
-class _RecordingAdapters:
-    """`engine.adapters` on rank 0: `set_default` is recorded like the engine's calls."""
-
-    def __init__(self, adapters, record: Callable[[RankCall, Callable[[], Any]], Any]) -> None:
-        self._adapters = adapters
-        self._record = record
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._adapters, name)
-
-    def set_default(self, name: str) -> None:
-        self._record(SetDefaultAdapter(name=name), lambda: self._adapters.set_default(name))
-
-
-class _RecordingBlocks:
-    """`engine.blocks` on rank 0: dropping the cached prefix blocks is recorded like the engine's calls."""
-
-    def __init__(self, blocks, record: Callable[[RankCall, Callable[[], Any]], Any]) -> None:
-        self._blocks = blocks
-        self._record = record
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._blocks, name)
-
-    def drop_cached(self) -> int:
-        return self._record(DropCachedBlocks(), self._blocks.drop_cached)
-
-
 def _load_adapter(engine, call: LoadAdapter) -> Any:
     return engine.load_adapter(call.name, config=call.config, weights=call.weights, path=call.path,
                                format=call.format, version=call.version)
@@ -308,9 +382,9 @@ _REPLAY: dict[type, Callable[[Any, Any], Any]] = {
     AddScore: lambda engine, c: engine.add_score(c.qid, c.ids, c.start, c.top_logprobs, c.adapter, c.adapter_version),
     LoadAdapter: _load_adapter,
     UnloadAdapter: lambda engine, c: engine.unload_adapter(c.name),
-    SetDefaultAdapter: lambda engine, c: engine.adapters.set_default(c.name),
+    SetDefaultAdapter: lambda engine, c: engine.set_default_adapter(c.name),
     FollowLatest: lambda engine, c: engine.follow_latest(),
-    DropCachedBlocks: lambda engine, c: engine.blocks.drop_cached(),
+    DropCachedBlocks: lambda engine, c: engine.drop_cached_blocks(),
     UpdateWeights: lambda engine, c: engine.update_weights(path=c.path, tensors=load_bytes(c.weights) if c.weights
                                                            else None, version=c.version, complete=c.complete),
     Step: lambda engine, c: _step(engine, c),
@@ -336,7 +410,8 @@ def follower_main(config, replica: int = 0) -> int:
     load_adapters_at_start(engine, config.adapters.preload)  # as rank 0 does, in the same order
     freeze_clock(engine)
     engine.warm_up()
-    return follow(engine, group, control_addresses(config.transport.run_dir, replica))
+    collective_us = probe_collectives(loaded.model, group)  # with rank 0's, right after its warm-up
+    return follow(engine, group, control_addresses(config.transport.run_dir, replica), collective_us)
 
 
 def freeze_clock(engine) -> None:
@@ -345,11 +420,13 @@ def freeze_clock(engine) -> None:
     engine.scheduler.policy.clock = lambda: 0.0
 
 
-def follow(engine, group: mx.distributed.Group, addresses: tuple[str, str]) -> int:
+def follow(engine, group: mx.distributed.Group, addresses: tuple[str, str],
+           collective_us: dict[str, float] | None = None) -> int:
     """A rank other than 0: replay rank 0's calls (from `addresses`, as control_addresses) on this
-    rank's engine until it says stop, acknowledging each batch with this rank's digest. Returns 0
-    then; raises TensorParallelError when this rank's state no longer matches rank 0's or a batch
-    went missing."""
+    rank's engine until it says stop, acknowledging each batch with this rank's digest and its step
+    phases so far (rank_timing.py; `collective_us`, its probe, in the first ack).
+    Returns 0 then; raises TensorParallelError when this rank's state no longer matches rank 0's or a
+    batch went missing."""
     calls = channel_socket(zmq.SUB, addresses[0], bind=False)
     calls.setsockopt(zmq.SUBSCRIBE, b"")
     acks = channel_socket(zmq.PUSH, addresses[1], bind=False)
@@ -357,10 +434,13 @@ def follow(engine, group: mx.distributed.Group, addresses: tuple[str, str]) -> i
     engine.scheduler.policy.clock = lambda: now
     digest = state_digest(engine)
     rank, expected = group.rank(), 1
+    times, probe = RankPhases("wait", "replay", "ack"), collective_us or {}
     log.info("rank %d of %d follows rank 0", rank, group.size())
     try:
         while True:
+            t0 = time.perf_counter()
             batch = _batches.decode(calls.recv())  # blocks without polling while rank 0 is idle
+            times.add("wait", time.perf_counter() - t0)
             if batch.seq != expected:
                 raise TensorParallelError(f"rank {rank} got rank 0's batch {batch.seq}, expected {expected}: "
                                           "calls were lost; the group must restart")
@@ -372,10 +452,17 @@ def follow(engine, group: mx.distributed.Group, addresses: tuple[str, str]) -> i
                 if isinstance(call, StopFollowing):
                     return 0
                 now = call.now
+                t0 = time.perf_counter()
                 _REPLAY[type(call)](engine, call)
                 if isinstance(call, (Step, Flush)):
                     digest = state_digest(engine)
-            acks.send(protocol.encode(RankAck(rank=rank, seq=batch.seq, digest=digest)))
+                else:
+                    times.add("replay", time.perf_counter() - t0)
+            t0 = time.perf_counter()
+            acks.send(protocol.encode(RankAck(rank=rank, seq=batch.seq, digest=digest, collective_us=probe,
+                                              step_ms_mean=times.step_ms_mean(engine))))
+            probe = {}
+            times.add("ack", time.perf_counter() - t0)
     finally:
         calls.close()
         acks.close()

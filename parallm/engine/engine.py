@@ -437,6 +437,14 @@ class Engine(EngineReport, EngineScoring):
     def policy(self) -> dict[str, int]:
         return self.adapters.policy()
 
+    def set_default_adapter(self, name: str) -> None:
+        """Requests that name no adapter use adapter `name` from now on ("": the base model)."""
+        self.adapters.set_default(name)
+
+    def drop_cached_blocks(self) -> int:
+        """Forget every cached prefix block no sequence holds (ResetPrefixCache); returns how many."""
+        return self.blocks.drop_cached() if self.blocks is not None else 0
+
     # ------------------------------------------------------------------ full-weight updates
     def _cache_key(self, lora: LoadedAdapter | None) -> str:
         """A sequence's prefix-cache key: its adapter version and, after a full-weight update, the base

@@ -32,6 +32,11 @@ class RankState(Struct, kw_only=True):
     step: int = 0
     agrees: bool = True
     policy: dict[str, int] = {}  # adapter name -> the latest version it serves ("": the base weights' version)
+    # where this rank's steps went, mean ms per engine step by phase (parallm/engine/rank_timing.py): the
+    # engine's (schedule, prefill, mixed, launch, read), rank 0's plan, a follower's wait, replay and ack
+    step_ms_mean: dict[str, float] = {}
+    # all-sums over the group measured alone at start, in microseconds (rank_timing.probe_collectives)
+    collective_us: dict[str, float] = {}
 
 
 class WeightsStatus(Struct, kw_only=True):
@@ -229,7 +234,8 @@ class TokenizerStats(Struct, tag="tokenizer", kw_only=True):
     failed: int = 0
     dropped_frames: int = 0
     routed: list[int] = []  # requests sent to each engine replica (parallm/routing.py)
-    affinity_hits: int = 0  # of those, sent to a replica for its cached prefix
+    affinity_hits: int = 0  # of those, sent to the replica this tokenizer placed their prefix on
+    home_hits: int = 0      # of those, sent to their prefix anchor's home replica (parallm/routing.py)
     down: list[int] = []  # engine replicas it sends nothing to: dead, or remote ones not yet heard from
 
 

@@ -111,11 +111,14 @@ class RankBatch(Message, tag="rank_batch"):
 
 
 class RankAck(Message, tag="rank_ack"):
-    """A follower's state digest after replaying batch `seq`; what rank 0's ack PULL socket accepts."""
+    """A follower's state digest after replaying batch `seq`, and where its steps' time went so far
+    (mean ms per step by phase, parallm/engine/rank_timing.py); what rank 0's ack PULL socket accepts."""
 
     rank: int
     seq: int
     digest: int
+    step_ms_mean: dict[str, float] = {}
+    collective_us: dict[str, float] = {}
 
 
 class RankStart(Message, tag="rank_start"):

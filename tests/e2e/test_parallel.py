@@ -173,6 +173,74 @@ def test_a_killed_rank_restarts_the_group_and_no_client_hangs(tp_server):
     assert "rank 1 exited" in tp_server.output()
 
 
+KILL_BOUND_S = 15.0  # every request in flight ends within this of a rank's kill -9 (issue 38)
+
+
+def request_under_load(url: str, i: int, out: list) -> None:
+    """One request of the load: even ones stream, odd ones wait for the whole reply. Appends (when it
+    ended, how: "ended", the SSE error's dict, (status, error dict), or the httpx exception)."""
+    body = {"model": "m", "prompt": f"Load {i}:", "max_tokens": 1500, "temperature": 0, "ignore_eos": True}
+    try:
+        if i % 2 == 0:
+            with httpx.stream("POST", f"{url}/v1/completions", timeout=60, json={**body, "stream": True}) as r:
+                for line in r.iter_lines():
+                    if line.startswith("data:") and '"error"' in line:
+                        out.append((time.monotonic(), json.loads(line[5:])["error"]))
+                        return
+            out.append((time.monotonic(), "ended"))
+        else:
+            r = httpx.post(f"{url}/v1/completions", timeout=60, json=body)
+            out.append((time.monotonic(), (r.status_code, r.json().get("error"), r.headers.get("retry-after"))))
+    except httpx.HTTPError as exc:
+        out.append((time.monotonic(), exc))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("victim", [1, 0])
+def test_kill_9_of_a_rank_under_load_ends_every_request_within_15_s_and_the_group_serves_again(tp_server, victim):
+    """Eight requests in flight (streamed and not), one rank killed with SIGKILL (rank 1: rank 0 may be
+    waiting for it in a collective; rank 0: rank 1 waits for its next batch): the supervisor restarts
+    the whole group, every request ends with a retryable 503 (server_error) within KILL_BOUND_S (no client waits for
+    a collective that cannot complete), and the new group serves the same greedy text."""
+    tp_server.wait_ready(120)
+    before = complete_all(tp_server.url, 8)
+    results: list = []
+    threads = [threading.Thread(target=request_under_load, args=(tp_server.url, i, results)) for i in range(8)]
+    for t in threads:
+        t.start()
+    deadline = time.monotonic() + 60
+    while engine_stats(tp_server).running < 8:  # all eight admitted and decoding
+        assert time.monotonic() < deadline, tp_server.output()
+        time.sleep(0.1)
+    ranks = rank_pids(tp_server)
+    said = "rank 1 exited with code -9" if victim else "engine exited with code -9"
+    said_before = tp_server.output().count(said)
+    killed_at = time.monotonic()
+    os.kill(ranks[victim], signal.SIGKILL)
+    for t in threads:
+        t.join(max(0.0, killed_at + KILL_BOUND_S - time.monotonic()))
+    assert not any(t.is_alive() for t in threads), f"a request still ran {KILL_BOUND_S} s after the kill: {results}"
+    assert len(results) == 8 and max(at for at, _ in results) - killed_at < KILL_BOUND_S
+    print(f"rank {victim} killed: the last request ended {max(at for at, _ in results) - killed_at:.2f} s after")
+    for _, how in results:
+        error = how if isinstance(how, dict) else how[1] if isinstance(how, tuple) else None
+        # rank 0 killed: the supervisor fails its requests (stage_restarted); rank 1 killed: rank 0's collective
+        # fails first and the engine stage fails them itself (engine_error) as it exits: both retryable 503s
+        assert error is not None and error["code"] in ("stage_restarted", "engine_error"), results
+        if isinstance(how, tuple):
+            assert how[0] == 503 and how[2] is not None, results  # retryable: Retry-After
+    deadline = time.monotonic() + 120
+    while True:
+        now = rank_pids(tp_server)
+        if len(now) == 2 and not set(now.values()) & set(ranks.values()):
+            break
+        assert time.monotonic() < deadline, f"the group did not restart as two new ranks: {now}\n{tp_server.output()}"
+        time.sleep(0.2)
+    tp_server.wait_ready(120)
+    assert complete_all(tp_server.url, 8) == before
+    assert tp_server.output().count(said) == said_before + 1
+
+
 def adapters_and_weights(server: Server, model_dir: Path) -> dict[str, list[str]]:
     """Versions from every source (loaded at start, uploaded over HTTP, published on the trainer's
     PUB socket), then a full-weight update over HTTP: each one's greedy text."""
