@@ -123,6 +123,11 @@ class EngineStage(AdapterMessages, Stage):
             handlers.update({kind: self.fanned_out(handlers[kind]) for kind in FANNED_OUT})
         self.listen(self.adapter_sub, handlers)
         self.listen(self.inbox, handlers)
+        self.handlers = handlers
+        # a message read between a step's passes that is not a Submit: handled right after the step, before the
+        # inbox is read again (take_arrivals); a tensor-parallel group's rank 0 (distributed.Leader) reads none
+        self.deferred: protocol.Message | None = None
+        self.arrivals: Callable[[], None] | None = self.take_arrivals if isinstance(engine, Engine) else None
 
     # ------------------------------------------------------------------ messages
     def fanned_out(self, handler: Handler) -> Handler:
@@ -205,6 +210,25 @@ class EngineStage(AdapterMessages, Stage):
             return
         self.out.send(protocol.Track(rid=message.rid, reply_to=message.reply_to, prompt_ids=message.prompt_ids,
                                      spec=spec, replica=self.rt.replica))
+
+    def take_arrivals(self) -> None:
+        """Between a step's prefill pass and its decode pass (Engine.step's `arrivals`): the Submits that
+        arrived while the prefill pass ran go in, so that their prompts ride in the decode pass. Reading
+        stops at the first message of another kind (an adapter version a later Submit may ask for, an
+        abort, a pause): it is handled right after the step, before anything read after it."""
+        if self.deferred is not None:
+            return
+        for message in self.inbox.drain():
+            self.handled += 1
+            if type(message) is not protocol.Submit:
+                self.deferred = message
+                return
+            self.safely(self.handlers[protocol.Submit], message)
+
+    def handle_deferred(self) -> None:
+        message, self.deferred = self.deferred, None
+        if message is not None:
+            self.safely(self.handlers[type(message)], message)
 
     def send(self, outputs: list[SeqOutput | ScoreResult]) -> None:
         """A step's outputs: the sequences' in one StepOutputs, each finished score's reply to its client."""
@@ -355,7 +379,12 @@ class EngineStage(AdapterMessages, Stage):
         try:
             # first tokens sampled by the step's prefill pass go out before its decode pass runs
             if generating:
-                outputs = self.engine.flush() if paused_owing else self.engine.step(emit=self.send)
+                if paused_owing:
+                    outputs = self.engine.flush()
+                elif self.arrivals is None:
+                    outputs = self.engine.step(emit=self.send)
+                else:
+                    outputs = self.engine.step(emit=self.send, arrivals=self.arrivals)
             if pooling:  # one batched pooling pass between two generation steps
                 pooled = self.pooling.queue.step()
         except Exception as exc:  # noqa: BLE001 - e.g. MLX out of memory: fail fast, get restarted
@@ -365,6 +394,7 @@ class EngineStage(AdapterMessages, Stage):
         self.share.after_step(t2 - t1)
         if outputs:
             self.send(outputs)
+        self.handle_deferred()
         self.pooling.send(pooled, self.step_count)
         spent["inbox_s"] += t1 - t0
         spent["step_s"] += t2 - t1

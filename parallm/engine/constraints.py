@@ -56,20 +56,33 @@ def tokenizer_from_file(path: str | Path, vocab_size: int, eos_ids: Seq[int]) ->
 FREE, GRAMMAR, GRAMMAR_OR_OPENER = 0, 1, 2  # what a row's next token may be (RowMatcher.sync)
 
 
+class Grammar:
+    """A compiled grammar: its matcher (copied for each sequence) and the bitmask row of its first token
+    (None: not computed), filled when it compiled, off the step loop."""
+
+    __slots__ = ("matcher", "first")
+
+    def __init__(self, matcher: Any, first: np.ndarray | None = None) -> None:
+        self.matcher = matcher
+        self.first = first
+
+
 class RowMatcher:
     """One sequence's matcher and the tokens it has consumed: the sequence's outputs from where its
     grammar begins (0, or after its reasoning: think_gate.py), then the token of the pass in flight
     when the mask was computed for the pass after it (overlap)."""
 
-    __slots__ = ("template", "matcher", "ids", "confirmed", "gate", "origin")
+    __slots__ = ("template", "matcher", "ids", "confirmed", "gate", "origin", "first")
 
-    def __init__(self, template: Any, gate: ThinkGate | None = None) -> None:
+    def __init__(self, template: Any, gate: ThinkGate | None = None, first: np.ndarray | None = None) -> None:
+        """`first`: the grammar's first-token bitmask row (Grammar.first), used while nothing is consumed."""
         self.template = template  # the compiled grammar's matcher, copied (an errored matcher cannot reset)
         self.matcher = template.deep_copy()
         self.ids: list[int] = []
         self.confirmed = 0  # ids[:confirmed] are outputs the sequence kept
         self.gate = gate
         self.origin = 0  # the output index where the grammar begins
+        self.first = first
 
     def sync(self, output_ids: list[int], pending: int | None = None) -> int:
         """Bring the matcher to `output_ids` followed by `pending` (the token sampled by the pass in
@@ -138,9 +151,9 @@ class Constraints:
         self._tokenizer_error = "this engine has no tokenizer for grammar constraints"
         self._thinking_source = thinking
         self._thinking: Markers | None | bool = False  # False: not looked up yet
-        # (kind, value) -> compiled matcher, or the GrammarError it raised (LRU): keyed by content, so that a
+        # (kind, value) -> compiled Grammar, or the GrammarError it raised (LRU): keyed by content, so that a
         # repeat finds it without rebuilding the grammar text (0.7 s for 20k choices)
-        self._templates: OrderedDict[tuple[str, str], Any] = OrderedDict()
+        self._templates: OrderedDict[tuple[str, str], Grammar | GrammarError] = OrderedDict()
         self._lock = threading.Lock()  # the cache is shared with the compile thread
         self._compiler: ThreadPoolExecutor | None = None
         self._compiler_lowered = False  # the compile thread runs below the step loop once requests compile on it
@@ -204,7 +217,7 @@ class Constraints:
             self._compiler = ThreadPoolExecutor(1, thread_name_prefix="parallm-grammar", initializer=name_os_thread)
         return self._compiler
 
-    def _template(self, c: Constraint) -> Any:
+    def _template(self, c: Constraint) -> Grammar:
         key = (c.kind, c.value)
         with self._lock:
             found = self._templates.get(key)
@@ -224,16 +237,25 @@ class Constraints:
             raise found
         return found
 
-    def _compile(self, c: Constraint) -> Any:
+    def _compile(self, c: Constraint) -> Grammar:
+        """The grammar's matcher and its first-token bitmask: a new matcher's first mask is the costliest
+        (4-12 ms for a 64 KiB choice list on SmolLM2's 49k tokens, against well under 1 ms once a token is
+        consumed), and it is the same for every sequence of the grammar, so it is filled here, on the compile
+        thread, not on the step loop (issue 30: three 64 KiB grammars' first masks added ~40-60 ms of CPU to the
+        prefill pass of their prompts on the 2-core CPU, and a canary waited for that pass)."""
         import llguidance
+        from llguidance.numpy import fill_next_token_bitmask
 
         text = compile_text(c)
         m = llguidance.LLMatcher(self.tokenizer, text, log_level=0)
         if m.is_error():
             raise GrammarError(explain(m.get_error()))
+        words = mask_words(self.tokenizer.vocab_size)
+        first = np.zeros((1, words), dtype=np.int32)
+        fill_next_token_bitmask(m.deep_copy(), first, 0)
         with self._lock:
             self.compiled += 1
-        return m
+        return Grammar(m, first[0] if words == mask_words(self.vocab_size) else None)
 
     def check(self, c: Constraint) -> None:
         """Compile (or find) the grammar; raises GrammarError naming what is wrong."""
@@ -265,10 +287,11 @@ class Constraints:
         """Give each sequence (n > 1 siblings included) its own matcher of the compiled grammar, which
         begins after the sequence's reasoning when the constraint says so and the model has thinking
         markers."""
-        template = self._template(c)
+        grammar = self._template(c)
         markers = self.thinking if c.after_reasoning else None
         for s in seqs:
-            self.rows[s.seq_id] = (s, RowMatcher(template, ThinkGate(markers, s.prompt_ids) if markers else None))
+            self.rows[s.seq_id] = (s, RowMatcher(grammar.matcher, ThinkGate(markers, s.prompt_ids) if markers else None,
+                                                 grammar.first))
 
     def constrained(self, seqs: Seq[Sequence]) -> bool:
         rows = self.rows
@@ -308,7 +331,10 @@ class Constraints:
                 for t in self.eos_ids:  # a matcher in error (never expected) lets the row end
                     _allow(buf, i, t)
                 continue
-            work.append((row.matcher, i))
+            if not row.ids and row.first is not None:  # nothing consumed: the grammar's first mask
+                buf[i] = row.first
+            else:
+                work.append((row.matcher, i))
             if mode == GRAMMAR_OR_OPENER:
                 openers.append((i, row.gate.opener))
         if work:

@@ -250,31 +250,40 @@ class Engine(EngineReport, EngineScoring):
         return items
 
     # ------------------------------------------------------------------ the loop
-    def step(self, emit: Callable[[list[Output]], None] | None = None) -> list[Output]:
+    def step(self, emit: Callable[[list[Output]], None] | None = None,
+             arrivals: Callable[[], None] | None = None) -> list[Output]:
         """One scheduling round: admissions, at most one prefill pass, one decode pass, and the
         tokens read back: one SeqOutput per sequence that got tokens or finished, and a
         ScoreResult per score request finished. The prefill pass samples the first token of every
         prompt it finishes and finishes the scores it completes; with `emit`, those outputs are
         handed to it as soon as the prefill pass is read (before the decode pass runs) instead of
         being returned with the rest. Where the runner can pack them (`engine.mixed_passes`), the
-        prompt chunks and the decode rows share one pass."""
+        prompt chunks and the decode rows share one pass. `arrivals`, called between the prefill
+        pass and the decode pass, may add requests (add_request): those that arrived while the
+        prefill pass ran join the decode pass as a mixed one (`_join`) instead of waiting for the
+        next step."""
         t0 = time.perf_counter()
         self.trace.begin(self.counters.begin())
         out = StepOutputs()
         self.output.report_aborts(out)
+        plan = self._schedule(t0)
+        kind = self._run(plan, out, emit, arrivals)  # each pass's tokens go through self.output as it is read
+        self.trace.end(kind, self.has_work())
+        return self._with_owed(out)
+
+    def _schedule(self, t0: float) -> Plan:
         plan = self.scheduler.schedule()
         self.trace.plan(len(plan.admitted), len(plan.preempted))
         self._execute(plan.ops)
         self._phase("schedule", time.perf_counter() - t0)
-        kind = self._run(plan, out, emit)  # each pass's tokens go through self.output as it is read
-        self.trace.end(kind, self.has_work())
-        return self._with_owed(out)
+        return plan
 
     def _execute(self, ops: list) -> None:
         self.trace.ops(ops)
         self.runner.execute(ops, self.blocks.peak)
 
-    def _run(self, plan: Plan, out: StepOutputs, emit: Callable[[list[Output]], None] | None) -> str:
+    def _run(self, plan: Plan, out: StepOutputs, emit: Callable[[list[Output]], None] | None,
+             arrivals: Callable[[], None] | None = None) -> str:
         """Run the step's passes; what they were (a StepRecord kind, trace.py)."""
         t1 = time.perf_counter()
         work = plan.prefill
@@ -282,14 +291,16 @@ class Engine(EngineReport, EngineScoring):
             self.trace.prefill(len(work.seqs), sum(work.lengths), work.length, max(work.starts) + work.length,
                                self.runner.live.capacity)
         if work is not None and self._can_mix(work):
-            contexts = [s.num_computed for s in self.scheduler.running]  # decoded in the same pass
-            if self._mixed(work, out, emit):
-                self._phase("mixed", seconds := time.perf_counter() - t1)
-                self.pacer.observe(seconds, work.starts, work.lengths, contexts)
+            if self._mixed_pass(work, out, emit, t1):
                 return "mixed"
         if work is not None:
             self._prefill(work, out, emit)
             self.pacer.observe(time.perf_counter() - t1, work.starts, [work.length] * len(work.seqs))
+            if arrivals is not None:
+                self._phase("prefill", time.perf_counter() - t1)
+                if self._join(arrivals, out, emit):  # records its own phases
+                    return "prefill+mixed"
+                t1 = time.perf_counter()
         t2 = time.perf_counter()
         verified = self.spec is not None and self.spec.step(out)  # speculated: verify pass read
         launched = not verified and self._launch()
@@ -305,6 +316,43 @@ class Engine(EngineReport, EngineScoring):
         for name, seconds in (("prefill", t2 - t1), ("launch", t3 - t2), ("read", t4 - t3)):
             self._phase(name, seconds)
         return "+".join(k for k, ran in (("prefill", work is not None), ("decode", launched or verified)) if ran) or "read"
+
+    def _mixed_pass(self, work: PrefillWork, out: StepOutputs, emit: Callable[[list[Output]], None] | None,
+                    t1: float) -> bool:
+        contexts = [s.num_computed for s in self.scheduler.running]  # decoded in the same pass
+        if not self._mixed(work, out, emit):
+            return False
+        self._phase("mixed", seconds := time.perf_counter() - t1)
+        self.pacer.observe(seconds, work.starts, work.lengths, contexts)
+        return True
+
+    def _join(self, arrivals: Callable[[], None], out: StepOutputs,
+              emit: Callable[[list[Output]], None] | None) -> bool:
+        """After a prefill pass that finished every prompt in the prefill region: the requests that
+        `arrivals` adds (those that arrived while the pass ran) are scheduled now and their prompts
+        ride in the decode pass, run as a mixed one. A short request that arrives while another's
+        prompt is prefilled then gets its first token at the end of this step rather than after this
+        step's decode pass and the next step's prefill pass (issue 30: beside a client that sends short
+        constrained requests back to back, a canary's p99 was 2.2x its idle p99 on a CPU, two steps where
+        an idle one takes one). True if the step's decode rows ran in that mixed pass; False if nothing
+        joined or the prompts cannot ride in it (they were prefilled apart: the decode pass follows)."""
+        if not (self.config.mixed_passes and self.runner.can_pack) or self.scheduler.prefilling or \
+                not self._wants_decode():
+            return False  # a prompt still being chunked keeps its share of the steps (fair prefill)
+        arrivals()
+        if not self.scheduler.waiting:
+            return False
+        t1 = time.perf_counter()
+        work = self._schedule(t1).prefill
+        if work is None:
+            return False
+        t2 = time.perf_counter()
+        if self._can_mix(work) and self._mixed_pass(work, out, emit, t2):
+            return True
+        self._prefill(work, out, emit)
+        self._phase("prefill", seconds := time.perf_counter() - t2)
+        self.pacer.observe(seconds, work.starts, [work.length] * len(work.seqs))
+        return False
 
     def _phase(self, name: str, seconds: float) -> None:
         self.counters.phase_s[name] += seconds

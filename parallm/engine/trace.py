@@ -173,7 +173,7 @@ class StepTracer:
 
     def end(self, kind: str, has_work: bool) -> None:
         """Close the step: `kind` is what it ran ("decode", "prefill", "prefill+decode", "mixed",
-        "read": only tokens of an earlier pass read); without `has_work` the burst ends with it
+        "prefill+mixed", "read": only tokens of an earlier pass read); without `has_work` the burst ends with it
         unless another step comes within BURST_GAP_S."""
         r, burst = self._record, self.current
         if r is None or burst is None:

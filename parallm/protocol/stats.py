@@ -71,7 +71,7 @@ class StepRecord(Struct, kw_only=True):
 
     step: int = 0
     ms: float = 0.0
-    kind: str = ""                # decode, prefill, prefill+decode, mixed, read
+    kind: str = ""                # decode, prefill, prefill+decode, mixed, prefill+mixed, read
     decode_rows: int = 0
     prefill_rows: int = 0
     prefill_tokens: int = 0       # real prompt tokens of the step's prefill pass
