@@ -416,3 +416,17 @@ def test_a_grammar_s_first_mask_is_filled_when_it_compiles_not_on_the_step_loop(
     assert filled == []
     out = run_all(engine)[("c", 0)]["tokens"]
     assert filled and out[0] in np.flatnonzero(np.unpackbits(want.view(np.uint8), bitorder="little"))
+
+
+def test_a_choice_list_of_thousands_is_followed_past_its_first_token(model):
+    """Every constraint the size check admits can be followed to its end: 2,800 choices (a 64 KiB list in the
+    isolation benchmark) passed engine.max_constraint_bytes, compiled, and then failed on the second token
+    (llguidance's default max_items_in_row is 2,000), so the row ended after one token that is no choice."""
+    choices = [f"a{i:04d}" for i in range(2800)]
+    engine = engine_on(model)
+    params = SamplingParams(temperature=1.0, max_tokens=12, seed=3,
+                            constraint=Constraint(kind="choice", value=json.dumps(choices)))
+    res = run_all(engine, [req("many", [5, 6], params)])
+    assert text_of(res[("many", 0)]["tokens"]) in choices
+    assert res[("many", 0)]["finish"] == "stop"
+

@@ -72,7 +72,7 @@ class RowMatcher:
     grammar begins (0, or after its reasoning: think_gate.py), then the token of the pass in flight
     when the mask was computed for the pass after it (overlap)."""
 
-    __slots__ = ("template", "matcher", "ids", "confirmed", "gate", "origin", "first")
+    __slots__ = ("template", "matcher", "ids", "confirmed", "gate", "origin", "first", "error_logged")
 
     def __init__(self, template: Any, gate: ThinkGate | None = None, first: np.ndarray | None = None) -> None:
         """`first`: the grammar's first-token bitmask row (Grammar.first), used while nothing is consumed."""
@@ -83,6 +83,7 @@ class RowMatcher:
         self.gate = gate
         self.origin = 0  # the output index where the grammar begins
         self.first = first
+        self.error_logged = False
 
     def sync(self, output_ids: list[int], pending: int | None = None) -> int:
         """Bring the matcher to `output_ids` followed by `pending` (the token sampled by the pass in
@@ -136,15 +137,27 @@ def _allow(buf: np.ndarray, row: int, token: int) -> None:
     buf[row, token >> 5] |= np.int32(np.uint32(1 << (token & 31)).view(np.int32))
 
 
+def items_in_row_for(max_bytes: int) -> int:
+    """llguidance's largest alternation a grammar may hold (its `max_items_in_row`, 2,000 by default) for
+    constraints up to `max_bytes`: one alternative takes at least 2 bytes of a regex ("a|"), so any
+    constraint the engine admits fits. With the default, a 64 KiB list of 2,800 choices passed the size check,
+    compiled, and failed on its second token (ParserTooComplex: "row has 2801 items"): the row could only end,
+    with a token that is none of the choices."""
+    return max(2000, max_bytes // 2 + 1)
+
+
 class Constraints:
     """Every constrained sequence of one engine. Empty (and free) while no request has a constraint."""
 
     def __init__(self, vocab_size: int, eos_ids: Seq[int], tokenizer: TokenizerSource | None = None,
-                 cache_size: int = 256, thinking: Callable[[], Markers | None] | None = None) -> None:
+                 cache_size: int = 256, thinking: Callable[[], Markers | None] | None = None,
+                 max_bytes: int = 65536) -> None:
         """`tokenizer`: builds the llguidance tokenizer when a first grammar compiles; `thinking`: gives
         the model's thinking markers as token ids (think_gate.thinking_from_file) when a first
-        constraint begins after the reasoning."""
+        constraint begins after the reasoning; `max_bytes`: the largest constraint a request may carry
+        (engine.max_constraint_bytes), which sets the parser's limits (items_in_row_for)."""
         self.vocab_size = vocab_size
+        self.max_items_in_row = items_in_row_for(max_bytes)
         self.eos_ids = [int(t) for t in eos_ids]
         self._tokenizer_source = tokenizer
         self._tokenizer: Any = None
@@ -247,7 +260,8 @@ class Constraints:
         from llguidance.numpy import fill_next_token_bitmask
 
         text = compile_text(c)
-        m = llguidance.LLMatcher(self.tokenizer, text, log_level=0)
+        m = llguidance.LLMatcher(self.tokenizer, text, log_level=0,
+                                 limits=llguidance.LLParserLimits(max_items_in_row=self.max_items_in_row))
         if m.is_error():
             raise GrammarError(explain(m.get_error()))
         words = mask_words(self.tokenizer.vocab_size)
@@ -327,6 +341,10 @@ class Constraints:
             if mode == FREE:  # thinking: the grammar begins after the end marker
                 continue
             if row.matcher.is_error():
+                if not row.error_logged:
+                    log.warning("constrained row %s ends: its grammar failed mid-output (%s)", s.seq_id,
+                                row.matcher.get_error())
+                    row.error_logged = True
                 buf[i] = 0
                 for t in self.eos_ids:  # a matcher in error (never expected) lets the row end
                     _allow(buf, i, t)

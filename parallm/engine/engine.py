@@ -142,7 +142,8 @@ class Engine(EngineReport, EngineScoring):
                                                 bs, self.runner, self.blocks)
         self.constraints = Constraints(self.vocab_size, self.eos_token_ids, lambda: tokenizer_from_file(
             _model_dir(config) / "tokenizer.json", self.vocab_size, self.eos_token_ids),
-            thinking=lambda: thinking_from_file(_model_dir(config) / "tokenizer.json"))
+            thinking=lambda: thinking_from_file(_model_dir(config) / "tokenizer.json"),
+            max_bytes=settings.max_constraint_bytes)
         self.runner.constraints = self.constraints
         self._requests: dict[str, list[Sequence]] = {}
         self.output = OutputProcessor(self.scheduler, self.eos_token_ids, self._requests, self._execute)
