@@ -23,7 +23,7 @@ import mlx.core as mx
 
 from parallm.engine import paged_kernels
 
-from .harness import machine
+from .harness import command, machine
 
 
 def _per_call_us(fn, repeats: int) -> float:
@@ -91,9 +91,7 @@ def main() -> None:
     kernels = 2 * args.layers
     evals = {"custom_per_kernel": _per_call_us(custom_chain, 50) / kernels,
              "builtin_per_op": _per_call_us(builtin_chain, 50) / kernels}
-    report = {"command": "python -m perf.diag_kernel_launch " + " ".join(f"--{k} {v}" for k, v in vars(args).items()
-                                                                       if v is not None),
-              "machine": machine(), "build_us": build, "eval_us": evals, "layers": args.layers}
+    report = {"command": command(), "machine": machine(), "build_us": build, "eval_us": evals, "layers": args.layers}
     print(json.dumps({"build_us": build, "eval_us": evals}))
     if args.out:
         with open(args.out, "w") as f:

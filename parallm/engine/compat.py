@@ -315,7 +315,7 @@ def check_batched_rows(model: nn.Module, info: ModelInfo, *, padded: bool = True
         for row, (g, w) in enumerate(zip(got, want)):
             g, w = g.astype(mx.float32), w.astype(mx.float32)
             scale = max(1.0, mx.abs(w).max().item())
-            tol = 1e-3 if info.dtype == mx.float32 and exact_float32() else 3e-2
+            tol = _logit_tolerance(info)
             diff = mx.abs(g - w).max().item()
             if not diff <= max(tol * scale, 4 * noise):
                 why = ("its recurrent scan ignores a padded row's length" if info.has_state else
@@ -323,6 +323,12 @@ def check_batched_rows(model: nn.Module, info: ModelInfo, *, padded: bool = True
                 raise UnsupportedModel(f"model type {info.model_type!r} is not served: {why} (batched rows of "
                                        f"different lengths give other logits than each sequence alone: {what}, "
                                        f"row {row}, max difference {diff:.3g})")
+
+
+def _logit_tolerance(info: ModelInfo) -> float:
+    """How far (relative to the largest logit) two ways of computing the same logits may round apart: float32
+    where its matmuls are exact (parallm.device.exact_float32), else the 16-bit bound (TF32 on CUDA)."""
+    return 1e-3 if info.dtype == mx.float32 and exact_float32() else 3e-2
 
 
 def kv_format_for(model: nn.Module, info: ModelInfo, bits: int, group_size: int) -> KVFormat:
@@ -350,7 +356,7 @@ def kv_format_for(model: nn.Module, info: ModelInfo, bits: int, group_size: int)
         raise UnsupportedModel(f"--kv.bits {bits}: model type {info.model_type!r} does not run on quantized K/V "
                                f"({failed}); serve it with --kv.bits 0")
     if "matmul" in got:
-        tol = 1e-3 if info.dtype == mx.float32 and exact_float32() else 3e-2
+        tol = _logit_tolerance(info)
         diff = max(mx.abs(a - b).max().item() / max(1.0, mx.abs(b).max().item())
                    for a, b in zip(got["matmul"], got["dequantize"]))
         if diff <= tol:
