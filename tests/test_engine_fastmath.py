@@ -1,5 +1,7 @@
 """The libm-free exp, SwiGLU and attention of parallm.kernels and parallm.engine.fastmath against MLX's own kernels."""
 
+import threading
+
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
@@ -9,6 +11,7 @@ from mlx_lm.models.rope_utils import Llama3RoPE
 
 from _engine_helpers import greedy, make_engine, run_all, tiny_model, req
 
+from parallm.engine.cache import PagedMask
 from parallm.engine.packed import TokenPositions
 from parallm.engine.fastmath import FastMath, FastRoPE, RopeTables, scaled_dot_product_attention, swiglu
 from parallm.kernels import exp
@@ -89,20 +92,75 @@ def test_attention_with_per_head_mask():
                        rtol=1e-5, atol=1e-6)
 
 
+class _Answers:
+    """A cache whose paged read answers a sentinel: only the engine's attention stand-in calls it
+    (mlx-lm's stock attention refuses a PagedMask), so a call through the module shows which ran."""
+
+    def paged_attention(self, queries, keys, scale):
+        return "stand-in"
+
+
+def _attends_with_the_stand_in() -> bool:
+    q = mx.zeros((1, 2, 1, 8))
+    try:
+        return llama.scaled_dot_product_attention(q, q, q, cache=_Answers(), scale=1.0,
+                                                  mask=PagedMask(None)) == "stand-in"
+    except TypeError:  # the stock function: mx.fast.scaled_dot_product_attention takes no PagedMask
+        return False
+
+
 def test_fast_math_swaps_only_while_entered_and_restores_on_error():
     model = tiny_model("llama")
     fm = FastMath(model)
     assert fm.active and set(fm.replaced) == {"swiglu", "scaled_dot_product_attention"}
+    assert not _attends_with_the_stand_in()
     with fm:
-        assert llama.swiglu is swiglu and llama.scaled_dot_product_attention is scaled_dot_product_attention
+        assert _attends_with_the_stand_in()
         assert qwen3.swiglu is activations.swiglu  # another architecture's module is left alone
         with fm:
             pass
-        assert llama.swiglu is swiglu  # still inside the outer block
+        assert _attends_with_the_stand_in()  # still inside the outer block
     assert llama.swiglu is activations.swiglu
     with pytest.raises(RuntimeError), fm:
         raise RuntimeError("boom")
     assert llama.scaled_dot_product_attention is base.scaled_dot_product_attention
+
+
+def test_one_engines_exit_leaves_another_threads_stand_in_in_place():
+    """Two engines of one family in one process (a leader and a follower rank): the follower's pass
+    ending must not put mlx-lm's stock attention under the leader's pass mid-graph (CI saw a paged
+    decode pass reach the stock function with its PagedMask)."""
+    leader, follower = FastMath(tiny_model("llama")), FastMath(tiny_model("llama"))
+    assert set(follower.replaced) == set(leader.replaced)  # an entered one does not hide the originals
+    inside, leave = threading.Event(), threading.Event()
+    seen: list[bool] = []
+
+    def follower_pass():
+        with follower:
+            seen.append(_attends_with_the_stand_in())
+            inside.set()
+            leave.wait(10)
+
+    other = threading.Thread(target=follower_pass)
+    with leader:
+        other.start()
+        assert inside.wait(10)
+        assert FastMath(tiny_model("llama")).replaced == leader.replaced  # built while both are entered
+        leave.set()
+        other.join(10)
+        assert _attends_with_the_stand_in()  # the follower left; the leader's pass still has its stand-in
+    assert seen == [True]
+    assert not _attends_with_the_stand_in() and llama.swiglu is activations.swiglu
+
+
+def test_a_thread_without_fast_math_keeps_the_stock_functions_while_another_has_it():
+    seen: list[bool] = []
+    with FastMath(tiny_model("llama")):
+        other = threading.Thread(target=lambda: seen.append(_attends_with_the_stand_in()))
+        other.start()
+        other.join(10)
+        assert _attends_with_the_stand_in()
+    assert seen == [False]
 
 
 ROPES = {

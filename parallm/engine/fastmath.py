@@ -3,8 +3,9 @@
 The float32 kernels themselves (exp as 2^n * 2^f, SwiGLU, attention; why, and what they saved)
 are parallm/kernels.py. The fast functions replace mlx-lm's `swiglu` and
 `scaled_dot_product_attention` in the model's own module only while `FastMath` is entered (the
-engine enters it around its passes), so any other use of mlx-lm in the process (mlx_lm.generate, a
-trainer's loss) keeps the stock kernels.
+engine enters it around its passes) and only for the thread that entered it (`_ModuleSwap`), so any
+other use of mlx-lm in the process (mlx_lm.generate, a trainer's loss, another engine of the same
+family) keeps its own kernels.
 They take float32 only; every other case (half precision, attention sinks) goes to the stock
 function; quantized K/V (kv.bits) get the same attention through MLX's quantized matmuls. Likewise the model's rotate-half RoPE modules are stood in for by
 `FastRoPE` (see `RopeTables`), and the attention runs packed passes (packed.PackedContext), which
@@ -15,6 +16,7 @@ from __future__ import annotations
 
 import math
 import sys
+import threading
 from functools import partial
 from typing import Any
 
@@ -169,6 +171,81 @@ def _fast_ropes(model: nn.Module, tables: RopeTables | None) -> list[tuple[nn.Mo
     return out
 
 
+class _ModuleSwap:
+    """The functions FastMath puts into model modules, one stand-in per (module, name) for the process.
+
+    Several engines in one process can share a model module (a leader and a follower rank, an engine
+    beside a draft model of the same family). Setting the module's global on enter and putting the
+    original back on exit let one engine's exit pull the stand-in out from under another engine's
+    graph mid-pass (a paged decode pass then reached mlx-lm's stock attention with its PagedMask).
+    So the module holds one dispatcher from the first enter to the last exit (counted), and the
+    dispatcher calls what the *calling thread's* innermost FastMath asked for, the original for a
+    thread with none entered (a trainer's loss in another thread keeps the stock kernels)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._installed: dict[tuple[str, str], tuple[Any, Any, int]] = {}  # (module, name): original, dispatcher, users
+        self._local = threading.local()
+
+    def original(self, module: Any, name: str) -> Any:
+        """The module's own function `name`, also while a dispatcher stands in for it."""
+        with self._lock:
+            entry = self._installed.get((module.__name__, name))
+        return entry[0] if entry is not None and getattr(module, name, None) is entry[1] else getattr(module, name, None)
+
+    def _chosen(self) -> dict[tuple[str, str], Any]:
+        chosen = getattr(self._local, "chosen", None)
+        if chosen is None:
+            chosen = self._local.chosen = {}
+        return chosen
+
+    def enter(self, module: Any, functions: dict[str, Any]) -> dict[tuple[str, str], Any]:
+        """Route `functions` (name: stand-in) of `module` to the stand-ins in this thread; returns what
+        this thread's routes were before, for `leave`."""
+        chosen = self._chosen()
+        before = {}
+        with self._lock:
+            for name, fast in functions.items():
+                key = (module.__name__, name)
+                original, dispatcher, users = self._installed.get(key) or (getattr(module, name), None, 0)
+                if dispatcher is None:
+                    dispatcher = self._dispatcher(key, original)
+                    setattr(module, name, dispatcher)
+                self._installed[key] = (original, dispatcher, users + 1)
+                before[key] = chosen.get(key)
+                chosen[key] = fast
+        return before
+
+    def leave(self, module: Any, before: dict[tuple[str, str], Any]) -> None:
+        chosen = self._chosen()
+        with self._lock:
+            for key, previous in before.items():
+                if previous is None:
+                    chosen.pop(key, None)
+                else:
+                    chosen[key] = previous
+                original, dispatcher, users = self._installed[key]
+                if users > 1:
+                    self._installed[key] = (original, dispatcher, users - 1)
+                else:
+                    del self._installed[key]
+                    setattr(module, key[1], original)
+
+    def _dispatcher(self, key: tuple[str, str], original: Any) -> Any:
+        local = self._local
+
+        def dispatch(*args: Any, **kwargs: Any) -> Any:
+            chosen = getattr(local, "chosen", None)
+            return (chosen.get(key, original) if chosen else original)(*args, **kwargs)
+
+        dispatch.__name__ = key[1]
+        dispatch.__wrapped__ = original
+        return dispatch
+
+
+_SWAP = _ModuleSwap()
+
+
 class FastMath:
     """While entered, the model's mlx-lm module uses the functions above (a no-op for modules
     that do not use mlx-lm's stock `swiglu` / `scaled_dot_product_attention`). With `exp` False
@@ -192,11 +269,12 @@ class FastMath:
         self.replaced: dict[str, tuple[Any, Any]] = {}
         if self.module is not None:
             for name, (original, fast) in stock.items():
-                if getattr(self.module, name, None) is original:
+                if _SWAP.original(self.module, name) is original:
                     self.replaced[name] = (original, fast)
         self.rope_tables = RopeTables()
         self.ropes = _fast_ropes(model, self.rope_tables if exp else None)
         self._depth = 0
+        self._before: dict[tuple[str, str], Any] = {}
 
     @property
     def active(self) -> bool:
@@ -204,8 +282,8 @@ class FastMath:
 
     def __enter__(self) -> "FastMath":
         if self._depth == 0:
-            for name, (_, fast) in self.replaced.items():
-                setattr(self.module, name, fast)
+            if self.replaced:
+                self._before = _SWAP.enter(self.module, {name: fast for name, (_, fast) in self.replaced.items()})
             for parent, attr, _, fast in self.ropes:
                 parent[attr] = fast
         self._depth += 1
@@ -214,8 +292,8 @@ class FastMath:
     def __exit__(self, *exc: Any) -> None:
         self._depth -= 1
         if self._depth == 0:
-            for name, (original, _) in self.replaced.items():
-                setattr(self.module, name, original)
+            if self.replaced:
+                _SWAP.leave(self.module, self._before)
             for parent, attr, original, _ in self.ropes:
                 parent[attr] = original
             self.rope_tables.clear()
