@@ -8,7 +8,8 @@ measures, on the device MLX computes on:
 - build_us: the host time to put one call in the graph (no evaluation): the paged K/V write, the paged
   attention, a built-in `mx.take` of the same size;
 - eval_us: one evaluation of a chain of `--layers` x (write, attention) custom kernels, per kernel, against
-  a chain of the same number of built-in ops (take + add) of the same sizes.
+  a chain of the same number of built-in ops (take + add) of the same sizes; and per layer, that chain
+  against one of the fused kernel (cuda_attention's `newest`: the write inside the attention launch).
 
     python -m perf.diag_kernel_launch --out perf/results/kernel-launch-cost-h200.json
 """
@@ -63,7 +64,12 @@ def main() -> None:
     mx.eval(done)
 
     def attention() -> mx.array:
-        return paged_kernels.cuda_attention(q, k4, v4, tables, lengths, dim ** -0.5, written=(done, done))
+        return paged_kernels.cuda_attention(q, k4, v4, tables, lengths, dim ** -0.5, written=done)
+
+    newest = (kn.transpose(1, 0, 2)[:, :, None], vn.transpose(1, 0, 2)[:, :, None], slots)
+
+    def fused() -> mx.array:
+        return paged_kernels.cuda_attention(q, k4, v4, tables, lengths, dim ** -0.5, newest=newest)
 
     def gather() -> tuple[mx.array, mx.array]:
         return paged_kernels.cuda_gather_after(k, v, read, done)
@@ -72,13 +78,19 @@ def main() -> None:
         return mx.take(k, read, axis=1)
 
     build = {name: _per_call_us(fn, args.repeats)
-             for name, fn in (("write", write), ("attention", attention), ("gather_after", gather), ("take", builtin))}
+             for name, fn in (("write", write), ("attention", attention), ("fused", fused), ("gather_after", gather), ("take", builtin))}
 
     def custom_chain() -> None:
         x = q
         for _ in range(args.layers):
             flag = paged_kernels.cuda_write(k, v, kn, vn, slots)
-            x = paged_kernels.cuda_attention(x, k4, v4, tables, lengths, dim ** -0.5, written=(flag, flag))
+            x = paged_kernels.cuda_attention(x, k4, v4, tables, lengths, dim ** -0.5, written=flag)
+        mx.eval(x)
+
+    def fused_chain() -> None:
+        x = q
+        for _ in range(args.layers):
+            x = paged_kernels.cuda_attention(x, k4, v4, tables, lengths, dim ** -0.5, newest=newest)
         mx.eval(x)
 
     def builtin_chain() -> None:
@@ -90,7 +102,9 @@ def main() -> None:
 
     kernels = 2 * args.layers
     evals = {"custom_per_kernel": _per_call_us(custom_chain, 50) / kernels,
-             "builtin_per_op": _per_call_us(builtin_chain, 50) / kernels}
+             "builtin_per_op": _per_call_us(builtin_chain, 50) / kernels,
+             "write_and_attention_per_layer": _per_call_us(custom_chain, 50) / args.layers,
+             "fused_per_layer": _per_call_us(fused_chain, 50) / args.layers}
     report = {"command": command(), "machine": machine(), "build_us": build, "eval_us": evals, "layers": args.layers}
     print(json.dumps({"build_us": build, "eval_us": evals}))
     if args.out:

@@ -146,6 +146,10 @@
 #             step time as checked and with the check forced on, stores moved, greedy rows agreeing), then the
 #             engine's decode step of BEFORE's dense rows and this tree alternating (as pagedkv, without the
 #             gather), ~5 min
+#   pagedkvfused  issue 41: the fused kernel (each row's newest K/V stored by the attention launch: one custom kernel
+#             a layer): the CUDA tests (paged-fused-tests-h200.log), what the kernels cost the host (fused vs write +
+#             attention per layer), the decode step at 1, 64, 256 rows (BEFORE's dense rows and this tree
+#             alternating), then HTTP c=1 of both trees, ~7 min
 #   tpdp      (nvidia-h200-x2; issue 38) one call: llama-3.2-3b, one engine at c=1, 64, 128, 256, TP=2 at c=1 and 64,
 #             DP=2 at c=256; then qwen3-8b served in bfloat16, one engine and TP=2 at c=1 and 64. No adapter
 #             republishing. Each TP row also gives every rank's ms per step by phase (plan / wait / schedule / launch /
@@ -156,7 +160,7 @@
 #             TP=2 pay at c=1?), ~9.5 min
 # A fresh server per wave: `waves` fits 6-7 waves in one 10-minute call; run it twice for ten.
 set -uo pipefail
-case "${1:-}" in tpdp|diag|llama|adapters|qwen-a|qwen-b|serving|waves|ingress|moe|moe256|hybrid|structured|tp|tp8b|dp|threads|compiled|republish|buckets|serve256|inplace|mixed|cudnn|decodeattn|unfuseddecode|defaults|defaultsab|qwendtype|qwenmlx|qwen8b|embeddings|policy|vision|trainmem|spec|specdraft|kvbits|pagedattn|trainshare|single|pagedkv|pagedkvserve|pagedkvdiag|pagedkvinplace|pagedkvfinal|pagedkvserveall|pagedkvhost|pagedkvlast|pagedkv256) ;;
+case "${1:-}" in tpdp|diag|llama|adapters|qwen-a|qwen-b|serving|waves|ingress|moe|moe256|hybrid|structured|tp|tp8b|dp|threads|compiled|republish|buckets|serve256|inplace|mixed|cudnn|decodeattn|unfuseddecode|defaults|defaultsab|qwendtype|qwenmlx|qwen8b|embeddings|policy|vision|trainmem|spec|specdraft|kvbits|pagedattn|trainshare|single|pagedkv|pagedkvserve|pagedkvdiag|pagedkvinplace|pagedkvfinal|pagedkvserveall|pagedkvhost|pagedkvlast|pagedkv256|pagedkvfused) ;;
   *) sed -n '2,/^# A fresh server per wave/p' "$0"; exit 2 ;; esac
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
@@ -337,6 +341,12 @@ case "${1:-}" in
               -p no:cacheprovider -rA --tb=short -k "cuda or in_place" > "$OUT/paged-tests-h200.log" 2>&1
             grep -E "^(PASSED|FAILED|ERROR|SKIPPED)|passed|failed" "$OUT/paged-tests-h200.log" | tail -12
             serve_pair final 1,64 256 ;;
+  pagedkvfused) timeout 200 python3 -m pytest tests/test_paged_attention.py tests/test_engine_paged_decode.py -q \
+              -p no:cacheprovider -rA --tb=short -k "cuda or in_place or fused" > "$OUT/paged-fused-tests-h200.log" 2>&1
+            grep -E "^(PASSED|FAILED|ERROR|SKIPPED)|passed|failed" "$OUT/paged-fused-tests-h200.log" | tail -12
+            python3 -m perf.diag_kernel_launch --out "$OUT/kernel-launch-cost-fused-h200.json" | tail -1
+            decode_pair fusedk
+            serve_pair fusedk 1 ;;
   pagedkv256) timeout 110 python3 -m pytest tests/test_engine_paged_decode.py -q -p no:cacheprovider -rA --tb=short \
               -k "in_place" > "$OUT/paged-engine-tests-h200.log" 2>&1
             grep -E "^(PASSED|FAILED|ERROR|SKIPPED)|passed|failed" "$OUT/paged-engine-tests-h200.log" | tail -6

@@ -152,5 +152,82 @@ def test_in_place_writes_give_the_scatters_tokens_on_cuda(caplog):
     want = outputs(make_engine(model, kv_write_in_place=False))
     engine = make_engine(model, kv_write_in_place=True)
     got = outputs(engine)
-    assert engine.runner.live.writes_in_place, caplog.text
+    assert engine.runner.live.writes_in_place and engine.runner.live.fuses_newest, caplog.text
     assert got == want
+    engine = make_engine(model, kv_write_in_place=True)
+    assert engine.runner.pages_decode
+    engine.runner.live.fuses_newest = False  # the write kernel before attention: where the fused check fails
+    assert outputs(engine) == want
+
+
+def _recorded_kernels(monkeypatch):
+    """The CUDA kernels' Python entry points recorded (the kernels run on a GPU only; their numerics are
+    tests/test_paged_attention.py's): which one a layer view calls, with what."""
+    import mlx.core as mx
+
+    from parallm.engine import paged_kernels
+
+    calls = []
+
+    def write(k_store, v_store, k_new, v_new, slots):
+        calls.append(("write",))
+        return mx.zeros((1,), dtype=mx.int32)
+
+    def gather_after(k_store, v_store, slots, after):
+        calls.append(("gather", after))
+        return mx.zeros((2, 2, 6, 8)), mx.zeros((2, 2, 6, 8))
+
+    def attention(queries, k_store, v_store, tables, lengths, scale, splits=None, written=None, newest=None):
+        calls.append(("attend", newest, written))
+        return mx.zeros(queries.shape)
+
+    monkeypatch.setattr(paged_kernels, "cuda_write", write)
+    monkeypatch.setattr(paged_kernels, "cuda_gather_after", gather_after)
+    monkeypatch.setattr(paged_kernels, "cuda_attention", attention)
+    return calls
+
+
+def _fused_view():
+    import mlx.core as mx
+
+    from parallm.engine.cache import LayerShape, LiveKV, PassContext
+
+    live = LiveKV([LayerShape(2, 8, 2, 8)], mx.float32, block_size=4)
+    live.writes_in_place = live.fuses_newest = True
+    live.resize(2, 16)
+    ctx = PassContext(0, [3, 5], 1, 6, tables=[[0, 1], [2, 3]])
+    ctx.paged_way = "auto"
+    view = live.views(ctx)[0]
+    return view, ctx, mx.ones((2, 2, 1, 8)), mx.ones((2, 2, 1, 8)) * 2, mx.ones((2, 4, 1, 8))
+
+
+def test_fused_writes_hand_the_new_kv_to_the_attention_kernel(monkeypatch):
+    """With the store written by the attention kernel (LiveKV.fuses_newest), a layer's update_and_fetch
+    stores nothing and returns the new K/V; its attention is one launch that stores them; a KV-sharing layer
+    reading the layer's K/V afterwards gets them gathered after that launch."""
+    calls = _recorded_kernels(monkeypatch)
+    view, ctx, k, v, q = _fused_view()
+    got_k, got_v = view.update_and_fetch(k, v)
+    assert got_k is k and got_v is v and calls == []
+    out = view.paged_attention(q, got_k, 0.1)
+    assert [c[0] for c in calls] == ["attend"]
+    newest, written = calls[0][1], calls[0][2]
+    assert newest[0] is k and newest[1] is v and newest[2] is ctx.write and written is None
+    keys, values = view.keys_and_values()
+    assert calls[1] == ("gather", out) and keys.shape == (2, 2, 6, 8)
+    assert view.keys_and_values()[0] is keys and len(calls) == 2  # gathered once
+
+
+def test_fused_writes_store_first_where_attention_cannot_read_the_tables(monkeypatch):
+    """Attention that takes the gathered K/V (sinks; the stand-ins' fallback asks `fetched`) gets them stored by
+    the write kernel first; the paged read of the same layer then only reads, after that write."""
+    calls = _recorded_kernels(monkeypatch)
+    view, ctx, k, v, q = _fused_view()
+    handed = view.update_and_fetch(k, v)
+    other = (k + 0, v + 0)
+    assert view.fetched(*other) == other and calls == []  # another cache's K/V: untouched
+    keys, values = view.fetched(*handed)
+    assert [c[0] for c in calls] == ["write", "gather"] and keys.shape == (2, 2, 6, 8)
+    flag = calls[1][1]
+    view.paged_attention(q, keys, 0.1)
+    assert calls[2] == ("attend", None, flag)

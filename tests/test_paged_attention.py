@@ -199,10 +199,50 @@ def test_cuda_in_place_writes_equal_the_scatter_and_order_the_reads():
         vn = mx.random.normal((kv_heads, 2, dim)).astype(dtype)
         q = mx.random.normal((2, heads, 1, dim)).astype(dtype)
         done = paged_kernels.cuda_write(store2, vstore, kn, vn, pos)
-        flags = (done, done)
         k4, v4 = (s.reshape(kv_heads, -1, bs, dim) for s in (store2, vstore))
-        got = paged_kernels.cuda_attention(q, k4, v4, tables + 1, lens, dim ** -0.5, written=flags)
+        got = paged_kernels.cuda_attention(q, k4, v4, tables + 1, lens, dim ** -0.5, written=done)
         mx.eval(got)
         want = paged_decode_attention(q, k4, v4, PagedRead(tables + 1, lens), dim ** -0.5, way="gather")
         assert mx.max(mx.abs(got.astype(mx.float32) - want.astype(mx.float32))).item() < 2e-2
         assert mx.max(mx.abs(want.astype(mx.float32))).item() > 0  # the newest keys were seen
+
+
+@pytest.mark.skipif(not mx.cuda.is_available(), reason="the CUDA kernel runs on an NVIDIA GPU only")
+def test_cuda_fused_kernel_stores_and_attends_each_rows_newest_key():
+    """The fused variant (cuda_attention's `newest`): each row's newest K/V, which the lengths count but the
+    store does not hold, are attended as the gather attends them once stored, and are stored at the row's
+    slot through the store's pointer (the store arrays are the same objects after); queries and newest
+    K/V read through their strides (slices of wider arrays), with and without splits."""
+    for lengths, heads, kv_heads, dim in CASES + [([2048, 1], 24, 8, 128), ([4096] * 3 + [17], 32, 8, 128)]:
+        for dtype, tol in ((mx.float32, 1e-4), (mx.bfloat16, 2e-2)):
+            for splits in (1, 3, None):
+                q, _, _, k_store, v_store, tables, lens = paged_case(lengths, heads, kv_heads, dim, dtype)
+                bs = k_store.shape[2]
+                rows = len(lengths)
+                table = np.array(tables)
+                slots = np.array([table[r, (n - 1) // bs] * bs + (n - 1) % bs for r, n in enumerate(lengths)],
+                                 dtype=np.int32)
+                wide_k = mx.random.normal((rows, kv_heads, 3, dim)).astype(dtype)
+                wide_v = mx.random.normal((rows, kv_heads, 3, dim)).astype(dtype)
+                xk, xv = wide_k[:, :, 1:2], wide_v[:, :, 1:2]  # strided: not row-contiguous
+                wide_q = mx.concatenate([q, q * 2], axis=2)
+                q_strided = wide_q[:, :, 1:2]
+                ref_k = np.array(k_store.astype(mx.float32)).reshape(kv_heads, -1, dim)
+                ref_v = np.array(v_store.astype(mx.float32)).reshape(kv_heads, -1, dim)
+                ref_k[:, slots] = np.array(xk.astype(mx.float32))[:, :, 0].transpose(1, 0, 2)
+                ref_v[:, slots] = np.array(xv.astype(mx.float32))[:, :, 0].transpose(1, 0, 2)
+                ref_k4 = mx.array(ref_k.reshape(k_store.shape)).astype(dtype)
+                ref_v4 = mx.array(ref_v.reshape(v_store.shape)).astype(dtype)
+                scale = dim ** -0.5
+                with mx.stream(mx.cpu):
+                    want = paged_decode_attention(q * 2, ref_k4, ref_v4, PagedRead(tables, lens), scale, way="gather")
+                    mx.eval(want)
+                mx.eval(k_store, v_store, xk, xv, q_strided)
+                k_before, v_before = k_store, v_store
+                got = paged_kernels.cuda_attention(q_strided, k_store, v_store, tables, lens, scale, splits=splits,
+                                                   newest=(xk, xv, mx.array(slots)))
+                mx.eval(got)
+                diff = mx.max(mx.abs(got.astype(mx.float32) - want.astype(mx.float32))).item()
+                assert diff < tol, (lengths, dtype, splits, diff)
+                assert k_store is k_before and v_store is v_before
+                assert mx.array_equal(k_store, ref_k4).item() and mx.array_equal(v_store, ref_v4).item()

@@ -233,6 +233,10 @@ def _tokens(new: mx.array) -> mx.array:
     return new.transpose(1, 0, 2, 3).reshape(heads, n * L, width)
 
 
+def _as(x: mx.array, dtype: mx.Dtype) -> mx.array:
+    return x if x.dtype == dtype else x.astype(dtype)
+
+
 def scatter(store: KV, new: KV, index: WriteIndex) -> KV:
     """Store the new K or V [n, heads, L, width] (each stored part) at the pass's slots (`index`)."""
     if isinstance(store, tuple):
@@ -292,6 +296,10 @@ class LiveKV:
         # pointer (paged_kernels.cuda_write: set by the runner once the paged read is checked), so only a
         # write made of MLX ops (a prefill's scatter, a block copy) makes a pass wait in settle()
         self.writes_in_place = False
+        # with in-place writes, a decode pass stores each row's newest K/V in its attention kernel (the fused
+        # variant, paged_kernels.cuda_attention's `newest`: one launch a layer) instead of a write kernel before
+        # it; set by the runner with writes_in_place, where the start-up check passed with it
+        self.fuses_newest = False
         self._op_written = True
         self.copied: Counter[str] = Counter()  # bytes copied by row ops, by kind ("cow": a fork's last block, "state")
 
@@ -510,13 +518,21 @@ class LiveKV:
 
 
 class RowsView(LayerView):
-    """One layer's cache for one pass over rows [ctx.row0, ctx.row0 + ctx.n)."""
+    """One layer's cache for one pass over rows [ctx.row0, ctx.row0 + ctx.n).
+
+    A decode pass whose store is written in place by the fused kernel (LiveKV.fuses_newest) stores
+    nothing in update_and_fetch: it hands the new keys and values back as they came, and the attention
+    stand-in (paged_attention) gives them to the kernel, which stores and attends them in one launch.
+    Whatever else asks for this layer's K/V in the pass (a KV-sharing layer, attention with sinks, the
+    state) gets the rows' K/V, stored and gathered then (`_rows_kv`)."""
 
     def __init__(self, live: LiveKV, layer: int, ctx: PassContext) -> None:
         super().__init__(live, layer)
         self._ctx = ctx
         self._fetched: tuple[KV, KV] | None = None
-        self._written: tuple[mx.array, mx.array] | None = None  # the in-place writes' flags (cuda_write)
+        self._written: mx.array | None = None  # the in-place write's flag (cuda_write, or the fused kernel's output)
+        self._newest: tuple[mx.array, mx.array] | None = None  # new K/V the fused kernel is still to store
+        self._handed_back = False  # _fetched are the new tokens, not the rows' K/V (fused writes)
         mark(self, live.format)
 
     @property
@@ -529,10 +545,11 @@ class RowsView(LayerView):
             raise ValueError(f"cache view expected [{ctx.n}, heads, {ctx.length}, dim] keys, got {keys.shape}")
         fmt = live.format
         if live.writes_in_place and ctx.paged is not None and ctx.paged_way is not None:
-            k_buf, v_buf = live.keys[i], live.values[i]
-            done = paged_kernels.cuda_write(k_buf, v_buf, _tokens(keys), _tokens(values), ctx.write)
-            self._written = (done, done)
-            self._fetched = paged_kernels.cuda_gather_after(k_buf, v_buf, ctx.read, done)
+            if live.fuses_newest:
+                self._newest = self._fetched = (keys, values)
+                self._handed_back = True
+                return self._fetched
+            self._store_in_place(keys, values)
             return self._fetched
         live.op_written()
         k_buf = scatter(live.keys[i], fmt.encode(keys), ctx.write_index)
@@ -541,12 +558,40 @@ class RowsView(LayerView):
         self._fetched = fmt.fetched(ctx.gather(k_buf)), fmt.fetched(ctx.gather(v_buf))
         return self._fetched
 
+    def _store_in_place(self, keys: mx.array, values: mx.array) -> None:
+        ctx, live, i = self._ctx, self._live, self._layer
+        k_buf, v_buf = live.keys[i], live.values[i]
+        self._written = paged_kernels.cuda_write(k_buf, v_buf, _tokens(keys), _tokens(values), ctx.write)
+        self._fetched = paged_kernels.cuda_gather_after(k_buf, v_buf, ctx.read, self._written)
+
+    def _rows_kv(self) -> tuple[KV, KV]:
+        """The rows' K/V of this pass where update_and_fetch handed the new tokens back: stored now if
+        the fused kernel has not stored them, read after its write if it has."""
+        if self._handed_back:
+            self._handed_back = False
+            if self._newest is not None:
+                keys, values = self._newest
+                self._newest = None
+                self._store_in_place(keys, values)
+            else:
+                live, i = self._live, self._layer
+                self._fetched = paged_kernels.cuda_gather_after(live.keys[i], live.values[i], self._ctx.read,
+                                                                self._written)
+        return self._fetched
+
+    def fetched(self, keys: Any, values: Any) -> tuple[Any, Any]:
+        """The rows' K/V where `keys` is what update_and_fetch returned (what attention that cannot read
+        the block tables must take), else `keys` and `values` themselves."""
+        if self._handed_back and self._fetched is not None and keys is self._fetched[0]:
+            return self._rows_kv()
+        return keys, values
+
     def keys_and_values(self) -> tuple[KV, KV]:
-        """What the last update_and_fetch returned (gemma3n's and afm7's KV-sharing layers read
-        the owner layer's cache so)."""
+        """The rows' K/V of this pass (gemma3n's and afm7's KV-sharing layers read the owner layer's
+        cache so)."""
         if self._fetched is None:
             raise ValueError("keys_and_values() before this pass stored any keys")
-        return self._fetched
+        return self._rows_kv()
 
     def make_mask(self, N: int, return_array: bool = False,
                   window_size: int | None = None) -> mx.array | PagedMask | None:
@@ -563,18 +608,27 @@ class RowsView(LayerView):
     def paged_attention(self, queries: mx.array, keys: Any, scale: float) -> mx.array | None:
         """Decode attention of `queries` [rows, heads, 1, dim] read through the block tables
         (paged_attention.py: a kernel where the backend has one), or None unless `keys` is what this
-        view's update_and_fetch returned (a KV-sharing layer's, or another cache's)."""
+        view's update_and_fetch returned (a KV-sharing layer's, or another cache's). New K/V handed back
+        unstored go to the fused kernel, which stores them too."""
         ctx, live, i = self._ctx, self._live, self._layer
         if self._fetched is None or keys is not self._fetched[0] or ctx.paged is None:
             return None
         k4, v4 = live.tiles(i)
-        way = None if ctx.paged_way == "auto" else ctx.paged_way
+        if self._newest is not None:
+            xk, xv = self._newest
+            self._newest = None
+            out = paged_decode_attention(queries, k4, v4, ctx.paged, scale, "cuda",
+                                         newest=(_as(xk, k4.dtype), _as(xv, v4.dtype), ctx.write))
+            self._written = out
+            return out
+        # stores written in place are read by the kernel that takes the write's flag
+        way = "cuda" if self._written is not None else None if ctx.paged_way == "auto" else ctx.paged_way
         return paged_decode_attention(queries, k4, v4, ctx.paged, scale, way, keys_transposed=live.keys_transposed,
                                       written=self._written)
 
     @property
     def state(self) -> tuple[KV, KV]:
         ctx, i = self._ctx, self._layer
-        if self._written is not None:  # stored in place: read after the writes
-            return self._fetched
+        if self._written is not None or self._handed_back:  # stored in place: read after the writes
+            return self._rows_kv()
         return ctx.gather(self._live.keys[i]), ctx.gather(self._live.values[i])

@@ -38,6 +38,7 @@ def scaled_dot_product_attention(queries: mx.array, keys: mx.array, values: mx.a
         out = cache.paged_attention(queries, keys, scale) if sinks is None else None
         if out is not None:
             return out
+        keys, values = cache.fetched(keys, values)
         mask = mask.fallback
     if isinstance(mask, PackedMask):  # a packed pass (parallm.engine.packed.PackedContext)
         if sinks is not None or queries.dtype != mx.float32:
@@ -104,6 +105,7 @@ def packed_sdpa(queries: mx.array, keys: mx.array, values: mx.array, cache: Any,
         out = cache.paged_attention(queries, keys, scale) if sinks is None else None
         if out is not None:
             return out
+        keys, values = cache.fetched(keys, values)
         mask = mask.fallback
     if isinstance(mask, PackedMask):
         if sinks is not None:

@@ -39,35 +39,53 @@ def replaces_attention(context: Any) -> bool:
 
 
 def check_paged_decode(call_model: Callable[..., mx.array], info: Any, kv_format: Any, block_size: int,
-                       vocab: int, way: str, keys_transposed: bool = False, in_place: bool = False) -> bool:
+                       vocab: int, way: str, keys_transposed: bool = False, in_place: bool = False,
+                       fused: bool = False) -> bool:
     """Logits of a two-row decode pass read through the block tables (`way`) against the same pass
     over the gathered K/V, on scratch stores laid out as the engine's (`keys_transposed`); False
     (and why, logged) where they differ or it fails; `in_place`: the paged pass stores its K/V as the
-    engine's would, through the CUDA kernel's in-place writes (paged_kernels.cuda_write)."""
+    engine's would, through the CUDA kernel's in-place writes (paged_kernels.cuda_write; `fused`: by the
+    attention kernel itself, LiveKV.fuses_newest): then two paged steps, the second reading what the first
+    stored in place."""
     if kv_format.quantized:
         return False
-    scratch = LiveKV(info.shapes, info.dtype, kv_format=kv_format, block_size=block_size,
-                     keys_transposed=keys_transposed)
-    scratch.writes_in_place = in_place
-    scratch.resize(2, 32)
+
+    def store(writes_in_place: bool) -> LiveKV:
+        live = LiveKV(info.shapes, info.dtype, kv_format=kv_format, block_size=block_size,
+                      keys_transposed=keys_transposed)
+        live.writes_in_place = writes_in_place
+        live.fuses_newest = writes_in_place and fused
+        live.resize(2, 32)
+        return live
+
+    # in place: two steps on a store of their own, the second reading what the first stored, against a store
+    # the scatter wrote; otherwise one step on one store (the paged pass rewrites what the gathered one wrote)
+    paged = store(in_place)
+    reference = store(False) if in_place else paged
     ids = [[(seed * 7919 + j * 104729) % vocab for j in range(7)] for seed in (1, 2)]
     m5 = info.mask5d
     try:
-        mx.eval(call_model(mx.array([ids[0][:5] + [0, 0], ids[1]]), scratch.views(PassContext(0, [0, 0], 7, 7, mask5d=m5))),
-                scratch.arrays())
-        step = mx.array([[ids[0][5]], [ids[1][0]]])
-        want = call_model(step, scratch.views(PassContext(0, [5, 7], 1, 8, mask5d=m5)), paged=True)[:, -1]
-        mx.eval(want, scratch.arrays())
-        ctx = PassContext(0, [5, 7], 1, 8, mask5d=m5)
-        ctx.paged_way = way  # type: ignore[assignment]
-        got = call_model(step, scratch.views(ctx), paged=True)[:, -1]
-        mx.eval(got)
-        diff = mx.abs(got.astype(mx.float32) - want.astype(mx.float32)).max().item()
-        scale = max(mx.abs(want.astype(mx.float32)).max().item(), 1.0)
+        prompt = mx.array([ids[0][:5] + [0, 0], ids[1]])
+        for live in [paged] if reference is paged else [reference, paged]:
+            mx.eval(call_model(prompt, live.views(PassContext(0, [0, 0], 7, 7, mask5d=m5))), live.arrays())
+        diff, scale = 0.0, 1.0
+        steps = (([5, 7], [[ids[0][5]], [ids[1][0]]]), ([6, 8], [[ids[0][6]], [ids[1][1]]]))
+        for offsets, step in steps[:2 if in_place else 1]:
+            span = max(offsets) + 1
+            want = call_model(mx.array(step), reference.views(PassContext(0, offsets, 1, span, mask5d=m5)),
+                              paged=True)[:, -1]
+            mx.eval(want, reference.arrays())
+            ctx = PassContext(0, offsets, 1, span, mask5d=m5)
+            ctx.paged_way = way  # type: ignore[assignment]
+            got = call_model(mx.array(step), paged.views(ctx), paged=True)[:, -1]
+            mx.eval(got, paged.arrays())
+            diff = max(diff, mx.abs(got.astype(mx.float32) - want.astype(mx.float32)).max().item())
+            scale = max(scale, mx.abs(want.astype(mx.float32)).max().item())
         ok = diff <= check_tolerance(info.dtype) * scale
         shown = resolved_way(info, block_size) if way == "auto" else way
+        how = (", K/V stored by the attention kernel" if fused else ", K/V written in place") if in_place else ""
         log.info("paged decode attention %s (%s%s): logits within %.4g of the gathered K/V's (largest logit %.4g)",
-                 "on" if ok else "off", shown, ", K/V written in place" if in_place else "", diff, scale)
+                 "on" if ok else "off", shown, how, diff, scale)
         return ok
     except Exception as e:  # noqa: BLE001 - a model whose attention does not take the paged mask
         log.info("paged decode attention off: %s: %s", type(e).__name__, e)

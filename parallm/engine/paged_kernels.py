@@ -13,6 +13,11 @@ a share of the row's blocks and writes float32 partials that a second kernel mer
 against the gather on the H200 (tests/test_paged_attention.py's CUDA test: |diff| <= 9.5e-4 in
 float32, one bfloat16 ulp in bfloat16); 168 registers a thread in bfloat16 (nvcc -Xptxas -v).
 
+Fused (`cuda_attention(newest=...)`): the same walk over all but each row's newest key, which split 0
+stores at the row's slot and its warp 0 attends from registers, so a decode pass with in-place writes
+is one launch a layer (docs/engine.md, "Writing the block store in place on CUDA"). Every variant's
+source is compiled with nvcc for sm_90 where nvcc is installed (tests/test_paged_kernels_nvcc.py).
+
 Metal: the same walk with one simdgroup per block and scalar loads, no splits; it runs only on
 Apple silicon (the caller's guard) and is tested only there: not run yet (no Mac here).
 """
@@ -45,7 +50,7 @@ _CUDA_WALK = """
     const int h = blockIdx.y % HKV;
     const int split = blockIdx.z;
     const int splits = gridDim.z;
-    const int len = lengths[row];
+    const int len = lengths[row] - NEW;  // keys walked in the store (NEW: the newest comes from xk, xv)
     const int maxb = tables_shape[1];
     const long nb_store = k_shape[1];
     const int nblk = min((len + BS - 1) / BS, maxb);
@@ -58,12 +63,13 @@ _CUDA_WALK = """
     float m[REP], l[REP], o[REP][VEC];
 #pragma unroll
     for (int r = 0; r < REP; ++r) {
-        Vec qv = *reinterpret_cast<const Vec*>(q + ((long)(row * HKV + h) * REP + r) * D + sub * VEC);
+        Vec qv = *reinterpret_cast<const Vec*>(q + Q_AT(row, h * REP + r) + sub * VEC);
 #pragma unroll
         for (int i = 0; i < VEC; ++i) { qf[r][i] = static_cast<float>(qv[i]) * sc; o[r][i] = 0.f; }
         m[r] = -1e30f;
         l[r] = 0.f;
     }
+    STORE_NEWEST
     const int* trow = tables + (long)row * maxb;
     for (int b = b0 + warp; b < b1; b += WARPS) {
         const long base = ((long)h * nb_store + trow[b]) * (BS * D) + sub * VEC;
@@ -115,6 +121,7 @@ _CUDA_WALK = """
             }
         }
     }
+    NEWEST_KEY
     // merge the lane groups of the warp (they share `sub`, so lanes x and x ^ G*j hold the same slice)
 #pragma unroll
     for (int x = G; x < 32; x <<= 1) {
@@ -160,17 +167,69 @@ _CUDA_WALK = """
         const long qh = (long)row * HKV * REP + h * REP + r;  // (row, query head)
 """
 
-_CUDA_ONE_PASS = _CUDA_WALK + """
+_CUDA_ONE_PASS = """
         out[qh * D + d] = static_cast<T>(L > 0.f ? O / L : 0.f);
     }
 """
 
-_CUDA_SPLIT = _CUDA_WALK + """
+_CUDA_SPLIT = """
         const long p = qh * splits + split;
         part_o[p * D + d] = O;
         if (d == 0) { part_m[p] = M; part_l[p] = L; }
     }
 """
+
+# The fused variant: each row's newest key and value (xk, xv [rows, kv_heads, 1, dim], read through their
+# strides) are stored at the row's slot (`slots` [rows]) by the threadblock of split 0, and attended by its
+# warp 0 from registers, so no thread reads them back from the store: a layer of a decode pass is then one
+# launch, with no separate write kernel and no flag ordering the two. The store's other threadblocks may load
+# that slot while it is written, but only as a masked key past `len`: never scored, never accumulated.
+_CUDA_STORE_NEWEST = """
+    if (split == 0) {
+        const long dst = ((long)h * nb_store * BS + slots[row]) * D;
+        const T* kn = xk + row * xk_strides[0] + h * xk_strides[1];
+        const T* vn = xv + row * xv_strides[0] + h * xv_strides[1];
+        for (int i = threadIdx.x; i < D; i += WARPS * 32) {
+            const_cast<T*>(k)[dst + i] = kn[i];
+            const_cast<T*>(v)[dst + i] = vn[i];
+        }
+    }
+"""
+
+_CUDA_NEWEST_KEY = """
+    if (warp == 0 && split == 0) {
+        const Vec kn = *reinterpret_cast<const Vec*>(xk + row * xk_strides[0] + h * xk_strides[1] + sub * VEC);
+        const Vec vn = *reinterpret_cast<const Vec*>(xv + row * xv_strides[0] + h * xv_strides[1] + sub * VEC);
+#pragma unroll
+        for (int r = 0; r < REP; ++r) {
+            float d = 0.f;
+#pragma unroll
+            for (int i = 0; i < VEC; ++i) d += qf[r][i] * static_cast<float>(kn[i]);
+#pragma unroll
+            for (int x = G / 2; x > 0; x >>= 1) d += __shfl_xor_sync(0xffffffff, d, x);
+            if (grp == 0) {  // one lane group takes it: the merges below add the groups up
+                const float mn = fmaxf(m[r], d);
+                const float f = exp2f(m[r] - mn), p = exp2f(d - mn);
+                m[r] = mn;
+                l[r] = l[r] * f + p;
+#pragma unroll
+                for (int i = 0; i < VEC; ++i) o[r][i] = o[r][i] * f + p * static_cast<float>(vn[i]);
+            }
+        }
+    }
+"""
+
+
+def _cuda_source(tail: str, fused: bool) -> str:
+    """The walk with its ending (`tail`: one pass's output or a split's partials); `fused`: the variant
+    that stores and attends each row's newest key itself (queries read through their strides)."""
+    if fused:
+        walk = (_CUDA_WALK.replace("STORE_NEWEST", _CUDA_STORE_NEWEST).replace("NEWEST_KEY", _CUDA_NEWEST_KEY)
+                .replace("Q_AT(row, h * REP + r)", "row * q_strides[0] + (long)(h * REP + r) * q_strides[1]"))
+        return "    constexpr int NEW = 1;\n" + walk + tail
+    walk = (_CUDA_WALK.replace("STORE_NEWEST", "").replace("NEWEST_KEY", "")
+            .replace("Q_AT(row, h * REP + r)", "((long)(row * HKV + h) * REP + r) * D"))
+    return "    constexpr int NEW = 0;\n" + walk + tail
 
 _CUDA_MERGE = """
     const int d = threadIdx.x;
@@ -269,9 +328,11 @@ _METAL = """
 """
 
 _INPUTS = ["q", "k", "v", "tables", "lengths", "scale"]
-# the CUDA kernels also take the flags of this pass's in-place K and V writes (cuda_write): unread, they
-# give MLX's CUDA graph the edge write -> read, which it draws only from arrays a kernel declares
-_CUDA_INPUTS = _INPUTS + ["written_k", "written_v"]
+# the CUDA kernels also take the flag of this pass's in-place K/V write (cuda_write): unread, it gives MLX's
+# CUDA graph the edge write -> read, which it draws only from arrays a kernel declares
+_CUDA_INPUTS = _INPUTS + ["written"]
+# the fused kernels take the newest keys and values and their slots instead (_CUDA_STORE_NEWEST)
+_CUDA_FUSED_INPUTS = _INPUTS + ["xk", "xv", "slots"]
 
 # New tokens' K and V [heads, N, width] stored at their slots of a layer's stores [heads, slots, width]
 # through their pointers, K and V in one launch (K's elements first, then V's: their widths may differ): MLX
@@ -314,11 +375,18 @@ _CUDA_GATHER = """
 
 
 @lru_cache(maxsize=None)
-def _cuda_kernels() -> tuple[Any, Any, Any]:
-    one = mx.fast.cuda_kernel(name="paged_decode", input_names=_CUDA_INPUTS, output_names=["out"],
-                              source=_CUDA_ONE_PASS)
-    split = mx.fast.cuda_kernel(name="paged_decode_split", input_names=_CUDA_INPUTS,
-                                output_names=["part_o", "part_m", "part_l"], source=_CUDA_SPLIT)
+def _cuda_kernels(fused: bool = False) -> tuple[Any, Any, Any]:
+    """(one pass, split, merge); `fused`: the variant that stores each row's newest K/V itself, which
+    writes the store through its pointer, so MLX must never hand it a copy (ensure_row_contiguous off:
+    the stores and tables are contiguous by construction, the queries and newest K/V are read through
+    their strides)."""
+    names = _CUDA_FUSED_INPUTS if fused else _CUDA_INPUTS
+    tag = "_new" if fused else ""
+    one = mx.fast.cuda_kernel(name="paged_decode" + tag, input_names=names, output_names=["out"],
+                              source=_cuda_source(_CUDA_ONE_PASS, fused), ensure_row_contiguous=not fused)
+    split = mx.fast.cuda_kernel(name="paged_decode_split" + tag, input_names=names,
+                                output_names=["part_o", "part_m", "part_l"], source=_cuda_source(_CUDA_SPLIT, fused),
+                                ensure_row_contiguous=not fused)
     merge = mx.fast.cuda_kernel(name="paged_decode_merge", input_names=["part_o", "part_m", "part_l"],
                                 output_names=["out"], source=_CUDA_MERGE)
     return one, split, merge
@@ -424,17 +492,33 @@ def cuda_gather_after(k_store: mx.array, v_store: mx.array, slots: mx.array,
 
 
 def cuda_attention(queries: mx.array, k_store: mx.array, v_store: mx.array, tables: mx.array, lengths: mx.array,
-                   scale: float, splits: int | None = None,
-                   written: tuple[mx.array, mx.array] | None = None) -> mx.array:
+                   scale: float, splits: int | None = None, written: mx.array | None = None,
+                   newest: tuple[mx.array, mx.array, mx.array] | None = None) -> mx.array:
     """Decode attention [rows, heads, 1, dim] through the CUDA kernel (arguments as
-    paged_attention.paged_decode_attention; `splits`: None = auto_splits; `written`: the flags of this
-    pass's in-place write of the layer's K and V, cuda_write: one flag, given twice)."""
+    paged_attention.paged_decode_attention; `splits`: None = auto_splits; `written`: the flag of this
+    pass's in-place write of the layer's K and V, cuda_write). `newest`: (keys, values [rows, kv_heads, 1,
+    dim], slots [rows]) of each row's newest token, which `lengths` count but the stores do not hold yet:
+    the kernel stores them at their slots and attends them in the same launch (the fused variant); the
+    output then orders any later read of the stores in the pass (cuda_gather_after's `after`)."""
     rows, heads, _, dim = queries.shape
     kv_heads = k_store.shape[0]
     splits = auto_splits(rows, kv_heads, tables.shape[1]) if splits is None else splits
-    one, split, merge = _cuda_kernels()
-    flags = list(written) if written is not None else [_not_written(), _not_written()]
-    inputs = [queries, k_store, v_store, tables, lengths, _scale(scale)] + flags
+    if newest is not None:
+        if written is not None:
+            raise ValueError("a pass either stores each row's newest K/V in the attention kernel or before it")
+        xk, xv, slots = newest
+        want = (rows, kv_heads, 1, dim)
+        if xk.shape != want or xv.shape != want or slots.shape != (rows,) or xk.dtype != k_store.dtype \
+                or xv.dtype != v_store.dtype or slots.dtype != mx.int32:
+            raise ValueError(f"the fused kernel takes the newest keys and values [rows, kv_heads, 1, dim] = {want} in "
+                             f"the stores' dtype and int32 slots [rows]; got {xk.shape} {xk.dtype}, {xv.shape} "
+                             f"{xv.dtype}, {slots.shape} {slots.dtype}")
+        one, split, merge = _cuda_kernels(True)
+        inputs = [queries, k_store, v_store, tables, lengths, _scale(scale), xk, xv, slots]
+    else:
+        one, split, merge = _cuda_kernels()
+        inputs = [queries, k_store, v_store, tables, lengths, _scale(scale),
+                  written if written is not None else _not_written()]
     template = _template(queries, k_store)
     threads = (WARPS * 32, 1, 1)
     if splits == 1:
