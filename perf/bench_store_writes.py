@@ -1,7 +1,7 @@
 """When MLX writes into a KV block store in place and when it copies the whole store first (issue 41).
 
 A pass writes each new token's K/V into the store with one Scatter (`store[heads, slots] = x`,
-parallm.engine.cache.scatter). MLX runs that Scatter in place only when the store's buffer has no
+parallm.engine.pass_view.scatter). MLX runs that Scatter in place only when the store's buffer has no
 other holder when the graph is evaluated ("donation"); otherwise it copies the whole buffer and
 writes into the copy, so a step costs a store's worth of memory traffic per layer. Per store size
 (one layer's K: [3 heads, slots, 64] float32, the default model's shape), the time of one write of

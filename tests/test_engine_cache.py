@@ -7,7 +7,8 @@ import pytest
 from mlx_lm.models.base import create_attention_mask, create_causal_mask
 from mlx_lm.models.cache import KVCache, can_trim_prompt_cache
 
-from parallm.engine.cache import KVCacheProtocol, LayerShape, LiveKV, PassContext, gather
+from parallm.engine.cache import LayerShape, LiveKV
+from parallm.engine.pass_view import KVCacheProtocol, PassContext, gather
 
 H, D = 2, 8
 

@@ -11,7 +11,7 @@ from mlx_lm.models.rope_utils import Llama3RoPE
 
 from _engine_helpers import greedy, make_engine, run_all, tiny_model, req
 
-from parallm.engine.cache import PagedMask
+from parallm.engine.pass_view import PagedMask
 from parallm.engine.packed import TokenPositions
 from parallm.engine.fastmath import FastMath, FastRoPE, RopeTables, scaled_dot_product_attention, swiglu
 from parallm.kernels import exp

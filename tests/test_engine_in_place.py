@@ -6,7 +6,8 @@ for the device (LiveKV.settle) before it launches a pass that writes, and the wr
 import mlx.core as mx
 import pytest
 
-from parallm.engine.cache import LayerShape, LiveKV, PassContext
+from parallm.engine.cache import LayerShape, LiveKV
+from parallm.engine.pass_view import PassContext
 
 from _engine_helpers import greedy, make_engine, req, tiny_model
 

@@ -9,7 +9,8 @@ import pytest
 
 from parallm.config import KVConfig
 from parallm.engine import key_tiles
-from parallm.engine.cache import LayerShape, LiveKV, PassContext
+from parallm.engine.cache import LayerShape, LiveKV
+from parallm.engine.pass_view import PassContext
 from parallm.engine.kv_format import KVFormat
 from parallm.engine.paged_attention import PagedRead, paged_decode_attention, transposes_keys
 from tests._engine_helpers import make_engine, tiny_model, wide_heads_model

@@ -1,4 +1,4 @@
-"""Decode passes read the KV block store through paged attention (cache.PagedMask, engine/paged_decode.py)
+"""Decode passes read the KV block store through paged attention (pass_view.PagedMask, engine/paged_decode.py)
 where the engine's attention stand-ins run the model's attention: every way gives the tokens the
 gathered K/V give, and a model whose own attention takes no paged mask falls back to the gather."""
 
@@ -54,10 +54,10 @@ def test_the_check_turns_off_a_read_that_is_wrong_not_one_that_rounds(monkeypatc
     off, in float32 and bfloat16 alike; the read itself is kept."""
     import mlx.core as mx
 
-    from parallm.engine import cache as cache_module
+    from parallm.engine import pass_view as view_module
     from parallm.engine.paged_attention import PagedRead
 
-    real = cache_module.paged_decode_attention
+    real = view_module.paged_decode_attention
 
     def read(queries, k4, v4, paged, scale, way, **kw):
         if fault == "drop_newest_key":
@@ -66,7 +66,7 @@ def test_the_check_turns_off_a_read_that_is_wrong_not_one_that_rounds(monkeypatc
             scale *= 1.25
         return real(queries, k4, v4, paged, scale, way, **kw)
 
-    monkeypatch.setattr(cache_module, "paged_decode_attention", read)
+    monkeypatch.setattr(view_module, "paged_decode_attention", read)
     model = tiny_model("llama")
     model.set_dtype(getattr(mx, dtype))
     assert make_engine(model, paged_decode="gather").runner.pages_decode == (fault == "none")
@@ -190,7 +190,8 @@ def _recorded_kernels(monkeypatch):
 def _fused_view():
     import mlx.core as mx
 
-    from parallm.engine.cache import LayerShape, LiveKV, PassContext
+    from parallm.engine.cache import LayerShape, LiveKV
+    from parallm.engine.pass_view import PassContext
 
     live = LiveKV([LayerShape(2, 8, 2, 8)], mx.float32, block_size=4)
     live.writes_in_place = live.fuses_newest = True

@@ -3,7 +3,8 @@ block store, and a batch of copies leaves what the ops one at a time leave."""
 
 import mlx.core as mx
 
-from parallm.engine.cache import LayerShape, LiveKV, PassContext
+from parallm.engine.cache import LayerShape, LiveKV
+from parallm.engine.pass_view import PassContext
 from parallm.engine.plan import CopyBlocks, CopyRow, InitRow, Resize, SwapRows
 from parallm.engine.row_ops import execute_row_ops
 from parallm.engine.sampling import PenaltyState

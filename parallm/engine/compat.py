@@ -1,6 +1,6 @@
 """Which mlx-lm models the engine drives, found by probing the model itself rather than an allow-list.
 
-The engine hands unmodified mlx-lm models its own per-slot cache views (cache.RowsView). A slot
+The engine hands unmodified mlx-lm models its own per-slot cache views (pass_view.RowsView). A slot
 is an entry of `model.make_cache()` (not of `model.layers`: a layer may own no cache, or run
 twice with two caches, as nanbeige with `num_loops: 2` does). `check_model` refuses, with a
 message naming the reason, what the views cannot serve:
@@ -32,7 +32,8 @@ import mlx.nn as nn
 
 from ..device import exact_float32
 from ..models.refused import REFUSED_MODEL_TYPES, refusal_for_type  # noqa: F401 - this module's face too
-from .cache import LayerShape, LiveKV, PassContext
+from .cache import LayerShape, LiveKV
+from .pass_view import PassContext
 from .families import KV_STAND_INS, adapt
 from .kv_format import KVFormat
 from .state import ListView, SlotLayout, StateShape

@@ -51,7 +51,7 @@ from mlx.utils import tree_flatten, tree_unflatten
 from parallm.adapters.lora import LoRARouter
 
 from . import key_tiles
-from .cache import WriteIndex, gather, read_slots
+from .pass_view import WriteIndex, gather, read_slots
 from .kv_format import KV, KVFormat, mark
 from .compiled_lora import AdaptedLayers, Captured, capture, rebuild
 from .plan import power_of_two_bucket

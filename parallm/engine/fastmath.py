@@ -26,14 +26,14 @@ import mlx.nn as nn
 from parallm import kernels
 from parallm.kernels import stock_sdpa, swiglu, unfused_sdpa
 
-from .cache import PagedMask
+from .pass_view import PagedMask
 from .packed import PackedMask, TokenPositions
 
 
 def scaled_dot_product_attention(queries: mx.array, keys: mx.array, values: mx.array, cache: Any,
                                  scale: float, mask: Any, sinks: mx.array | None = None) -> mx.array:
     """kernels.scaled_dot_product_attention, which also runs a packed pass (each segment with it) and
-    a decode pass read through the block tables (cache.PagedMask)."""
+    a decode pass read through the block tables (pass_view.PagedMask)."""
     if isinstance(mask, PagedMask):
         out = cache.paged_attention(queries, keys, scale) if sinks is None else None
         if out is not None:
@@ -100,7 +100,7 @@ def packed_sdpa(queries: mx.array, keys: mx.array, values: mx.array, cache: Any,
     and `unfused_sdpa` for more than one query per row over at most `unfused_keys` keys, and (with
     `unfused_decode`) for one query per row under an array mask: what FastMath(exp=False) puts in
     the model's module (a GPU's mixed passes, short prefills, masked decode), and a decode pass read
-    through the block tables (cache.PagedMask: a GPU's paged attention kernel)."""
+    through the block tables (pass_view.PagedMask: a GPU's paged attention kernel)."""
     if isinstance(mask, PagedMask):
         out = cache.paged_attention(queries, keys, scale) if sinks is None else None
         if out is not None:

@@ -11,7 +11,8 @@ from typing import Any
 
 import mlx.core as mx
 
-from .cache import LayerView, LiveKV, PassContext, WriteIndex, scatter
+from .cache import LiveKV
+from .pass_view import LayerView, PassContext, WriteIndex, scatter
 from .kv_format import KV, KVFormat
 from .paged_attention import paged_decode_attention
 

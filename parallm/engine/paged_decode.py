@@ -1,4 +1,4 @@
-"""Whether a model's decode passes read the block store through paged attention (cache.PagedMask,
+"""Whether a model's decode passes read the block store through paged attention (pass_view.PagedMask,
 paged_attention.py) instead of attending over the rows' gathered K/V: only where the engine's
 attention stand-ins replaced the model module's stock attention (fastmath.FastMath.replaced: a model
 with attention of its own gets the boolean mask and the gather), and once checked on this model
@@ -13,7 +13,8 @@ import mlx.core as mx
 
 from parallm.device import exact_float32
 
-from .cache import LiveKV, PassContext
+from .cache import LiveKV
+from .pass_view import PassContext
 from .paged_attention import choose_way
 
 log = logging.getLogger("parallm.engine")

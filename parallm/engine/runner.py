@@ -11,7 +11,8 @@ import mlx.nn as nn
 
 from parallm.adapters.lora import LoRARouter
 
-from .cache import LiveKV, PassContext
+from .cache import LiveKV
+from .pass_view import PassContext
 from .compat import ModelInfo
 from .compiled import CompiledDecode
 from .fastmath import FastMath

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 
 import mlx.core as mx
 
-from ..cache import PassContext
+from ..pass_view import PassContext
 from ..runner import ModelRunner
 from ..sampling import BatchParams, SampledLists
 from ..sequence import Sequence
