@@ -41,8 +41,7 @@ import numpy as np
 from . import key_tiles
 from .kv_format import KV, KVFormat, parts
 from .memory import retry_out_of_memory
-from .pass_view import PassContext, RowsView
-from .state import ListView, RowsState, SlotLayout, allocate
+from .state import SlotLayout, allocate
 
 TRASH = -1  # the block id unheld table entries point at (store block 0)
 
@@ -291,19 +290,6 @@ class LiveKV:
                 slot[e] = a
 
     def views(self, ctx: Any) -> list[Any]:
-        """One view per cache slot of the model for this pass (a PassContext; a packed pass's
-        context, packed.PackedContext, makes its own)."""
-        if not isinstance(ctx, PassContext):
-            return ctx.views(self)
-        ctx.bind(self)
-        if not self.layout:
-            return [RowsView(self, i, ctx) for i in range(len(self.shapes))]
-
-        def view(kind: str, i):
-            if kind == "kv":
-                return RowsView(self, i, ctx)
-            if kind == "state":
-                return RowsState(self.states[i], ctx.row0, ctx.offsets, ctx.all_fresh, ctx.lengths, ctx.any_fresh)
-            return ListView([view(*sub) for sub in i])
-
-        return [view(*slot) for slot in self.layout.slots]
+        """One view per cache slot of the model for a pass, made by the pass's context
+        (pass_view.PassContext; a packed pass's: packed.PackedContext)."""
+        return ctx.views(self)

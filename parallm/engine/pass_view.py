@@ -29,6 +29,7 @@ import numpy as np
 from . import key_tiles, paged_kernels
 from .kv_format import KV, mark
 from .paged_attention import PagedRead, Way, paged_decode_attention
+from .state import ListView, RowsState
 
 if TYPE_CHECKING:
     from .cache import LiveKV
@@ -128,6 +129,21 @@ class PassContext:
         if self.length == 1:
             self.paged = PagedRead(mx.array(self._table + 1), self.offsets + 1)
         self._bound = live
+
+    def views(self, live: "LiveKV") -> list[Any]:
+        """One view per cache slot of `live`'s model for this pass (LiveKV.views)."""
+        self.bind(live)
+        if not live.layout:
+            return [RowsView(live, i, self) for i in range(len(live.shapes))]
+
+        def view(kind: str, i):
+            if kind == "kv":
+                return RowsView(live, i, self)
+            if kind == "state":
+                return RowsState(live.states[i], self.row0, self.offsets, self.all_fresh, self.lengths, self.any_fresh)
+            return ListView([view(*sub) for sub in i])
+
+        return [view(*slot) for slot in live.layout.slots]
 
     @property
     def read(self) -> mx.array:
