@@ -148,8 +148,9 @@
 #             gather), ~5 min
 #   pagedkvfused  issue 41: the fused kernel (each row's newest K/V stored by the attention launch: one custom kernel
 #             a layer): the CUDA tests (paged-fused-tests-h200.log), what the kernels cost the host (fused vs write +
-#             attention per layer), the decode step at 1, 64, 256 rows (BEFORE's dense rows and this tree
-#             alternating), then HTTP c=1 of both trees, ~7 min
+#             attention per layer, printed), the decode step at 1, 64, 256 rows (BEFORE's dense rows and this tree
+#             alternating), then this tree's one-row step with engine.compiled_decode, ~6 min; HTTP after it:
+#             pagedkvserveall
 #   tpdp      (nvidia-h200-x2; issue 38) one call: llama-3.2-3b, one engine at c=1, 64, 128, 256, TP=2 at c=1 and 64,
 #             DP=2 at c=256; then qwen3-8b served in bfloat16, one engine and TP=2 at c=1 and 64. No adapter
 #             republishing. Each TP row also gives every rank's ms per step by phase (plan / wait / schedule / launch /
@@ -344,9 +345,11 @@ case "${1:-}" in
   pagedkvfused) timeout 200 python3 -m pytest tests/test_paged_attention.py tests/test_engine_paged_decode.py -q \
               -p no:cacheprovider -rA --tb=short -k "cuda or in_place or fused" > "$OUT/paged-fused-tests-h200.log" 2>&1
             grep -E "^(PASSED|FAILED|ERROR|SKIPPED)|passed|failed" "$OUT/paged-fused-tests-h200.log" | tail -12
-            python3 -m perf.diag_kernel_launch --out "$OUT/kernel-launch-cost-fused-h200.json" | tail -1
+            python3 -m perf.diag_kernel_launch | tail -1  # printed only: a call brings back 8 files
             decode_pair fusedk
-            serve_pair fusedk 1 ;;
+            timeout 100 python3 perf/profile_decode.py --shape llama-3.2-3b --batch 1 --steps 30 --default-only \
+              --engine compiled_decode=true --tokenizer-dir $TOK --work-dir $WORK \
+              --out "$OUT/decode-profile-pagedkv-fusedk-compiled-b1-h200.json" | tail -1 ;;
   pagedkv256) timeout 110 python3 -m pytest tests/test_engine_paged_decode.py -q -p no:cacheprovider -rA --tb=short \
               -k "in_place" > "$OUT/paged-engine-tests-h200.log" 2>&1
             grep -E "^(PASSED|FAILED|ERROR|SKIPPED)|passed|failed" "$OUT/paged-engine-tests-h200.log" | tail -6
