@@ -227,3 +227,23 @@ def test_a_pass_that_does_not_trace_runs_eagerly_from_then_on():
     assert_same(got, want)
     counts = e.stats().compiled_decode
     assert counts["eager_trace_failed"] >= 7 and "compiled" not in counts, counts
+
+
+def test_a_compiled_pass_waits_for_the_pass_in_flight_where_decode_writes_in_place(monkeypatch):
+    """The trace stores K/V with an MLX scatter, so with CUDA's in-place writes on (where eager decode passes
+    never wait) a compiled pass still makes settle() wait for the pass in flight: else MLX would copy the whole
+    store for the write. The flag is set by hand here (in-place writes run on CUDA only)."""
+    e = make_engine(tiny_model("llama"), compiled_decode=True)
+    live = e.runner.live
+    e.add_request(req("a", prompt(6, 1), greedy(8)))
+    while e.stats().waiting or e.stats().prefilling:
+        e.step()
+    live.writes_in_place, live.settle_bytes = True, 0
+    waits = []
+    real = mx.synchronize
+    monkeypatch.setattr(mx, "synchronize", lambda *a: (waits.append(1), real(*a))[1])
+    before = e.stats().compiled_decode.get("compiled", 0)
+    for _ in range(3):
+        e.step()
+    compiled_steps = e.stats().compiled_decode["compiled"] - before
+    assert compiled_steps == 3 and len(waits) >= compiled_steps

@@ -235,6 +235,9 @@ class CompiledDecode:
                         type(exc).__name__, exc)
             return None
         live.keys, live.values = _stored(keys), _stored(values)
+        # the trace's scatter is an MLX op: with CUDA's in-place writes on, the pass in flight must finish first
+        # (LiveKV.settle), or MLX copies the whole store for this write
+        live.op_written()
         self.counts["compiled"] += 1
         for name, happened in (("padded", pad), ("adapter", adapted)):
             if happened:
