@@ -19,7 +19,7 @@ The deadline is measured against the group's own recent steps, so that slow but 
   chunk after a run of short decode steps gets the time its work predicts;
 - replay: the seconds rank 0 spent on the calls it recorded since the last step (an adapter loaded,
   a weight update): the other ranks replay them before this step's collectives, so rank 0 waits that
-  long for them inside the step;
+  long for them inside the step (a wait the recent steps do not count: the steps after it stay tight);
 - first: for a step of a kind not seen yet (its decode rows and whether it may prefill), the longest
   step that was the first of its kind so far: the first pass of a shape builds what MLX builds on first
   use (compiled kernels, cuDNN graphs); before any step has run, the warm-up's whole time.
@@ -51,7 +51,7 @@ class StepDeadline:
         self.first_s = 0.0  # the longest step that was the first of its kind
         self.replay_s = 0.0  # rank 0's time in recorded calls since the last step
         self._current: tuple[float, float] | None = None  # (started, deadline) of the step in progress
-        self._pending: tuple[Hashable, float, bool] | None = None
+        self._pending: tuple[Hashable, float, bool, float] | None = None  # kind, work, first of its kind, replay
 
     @property
     def enabled(self) -> bool:
@@ -79,7 +79,7 @@ class StepDeadline:
     def begin(self, kind: Hashable, work: float) -> float:
         """A step starts; returns its deadline in seconds (0 when off)."""
         deadline = self.deadline_s(kind, work) if self.enabled else 0.0
-        self._pending = (kind, work, kind not in self.kinds)
+        self._pending = (kind, work, kind not in self.kinds, self.replay_s)
         self._current = (self.clock(), deadline) if self.enabled else None
         self.replay_s = 0.0
         return deadline
@@ -91,8 +91,8 @@ class StepDeadline:
         if pending is None:
             return 0.0
         seconds = self.clock() - current[0] if current is not None else 0.0
-        kind, work, first = pending
-        self.recent.append((seconds, work))
+        kind, work, first, replay = pending
+        self.recent.append((max(0.0, seconds - replay), work))  # the step's own time: not the others' replay
         self.kinds.add(kind)
         if first:
             self.first_s = max(self.first_s, seconds)
