@@ -82,6 +82,8 @@ class StageProcess(ChildProcess):
     pid: int = 0
     loop_age_s: float = 0.0         # how long its loop has been in one iteration, as its last heartbeat said
     in_flight: int = 0              # what it still holds, as its last heartbeat said
+    step_due: float = 0.0           # a tensor-parallel group's step in progress must end by then (monotonic; 0: none)
+    step_deadline_s: float = 0.0    # that step's deadline, as its last heartbeat said
     next_restart_at: float = 0.0
     backoff: float = 0.0
     finished: bool = False          # an off-path stage (the trainer) that exited 0: done, not restarted
@@ -108,8 +110,20 @@ class StageProcess(ChildProcess):
         self.ready = False
         self.loop_age_s = 0.0
         self.in_flight = 0
+        self.step_due = self.step_deadline_s = 0.0
         threading.Thread(target=_pump, args=(self.proc.stdout, self.spec.label, log_out, json_logs),
                          daemon=True, name=f"log-{self.spec.label}").start()
+
+    def heard_step(self, step_age_s: float, step_deadline_s: float, now: float) -> None:
+        """A heartbeat said the group's step in progress has run `step_age_s` of its `step_deadline_s`
+        (0: between steps): it must end by `now - step_age_s + step_deadline_s`. A rank 0 that falls
+        silent keeps the last due time: a stopped rank 0 is caught by the same deadline."""
+        self.step_deadline_s = step_deadline_s
+        self.step_due = now - step_age_s + step_deadline_s if step_deadline_s > 0 else 0.0
+
+    def overdue_s(self, now: float) -> float:
+        """How far past its deadline the step in progress is (0 when it is not, or none runs)."""
+        return max(0.0, now - self.step_due) if self.step_due else 0.0
 
     def terminate(self, timeout: float) -> None:
         if not self.alive():

@@ -75,6 +75,8 @@ class StageRuntime:
         self._next_beat = 0.0
         self._in_flight = 0
         self._progress = time.monotonic()
+        # a tensor-parallel rank 0's (seconds its step in progress has run, that step's deadline): Leader.step_progress
+        self.step_progress: Callable[[], tuple[float, float]] | None = None
         self._beating = threading.Event()
         self._closed = threading.Event()  # close(): the heartbeat thread stops
         self.draining = False
@@ -107,9 +109,11 @@ class StageRuntime:
             self._send_beat(self._to_supervisor)
 
     def _send_beat(self, sender: Sender) -> None:
+        step_age, deadline = self.step_progress() if self.step_progress is not None else (0.0, 0.0)
         sender.send(protocol.Heartbeat(stage=self.stage, replica=self.replica, pid=os.getpid(),
                                        loop_age_s=round(time.monotonic() - self._progress, 3),
-                                       in_flight=self._in_flight), block=False)
+                                       in_flight=self._in_flight, step_age_s=step_age, step_deadline_s=deadline),
+                    block=False)
 
     def _beat(self) -> None:
         name_os_thread()

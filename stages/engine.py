@@ -402,19 +402,21 @@ class EngineStage(AdapterMessages, Stage):
         return True
 
 
-def warm_up(engine: Engine) -> None:
+def warm_up(engine: Engine) -> float:
     """The engine's warm-up (what MLX builds on first use) while the compile thread builds the grammar
     constraints' tokenizer, both before the stage serves: built when a first grammar compiled, that build held
     the GIL beside running rows (0.6-0.9 s for SmolLM2 on a CPU; issue 30). A model whose tokenizer cannot be
-    used is logged; its constrained requests are refused with a 400 saying so."""
+    used is logged; its constrained requests are refused with a 400 saying so. Returns the warm-up's seconds."""
     grammar = engine.constraints.prepare()
-    log.info("warm-up took %.2f s", engine.warm_up())
+    seconds = engine.warm_up()
+    log.info("warm-up took %.2f s", seconds)
     t0 = time.perf_counter()
     try:
         grammar.result()
     except GrammarError:
         pass
     log.info("grammar tokenizer ready %.2f s after the warm-up", time.perf_counter() - t0)
+    return seconds
 
 
 def main(config: Config, replica: int = 0) -> int:
@@ -464,10 +466,11 @@ def main(config: Config, replica: int = 0) -> int:
         log.info("adapters loaded at start: %s", ", ".join(preloaded))
     if group is not None:
         distributed.freeze_clock(engine)
-    warm_up(engine)
+    warm_up_s = warm_up(engine)
     if group is not None:
         engine = distributed.lead(engine, loaded.model, group,
-                                  distributed.control_addresses(config.transport.run_dir, replica))
+                                  distributed.control_addresses(config.transport.run_dir, replica), warm_up_s)
+        runtime.step_progress = engine.step_progress  # the heartbeat carries each step's deadline
     info = {"model": config.model.served_name, "path": str(loaded.source.path), "dtype": loaded.dtype,
             "max_model_len": loaded.max_model_len, "vocab_size": loaded.vocab_size}
     try:

@@ -38,6 +38,8 @@ def test_config_file_from_env(tmp_path):
     ({"PARALLM_SPEC__DRAFT_ACCEPTANCE": "rejection"}, "spec.draft_acceptance is only read with spec.mode draft"),
     ({"PARALLM_SPEC__MODE": "draft", "PARALLM_SPEC__DRAFT_MODEL": "/d", "PARALLM_SPEC__DRAFT_ACCEPTANCE": "maybe"},
      "is not one of"),
+    ({"PARALLM_ENGINE__HANG_FACTOR": "0.5"}, "engine.hang_factor >= 1"),
+    ({"PARALLM_ENGINE__HANG_FLOOR_S": "-1"}, "engine.hang_floor_s must be >= 0"),
 ])
 def test_bad_values_name_the_setting(environ, fragment):
     with pytest.raises(ConfigError, match=fragment):

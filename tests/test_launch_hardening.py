@@ -12,7 +12,7 @@ import pytest
 from parallm import protocol
 from parallm.config import Config, build_config
 from parallm.launch import rundir
-from parallm.launch.process import StageSpec
+from parallm.launch.process import StageProcess, StageSpec
 from parallm.launch.supervisor import StartupError, Supervisor
 
 
@@ -111,11 +111,9 @@ def test_sockets_bound_in_the_run_dir_are_owner_only(tmp_path):
     ctx.term()
 
 
-class _Stage:
-    def __init__(self, name: str, pid: int) -> None:
-        self.spec = StageSpec(name)
-        self.pid, self.proc, self.ready, self.restarts = pid, object(), False, 0
-        self.last_beat, self.loop_age_s, self.in_flight = 0.0, 0.0, 0
+def _stage(name: str, pid: int) -> StageProcess:
+    """The supervisor's record of a stage whose process is `pid` (never started here)."""
+    return StageProcess(StageSpec(name), proc=object(), pid=pid)
 
 
 @pytest.mark.parametrize("message", [
@@ -127,7 +125,7 @@ class _Stage:
 ])
 def test_messages_not_from_the_stages_own_process_are_ignored(message):
     sup = Supervisor(Config())
-    engine = _Stage("engine", 1000)
+    engine = _stage("engine", 1000)
     sup.stages = [engine]
     sup._handle(message)
     assert (engine.last_beat, engine.loop_age_s, engine.ready) == (0.0, 0.0, False)
@@ -135,9 +133,11 @@ def test_messages_not_from_the_stages_own_process_are_ignored(message):
 
 def test_the_stages_own_messages_are_believed():
     sup = Supervisor(Config())
-    engine = _Stage("engine", 1000)
+    engine = _stage("engine", 1000)
     sup.stages = [engine]
-    sup._handle(protocol.Heartbeat(stage="engine", pid=1000, loop_age_s=2.5, in_flight=3))
+    sup._handle(protocol.Heartbeat(stage="engine", pid=1000, loop_age_s=2.5, in_flight=3, step_age_s=1.0,
+                                   step_deadline_s=6.0))
     assert (engine.loop_age_s, engine.in_flight) == (2.5, 3) and engine.last_beat > 0
+    assert engine.step_due == pytest.approx(engine.last_beat + 5.0)  # a tensor-parallel step's deadline
     with pytest.raises(StartupError, match="boom"):
         sup._handle(protocol.Fatal(stage="engine", pid=1000, message="boom"))

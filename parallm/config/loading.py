@@ -326,6 +326,8 @@ def _check(config: Config) -> None:
         problems.append("engine.block_size must be >= 1")
     if config.engine.tensor_parallel < 1:
         problems.append("engine.tensor_parallel must be >= 1")
+    if config.engine.hang_floor_s < 0 or config.engine.hang_factor < 1:
+        problems.append("engine.hang_floor_s must be >= 0 (0 = off) and engine.hang_factor >= 1")
     if config.engine.replicas < 1:
         problems.append("engine.replicas must be >= 1")
     if config.engine.hostfile and config.engine.tensor_parallel < 2:

@@ -44,7 +44,10 @@ on nvidia-h100-x2 (NCCL_NVLS_ENABLE=0).
 
 Nothing here waits forever on its own: a dead rank ends the group's collectives with an error or
 leaves them blocked, and the supervisor, which watches every rank's process and rank 0's
-heartbeats, kills and restarts the whole group (docs/operations.md, "More than one device").
+heartbeats, kills and restarts the whole group (docs/operations.md, "More than one device"). A rank
+that hangs alive leaves rank 0 inside a step: rank 0 gives every step a deadline from the group's own
+recent steps (step_deadline.py), its heartbeat carries the step's age and deadline, and the supervisor
+restarts the group once the step outlives it.
 """
 
 from __future__ import annotations
@@ -67,8 +70,10 @@ from .rank_group import (  # noqa: F401 - re-exported: the engine stage and test
     CONTROL_ENV, TensorParallelError, agree_min, agreed_config, channel_socket, control_addresses, default_backend,
     join, rank_from_env, shard_model, shard_refusal)
 from .constraints import Constraints
+from .pacing import pass_work
 from .rank_timing import RankPhases, probe_collectives
 from .request import Request, RequestRejected
+from .step_deadline import StepDeadline
 
 log = logging.getLogger("parallm.engine.distributed")
 
@@ -121,10 +126,23 @@ def state_digest(engine) -> int:
     return hash(key) & 0x7FFFFFFFFFFFFFFF
 
 
-def lead(engine, model, group: mx.distributed.Group, addresses: tuple[str, str]) -> "Leader":
-    """Rank 0 after its warm-up: the all-sum probe (in lockstep with follower_main's, which runs it
-    after the same warm-up), then the Leader that serves."""
-    return Leader(engine, group, addresses, probe_collectives(model, group))
+def lead(engine, model, group: mx.distributed.Group, addresses: tuple[str, str], warm_up_s: float = 0.0) -> "Leader":
+    """Rank 0 after its warm-up (`warm_up_s`: how long it took): the all-sum probe (in lockstep with
+    follower_main's, which runs it after the same warm-up), then the Leader that serves."""
+    return Leader(engine, group, addresses, probe_collectives(model, group), warm_up_s=warm_up_s)
+
+
+def step_kind_and_work(engine) -> tuple[tuple[int, bool], float]:
+    """What the engine's next step may do, before it is scheduled: its kind (decode rows, whether it may
+    prefill) and its work by the pacer's cost model (pacing.pass_work: the running rows at their contexts
+    and a chunk of up to max_prefill_tokens at the prefilling prompts' furthest position)."""
+    s = engine.scheduler
+    contexts = [q.num_computed for q in s.running]
+    pending = sum(q.prefill_remaining for q in s.prefilling) + (s.max_prefill_tokens if len(s.waiting) else 0)
+    tokens = min(s.max_prefill_tokens, pending)
+    start = max((q.num_computed for q in s.prefilling), default=0)
+    work = pass_work(engine.pacer.weight, [start] if tokens else [], [tokens] if tokens else [], contexts)
+    return (len(contexts), tokens > 0), work
 
 
 class Leader:
@@ -132,9 +150,10 @@ class Leader:
     other ranks before each step (module docstring). Reads (stats, has_work, ...) pass through."""
 
     def __init__(self, engine, group: mx.distributed.Group, addresses: tuple[str, str],
-                 collective_us: dict[str, float] | None = None) -> None:
+                 collective_us: dict[str, float] | None = None, warm_up_s: float = 0.0) -> None:
         """`addresses`: where to send the calls and hear the followers' acks (control_addresses);
-        `collective_us`: this rank's probe_collectives, for its stats."""
+        `collective_us`: this rank's probe_collectives, for its stats; `warm_up_s`: how long the
+        warm-up took (the first step's allowance for what MLX builds on first use, step_deadline.py)."""
         self._engine = engine
         self._group = group
         self._calls = channel_socket(zmq.XPUB, addresses[0], bind=True)  # never drops a batch for a slow follower
@@ -158,6 +177,8 @@ class Leader:
         self._times = RankPhases("plan")  # rank 0's plan phase (rank_timing.py)
         self._collective_us = collective_us or {}
         self._rank_times: dict[int, tuple[dict[str, float], dict[str, float]]] = {}  # follower -> its last timings
+        settings = engine.config
+        self.deadline = StepDeadline(settings.hang_floor_s, settings.hang_factor, warm_up_s)  # a hung rank's bound
         engine.scheduler.policy.clock = lambda: self._now
 
     @property
@@ -217,7 +238,11 @@ class Leader:
     def _record(self, call: RankCall, run: Callable[[], Any]) -> Any:
         """Run the call here; if it raised nothing, queue it (stamped with rank 0's clock) for the others."""
         self._now = call.now = time.monotonic()
-        result = run()
+        t0 = time.perf_counter()
+        try:
+            result = run()
+        finally:  # the others replay it before the next step's collectives: that step waits as long
+            self.deadline.replayed(time.perf_counter() - t0)
         self._pending.append(call)
         return result
 
@@ -271,12 +296,22 @@ class Leader:
         t0 = time.perf_counter()
         self._send(call)
         self._times.add("plan", time.perf_counter() - t0)
-        result = run()
+        self.deadline.begin(*step_kind_and_work(self._engine))
+        try:
+            result = run()
+        finally:
+            self.deadline.end()
         self._digest = state_digest(self._engine)
         self._digest_policy = served_policy(self._engine)
         if self._acked:
             self._after[self._seq] = (self._digest, self._engine.steps, self._digest_policy)
         return result
+
+    def step_progress(self) -> tuple[float, float]:
+        """(seconds the step in progress has run, its deadline; (0, 0) between steps): what rank 0's
+        heartbeat thread reports, so that the supervisor restarts a group whose step outlived its
+        deadline (a rank hangs: step_deadline.py)."""
+        return self.deadline.progress()
 
     def stats(self):
         """The engine's stats, with what each rank serves as its last acknowledged batch confirmed."""

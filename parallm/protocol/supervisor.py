@@ -20,13 +20,18 @@ class Ready(Message, tag="ready"):
 
 class Heartbeat(Message, tag="heartbeat"):
     """A stage is alive; `loop_age_s` is how long its loop has been in one iteration (a stuck loop
-    is restarted) and `in_flight` what it still holds (the supervisor drains until it is 0)."""
+    is restarted) and `in_flight` what it still holds (the supervisor drains until it is 0). A
+    tensor-parallel engine's rank 0 also says how long the group's step in progress has run
+    (`step_age_s`) and the deadline it gave that step (`step_deadline_s`; 0: between steps): past it a
+    rank hangs, and the group is restarted (parallm/engine/step_deadline.py)."""
 
     stage: str
     replica: int = 0
     pid: int = 0
     loop_age_s: float = 0.0
     in_flight: int = 0
+    step_age_s: float = 0.0
+    step_deadline_s: float = 0.0
 
 
 class Fatal(Message, tag="fatal"):

@@ -241,6 +241,76 @@ def test_kill_9_of_a_rank_under_load_ends_every_request_within_15_s_and_the_grou
     assert tp_server.output().count(said) == said_before + 1
 
 
+HANG_BOUND_S = 15.0  # every request in flight ends within this of a rank's SIGSTOP (the default deadline's own bound)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("victim", [1, 0])
+def test_a_rank_that_hangs_alive_under_load_ends_every_request_within_its_deadline_and_the_group_serves_again(
+        tp_server, victim):
+    """As the kill -9 test, but the rank is stopped (SIGSTOP), not killed: its process stays alive, so
+    nothing exits. Rank 1 stopped: rank 0 waits for it inside the step's all-sums while its heartbeat
+    thread still answers; rank 0 stopped: its heartbeats stop mid-step. Either way the step outlives the
+    deadline rank 0 gave it (engine.hang_floor_s + engine.hang_factor x the recent steps: step_deadline.py),
+    the supervisor restarts the group, every request ends with a retryable 503 soon after that deadline
+    (within HANG_BOUND_S), and the new group serves the same greedy text."""
+    import re
+
+    tp_server.wait_ready(120)
+    before = complete_all(tp_server.url, 8)
+    results: list = []
+    threads = [threading.Thread(target=request_under_load, args=(tp_server.url, i, results)) for i in range(8)]
+    for t in threads:
+        t.start()
+    deadline = time.monotonic() + 60
+    while engine_stats(tp_server).running < 8:  # all eight admitted and decoding
+        assert time.monotonic() < deadline, tp_server.output()
+        time.sleep(0.1)
+    time.sleep(1.0)  # steady decode steps of eight rows
+    ranks = rank_pids(tp_server)
+    said = "engine is hung: its step ran past its"
+    said_before = tp_server.output().count(said)
+    stopped_at = time.monotonic()
+    os.kill(ranks[victim], signal.SIGSTOP)
+    try:
+        for t in threads:
+            t.join(max(0.0, stopped_at + HANG_BOUND_S - time.monotonic()))
+        assert not any(t.is_alive() for t in threads), f"a request still ran {HANG_BOUND_S} s after the stop: {results}"
+    finally:
+        if pid_alive(ranks[victim]):  # not restarted in time: let it go, so the other tests' server is not stuck
+            os.kill(ranks[victim], signal.SIGCONT)
+    last = max(at for at, _ in results) - stopped_at
+    assert len(results) == 8 and last < HANG_BOUND_S
+    found = re.findall(r"engine is hung: its step ran past its ([0-9.]+) s deadline", tp_server.output())
+    assert len(found) == said_before + 1, tp_server.output()
+    step_deadline = float(found[-1])
+    print(f"rank {victim} stopped: step deadline {step_deadline:.1f} s, the last request ended {last:.2f} s after")
+    assert last < step_deadline + 2.0  # the deadline, a heartbeat (0.5 s) and the supervisor's 0.1 s poll
+    for _, how in results:
+        error = how if isinstance(how, dict) else how[1] if isinstance(how, tuple) else None
+        assert error is not None and error["code"] in ("stage_restarted", "engine_error"), results
+        if isinstance(how, tuple):
+            assert how[0] == 503 and how[2] is not None, results  # retryable: Retry-After
+    deadline = time.monotonic() + 120
+    while True:
+        now = rank_pids(tp_server)
+        if len(now) == 2 and not set(now.values()) & set(ranks.values()):
+            break
+        assert time.monotonic() < deadline, f"the group did not restart as two new ranks: {now}\n{tp_server.output()}"
+        time.sleep(0.2)
+    tp_server.wait_ready(120)
+    assert complete_all(tp_server.url, 8) == before
+
+
+def pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[-1].split()[0] if Path(f"/proc/{pid}").exists() else "X"
+    return state not in ("Z", "X")
+
+
 def adapters_and_weights(server: Server, model_dir: Path) -> dict[str, list[str]]:
     """Versions from every source (loaded at start, uploaded over HTTP, published on the trainer's
     PUB socket), then a full-weight update over HTTP: each one's greedy text."""
