@@ -177,7 +177,9 @@ def _recorded_kernels(monkeypatch):
         calls.append(("gather", after))
         return mx.zeros((2, 2, 6, 8)), mx.zeros((2, 2, 6, 8))
 
-    def attention(queries, k_store, v_store, tables, lengths, scale, splits=None, written=None, newest=None):
+    def attention(queries, k_store, v_store, tables, lengths, scale, splits=None, written=None, newest=None,
+                  block_size=None):
+        assert k_store.ndim == 3 and block_size == 4  # the stores themselves, no reshape op
         calls.append(("attend", newest, written))
         return mx.zeros(queries.shape)
 

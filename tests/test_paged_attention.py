@@ -212,10 +212,11 @@ def test_cuda_fused_kernel_stores_and_attends_each_rows_newest_key():
     """The fused variant (cuda_attention's `newest`): each row's newest K/V, which the lengths count but the
     store does not hold, are attended as the gather attends them once stored, and are stored at the row's
     slot through the store's pointer (the store arrays are the same objects after); queries and newest
-    K/V read through their strides (slices of wider arrays), with and without splits."""
+    K/V read through their strides (slices of wider arrays), with and without splits, the stores as tiles and as
+    the engine's [kv_heads, slots, dim]."""
     for lengths, heads, kv_heads, dim in CASES + [([2048, 1], 24, 8, 128), ([4096] * 3 + [17], 32, 8, 128)]:
         for dtype, tol in ((mx.float32, 1e-4), (mx.bfloat16, 2e-2)):
-            for splits in (1, 3, None):
+            for splits, as_slots in ((1, False), (3, True), (None, False), (None, True)):
                 q, _, _, k_store, v_store, tables, lens = paged_case(lengths, heads, kv_heads, dim, dtype)
                 bs = k_store.shape[2]
                 rows = len(lengths)
@@ -237,12 +238,15 @@ def test_cuda_fused_kernel_stores_and_attends_each_rows_newest_key():
                 with mx.stream(mx.cpu):
                     want = paged_decode_attention(q * 2, ref_k4, ref_v4, PagedRead(tables, lens), scale, way="gather")
                     mx.eval(want)
+                if as_slots:
+                    k_store, v_store = k_store.reshape(kv_heads, -1, dim), v_store.reshape(kv_heads, -1, dim)
                 mx.eval(k_store, v_store, xk, xv, q_strided)
                 k_before, v_before = k_store, v_store
                 got = paged_kernels.cuda_attention(q_strided, k_store, v_store, tables, lens, scale, splits=splits,
-                                                   newest=(xk, xv, mx.array(slots)))
+                                                   newest=(xk, xv, mx.array(slots)), block_size=bs if as_slots else None)
                 mx.eval(got)
                 diff = mx.max(mx.abs(got.astype(mx.float32) - want.astype(mx.float32))).item()
-                assert diff < tol, (lengths, dtype, splits, diff)
+                assert diff < tol, (lengths, dtype, splits, as_slots, diff)
                 assert k_store is k_before and v_store is v_before
-                assert mx.array_equal(k_store, ref_k4).item() and mx.array_equal(v_store, ref_v4).item()
+                assert mx.array_equal(k_store, ref_k4.reshape(k_store.shape)).item()
+                assert mx.array_equal(v_store, ref_v4.reshape(v_store.shape)).item()

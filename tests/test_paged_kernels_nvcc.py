@@ -58,8 +58,12 @@ def _kernel(name: str, inputs: list[tuple[str, mx.Dtype]], outputs: list[tuple[s
             + "\n".join(consts) + "\n" + source + "\n}\n}\n")
 
 
-def _attention_kernels(dtype: mx.Dtype, dim: int, rep: int, kv_heads: int, tag: str) -> list[str]:
-    template = [("T", dtype), ("D", dim), ("REP", rep), ("HKV", kv_heads), ("BS", 16), ("WARPS", pk.WARPS)]
+def _attention_kernels(dtype: mx.Dtype, dim: int, rep: int, kv_heads: int, tag: str,
+                       fused_slots: bool = False) -> list[str]:
+    """Every kernel at one shape; `fused_slots`: the stores as [kv_heads, slots, dim] (the engine's in-place
+    reads), else as tiles."""
+    template = [("T", dtype), ("D", dim), ("REP", rep), ("HKV", kv_heads), ("BS", 16), ("WARPS", pk.WARPS),
+                ("SLOTS", 16 if fused_slots else 1)]
     common = [("q", dtype), ("k", dtype), ("v", dtype), ("tables", mx.int32), ("lengths", mx.int32),
               ("scale", mx.float32)]
     out = []
@@ -83,9 +87,10 @@ def _attention_kernels(dtype: mx.Dtype, dim: int, rep: int, kv_heads: int, tag: 
 
 def test_every_cuda_kernel_variant_compiles_for_sm90(tmp_path):
     kernels = []
-    for dtype, dim, rep, kv_heads in ((mx.bfloat16, 128, 3, 8), (mx.float16, 64, 4, 2), (mx.float32, 128, 1, 8),
-                                      (mx.float32, 64, 2, 4)):
-        kernels += _attention_kernels(dtype, dim, rep, kv_heads, f"k_{dtype}_{dim}_{rep}".replace("mlx.core.", ""))
+    for dtype, dim, rep, kv_heads, slots in ((mx.bfloat16, 128, 3, 8, True), (mx.float16, 64, 4, 2, False),
+                                             (mx.float32, 128, 1, 8, True), (mx.float32, 64, 2, 4, False)):
+        kernels += _attention_kernels(dtype, dim, rep, kv_heads, f"k_{dtype}_{dim}_{rep}".replace("mlx.core.", ""),
+                                      slots)
     source = tmp_path / "kernels.cu"
     source.write_text(_HEADER + "\n".join(kernels))
     done = subprocess.run([NVCC, "-arch=sm_90", "-c", str(source), "-o", str(tmp_path / "kernels.o"),

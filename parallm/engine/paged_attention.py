@@ -109,17 +109,13 @@ class PagedRead:
 
 
 def paged_decode_attention(queries: mx.array, k_store: mx.array, v_store: mx.array, read: PagedRead,
-                           scale: float, way: Way | None = None, *, keys_transposed: bool = False,
-                           written: mx.array | None = None,
-                           newest: tuple[mx.array, mx.array, mx.array] | None = None) -> mx.array:
+                           scale: float, way: Way | None = None, *, keys_transposed: bool = False) -> mx.array:
     """Attention of queries [rows, heads, 1, dim] (heads a multiple of kv_heads: grouped-query
     heads h * rep .. h * rep + rep - 1 share KV head h) over each row's first `read.lengths[row]`
     keys of the stores [kv_heads, blocks, block_size, dim] (K [kv_heads, blocks, dim, block_size]
     with `keys_transposed`) through `read.tables`: [rows, heads, 1, dim] in the queries' dtype.
-    `way`: None = choose_way; `written`: the flag of this pass's in-place write of the stores (the CUDA
-    kernel only: paged_kernels.cuda_write); `newest`: each row's newest keys, values and slot, which
-    `read.lengths` count but the stores do not hold yet: the CUDA kernel stores them as it attends them
-    (paged_kernels.cuda_attention)."""
+    `way`: None = choose_way. (Stores written in place are read with paged_kernels.cuda_attention itself:
+    pass_view.RowsView.paged_attention.)"""
     rows, heads, length, dim = queries.shape
     kv_heads, _, block_size, store_dim = v_store.shape
     k_shape = v_store.shape if not keys_transposed else (kv_heads, v_store.shape[1], dim, block_size)
@@ -132,11 +128,8 @@ def paged_decode_attention(queries: mx.array, k_store: mx.array, v_store: mx.arr
     way = choose_way(queries, v_store, keys_transposed) if way is None else way
     if keys_transposed and way in ("cuda", "metal"):
         raise ValueError(f"the {way} kernel reads head-major K tiles, not transposed ones")
-    if (written is not None or newest is not None) and way != "cuda":
-        raise ValueError(f"stores written in place are read by the CUDA kernel only, not the {way} way")
     if way == "cuda":
-        return paged_kernels.cuda_attention(queries, k_store, v_store, read.tables, read.lengths, scale,
-                                            written=written, newest=newest)
+        return paged_kernels.cuda_attention(queries, k_store, v_store, read.tables, read.lengths, scale)
     if way == "metal":
         return paged_kernels.metal_attention(queries, k_store, v_store, read.tables, read.lengths, scale)
     if way == "gather_mm":

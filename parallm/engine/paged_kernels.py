@@ -52,7 +52,7 @@ _CUDA_WALK = """
     const int splits = gridDim.z;
     const int len = lengths[row] - NEW;  // keys walked in the store (NEW: the newest comes from xk, xv)
     const int maxb = tables_shape[1];
-    const long nb_store = k_shape[1];
+    const long nb_store = k_shape[1] / SLOTS;  // blocks of the store (SLOTS: its axis 1 counts slots, not tiles)
     const int nblk = min((len + BS - 1) / BS, maxb);
     const int per = (maxb + splits - 1) / splits;
     const int b0 = split * per;
@@ -258,7 +258,7 @@ _METAL = """
     const int h = threadgroup_position_in_grid.y % HKV;
     const int len = lengths[row];
     const int maxb = tables_shape[1];
-    const long nb_store = k_shape[1];
+    const long nb_store = k_shape[1] / SLOTS;
     const int nblk = metal::min((len + BS - 1) / BS, maxb);
     const float sc = scale[0];
     float qf[REP][VEC];
@@ -425,10 +425,20 @@ def _scale(scale: float) -> mx.array:
     return mx.array([scale * LOG2E], dtype=mx.float32)
 
 
-def _template(queries: mx.array, k_store: mx.array) -> list[tuple[str, Any]]:
-    kv_heads, _, block_size, dim = k_store.shape
+def _template(queries: mx.array, k_store: mx.array, block_size: int | None = None) -> list[tuple[str, Any]]:
+    """The kernels' constants; a store [kv_heads, slots, dim] (the live store itself: no reshape op in the
+    graph, which a one-row pass pays per layer) takes its `block_size`, tiles [kv_heads, blocks, block_size,
+    dim] carry it."""
+    if k_store.ndim == 3:
+        if block_size is None:
+            raise ValueError("a store of slots [kv_heads, slots, dim] needs its block_size")
+        kv_heads, _, dim = k_store.shape
+        slots = block_size
+    else:
+        kv_heads, _, block_size, dim = k_store.shape
+        slots = 1
     return [("T", queries.dtype), ("D", dim), ("REP", queries.shape[1] // kv_heads), ("HKV", kv_heads),
-            ("BS", block_size), ("WARPS", WARPS)]
+            ("BS", block_size), ("WARPS", WARPS), ("SLOTS", slots)]
 
 
 @lru_cache(maxsize=None)
@@ -493,13 +503,16 @@ def cuda_gather_after(k_store: mx.array, v_store: mx.array, slots: mx.array,
 
 def cuda_attention(queries: mx.array, k_store: mx.array, v_store: mx.array, tables: mx.array, lengths: mx.array,
                    scale: float, splits: int | None = None, written: mx.array | None = None,
-                   newest: tuple[mx.array, mx.array, mx.array] | None = None) -> mx.array:
+                   newest: tuple[mx.array, mx.array, mx.array] | None = None,
+                   block_size: int | None = None) -> mx.array:
     """Decode attention [rows, heads, 1, dim] through the CUDA kernel (arguments as
     paged_attention.paged_decode_attention; `splits`: None = auto_splits; `written`: the flag of this
     pass's in-place write of the layer's K and V, cuda_write). `newest`: (keys, values [rows, kv_heads, 1,
     dim], slots [rows]) of each row's newest token, which `lengths` count but the stores do not hold yet:
     the kernel stores them at their slots and attends them in the same launch (the fused variant); the
-    output then orders any later read of the stores in the pass (cuda_gather_after's `after`)."""
+    output then orders any later read of the stores in the pass (cuda_gather_after's `after`). The stores
+    may be tiles [kv_heads, blocks, block_size, dim] or the live stores [kv_heads, slots, dim] themselves
+    with their `block_size`."""
     rows, heads, _, dim = queries.shape
     kv_heads = k_store.shape[0]
     splits = auto_splits(rows, kv_heads, tables.shape[1]) if splits is None else splits
@@ -519,7 +532,11 @@ def cuda_attention(queries: mx.array, k_store: mx.array, v_store: mx.array, tabl
         one, split, merge = _cuda_kernels()
         inputs = [queries, k_store, v_store, tables, lengths, _scale(scale),
                   written if written is not None else _not_written()]
-    template = _template(queries, k_store)
+    if v_store.shape != k_store.shape or (k_store.ndim == 3 and (block_size is None or k_store.shape[1] % block_size)):
+        raise ValueError(f"the CUDA kernel takes K and V stores of one shape, [kv_heads, blocks, block_size, dim] or "
+                         f"[kv_heads, slots, dim] with slots a multiple of block_size; got {k_store.shape}, "
+                         f"{v_store.shape}, block_size {block_size}")
+    template = _template(queries, k_store, block_size)
     threads = (WARPS * 32, 1, 1)
     if splits == 1:
         return one(inputs=inputs, template=template, grid=(WARPS * 32, rows * kv_heads, 1), threadgroup=threads,

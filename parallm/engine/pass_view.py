@@ -341,18 +341,21 @@ class RowsView(LayerView):
         ctx, live, i = self._ctx, self._live, self._layer
         if self._fetched is None or keys is not self._fetched[0] or ctx.paged is None:
             return None
-        k4, v4 = live.tiles(i)
-        if self._newest is not None:
-            xk, xv = self._newest
-            self._newest = None
-            out = paged_decode_attention(queries, k4, v4, ctx.paged, scale, "cuda",
-                                         newest=(_as(xk, k4.dtype), _as(xv, v4.dtype), ctx.write))
-            self._written = out
+        if live.writes_in_place:  # the CUDA kernel, over the stores themselves (no reshape op a layer)
+            k_store, v_store, paged = live.keys[i], live.values[i], ctx.paged
+            newest = None
+            if self._newest is not None:
+                xk, xv = self._newest
+                self._newest = None
+                newest = (_as(xk, k_store.dtype), _as(xv, v_store.dtype), ctx.write)
+            out = paged_kernels.cuda_attention(queries, k_store, v_store, paged.tables, paged.lengths, scale,
+                                               written=self._written, newest=newest, block_size=live.block_size)
+            if newest is not None:
+                self._written = out
             return out
-        # stores written in place are read by the kernel that takes the write's flag
-        way = "cuda" if self._written is not None else None if ctx.paged_way == "auto" else ctx.paged_way
-        return paged_decode_attention(queries, k4, v4, ctx.paged, scale, way, keys_transposed=live.keys_transposed,
-                                      written=self._written)
+        k4, v4 = live.tiles(i)
+        way = None if ctx.paged_way == "auto" else ctx.paged_way
+        return paged_decode_attention(queries, k4, v4, ctx.paged, scale, way, keys_transposed=live.keys_transposed)
 
     @property
     def state(self) -> tuple[KV, KV]:
