@@ -19,6 +19,7 @@ environment (`openblas_env`) or by re-executing the current process (`reexec_wit
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import ctypes.util
 import importlib.metadata
@@ -33,7 +34,7 @@ import threading
 import time
 from collections import deque
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING, Callable, Iterator
 
 if TYPE_CHECKING:
     from parallm.protocol import BlasStats
@@ -245,6 +246,12 @@ class ThreadGovernor:
     pass took 1-2.4 s as an attack began to keep ingress busy, 0.14 s once the pool was down to one
     thread). OpenBLAS reads its thread count when a call begins, so a change from this thread takes
     effect at the next matmul (MLX calls OpenBLAS from its own stream thread, never this one).
+
+    The engine's own background work (a request's grammar compiling on the compile thread) is this
+    process's CPU time, which the samples cannot tell from the step's: the thread doing it says so
+    (`background()`), and for as long as it runs the count leaves it a core, at once, not a window
+    later (issue 30: beside three 64 KiB grammars compiling, 30 ms one-row decodes took 150-280 ms, the
+    compile thread using 110-136 ms of CPU in the step and the pool's threads waiting 60-110 ms for a core).
     """
 
     def __init__(self, set_threads: Callable[[int], None], max_threads: int, cpus: list[int], *,
@@ -263,6 +270,9 @@ class ThreadGovernor:
         self.threads = self.max_threads
         self.others_busy = 0.0
         self.changes = 0
+        self.background_work = 0  # this process's background jobs running now (`background()`)
+        self._restore_to: int | None = None  # the count before background work lowered it
+        self._lock = threading.Lock()  # tick() on the sampling thread, background() on the worker's
         self._thread: threading.Thread | None = None
         self._stop = threading.Event()
 
@@ -281,8 +291,9 @@ class ThreadGovernor:
         return cls(set_threads, int(get_threads()), _cpus())
 
     def target(self, others_busy: float) -> int:
-        """Threads for a machine where other processes keep `others_busy` of our cores busy."""
-        free = len(self.cpus) - others_busy
+        """Threads for a machine where other processes keep `others_busy` of our cores busy (and this process's
+        background work one core each)."""
+        free = len(self.cpus) - others_busy - self.background_work
         return max(1, min(self.max_threads, math.floor(free + 0.5)))
 
     def _others(self, now: CpuSample) -> float:
@@ -302,6 +313,10 @@ class ThreadGovernor:
         """Take a sample and set the thread count from it (the sampling thread calls it every `interval_s`)."""
         if self.max_threads == 1:
             return
+        with self._lock:
+            self._tick()
+
+    def _tick(self) -> None:
         now = self._sample()
         self.others_busy = self._others(now)
         self._history.append(now)
@@ -319,9 +334,39 @@ class ThreadGovernor:
             if now[0] - self._up_since >= self.up_after_s:
                 self._change(self._up_to)
 
-    def _change(self, want: int) -> None:
-        log.info("OpenBLAS threads %d -> %d (other processes keep %.2f of %d cores busy)",
-                 self.threads, want, self.others_busy, len(self.cpus))
+    @contextlib.contextmanager
+    def background(self) -> Iterator[None]:
+        """This process's background work runs inside the block (on the calling thread): one core fewer for
+        the pool from its start, and the count it lowered is given back as soon as the last such block ends
+        (where the last sample of other processes still allows it), not after `up_after_s`: its cause is known
+        to be gone."""
+        if self.max_threads == 1:
+            yield
+            return
+        with self._lock:
+            self.background_work += 1
+            want = self.target(self.others_busy)
+            if want < self.threads:
+                if self._restore_to is None:
+                    self._restore_to = self.threads
+                self._change(want, "background work")
+        try:
+            yield
+        finally:
+            with self._lock:
+                self.background_work -= 1
+                if self.background_work == 0 and self._restore_to is not None:
+                    want = min(self._restore_to, self.target(self.others_busy))
+                    self._restore_to = None
+                    if want > self.threads:
+                        self._change(want, "background work done")
+
+    def _change(self, want: int, why: str = "") -> None:
+        if why:  # as often as grammars compile: not worth a line each at info
+            log.debug("OpenBLAS threads %d -> %d (%s)", self.threads, want, why)
+        else:
+            log.info("OpenBLAS threads %d -> %d (other processes keep %.2f of %d cores busy)",
+                     self.threads, want, self.others_busy, len(self.cpus))
         self._set(want)
         self.threads = want
         self.changes += 1

@@ -486,6 +486,7 @@ def main(config: Config, replica: int = 0) -> int:
         stage.on_idle = engine.idle  # takes the other ranks' acks while no step does
     if stage.blas is not None:
         stage.blas.start()  # samples and sets the OpenBLAS thread count on a thread of its own
+        engine.constraints.background = stage.blas.background  # a grammar compiling is left a core
     runtime.ready(info)
     if config.kv.disk_dir:  # stop the loop on SIGTERM too, so the disk tier's blocks are written (engine.close)
         signal.signal(signal.SIGTERM, lambda *_: setattr(runtime, "shutting_down", True))

@@ -203,3 +203,31 @@ def test_requests_grammars_compile_below_the_step_loops_priority():
     constraints._compile = compile_and_look
     constraints.compile_later(CHOICE, time.monotonic() + 5).result(5)
     assert seen == [min(19, os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) + BACKGROUND_NICE)]
+
+
+def test_a_requests_compile_runs_inside_the_background_hook_and_a_cached_one_does_not():
+    """Issue 30: the engine stage gives Constraints its OpenBLAS governor's `background`, so that the pool leaves a
+    compiling grammar a core (a nice level alone did not: the compile thread still used 110-136 ms of CPU in a
+    one-row step that took 150-280 ms instead of 30)."""
+    constraints = Constraints(64, [EOS])
+    constraints.use_tokenizer(char_tokenizer())
+    events: list[str] = []
+    compile_now = constraints._compile
+
+    class Hook:
+        def __enter__(self):
+            events.append("enter")
+
+        def __exit__(self, *exc):
+            events.append("exit")
+
+    def compile_and_note(c):
+        events.append("compile")
+        return compile_now(c)
+
+    constraints._compile = compile_and_note
+    constraints.background = Hook
+    constraints.compile_later(CHOICE, time.monotonic() + 5).result(5)
+    assert events == ["enter", "compile", "exit"]
+    constraints.compile_later(CHOICE, time.monotonic() + 5).result(5)  # cached: no core taken
+    assert events == ["enter", "compile", "exit"]

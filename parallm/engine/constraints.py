@@ -18,6 +18,7 @@ that runs out of max_tokens first ends with "length" and the partial text, as an
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import threading
@@ -25,7 +26,7 @@ import time
 from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
-from typing import Any, Callable, Sequence as Seq
+from typing import Any, Callable, ContextManager, Sequence as Seq
 
 import numpy as np
 
@@ -170,6 +171,9 @@ class Constraints:
         self._lock = threading.Lock()  # the cache is shared with the compile thread
         self._compiler: ThreadPoolExecutor | None = None
         self._compiler_lowered = False  # the compile thread runs below the step loop once requests compile on it
+        # wraps each request's compile: the engine stage gives its OpenBLAS governor's (blas.ThreadGovernor.background),
+        # which leaves the compile a core while it runs
+        self.background: Callable[[], ContextManager[None]] = contextlib.nullcontext
         self.cache_size = cache_size
         self.rows: dict[int, tuple[Sequence, RowMatcher]] = {}
         self._buf = np.zeros((0, mask_words(vocab_size)), dtype=np.int32)
@@ -284,15 +288,19 @@ class Constraints:
         """Compile `c`'s grammar on the compile thread (one, apart from the mask worker, so that the masks of
         running rows never wait behind it); the future's result is None, or the GrammarError. A compile still
         queued at `deadline` (time.monotonic) is skipped: its request was refused meanwhile. The compile thread
-        runs below the step loop's priority (threads.lower_priority): a request's compile never takes a core
-        from the rows that are running."""
+        runs below the step loop's priority (threads.lower_priority), and inside `background` (the OpenBLAS pool
+        gives it a core: a low priority alone did not keep it off the pool's cores, issue 30)."""
         def compile_one() -> None:
             if not self._compiler_lowered:  # not for prepare(): the start-up build runs beside the warm-up at full speed
                 self._compiler_lowered = True
                 lower_priority()
             if time.monotonic() > deadline:
                 raise TimeoutError("the grammar waited past its deadline to compile")
-            self._template(c)
+            if self.cached(c):
+                self._template(c)
+                return
+            with self.background():
+                self._template(c)
 
         return self._compile_thread().submit(compile_one)
 
