@@ -82,7 +82,7 @@ class StageProcess(ChildProcess):
     pid: int = 0
     loop_age_s: float = 0.0         # how long its loop has been in one iteration, as its last heartbeat said
     in_flight: int = 0              # what it still holds, as its last heartbeat said
-    step_due: float = 0.0           # a tensor-parallel group's step in progress must end by then (monotonic; 0: none)
+    step_due: float = 0.0           # an engine's step in progress must end by then (monotonic; 0: none)
     step_deadline_s: float = 0.0    # that step's deadline, as its last heartbeat said
     next_restart_at: float = 0.0
     backoff: float = 0.0
@@ -115,9 +115,10 @@ class StageProcess(ChildProcess):
                          daemon=True, name=f"log-{self.spec.label}").start()
 
     def heard_step(self, step_age_s: float, step_deadline_s: float, now: float) -> None:
-        """A heartbeat said the group's step in progress has run `step_age_s` of its `step_deadline_s`
-        (0: between steps): it must end by `now - step_age_s + step_deadline_s`. A rank 0 that falls
-        silent keeps the last due time: a stopped rank 0 is caught by the same deadline."""
+        """A heartbeat said the engine's step in progress (a tensor-parallel group's) has run `step_age_s`
+        of its `step_deadline_s` (0: between steps): it must end by `now - step_age_s + step_deadline_s`.
+        An engine (rank 0) that falls silent keeps the last due time: a stopped one is caught by the same
+        deadline."""
         self.step_deadline_s = step_deadline_s
         self.step_due = now - step_age_s + step_deadline_s if step_deadline_s > 0 else 0.0
 

@@ -360,11 +360,11 @@ class Supervisor:
                 silent = stage.ready and now - stage.last_beat > sup.dead_after_s
                 stalled = stage.ready and sup.stall_after_s > 0 and stage.loop_age_s > sup.stall_after_s
                 slow_start = not stage.ready and now - stage.started_at > sup.ready_timeout_s
-                hung = stage.ready and stage.overdue_s(now) > 0  # a tensor-parallel step outlived its deadline
+                hung = stage.ready and stage.overdue_s(now) > 0  # an engine step outlived its deadline
                 if dead or silent or stalled or slow_start or hung:
                     why = (f"exited with code {stage.exit_code()}" if dead else
-                           f"is hung: its step ran past its {stage.step_deadline_s:.1f} s deadline (a rank makes "
-                           "no progress; engine.hang_floor_s)" if hung else
+                           f"is hung: its step ran past its {stage.step_deadline_s:.1f} s deadline (the engine, or "
+                           "a rank of its group, makes no progress; engine.hang_floor_s)" if hung else
                            f"silent for {now - stage.last_beat:.1f} s" if silent else
                            f"stuck in one loop iteration for {stage.loop_age_s:.0f} s" if stalled else
                            "never became ready")

@@ -75,7 +75,7 @@ class StageRuntime:
         self._next_beat = 0.0
         self._in_flight = 0
         self._progress = time.monotonic()
-        # a tensor-parallel rank 0's (seconds its step in progress has run, that step's deadline): Leader.step_progress
+        # an engine's (seconds its step in progress has run, that step's deadline): StepDeadline.progress
         self.step_progress: Callable[[], tuple[float, float]] | None = None
         self._beating = threading.Event()
         self._closed = threading.Event()  # close(): the heartbeat thread stops

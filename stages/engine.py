@@ -5,6 +5,8 @@ all rows) to the detokenizer. While idle it blocks on the inbox for up to a hear
 A request the engine refuses gets a RequestError routed to its client; nothing else stops.
 Adapter versions arrive on the bound `adapters` SUB socket (trainers' PUBs connect to it) or on
 the inbox; each is loaded between two steps, so a version takes effect at a step boundary.
+Each engine step runs under a deadline (parallm/engine/step_deadline.py) that the heartbeat carries: an
+engine that hangs alive inside a step is restarted by the supervisor once the step outlives it.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from parallm.engine.compile_queue import CompileQueue
 from parallm.engine.device_share import DeviceShare
 from parallm.engine.images import unpack_images
 from parallm.engine.pooling_queue import Pooled, PoolingQueue
+from parallm.engine.step_deadline import StepDeadline, one_engine_deadline, step_kind_and_work
 from parallm.runtime import StageRuntime
 from parallm.stages.engine_adapters import (AdapterMessages, adapter_list, adapter_roots, load_adapter,  # noqa: F401
                                              weights_path)  # adapter_roots, load_adapter, weights_path: imported from here
@@ -54,7 +57,8 @@ class EngineStage(AdapterMessages, Stage):
     log = log
 
     def __init__(self, config: Config, runtime: StageRuntime, engine: Engine, model_info: dict[str, Any],
-                 pooling: PoolingQueue | None = None) -> None:
+                 pooling: PoolingQueue | None = None, warm_up_s: float = 0.0) -> None:
+        """`warm_up_s`: how long the engine's warm-up took (the first step's allowance, step_deadline.py)."""
         super().__init__(config, runtime)
         self.engine = engine
         self.model_info = model_info
@@ -128,6 +132,11 @@ class EngineStage(AdapterMessages, Stage):
         # inbox is read again (take_arrivals); a tensor-parallel group's rank 0 (distributed.Leader) reads none
         self.deferred: protocol.Message | None = None
         self.arrivals: Callable[[], None] | None = self.take_arrivals if isinstance(engine, Engine) else None
+        # each step's deadline, carried by the heartbeat (a tensor-parallel group's rank 0 gives its own: Leader)
+        self.deadline: StepDeadline | None = None
+        if isinstance(engine, Engine):
+            self.deadline = one_engine_deadline(engine, settings.hang_floor_s, settings.hang_factor, warm_up_s)
+            runtime.step_progress = self.deadline.progress
 
     # ------------------------------------------------------------------ messages
     def fanned_out(self, handler: Handler) -> Handler:
@@ -377,14 +386,8 @@ class EngineStage(AdapterMessages, Stage):
         outputs: list[SeqOutput | ScoreResult] = []
         pooled: list[Pooled] = []
         try:
-            # first tokens sampled by the step's prefill pass go out before its decode pass runs
             if generating:
-                if paused_owing:
-                    outputs = self.engine.flush()
-                elif self.arrivals is None:
-                    outputs = self.engine.step(emit=self.send)
-                else:
-                    outputs = self.engine.step(emit=self.send, arrivals=self.arrivals)
+                outputs = self.generate(paused_owing)
             if pooling:  # one batched pooling pass between two generation steps
                 pooled = self.pooling.queue.step()
         except Exception as exc:  # noqa: BLE001 - e.g. MLX out of memory: fail fast, get restarted
@@ -400,6 +403,21 @@ class EngineStage(AdapterMessages, Stage):
         spent["step_s"] += t2 - t1
         spent["send_s"] += clock() - t2
         return True
+
+    def generate(self, paused_owing: bool) -> list[SeqOutput | ScoreResult]:
+        """One engine step (a paused engine's flush of what it owes), under its deadline; the first tokens
+        sampled by the step's prefill pass go out before its decode pass runs."""
+        if self.deadline is not None:
+            self.deadline.begin(*step_kind_and_work(self.engine))
+        try:
+            if paused_owing:
+                return self.engine.flush()
+            if self.arrivals is None:
+                return self.engine.step(emit=self.send)
+            return self.engine.step(emit=self.send, arrivals=self.arrivals)
+        finally:
+            if self.deadline is not None:
+                self.deadline.end()
 
 
 def warm_up(engine: Engine) -> float:
@@ -481,7 +499,8 @@ def main(config: Config, replica: int = 0) -> int:
         runtime.fatal(f"cannot load the pooling models of model.pooling: {exc}")
         return 2
     info["pooling"] = sorted(models)
-    stage = EngineStage(config, runtime, engine, info, PoolingQueue(models, config.engine.pooling_batch_tokens))
+    stage = EngineStage(config, runtime, engine, info, PoolingQueue(models, config.engine.pooling_batch_tokens),
+                        warm_up_s=warm_up_s)
     if group is not None:
         stage.on_idle = engine.idle  # takes the other ranks' acks while no step does
     if stage.blas is not None:

@@ -1,4 +1,4 @@
-"""A tensor-parallel group's step deadline (parallm/engine/step_deadline.py) and how the supervisor judges
+"""An engine's step deadline (parallm/engine/step_deadline.py: a tensor-parallel group's, one engine's) and how the supervisor judges
 it (launch/process.py): a slow step within its bound is never called hung, a step past it is, and the
 bound follows the group's own steps (a long prefill's predicted work, a new kind of step's first-use
 builds, the calls the other ranks replay first)."""
@@ -110,6 +110,26 @@ def test_calls_the_other_ranks_replay_first_extend_the_next_step():
     clock.t += 4.1  # rank 0 waited for them inside the step
     d.end()
     assert d.begin(DECODE, 100.0) == pytest.approx(5.0 + 10 * 0.1)  # only the step after them: the next ones are tight
+
+
+def test_paused_work_inside_a_step_has_no_deadline_and_moves_it_by_its_time():
+    d, clock = steady()
+    deadline = d.begin(DECODE, 100.0)
+    clock.t += 0.05
+    with d.paused():  # a disk-tier block read: slow, and progress once it returns
+        clock.t += 100.0
+        assert d.progress() == (0.0, 0.0)  # nothing is due meanwhile
+        with d.paused():  # nested: the outer one already paused the step
+            clock.t += 1.0
+    assert d.progress() == (pytest.approx(101.05), pytest.approx(deadline + 101.0))
+    assert supervisor_view(d, clock.t).overdue_s(clock.t + deadline - 0.1) == 0
+    d.end()
+    assert d.recent[-1][0] == pytest.approx(0.05)  # the read's time is not the step's own: the next stays tight
+    assert d.begin(DECODE, 100.0) == pytest.approx(deadline)
+    d.end()
+    with d.paused():  # between steps: nothing to move
+        clock.t += 1.0
+    assert d.progress() == (0.0, 0.0)
 
 
 def test_floor_0_turns_it_off():

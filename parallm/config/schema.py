@@ -159,14 +159,14 @@ class EngineConfig(Struct, frozen=True, kw_only=True, forbid_unknown_fields=True
     tensor_parallel: Annotated[int, _d("ranks the engine runs as, each holding a shard of the model (mx.distributed: "
                                        "the ring backend on CPUs, NCCL on CUDA GPUs, one GPU per rank); 1 = one "
                                        "process")] = 1
-    hang_floor_s: Annotated[float, _d("a tensor-parallel group whose step runs longer than this plus hang_factor x "
-                                      "what its recent steps say it should take (a rank hangs alive: stopped, or "
-                                      "stuck in a collective) is restarted and its requests end with a retryable "
-                                      "503; 0 = off, only supervisor.stall_after_s catches a hang "
-                                      "(docs/operations.md, More than one device)")] = 5.0
+    hang_floor_s: Annotated[float, _d("an engine (a tensor-parallel group) whose step runs longer than this plus "
+                                      "hang_factor x what its recent steps say it should take (it hangs alive: "
+                                      "stopped, a device call that never returns, a rank stuck in a collective) is "
+                                      "restarted and its requests end with a retryable 503; 0 = off, only "
+                                      "supervisor.stall_after_s catches a hang (docs/operations.md, Faults)")] = 5.0
     hang_factor: Annotated[float, _d("how many times its expected time (the longest recent step, or its "
                                      "predicted work, plus calls the ranks replay and a new kind of step's first-use "
-                                     "builds) a tensor-parallel step may take on top of hang_floor_s")] = 10.0
+                                     "builds) an engine step may take on top of hang_floor_s")] = 10.0
     replicas: Annotated[int, _d("engine replicas behind the tokenizers (data parallel; one per GPU on a CUDA "
                                 "host): each request goes to one, chosen by load and prefix-cache affinity")] = 1
     remote_replicas: Annotated[list[str], _d("engine replicas started on other machines (python -m "

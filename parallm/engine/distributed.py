@@ -70,10 +70,9 @@ from .rank_group import (  # noqa: F401 - re-exported: the engine stage and test
     CONTROL_ENV, TensorParallelError, agree_min, agreed_config, channel_socket, control_addresses, default_backend,
     join, rank_from_env, shard_model, shard_refusal)
 from .constraints import Constraints
-from .pacing import pass_work
 from .rank_timing import RankPhases, probe_collectives
 from .request import Request, RequestRejected
-from .step_deadline import StepDeadline
+from .step_deadline import StepDeadline, step_kind_and_work
 
 log = logging.getLogger("parallm.engine.distributed")
 
@@ -130,19 +129,6 @@ def lead(engine, model, group: mx.distributed.Group, addresses: tuple[str, str],
     """Rank 0 after its warm-up (`warm_up_s`: how long it took): the all-sum probe (in lockstep with
     follower_main's, which runs it after the same warm-up), then the Leader that serves."""
     return Leader(engine, group, addresses, probe_collectives(model, group), warm_up_s=warm_up_s)
-
-
-def step_kind_and_work(engine) -> tuple[tuple[int, bool], float]:
-    """What the engine's next step may do, before it is scheduled: its kind (decode rows, whether it may
-    prefill) and its work by the pacer's cost model (pacing.pass_work: the running rows at their contexts
-    and a chunk of up to max_prefill_tokens at the prefilling prompts' furthest position)."""
-    s = engine.scheduler
-    contexts = [q.num_computed for q in s.running]
-    pending = sum(q.prefill_remaining for q in s.prefilling) + (s.max_prefill_tokens if len(s.waiting) else 0)
-    tokens = min(s.max_prefill_tokens, pending)
-    start = max((q.num_computed for q in s.prefilling), default=0)
-    work = pass_work(engine.pacer.weight, [start] if tokens else [], [tokens] if tokens else [], contexts)
-    return (len(contexts), tokens > 0), work
 
 
 class Leader:

@@ -22,7 +22,8 @@ from __future__ import annotations
 import hashlib
 import logging
 import time
-from typing import Literal, Sequence
+from contextlib import AbstractContextManager, nullcontext
+from typing import Callable, Literal, Sequence
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -92,6 +93,8 @@ class PrefixDiskTier:
         self._persistable: set[int] = set()            # hashes of resident blocks that may go to disk
         self._keyed: dict[int, int] = {}                # block id -> hash keyed since the last row ops
         self._evicted: list[tuple[int, int, tuple[int, ...]]] = []  # (block id, hash, tokens) to save
+        # a block read runs inside this: the engine stage's StepDeadline.paused (a read is slow, not hung)
+        self.reading: Callable[[], AbstractContextManager] = nullcontext
 
     def attach(self, manager: BlockManager) -> None:
         self.manager = manager
@@ -128,7 +131,10 @@ class PrefixDiskTier:
         installed as a cached block (no reference taken), or None (not on disk, unreadable, no room)."""
         if adapter != "" or self.manager is None:
             return None
-        key = block_hash(parent, tokens, adapter)
+        with self.reading():
+            return self._fetch(block_hash(parent, tokens, adapter), tokens, keep)
+
+    def _fetch(self, key: int, tokens: tuple[int, ...], keep: Sequence[int]) -> int | None:
         got = self.disk.get(key, tokens, self._itemsizes)
         if got is None:
             return None

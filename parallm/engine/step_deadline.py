@@ -1,4 +1,5 @@
-"""How long a tensor-parallel group's step may run before the group counts as hung (issue 38).
+"""How long an engine's step may run before the engine counts as hung (issue 38): a tensor-parallel
+group's rank 0 (distributed.Leader) and a one-process engine stage (stages/engine.py) alike.
 
 A rank that dies ends the group at once (its process exits, the others' collectives fail). A rank
 that hangs alive (stopped, or stuck in a collective) ends nothing: every other rank waits for it
@@ -8,6 +9,14 @@ runs the same passes. So rank 0 gives every step a deadline when it starts it, a
 carries how long the step in progress has run and that deadline; the supervisor restarts the group
 when a step outlives its deadline (or rank 0, silent, was last heard inside a step whose deadline has
 passed) exactly as when a rank dies: every request in flight ends with a retryable 503.
+
+One engine process is the same with one rank: a device call that never returns, or a native call that
+holds the loop, leaves the heartbeat thread answering while no step ends (before this, only
+supervisor.stall_after_s, 300 s, caught it); a stopped process stops its heartbeats mid-step, and the
+supervisor keeps the deadline of the step it last heard of. Its step is the engine's `step` (or the
+`flush` of a paused one): what happens between steps (adapter and weight loads, grammars compiled on their
+own thread, the pooling pass, model start-up and warm-up) is not inside any, so it has no deadline; a
+disk-tier block read inside a step runs `paused` (below).
 
 The deadline is measured against the group's own recent steps, so that slow but alive is not hung:
 
@@ -24,6 +33,10 @@ The deadline is measured against the group's own recent steps, so that slow but 
   step that was the first of its kind so far: the first pass of a shape builds what MLX builds on first
   use (compiled kernels, cuDNN graphs); before any step has run, the warm-up's whole time.
 
+Work inside a step that is slow by nature and proves progress each time it returns (the prefix cache's
+disk tier reading a block back) runs inside `paused()`: meanwhile the step reports no deadline, and after
+it the deadline moves by its time, which the recent steps do not count.
+
 `floor_s` 0 turns the deadline off (then only supervisor.stall_after_s catches a hang).
 """
 
@@ -31,13 +44,29 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from typing import Hashable
+from contextlib import contextmanager
+from typing import Any, Hashable, Iterator
+
+from .pacing import pass_work
 
 WINDOW = 64  # recent steps the expected time is measured against
 
 
+def step_kind_and_work(engine: Any) -> tuple[tuple[int, bool], float]:
+    """What the engine's next step may do, before it is scheduled: its kind (decode rows, whether it may
+    prefill) and its work by the pacer's cost model (pacing.pass_work: the running rows at their contexts
+    and a chunk of up to max_prefill_tokens at the prefilling prompts' furthest position)."""
+    s = engine.scheduler
+    contexts = [q.num_computed for q in s.running]
+    pending = sum(q.prefill_remaining for q in s.prefilling) + (s.max_prefill_tokens if len(s.waiting) else 0)
+    tokens = min(s.max_prefill_tokens, pending)
+    start = max((q.num_computed for q in s.prefilling), default=0)
+    work = pass_work(engine.pacer.weight, [start] if tokens else [], [tokens] if tokens else [], contexts)
+    return (len(contexts), tokens > 0), work
+
+
 class StepDeadline:
-    """Rank 0's deadline for each step of its group (module docstring). `begin` a step with what it
+    """An engine's deadline for each of its steps (module docstring). `begin` a step with what it
     may do, `end` it; `progress()` is what the heartbeat reports."""
 
     def __init__(self, floor_s: float, factor: float, warm_up_s: float = 0.0,
@@ -50,6 +79,7 @@ class StepDeadline:
         self.kinds: set[Hashable] = set()
         self.first_s = 0.0  # the longest step that was the first of its kind
         self.replay_s = 0.0  # rank 0's time in recorded calls since the last step
+        self.paused_s = 0.0  # the step in progress's time in `paused` work
         self._current: tuple[float, float] | None = None  # (started, deadline) of the step in progress
         self._pending: tuple[Hashable, float, bool, float] | None = None  # kind, work, first of its kind, replay
 
@@ -81,8 +111,25 @@ class StepDeadline:
         deadline = self.deadline_s(kind, work) if self.enabled else 0.0
         self._pending = (kind, work, kind not in self.kinds, self.replay_s)
         self._current = (self.clock(), deadline) if self.enabled else None
-        self.replay_s = 0.0
+        self.replay_s = self.paused_s = 0.0
         return deadline
+
+    @contextmanager
+    def paused(self) -> Iterator[None]:
+        """Slow work that proves progress as it returns (a disk-tier block read) runs inside: meanwhile the
+        step in progress reports no deadline; after it, its deadline moves by the work's time."""
+        current = self._current
+        if current is None:  # between steps, off, or already paused
+            yield
+            return
+        t0 = self.clock()
+        self._current = None
+        try:
+            yield
+        finally:
+            spent = self.clock() - t0
+            self.paused_s += spent
+            self._current = (current[0], current[1] + spent)
 
     def end(self) -> float:
         """The step ended (returned or raised); returns how long it took."""
@@ -92,10 +139,11 @@ class StepDeadline:
             return 0.0
         seconds = self.clock() - current[0] if current is not None else 0.0
         kind, work, first, replay = pending
-        self.recent.append((max(0.0, seconds - replay), work))  # the step's own time: not the others' replay
+        own = max(0.0, seconds - self.paused_s)  # a disk read's time is not the step's (`paused`)
+        self.recent.append((max(0.0, own - replay), work))  # the step's own time: not the others' replay
         self.kinds.add(kind)
         if first:
-            self.first_s = max(self.first_s, seconds)
+            self.first_s = max(self.first_s, own)
         return seconds
 
     def progress(self) -> tuple[float, float]:
@@ -105,3 +153,12 @@ class StepDeadline:
         if current is None:
             return 0.0, 0.0
         return round(self.clock() - current[0], 3), round(current[1], 3)
+
+
+def one_engine_deadline(engine: Any, floor_s: float, factor: float, warm_up_s: float = 0.0) -> StepDeadline:
+    """The deadline of a one-process engine's steps (the engine stage's): its disk tier's block reads run
+    `paused`."""
+    deadline = StepDeadline(floor_s, factor, warm_up_s)
+    if engine.disk_tier is not None:
+        engine.disk_tier.reading = deadline.paused
+    return deadline

@@ -20,10 +20,10 @@ class Ready(Message, tag="ready"):
 
 class Heartbeat(Message, tag="heartbeat"):
     """A stage is alive; `loop_age_s` is how long its loop has been in one iteration (a stuck loop
-    is restarted) and `in_flight` what it still holds (the supervisor drains until it is 0). A
-    tensor-parallel engine's rank 0 also says how long the group's step in progress has run
-    (`step_age_s`) and the deadline it gave that step (`step_deadline_s`; 0: between steps): past it a
-    rank hangs, and the group is restarted (parallm/engine/step_deadline.py)."""
+    is restarted) and `in_flight` what it still holds (the supervisor drains until it is 0). An engine
+    (a tensor-parallel group's rank 0) also says how long its step in progress has run (`step_age_s`)
+    and the deadline it gave that step (`step_deadline_s`; 0: between steps): past it the engine (a
+    rank) hangs, and it (the group) is restarted (parallm/engine/step_deadline.py)."""
 
     stage: str
     replica: int = 0
