@@ -33,7 +33,8 @@ PROMPT = [1, 2, 3, 1, 2, 3, 1, 2]
 TOKENS = 3
 TOP_K = 4
 REQUESTS, N_PER = 40, 50
-SPEC = SpecConfig(mode="ngram", k=3, ngram_min=1, ngram_max=3, min_acceptance=0.0, disable_batch_size=256)
+# ngram_max 8: the periodic prompt matches 5 tokens back, a long match (control.LONG_MATCH) that proposes k
+SPEC = SpecConfig(mode="ngram", k=3, ngram_min=1, ngram_max=8, min_acceptance=0.0, disable_batch_size=256)
 
 
 def tiny_vocab_model() -> nn.Module:

@@ -298,13 +298,15 @@ class SpecConfig(Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
                                    "depend on the batch")] = "coupled"
     disable_batch_size: Annotated[int, _d("no speculation in a step with more running rows than this (a verify pass "
                                           "pads every row to the longest proposal: B x (k + 1) tokens)")] = 4
-    ngram_min: Annotated[int, _d("shortest suffix (tokens) the n-gram proposer matches")] = 2
+    ngram_min: Annotated[int, _d("shortest suffix (tokens) the n-gram proposer matches (near a row's copy position, "
+                                 "after an accepted run, its last token alone)")] = 2
     ngram_max: Annotated[int, _d("longest suffix (tokens) the n-gram proposer matches: of the occurrences of the last "
                                  "ngram_min tokens, the one whose match extends furthest back (up to this) is copied")] = 16
-    verify_multiple: Annotated[int, _d("mode ngram: a row's k keeps its verify pass's length (1 + k) a multiple of "
-                                       "this, the rounding filled with more proposed tokens (on the CPU a 4- or "
-                                       "8-token pass costs less than a 3-, 5- or 7-token one); 1: any length. Mode "
-                                       "draft rounds nothing (a drafted token costs a draft pass)")] = 4
+    verify_multiple: Annotated[int, _d("mode ngram: the most a row proposes (spec.k) is rounded down so its verify "
+                                       "pass's length (1 + k) is a multiple of this (on the CPU a 4- or 8-token pass "
+                                       "costs less than a 3-, 5- or 7-token one); a short match's one-token probe is "
+                                       "a pass of 2 whatever this is; 1: any length. Mode draft rounds nothing (a "
+                                       "drafted token costs a draft pass)")] = 4
     min_acceptance: Annotated[float, _d("a row whose recent acceptance rate falls below this stops "
                                         "speculating for a while (doubling, up to 64 steps)")] = 0.3
 

@@ -27,7 +27,7 @@ from ..trace import StepTracer
 from .control import SpecControl
 from .draft import DraftProposer
 from .draft_verify import verify_draft
-from .ngram import NGramProposer
+from .ngram import Match, NGramProposer, continuation
 from .verify import verify
 
 NGRAM_K = 7  # spec.k 0 in mode ngram: a verify pass of 8 tokens (a whole multiple of spec.verify_multiple 4)
@@ -72,8 +72,7 @@ class SpecDecoder:
         self._prune(seqs)
         ks = {s.seq_id: self.control.k(s.seq_id) for s in seqs if self.may_speculate(s)}
         if self.draft is None:
-            if not any(k and self.proposer.propose(s.seq_id, s.token_ids, 1)
-                       for s in seqs if (k := ks.get(s.seq_id))):
+            if not any(self._ngram(s, ks.get(s.seq_id))[1] for s in seqs if s.seq_id in ks):
                 return 0
         elif not any(ks.values()):
             return 0
@@ -84,11 +83,19 @@ class SpecDecoder:
         if not seqs:
             return 0
         room = self.runner.live.capacity - max(s.num_computed for s in seqs) - 1
-        limits = [max(0, min(ks.get(s.seq_id, 0), room, s.params.max_tokens - s.num_output - 1)) for s in seqs]
+
+        def limit(s: Sequence, k: int | None) -> int:
+            return max(0, min(k or 0, room, s.params.max_tokens - s.num_output - 1))
+
         # the verify pass writes a row's last token and its proposal: its table gets the blocks they
         # need where free ones are (a proposal the store cannot hold is cut)
+        matches: list[Match | None] = []
         if self.draft is None:
-            drafts = [self.proposer.propose(s.seq_id, s.token_ids, k) for s, k in zip(seqs, limits)]
+            drafts = []
+            for s in seqs:
+                match, k = self._ngram(s, ks.get(s.seq_id)) if s.seq_id in ks else (None, 0)
+                matches.append(match)
+                drafts.append(continuation(s.token_ids, match, limit(s, k)) if match is not None and limit(s, k) else [])
             drafts = [d[:self._reserve(s, len(d))] if d else d for s, d in zip(seqs, drafts)]
             if not any(drafts):
                 self._release_tails(seqs)
@@ -98,6 +105,7 @@ class SpecDecoder:
             emitted = [got.emitted(i, d) for i, d in enumerate(drafts)]
             proposed = [len(d) for d in drafts]
         else:
+            limits = [limit(s, ks.get(s.seq_id)) for s in seqs]
             limits = [self._reserve(s, k) if k else 0 for s, k in zip(seqs, limits)]
             if not any(limits):
                 self._release_tails(seqs)
@@ -109,10 +117,13 @@ class SpecDecoder:
         self.trace.decode(len(seqs))
         self.counters.decoded(len(seqs))
         self.output.note_first_tokens(unseen_versions(seqs))
-        for s, k, e in zip(seqs, proposed, emitted):
+        for i, (s, k, e) in enumerate(zip(seqs, proposed, emitted)):
             self.runner.rollback(s, s.num_computed + len(e))  # the accepted positions; the rest is dropped
             if k:
-                self.control.record(s.seq_id, k, len(e) - 1)
+                match = matches[i] if matches else None
+                self.control.record(s.seq_id, k, len(e) - 1, adapt=match is None or not match.aligned)
+                if match is not None:
+                    self.proposer.accepted(s.seq_id, match, len(e) - 1)
         self._release_tails(seqs)
         for s, e in zip(list(seqs), emitted):
             for sampled, at in e:
@@ -139,6 +150,14 @@ class SpecDecoder:
         for r, i in enumerate(rows):
             draft.accepted(prop, r, len(emitted[i]) - 1)
         return emitted
+
+    def _ngram(self, seq: Sequence, k: int | None) -> tuple[Match | None, int]:
+        """`seq`'s n-gram match and how many tokens it proposes (control.ngram_k; `k`: the row's k() this
+        step, None where it may not speculate)."""
+        match = self.proposer.lookup(seq.seq_id, seq.token_ids)
+        if match is None:
+            return None, 0
+        return match, self.control.ngram_k(k, match.n, match.aligned)
 
     def _reserve(self, seq: Sequence, k: int) -> int:
         """Blocks in `seq`'s table for its last token and k proposed ones where the store has them; how
