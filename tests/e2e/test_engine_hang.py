@@ -8,13 +8,12 @@ from __future__ import annotations
 import os
 import re
 import signal
-import threading
 import time
 
 import pytest
 
 from .server import Server
-from .test_parallel import build_tiny_llama, complete_all, engine_stats, pid_alive, request_under_load
+from .test_parallel import assert_retryable, build_tiny_llama, complete_all, pid_alive, start_under_load
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
@@ -34,15 +33,7 @@ def stop_under_load(server: Server, pid: int) -> tuple[list, float, float]:
     last ended after the stop, the deadline the supervisor's log says the hung step had). The process is
     let go (SIGCONT) if the supervisor has not killed it within HANG_BOUND_S, so the module's server is not
     left stuck."""
-    results: list = []
-    threads = [threading.Thread(target=request_under_load, args=(server.url, i, results)) for i in range(8)]
-    for t in threads:
-        t.start()
-    deadline = time.monotonic() + 60
-    while engine_stats(server).running < 8:  # all eight admitted and decoding
-        assert time.monotonic() < deadline, server.output()
-        time.sleep(0.1)
-    time.sleep(1.0)  # steady decode steps of eight rows
+    threads, results = start_under_load(server, steady_s=1.0)  # steady decode steps of eight rows
     said_before = len(re.findall(SAID, server.output()))
     stopped_at = time.monotonic()
     os.kill(pid, signal.SIGSTOP)
@@ -57,16 +48,6 @@ def stop_under_load(server: Server, pid: int) -> tuple[list, float, float]:
     found = re.findall(SAID, server.output())
     assert len(found) == said_before + 1, server.output()  # the deadline caught it, not dead_after_s's silence
     return results, last, float(found[-1])
-
-
-def assert_retryable(results: list) -> None:
-    """Every request ended with a retryable 503 (an SSE error event mid-stream, or the status and Retry-After)."""
-    assert len(results) == 8, results
-    for _, how in results:
-        error = how if isinstance(how, dict) else how[1] if isinstance(how, tuple) else None
-        assert error is not None and error["code"] in ("stage_restarted", "engine_error"), results
-        if isinstance(how, tuple):
-            assert how[0] == 503 and how[2] is not None, results  # retryable: Retry-After
 
 
 def test_an_engine_that_hangs_alive_under_load_ends_every_request_within_its_deadline_and_serves_again(

@@ -195,6 +195,45 @@ def request_under_load(url: str, i: int, out: list) -> None:
         out.append((time.monotonic(), exc))
 
 
+def start_under_load(server: Server, steady_s: float = 0.0) -> tuple[list[threading.Thread], list]:
+    """Eight requests (half streamed) running until all eight decode, then `steady_s` more: (their threads, the
+    list each appends how it ended to)."""
+    results: list = []
+    threads = [threading.Thread(target=request_under_load, args=(server.url, i, results)) for i in range(8)]
+    for t in threads:
+        t.start()
+    deadline = time.monotonic() + 60
+    while engine_stats(server).running < 8:  # all eight admitted and decoding
+        assert time.monotonic() < deadline, server.output()
+        time.sleep(0.1)
+    time.sleep(steady_s)
+    return threads, results
+
+
+def assert_retryable(results: list) -> None:
+    """Every request ended with a retryable 503 (an SSE error event mid-stream, or the status and Retry-After):
+    the supervisor fails a restarted stage's requests (stage_restarted), an engine stage whose collective failed
+    fails them itself as it exits (engine_error)."""
+    assert len(results) == 8, results
+    for _, how in results:
+        error = how if isinstance(how, dict) else how[1] if isinstance(how, tuple) else None
+        assert error is not None and error["code"] in ("stage_restarted", "engine_error"), results
+        if isinstance(how, tuple):
+            assert how[0] == 503 and how[2] is not None, results  # retryable: Retry-After
+
+
+def wait_for_a_new_group(server: Server, ranks: dict[int, int]) -> None:
+    """Until the supervisor has replaced both ranks `ranks` (rank: pid) and the server is ready again."""
+    deadline = time.monotonic() + 120
+    while True:
+        now = rank_pids(server)
+        if len(now) == 2 and not set(now.values()) & set(ranks.values()):
+            break
+        assert time.monotonic() < deadline, f"the group did not restart as two new ranks: {now}\n{server.output()}"
+        time.sleep(0.2)
+    server.wait_ready(120)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("victim", [1, 0])
 def test_kill_9_of_a_rank_under_load_ends_every_request_within_15_s_and_the_group_serves_again(tp_server, victim):
@@ -204,14 +243,7 @@ def test_kill_9_of_a_rank_under_load_ends_every_request_within_15_s_and_the_grou
     a collective that cannot complete), and the new group serves the same greedy text."""
     tp_server.wait_ready(120)
     before = complete_all(tp_server.url, 8)
-    results: list = []
-    threads = [threading.Thread(target=request_under_load, args=(tp_server.url, i, results)) for i in range(8)]
-    for t in threads:
-        t.start()
-    deadline = time.monotonic() + 60
-    while engine_stats(tp_server).running < 8:  # all eight admitted and decoding
-        assert time.monotonic() < deadline, tp_server.output()
-        time.sleep(0.1)
+    threads, results = start_under_load(tp_server)
     ranks = rank_pids(tp_server)
     said = "rank 1 exited with code -9" if victim else "engine exited with code -9"
     said_before = tp_server.output().count(said)
@@ -222,21 +254,8 @@ def test_kill_9_of_a_rank_under_load_ends_every_request_within_15_s_and_the_grou
     assert not any(t.is_alive() for t in threads), f"a request still ran {KILL_BOUND_S} s after the kill: {results}"
     assert len(results) == 8 and max(at for at, _ in results) - killed_at < KILL_BOUND_S
     print(f"rank {victim} killed: the last request ended {max(at for at, _ in results) - killed_at:.2f} s after")
-    for _, how in results:
-        error = how if isinstance(how, dict) else how[1] if isinstance(how, tuple) else None
-        # rank 0 killed: the supervisor fails its requests (stage_restarted); rank 1 killed: rank 0's collective
-        # fails first and the engine stage fails them itself (engine_error) as it exits: both retryable 503s
-        assert error is not None and error["code"] in ("stage_restarted", "engine_error"), results
-        if isinstance(how, tuple):
-            assert how[0] == 503 and how[2] is not None, results  # retryable: Retry-After
-    deadline = time.monotonic() + 120
-    while True:
-        now = rank_pids(tp_server)
-        if len(now) == 2 and not set(now.values()) & set(ranks.values()):
-            break
-        assert time.monotonic() < deadline, f"the group did not restart as two new ranks: {now}\n{tp_server.output()}"
-        time.sleep(0.2)
-    tp_server.wait_ready(120)
+    assert_retryable(results)  # rank 0 killed: stage_restarted; rank 1 killed: rank 0's collective fails first
+    wait_for_a_new_group(tp_server, ranks)
     assert complete_all(tp_server.url, 8) == before
     assert tp_server.output().count(said) == said_before + 1
 
@@ -258,15 +277,7 @@ def test_a_rank_that_hangs_alive_under_load_ends_every_request_within_its_deadli
 
     tp_server.wait_ready(120)
     before = complete_all(tp_server.url, 8)
-    results: list = []
-    threads = [threading.Thread(target=request_under_load, args=(tp_server.url, i, results)) for i in range(8)]
-    for t in threads:
-        t.start()
-    deadline = time.monotonic() + 60
-    while engine_stats(tp_server).running < 8:  # all eight admitted and decoding
-        assert time.monotonic() < deadline, tp_server.output()
-        time.sleep(0.1)
-    time.sleep(1.0)  # steady decode steps of eight rows
+    threads, results = start_under_load(tp_server, steady_s=1.0)  # steady decode steps of eight rows
     ranks = rank_pids(tp_server)
     said = "engine is hung: its step ran past its"
     said_before = tp_server.output().count(said)
@@ -286,19 +297,8 @@ def test_a_rank_that_hangs_alive_under_load_ends_every_request_within_its_deadli
     step_deadline = float(found[-1])
     print(f"rank {victim} stopped: step deadline {step_deadline:.1f} s, the last request ended {last:.2f} s after")
     assert last < step_deadline + 2.0  # the deadline, a heartbeat (0.5 s) and the supervisor's 0.1 s poll
-    for _, how in results:
-        error = how if isinstance(how, dict) else how[1] if isinstance(how, tuple) else None
-        assert error is not None and error["code"] in ("stage_restarted", "engine_error"), results
-        if isinstance(how, tuple):
-            assert how[0] == 503 and how[2] is not None, results  # retryable: Retry-After
-    deadline = time.monotonic() + 120
-    while True:
-        now = rank_pids(tp_server)
-        if len(now) == 2 and not set(now.values()) & set(ranks.values()):
-            break
-        assert time.monotonic() < deadline, f"the group did not restart as two new ranks: {now}\n{tp_server.output()}"
-        time.sleep(0.2)
-    tp_server.wait_ready(120)
+    assert_retryable(results)
+    wait_for_a_new_group(tp_server, ranks)
     assert complete_all(tp_server.url, 8) == before
 
 
