@@ -165,19 +165,16 @@ class ModelRunner:
     def pages_decode(self) -> bool:
         """Whether decode passes read the block store through paged attention (paged_decode.py)."""
         if self._paged is None:
-            in_place = self._write_in_place and self.paged_way == "auto" and not self.kv_format.quantized \
+            can_write = self._write_in_place and self.paged_way == "auto" and not self.kv_format.quantized \
                 and not self.live.keys_transposed and self.info.layout is None \
                 and resolved_way(self.info, self.block_size) == "cuda"
-            # in place with the write in the attention kernel, else in place with a write kernel, else not in place
-            tries = [(True, True), (True, False), (False, False)] if in_place else [(False, False)]
-            for in_place, fused in tries:
-                self._paged = check_paged_decode(self.call_model, self.info, self.kv_format, self.block_size,
-                                                 self.vocab_size, self.paged_way, self.live.keys_transposed,
-                                                 in_place, fused)
-                if self._paged:
-                    break
-            self.live.writes_in_place = self._paged and in_place
-            self.live.fuses_newest = self._paged and fused
+            # (in place, fused): the write in the attention kernel, else a write kernel before it, else not in place
+            tries = [(True, True), (True, False), (False, False)] if can_write else [(False, False)]
+            chosen = next((t for t in tries if check_paged_decode(
+                self.call_model, self.info, self.kv_format, self.block_size, self.vocab_size, self.paged_way,
+                self.live.keys_transposed, *t)), None)
+            self._paged = chosen is not None
+            self.live.writes_in_place, self.live.fuses_newest = chosen or (False, False)
         return self._paged
 
     def _forward(self, seqs: list[Sequence], tokens: mx.array, cache, per_token: list | None = None,
