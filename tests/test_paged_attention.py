@@ -215,7 +215,7 @@ def test_cuda_fused_kernel_stores_and_attends_each_rows_newest_key():
     K/V read through their strides (slices of wider arrays), with and without splits, the stores as tiles and as
     the engine's [kv_heads, slots, dim]."""
     for lengths, heads, kv_heads, dim in CASES + [([2048, 1], 24, 8, 128), ([4096] * 3 + [17], 32, 8, 128)]:
-        for dtype, tol in ((mx.float32, 1e-4), (mx.bfloat16, 2e-2)):
+        for dtype, rel, tol in ((mx.float32, 0.0, 1e-4), (mx.bfloat16, 2.0 ** -7, 2e-3)):
             for splits, as_slots in ((1, False), (3, True), (None, False), (None, True)):
                 q, _, _, k_store, v_store, tables, lens = paged_case(lengths, heads, kv_heads, dim, dtype)
                 bs = k_store.shape[2]
@@ -235,8 +235,10 @@ def test_cuda_fused_kernel_stores_and_attends_each_rows_newest_key():
                 ref_k4 = mx.array(ref_k.reshape(k_store.shape)).astype(dtype)
                 ref_v4 = mx.array(ref_v.reshape(v_store.shape)).astype(dtype)
                 scale = dim ** -0.5
-                with mx.stream(mx.cpu):
-                    want = paged_decode_attention(q * 2, ref_k4, ref_v4, PagedRead(tables, lens), scale, way="gather")
+                with mx.stream(mx.cpu):  # exact float32 over the same (bf16-valued) inputs
+                    want = paged_decode_attention((q * 2).astype(mx.float32), ref_k4.astype(mx.float32),
+                                                  ref_v4.astype(mx.float32), PagedRead(tables, lens), scale,
+                                                  way="gather")
                     mx.eval(want)
                 if as_slots:
                     k_store, v_store = k_store.reshape(kv_heads, -1, dim), v_store.reshape(kv_heads, -1, dim)
@@ -245,8 +247,12 @@ def test_cuda_fused_kernel_stores_and_attends_each_rows_newest_key():
                 got = paged_kernels.cuda_attention(q_strided, k_store, v_store, tables, lens, scale, splits=splits,
                                                    newest=(xk, xv, mx.array(slots)), block_size=bs if as_slots else None)
                 mx.eval(got)
-                diff = mx.max(mx.abs(got.astype(mx.float32) - want.astype(mx.float32))).item()
-                assert diff < tol, (lengths, dtype, splits, as_slots, diff)
+                # bf16: the output's own rounding (half a unit in the last place, 2**-9 of its size) and the
+                # kernel's float32 sums; a bf16 reference rounded its probabilities too and was 1.5 units off
+                # at |out| ~ 3 (0.023, seen on the H200), which no kernel error explains
+                bound = mx.abs(want) * rel + tol
+                excess = mx.max(mx.abs(got.astype(mx.float32) - want) - bound).item()
+                assert excess < 0, (lengths, dtype, splits, as_slots, excess)
                 assert k_store is k_before and v_store is v_before
                 assert mx.array_equal(k_store, ref_k4.reshape(k_store.shape)).item()
                 assert mx.array_equal(v_store, ref_v4.reshape(v_store.shape)).item()
