@@ -159,9 +159,14 @@
 #             shapes, tokens and time limits (the CPU smoke run: tiny shapes). With 90 s or more left, the 3B again with
 #             engine.compiled_decode, TP=2 first (a step bound by the host launching its kernels: does fewer launches let
 #             TP=2 pay at c=1?), ~9.5 min
+#   final37   issue 37's c=256 bars in one call, llama-3.2-3b, 128 tokens, 2 requests per stream: the in-process engine
+#             and HTTP at c=64 and 256 with the defaults (HTTP >= 0.9x in process), then HTTP at c=256 with larger
+#             admission chunks now that admissions copy no KV (max_prefill_tokens/max_prefill_rows 2048/32, then
+#             4096/64: does TTFT p99 fall under 1 s?), each a fresh server; JSON per run, png dropped. CPU smoke run:
+#             CPU_SMOKE=1 SHAPE37=tiny LEVELS37=2,4 C37=4, ~9 min
 # A fresh server per wave: `waves` fits 6-7 waves in one 10-minute call; run it twice for ten.
 set -uo pipefail
-case "${1:-}" in tpdp|diag|llama|adapters|qwen-a|qwen-b|serving|waves|ingress|moe|moe256|hybrid|structured|tp|tp8b|dp|threads|compiled|republish|buckets|serve256|inplace|mixed|cudnn|decodeattn|unfuseddecode|defaults|defaultsab|qwendtype|qwenmlx|qwen8b|embeddings|policy|vision|trainmem|spec|specdraft|kvbits|pagedattn|trainshare|single|pagedkv|pagedkvserve|pagedkvdiag|pagedkvinplace|pagedkvfinal|pagedkvserveall|pagedkvhost|pagedkvlast|pagedkv256|pagedkvfused) ;;
+case "${1:-}" in tpdp|diag|llama|adapters|qwen-a|qwen-b|serving|waves|ingress|moe|moe256|hybrid|structured|tp|tp8b|dp|threads|compiled|republish|buckets|serve256|inplace|mixed|cudnn|decodeattn|unfuseddecode|defaults|defaultsab|qwendtype|qwenmlx|qwen8b|embeddings|policy|vision|trainmem|spec|specdraft|kvbits|pagedattn|trainshare|single|pagedkv|pagedkvserve|pagedkvdiag|pagedkvinplace|pagedkvfinal|pagedkvserveall|pagedkvhost|pagedkvlast|pagedkv256|pagedkvfused|final37) ;;
   *) sed -n '2,/^# A fresh server per wave/p' "$0"; exit 2 ;; esac
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
@@ -350,6 +355,21 @@ case "${1:-}" in
             timeout 100 python3 perf/profile_decode.py --shape llama-3.2-3b --batch 1 --steps 30 --default-only \
               --engine compiled_decode=true --tokenizer-dir $TOK --work-dir $WORK \
               --out "$OUT/decode-profile-pagedkv-fusedk-compiled-b1-h200.json" | tail -1 ;;
+  final37)  SECONDS=0
+            timeout -k 20 300 python3 -m perf.bench_serving --shape ${SHAPE37:-llama-3.2-3b} --concurrency ${LEVELS37:-64,256} --max-tokens 128 \
+              --requests-per-client 2 --client-procs 4 --targets inprocess,http --tokenizer-dir $TOK --work-dir $WORK \
+              --experiment llama-3.2-3b-final37-defaults --out-dir "$OUT" | grep -v '^{"target"' | tail -4
+            echo "defaults: ${SECONDS} s"
+            for chunk in 2048/32 4096/64; do
+              [ $SECONDS -lt 450 ] || break
+              timeout -k 20 $((560 - SECONDS)) python3 -m perf.bench_serving --shape ${SHAPE37:-llama-3.2-3b} --concurrency ${C37:-256} \
+                --max-tokens 128 --requests-per-client 2 --client-procs 4 --targets http --tokenizer-dir $TOK \
+                --server-args "--engine.max-prefill-tokens ${chunk%/*} --engine.max-prefill-rows ${chunk#*/}" \
+                --work-dir $WORK --experiment llama-3.2-3b-final37-c256-prefill${chunk%/*} --out-dir "$OUT" \
+                | grep -v '^{"target"' | tail -3
+              echo "prefill $chunk: ${SECONDS} s"
+            done
+            rm -f "$OUT"/*.png ;;
   pagedkv256) timeout 110 python3 -m pytest tests/test_engine_paged_decode.py -q -p no:cacheprovider -rA --tb=short \
               -k "in_place" > "$OUT/paged-engine-tests-h200.log" 2>&1
             grep -E "^(PASSED|FAILED|ERROR|SKIPPED)|passed|failed" "$OUT/paged-engine-tests-h200.log" | tail -6
