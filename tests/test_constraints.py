@@ -430,3 +430,68 @@ def test_a_choice_list_of_thousands_is_followed_past_its_first_token(model):
     assert text_of(res[("many", 0)]["tokens"]) in choices
     assert res[("many", 0)]["finish"] == "stop"
 
+
+
+CHOICE_EDGES = ["a", "ab", "", "/", "\\", "\n", "\t", "é", '"', "a|b", "(x)", "[", "^$.*+?{}", "#x", "a-b~&", "x  y"]
+
+
+@pytest.mark.parametrize("choices", [CHOICE_EDGES, ["a", "a"], [""], ["x y"]])
+def test_a_choice_grammar_accepts_each_choice_and_nothing_else(choices):
+    """The choice list compiles as one regex lexeme (grammar.choice_grammar): every character that means something
+    in a regex, or ends the Lark /.../ it sits in, is escaped, so each choice matches itself and nothing else, as
+    llguidance's own choice form did."""
+    tok = char_tokenizer()
+    text = grammar_text("choice", json.dumps(choices))
+    ours = [s for s in choices if all(s.encode() == b"" or bytes([b]) in TOKENS for b in s.encode())]
+    others = ["zz", "a|", "ab|", "(x", "x y ", "\\\\", ".", "aa", "b"]
+    for s, want in [*((s, True) for s in ours), *((s, s in choices) for s in others)]:
+        m = llguidance.LLMatcher(tok, text, log_level=0)
+        consumed = m.consume_tokens(_CharTokenizer()(s.encode())) if s else True
+        ends = consumed and not m.is_error() and bool(_allowed(m)[EOS])
+        assert ends == want, (s, text)
+
+
+def test_a_choice_list_is_one_item_of_the_parser_row_however_long():
+    """Issue 30: llguidance's own choice form made each of a 64 KiB list's 2,800 choices a lexeme and an item of the
+    parser's row (compile 17 ms and a 1.6 ms mask per token on the default model's tokenizer; three such lists at
+    once left other users' steps waiting on the 2-core CPU). As one regex lexeme the row holds one item, so the
+    list decodes under a row limit far below its length."""
+    choices = [f"a{i:04d}" for i in range(2800)]
+    m = llguidance.LLMatcher(char_tokenizer(), grammar_text("choice", json.dumps(choices)), log_level=0,
+                             limits=llguidance.LLParserLimits(max_items_in_row=10))
+    assert not m.is_error(), m.get_error()
+    assert m.consume_tokens(_CharTokenizer()(b"a1234")), m.get_error()
+    assert _allowed(m)[EOS] and not m.is_error()
+
+
+def test_the_engine_compiles_a_grammar_without_validating_it_again(model, monkeypatch):
+    """The API process validated the constraint (grammar.check); the engine's compile builds the grammar and lets
+    its matcher report errors (validating again cost 5-8 ms of a 64 KiB grammar's compile, issue 30), with the
+    same message."""
+    engine = engine_on(model)
+    calls = []
+    real = llguidance.LLMatcher.validate_grammar
+    monkeypatch.setattr(llguidance.LLMatcher, "validate_grammar", lambda *a, **k: (calls.append(a), real(*a, **k))[1])
+    engine.constraints.check(Constraint(kind="choice", value='["yes", "no"]'))
+    with pytest.raises(GrammarError, match="look-around"):
+        engine.constraints.check(Constraint(kind="regex", value="(?=a)b"))
+    assert calls == []
+
+
+def test_the_api_checks_a_choice_list_without_llguidance_s_validation(monkeypatch):
+    """A choice list's grammar escapes every choice, so it cannot fail llguidance's validation: the API process
+    (grammar.check) only checks that it is a non-empty list of strings, and spends no validation on the cores the
+    engine steps on (issue 30); other kinds are validated as before."""
+    from parallm.text import grammar
+
+    calls = []
+    real = llguidance.LLMatcher.validate_grammar
+    monkeypatch.setattr(llguidance.LLMatcher, "validate_grammar", lambda *a, **k: (calls.append(a), real(*a, **k))[1])
+    grammar.check(Constraint(kind="choice", value=json.dumps([f"c{i}" for i in range(2800)])))
+    assert calls == []
+    for bad in ("[]", '["a", 1]', "{", '"a"'):
+        with pytest.raises(GrammarError, match="choice needs a non-empty list of strings"):
+            grammar.check(Constraint(kind="choice", value=bad))
+    with pytest.raises(GrammarError, match="look-around"):
+        grammar.check(Constraint(kind="regex", value="(?=b)a"))
+    assert calls

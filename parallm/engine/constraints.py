@@ -263,9 +263,12 @@ class Constraints:
         import llguidance
         from llguidance.numpy import fill_next_token_bitmask
 
-        text = compile_text(c)
-        m = llguidance.LLMatcher(self.tokenizer, text, log_level=0,
-                                 limits=llguidance.LLParserLimits(max_items_in_row=self.max_items_in_row))
+        text = compile_text(c)  # not validated again: the matcher reports what is wrong
+        try:
+            m = llguidance.LLMatcher(self.tokenizer, text, log_level=0,
+                                     limits=llguidance.LLParserLimits(max_items_in_row=self.max_items_in_row))
+        except Exception as exc:  # noqa: BLE001 - llguidance raises ValueError/RuntimeError with a message
+            raise GrammarError(explain(str(exc))) from None
         if m.is_error():
             raise GrammarError(explain(m.get_error()))
         words = mask_words(self.tokenizer.vocab_size)
