@@ -14,8 +14,9 @@ alternated round by round so that the machine's drift falls on all of them alike
   child process drains, as the detokenizer does), so the ZeroMQ I/O thread wakes every step;
 - `stage_bias`: both.
 
-For each: ms per step (wall), the engine's phases (schedule / launch / read), and the CPU ms per step of
-every thread of this process that used any (/proc/self/task: the engine thread, MLX's and ZeroMQ's).
+For each: ms per step (wall), the engine's phases (schedule / launch / read), the CPU ms per step of every
+thread of this process that used any (/proc/self/task: the engine thread, MLX's and ZeroMQ's) and the engine
+thread's context switches per step (a wake-up it waited for, or a preemption).
 Tokens of every variant are checked against `plain`'s.
 
     python -m perf.profile_single_stream --shape tiny-deep --steps 300 --rounds 3     # CPU
@@ -31,6 +32,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -55,6 +57,17 @@ def thread_cpu() -> dict[int, tuple[str, float]]:
         except OSError:
             continue
     return out
+
+
+def switches() -> tuple[int, int]:
+    """(voluntary, involuntary) context switches of this thread so far (/proc; (0, 0) without)."""
+    try:
+        with open(f"/proc/self/task/{threading.get_native_id()}/status") as f:
+            text = f.read()
+    except OSError:
+        return 0, 0
+    counts = dict(line.split(":", 1) for line in text.splitlines() if line.endswith(tuple("0123456789")) and ":" in line)
+    return int(counts.get("voluntary_ctxt_switches", 0)), int(counts.get("nonvoluntary_ctxt_switches", 0))
 
 
 def thread_delta(before: dict[int, tuple[str, float]], after: dict[int, tuple[str, float]], steps: int,
@@ -124,17 +137,18 @@ def run_variant(engine: Any, name: str, ids: list[int], steps: int, eos: list[in
 
     for _ in range(4):  # the prefill and the first decode steps
         step()
-    before, cpu0, t0 = engine.stats(), thread_cpu(), time.perf_counter()
+    before, cpu0, cs0, t0 = engine.stats(), thread_cpu(), switches(), time.perf_counter()
     for _ in range(steps):
         step()
     mx.synchronize()
-    wall, cpu1, after = time.perf_counter() - t0, thread_cpu(), engine.stats()
+    wall, cpu1, cs1, after = time.perf_counter() - t0, thread_cpu(), switches(), engine.stats()
     while engine.has_work():
         step()
     phases = {k: round((v * after.steps - before.step_ms_mean.get(k, 0.0) * before.steps) / steps, 4)
               for k, v in after.step_ms_mean.items()}
     return {"step_ms": round(1000 * wall / steps, 4), "phases_ms": phases,
-            "thread_cpu_ms": thread_delta(cpu0, cpu1, steps, os.getpid()), "tokens": tokens}
+            "thread_cpu_ms": thread_delta(cpu0, cpu1, steps, os.getpid()), "tokens": tokens,
+            "engine_thread_switches": [round((b - a) / steps, 2) for a, b in zip(cs0, cs1)]}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -197,14 +211,15 @@ def main(argv: list[str] | None = None) -> int:
               else None, "median_step_ms": summary, "rows": rows}
     lines = [f"# One row's decode step, in process ({args.shape}, {args.steps} steps a variant, {args.rounds} rounds"
              f"{', ' + args.label if args.label else ''})", "",
-             "| round | variant | step ms | launch ms | read ms | engine thread CPU ms | other threads' CPU ms | "
-             "same tokens |", "|---|---|---|---|---|---|---|---|"]
+             "| round | variant | step ms | launch ms | read ms | engine thread CPU ms | its context switches "
+             "(voluntary / involuntary) | other threads' CPU ms | same tokens |", "|---|---|---|---|---|---|---|---|---|"]
     for row in rows:
         cpu = row["thread_cpu_ms"]
         main_ms = sum(v for k, v in cpu.items() if k.startswith("main/"))
+        cs = row["engine_thread_switches"]
         others = ", ".join(f"{k.split('/')[0]} {v:.3f}" for k, v in cpu.items() if not k.startswith("main/"))
         lines.append(f"| {row['round']} | {row['variant']} | {row['step_ms']:.3f} | {row['phases_ms'].get('launch', 0):.3f} "
-                     f"| {row['phases_ms'].get('read', 0):.3f} | {main_ms:.3f} | {others} | {row['same_tokens']} |")
+                     f"| {row['phases_ms'].get('read', 0):.3f} | {main_ms:.3f} | {cs[0]} / {cs[1]} | {others} | {row['same_tokens']} |")
     lines += ["", "Medians: " + ", ".join(f"{k} {v:.3f} ms" for k, v in summary.items())]
     results.write(report, "\n".join(lines))
     print("\n".join(lines))
