@@ -130,7 +130,8 @@
 #             `git worktree add --detach .gpu/base <commit>`, or `mkdir -p .gpu/base && git archive <commit> | tar -x
 #             -C .gpu/base`; carry [".gpu-tok", ".gpu/base"]) and this tree in one round, ~8 min; single37b: the same
 #             with ignore_eos, then perf/bench_serving.py c=1 over HTTP for both trees, ~8 min. SHAPE37=tiny-deep CPU_SMOKE=1
-#             (and TOK=a tokenizer directory) runs the same steps on the CPU
+#             (and TOK=a tokenizer directory) runs the same steps on the CPU (~2 min each; main's tree has no tiny-deep
+#             shape, so its bench_serving step fails there)
 #   pagedkv / pagedkvserve  issue 41: the KV block store with paged decode attention (this tree) vs the dense rows of
 #             main before it (BEFORE, default .gpu/before: `mkdir -p .gpu/before && git archive be43360 | tar -x -C
 #             .gpu/before`, 7 MB, carried with the call), alternating trees: `pagedkv` the engine's decode step at 1, 64
