@@ -54,7 +54,8 @@ def prompt_ids(count: int, vocab: int, seed: int = 0) -> list[int]:
 
 # ---------------------------------------------------------------------------- in-process (a child process)
 
-def inprocess(server_args: list[str], ids: list[int], max_tokens: int, requests: int) -> dict[str, Any]:
+def inprocess(server_args: list[str], ids: list[int], max_tokens: int, requests: int,
+              ban: list[int] | None = None) -> dict[str, Any]:
     """The engine of `parallm-launch SERVER_ARGS`, in this process: ms/token of each request. On a CPU the
     process re-executes itself with OpenBLAS (and mimalloc) preloaded first, as the engine stage does."""
     import mlx.core as mx
@@ -66,13 +67,12 @@ def inprocess(server_args: list[str], ids: list[int], max_tokens: int, requests:
     from parallm.config.loading import parse_args
     from parallm.engine import Engine, EngineModel, make_request
     from parallm.models import load_model
-    from parallm.protocol import SamplingParams
 
     config = parse_args(server_args)
     config = config[0] if isinstance(config, tuple) else config
     engine = Engine(EngineModel.of(load_model(config.model)), config)
     engine.warm_up()
-    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    params = sampling(max_tokens, ban)
     per_token = []
     for i in range(requests + 1):  # the first is a warm-up
         engine.add_request(make_request(rid=f"r{i}", prompt_ids=ids, params=params))
@@ -88,6 +88,22 @@ def inprocess(server_args: list[str], ids: list[int], max_tokens: int, requests:
             per_token.append(1000 * (last - first) / max(1, tokens - 1))
     engine.close()
     return {"ms_per_token": per_token}
+
+
+def sampling(max_tokens: int, ban: list[int] | None) -> Any:
+    """Greedy SamplingParams that never stop before `max_tokens`: `ignore_eos`, or with `ban` the EOS ids
+    banned by logit_bias (perf/bench_serving.py's and mlx_lm.server's way; a different sampler path)."""
+    from parallm.protocol import SamplingParams
+
+    if ban:
+        return SamplingParams(max_tokens=max_tokens, temperature=0.0, logit_bias={t: -100.0 for t in ban})
+    return SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+
+
+def eos_ids(model_dir: Path) -> list[int]:
+    """The EOS ids of a model directory's config.json."""
+    eos = json.loads((model_dir / "config.json").read_text()).get("eos_token_id", [])
+    return [int(t) for t in (eos if isinstance(eos, list) else [eos])]
 
 
 # ---------------------------------------------------------------------------- clients
@@ -113,8 +129,10 @@ def http_request(port: int, body: dict[str, Any]) -> tuple[list[float], float, b
     return events, latency, bytes(data)
 
 
-def http_levels(port: int, ids: list[int], max_tokens: int, requests: int) -> dict[str, Any]:
-    body = {"model": "bench", "prompt": ids, "max_tokens": max_tokens, "temperature": 0.0, "ignore_eos": True}
+def http_levels(port: int, ids: list[int], max_tokens: int, requests: int,
+                ban: list[int] | None = None) -> dict[str, Any]:
+    body: dict[str, Any] = {"model": "bench", "prompt": ids, "max_tokens": max_tokens, "temperature": 0.0}
+    body.update({"logit_bias": {str(t): -100 for t in ban}} if ban else {"ignore_eos": True})
     stream = {**body, "stream": True, "stream_options": {"include_usage": True}}
     http_request(port, stream)  # warm-up
     streamed, per_event = [], []
@@ -133,14 +151,14 @@ def http_levels(port: int, ids: list[int], max_tokens: int, requests: int) -> di
                      "latency_n_ms": [1000 * x for x in full]}}
 
 
-def zmq_level(router: str, ids: list[int], max_tokens: int, requests: int) -> dict[str, Any]:
+def zmq_level(router: str, ids: list[int], max_tokens: int, requests: int,
+              ban: list[int] | None = None) -> dict[str, Any]:
     """The raw client: each request's latency (submit to its last output) at `max_tokens` and at 1 token,
     and the arrival spacing of the streamed outputs (which the client's thread hop can bunch)."""
     from parallm.client import Client
-    from parallm.protocol import SamplingParams
 
     def one(client: Client, tokens: int) -> tuple[float, list[float]]:
-        params = SamplingParams(max_tokens=tokens, temperature=0.0, ignore_eos=True)
+        params = sampling(tokens, ban)
         start = time.perf_counter()
         arrivals: list[float] = []
         for out in client.stream(ids, params):
@@ -186,7 +204,7 @@ def run_round(label: str, root: str | None, model_dir: Path, args: argparse.Name
     env["PYTHONPATH"] = os.pathsep.join([code_root, *(p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p)])
     child = subprocess.run([sys.executable, str(Path(__file__).resolve()), "--inner-inprocess",
                             json.dumps({"server_args": server_args, "ids": ids, "max_tokens": args.max_tokens,
-                                        "requests": args.requests})],
+                                        "requests": args.requests, "ban": args.ban})],
                            cwd=code_root, env=env, capture_output=True, text=True, timeout=1800)
     if child.returncode:
         raise RuntimeError(f"in-process run failed:\n{child.stderr[-3000:]}")
@@ -199,9 +217,9 @@ def run_round(label: str, root: str | None, model_dir: Path, args: argparse.Name
     server.start()
     try:
         before, cpu0 = server.engine_stats(), server.cpu_seconds()
-        row.update(zmq_level(server.router, ids, args.max_tokens, args.requests))
+        row.update(zmq_level(server.router, ids, args.max_tokens, args.requests, args.ban))
         between, cpu1 = server.engine_stats(), server.cpu_seconds()
-        row.update(http_levels(server.port, ids, args.max_tokens, args.requests))
+        row.update(http_levels(server.port, ids, args.max_tokens, args.requests, args.ban))
         after, cpu2 = server.engine_stats(), server.cpu_seconds()
         row["zmq"]["engine"] = engine_split(before, between)
         row["http_stream"]["engine"] = engine_split(between, after)  # with the non-streamed requests
@@ -223,6 +241,7 @@ def run_round(label: str, root: str | None, model_dir: Path, args: argparse.Name
 
 def summary(rows: list[dict[str, Any]], args: argparse.Namespace) -> str:
     lines = [f"# One stream's decode: ms per token ({args.shape}, {args.max_tokens} tokens, "
+             f"{'EOS banned by logit_bias, ' if args.ban_eos else ''}"
              f"{args.requests} requests per level and round)", "",
              "| round | source | in-process | raw ZeroMQ | HTTP streamed | HTTP | 1-token HTTP request, ms | "
              "served engine's loop under ZeroMQ: inbox / step / send / beat ms | stage CPU ms per token over HTTP: "
@@ -259,6 +278,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--source", action="append", default=[], help="LABEL=DIR: another checkout, alternated")
     parser.add_argument("--label", default="this")
     parser.add_argument("--server-args", default="", help="extra parallm-launch arguments (both sources)")
+    parser.add_argument("--ban-eos", action="store_true", help="requests ban the model's EOS ids by logit_bias "
+                        "(as perf/bench_serving.py's do) instead of ignore_eos")
     add_results_options(parser)
     args = parser.parse_args(argv)
 
@@ -268,6 +289,7 @@ def main(argv: list[str] | None = None) -> int:
     model_dir = shape_model_dir(args)
     vocab = json.loads((model_dir / "config.json").read_text())["vocab_size"]
     ids = prompt_ids(args.prompt_len, vocab)
+    args.ban = eos_ids(model_dir) if args.ban_eos else None
     results = Results.from_args("single-stream", args, argv)
     sources = checkouts(parser, args)
     rows: list[dict[str, Any]] = []
@@ -286,6 +308,7 @@ def main(argv: list[str] | None = None) -> int:
 if __name__ == "__main__":
     if len(sys.argv) == 3 and sys.argv[1] == "--inner-inprocess":
         spec = json.loads(sys.argv[2])
-        print(json.dumps(inprocess(spec["server_args"], spec["ids"], spec["max_tokens"], spec["requests"])))
+        print(json.dumps(inprocess(spec["server_args"], spec["ids"], spec["max_tokens"], spec["requests"],
+                                   spec.get("ban"))))
         raise SystemExit(0)
     raise SystemExit(main())

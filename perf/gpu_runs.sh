@@ -122,6 +122,16 @@
 #             smollm2-135m shape (launch-bound, like the 10-layer VLM of `vision`), 2 rounds, then llama-3.2-3b, 1
 #             round, 128 tokens. With a base checkout carried as .gpu/base (`git worktree add --detach .gpu/base
 #             <commit>` here; carry [".gpu-tok", ".gpu/base"]) the smollm2 rounds alternate it with this one, ~7 min
+#   single37  issue 37 item 3, where the served one-row step's ~2 ms go (profile_decode 3.8 ms a step, bench_serving
+#             c=1's served engine 7 ms, bench_single_stream's 4.5): llama-3.2-3b, profile_decode's one-row step, then this
+#             tree's one-row decode in process with the variants alternated: greedy ignore_eos / EOS banned by logit_bias (bench_serving's requests) /
+#             each plus the engine stage's per-step send to a draining process (perf/profile_single_stream.py), then
+#             perf/bench_single_stream.py with the EOS banned (in-process, raw ZeroMQ, HTTP) for .gpu/base (main:
+#             `git worktree add --detach .gpu/base <commit>`, or `mkdir -p .gpu/base && git archive <commit> | tar -x
+#             -C .gpu/base`; carry [".gpu-tok", ".gpu/base"]) and this tree in one round, ~8 min; single37b: the same
+#             with ignore_eos, then perf/bench_serving.py c=1 over HTTP for both trees, ~8 min. SHAPE37=tiny-deep CPU_SMOKE=1
+#             (and TOK=a tokenizer directory) runs the same steps on the CPU (~2 min each; main's tree has no tiny-deep
+#             shape, so its bench_serving step fails there)
 #   pagedkv / pagedkvserve  issue 41: the KV block store with paged decode attention (this tree) vs the dense rows of
 #             main before it (BEFORE, default .gpu/before: `mkdir -p .gpu/before && git archive be43360 | tar -x -C
 #             .gpu/before`, 7 MB, carried with the call), alternating trees: `pagedkv` the engine's decode step at 1, 64
@@ -166,7 +176,7 @@
 #             CPU_SMOKE=1 SHAPE37=tiny LEVELS37=2,4 C37=4, ~9 min
 # A fresh server per wave: `waves` fits 6-7 waves in one 10-minute call; run it twice for ten.
 set -uo pipefail
-case "${1:-}" in tpdp|diag|llama|adapters|qwen-a|qwen-b|serving|waves|ingress|moe|moe256|hybrid|structured|tp|tp8b|dp|threads|compiled|republish|buckets|serve256|inplace|mixed|cudnn|decodeattn|unfuseddecode|defaults|defaultsab|qwendtype|qwenmlx|qwen8b|embeddings|policy|vision|trainmem|spec|specdraft|kvbits|pagedattn|trainshare|single|pagedkv|pagedkvserve|pagedkvdiag|pagedkvinplace|pagedkvfinal|pagedkvserveall|pagedkvhost|pagedkvlast|pagedkv256|pagedkvfused|final37) ;;
+case "${1:-}" in tpdp|diag|llama|adapters|qwen-a|qwen-b|serving|waves|ingress|moe|moe256|hybrid|structured|tp|tp8b|dp|threads|compiled|republish|buckets|serve256|inplace|mixed|cudnn|decodeattn|unfuseddecode|defaults|defaultsab|qwendtype|qwenmlx|qwen8b|embeddings|policy|vision|trainmem|spec|specdraft|kvbits|pagedattn|trainshare|single|pagedkv|pagedkvserve|pagedkvdiag|pagedkvinplace|pagedkvfinal|pagedkvserveall|pagedkvhost|pagedkvlast|pagedkv256|pagedkvfused|final37|single37|single37b) ;;
   *) sed -n '2,/^# A fresh server per wave/p' "$0"; exit 2 ;; esac
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
@@ -250,6 +260,29 @@ case "${1:-}" in
               --rounds 2 $base --tokenizer-dir $TOK --work-dir $WORK --experiment smollm2-135m --out-dir "$OUT"
             timeout 240 python3 -m perf.bench_single_stream --shape llama-3.2-3b --max-tokens 128 --requests 5 \
               --rounds 1 --tokenizer-dir $TOK --work-dir $WORK --experiment llama-3.2-3b --out-dir "$OUT" ;;
+  single37|single37b) SECONDS=0; S=${SHAPE37:-llama-3.2-3b}; base=$([ -d .gpu/base ] && echo "--source base=.gpu/base")
+            if [ $1 = single37 ]; then
+              timeout 100 python3 perf/profile_decode.py --shape $S --batch 1 --steps 30 \
+                --default-only --tokenizer-dir $TOK --work-dir $WORK --out "$OUT/decode-profile-single37-$S-b1-h200.json" | tail -1
+              timeout 150 python3 -m perf.profile_single_stream --shape $S --steps 200 --rounds 3 \
+                --tokenizer-dir $TOK --work-dir $WORK --out "$OUT/single-stream-profile-$S-h200.json" | tail -8
+              echo "profile: ${SECONDS} s"
+            fi
+            ban=$([ $1 = single37 ] && echo --ban-eos); name=$([ $1 = single37 ] && echo banned || echo ignored)
+            timeout $((540 - SECONDS)) python3 -m perf.bench_single_stream --shape $S --max-tokens 128 \
+              --requests 4 --rounds 1 $ban $base --tokenizer-dir $TOK --work-dir $WORK \
+              --out "$OUT/single-stream-$S-eos-$name-h200.json" | grep -v '^{'
+            echo "single stream: ${SECONDS} s"
+            if [ $1 = single37b ]; then
+              for tree in ${base:+.gpu/base} .; do
+                [ $SECONDS -lt 480 ] || break
+                label=$([ $tree = . ] && echo head || echo base)
+                (cd $tree && PYTHONPATH=/tmp/site:$PWD timeout $((570 - SECONDS)) python3 -m perf.bench_serving \
+                  --shape $S --concurrency 1 --requests-per-client 4 --max-tokens 128 --targets http \
+                  --tokenizer-dir $OLDPWD/$TOK --work-dir $WORK --out "$OUT/serving-c1-single37-$S-$label-h200.json" \
+                  | grep -v '^{"target"' | tail -4)
+              done
+            fi ;;
   ingress)  python3 -m perf.bench_ingress --shape llama-3.2-3b --concurrency 256 --requests 512 --max-tokens 128 \
               --rounds 4 --tokenizer-dir $TOK --work-dir $WORK --experiment llama-3.2-3b --out-dir "$OUT" ;;
   moe|hybrid) shape=$([ "$1" = moe ] && echo qwen3-30b-a3b || echo qwen3.5-4b-hybrid)

@@ -212,3 +212,25 @@ def test_the_leader_gives_each_step_a_deadline_while_it_runs(tmp_path, monkeypat
     assert len(seen) >= 3 and all(age >= 0.2 for age, _ in seen)
     assert seen[0][1] >= floor + factor * 0.5  # the first step: the warm-up's time for what MLX builds
     assert all(floor + factor * 0.2 <= deadline < floor + factor * 2.0 for _, deadline in seen[2:])
+
+
+def test_expected_time_is_the_window_maxima_of_the_recent_steps() -> None:
+    """expected_s keeps its definition (the longest of the last WINDOW steps, or their highest seconds per
+    unit of work times the step's work) while it no longer walks the window every step: random step times
+    and works, zero works among them, checked against the definition after every step past the window."""
+    import random
+
+    rng = random.Random(7)
+    clock = Clock()
+    d = StepDeadline(5.0, 10.0, clock=clock)
+    assert d.expected_s(10.0) == 0.0
+    for i in range(3 * WINDOW):
+        work = 0.0 if rng.random() < 0.2 else rng.uniform(1.0, 500.0)
+        d.begin(DECODE, work)
+        clock.t += rng.uniform(0.001, 0.2) * (20.0 if i == WINDOW // 2 else 1.0)  # one outlier that must expire
+        d.end()
+        for asked in (0.0, 1.0, 250.0):
+            window = list(d.recent)
+            longest = max(s for s, _ in window)
+            rates = [s / w for s, w in window if w > 0]
+            assert d.expected_s(asked) == max(longest, (max(rates) if rates else 0.0) * asked)

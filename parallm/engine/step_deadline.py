@@ -65,6 +65,30 @@ def step_kind_and_work(engine: Any) -> tuple[tuple[int, bool], float]:
     return (len(contexts), tokens > 0), work
 
 
+class WindowMax:
+    """The largest of the values pushed at the last `size` step indices, in O(1) amortized a push: the
+    deadline is computed every step of the served single stream, where a walk over the 64 recent steps
+    (three of them, ~200 generator steps) was the engine stage's largest per-step cost beside the step
+    (issue 37, item 3)."""
+
+    def __init__(self, size: int) -> None:
+        self.size = size
+        self._q: deque[tuple[int, float]] = deque()  # (step index, value), values decreasing
+
+    def push(self, index: int, value: float) -> None:
+        q = self._q
+        while q and q[-1][1] <= value:
+            q.pop()
+        q.append((index, value))
+
+    def max(self, newest: int, default: float = 0.0) -> float:
+        """The largest value pushed at indices (newest - size, newest], else `default`."""
+        q = self._q
+        while q and q[0][0] <= newest - self.size:
+            q.popleft()
+        return q[0][1] if q else default
+
+
 class StepDeadline:
     """An engine's deadline for each of its steps (module docstring). `begin` a step with what it
     may do, `end` it; `progress()` is what the heartbeat reports."""
@@ -76,6 +100,9 @@ class StepDeadline:
         self.warm_up_s = warm_up_s
         self.clock = clock
         self.recent: deque[tuple[float, float]] = deque(maxlen=WINDOW)  # (seconds, predicted work)
+        self._steps = 0  # steps ended: the index of the newest in `recent` is _steps - 1
+        self._longest = WindowMax(WINDOW)  # the largest seconds in `recent`
+        self._rate = WindowMax(WINDOW)  # the largest seconds / work in `recent` (steps with work only)
         self.kinds: set[Hashable] = set()
         self.first_s = 0.0  # the longest step that was the first of its kind
         self.replay_s = 0.0  # rank 0's time in recorded calls since the last step
@@ -95,9 +122,8 @@ class StepDeadline:
         """What a step of `work` units should take, by the recent steps (0 without any)."""
         if not self.recent:
             return 0.0
-        longest = max(s for s, _ in self.recent)
-        rate = max(s / w for s, w in self.recent if w > 0) if any(w > 0 for _, w in self.recent) else 0.0
-        return max(longest, rate * work)
+        newest = self._steps - 1
+        return max(self._longest.max(newest), self._rate.max(newest) * work)
 
     def deadline_s(self, kind: Hashable, work: float) -> float:
         """The deadline of a step of `kind` and `work` starting now."""
@@ -140,7 +166,12 @@ class StepDeadline:
         seconds = self.clock() - current[0] if current is not None else 0.0
         kind, work, first, replay = pending
         own = max(0.0, seconds - self.paused_s)  # a disk read's time is not the step's (`paused`)
-        self.recent.append((max(0.0, own - replay), work))  # the step's own time: not the others' replay
+        seconds_own = max(0.0, own - replay)  # the step's own time: not the others' replay
+        self.recent.append((seconds_own, work))
+        self._longest.push(self._steps, seconds_own)
+        if work > 0:
+            self._rate.push(self._steps, seconds_own / work)
+        self._steps += 1
         self.kinds.add(kind)
         if first:
             self.first_s = max(self.first_s, own)

@@ -83,6 +83,13 @@ SHAPES: dict[str, dict[str, Any]] = {
                         tie_word_embeddings=True, max_position_embeddings=4096,
                         rope_parameters={"type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25},
                         dtype="float32"),
+    # Llama-3.2-3B's 28 layers and grouped heads at a width where a one-row decode step on a CPU is host work
+    # (Python, MLX graph building, op dispatch), as the 3B's one-row step is on an H200: the single stream's
+    # stand-in for CPU runs (perf/bench_single_stream.py, issue 37)
+    "tiny-deep": dict(model_type="llama", hidden_size=64, num_hidden_layers=28, intermediate_size=128,
+                      num_attention_heads=4, num_key_value_heads=2, head_dim=16, rms_norm_eps=1e-5,
+                      vocab_size=49152, rope_theta=500000.0, tie_word_embeddings=True,
+                      max_position_embeddings=8192, dtype="float32"),
     "tiny": dict(model_type="llama", hidden_size=256, num_hidden_layers=4, intermediate_size=512,
                  num_attention_heads=4, num_key_value_heads=2, head_dim=64, rms_norm_eps=1e-5, vocab_size=50000,
                  rope_theta=10000.0, tie_word_embeddings=True, max_position_embeddings=4096, dtype="float32"),
