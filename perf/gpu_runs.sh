@@ -210,6 +210,7 @@ serve_pair() {  # serve_pair TAG LEVELS...: HTTP at each level (e.g. 1,64 256), 
       --tokenizer-dir $OLDPWD/$TOK --work-dir $WORK \
       --out "$OUT/serving-c${conc/,/-}-pagedkv-$tag-$name-h200.json" | grep -v '^{"target"' | tail -3)
   done; done
+  rm -f "$OUT"/serving-*-pagedkv-"$tag"-*.png  # a call brings back 8 files: the pngs took a c=256 JSON's place
 }
 [ -n "${CPU_SMOKE:-}" ] || nvidia-smi --query-gpu=name,memory.used --format=csv,noheader
 case "${1:-}" in
