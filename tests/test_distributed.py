@@ -22,7 +22,7 @@ from parallm import protocol
 from parallm.launch.group import write_ring_hostfile
 from parallm.engine import distributed
 from parallm.engine.rank_timing import probe_collectives
-from parallm.engine.distributed import (Leader, TensorParallelError, control_addresses, follow,
+from parallm.engine.distributed import (Leader, TensorParallelError, control_addresses, follow, freeze_clock,
                                         shard_model, shard_refusal, state_digest)
 from parallm.protocol import SamplingParams
 from parallm.config import KVConfig
@@ -261,12 +261,33 @@ def test_the_leader_answers_every_engine_call_the_stage_makes_and_nothing_else()
     assert sorted(name for name in used if not hasattr(Leader, name)) == []
 
 
+def test_a_ranks_warm_up_does_not_pace_by_its_own_passes(tmp_path):
+    """With prefill pacing on, a rank's warm-up passes are not measured (freeze_clock): a pacer that learned
+    from them would chunk the later warm-up prompts by this rank's speed, and a slower rank's extra pass
+    would leave its collectives unpaired. Serving (the Leader) measures again."""
+    calls_at, acks_at = control_addresses(str(tmp_path))
+    sub = zmq.Context.instance().socket(zmq.SUB)  # the other rank, as far as the Leader's wait for it goes
+    sub.setsockopt(zmq.SUBSCRIBE, b"")
+    sub.connect(calls_at)
+    engine = make_engine(tiny_model("llama"), prefill_pass_s=0.05)
+    freeze_clock(engine)
+    engine.warm_up()
+    assert engine.pacer.passes == 0 and engine.pacer.seconds_per_unit == 0.0
+    leader = Leader(engine, TwoRanks(), (calls_at, acks_at))
+    try:
+        run_all(leader, workload()[:1])
+        assert engine.pacer.passes > 0
+    finally:
+        leader.close()
+        sub.close(linger=0)
+
+
 def test_setting_the_default_adapter_and_dropping_blocks_are_calls_every_rank_replays(tmp_path):
     calls_at, acks_at = control_addresses(str(tmp_path))
     sub = zmq.Context.instance().socket(zmq.SUB)
     sub.setsockopt(zmq.SUBSCRIBE, b"")
     sub.connect(calls_at)
-    engine = make_engine(tiny_model("llama"))
+    engine = make_engine(tiny_model("llama"), block_size=16)  # the workload's prompts fill 16-token blocks
     leader = Leader(engine, TwoRanks(), (calls_at, acks_at))
     try:
         run_all(leader, workload()[:2])

@@ -166,6 +166,7 @@ class Leader:
         settings = engine.config
         self.deadline = StepDeadline(settings.hang_floor_s, settings.hang_factor, warm_up_s)  # a hung rank's bound
         engine.scheduler.policy.clock = lambda: self._now
+        engine.pacer.learning = True
 
     @property
     def group(self) -> mx.distributed.Group:
@@ -436,9 +437,14 @@ def follower_main(config, replica: int = 0) -> int:
 
 
 def freeze_clock(engine) -> None:
-    """A clock that stands still, for the warm-up every rank runs on its own before serving: its
-    passes (and their collectives) must have the same shapes on every rank."""
+    """A clock that stands still and a prefill pacer that does not learn, for the warm-up every rank
+    runs on its own before serving: its passes (and their collectives) must have the same shapes on
+    every rank, and a pacer that timed each rank's own warm-up passes would chunk the later warm-up
+    prompts by that rank's speed (a slower rank one more pass: its collectives no longer pair up and
+    the group hangs before it serves). Serving undoes both (Leader, follow): the clock and the
+    pacing rate are rank 0's from then on."""
     engine.scheduler.policy.clock = lambda: 0.0
+    engine.pacer.learning = False
 
 
 def follow(engine, group: mx.distributed.Group, addresses: tuple[str, str],
@@ -453,6 +459,7 @@ def follow(engine, group: mx.distributed.Group, addresses: tuple[str, str],
     acks = channel_socket(zmq.PUSH, addresses[1], bind=False)
     now = time.monotonic()
     engine.scheduler.policy.clock = lambda: now
+    engine.pacer.learning = True  # its rate is rank 0's at every step (Step.prefill_rate)
     digest = state_digest(engine)
     rank, expected = group.rank(), 1
     times, probe = RankPhases("wait", "replay", "ack"), collective_us or {}

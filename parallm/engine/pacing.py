@@ -60,12 +60,13 @@ class PrefillPacer:
         self.least = min(least, max_tokens)
         self.seconds_per_unit = 0.0  # a; 0 until a pass was measured
         self.passes = 0
+        self.learning = True  # off: passes are not measured (a tensor-parallel rank's warm-up: distributed.freeze_clock)
 
     def observe(self, seconds: float, starts: Sequence[int], lengths: Sequence[int],
                 contexts: Sequence[int] = ()) -> None:
         """A pass of chunks of `lengths` tokens from `starts` (beside decode rows at `contexts`) took `seconds`."""
         work = pass_work(self.weight, starts, lengths, contexts)
-        if not self.target_s or work <= 0 or seconds <= 0:
+        if not self.target_s or not self.learning or work <= 0 or seconds <= 0:
             return
         rate = seconds / work
         if self.seconds_per_unit:
