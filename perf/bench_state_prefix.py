@@ -35,7 +35,7 @@ from mlx_lm.models.cache import ArraysCache, KVCache
 from perf.bench_gpu import SHAPES as GPU_SHAPES
 from perf.harness import Results, add_results_options
 
-BLOCK = 16  # engine.block_size's default: tokens per prefix-cache block
+BLOCK = 16  # engine.block_size unset on a GPU (the CPU's 32): tokens per prefix-cache block
 
 SHAPES: dict[str, dict[str, Any]] = {
     # Qwen3-Next-80B-A3B's published config.json (the dims that size the caches are what matter here)

@@ -16,6 +16,7 @@ import zmq
 
 from parallm import protocol, routing
 from parallm.config import Config, generates
+from parallm.config.schema import BLOCK_SIZE
 from parallm.config.pooling import no_generator
 from parallm.logs import request_extra
 from parallm.routing import Router
@@ -47,7 +48,9 @@ class TokenizerStage(Stage):
                                               bind=False, hwm=hwm, curve=routing.replica_curve(config, i)))
                            for i in range(replicas)]
         self.to_engine = self.to_engines[0]
-        self.router = Router(replicas, config.engine.block_size, down=range(config.engine.replicas, replicas),
+        # the router hashes prompts in blocks of its own: the engines' size, or the GPU default where the engines
+        # decide it by their device (the affinity only needs every tokenizer to hash alike)
+        self.router = Router(replicas, config.engine.block_size or BLOCK_SIZE, down=range(config.engine.replicas, replicas),
                              tokenizers=config.tokenizer.replicas)
         self.rejected = 0
         self.offload = Offload(on_done=self.waker.wake)  # large tokenizations, on a worker thread

@@ -115,7 +115,7 @@ def test_scoring_batched_with_running_requests_leaves_their_tokens_unchanged(eng
 
 def test_a_prefix_hit_is_used_and_gives_the_same_numbers(engines, model):
     prompt = ids_of(70, 5)
-    e = new(engines, model, max_prefill_tokens=32)
+    e = new(engines, model, max_prefill_tokens=32, block_size=16)  # the counts below are in 16-token blocks
     gen = run_all(e, [req("g", prompt, greedy(20))])[("g", 0)]["tokens"]
     ids = prompt + gen
     before = e.stats()
@@ -160,7 +160,7 @@ def test_preempted_score_is_recomputed_with_the_same_numbers(engines, model):
     bpt = 2 * 2 * 2 * 16 * 4  # layers x (k, v) x kv heads x head dim x float32
     # 17 blocks of 16: a and b at ~95 tokens hold 12, the score's 60 ids + 16 of headroom take the other 5;
     # a few steps on, a and b need their 7th blocks while the score's chunks still need theirs
-    e = new(engines, model, kv_budget_bytes=bpt * 272, max_prefill_tokens=8, max_model_len=400)
+    e = new(engines, model, kv_budget_bytes=bpt * 272, max_prefill_tokens=8, max_model_len=400, block_size=16)
     victims = []
     preempt = e.scheduler.preempt
 

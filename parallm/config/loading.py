@@ -322,7 +322,7 @@ def _check(config: Config) -> None:
         problems.append("adapters.weights_chunk_timeout_s must be > 0")
     if config.adapters.history < 1:
         problems.append("adapters.history must be >= 1")
-    if config.engine.block_size < 1:
+    if config.engine.block_size is not None and config.engine.block_size < 1:
         problems.append("engine.block_size must be >= 1")
     if config.engine.tensor_parallel < 1:
         problems.append("engine.tensor_parallel must be >= 1")

@@ -96,7 +96,8 @@ class EngineConfig(Struct, frozen=True, kw_only=True, forbid_unknown_fields=True
                                               "the least recently used go ahead of never-used blocks")] = 0.25
     writeback_interval: Annotated[int, _d("a long-running sequence keys its new full blocks in the prefix cache "
                                           "every this many blocks; 0 = only when it ends")] = 16
-    block_size: Annotated[int, _d("tokens per block of the KV block store (and prefix cache)")] = 16
+    block_size: Annotated[int | None, _d("tokens per block of the KV block store (and prefix cache); unset = 32 on "
+                                         "MLX's CPU device, 16 elsewhere (docs/performance.md)")] = None
     prefix_cache: Annotated[bool, _d("reuse the KV of shared prompt prefixes")] = True
     overlap: Annotated[bool | None, _d("build and launch step t+1 before reading step t's tokens; unset = on with "
                                        "a GPU, off on MLX's CPU device")] = None
@@ -205,6 +206,8 @@ ComputeDevice = Literal["cpu", "cuda", "metal"]  # the backend MLX computes on (
 
 CUDA_UNFUSED_PREFILL_KEYS = 4096  # engine.unfused_prefill_keys unset on a CUDA GPU
 CPU_PREFILL_PASS_S = 0.25  # engine.prefill_pass_s unset on MLX's CPU device (docs/scheduling.md)
+BLOCK_SIZE = 16  # engine.block_size unset on a GPU (the paged kernels' tiles)
+CPU_BLOCK_SIZE = 32  # engine.block_size unset on MLX's CPU device: gather_mm reads fewer, longer tiles (docs/performance.md)
 
 
 def resolve_engine_config(config: EngineConfig, device: ComputeDevice) -> EngineConfig:
@@ -224,6 +227,12 @@ def resolve_engine_config(config: EngineConfig, device: ComputeDevice) -> Engine
     (cuDNN) builds a graph per new shape and stride. Served c=256 on the H200: ~4,000 tok/s with
     neither, 6,668 with unfused decode, 7,702 with both (docs/performance.md). Metal's vector
     kernel reads masks and the CPU has no fused kernel to avoid: both keep MLX's own calls.
+
+    On the CPU the block store's decode reads (gather_mm over the store's tiles) take blocks of 32
+    tokens faster than 16 at every batch measured (the default model, 128-token rows, three runs of
+    alternated child processes: 1 / 16 / 64 rows 0.95-0.99 / 0.94-1.01 / 0.93-0.97x the time,
+    perf/results/kv-layout-decode-128-{blocksize-s9,s9-third,block32-default}-cpu.md); the GPUs keep
+    16, the paged kernels' tile.
     """
     on_cpu, on_cuda = device == "cpu", device == "cuda"
     changes: dict[str, Any] = {}
@@ -245,6 +254,8 @@ def resolve_engine_config(config: EngineConfig, device: ComputeDevice) -> Engine
         changes["kv_write_in_place"] = on_cuda
     if config.unfused_prefill_keys is None:
         changes["unfused_prefill_keys"] = CUDA_UNFUSED_PREFILL_KEYS if on_cuda else 0
+    if config.block_size is None:
+        changes["block_size"] = CPU_BLOCK_SIZE if on_cpu else BLOCK_SIZE
     return msgspec.structs.replace(config, **changes) if changes else config
 
 
