@@ -394,10 +394,10 @@ def test_the_front_prefilling_row_leaving_beside_a_long_one_keeps_the_long_one()
     sched.check_integrity()
 
 
-def test_memory_follows_tokens_held():
+@pytest.mark.parametrize("bs", [16, 32])  # the GPUs' block size and the CPU's
+def test_memory_follows_tokens_held(bs):
     """One 8k-token sequence and fifteen 100-token ones hold blocks for their own tokens, not 16 rows
     of the longest: at most 1.2x the sum of their lengths (the dense rows held 16 x 8k)."""
-    bs = 16
     budget = KVBudget(budget_tokens=20_000, max_rows=16, max_len=9000)
     sched = Scheduler(budget=budget, max_prefill_tokens=8192, blocks=None, block_size=bs)
     runner = FakeRunner(sched.blocks, bs)
