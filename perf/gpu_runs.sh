@@ -11,7 +11,8 @@
 #   qwen-b    qwen3-8b 4-bit at 256, 64 tokens (warm-up 8), ~6 min
 #   serving   llama-3.2-3b with the default tokenizer's vocabulary (real text): in-process engine, BatchGenerator,
 #             HTTP, raw ZeroMQ and mlx_lm.server at c=1,64,256 (perf/bench_serving.py), ~6 min
-#   waves     10 waves of 512 streaming requests at c=256, a fresh server each (perf/stress_waves.py), ~6 min
+#   waves     10 waves (WAVES=n: n) of 512 streaming requests at c=256, a fresh server each, tok/s and TTFT p50/p99
+#             per wave (perf/stress_waves.py), ~6 min
 #   ingress   ingress' CPU per SSE event and per token at c=256, 4 waves of 512 on one server (perf/bench_ingress.py),
 #             ~3 min
 #   moe       Qwen3-30B-A3B-shaped 4-bit MoE: BatchGenerator vs HTTP at c=1,64,256, one request per stream (issue 19;
@@ -234,7 +235,7 @@ case "${1:-}" in
   serving)  python3 -m perf.bench_serving --shape llama-3.2-3b --concurrency 1,64,256 --max-tokens 128 \
               --client-procs 4 --mlx-lm-server --tokenizer-dir $TOK --work-dir $WORK --experiment llama-3.2-3b \
               --out-dir "$OUT" ;;
-  waves)    python3 -m perf.stress_waves --shape llama-3.2-3b --waves 10 --requests 512 --concurrency 256 \
+  waves)    python3 -m perf.stress_waves --shape llama-3.2-3b --waves ${WAVES:-10} --requests 512 --concurrency 256 \
               --max-tokens 128 --client-procs 4 --deadline-s 480 --tokenizer-dir $TOK --work-dir $WORK \
               --out-dir "$OUT" ;;
   policy)   python3 -m perf.bench_policy --out-dir "$OUT" ;;

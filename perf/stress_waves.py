@@ -78,7 +78,7 @@ def main(argv: list[str] | None = None) -> int:
             server.stop()
         lines = server.lines
         wave = {"wave": k, "tok_s": r["throughput_tok_s"], "ok": r["ok"], "requests": r["requests"],
-                "errors": r["errors"], "ttft_p50_s": r["ttft_p50_s"], "wall_s": r["wall_s"],
+                "errors": r["errors"], "ttft_p50_s": r["ttft_p50_s"], "ttft_p99_s": r["ttft_p99_s"], "wall_s": r["wall_s"],
                 "server_cpu_s": r["server_cpu_s"], "client_cpu_s": r.get("client_cpu_s"),
                 "restarts": [ln for ln in lines if "restart" in ln.lower()][:10],
                 "tracebacks": tracebacks(lines)[:5]}
@@ -92,8 +92,8 @@ def main(argv: list[str] | None = None) -> int:
     result = {"shape": args.shape, "requests": args.requests, "concurrency": args.concurrency,
               "max_tokens": args.max_tokens, "waves": waves, "failed_waves": failed}
     md = [f"# {len(waves)} waves of {args.requests} streaming requests at c={args.concurrency} ({args.shape})", "",
-          "| wave | tok/s | ok | TTFT p50 s | tracebacks |", "|---|---|---|---|---|",
-          *(f"| {w['wave']} | {w['tok_s']:.0f} | {w['ok']}/{w['requests']} | {w['ttft_p50_s']:.2f} | "
+          "| wave | tok/s | ok | TTFT p50 s | TTFT p99 s | tracebacks |", "|---|---|---|---|---|---|",
+          *(f"| {w['wave']} | {w['tok_s']:.0f} | {w['ok']}/{w['requests']} | {w['ttft_p50_s']:.2f} | {w['ttft_p99_s']:.2f} | "
             f"{len(w['tracebacks'])} |" for w in waves), "", f"Failed waves: {failed or 'none'}"]
     Results.from_args("stress-waves", args, argv, experiment=args.shape).write(result, "\n".join(md))
     return 1 if failed else 0

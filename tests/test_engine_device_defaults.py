@@ -7,7 +7,8 @@ import msgspec
 import pytest
 
 from parallm import device as device_module
-from parallm.config import CUDA_UNFUSED_PREFILL_KEYS, EngineConfig, resolve_engine_config
+from parallm.config import (CUDA_PREFILL_ROWS, CUDA_PREFILL_TOKENS, CUDA_UNFUSED_PREFILL_KEYS, PREFILL_ROWS, EngineConfig,
+                            auto_prefill_tokens, resolve_engine_config)
 from parallm.engine import engine as engine_module
 from parallm.engine import fastmath, memory
 
@@ -30,12 +31,35 @@ def test_cpu_resolution_is_unchanged():
         **{k: v for k, v in CPU_BEFORE.items() if unset[k] is None}, "prefill_pass_s": 0.25,  # issue 30's pacing
         "kv_preallocate": False,  # issue 41: the block store grows as it is used (allocated whole on CUDA)
         "kv_write_in_place": False,  # issue 41: decode passes store K/V in place only through the CUDA kernel
-        "block_size": 32}  # issue 41: gather_mm reads 32-token tiles faster than 16 on the CPU
+        "block_size": 32,  # issue 41: gather_mm reads 32-token tiles faster than 16 on the CPU
+        "max_prefill_rows": 16}  # the one default before issue 37 made it 32 on CUDA
 
 
 def test_blocks_are_32_tokens_on_the_cpu_and_16_on_gpus_unless_set():
     assert [resolve_engine_config(EngineConfig(), d).block_size for d in ("cpu", "cuda", "metal")] == [32, 16, 16]
     assert [resolve_engine_config(EngineConfig(block_size=16), d).block_size for d in ("cpu", "cuda")] == [16, 16]
+
+
+def test_cuda_admits_32_prompts_and_2048_tokens_a_step_unless_set():
+    assert [resolve_engine_config(EngineConfig(), d).max_prefill_rows for d in ("cpu", "cuda", "metal")] == \
+        [PREFILL_ROWS, CUDA_PREFILL_ROWS, PREFILL_ROWS] == [16, 32, 16]
+    assert resolve_engine_config(EngineConfig(max_prefill_rows=8), "cuda").max_prefill_rows == 8
+    assert [auto_prefill_tokens(False, False, True), auto_prefill_tokens(False, False), auto_prefill_tokens(True, True),
+            auto_prefill_tokens(True, False)] == [CUDA_PREFILL_TOKENS, 512, 128, 256]
+    assert CUDA_PREFILL_TOKENS == 2048
+
+
+def test_engine_on_cuda_resolves_its_prefill_budget_for_cuda(monkeypatch):
+    monkeypatch.setattr(engine_module, "compute_device", lambda: "cuda")
+    settings = make_engine(tiny_model("llama3-rope")).stats().settings
+    assert (settings["max_prefill_tokens"], settings["max_prefill_rows"]) == (CUDA_PREFILL_TOKENS, CUDA_PREFILL_ROWS)
+
+
+def test_max_prefill_rows_below_one_is_refused():
+    from parallm.config import ConfigError, build_config
+
+    with pytest.raises(ConfigError, match="max_prefill_rows"):
+        build_config(environ={}, overrides={"engine": {"max_prefill_rows": 0}})
 
 
 def test_in_place_kv_writes_are_on_only_with_cuda():

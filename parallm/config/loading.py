@@ -281,6 +281,8 @@ def _check(config: Config) -> None:
     engine = config.engine
     if engine.max_prefill_tokens is not None and engine.max_prefill_tokens < 1:
         problems.append("engine.max_prefill_tokens must be >= 1 (or unset: auto)")
+    if engine.max_prefill_rows is not None and engine.max_prefill_rows < 1:
+        problems.append("engine.max_prefill_rows must be >= 1 (or unset: auto)")
     if not 0 <= engine.training_share < 1:
         problems.append("engine.training_share must be in [0, 1)")
     if engine.prefill_pass_s is not None and not 0 <= engine.prefill_pass_s < float("inf"):

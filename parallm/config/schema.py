@@ -15,7 +15,8 @@ from .trainer_schema import (CheckpointConfig, LoRATrainConfig, RLTrainingConfig
                              TrainerMemoryConfig, TrainerModelConfig, TrainerServerConfig)  # re-exported
 
 __all__ = ["ENV_PREFIX", "AUTO", "ModelConfig", "EngineConfig", "auto_prefill_tokens",
-           "auto_adapter_merge_mb", "ComputeDevice", "CUDA_UNFUSED_PREFILL_KEYS", "resolve_engine_config",
+           "auto_adapter_merge_mb", "ComputeDevice", "CUDA_UNFUSED_PREFILL_KEYS", "CUDA_PREFILL_TOKENS",
+           "CUDA_PREFILL_ROWS", "PREFILL_ROWS", "resolve_engine_config",
            "TOOL_CALL_PARSERS",
            "TokenizerConfig", "ServerConfig", "TransportConfig", "SupervisorConfig", "AdaptersConfig",
            "DetokenizerConfig", "TrainerServerConfig", "TrainerModelConfig", "LoRATrainConfig",
@@ -67,9 +68,10 @@ class ModelConfig(Struct, frozen=True, kw_only=True, forbid_unknown_fields=True)
 class EngineConfig(Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     max_num_seqs: Annotated[int, _d("most sequences decoded together (rows of the live batch)")] = 64
     max_prefill_tokens: Annotated[int | None, _d("prompt tokens prefilled per step (the chunk budget); unset = on "
-                                                 "MLX's CPU device 128 with mixed passes, else 256; 512 "
-                                                 "elsewhere")] = None
-    max_prefill_rows: Annotated[int, _d("sequences prefilled together in one pass")] = 16
+                                                 "MLX's CPU device 128 with mixed passes, else 256; 2048 on "
+                                                 "CUDA; 512 on Metal")] = None
+    max_prefill_rows: Annotated[int | None, _d("sequences prefilled together in one pass; unset = 32 on CUDA, "
+                                               "16 elsewhere")] = None
     prefill_pass_s: Annotated[float | None, _d("seconds one prefill pass (a mixed pass with its decode rows) should "
                                                "take: the step's prefill budget shrinks below max_prefill_tokens "
                                                "from the measured cost of the last passes, so a short prompt never "
@@ -181,12 +183,19 @@ class EngineConfig(Struct, frozen=True, kw_only=True, forbid_unknown_fields=True
                                 "rank's ring connection uses; every rank on this machine for now")] = ""
 
 
-def auto_prefill_tokens(on_cpu: bool, mixed: bool) -> int:
-    """The prefill budget of `max_prefill_tokens = 0`, once the engine knows whether its prompt
+def auto_prefill_tokens(on_cpu: bool, mixed: bool, on_cuda: bool = False) -> int:
+    """The prefill budget of `max_prefill_tokens` unset, once the engine knows whether its prompt
     chunks ride in the decode pass (`mixed`: then a chunk costs no extra read of the weights, so
     smaller chunks get first tokens out sooner for little throughput). Measured served on the
     2-core CPU with mixed passes, 16 chat streams: 256 -> 128 TTFT p50 0.75-0.98 -> 0.56-0.62 s,
-    126-139 -> 123-131 tok/s; 32 streams: 1.07-1.09 -> 0.63-0.64 s, 174-178 -> 165-169 tok/s."""
+    126-139 -> 123-131 tok/s; 32 streams: 1.07-1.09 -> 0.63-0.64 s, 174-178 -> 165-169 tok/s.
+
+    On CUDA the block store's admissions copy no KV, so a step can admit more: 512 requests at c=256
+    over HTTP on the H200 (llama-3.2-3b, 128 tokens, one call): 512 tokens / 16 rows 11,458 tok/s,
+    TTFT p99 1.25 s; 2048 / 32 13,359 tok/s, 0.88 s; 4096 / 64 13,150 tok/s, 0.93 s
+    (perf/results/serving-llama-3.2-3b-final37-*-h200.md). vLLM and SGLang chunk at 8192 on such GPUs."""
+    if on_cuda:
+        return CUDA_PREFILL_TOKENS
     if not on_cpu:
         return 512
     return 128 if mixed else 256
@@ -205,6 +214,9 @@ def auto_adapter_merge_mb(on_cpu: bool) -> int:
 ComputeDevice = Literal["cpu", "cuda", "metal"]  # the backend MLX computes on (parallm.device.compute_device)
 
 CUDA_UNFUSED_PREFILL_KEYS = 4096  # engine.unfused_prefill_keys unset on a CUDA GPU
+CUDA_PREFILL_TOKENS = 2048  # engine.max_prefill_tokens unset on a CUDA GPU (auto_prefill_tokens says why)
+CUDA_PREFILL_ROWS = 32  # engine.max_prefill_rows unset on a CUDA GPU
+PREFILL_ROWS = 16  # engine.max_prefill_rows unset on the CPU and Metal
 CPU_PREFILL_PASS_S = 0.25  # engine.prefill_pass_s unset on MLX's CPU device (docs/scheduling.md)
 BLOCK_SIZE = 16  # engine.block_size unset on a GPU (the paged kernels' tiles)
 CPU_BLOCK_SIZE = 32  # engine.block_size unset on MLX's CPU device: gather_mm reads fewer, longer tiles (docs/performance.md)
@@ -233,6 +245,9 @@ def resolve_engine_config(config: EngineConfig, device: ComputeDevice) -> Engine
     alternated child processes: 1 / 16 / 64 rows 0.95-0.99 / 0.94-1.01 / 0.93-0.97x the time,
     perf/results/kv-layout-decode-128-{blocksize-s9,s9-third,block32-default}-cpu.md); the GPUs keep
     16, the paged kernels' tile.
+
+    On CUDA a step admits up to 32 prompts and 2048 of their tokens (`auto_prefill_tokens` has the
+    figures); the CPU and Metal keep 16 rows.
     """
     on_cpu, on_cuda = device == "cpu", device == "cuda"
     changes: dict[str, Any] = {}
@@ -256,6 +271,8 @@ def resolve_engine_config(config: EngineConfig, device: ComputeDevice) -> Engine
         changes["unfused_prefill_keys"] = CUDA_UNFUSED_PREFILL_KEYS if on_cuda else 0
     if config.block_size is None:
         changes["block_size"] = CPU_BLOCK_SIZE if on_cpu else BLOCK_SIZE
+    if config.max_prefill_rows is None:
+        changes["max_prefill_rows"] = CUDA_PREFILL_ROWS if on_cuda else PREFILL_ROWS
     return msgspec.structs.replace(config, **changes) if changes else config
 
 
