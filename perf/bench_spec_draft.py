@@ -175,6 +175,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--k", type=int, default=4, help="spec.k")
     ap.add_argument("--alphas", default="0,0.5,0.7,0.8,0.9,1", help="the oracle's per-token right rates")
+    ap.add_argument("--ways", default=None,
+                    help="only these single-stream ways, comma-separated (draft, oracle-0-controller, self, "
+                         "oracle-<alpha> of --alphas); unset: all")
     ap.add_argument("--batches", default="16,64")
     ap.add_argument("--batch-tokens", type=int, default=64)
     ap.add_argument("--rounds", type=int, default=3)
@@ -183,6 +186,10 @@ def main(argv: list[str] | None = None) -> int:
     add_results_options(ap, default_help="<shape>")
     ap.add_argument("--blas-threads", type=int, default=1, help="OPENBLAS_NUM_THREADS of the preloaded OpenBLAS (CPU)")
     args = ap.parse_args(argv)
+    if args.ways is not None:
+        names = {"draft", "oracle-0-controller", "self"} | {f"oracle-{float(a):g}" for a in args.alphas.split(",")}
+        if unknown := set(args.ways.split(",")) - names:
+            ap.error(f"--ways: no way named {', '.join(sorted(unknown))} (with --alphas {args.alphas})")
     from parallm import blas
 
     if not blas.is_preloaded():
@@ -211,6 +218,8 @@ def main(argv: list[str] | None = None) -> int:
         ("draft", draft.model, {}, None), ("oracle-0-controller", draft.model, {}, 0.0),
         ("self", target.model, {"min_acceptance": 0.0}, None)]
     ways += [(f"oracle-{a:g}", draft.model, {"min_acceptance": 0.0}, a) for a in map(float, args.alphas.split(","))]
+    if args.ways is not None:
+        ways = [w for w in ways if w[0] in args.ways.split(",")]
     for name, model, extra, alpha in ways:
         engine = make_engine(target, model, kv_mb=kv, mode="draft", k=args.k, **extra)
         if alpha is not None:

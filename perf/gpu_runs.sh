@@ -113,6 +113,11 @@
 #             vs acceptance curve at the small draft's cost); batch 16 and 64 off vs draft (defaults, and forced on
 #             with the random draft and the oracle at 0.8); mlx-lm's speculative_generate_step (mlx_lm.server
 #             --draft-model's) on the same pair, one stream (perf/bench_spec_draft.py), ~7 min
+#   specdraft32 draft mode's single stream in float32 without TF32 (the verify pass reproduces one-token argmaxes, so
+#             every way emits off's tokens): llama-3.2-3b with llama-draft-small, off / self / oracle-0.8 / oracle-1 /
+#             oracle-0-controller, 2 rounds of 128 tokens, for .gpu/base (a git archive of main, when carried) and this tree
+#             alternating (this tree's perf/bench_spec_draft.py over each tree's parallm; carry [".gpu-tok", ".gpu/base"]),
+#             ~4 min. SHAPESD=tiny-deep DRAFTSD=tiny-draft CPU_SMOKE=1 TOK=<tokenizer dir> runs it on the CPU
 #   kvbits    quantized KV (--kv.bits 8 and 4, issue 41) vs bfloat16 K/V, llama-3.2-3b in-process: kv_capacity_tokens
 #             at one budget (groups of 64, then 128), decode step time at 1, 64 and 256 rows alternating the three
 #             engines (perf/bench_kv_bits.py; random weights: no agreement figures), ~6 min
@@ -177,7 +182,7 @@
 #             CPU_SMOKE=1 SHAPE37=tiny LEVELS37=2,4 C37=4, ~9 min
 # A fresh server per wave: `waves` fits 6-7 waves in one 10-minute call; run it twice for ten.
 set -uo pipefail
-case "${1:-}" in tpdp|diag|llama|adapters|qwen-a|qwen-b|serving|waves|ingress|moe|moe256|hybrid|structured|tp|tp8b|dp|threads|compiled|republish|buckets|serve256|inplace|mixed|cudnn|decodeattn|unfuseddecode|defaults|defaultsab|qwendtype|qwenmlx|qwen8b|embeddings|policy|vision|trainmem|spec|specdraft|kvbits|pagedattn|trainshare|single|pagedkv|pagedkvserve|pagedkvdiag|pagedkvinplace|pagedkvfinal|pagedkvserveall|pagedkvhost|pagedkvlast|pagedkv256|pagedkvfused|final37|single37|single37b) ;;
+case "${1:-}" in tpdp|diag|llama|adapters|qwen-a|qwen-b|serving|waves|ingress|moe|moe256|hybrid|structured|tp|tp8b|dp|threads|compiled|republish|buckets|serve256|inplace|mixed|cudnn|decodeattn|unfuseddecode|defaults|defaultsab|qwendtype|qwenmlx|qwen8b|embeddings|policy|vision|trainmem|spec|specdraft|specdraft32|kvbits|pagedattn|trainshare|single|pagedkv|pagedkvserve|pagedkvdiag|pagedkvinplace|pagedkvfinal|pagedkvserveall|pagedkvhost|pagedkvlast|pagedkv256|pagedkvfused|final37|single37|single37b) ;;
   *) sed -n '2,/^# A fresh server per wave/p' "$0"; exit 2 ;; esac
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
@@ -219,6 +224,17 @@ case "${1:-}" in
             python3 -m perf.bench_spec --rounds 3 --max-tokens 192 --out-dir "$OUT" ;;
   specdraft) python3 -m perf.bench_spec_draft --shape llama-3.2-3b --draft-shape llama-draft-small --tokenizer-dir $TOK \
               --work-dir $WORK --rounds 3 --max-tokens 128 --batches 16,64 --batch-tokens 64 --mlx-lm --out-dir "$OUT" ;;
+  specdraft32) SECONDS=0; tok=$(cd $TOK && pwd)
+            for tree in $([ -d .gpu/base ] && echo .gpu/base) . ; do
+              [ $SECONDS -lt 150 ] || break
+              label=$([ $tree = . ] && echo head || echo base)
+              (cd $tree && MLX_ENABLE_TF32=0 PYTHONPATH=/tmp/site:$PWD timeout $((230 - SECONDS)) python3 \
+                $OLDPWD/perf/bench_spec_draft.py --shape ${SHAPESD:-llama-3.2-3b} --draft-shape ${DRAFTSD:-llama-draft-small} \
+                --tokenizer-dir $tok --work-dir $WORK --dtype float32 --alphas 0.8,1 \
+                --ways self,oracle-0.8,oracle-1,oracle-0-controller --batches "" --rounds 2 --max-tokens 128 \
+                --out "$OUT/spec-draft-specdraft32-$label-h200.json" 2>&1 | grep "single")
+              echo "$label: ${SECONDS} s"
+            done ;;
   embeddings) [ -f /tmp/gpu/minilm16/config.json ] || { echo "stage .gpu/emb into /tmp/gpu/minilm16 first" >&2; exit 3; }
             python3 -m perf.bench_embeddings --model-dir /tmp/gpu/minilm16 --batches 1,32 --rounds 3 --served \
               --served-alone --out-dir "$OUT" ;;

@@ -220,3 +220,36 @@ def test_a_prefix_cache_hit_is_caught_up_by_the_draft():
     assert engine.stats().prefix_hit_tokens >= 32
     assert first[("a", 0)]["tokens"] == again[("b", 0)]["tokens"] == plain[("a", 0)]["tokens"]
     assert engine.spec.draft.prefill_tokens - before >= len(prompt) - 1 - 8  # the whole prompt, in the draft
+
+
+def test_the_drafts_passes_run_under_the_engines_attention_stand_ins(monkeypatch):
+    """The draft's passes use the stand-ins the target's passes use (here the CPU's fast math; on CUDA the
+    unfused attention), not mlx-lm's own call: on CUDA that composes a masked decode, and builds a cuDNN graph
+    for every new shape of a multi-token pass, whose key span grows every cycle."""
+    target = tiny_model("llama")
+    engine = make_engine(target, spec=DRAFT, draft=tiny_draft(), max_num_seqs=8)
+    stock = mx.fast.scaled_dot_product_attention
+    calls = []
+    monkeypatch.setattr(mx.fast, "scaled_dot_product_attention", lambda *a, **k: calls.append(1) or stock(*a, **k))
+    run_all(engine, [req("r0", repetitive(5, 0), greedy(16))])
+    assert engine.stats().spec.verify_passes > 0 and engine.spec.draft.prefill_tokens > 0
+    assert not calls
+
+
+def test_a_cycle_hands_each_draft_pass_to_the_device_and_evaluates_once(monkeypatch):
+    """A speculating step: k async launches (each draft pass as soon as it is built), then one evaluation
+    (the verify pass, the draft's graph under it)."""
+    target = tiny_model("llama")
+    engine = make_engine(target, spec=DRAFT, draft=target, max_num_seqs=8)
+    engine.add_request(req("r0", repetitive(5, 0), greedy(24)))
+    while engine.stats().spec.verify_passes == 0:
+        engine.step()
+    counts = {"eval": 0, "async_eval": 0}
+    for name in counts:
+        real = getattr(mx, name)
+        monkeypatch.setattr(mx, name, lambda *a, _n=name, _f=real: counts.__setitem__(_n, counts[_n] + 1) or _f(*a))
+    before = engine.stats().spec.verify_passes
+    engine.step()
+    assert engine.stats().spec.verify_passes == before + 1
+    assert counts == {"eval": 1, "async_eval": DRAFT.k}
+    run_all(engine)

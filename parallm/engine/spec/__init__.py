@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING
 from parallm.config import EngineConfig, SpecConfig
 
 from ..compat import ModelInfo, check_model
+from ..fastmath import FastMath
 from .decoder import SpecDecoder
 from .draft import DraftProposer
 
@@ -50,4 +51,16 @@ def draft_proposer(engine: "Engine", coupled: bool = True) -> DraftProposer:
         raise ValueError(f"the draft model ({info.model_type}) keeps a recurrent state, which cannot be rolled "
                          "back to the accepted position: pick an attention-only draft")
     return DraftProposer(model, info, engine.vocab_size, engine.eos_token_ids, compiled=engine.config.compile,
-                         coupled=coupled)
+                         coupled=coupled, context=draft_context(model, engine.config))
+
+
+def draft_context(model, settings: EngineConfig) -> FastMath | None:
+    """What the draft's passes run under: the stand-ins the runner gives the target's passes (fast math on the
+    CPU; on CUDA attention as matmuls for a masked one-token pass and for short multi-token ones, where mlx-lm's
+    call composes a masked decode or builds a cuDNN graph for every new shape: a draft pass's key span grows
+    every cycle). None where they replace nothing."""
+    if settings.fast_math:
+        return FastMath(model)
+    context = FastMath(model, exp=False, unfused_keys=settings.unfused_prefill_keys or 0,
+                       unfused_decode=bool(settings.unfused_decode))
+    return context if context.active else None

@@ -1,10 +1,11 @@
 """The draft-model proposer (spec.mode draft): a smaller model sharing the target's vocabulary proposes
 k tokens for every speculating row, batched across rows, from its own KV rows (draft_kv.py).
 
-A proposal is built as one lazy graph (no read-back until the target's verify pass has been built on
-it too): the rows catch up (each from its own computed length to the sequence's last token; a row
-more than `BATCHED_LAG` tokens behind, a new one, is prefilled alone first in chunks), then k - 1
-single-token passes feed the draft's own proposals. Each proposed token is the argmax of the draft's
+A proposal is built lazily and read back only with the target's verify pass built on it; each pass's
+tokens go to the device as soon as they are built (mx.async_eval), so it runs the pass while the host
+builds the next one and the verify pass. The rows catch up (each from its own computed length to the
+sequence's last token; a row more than `BATCHED_LAG` tokens behind, a new one, is prefilled alone first
+in chunks), then k - 1 single-token passes feed the draft's own proposals. Each proposed token is the argmax of the draft's
 processed distribution q (the row's own temperature, top-k/p, min-p, logit bias, min_tokens: the decode
 sampler's processing, sampling.Sampler.process), plus Gumbel noise for a sampled row:
 - coupled (spec.draft_acceptance, the default): the very noise the target's sampler adds at that output
@@ -19,7 +20,9 @@ The draft runs base weights: a LoRA row's adapter is the target's alone (it veri
 
 from __future__ import annotations
 
+from contextlib import nullcontext
 from dataclasses import dataclass
+from typing import ContextManager
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -54,10 +57,13 @@ class Proposal:
 
 class DraftProposer:
     def __init__(self, model: nn.Module, info: ModelInfo, vocab_size: int, eos_ids: list[int],
-                 compiled: bool = True, coupled: bool = True) -> None:
+                 compiled: bool = True, coupled: bool = True, context: ContextManager | None = None) -> None:
         """`vocab_size`: the target's logits width (the draft's are cut or padded with -inf to it); `coupled`:
-        sampled rows propose with the target's own noise (spec.draft_acceptance coupled) instead of their own."""
+        sampled rows propose with the target's own noise (spec.draft_acceptance coupled) instead of their own;
+        `context`: what the draft's passes run under (the engine's attention and fast-math stand-ins for the
+        draft's module, fastmath.FastMath; None: mlx-lm's own functions)."""
         self.model = model
+        self.context = context if context is not None else nullcontext()
         self.info = info
         self.vocab_size = vocab_size
         self.eos_ids = eos_ids
@@ -96,6 +102,7 @@ class DraftProposer:
             else:
                 tok = mx.argmax(z, axis=-1).astype(mx.int32)
             tokens.append(tok)
+            mx.async_eval(tok)  # the device runs this pass while the next one (or the verify pass) is built
             if j + 1 < kmax:
                 logits = self._run(tok[:, None], kv.views([n + j for n in lengths], 1))[:, -1]
         for s, n in zip(seqs, lengths):
@@ -134,7 +141,8 @@ class DraftProposer:
             kv.advance(s.seq_id, end)
 
     def _run(self, tokens: mx.array, cache: list) -> mx.array:
-        return self.model(tokens, cache=cache)
+        with self.context:
+            return self.model(tokens, cache=cache)
 
     def _fit(self, logits: mx.array) -> mx.array:
         """The draft's logits [B, V_draft] as [B, V_target] float32: cut, or padded with -inf."""
