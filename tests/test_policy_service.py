@@ -66,8 +66,10 @@ def test_batched_replies_equal_unbatched(service):
     for i, (_, r) in enumerate(replies):
         service.submit(b"c", act("alone", obs[i:i + 1], seed=100 + i), now=2.0)
         (_, alone), = service.run_due(now=3.0)
-        for field in ("actions", "action_log_probs", "value_estimates"):
-            assert getattr(r, field) == getattr(alone, field)
+        assert r.actions == alone.actions  # a row's action never depends on its batch (its own seed)
+        for field in ("action_log_probs", "value_estimates"):  # a batched matmul may round its last bit apart
+            np.testing.assert_allclose(unwire(field, getattr(r, field)), unwire(field, getattr(alone, field)),
+                                       rtol=1e-6, atol=1e-7)
         assert r.version == 0 and unwire("a", r.actions).dtype == np.int64
 
 
