@@ -299,3 +299,12 @@ class FastMath:
             for parent, attr, original, _ in self.ropes:
                 parent[attr] = original
             self.rope_tables.clear()
+
+
+def stand_ins(model: nn.Module, *, fast_math: bool, unfused_keys: int = 0, unfused_decode: bool = False) -> FastMath:
+    """What `model`'s passes run under: every fast-math function (the CPU's `engine.fast_math`), else only the
+    packed-pass attention, unfused for short prefills (`unfused_keys`) and masked decode (`unfused_decode`).
+    The engine's runner and the draft model's proposer (spec) both take theirs from here."""
+    if fast_math:
+        return FastMath(model)
+    return FastMath(model, exp=False, unfused_keys=unfused_keys, unfused_decode=unfused_decode)

@@ -15,7 +15,7 @@ from .cache import LiveKV
 from .pass_view import PassContext
 from .compat import ModelInfo
 from .compiled import CompiledDecode
-from .fastmath import FastMath
+from .fastmath import stand_ins
 from .head import OutputHead
 from .images import prefill_embeddings
 from .kv_format import KVFormat
@@ -108,10 +108,10 @@ class ModelRunner:
         self._params: BatchParams | None = None
         self.eos_ids = [int(t) for t in eos_ids]
         self.lora = lora
-        self.fast_math = FastMath(model) if fast_math else None
         # what runs a packed pass (mixed): the fast-math functions, or only their packed-pass parts
-        self.packing = self.fast_math or FastMath(model, exp=False, unfused_keys=unfused_prefill_keys,
-                                                  unfused_decode=unfused_decode)
+        self.packing = stand_ins(model, fast_math=fast_math, unfused_keys=unfused_prefill_keys,
+                                 unfused_decode=unfused_decode)
+        self.fast_math = self.packing if fast_math else None
         self.unfused_prefill = self.fast_math is None and unfused_prefill_keys > 0
         self.unfused_decode = self.fast_math is None and unfused_decode
         # decode passes read through the block tables where the attention stand-ins run them (checked

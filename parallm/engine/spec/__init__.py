@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING
 from parallm.config import EngineConfig, SpecConfig
 
 from ..compat import ModelInfo, check_model
-from ..fastmath import FastMath
+from ..fastmath import FastMath, stand_ins
 from .decoder import SpecDecoder
 from .draft import DraftProposer
 
@@ -59,8 +59,6 @@ def draft_context(model, settings: EngineConfig) -> FastMath | None:
     CPU; on CUDA attention as matmuls for a masked one-token pass and for short multi-token ones, where mlx-lm's
     call composes a masked decode or builds a cuDNN graph for every new shape: a draft pass's key span grows
     every cycle). None where they replace nothing."""
-    if settings.fast_math:
-        return FastMath(model)
-    context = FastMath(model, exp=False, unfused_keys=settings.unfused_prefill_keys or 0,
-                       unfused_decode=bool(settings.unfused_decode))
-    return context if context.active else None
+    context = stand_ins(model, fast_math=bool(settings.fast_math), unfused_keys=settings.unfused_prefill_keys or 0,
+                        unfused_decode=bool(settings.unfused_decode))
+    return context if settings.fast_math or context.active else None
