@@ -136,13 +136,20 @@ def rank_env(base: dict[str, str], rank: int, hostfile: Path) -> dict[str, str]:
     return {**base, "MLX_RANK": str(rank), "MLX_HOSTFILE": str(hostfile)}
 
 
+RANK_DEFAULTS = {"NCCL_NVLS_ENABLE": "0", "MLX_USE_CUDA_GRAPHS": "0"}  # an NCCL rank's, where its environment is silent
+
+
 def nccl_rank_env(base: dict[str, str], rank: int, ranks: int, port: int, gpu: int = 0,
                   host_ip: str = LOCALHOST) -> dict[str, str]:
     """The environment of rank `rank` of an NCCL group whose rank 0 is at `host_ip`: its own GPU `gpu`
-    (of its machine), NVLink multicast off unless the environment says otherwise."""
+    (of its machine); NVLink multicast and MLX's CUDA graphs off unless the environment says otherwise.
+
+    Graphs off: MLX captures each all-sum's NCCL launch into the pass's CUDA graph, and on 2 x H200 that
+    cost ~41 us of a decode step per all-sum against ~13 us launched directly (perf/probe_allsum.py,
+    perf/results/allsum-probe-h200.json); a TP=2 step of the 3B shape holds 56 of them."""
     return {**base, "MLX_RANK": str(rank), "MLX_WORLD_SIZE": str(ranks), "NCCL_HOST_IP": host_ip,
             "NCCL_PORT": str(port), "CUDA_VISIBLE_DEVICES": str(gpu),
-            "NCCL_NVLS_ENABLE": base.get("NCCL_NVLS_ENABLE", "0")}
+            **{name: base.get(name, value) for name, value in RANK_DEFAULTS.items()}}
 
 
 class Followers:
@@ -195,7 +202,7 @@ class Followers:
     def remote_start(self, rank: int) -> RankStart:
         """What a remote rank gets on stdin besides the configuration: its replica, the launcher's variables
         (not this machine's whole environment) and, on the ring backend, the ring hostfile's text."""
-        env = {k: v for k, v in self.env_of(rank).items() if self.env.get(k) != v or k == "NCCL_NVLS_ENABLE"}
+        env = {k: v for k, v in self.env_of(rank).items() if self.env.get(k) != v or k in RANK_DEFAULTS}
         env["PYTHONUNBUFFERED"] = "1"  # its log lines reach the supervisor as they are written
         files = {}
         if self.backend != "nccl":

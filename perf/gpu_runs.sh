@@ -175,6 +175,12 @@
 #             shapes, tokens and time limits (the CPU smoke run: tiny shapes). With 90 s or more left, the 3B again with
 #             engine.compiled_decode, TP=2 first (a step bound by the host launching its kernels: does fewer launches let
 #             TP=2 pay at c=1?), ~9.5 min
+#   allsum38  (nvidia-h200-x2; issue 38) where a TP=2 step's extra time goes: nvidia-smi topo, then perf/probe_allsum.py
+#             (one all-sum alone, chained, and in a decode-like chain against the chain without it) under NCCL's and
+#             MLX's settings (default with NCCL_DEBUG=INFO for the transport, CUDA graphs off, NCCL_PROTO=LL, LL + ring,
+#             both GPUs visible to each rank, P2P off, cuMem off); then the 3B TP=2 and one GPU at c=1, 64 and the 8B
+#             at c=1 served with the setting whose step was fastest (ALLSUM_ENV overrides it; ALLSUM_ARGS adds the
+#             probe's options: the CPU smoke run's small sizes), ~7 min
 #   final37   issue 37's c=256 bars in one call, llama-3.2-3b, 128 tokens, 2 requests per stream: the in-process engine
 #             and HTTP at c=64 and 256 with the defaults (HTTP >= 0.9x in process), then HTTP at c=256 with larger
 #             admission chunks now that admissions copy no KV (max_prefill_tokens/max_prefill_rows 2048/32, then
@@ -182,7 +188,7 @@
 #             CPU_SMOKE=1 SHAPE37=tiny LEVELS37=2,4 C37=4, ~9 min
 # A fresh server per wave: `waves` fits 6-7 waves in one 10-minute call; run it twice for ten.
 set -uo pipefail
-case "${1:-}" in tpdp|diag|llama|adapters|qwen-a|qwen-b|serving|waves|ingress|moe|moe256|hybrid|structured|tp|tp8b|dp|threads|compiled|republish|buckets|serve256|inplace|mixed|cudnn|decodeattn|unfuseddecode|defaults|defaultsab|qwendtype|qwenmlx|qwen8b|embeddings|policy|vision|trainmem|spec|specdraft|specdraft32|kvbits|pagedattn|trainshare|single|pagedkv|pagedkvserve|pagedkvdiag|pagedkvinplace|pagedkvfinal|pagedkvserveall|pagedkvhost|pagedkvlast|pagedkv256|pagedkvfused|final37|single37|single37b) ;;
+case "${1:-}" in allsum38|tpdp|diag|llama|adapters|qwen-a|qwen-b|serving|waves|ingress|moe|moe256|hybrid|structured|tp|tp8b|dp|threads|compiled|republish|buckets|serve256|inplace|mixed|cudnn|decodeattn|unfuseddecode|defaults|defaultsab|qwendtype|qwenmlx|qwen8b|embeddings|policy|vision|trainmem|spec|specdraft|specdraft32|kvbits|pagedattn|trainshare|single|pagedkv|pagedkvserve|pagedkvdiag|pagedkvinplace|pagedkvfinal|pagedkvserveall|pagedkvhost|pagedkvlast|pagedkv256|pagedkvfused|final37|single37|single37b) ;;
   *) sed -n '2,/^# A fresh server per wave/p' "$0"; exit 2 ;; esac
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
@@ -499,6 +505,23 @@ case "${1:-}" in
   tp8b)     NCCL_NVLS_ENABLE=0 python3 -m perf.bench_parallel --shape qwen3-8b --layouts 1x1,2x1 --concurrency 1,64 \
               --max-tokens 128 --requests 4 --requests-per-stream 2 --client-procs 4 --publish-adapter-every 2 \
               --tokenizer-dir $TOK --work-dir $WORK --experiment tp-8b --out-dir "$OUT" ;;
+  allsum38) SECONDS=0; nvidia-smi topo -m 2>/dev/null
+            python3 -m perf.probe_allsum ${ALLSUM_ARGS:-} --timeout 90 --out "$OUT/allsum-probe-h200.json" --settings NCCL_DEBUG=INFO \
+              MLX_USE_CUDA_GRAPHS=0 NCCL_PROTO=LL NCCL_PROTO=LL,NCCL_ALGO=Ring VISIBLE=all NCCL_P2P_DISABLE=1 \
+              NCCL_CUMEM_ENABLE=0 | cut -c1-600
+            best=${ALLSUM_ENV:-$(python3 -c "import json; rows=[r for r in json.load(open('$OUT/allsum-probe-h200.json'))['rows'] if 'step_us' in r and not r['setting'].startswith(('VISIBLE', 'NCCL_DEBUG'))]; print(min(rows, key=lambda r: r['step_us'])['setting'] if rows else '')")}
+            best=${best/NCCL_DEBUG=INFO/}; echo "probe: ${SECONDS} s; serving with: ${best:-the defaults}"
+            envs=$(echo "$best" | tr ',' ' ')
+            env $envs NCCL_NVLS_ENABLE=0 timeout -s INT -k 15 $((400 - SECONDS)) python3 -m perf.bench_parallel \
+              --shape ${TPDP_SHAPE:-llama-3.2-3b} --layouts 2x1,1x1 --concurrency 1,64 --max-tokens ${TPDP_TOKENS:-128} \
+              --requests 4 --requests-per-stream 2 --client-procs 4 --tokenizer-dir $TOK --work-dir $WORK \
+              --experiment tp-3b-allsum38 --out-dir "$OUT" | grep -v "^- "
+            echo "3b: ${SECONDS} s"
+            env $envs NCCL_NVLS_ENABLE=0 timeout -s INT -k 15 $((560 - SECONDS)) python3 -m perf.bench_parallel \
+              --shape ${TPDP_SHAPE2:-qwen3-8b} --layouts 2x1,1x1 --concurrency 1 --max-tokens ${TPDP_TOKENS:-128} \
+              --requests 4 --requests-per-stream 2 --client-procs 4 --server-args "--model.dtype bfloat16" \
+              --tokenizer-dir $TOK --work-dir $WORK --experiment tp-8b-allsum38 --out-dir "$OUT" | grep -v "^- "
+            echo "8b: ${SECONDS} s"; rm -f "$OUT"/*.png ;;
   tpdp)     SECONDS=0; S1=${TPDP_SHAPE:-llama-3.2-3b}; S2=${TPDP_SHAPE2:-qwen3-8b}; T=${TPDP_TOKENS:-128}
             LIMIT=${TPDP_LIMIT_S:-575}
             NCCL_NVLS_ENABLE=0 timeout -s INT -k 20 $((LIMIT * 56 / 100)) python3 -m perf.bench_parallel --shape $S1 \

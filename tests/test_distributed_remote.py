@@ -103,7 +103,14 @@ def test_a_remote_rank_is_started_over_ssh_with_its_payload_on_stdin(tmp_path):
     nccl.prepare()
     env = nccl.remote_start(1).env
     assert env["NCCL_HOST_IP"] == "127.0.0.1" and env["CUDA_VISIBLE_DEVICES"] == "0" and env["MLX_WORLD_SIZE"] == "2"
+    assert env["NCCL_NVLS_ENABLE"] == "0" and env["MLX_USE_CUDA_GRAPHS"] == "0"  # graphs cost NCCL's launches ~3x
     assert nccl.remote_start(1).files == {}
+    assert nccl.env_of(0)["MLX_USE_CUDA_GRAPHS"] == "0"  # rank 0 too: the group's steps go at the slowest rank's pace
+    chosen = Followers(2, 0, {"MLX_USE_CUDA_GRAPHS": "1", "NCCL_NVLS_ENABLE": "1"}, tmp_path, "nccl", hosts=hosts)
+    chosen.prepare()
+    env = chosen.remote_start(1).env  # the user's settings win, and reach a rank on another machine too
+    assert env["MLX_USE_CUDA_GRAPHS"] == "1" and env["NCCL_NVLS_ENABLE"] == "1"
+    assert "MLX_USE_CUDA_GRAPHS" not in Followers(2, 0, {}, tmp_path, "ring", hosts=hosts).prepare()
 
 
 def local_entry(host: RankHost) -> list[str]:
