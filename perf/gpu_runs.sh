@@ -181,6 +181,9 @@
 #             both GPUs visible to each rank, P2P off, cuMem off); then the 3B TP=2 and one GPU at c=1, 64 and the 8B
 #             at c=1 served with the setting whose step was fastest (ALLSUM_ENV overrides it; ALLSUM_ARGS adds the
 #             probe's options: the CPU smoke run's small sizes), ~7 min
+#   dp512     (nvidia-h200-x2; issue 38) DP=2 where each replica has the streams one engine saturates at: llama-3.2-3b one
+#             engine at c=256 and 512 (256 rows a step at most: engine.max_num_seqs), DP=2 at c=512, no adapter, ~2.5 min
+#             (DP512_LEVELS / DP512_SHAPE for the CPU smoke run)
 #   final37   issue 37's c=256 bars in one call, llama-3.2-3b, 128 tokens, 2 requests per stream: the in-process engine
 #             and HTTP at c=64 and 256 with the defaults (HTTP >= 0.9x in process), then HTTP at c=256 with larger
 #             admission chunks now that admissions copy no KV (max_prefill_tokens/max_prefill_rows 2048/32, then
@@ -188,7 +191,7 @@
 #             CPU_SMOKE=1 SHAPE37=tiny LEVELS37=2,4 C37=4, ~9 min
 # A fresh server per wave: `waves` fits 6-7 waves in one 10-minute call; run it twice for ten.
 set -uo pipefail
-case "${1:-}" in allsum38|tpdp|diag|llama|adapters|qwen-a|qwen-b|serving|waves|ingress|moe|moe256|hybrid|structured|tp|tp8b|dp|threads|compiled|republish|buckets|serve256|inplace|mixed|cudnn|decodeattn|unfuseddecode|defaults|defaultsab|qwendtype|qwenmlx|qwen8b|embeddings|policy|vision|trainmem|spec|specdraft|specdraft32|kvbits|pagedattn|trainshare|single|pagedkv|pagedkvserve|pagedkvdiag|pagedkvinplace|pagedkvfinal|pagedkvserveall|pagedkvhost|pagedkvlast|pagedkv256|pagedkvfused|final37|single37|single37b) ;;
+case "${1:-}" in dp512|allsum38|tpdp|diag|llama|adapters|qwen-a|qwen-b|serving|waves|ingress|moe|moe256|hybrid|structured|tp|tp8b|dp|threads|compiled|republish|buckets|serve256|inplace|mixed|cudnn|decodeattn|unfuseddecode|defaults|defaultsab|qwendtype|qwenmlx|qwen8b|embeddings|policy|vision|trainmem|spec|specdraft|specdraft32|kvbits|pagedattn|trainshare|single|pagedkv|pagedkvserve|pagedkvdiag|pagedkvinplace|pagedkvfinal|pagedkvserveall|pagedkvhost|pagedkvlast|pagedkv256|pagedkvfused|final37|single37|single37b) ;;
   *) sed -n '2,/^# A fresh server per wave/p' "$0"; exit 2 ;; esac
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
@@ -505,6 +508,10 @@ case "${1:-}" in
   tp8b)     NCCL_NVLS_ENABLE=0 python3 -m perf.bench_parallel --shape qwen3-8b --layouts 1x1,2x1 --concurrency 1,64 \
               --max-tokens 128 --requests 4 --requests-per-stream 2 --client-procs 4 --publish-adapter-every 2 \
               --tokenizer-dir $TOK --work-dir $WORK --experiment tp-8b --out-dir "$OUT" ;;
+  dp512)    top=$(echo ${DP512_LEVELS:-256/512} | tr '/' '\n' | tail -1)
+            NCCL_NVLS_ENABLE=0 timeout -s INT -k 15 300 python3 -m perf.bench_parallel --shape ${DP512_SHAPE:-llama-3.2-3b} \
+              --layouts 1x1@${DP512_LEVELS:-256/512},1x2@$top --max-tokens ${TPDP_TOKENS:-128} --requests-per-stream 2 --client-procs 8 \
+              --tokenizer-dir $TOK --work-dir $WORK --experiment dp512 --out-dir "$OUT" | grep -v "^- "; rm -f "$OUT"/*.png ;;
   allsum38) SECONDS=0; nvidia-smi topo -m 2>/dev/null
             python3 -m perf.probe_allsum ${ALLSUM_ARGS:-} --timeout 90 --out "$OUT/allsum-probe-h200.json" --settings NCCL_DEBUG=INFO \
               MLX_USE_CUDA_GRAPHS=0 NCCL_PROTO=LL NCCL_PROTO=LL,NCCL_ALGO=Ring VISIBLE=all NCCL_P2P_DISABLE=1 \
