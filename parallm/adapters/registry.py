@@ -212,7 +212,7 @@ class AdapterManager:
         if not linears:
             raise AdapterError("the adapter targets no layer")
         dense = [linear for path, linear in linears.items() if path not in self.switches]
-        merge = all(type(linear) is nn.Linear for linear in dense) and \
+        merge = all(isinstance(linear, nn.Linear) for linear in dense) and \
             sum(linear.weight.nbytes for linear in dense) <= self.merge_bytes
         modules: dict[str, PreparedLoRA] = {}
         gains: dict[str, mx.array] = {}
