@@ -11,7 +11,7 @@ group becomes an instance of a subclass of its own class (`FusedLinear` of nn.Li
 `FusedQuantizedLinear` of nn.QuantizedLinear: every isinstance check, attribute and parameter name
 unchanged). While a runner's pass is being built (`FusedProjections` entered, this thread only):
 - the group's leader (the member the layer calls first) computes the fused product of its input
-  and returns its own columns (a slice: a view, no kernel);
+  and splits it into each member's columns (one Split primitive: views, no kernel);
 - a sibling called on the *same* array object returns its columns of that product;
 - a sibling called on any other input computes its own product from its own weight, so a layer
   that feeds its siblings different inputs gets exact results, only no saving.
@@ -125,6 +125,7 @@ class FusedGroup:
         self.on = False
         self.leader = 0
         self.bounds: list[tuple[int, int]] = []
+        self.splits: list[int] = []
         self._fused: dict[str, mx.array] | None = None
         self.builds = 0
 
@@ -166,6 +167,7 @@ class FusedGroup:
             fused["weight_t"] = fused["weight"].T
             mx.eval(fused["weight_t"])
         self.bounds = bounds
+        self.splits = [hi for _, hi in bounds[:-1]]
         self._fused = fused
         self.builds += 1
         return fused
@@ -183,15 +185,11 @@ class FusedGroup:
         """Member `slot`'s output for `x` from the fused product (the leader computes it); None: the
         member computes its own (a sibling called on another input than its leader's last)."""
         if slot == self.leader:
-            y = self._product(x)
-            cache[self] = (x, y)
-        else:
-            hit = cache.get(self)
-            if hit is None or hit[0] is not x:
-                return None
-            y = hit[1]
-        lo, hi = self.bounds[slot]
-        return y[..., lo:hi]
+            parts = mx.split(self._product(x), self.splits, axis=-1)  # one primitive, a view per member
+            cache[self] = (x, parts)
+            return parts[slot]
+        hit = cache.get(self)
+        return hit[1][slot] if hit is not None and hit[0] is x else None
 
 
 def _candidates(model: nn.Module) -> list[FusedGroup]:
