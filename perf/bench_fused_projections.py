@@ -14,27 +14,16 @@ from __future__ import annotations
 
 import argparse
 import collections
-import re
 import statistics
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 import mlx.core as mx
 
-from perf.harness import Results, add_results_options
+from perf.harness import Results, add_results_options, graph_primitives
 
 WAYS = ("unfused", "fused")
-
-
-def primitives(arrays: list[mx.array]) -> collections.Counter:
-    """The operations of the graph of `arrays` (not evaluated) by name."""
-    with tempfile.NamedTemporaryFile("r+", suffix=".dot") as f:
-        mx.export_to_dot(f.name, *arrays)
-        text = Path(f.name).read_text()
-    return collections.Counter(m.group(1) for line in text.splitlines()
-                               if "shape=rectangle" in line and (m := re.search(r'label ="([^"]*)"', line)))
 
 
 def pass_graph(engine) -> collections.Counter:
@@ -45,7 +34,7 @@ def pass_graph(engine) -> collections.Counter:
 
     def counting(*args, **kwargs):
         logits = forward(*args, **kwargs)
-        seen.append(primitives([logits]))
+        seen.append(graph_primitives([logits]))
         return logits
 
     runner._forward = counting

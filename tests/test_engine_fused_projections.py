@@ -17,10 +17,10 @@ from parallm.config import EngineConfig, resolve_engine_config
 from parallm.engine.matrix import model_modules
 from parallm.engine.fused_projections import FusedLinear, FusedProjections, FusedQuantizedLinear
 from parallm.models import tiny
+from perf.bench_fused_projections import pass_graph
 
 from tests._adapter_helpers import adapter_tensors, lora_model
 from tests._engine_helpers import greedy, make_engine, reference_greedy, req, run_all, tiny_model
-from tests._graph import primitives
 
 PROMPTS = [[5, 6, 7, 8, 9, 10, 11], [3, 4, 5], [12, 13, 14, 15, 16]]
 ARCHS = ["llama", "qwen2", "qwen3", "gemma2", "gemma3_text", "mistral"]
@@ -138,20 +138,14 @@ def test_a_decode_pass_builds_three_fewer_matmuls_a_layer():
     counts = {}
     for on in (False, True):
         engine = make_engine(tiny_model("llama"), max_num_seqs=4, fused_projections=on)
-        _run(engine, prompts=PROMPTS[:1], n=2)
-        runner, seen = engine.runner, []
-        forward = runner._forward
-
-        def counting(*args, **kwargs):
-            logits = forward(*args, **kwargs)
-            seen.append(primitives([logits]))
-            return logits
-
-        runner._forward = counting
-        _run(engine, prompts=PROMPTS[1:2], n=3)
-        counts[on] = seen[-1]  # the last pass: a decode pass
+        engine.add_request(req(rid="g", prompt_ids=PROMPTS[1], params=greedy(8)))
+        engine.step()
+        engine.step()
+        assert engine.stats().running == 1 and not engine.stats().prefilling
+        counts[on] = pass_graph(engine)  # a decode pass's
     layers = 2
     assert counts[False]["Matmul"] - counts[True]["Matmul"] == 3 * layers
+    assert counts[True]["Split"] == 2 * layers
     assert sum(counts[True].values()) < sum(counts[False].values())
 
 
