@@ -254,3 +254,17 @@ def test_engine_resolves_its_backend_default(monkeypatch, device):
     engine = make_engine(tiny_model("llama"), max_num_seqs=4)
     assert engine.stats().settings["fused_projections"] == (device == "cuda") == (engine.runner.fused is not None)
     assert _run(engine, prompts=PROMPTS[:1])[0] == reference_greedy(tiny_model("llama"), PROMPTS[0], 10)
+
+
+def test_a_member_that_no_longer_matches_turns_its_group_off():
+    """A bias added to one member after install (its siblings have none): the group stops fusing and
+    every member computes its own product, exactly."""
+    model = tiny_model("llama")
+    fused = FusedProjections(model)
+    attn = model.model.layers[0].self_attn
+    attn.k_proj.bias = mx.ones((attn.k_proj.weight.shape[0],))
+    x = mx.array([PROMPTS[0]])
+    with fused:
+        got = model(x, cache=make_prompt_cache(model))
+    assert [g.on for g in fused.groups].count(False) == 1 and not attn.k_proj._fused_group.on
+    assert mx.allclose(got, model(x, cache=make_prompt_cache(model)), atol=1e-5).item()

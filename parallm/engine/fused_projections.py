@@ -44,6 +44,8 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn as nn
 
+from parallm.adapters.lora import MultiLoRALinear
+
 log = logging.getLogger("parallm.engine")
 
 GROUPS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
@@ -51,7 +53,7 @@ _ARRAYS = ("weight", "scales", "biases", "bias")
 
 
 class _Pass(threading.local):
-    cache: dict | None = None  # group -> (input, fused product) while a pass is built in this thread
+    cache: dict | None = None  # group -> (input, each member's part) while a pass is built in this thread
     probe: list | None = None  # (group, member slot, input) calls while the install probe runs
 
 
@@ -78,6 +80,12 @@ class _Member:
 
     def __setitem__(self, key: str, value: Any) -> None:
         super().__setitem__(key, value)  # type: ignore[misc]
+        group = self._fused_group
+        if group is not None and key in _ARRAYS:
+            group.invalidate()
+
+    def __delitem__(self, key: str) -> None:
+        super().__delitem__(key)  # type: ignore[misc]
         group = self._fused_group
         if group is not None and key in _ARRAYS:
             group.invalidate()
@@ -109,7 +117,7 @@ def _signature(layer: nn.Module) -> tuple | None:
 
 def _base_layer(child: Any) -> nn.Module | None:
     """The linear layer at a child slot: itself, or the base an adapter wrapper holds."""
-    if isinstance(child, nn.Module) and type(child).__name__ == "MultiLoRALinear":
+    if isinstance(child, MultiLoRALinear):
         return child.get("linear")
     return child if isinstance(child, nn.Module) else None
 
@@ -145,9 +153,15 @@ class FusedGroup:
                 m.__class__ = _PLAIN[type(m)]
                 del m._fused_group, m._fused_slot
 
-    def build(self) -> dict[str, mx.array]:
-        """Concatenate the members' current arrays (evaluated now) and make each member's arrays views of them."""
+    def build(self) -> dict[str, mx.array] | None:
+        """Concatenate the members' current arrays (evaluated now) and make each member's arrays views of
+        them; None (and the group off) when the members no longer match (an array removed or recast)."""
         members = self.members
+        sig = _signature(members[0])
+        if sig is None or any(_signature(m) != sig for m in members[1:]):
+            log.info("fused projections: %s off, its members no longer match", self.path)
+            self.on = False
+            return None
         keys = [k for k in _ARRAYS if members[0].get(k) is not None]
         fused = {k: mx.concatenate([m[k] for m in members], axis=0) for k in keys}
         mx.eval(list(fused.values()))
@@ -172,8 +186,10 @@ class FusedGroup:
         self.builds += 1
         return fused
 
-    def _product(self, x: mx.array) -> mx.array:
+    def _product(self, x: mx.array) -> mx.array | None:
         f = self._fused or self.build()
+        if f is None:
+            return None
         if self.quantized:
             lead = self.members[0]
             y = mx.quantized_matmul(x, f["weight"], scales=f["scales"], biases=f.get("biases"), transpose=True,
@@ -185,7 +201,10 @@ class FusedGroup:
         """Member `slot`'s output for `x` from the fused product (the leader computes it); None: the
         member computes its own (a sibling called on another input than its leader's last)."""
         if slot == self.leader:
-            parts = mx.split(self._product(x), self.splits, axis=-1)  # one primitive, a view per member
+            y = self._product(x)
+            if y is None:
+                return None
+            parts = mx.split(y, self.splits, axis=-1)  # one primitive, a view per member
             cache[self] = (x, parts)
             return parts[slot]
         hit = cache.get(self)
