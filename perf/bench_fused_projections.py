@@ -90,7 +90,7 @@ def main(argv: list[str] | None = None) -> int:
                 len(engine.runner.fused.groups) if engine.runner.fused is not None else 0)
             ops = pass_graph(engine)
             entry["graph"][way] = {"primitives": sum(ops.values()),
-                                   **{k: ops[k] for k in ("Matmul", "QuantizedMatmul", "AddMM", "Slice",
+                                   **{k: ops[k] for k in ("Matmul", "QuantizedMatmul", "AddMM", "Split", "Slice",
                                                           "Transpose", "Flatten", "Unflatten") if ops[k]}}
         for _ in range(args.rounds):
             for way, engine in engines.items():
