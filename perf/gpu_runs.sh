@@ -189,9 +189,15 @@
 #             admission chunks now that admissions copy no KV (max_prefill_tokens/max_prefill_rows 2048/32, then
 #             4096/64: does TTFT p99 fall under 1 s?), each a fresh server; JSON per run, png dropped. CPU smoke run:
 #             CPU_SMOKE=1 SHAPE37=tiny LEVELS37=2,4 C37=4, ~9 min
+#   fused37   issue 37 item 3, engine.fused_projections (q/k/v and gate/up as one matmul each): llama-3.2-3b, the
+#             in-process decode step at 1 and 16 rows, fused vs unfused engines alternating, with each pass's primitive
+#             count (perf/bench_fused_projections.py), then HTTP single stream (c=1, 4 requests of 128 tokens) with the
+#             defaults (fused on CUDA) and with --engine.fused-projections false, a fresh server each, alternating, two
+#             rounds while the call has time; 5 JSON files (png and md of the served runs dropped). CPU smoke run:
+#             CPU_SMOKE=1 SHAPE37=tiny TOK=<tokenizer dir>, ~7 min
 # A fresh server per wave: `waves` fits 6-7 waves in one 10-minute call; run it twice for ten.
 set -uo pipefail
-case "${1:-}" in dp512|allsum38|tpdp|diag|llama|adapters|qwen-a|qwen-b|serving|waves|ingress|moe|moe256|hybrid|structured|tp|tp8b|dp|threads|compiled|republish|buckets|serve256|inplace|mixed|cudnn|decodeattn|unfuseddecode|defaults|defaultsab|qwendtype|qwenmlx|qwen8b|embeddings|policy|vision|trainmem|spec|specdraft|specdraft32|kvbits|pagedattn|trainshare|single|pagedkv|pagedkvserve|pagedkvdiag|pagedkvinplace|pagedkvfinal|pagedkvserveall|pagedkvhost|pagedkvlast|pagedkv256|pagedkvfused|final37|single37|single37b) ;;
+case "${1:-}" in dp512|allsum38|tpdp|diag|llama|adapters|qwen-a|qwen-b|serving|waves|ingress|moe|moe256|hybrid|structured|tp|tp8b|dp|threads|compiled|republish|buckets|serve256|inplace|mixed|cudnn|decodeattn|unfuseddecode|defaults|defaultsab|qwendtype|qwenmlx|qwen8b|embeddings|policy|vision|trainmem|spec|specdraft|specdraft32|kvbits|pagedattn|trainshare|single|pagedkv|pagedkvserve|pagedkvdiag|pagedkvinplace|pagedkvfinal|pagedkvserveall|pagedkvhost|pagedkvlast|pagedkv256|pagedkvfused|final37|single37|single37b|fused37) ;;
   *) sed -n '2,/^# A fresh server per wave/p' "$0"; exit 2 ;; esac
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
@@ -310,6 +316,19 @@ case "${1:-}" in
                   | grep -v '^{"target"' | tail -4)
               done
             fi ;;
+  fused37)  SECONDS=0; S=${SHAPE37:-llama-3.2-3b}; DEV=$([ -n "${CPU_SMOKE:-}" ] && echo cpu || echo h200)
+            timeout 200 python3 -m perf.bench_fused_projections --shape $S --rows 1,16 --steps 30 --rounds 5 \
+              --tokenizer-dir $TOK --work-dir $WORK --out "$OUT/fused-projections-fused37-$S-$DEV.json" | tail -2
+            echo "in-process: ${SECONDS} s"
+            for round in 1 2; do for way in fused unfused; do
+              [ $SECONDS -lt 400 ] || break 2
+              timeout $((470 - SECONDS)) python3 -m perf.bench_serving --shape $S --concurrency 1 --max-tokens 128 \
+                --requests-per-client 4 --targets http \
+                --server-args "$([ $way = unfused ] && echo --engine.fused-projections false)" --tokenizer-dir $TOK \
+                --work-dir $WORK --out "$OUT/serving-c1-fused37-$S-$way-$round-$DEV.json" | grep -v '^{"target"' | tail -3
+              echo "$way $round: ${SECONDS} s"
+            done; done
+            rm -f "$OUT"/serving-c1-fused37-*.png "$OUT"/serving-c1-fused37-*.md ;;
   ingress)  python3 -m perf.bench_ingress --shape llama-3.2-3b --concurrency 256 --requests 512 --max-tokens 128 \
               --rounds 4 --tokenizer-dir $TOK --work-dir $WORK --experiment llama-3.2-3b --out-dir "$OUT" ;;
   moe|hybrid) shape=$([ "$1" = moe ] && echo qwen3-30b-a3b || echo qwen3.5-4b-hybrid)

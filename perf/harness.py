@@ -35,7 +35,7 @@ SPEED_ENV = ("MLX_", "OPENBLAS_", "PARALLM_NO_", "GLIBC_TUNABLES", "CUDA_VISIBLE
 # the servers the benchmarks measure (parallm.launch.local; the end-to-end tests start theirs with it too)
 __all__ = ["READY_LINE", "Process", "Server", "cpu_delta", "free_port", "free_port_range", "launch_command",
            "server_env", "ROOT", "RESULTS", "Results", "add_results_options", "command", "describe",
-           "device_slug", "machine"]
+           "device_slug", "graph_primitives", "machine"]
 
 
 # ---------------------------------------------------------------------------- the machine
@@ -123,6 +123,23 @@ def command(argv: list[str] | None = None) -> str:
     spec = getattr(sys.modules.get("__main__"), "__spec__", None)
     prog = f"python -m {spec.name}" if spec is not None else f"python {sys.argv[0]}"
     return " ".join([prog, shlex.join(sys.argv[1:] if argv is None else argv)]).strip()
+
+
+# ---------------------------------------------------------------------------- graphs
+
+def graph_primitives(arrays: list) -> "collections.Counter[str]":
+    """The operations of the MLX graph of `arrays` (not evaluated), by primitive name: what
+    `mx.export_to_dot` draws as operations (what a pass builds, and on a GPU mostly launches)."""
+    import collections
+    import tempfile
+
+    import mlx.core as mx
+
+    with tempfile.NamedTemporaryFile("r+", suffix=".dot") as f:
+        mx.export_to_dot(f.name, *arrays)
+        text = Path(f.name).read_text()
+    return collections.Counter(m.group(1) for line in text.splitlines()
+                               if "shape=rectangle" in line and (m := re.search(r'label ="([^"]*)"', line)))
 
 
 # ---------------------------------------------------------------------------- results

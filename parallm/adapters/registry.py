@@ -212,7 +212,7 @@ class AdapterManager:
         if not linears:
             raise AdapterError("the adapter targets no layer")
         dense = [linear for path, linear in linears.items() if path not in self.switches]
-        merge = all(type(linear) is nn.Linear for linear in dense) and \
+        merge = all(isinstance(linear, nn.Linear) for linear in dense) and \
             sum(linear.weight.nbytes for linear in dense) <= self.merge_bytes
         modules: dict[str, PreparedLoRA] = {}
         gains: dict[str, mx.array] = {}
@@ -262,7 +262,10 @@ class AdapterManager:
         """The expert projection an adapter's [E, in, r] / [E, r, out] update targets, checked."""
         linear = self.switches.get(path)
         if linear is None:
-            why = self.other_modules.get(path) or (f"a {type(self.linears[path]).__name__}" if path in self.linears
+            # the class mlx defines (a fused projection's stand-in subclasses it: engine/fused_projections.py)
+            mlx_class = next((c for c in type(self.linears[path]).__mro__ if c.__module__.startswith("mlx.")),
+                             type(self.linears[path])) if path in self.linears else None
+            why = self.other_modules.get(path) or (f"a {mlx_class.__name__}" if mlx_class is not None
                                                    else "not a module of the base model")
             raise AdapterError(f"adapter does not match the base model: {path} holds an expert layer's update "
                                f"(lora_a {tuple(m.a.shape)}) but is {why}")

@@ -149,6 +149,13 @@ class EngineConfig(Struct, frozen=True, kw_only=True, forbid_unknown_fields=True
                                         "(rows bucket, key-span bucket), fewer kernel launches per step for small "
                                         "batches on a GPU; rows under an adapter and models it cannot trace run "
                                         "eagerly")] = False
+    fused_projections: Annotated[bool | None, _d("compute each layer's q/k/v projections with one matmul and its "
+                                                 "gate/up projections with another (the siblings' weights "
+                                                 "concatenated, each projection's weight a view of them): fewer kernel "
+                                                 "launches per pass where the model's forward is proven to call them "
+                                                 "on the same input; off with engine.tensor_parallel > 1; unset = on "
+                                                 "with a CUDA GPU and on MLX's CPU device, off on Metal "
+                                                 "(docs/engine.md, 'Fused projections')")] = None
     prefill_buckets: Annotated[bool | None, _d("pad a prefill pass's chunk length up to a power of two from 16 (at "
                                                "most the prefill budget), so its pass shapes are few, and warm up "
                                                "each (rows, length) shape at start: a new shape builds its "
@@ -273,6 +280,10 @@ def resolve_engine_config(config: EngineConfig, device: ComputeDevice) -> Engine
         changes["block_size"] = CPU_BLOCK_SIZE if on_cpu else BLOCK_SIZE
     if config.max_prefill_rows is None:
         changes["max_prefill_rows"] = CUDA_PREFILL_ROWS if on_cuda else PREFILL_ROWS
+    if config.tensor_parallel > 1 and config.fused_projections:
+        changes["fused_projections"] = False  # a rank's q/k/v are column slices (sharded.py): never fused
+    elif config.fused_projections is None:
+        changes["fused_projections"] = (on_cuda or on_cpu) and config.tensor_parallel == 1
     return msgspec.structs.replace(config, **changes) if changes else config
 
 

@@ -108,8 +108,11 @@ class Engine(EngineReport, EngineScoring):
                                   unfused_prefill_keys=settings.unfused_prefill_keys,
                                   unfused_decode=settings.unfused_decode, vision=self.vision,
                                   kv_format=self.kv_format, paged_decode=settings.paged_decode or "auto",
-                                  write_in_place=bool(settings.kv_write_in_place))
-        resolved: dict = {"kv_budget_mb": self.kv_budget_bytes / (1 << 20)}
+                                  write_in_place=bool(settings.kv_write_in_place),
+                                  fused_projections=bool(settings.fused_projections))
+        # fused_projections reports what runs: off where no group of the model could be fused
+        resolved: dict = {"kv_budget_mb": self.kv_budget_bytes / (1 << 20),
+                          "fused_projections": self.runner.fused is not None}
         if settings.buffer_cache_mb is None and (cap := bound_cuda_cache(self.kv_budget_bytes,
                                                                          weight_bytes(self.model))) is not None:
             resolved["buffer_cache_mb"] = cap / (1 << 20)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable
@@ -16,6 +17,7 @@ from .pass_view import PassContext
 from .compat import ModelInfo
 from .compiled import CompiledDecode
 from .fastmath import stand_ins
+from .fused_projections import FusedProjections
 from .head import OutputHead
 from .images import prefill_embeddings
 from .kv_format import KVFormat
@@ -30,6 +32,7 @@ from .sampling import (BatchParams, PenaltyState, SampledLists, SampleOut, Sampl
 from .sequence import Sequence
 
 log = logging.getLogger("parallm.engine")
+_NO_CONTEXT = contextlib.nullcontext()
 
 
 def _leads(seq: Sequence) -> bool:
@@ -83,7 +86,8 @@ class ModelRunner:
                  eos_ids: Iterable[int] = (), lora: LoRARouter | None = None, compile: bool = True,
                  fast_math: bool = False, compiled_decode: bool = False, in_place_kv_mb: float = -1,
                  unfused_prefill_keys: int = 0, unfused_decode: bool = False, vision: Any = None,
-                 kv_format: KVFormat | None = None, paged_decode: str = "auto", write_in_place: bool = False) -> None:
+                 kv_format: KVFormat | None = None, paged_decode: str = "auto", write_in_place: bool = False,
+                 fused_projections: bool = False) -> None:
         """`eos_ids`: the tokens `min_tokens` masks until reached (with each request's stop ids);
         `lora`: the router that tells the adapted layers which adapter each row of a pass uses;
         `compiled_decode`: pure-decode passes under mx.compile where they fit (compiled.py);
@@ -95,9 +99,14 @@ class ModelRunner:
         are stored (kv.bits, kv_format.py; the model's dtype by default); `paged_decode`: how a decode
         pass reads the block store (engine.paged_decode; "auto": the backend's way, paged_decode.py);
         `write_in_place`: decode passes read by the CUDA kernel store their K/V in place (engine.kv_write_in_place,
-        cache.LiveKV.writes_in_place)."""
+        cache.LiveKV.writes_in_place); `fused_projections`: the eager passes compute sibling projections
+        (q/k/v, gate/up) as one matmul each where the model's forward allows (fused_projections.py)."""
         self.model = model
         self.vision = vision
+        # before anything reads the model's layers: the members' arrays become views of the concatenations
+        self.fused = FusedProjections(model) if fused_projections else None
+        if self.fused is not None and not self.fused.active:
+            self.fused = None
         self.info = info
         self.vocab_size = vocab_size
         self.block_size = block_size
@@ -132,7 +141,8 @@ class ModelRunner:
         dequantized = self.kv_format.quantized and not self.kv_format.marks_cache
         self._packing: bool | None = False if info.layout is not None or dequantized else None
         self.constraints = None  # constraints.Constraints: the grammar masks of constrained rows
-        self.compiled = (CompiledDecode(model, self.call_model, mask5d=info.mask5d, router=lora)
+        # a trace reads the weights from the model's tree (compiled.py), never from a group's concatenation
+        self.compiled = (CompiledDecode(model, self._call_unfused, mask5d=info.mask5d, router=lora)
                          if compiled_decode else None)
         self.kv_tier: PrefixDiskTier | None = None  # the prefix cache's disk tier (prefix_tier.py)
 
@@ -192,19 +202,20 @@ class ModelRunner:
             if lora is not None:
                 lora.unbind()
 
+    def _call_unfused(self, tokens: mx.array, cache) -> mx.array:
+        return self.call_model(tokens, cache, fused=False)
+
     def call_model(self, tokens: mx.array, cache, *, packed: bool = False, embeddings: mx.array | None = None,
-                   paged: bool = False) -> mx.array:
+                   paged: bool = False, fused: bool = True) -> mx.array:
         """The model's graph over `tokens`, built with the fast-math kernels where enabled (a
         `packed` pass: with the functions that read its layout; a `paged` decode pass: with the
         attention stand-in that reads the block tables); `embeddings`: the pass's input embeddings
-        instead of the tokens' own."""
+        instead of the tokens' own; `fused`: sibling projections fused where the runner fuses them."""
         length = tokens.shape[-1]
         unfused = (self.unfused_prefill and length > 1) or (self.unfused_decode and length == 1)
         context = self.packing if packed or unfused else (self.fast_math or self.packing) if paged else self.fast_math
         kw = {} if embeddings is None else {"input_embeddings": embeddings}
-        if context is None:
-            return self.model(tokens, cache=cache, **kw)
-        with context:
+        with (self.fused if fused and self.fused is not None else _NO_CONTEXT), (context or _NO_CONTEXT):
             return self.model(tokens, cache=cache, **kw)
 
     # ------------------------------------------------------------------ row operations
