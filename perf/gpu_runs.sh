@@ -328,7 +328,15 @@ case "${1:-}" in
                 --work-dir $WORK --out "$OUT/serving-c1-fused37-$S-$way-$round-$DEV.json" | grep -v '^{"target"' | tail -3
               echo "$way $round: ${SECONDS} s"
             done; done
-            rm -f "$OUT"/serving-c1-fused37-*.png "$OUT"/serving-c1-fused37-*.md ;;
+            for way in fused unfused; do  # 64 rows: a member's columns of a multi-row product are strided
+              [ $SECONDS -lt 480 ] || break
+              timeout $((550 - SECONDS)) python3 -m perf.bench_serving --shape $S --concurrency 64 --max-tokens 128 \
+                --requests-per-client 2 --client-procs 4 --targets http \
+                --server-args "$([ $way = unfused ] && echo --engine.fused-projections false)" --tokenizer-dir $TOK \
+                --work-dir $WORK --out "$OUT/serving-c64-fused37-$S-$way-$DEV.json" | grep -v '^{"target"' | tail -3
+              echo "$way c=64: ${SECONDS} s"
+            done
+            rm -f "$OUT"/serving-c*-fused37-*.png "$OUT"/serving-c*-fused37-*.md ;;
   ingress)  python3 -m perf.bench_ingress --shape llama-3.2-3b --concurrency 256 --requests 512 --max-tokens 128 \
               --rounds 4 --tokenizer-dir $TOK --work-dir $WORK --experiment llama-3.2-3b --out-dir "$OUT" ;;
   moe|hybrid) shape=$([ "$1" = moe ] && echo qwen3-30b-a3b || echo qwen3.5-4b-hybrid)

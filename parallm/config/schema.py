@@ -154,7 +154,7 @@ class EngineConfig(Struct, frozen=True, kw_only=True, forbid_unknown_fields=True
                                                  "concatenated, each projection's weight a view of them): fewer kernel "
                                                  "launches per pass where the model's forward is proven to call them "
                                                  "on the same input; off with engine.tensor_parallel > 1; unset = on "
-                                                 "with a CUDA GPU and on MLX's CPU device, off on Metal "
+                                                 "with a CUDA GPU, off on the CPU (no gain measured) and Metal "
                                                  "(docs/engine.md, 'Fused projections')")] = None
     prefill_buckets: Annotated[bool | None, _d("pad a prefill pass's chunk length up to a power of two from 16 (at "
                                                "most the prefill budget), so its pass shapes are few, and warm up "
@@ -283,7 +283,7 @@ def resolve_engine_config(config: EngineConfig, device: ComputeDevice) -> Engine
     if config.tensor_parallel > 1 and config.fused_projections:
         changes["fused_projections"] = False  # a rank's q/k/v are column slices (sharded.py): never fused
     elif config.fused_projections is None:
-        changes["fused_projections"] = (on_cuda or on_cpu) and config.tensor_parallel == 1
+        changes["fused_projections"] = on_cuda and config.tensor_parallel == 1
     return msgspec.structs.replace(config, **changes) if changes else config
 
 
