@@ -19,10 +19,15 @@ stalled passes; kept as it was while the window has no such pair, and seconds / 
 has one), f the median of seconds - a x W. A pass's seconds count at most twice (at least half) what the
 model predicted, so one stalled pass cannot collapse the budget.
 
-The target covers the chunk's own time, a x W of the chunk: neither f nor the decode rows of a mixed
-pass are charged to the prompt tokens. Charging them (the model before, seconds ~ a x W, the target the
-whole pass) left the 16-token floor wherever a 16-row decode pass alone took most of the target: on the
-2-core CPU of 2026-11-30 (a decode pass ~0.15-0.2 s) c=16 served 0.64x of main c9206fd's throughput.
+Two bounds, the smaller wins: the chunk's own time, a x W of the chunk, at most the target (neither f
+nor the decode rows of a mixed pass are charged to the prompt tokens), and the whole pass, f + a x W with
+its decode rows, at most PASS_BOUND x the target (a short request arriving beside a long prompt waits for
+about two passes: the one in flight and its own). Charging f and the decode rows to the target (the model
+before, seconds ~ a x W, the whole pass at most the target) left the 16-token floor wherever a 16-row
+decode pass alone took most of the target: on the 2-core CPU of 2026-11-30 (a decode pass ~0.15-0.2 s)
+c=16 served 0.64x of main c9206fd's throughput. The chunk's time alone, without the whole pass's bound,
+let passes beside a 6k-token prompt's late chunks (f ~1 s there: every padded row reads the whole span)
+grow to 1-3 s, and a canary beside it waited 2.2 s (p50).
 """
 
 from __future__ import annotations
@@ -35,6 +40,7 @@ from typing import Any, Sequence
 DEFAULT_CONTEXT_WEIGHT = 4096.0
 WINDOW = 32  # recent passes the model is fitted to
 DISTINCT = 1.25  # two passes' work must differ by this factor for their slope to count
+PASS_BOUND = 2.0  # a whole pass (its fixed cost and decode rows too) at most this many targets
 
 
 def context_weight(model: Any) -> float:
@@ -105,12 +111,14 @@ class PrefillPacer:
         self.fixed_s = max(0.0, median(s - self.seconds_per_unit * w for w, s in points))
         self.passes += 1
 
-    def budget(self, start: int) -> int:
-        """Tokens the next pass may prefill, its chunks starting at positions up to `start`: the largest
-        T with a x T x (C + start + T/2) <= target (the pass's fixed cost and its decode rows not counted)."""
+    def budget(self, start: int, contexts: Sequence[int] = ()) -> int:
+        """Tokens the next pass may prefill, its chunks starting at positions up to `start`, beside decode
+        rows at `contexts` (a mixed pass): the largest T with a x T x (C + start + T/2) <= target (the chunk's
+        own time) and f + a x (that + the decode rows' W) <= PASS_BOUND x target (the whole pass)."""
         if not self.target_s or not self.seconds_per_unit:
             return self.max_tokens
-        units = self.target_s / self.seconds_per_unit
+        whole = (PASS_BOUND * self.target_s - self.fixed_s) / self.seconds_per_unit - pass_work(self.weight, (), (), contexts)
+        units = min(self.target_s / self.seconds_per_unit, max(0.0, whole))
         base = self.weight + start
         tokens = math.sqrt(base * base + 2 * units) - base  # T^2 / 2 + base x T = units
         return max(self.least, min(self.max_tokens, int(tokens)))
