@@ -36,12 +36,18 @@ def test_the_budget_is_the_largest_chunk_within_the_target():
     assert pacer.budget(0) == 128  # at most max_prefill_tokens
 
 
-def test_one_stalled_pass_moves_the_estimate_at_most_twofold():
+def test_a_stalled_pass_barely_moves_the_estimate_and_a_real_change_is_followed():
     pacer = PrefillPacer(0.25, 128, C)
-    work = pass_work(C, [0], [100])
-    pacer.observe(1.0, [0], [100])
+    for n in (16, 32, 64, 128) * 2:
+        pacer.observe(0.1 + A * pass_work(C, [0], [n]), [0], [n])
+    work = pass_work(C, [0], [64])
+    before = pacer.predict(work)
+    assert before == pytest.approx(0.1 + A * work)
     pacer.observe(1000.0, [0], [100])
-    assert 1.0 < pacer.predict(work) <= 2.0
+    assert pacer.predict(work) <= 1.2 * before
+    for n in (16, 32, 64, 128) * 2 + (16,):  # every pass 8x as slow from now on
+        pacer.observe(8 * (0.1 + A * pass_work(C, [0], [n])), [0], [n])
+    assert pacer.predict(work) == pytest.approx(8 * before, rel=0.1)
 
 
 # the 2-core CPU of 2026-11-30 serving c=16 (perf/results/serving-c16-ab-issue37-base-cpu.md): a pass costs

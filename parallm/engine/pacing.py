@@ -12,12 +12,14 @@ budget follows a time target instead.
 Cost model: a pass's seconds ~ f + a x W. W sums over its rows, a chunk of `n` tokens at positions
 s .. s+n counting n x (C + s + n/2) (per-token matmul work C, in units of one position of attention
 context) and a decode row at context c counting C + c; C comes from the model's shape
-(`context_weight`). f is what a pass costs whatever its tokens (reading the weights, launching, sampling,
-a padded pass's reads over its span). Both are learned from the last WINDOW passes: `a` is the median of
-the slopes between pairs of passes whose work differs by a quarter or more (Theil-Sen: robust to a few
-stalled passes; kept as it was while the window has no such pair, and seconds / W, f = 0, until it first
-has one), f the median of seconds - a x W. A pass's seconds count at most twice (at least half) what the
-model predicted, so one stalled pass cannot collapse the budget.
+(`context_weight`). f is what a pass costs whatever its tokens (reading the weights, launching,
+sampling). The engine reports a padded prefill pass's rows each as a chunk from the furthest start: every
+row attends over the pass's whole span. Both are learned from the last WINDOW passes: `a` is the median of the slopes
+between pairs of passes whose work differs by a quarter or more (Theil-Sen: a stalled pass or two in the
+window move neither median; `a` is kept as it was while the window has no such pair, and is seconds / W,
+f = 0, until it first has one), f the median of seconds - a x W. A window of medians follows a real change
+of cost within about WINDOW / 2 passes; clamping each observation to twice the prediction (the model
+before) would need several such half-windows to follow a cost 8x the prediction.
 
 Two bounds, the smaller wins: the chunk's own time, a x W of the chunk, at most the target (neither f
 nor the decode rows of a mixed pass are charged to the prompt tokens), and the whole pass, f + a x W with
@@ -38,7 +40,7 @@ from statistics import median
 from typing import Any, Sequence
 
 DEFAULT_CONTEXT_WEIGHT = 4096.0
-WINDOW = 32  # recent passes the model is fitted to
+WINDOW = 16  # recent passes the model is fitted to
 DISTINCT = 1.25  # two passes' work must differ by this factor for their slope to count
 PASS_BOUND = 2.0  # a whole pass (its fixed cost and decode rows too) at most this many targets
 
@@ -98,8 +100,6 @@ class PrefillPacer:
         work = pass_work(self.weight, starts, lengths, contexts)
         if not self.target_s or not self.learning or work <= 0 or seconds <= 0:
             return
-        if expected := self.predict(work):
-            seconds = min(max(seconds, expected / 2), expected * 2)
         self._points.append((work, seconds))
         points = list(self._points)
         slope = theil_sen(points)
