@@ -13,11 +13,11 @@ Cost model: a pass's seconds ~ f + a x W. W sums over its rows, a chunk of `n` t
 s .. s+n counting n x (C + s + n/2) (per-token matmul work C, in units of one position of attention
 context) and a decode row at context c counting C + c; C comes from the model's shape
 (`context_weight`). f is what a pass costs whatever its tokens (reading the weights, launching,
-sampling). The engine reports a padded prefill pass's rows each as a chunk from the furthest start: every
-row attends over the pass's whole span. Both are learned from the last WINDOW passes: `a` is the median of the slopes
-between pairs of passes whose work differs by a quarter or more (Theil-Sen: a stalled pass or two in the
-window move neither median; `a` is kept as it was while the window has no such pair, and is seconds / W,
-f = 0, until it first has one), f the median of seconds - a x W. A window of medians follows a real change
+sampling). The engine reports a padded prefill pass's rows each as a chunk from the furthest start:
+every row attends over the pass's whole span. Both are learned from the last WINDOW passes: `a` is the
+median of the slopes between pairs of passes whose work differs by a quarter or more (Theil-Sen: a
+stalled pass or two in the window move neither median; `a` is kept as it was while the window has no
+such pair, and is seconds / W, f = 0, until it first has one), f the median of seconds - a x W. A window of medians follows a real change
 of cost within about WINDOW / 2 passes; clamping each observation to twice the prediction (the model
 before) would need several such half-windows to follow a cost 8x the prediction.
 
@@ -117,7 +117,8 @@ class PrefillPacer:
         own time) and f + a x (that + the decode rows' W) <= PASS_BOUND x target (the whole pass)."""
         if not self.target_s or not self.seconds_per_unit:
             return self.max_tokens
-        whole = (PASS_BOUND * self.target_s - self.fixed_s) / self.seconds_per_unit - pass_work(self.weight, (), (), contexts)
+        decode = pass_work(self.weight, (), (), contexts)
+        whole = (PASS_BOUND * self.target_s - self.fixed_s) / self.seconds_per_unit - decode
         units = min(self.target_s / self.seconds_per_unit, max(0.0, whole))
         base = self.weight + start
         tokens = math.sqrt(base * base + 2 * units) - base  # T^2 / 2 + base x T = units
