@@ -17,9 +17,10 @@ sampling). The engine reports a padded prefill pass's rows each as a chunk from 
 every row attends over the pass's whole span. Both are learned from the last WINDOW passes: `a` is the
 median of the slopes between pairs of passes whose work differs by a quarter or more (Theil-Sen: a
 stalled pass or two in the window move neither median; `a` is kept as it was while the window has no
-such pair, and is seconds / W, f = 0, until it first has one), f the median of seconds - a x W. A window of medians follows a real change
-of cost within about WINDOW / 2 passes; clamping each observation to twice the prediction (the model
-before) would need several such half-windows to follow a cost 8x the prediction.
+such pair, and is seconds / W, f = 0, until it first has one), f the median of seconds - a x W. A
+window of medians follows a real change of cost within about WINDOW / 2 passes; clamping each
+observation to twice the prediction (the model before) would need several such half-windows to follow
+a cost 8x the prediction.
 
 Two bounds, the smaller wins: the chunk's own time, a x W of the chunk, at most the target (neither f
 nor the decode rows of a mixed pass are charged to the prompt tokens), and the whole pass, f + a x W with
