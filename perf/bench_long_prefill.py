@@ -116,6 +116,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             records[-1]["budget"] = engine.scheduler.admission.pass_tokens
             records[-1]["budget_before"] = budget
             records[-1]["rate"] = engine.pacer.seconds_per_unit
+            records[-1]["fixed_s"] = engine.pacer.fixed_s
             records[-1]["long_at"] = engine._requests["long"][0].num_computed if "long" in engine._requests else None
             records[-1]["live"] = [engine.runner.live.rows, engine.runner.live.capacity]
         for o in outs:

@@ -72,9 +72,10 @@ class EngineConfig(Struct, frozen=True, kw_only=True, forbid_unknown_fields=True
                                                  "CUDA; 512 on Metal")] = None
     max_prefill_rows: Annotated[int | None, _d("sequences prefilled together in one pass; unset = 32 on CUDA, "
                                                "16 elsewhere")] = None
-    prefill_pass_s: Annotated[float | None, _d("seconds one prefill pass (a mixed pass with its decode rows) should "
-                                               "take: the step's prefill budget shrinks below max_prefill_tokens "
-                                               "from the measured cost of the last passes, so a short prompt never "
+    prefill_pass_s: Annotated[float | None, _d("seconds a prefill pass's prompt chunks should take (besides the "
+                                               "pass's fixed cost and a mixed pass's decode rows): the step's prefill "
+                                               "budget shrinks below max_prefill_tokens by a cost model fitted to "
+                                               "the last passes, so a short prompt never "
                                                "waits long behind a long one's chunks; 0 = off; unset = 0.25 on "
                                                "MLX's CPU device, off elsewhere (docs/scheduling.md)")] = None
     training_share: Annotated[float, _d("share of the device left to a trainer's update while one runs on the "

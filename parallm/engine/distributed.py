@@ -362,7 +362,8 @@ class Leader:
         return self._record(call, run)
 
     def step(self, emit: Callable | None = None) -> list:
-        call = Step(prefill_rate=self._engine.pacer.seconds_per_unit)
+        pacer = self._engine.pacer
+        call = Step(prefill_rate=pacer.seconds_per_unit, prefill_fixed_s=pacer.fixed_s)
         return self._sync(call, lambda: self._engine.step(emit=emit))
 
     def flush(self) -> list:
@@ -394,7 +395,7 @@ def _load_adapter(engine, call: LoadAdapter) -> Any:
 
 
 def _step(engine, call: Step) -> Any:
-    engine.pacer.seconds_per_unit = call.prefill_rate  # rank 0's pacing (Step's docstring)
+    engine.pacer.seconds_per_unit, engine.pacer.fixed_s = call.prefill_rate, call.prefill_fixed_s  # rank 0's (Step)
     return engine.step()
 
 

@@ -300,7 +300,7 @@ class Engine(EngineReport, EngineScoring):
                 return "mixed"
         if work is not None:
             self._prefill(work, out, emit)
-            self.pacer.observe(time.perf_counter() - t1, work.starts, [work.length] * len(work.seqs))
+            self._observe_padded(time.perf_counter() - t1, work)
             if arrivals is not None:
                 self._phase("prefill", time.perf_counter() - t1)
                 if self._join(arrivals, out, emit):  # records its own phases
@@ -356,8 +356,14 @@ class Engine(EngineReport, EngineScoring):
             return True
         self._prefill(work, out, emit)
         self._phase("prefill", seconds := time.perf_counter() - t2)
-        self.pacer.observe(seconds, work.starts, [work.length] * len(work.seqs))
+        self._observe_padded(seconds, work)
         return False
+
+    def _observe_padded(self, seconds: float, work: PrefillWork) -> None:
+        """A padded prefill pass to the pacer: each row's L positions attend over the pass's whole span, so
+        each counts as a chunk from the furthest start (a short prompt beside a long one costs as much as
+        the long one's chunk)."""
+        self.pacer.observe(seconds, [max(work.starts)] * len(work.seqs), [work.length] * len(work.seqs))
 
     def _phase(self, name: str, seconds: float) -> None:
         self.counters.phase_s[name] += seconds

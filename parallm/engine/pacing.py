@@ -1,5 +1,5 @@
-"""Prefill pacing: how many prompt tokens the next prefill pass may take so that it lasts about
-`engine.prefill_pass_s`, measured on this machine, this model.
+"""Prefill pacing: how many prompt tokens the next prefill pass may take so that its prompt chunks
+cost about `engine.prefill_pass_s` of the pass's time, measured on this machine, this model.
 
 A fixed token budget bounds a pass's tokens, not its time: on the 2-core CPU one 128-token chunk of
 a 6k-token prompt took seconds near its end (attention over the whole context), and a short prompt
@@ -9,22 +9,41 @@ vLLM bounds this with `long_prefill_token_threshold` (a long prompt's chunk is a
 while others wait); tokens are a poor proxy when a chunk's cost grows with its position, so here the
 budget follows a time target instead.
 
-Cost model: a pass's seconds ~ a x W, with W summed over its rows, a chunk of `n` tokens at positions
+Cost model: a pass's seconds ~ f + a x W. W sums over its rows, a chunk of `n` tokens at positions
 s .. s+n counting n x (C + s + n/2) (per-token matmul work C, in units of one position of attention
-context) and a decode row at context c counting C + c. C comes from the model's shape
-(`context_weight`); `a` is learned from the passes as they run (an exponential average of seconds / W,
-one observation moving it at most 2x, so one stalled pass cannot collapse the budget). A fixed cost per
-pass is not modelled: it is attributed to the tokens, which makes the estimate high for short chunks, and
-the budget's fixed point is still the chunk whose measured time is the target.
+context) and a decode row at context c counting C + c; C comes from the model's shape
+(`context_weight`). f is what a pass costs whatever its tokens (reading the weights, launching,
+sampling). The engine reports a padded prefill pass's rows each as a chunk from the furthest start:
+every row attends over the pass's whole span. Both are learned from the last WINDOW passes: `a` is the
+median of the slopes between pairs of passes whose work differs by a quarter or more (Theil-Sen: a
+stalled pass or two in the window move neither median; `a` is kept as it was while the window has no
+such pair, and is seconds / W, f = 0, until it first has one), f the median of seconds - a x W. A
+window of medians follows a real change of cost within about WINDOW / 2 passes; clamping each
+observation to twice the prediction (the model before) would need several such half-windows to follow
+a cost 8x the prediction.
+
+Two bounds, the smaller wins: the chunk's own time, a x W of the chunk, at most the target (neither f
+nor the decode rows of a mixed pass are charged to the prompt tokens), and the whole pass, f + a x W with
+its decode rows, at most PASS_BOUND x the target (a short request arriving beside a long prompt waits for
+about two passes: the one in flight and its own). Charging f and the decode rows to the target (the model
+before, seconds ~ a x W, the whole pass at most the target) left the 16-token floor wherever a 16-row
+decode pass alone took most of the target: on the 2-core CPU of 2026-11-30 (a decode pass ~0.15-0.2 s)
+c=16 served 0.64x of main c9206fd's throughput. The chunk's time alone, without the whole pass's bound,
+let passes beside a 6k-token prompt's late chunks (f ~1 s there: every padded row reads the whole span)
+grow to 1-3 s, and a canary beside it waited 2.2 s (p50).
 """
 
 from __future__ import annotations
 
 import math
+from collections import deque
+from statistics import median
 from typing import Any, Sequence
 
 DEFAULT_CONTEXT_WEIGHT = 4096.0
-SMOOTHING = 0.3  # weight of a new observation in the average of seconds per unit of work
+WINDOW = 16  # recent passes the model is fitted to
+DISTINCT = 1.25  # two passes' work must differ by this factor for their slope to count
+PASS_BOUND = 2.0  # a whole pass (its fixed cost and decode rows too) at most this many targets
 
 
 def context_weight(model: Any) -> float:
@@ -49,9 +68,17 @@ def pass_work(weight: float, starts: Sequence[int], lengths: Sequence[int], cont
     return chunks + sum(weight + c for c in contexts)
 
 
+def theil_sen(points: Sequence[tuple[float, float]]) -> float | None:
+    """The median slope between pairs of (work, seconds) whose work differs by DISTINCT or more; None
+    without such a pair."""
+    slopes = [(s2 - s1) / (w2 - w1) for i, (w1, s1) in enumerate(points) for w2, s2 in points[i + 1:]
+              if max(w1, w2) >= DISTINCT * min(w1, w2)]
+    return median(slopes) if slopes else None
+
+
 class PrefillPacer:
-    """The token budget of the next prefill pass (at most `max_tokens`, at least `least`) for a pass
-    lasting `target_s`; `target_s` 0 turns pacing off (always `max_tokens`)."""
+    """The token budget of the next prefill pass (at most `max_tokens`, at least `least`) whose chunks
+    cost `target_s` of its time; `target_s` 0 turns pacing off (always `max_tokens`)."""
 
     def __init__(self, target_s: float, max_tokens: int, weight: float, least: int = 16) -> None:
         self.target_s = target_s
@@ -59,8 +86,14 @@ class PrefillPacer:
         self.weight = weight
         self.least = min(least, max_tokens)
         self.seconds_per_unit = 0.0  # a; 0 until a pass was measured
+        self.fixed_s = 0.0  # f
         self.passes = 0
         self.learning = True  # off: passes are not measured (a tensor-parallel rank's warm-up: distributed.freeze_clock)
+        self._points: deque[tuple[float, float]] = deque(maxlen=WINDOW)  # (W, seconds) of recent passes
+
+    def predict(self, work: float) -> float:
+        """Seconds of a pass of work W by the model as learned so far (0 before any pass)."""
+        return self.fixed_s + self.seconds_per_unit * work if self.seconds_per_unit else 0.0
 
     def observe(self, seconds: float, starts: Sequence[int], lengths: Sequence[int],
                 contexts: Sequence[int] = ()) -> None:
@@ -68,23 +101,30 @@ class PrefillPacer:
         work = pass_work(self.weight, starts, lengths, contexts)
         if not self.target_s or not self.learning or work <= 0 or seconds <= 0:
             return
-        rate = seconds / work
-        if self.seconds_per_unit:
-            rate = min(max(rate, self.seconds_per_unit / 2), self.seconds_per_unit * 2)
-            rate = (1 - SMOOTHING) * self.seconds_per_unit + SMOOTHING * rate
-        self.seconds_per_unit = rate
+        self._points.append((work, seconds))
+        points = list(self._points)
+        slope = theil_sen(points)
+        most = max(s / w for w, s in points)  # a larger slope would make some pass's f negative
+        if slope is not None and slope > 0:
+            self.seconds_per_unit = min(slope, most)
+        elif not self.seconds_per_unit:
+            self.seconds_per_unit = median(s / w for w, s in points)
+        self.fixed_s = max(0.0, median(s - self.seconds_per_unit * w for w, s in points))
         self.passes += 1
 
     def budget(self, start: int, contexts: Sequence[int] = ()) -> int:
-        """Tokens the next pass may prefill, its chunks starting at positions up to `start`, beside
-        decode rows at `contexts` (a mixed pass): the largest T with a x (T x (C + start + T/2) +
-        decode rows) <= target."""
+        """Tokens the next pass may prefill, its chunks starting at positions up to `start`, beside decode
+        rows at `contexts` (a mixed pass): the largest T with a x T x (C + start + T/2) <= target (the chunk's
+        own time) and f + a x (that + the decode rows' W) <= PASS_BOUND x target (the whole pass)."""
         if not self.target_s or not self.seconds_per_unit:
             return self.max_tokens
-        units = self.target_s / self.seconds_per_unit - pass_work(self.weight, (), (), contexts)
+        decode = pass_work(self.weight, (), (), contexts)
+        whole = (PASS_BOUND * self.target_s - self.fixed_s) / self.seconds_per_unit - decode
+        units = min(self.target_s / self.seconds_per_unit, max(0.0, whole))
         base = self.weight + start
-        tokens = math.sqrt(base * base + 2 * max(0.0, units)) - base  # T^2 / 2 + base x T = units
+        tokens = math.sqrt(base * base + 2 * units) - base  # T^2 / 2 + base x T = units
         return max(self.least, min(self.max_tokens, int(tokens)))
 
     def stats(self) -> dict[str, float]:
-        return {"target_s": self.target_s, "seconds_per_unit": self.seconds_per_unit, "passes": self.passes}
+        return {"target_s": self.target_s, "seconds_per_unit": self.seconds_per_unit, "fixed_s": self.fixed_s,
+                "passes": self.passes}

@@ -147,8 +147,8 @@ class Scheduler(RowLayout):
         return plan
 
     def _pace(self) -> None:
-        """This step's prefill budget: max_prefill_tokens, or what the pacer says a pass lasting
-        engine.prefill_pass_s can take at the prefilling rows' positions beside the running rows."""
+        """This step's prefill budget: max_prefill_tokens, or what the pacer says a pass's prompt chunks can
+        take in engine.prefill_pass_s at the prefilling rows' positions beside the running rows."""
         if self.pacer is not None:
             start = max((s.num_computed for s in self.prefilling), default=0)
             self.admission.pass_tokens = self.pacer.budget(start, [s.num_computed for s in self.running])

@@ -81,11 +81,13 @@ class UpdateWeights(RankCall, tag="rank_update_weights"):
 
 
 class Step(RankCall, tag="rank_step"):
-    """`prefill_rate`: rank 0's learned seconds per unit of prefill work (engine/pacing.py) when it
-    sent the step. Each rank times its own passes, so a follower pacing by its own rate would size
-    a different prefill budget and admit differently; every rank steps with rank 0's."""
+    """`prefill_rate` and `prefill_fixed_s`: rank 0's learned seconds per unit of prefill work and
+    seconds per pass (engine/pacing.py: a and f) when it sent the step. Each rank times its own passes,
+    so a follower pacing by its own model would size a different prefill budget and admit differently;
+    every rank steps with rank 0's."""
 
     prefill_rate: float = 0.0
+    prefill_fixed_s: float = 0.0
 
 
 class Flush(RankCall, tag="rank_flush"):
