@@ -80,6 +80,7 @@ def test_shared_200_token_prefix_prefills_only_the_remainder(engines, model):
     assert res[("b", 0)]["tokens"] == cold_b
 
 
+@pytest.mark.slow  # 47 s on the 2-core host of 2026-11-30
 def test_tiny_kv_budget_preempts_and_outputs_match(engines, model):
     reqs = lambda: [req(f"r{i}", text_like(20 + 9 * i, 400 + i),  # noqa: E731
                             SamplingParams(temperature=0 if i % 2 else 0.9, seed=i, max_tokens=40, ignore_eos=True))

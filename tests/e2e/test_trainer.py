@@ -55,6 +55,7 @@ checkpointing = {{ dir = "{dir}", every_steps = 1, keep_last = 2, tensorboard_di
 """
 
 
+@pytest.mark.slow  # 155 s of `make test`'s 858 s on the 2-core host of 2026-11-30
 def test_supervised_trainers_two_at_once_one_killed_resumes_with_increasing_versions_while_serving(tmp_path):
     """[trainer] (the length task on adapter 'policy') and a [[trainer]] entry (arithmetic on 'arith') run at
     once, each publishing its own versions, with their own status and metrics; the first is killed and
