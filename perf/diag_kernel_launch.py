@@ -18,21 +18,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import time
 
 import mlx.core as mx
 
 from parallm.engine import paged_kernels
 
-from .harness import command, machine
-
-
-def _per_call_us(fn, repeats: int) -> float:
-    fn()
-    start = time.perf_counter()
-    for _ in range(repeats):
-        fn()
-    return 1e6 * (time.perf_counter() - start) / repeats
+from .harness import command, machine, per_call_us
 
 
 def main() -> None:
@@ -77,7 +68,7 @@ def main() -> None:
     def builtin() -> mx.array:
         return mx.take(k, read, axis=1)
 
-    build = {name: _per_call_us(fn, args.repeats)
+    build = {name: per_call_us(fn, args.repeats)
              for name, fn in (("write", write), ("attention", attention), ("fused", fused), ("gather_after", gather), ("take", builtin))}
 
     def custom_chain() -> None:
@@ -101,10 +92,10 @@ def main() -> None:
         mx.eval(x)
 
     kernels = 2 * args.layers
-    evals = {"custom_per_kernel": _per_call_us(custom_chain, 50) / kernels,
-             "builtin_per_op": _per_call_us(builtin_chain, 50) / kernels,
-             "write_and_attention_per_layer": _per_call_us(custom_chain, 50) / args.layers,
-             "fused_per_layer": _per_call_us(fused_chain, 50) / args.layers}
+    evals = {"custom_per_kernel": per_call_us(custom_chain, 50) / kernels,
+             "builtin_per_op": per_call_us(builtin_chain, 50) / kernels,
+             "write_and_attention_per_layer": per_call_us(custom_chain, 50) / args.layers,
+             "fused_per_layer": per_call_us(fused_chain, 50) / args.layers}
     report = {"command": command(), "machine": machine(), "build_us": build, "eval_us": evals, "layers": args.layers}
     print(json.dumps({"build_us": build, "eval_us": evals}))
     if args.out:

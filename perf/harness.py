@@ -21,7 +21,8 @@ import re
 import shlex
 import subprocess
 import sys
-from collections.abc import Mapping
+import time
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -116,6 +117,15 @@ def device_slug(info: Mapping[str, Any]) -> str:
         digit = next((i for i, w in enumerate(words) if re.search(r"\d", w)), len(words) - 1)
         words = words[:digit] + [words[digit].split("-")[0]]
     return re.sub(r"[^a-z0-9.]+", "-", " ".join(words).lower()).strip("-") or "gpu"
+
+
+def per_call_us(fn: Callable[[], Any], repeats: int) -> float:
+    """Microseconds per call of `fn` over `repeats` calls, after one call outside the timing (warm-up)."""
+    fn()
+    start = time.perf_counter()
+    for _ in range(repeats):
+        fn()
+    return 1e6 * (time.perf_counter() - start) / repeats
 
 
 def command(argv: list[str] | None = None) -> str:

@@ -30,7 +30,7 @@ import sys
 import tempfile
 import time
 
-from .harness import command, machine
+from .harness import command, machine, per_call_us
 
 
 def _free_port() -> int:
@@ -50,13 +50,6 @@ def _child(args: argparse.Namespace) -> None:
     hidden, sums = args.hidden, 2 * args.layers
     x = mx.ones((1, hidden), dtype=dtype)
     mx.eval(mx.distributed.all_sum(x, group=group))
-
-    def timed(fn, repeats: int) -> float:
-        fn()
-        t0 = time.perf_counter()
-        for _ in range(repeats):
-            fn()
-        return 1e6 * (time.perf_counter() - t0) / repeats
 
     def chain() -> None:
         y = x
@@ -82,14 +75,14 @@ def _child(args: argparse.Namespace) -> None:
         mx.eval(y)
 
     out = {
-        "alone_us": round(timed(lambda: mx.eval(mx.distributed.all_sum(x, group=group)), args.repeats), 2),
-        "chain_us": round(timed(chain, max(1, args.repeats // 5)) / sums, 2),
+        "alone_us": round(per_call_us(lambda: mx.eval(mx.distributed.all_sum(x, group=group)), args.repeats), 2),
+        "chain_us": round(per_call_us(chain, max(1, args.repeats // 5)) / sums, 2),
     }
     build.clear()
-    out["step_no_sum_us"] = round(timed(lambda: step(False), args.repeats), 1)
+    out["step_no_sum_us"] = round(per_call_us(lambda: step(False), args.repeats), 1)
     out["build_no_sum_us"] = round(1e6 * sum(build[1:]) / max(1, len(build) - 1), 1)
     build.clear()
-    out["step_us"] = round(timed(lambda: step(True), args.repeats), 1)
+    out["step_us"] = round(per_call_us(lambda: step(True), args.repeats), 1)
     out["build_us"] = round(1e6 * sum(build[1:]) / max(1, len(build) - 1), 1)
     out["sum_in_step_us"] = round((out["step_us"] - out["step_no_sum_us"]) / sums, 2)
     if rank == 0:
