@@ -118,3 +118,28 @@ def test_half_precision_mixes_with_the_stock_kernels():
     assert engine.stats().mixed_passes >= 2
     for i, p in enumerate(prompts):
         assert res[(f"r{i}", 0)]["tokens"] == reference_greedy(model, p, 8), i
+
+
+def test_a_short_prompt_beside_a_long_prompts_late_chunk_attends_over_its_own_keys(monkeypatch):
+    """Issue 30's canary: a short prompt prefilled in the pass of a long prompt's late chunk is
+    attended as a group of its own (paged_attention.PrefillRead, K read in place), not over the long
+    prompt's span; every request keeps mlx-lm's greedy tokens."""
+    from parallm.engine import packed
+
+    groups: list[int] = []
+
+    class Recorded(packed.PrefillRead):
+        def __init__(self, *args) -> None:
+            super().__init__(*args)
+            groups.append(len(self.groups))
+
+    monkeypatch.setattr(packed, "PrefillRead", Recorded)
+    model = tiny_model("llama")
+    prompts = {"decoding": prompt(4, 30), "long": prompt(150, 31), "short": prompt(3, 32), "short2": prompt(5, 33)}
+    engine = make_engine(model, max_prefill_tokens=24, block_size=16)
+    reqs = {name: req(name, p, greedy(40 if name == "decoding" else 6)) for name, p in prompts.items()}
+    res = run_all(engine, [reqs["decoding"], reqs["long"]], arrivals={4: [reqs["short"]], 5: [reqs["short2"]]})
+    assert engine.stats().mixed_passes >= 4
+    assert max(groups) == 2, groups
+    for name, p in prompts.items():
+        assert res[(name, 0)]["tokens"] == reference_greedy(model, p, 40 if name == "decoding" else 6), name

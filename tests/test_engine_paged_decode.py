@@ -234,3 +234,22 @@ def test_fused_writes_store_first_where_attention_cannot_read_the_tables(monkeyp
     flag = calls[1][1]
     view.paged_attention(q, keys, 0.1)
     assert calls[2] == ("attend", None, flag)
+
+
+def test_prompt_chunks_attend_in_place_only_where_the_probe_passes(monkeypatch):
+    """runner.prefills_in_place: on for the CPU's float32 gather_mm way (K as transposed tiles) with the
+    gathered tokens; off with paged decode off, with the gather way, for a model with its own attention, and
+    where the probe's logits differ (a wrong read is not taken)."""
+    from parallm.engine import paged_attention
+
+    model = tiny_model("llama")
+    engine = make_engine(model, block_size=4)
+    assert engine.runner.prefills_in_place
+    assert outputs(engine) == outputs(make_engine(model, paged_decode="off", block_size=4))
+    assert not make_engine(model, paged_decode="off").runner.prefills_in_place
+    assert not make_engine(model, paged_decode="gather").runner.prefills_in_place
+    assert not make_engine(tiny_model("gemma2")).runner.prefills_in_place
+    real = paged_attention.gather_mm_prefill_attention
+    monkeypatch.setattr(paged_attention, "gather_mm_prefill_attention",
+                        lambda queries, *a: real(queries, *a) * 1.5)  # a read that is wrong
+    assert not make_engine(model).runner.prefills_in_place

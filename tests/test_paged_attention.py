@@ -256,3 +256,47 @@ def test_cuda_fused_kernel_stores_and_attends_each_rows_newest_key():
                 assert k_store is k_before and v_store is v_before
                 assert mx.array_equal(k_store, ref_k4.reshape(k_store.shape)).item()
                 assert mx.array_equal(v_store, ref_v4.reshape(v_store.shape)).item()
+
+
+@pytest.mark.parametrize("ends,length,heads,kv_heads,dim", [
+    ([40, 17, 33], 8, 6, 2, 64),  # ragged chunk ends, GQA
+    ([300, 9], 16, 9, 3, 64),  # a long prompt's late chunk beside a short prompt (the default model's heads)
+    ([16], 16, 4, 4, 32),  # one row, a chunk filling its only block
+])
+def test_prompt_chunks_read_in_place_equal_the_gathered_attention(ends, length, heads, kv_heads, dim):
+    """gather_mm_prefill_attention (K as transposed tiles) against mx.fast's attention over each row's
+    gathered keys under the causal mask of its chunk: row r's chunk is positions ends[r] - length ..
+    ends[r] - 1 (a row shorter than the chunk starts at 0 and its queries past its end are padding)."""
+    queries, keys, values, k_store, v_store, tables, _ = paged_case(ends, heads, kv_heads, dim, mx.float32,
+                                                                    block_size=16)
+    queries = mx.random.normal((len(ends), heads, length, dim), key=mx.random.key(1))
+    starts = mx.array([max(0, e - length) for e in ends], dtype=mx.int32)
+    span = keys.shape[2]
+    visible = mx.arange(span)[None, None, :] <= (starts[:, None, None] + mx.arange(length)[None, :, None])
+    want = mx.fast.scaled_dot_product_attention(queries, keys, values, scale=0.125, mask=visible[:, None])
+    got = paged_attention.gather_mm_prefill_attention(queries, k_store.swapaxes(-1, -2), v_store, tables, starts, 0.125)
+    real = [(r, t) for r, e in enumerate(ends) for t in range(min(length, e))]  # padded queries are dropped
+    for r, t in real:
+        np.testing.assert_allclose(np.array(got[r, :, t]), np.array(want[r, :, t]), rtol=2e-5, atol=2e-5)
+    with pytest.raises(ValueError, match="transposed K tiles"):
+        paged_attention.gather_mm_prefill_attention(queries, k_store, v_store, tables, starts, 0.125)
+
+
+@pytest.mark.parametrize("ends,length,groups", [([9, 300, 40, 290], 8, 3), ([5, 40], 8, 2), ([40, 5], 8, 2),
+                                                ([40, 60], 8, 1)])
+def test_a_passs_rows_attend_in_groups_of_like_spans_in_their_own_order(ends, length, groups):
+    """PrefillRead: rows in the pass's order, whatever their spans (one group: the pass's own order; several:
+    each group attended over its widest table, the outputs put back in the rows' order)."""
+    bs = 16
+    queries, keys, values, k_store, v_store, tables, _ = paged_case(ends, 9, 3, 64, mx.float32, block_size=bs)
+    queries = mx.random.normal((len(ends), 9, length, 64), key=mx.random.key(2))
+    starts = [max(0, e - length) for e in ends]
+    lengths = [e - s for e, s in zip(ends, starts)]
+    read = paged_attention.PrefillRead(np.array(tables) - 1, starts, lengths, bs)  # block ids: store index - 1
+    assert len(read.groups) == groups
+    span = keys.shape[2]
+    visible = mx.arange(span)[None, None, :] <= (mx.array(starts)[:, None, None] + mx.arange(length)[None, :, None])
+    want = mx.fast.scaled_dot_product_attention(queries, keys, values, scale=0.125, mask=visible[:, None])
+    got = read.attend(queries, k_store.swapaxes(-1, -2), v_store, 0.125)
+    for r, n in enumerate(lengths):
+        np.testing.assert_allclose(np.array(got[r, :, :n]), np.array(want[r, :, :n]), rtol=2e-5, atol=2e-5)

@@ -14,7 +14,7 @@ import mlx.core as mx
 from .cache import LiveKV
 from .pass_view import LayerView, PassContext, WriteIndex, scatter
 from .kv_format import KV, KVFormat
-from .paged_attention import paged_decode_attention
+from .paged_attention import PrefillRead, paged_decode_attention
 
 
 class TokenPositions:
@@ -63,6 +63,7 @@ class PackedContext:
         self.positions = TokenPositions(mx.array(pos, dtype=mx.int32))
         self.write: mx.array | None = None  # [N] each token's slot (bind)
         self.write_index: WriteIndex | None = None
+        self.in_place: PrefillRead | None = None  # the prompt chunks' read of the stores in place (bind, K tiled)
         self.kv_format: KVFormat | None = None  # the live KV's, set by views()
         self._bound: LiveKV | None = None
         if not self.uniform:
@@ -88,6 +89,8 @@ class PackedContext:
         else:
             self.write = prompt
         self.write_index = WriteIndex(self.write)
+        self.in_place = (PrefillRead(self.prefill._table, self.starts, self.lengths, live.block_size)
+                         if live.keys_transposed else None)
         self._bound = live
 
     def views(self, live: LiveKV) -> list["PackedView"]:
@@ -130,7 +133,12 @@ class PackedContext:
         if not self.uniform:
             qp = qp[:, self.pad_index]
         qp = qp.reshape(H, k, L, D).transpose(1, 0, 2, 3)
-        op = sdpa(qp, ctx.gather(keys), ctx.gather(values), cache, scale, ctx.mask(window))
+        if (self.in_place is not None and cache is None and keys.ndim == 4 and qp.dtype == mx.float32
+                and (window is None or ctx.span <= window)):  # K as transposed tiles: the CPU's gather_mm way
+            op = self.in_place.attend(qp, keys, values.reshape(values.shape[0], -1, keys.shape[-1], values.shape[-1]),
+                                      scale)
+        else:
+            op = sdpa(qp, ctx.gather(keys), ctx.gather(values), cache, scale, ctx.mask(window))
         op = op.transpose(1, 0, 2, 3).reshape(H, k * L, -1)
         if not self.uniform:
             op = op[:, self.unpad_index]

@@ -93,6 +93,42 @@ def check_paged_decode(call_model: Callable[..., mx.array], info: Any, kv_format
         return False
 
 
+def check_paged_prefill(call_model: Callable[..., mx.array], info: Any, kv_format: Any, block_size: int,
+                        vocab: int) -> bool:
+    """Logits of a two-row prefill pass whose chunks attend over K tiles read in place
+    (PassContext.prefill_in_place: paged_attention.PrefillRead) against the same pass over the gathered
+    K/V, on a scratch store laid out as the CPU engine's (K as transposed tiles); rows of unlike spans,
+    so the pass attends in two groups. False (and why, logged) where they differ or it fails (a model
+    whose attention does not take the engine's stand-in, or reads its cache otherwise)."""
+    if kv_format.quantized:
+        return False
+    live = LiveKV(info.shapes, info.dtype, kv_format=kv_format, block_size=block_size, keys_transposed=True)
+    live.resize(2, 4 * block_size)
+    first, chunk = 3 * block_size + 5, 4
+    ids = [[(seed * 7919 + j * 104729) % vocab for j in range(first + chunk)] for seed in (1, 2)]
+    m5 = info.mask5d
+    try:
+        mx.eval(call_model(mx.array([ids[0][:first]]), live.views(PassContext(0, [0], first, first, mask5d=m5))),
+                live.arrays())
+        tokens = mx.array([ids[0][first:first + chunk], ids[1][:chunk]])
+        offsets, span = [first, 0], first + chunk
+        want = call_model(tokens, live.views(PassContext(0, offsets, chunk, span, mask5d=m5)))
+        mx.eval(want, live.arrays())
+        ctx = PassContext(0, offsets, chunk, span, mask5d=m5)
+        ctx.prefill_in_place = True
+        got = call_model(tokens, live.views(ctx), paged=True)
+        mx.eval(got, live.arrays())
+        diff = mx.abs(got.astype(mx.float32) - want.astype(mx.float32)).max().item()
+        scale = max(1.0, mx.abs(want.astype(mx.float32)).max().item())
+        ok = diff <= check_tolerance(info.dtype) * scale
+        log.info("prompt chunks attending in place %s: logits within %.4g of the gathered K/V's (largest logit %.4g)",
+                 "on" if ok else "off", diff, scale)
+        return ok
+    except Exception as e:  # noqa: BLE001 - a model whose attention does not take the paged mask
+        log.info("prompt chunks attending in place off: %s: %s", type(e).__name__, e)
+        return False
+
+
 def resolved_way(info: Any, block_size: int) -> str:
     """The way "auto" reads this model's block store on this backend: the GPU's kernel where it takes
     every layer's shape (K and V of one width), else what paged_attention.choose_way says for the first."""

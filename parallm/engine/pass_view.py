@@ -28,7 +28,7 @@ import numpy as np
 
 from . import key_tiles, paged_kernels
 from .kv_format import KV, mark
-from .paged_attention import PagedRead, Way, paged_decode_attention
+from .paged_attention import PagedRead, PrefillRead, Way, paged_decode_attention
 from .state import ListView, RowsState
 
 if TYPE_CHECKING:
@@ -101,6 +101,7 @@ class PassContext:
         # each row's real tokens where a right-padded pass has shorter rows (recurrent state reads it)
         padded = lengths is not None and any(n != length for n in lengths)
         self.lengths = mx.array(lengths, dtype=mx.int32) if padded else None
+        self.length_list = list(lengths) if lengths is not None else [length] * self.n
         # one new token per row and every row at the same position: every key in [0, span) is
         # visible to every query, so attention needs no mask (its fast path, e.g. batch 1)
         self.unmasked = length == 1 and min(offsets) == max(offsets) == span - 1
@@ -115,6 +116,8 @@ class PassContext:
         self.write_index: WriteIndex | None = None
         self.paged: PagedRead | None = None  # decode passes: the tables as paged attention reads them
         self.paged_way: Way | None = None  # set (by the runner) where the pass's attention reads `paged`
+        self.prefill_in_place = False  # set (by the runner) where a prefill pass reads K tiles in place (`in_place`)
+        self._in_place: PrefillRead | None = None
 
     def bind(self, live: "LiveKV") -> None:
         """Resolve the slots of this pass in `live`'s store (once)."""
@@ -154,6 +157,15 @@ class PassContext:
                 raise ValueError("a pass's read slots before bind()")
             self._read = mx.array(read_slots(self._table, self._bound.block_size, self.span))
         return self._read
+
+    @property
+    def in_place(self) -> PrefillRead:
+        """The prompt chunks' read of the stores in place (paged_attention.PrefillRead), made on first use."""
+        if self._in_place is None:
+            if self._bound is None or self._table is None:
+                raise ValueError("a pass's in-place read before bind()")
+            self._in_place = PrefillRead(self._table, self.offset_list, self.length_list, self._bound.block_size)
+        return self._in_place
 
     def gather(self, store: KV) -> KV:
         """The rows' keys or values through their slots: `gather(store, self.read)`, a transposed K
@@ -331,6 +343,8 @@ class RowsView(LayerView):
         if ctx.paged_way is not None and ctx.paged is not None and whole and not return_array \
                 and not self._live.format.quantized:
             return PagedMask(mask)
+        if ctx.prefill_in_place and ctx.length > 1 and whole and not return_array and self._live.keys_transposed:
+            return PagedMask(mask)
         return mask
 
     def paged_attention(self, queries: mx.array, keys: Any, scale: float) -> mx.array | None:
@@ -339,7 +353,13 @@ class RowsView(LayerView):
         view's update_and_fetch returned (a KV-sharing layer's, or another cache's). New K/V handed back
         unstored go to the fused kernel, which stores them too."""
         ctx, live, i = self._ctx, self._live, self._layer
-        if self._fetched is None or keys is not self._fetched[0] or ctx.paged is None:
+        if self._fetched is None or keys is not self._fetched[0]:
+            return None
+        if ctx.length > 1:  # a prefill pass's chunks (make_mask: ctx.prefill_in_place, K as transposed tiles)
+            if not ctx.prefill_in_place or queries.dtype != mx.float32:
+                return None
+            return ctx.in_place.attend(queries, *live.tiles(i), scale)
+        if ctx.paged is None:
             return None
         if live.writes_in_place:  # the CUDA kernel, over the stores themselves (no reshape op a layer)
             k_store, v_store, paged = live.keys[i], live.values[i], ctx.paged

@@ -23,7 +23,7 @@ from .images import prefill_embeddings
 from .kv_format import KVFormat
 from .packed import PackedContext, PackedView
 from .paged_attention import transposes_keys
-from .paged_decode import check_paged_decode, replaces_attention, resolved_way
+from .paged_decode import check_paged_decode, check_paged_prefill, replaces_attention, resolved_way
 from .plan import PrefillWork, RowOp
 from .prefix_tier import PrefixDiskTier
 from .row_ops import execute_row_ops
@@ -128,6 +128,7 @@ class ModelRunner:
         self.paged_way = paged_decode if paged_decode != "off" and replaces_attention(self.fast_math or self.packing) \
             else None
         self._paged: bool | None = None if self.paged_way is not None else False
+        self._prefill_in_place: bool | None = None
         self._write_in_place = write_in_place
         # K as transposed tiles where decode passes read the store with gather_mm (the CPU's way, key_tiles.py)
         self.live = LiveKV(info.shapes, info.dtype, info.layout, self.kv_format, block_size=block_size,
@@ -187,11 +188,22 @@ class ModelRunner:
             self.live.writes_in_place, self.live.fuses_newest = chosen or (False, False)
         return self._paged
 
+    @property
+    def prefills_in_place(self) -> bool:
+        """Whether prefill passes attend over the K tiles in place (PassContext.prefill_in_place): where
+        decode passes read the store with the CPU's gather_mm (K as transposed tiles) and a probe pass
+        gives the gathered K/V's logits (paged_decode.check_paged_prefill)."""
+        if self._prefill_in_place is None:
+            self._prefill_in_place = (self.live.keys_transposed and self.info.layout is None and self.pages_decode
+                                      and check_paged_prefill(self.call_model, self.info, self.kv_format,
+                                                              self.block_size, self.vocab_size))
+        return self._prefill_in_place
+
     def _forward(self, seqs: list[Sequence], tokens: mx.array, cache, per_token: list | None = None,
                  embeddings: mx.array | None = None, paged: bool = False) -> mx.array:
         """The model over `tokens` (or their `embeddings`, image features in place), row i under seqs[i]'s
         adapter (`per_token`: a packed pass's one row, token i under per_token[i]; `paged`: a decode pass
-        read through the block tables); the graph is fixed on return."""
+        read through the block tables, or a prefill pass whose chunks read K tiles in place); the graph is fixed on return."""
         lora = self.lora
         if lora is not None:
             lora.bind([s.lora for s in seqs] if per_token is None else per_token, packed=per_token is not None)
@@ -262,16 +274,18 @@ class ModelRunner:
         wants_prompt = bool(logprob_rows)
         ctx = PassContext(work.row0, work.starts, L, max(work.starts) + L, mask5d=self.info.mask5d,
                           lengths=work.lengths, tables=[s.block_ids for s in work.seqs])
+        ctx.prefill_in_place = L > 1 and self.prefills_in_place
         tokens = mx.array(rows, dtype=mx.int32)
         embeds = None if self.vision is None else prefill_embeddings(self.model, self.vision, work.seqs, work.starts,
                                                                     work.lengths, tokens)
         last = mx.array([i * L + work.lengths[i] - 1 for i, _ in finishing], dtype=mx.int32)
         if finishing and not wants_prompt and self.head.usable:
             with self.head.select(last):  # only the finishing rows' last positions are projected
-                logits = self._forward(work.seqs, tokens, self.live.views(ctx), embeddings=embeds)
+                logits = self._forward(work.seqs, tokens, self.live.views(ctx), embeddings=embeds,
+                                       paged=ctx.prefill_in_place)
             last_logits = logits[0]
         else:
-            logits = self._forward(work.seqs, tokens, self.live.views(ctx), embeddings=embeds)
+            logits = self._forward(work.seqs, tokens, self.live.views(ctx), embeddings=embeds, paged=ctx.prefill_in_place)
             last_logits = logits.reshape(-1, logits.shape[-1])[last] if finishing else None
         wanted = []
         for i, lo, hi in logprob_rows:
