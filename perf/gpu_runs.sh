@@ -27,6 +27,7 @@
 #   tp        (nvidia-h100-x2) TP=2 vs one engine, llama-3.2-3b, c=1 and 64, adapters republished every 2 s (issue 23), ~5 min
 #   tp8b      (nvidia-h100-x2) TP=2 vs one engine, qwen3-8b 4-bit, c=1 and 64, adapters republished every 2 s (issue 23),
 #             ~7 min
+#   dp512r    (nvidia-h200-x2) one engine and DP=2 at c=512, the adapter republished every 2 s then still (issue 38), ~8 min
 #   dp        (nvidia-h100-x2) two replicas vs one engine at c=256, 3 requests per stream, adapter republished every 2 s
 #             then still; steady-state rate, requests/tokens/busy share per replica, CPU per process per token
 #             (issue 23; goal 1.8x), ~6 min
@@ -197,7 +198,7 @@
 #             CPU_SMOKE=1 SHAPE37=tiny TOK=<tokenizer dir>, ~7 min
 # A fresh server per wave: `waves` fits 6-7 waves in one 10-minute call; run it twice for ten.
 set -uo pipefail
-case "${1:-}" in dp512|allsum38|tpdp|diag|llama|adapters|qwen-a|qwen-b|serving|waves|ingress|moe|moe256|hybrid|structured|tp|tp8b|dp|threads|compiled|republish|buckets|serve256|inplace|mixed|cudnn|decodeattn|unfuseddecode|defaults|defaultsab|qwendtype|qwenmlx|qwen8b|embeddings|policy|vision|trainmem|spec|specdraft|specdraft32|kvbits|pagedattn|trainshare|single|pagedkv|pagedkvserve|pagedkvdiag|pagedkvinplace|pagedkvfinal|pagedkvserveall|pagedkvhost|pagedkvlast|pagedkv256|pagedkvfused|final37|single37|single37b|fused37) ;;
+case "${1:-}" in dp512r|dp512|allsum38|tpdp|diag|llama|adapters|qwen-a|qwen-b|serving|waves|ingress|moe|moe256|hybrid|structured|tp|tp8b|dp|threads|compiled|republish|buckets|serve256|inplace|mixed|cudnn|decodeattn|unfuseddecode|defaults|defaultsab|qwendtype|qwenmlx|qwen8b|embeddings|policy|vision|trainmem|spec|specdraft|specdraft32|kvbits|pagedattn|trainshare|single|pagedkv|pagedkvserve|pagedkvdiag|pagedkvinplace|pagedkvfinal|pagedkvserveall|pagedkvhost|pagedkvlast|pagedkv256|pagedkvfused|final37|single37|single37b|fused37) ;;
   *) sed -n '2,/^# A fresh server per wave/p' "$0"; exit 2 ;; esac
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
@@ -539,6 +540,10 @@ case "${1:-}" in
             NCCL_NVLS_ENABLE=0 timeout -s INT -k 15 300 python3 -m perf.bench_parallel --shape ${DP512_SHAPE:-llama-3.2-3b} \
               --layouts 1x1@${DP512_LEVELS:-256/512},1x2@$top --max-tokens ${TPDP_TOKENS:-128} --requests-per-stream 2 --client-procs 8 \
               --tokenizer-dir $TOK --work-dir $WORK --experiment dp512 --out-dir "$OUT" | grep -v "^- "; rm -f "$OUT"/*.png ;;
+  dp512r)   NCCL_NVLS_ENABLE=0 timeout -s INT -k 15 ${DP512R_LIMIT_S:-540} python3 -m perf.bench_parallel --shape llama-3.2-3b \
+              --layouts 1x1@512,1x2@512 --max-tokens 128 --requests-per-stream 2 --client-procs 8 --publish-adapter-every 2 \
+              --still --tokenizer-dir $TOK --work-dir $WORK --experiment dp512r --out-dir "$OUT" | grep -v "^- "
+            rm -f "$OUT"/*.png ;;
   allsum38) SECONDS=0; nvidia-smi topo -m 2>/dev/null
             python3 -m perf.probe_allsum ${ALLSUM_ARGS:-} --timeout 90 --out "$OUT/allsum-probe-h200.json" --settings NCCL_DEBUG=INFO \
               MLX_USE_CUDA_GRAPHS=0 NCCL_PROTO=LL NCCL_PROTO=LL,NCCL_ALGO=Ring VISIBLE=all NCCL_P2P_DISABLE=1 \
