@@ -541,8 +541,8 @@ case "${1:-}" in
               --layouts 1x1@${DP512_LEVELS:-256/512},1x2@$top --max-tokens ${TPDP_TOKENS:-128} --requests-per-stream 2 --client-procs 8 \
               --tokenizer-dir $TOK --work-dir $WORK --experiment dp512 --out-dir "$OUT" | grep -v "^- "; rm -f "$OUT"/*.png ;;
   dp512r)   NCCL_NVLS_ENABLE=0 timeout -s INT -k 15 ${DP512R_LIMIT_S:-540} python3 -m perf.bench_parallel --shape llama-3.2-3b \
-              --layouts 1x1@512,1x2@512 --max-tokens 128 --requests-per-stream 2 --client-procs 8 --publish-adapter-every 2 \
-              --still --tokenizer-dir $TOK --work-dir $WORK --experiment dp512r --out-dir "$OUT" | grep -v "^- "
+              --layouts 1x1@${DP512R_LEVELS:-512},1x2@${DP512R_LEVELS:-512} --max-tokens 128 --requests-per-stream 2 --client-procs 8 --publish-adapter-every 2 \
+              --still --tokenizer-dir $TOK --work-dir $WORK --experiment dp512r${DP512R_LEVELS:+-c$DP512R_LEVELS} --out-dir "$OUT" | grep -v "^- "
             rm -f "$OUT"/*.png ;;
   allsum38) SECONDS=0; nvidia-smi topo -m 2>/dev/null
             python3 -m perf.probe_allsum ${ALLSUM_ARGS:-} --timeout 90 --out "$OUT/allsum-probe-h200.json" --settings NCCL_DEBUG=INFO \
