@@ -76,3 +76,18 @@ def test_the_engine_reports_the_cache_cap_it_set(monkeypatch):
     engine = make_engine(tiny_model("llama"), kv_budget_bytes=64 << 20)
     assert engine.config.buffer_cache_mb == (10 * GiB - (64 << 20)) * memory.CUDA_CACHE_SHARE // 1 / (1 << 20)
     assert make_engine(tiny_model("llama"), buffer_cache_mb=512).config.buffer_cache_mb == 512  # as configured
+
+
+def test_a_long_prompt_grows_the_block_store_once_for_its_whole_length():
+    """Scheduler.blocks_ahead: the store is grown for an admitted prompt's end at once, not by half again
+    each time its chunks reach the store's end (every layer's store copied each time: 0.4-1 s a growth
+    beside a 6k-token prompt on the 2-core CPU, issue 30's canary waiting on them)."""
+    engine = make_engine(tiny_model("llama"), max_prefill_tokens=8, block_size=4)
+    live = engine.runner.live
+    sizes: list[int] = []
+    ensure = live.ensure
+    live.ensure = lambda blocks: (ensure(blocks), sizes.append(live.store_blocks))
+    prompt = [(7 * j) % 97 + 1 for j in range(300)]
+    run_all(engine, [req("long", prompt, SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))])
+    grown = sorted(set(sizes))
+    assert len(grown) == 1 and grown[0] >= 304 // 4, grown  # one size from the first step: the prompt's 76 blocks

@@ -79,6 +79,11 @@ class BlockManager:
         """1 + the highest block id ever handed out: how far the physical store must reach."""
         return len(self.blocks)
 
+    def reach(self, more: int) -> int:
+        """How far the store must reach once `more` blocks are allocated (freed ids below the peak are
+        handed out first), at most the whole budget."""
+        return min(self._num_blocks, self.peak + max(0, more - len(self.free_unhashed)))
+
     @property
     def num_free(self) -> int:
         """Free and holding nothing reusable."""

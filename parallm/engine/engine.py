@@ -285,7 +285,7 @@ class Engine(EngineReport, EngineScoring):
 
     def _execute(self, ops: list) -> None:
         self.trace.ops(ops)
-        self.runner.execute(ops, self.blocks.peak)
+        self.runner.execute(ops, self.blocks.reach(self.scheduler.blocks_ahead()))
 
     def _run(self, plan: Plan, out: StepOutputs, emit: Callable[[list[Output]], None] | None,
              arrivals: Callable[[], None] | None = None) -> str:
