@@ -118,3 +118,17 @@ def test_a_row_freed_by_abort_starts_the_next_sequence_with_fresh_state():
     res = run_all(engine, [req("next", prompts[2], greedy(10))])
     assert res[("next", 0)]["tokens"] == reference_greedy(model, prompts[2], 10)
     assert res[("a1", 0)]["tokens"][-5:] == reference_greedy(model, prompts[1], 30)[-5:]
+
+
+@pytest.mark.parametrize("name", ["cohere2", "deepseek_v3", "deepseek_v2", "gemma3n", "gpt_oss", "llama4", "afm7",
+                                  "gemma4_text", "gpt_bigcode"])
+def test_long_prompts_chunks_read_in_place_keep_mlx_lm_tokens(name):
+    """Prompt chunks attending over the K tiles in place (paged_attention.PrefillRead, where the engine's probe
+    lets them): a 120-token prompt in 8-token chunks (spans of 4 chunks and more read in place), a short prompt
+    joining its late chunks: the tokens of mlx-lm's own greedy decode."""
+    model, _ = tiny.build_any(name)
+    long, short = _prompts(3, (120, 5))
+    engine = make_engine(model, max_prefill_tokens=8, block_size=4)
+    res = run_all(engine, [req("long", long, greedy(6))], arrivals={9: [req("short", short, greedy(6))]})
+    assert res[("long", 0)]["tokens"] == reference_greedy(model, long, 6), name
+    assert res[("short", 0)]["tokens"] == reference_greedy(model, short, 6), name

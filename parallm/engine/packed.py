@@ -14,7 +14,7 @@ import mlx.core as mx
 from .cache import LiveKV
 from .pass_view import LayerView, PassContext, WriteIndex, scatter
 from .kv_format import KV, KVFormat
-from .paged_attention import PrefillRead, paged_decode_attention
+from .paged_attention import PrefillRead, chunks_read_in_place, paged_decode_attention
 
 
 class TokenPositions:
@@ -90,7 +90,8 @@ class PackedContext:
             self.write = prompt
         self.write_index = WriteIndex(self.write)
         self.in_place = (PrefillRead(self.prefill._table, self.starts, self.lengths, live.block_size)
-                         if live.keys_transposed else None)
+                         if live.keys_transposed and chunks_read_in_place(self.prefill.length, self.prefill.span)
+                         else None)
         self._bound = live
 
     def views(self, live: LiveKV) -> list["PackedView"]:

@@ -211,7 +211,7 @@ def gather_mm_prefill_attention(queries: mx.array, k_store: mx.array, v_store: m
     chunk at position 5,000 of the default model attended in 9.9 ms a layer this way against 20.4 ms
     gathered then attended (the late chunks of a long prompt are mostly that: issue 30's canary)."""
     rows, heads, length, dim = queries.shape
-    kv_heads, blocks, block_size, _ = v_store.shape
+    kv_heads, blocks, block_size, v_dim = v_store.shape
     if queries.dtype != mx.float32 or k_store.shape != (kv_heads, blocks, dim, block_size) or heads % kv_heads:
         raise ValueError(f"prefill attention in place takes float32 queries and transposed K tiles; got "
                          f"{queries.dtype} {queries.shape}, {k_store.shape}, {v_store.shape}")
@@ -230,9 +230,20 @@ def gather_mm_prefill_attention(queries: mx.array, k_store: mx.array, v_store: m
     weights = kernels.exp_shifted(scores, scores.max(5, keepdims=True).max(2, keepdims=True))
     total = weights.sum(5).sum(2)  # [kv_heads, rows, rep, length]
     out = mx.gather_mm(weights.reshape(kv_heads * rows * width, rep * length, block_size),
-                       v_store.reshape(kv_heads * blocks, block_size, dim), lhs_indices=own, rhs_indices=tiles)
-    out = out.sum(2).reshape(kv_heads, rows, rep, length, dim) / total[..., None]
-    return out.transpose(1, 0, 2, 3, 4).reshape(rows, heads, length, dim)
+                       v_store.reshape(kv_heads * blocks, block_size, v_dim), lhs_indices=own, rhs_indices=tiles)
+    out = out.sum(2).reshape(kv_heads, rows, rep, length, v_dim) / total[..., None]
+    return out.transpose(1, 0, 2, 3, 4).reshape(rows, heads, length, v_dim)
+
+
+CHUNK_SPAN_RATIO = 4  # a pass's chunks are read in place where their span is at least this many chunk lengths
+
+
+def chunks_read_in_place(length: int, span: int) -> bool:
+    """Whether a pass of `length`-token chunks attending over `span` keys reads the store in place (where the
+    engine can): where the span is long against the chunk, gathering it is most of the attention; for short
+    spans the two ways were within 0.8-1.25x of each other (a millisecond a layer; 2-row 40-token chunks
+    from position 0: 1.25x in place, one 128-token chunk 1.16x) on the 2-core CPU, the default model's heads."""
+    return length > 1 and CHUNK_SPAN_RATIO * length <= span
 
 
 class PrefillRead:

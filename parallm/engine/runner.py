@@ -22,7 +22,7 @@ from .head import OutputHead
 from .images import prefill_embeddings
 from .kv_format import KVFormat
 from .packed import PackedContext, PackedView
-from .paged_attention import transposes_keys
+from .paged_attention import chunks_read_in_place, transposes_keys
 from .paged_decode import check_paged_decode, check_paged_prefill, replaces_attention, resolved_way
 from .plan import PrefillWork, RowOp
 from .prefix_tier import PrefixDiskTier
@@ -274,7 +274,7 @@ class ModelRunner:
         wants_prompt = bool(logprob_rows)
         ctx = PassContext(work.row0, work.starts, L, max(work.starts) + L, mask5d=self.info.mask5d,
                           lengths=work.lengths, tables=[s.block_ids for s in work.seqs])
-        ctx.prefill_in_place = L > 1 and self.prefills_in_place
+        ctx.prefill_in_place = chunks_read_in_place(L, ctx.span) and self.prefills_in_place
         tokens = mx.array(rows, dtype=mx.int32)
         embeds = None if self.vision is None else prefill_embeddings(self.model, self.vision, work.seqs, work.starts,
                                                                     work.lengths, tokens)
