@@ -135,7 +135,8 @@ class EngineConfig(Struct, frozen=True, kw_only=True, forbid_unknown_fields=True
                                "kernel (CUDA; Metal on Apple silicon), mx.gather_mm over the store in place for "
                                "float32 on the CPU, else the rows' blocks gathered; gather / gather_mm force "
                                "those; off = attend over the rows' gathered K/V with the model's own attention "
-                               "call (docs/engine.md, 'Decode attention through the block tables')")] = None
+                               "call (docs/engine.md, 'Decode attention through the block tables'); gather_mm "
+                               "(the CPU's float32 default) also reads a long span's prompt chunks in place")] = None
     kv_preallocate: Annotated[bool | None, _d("allocate the KV block store at the whole budget when the engine starts "
                                               "(as vLLM does) instead of growing it by half as blocks are used, which "
                                               "copies the store and waits for the device each time; unset = on with a "
