@@ -49,6 +49,7 @@ def test_greedy_batched_equals_mlx_lm_with_staggered_arrivals(engines, model, gr
     assert max(e.stats().decode_batch_hist) >= 6  # they really decoded together
 
 
+@pytest.mark.slow  # > 20 s on the 2-core CI host: make test's 10-minute budget
 def test_seeded_request_same_alone_and_in_a_batch_of_16(engines, model):
     target = req("t", text_like(30, 100), SamplingParams(temperature=0.8, top_p=0.95, seed=1234, max_tokens=20,
                                                              ignore_eos=True))

@@ -92,6 +92,7 @@ def test_chat_answer_matches_reference(loaded: LoadedModel) -> None:
     assert "Paris" in tokenizer.decode(answer)
 
 
+@pytest.mark.slow  # > 20 s on the 2-core CI host: make test's 10-minute budget
 def test_mlx_lm_generate_on_same_weights(loaded: LoadedModel) -> None:
     """mlx_lm.load + generate on the materialized float32 weights picks exactly our greedy tokens,
     and mlx-lm also loads the converted (quantized) directory as it is."""

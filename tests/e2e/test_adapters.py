@@ -117,6 +117,7 @@ def test_fifty_versions_sixteen_streams(client):
     assert client.stats().adapters.rejected == rejected
 
 
+@pytest.mark.slow  # > 20 s on the 2-core CI host: make test's 10-minute budget
 def test_hold_policy_waits_for_the_version():
     """With adapters.staleness_policy "hold", a request for a version not yet published waits for it."""
     import threading

@@ -62,6 +62,7 @@ def test_killed_stage_restarts_and_in_flight_request_errors(fault_server, stage)
     assert out.usage.completion_tokens >= 1
 
 
+@pytest.mark.slow  # > 20 s on the 2-core CI host: make test's 10-minute budget
 def test_supervisor_sigkill_leaves_no_stage_behind():
     srv = Server().start()
     pids = list(srv.stage_pids().values())

@@ -279,6 +279,7 @@ def _soak_test(srv: Server, total: int) -> None:
     assert httpx.get(f"{srv.url}/health").json()["status"] == "ok"
 
 
+@pytest.mark.slow  # > 20 s on the 2-core CI host: make test's 10-minute budget
 def test_soak_100_requests_with_disconnects_frees_every_kv_block(fault_server):
     _soak_test(fault_server, 100)
 
@@ -290,6 +291,7 @@ def test_soak_500_requests_with_disconnects_frees_every_kv_block(fault_server):
 
 # --------------------------------------------------------------------------- overload
 
+@pytest.mark.slow  # > 20 s on the 2-core CI host: make test's 10-minute budget
 def test_far_more_clients_than_the_limit_get_only_200_or_429():
     with Server(*COMMON, "--server.max-concurrent-requests", "4") as srv:
         with cf.ThreadPoolExecutor(32) as pool:
@@ -374,6 +376,7 @@ def test_queue_bound_answers_503(limited_server):
 
 # --------------------------------------------------------------------------- drain
 
+@pytest.mark.slow  # > 20 s on the 2-core CI host: make test's 10-minute budget
 def test_sigterm_under_concurrent_streams_finishes_them_then_exits_zero():
     srv = Server(*COMMON, "--supervisor.drain-timeout-s", "120").start()
     try:

@@ -26,6 +26,7 @@ def keyed():
         yield srv
 
 
+@pytest.mark.slow  # > 20 s on the 2-core CI host: make test's 10-minute budget
 def test_the_run_dir_is_private_holds_no_secret_and_is_cleaned_at_exit():
     srv = Server("--api-key", KEY)
     srv.start()
