@@ -274,12 +274,13 @@ def test_prompt_chunks_read_in_place_equal_the_gathered_attention(ends, length, 
     span = keys.shape[2]
     visible = mx.arange(span)[None, None, :] <= (starts[:, None, None] + mx.arange(length)[None, :, None])
     want = mx.fast.scaled_dot_product_attention(queries, keys, values, scale=0.125, mask=visible[:, None])
-    got = paged_attention.gather_mm_prefill_attention(queries, k_store.swapaxes(-1, -2), v_store, tables, starts, 0.125)
+    read = PagedRead(tables, starts + length)  # each row's chunk ends at its start + the chunk's length
+    got = paged_attention.gather_mm_prefill_attention(queries, k_store.swapaxes(-1, -2), v_store, read, 0.125)
     real = [(r, t) for r, e in enumerate(ends) for t in range(min(length, e))]  # padded queries are dropped
     for r, t in real:
         np.testing.assert_allclose(np.array(got[r, :, t]), np.array(want[r, :, t]), rtol=2e-5, atol=2e-5)
     with pytest.raises(ValueError, match="transposed K tiles"):
-        paged_attention.gather_mm_prefill_attention(queries, k_store, v_store, tables, starts, 0.125)
+        paged_attention.gather_mm_prefill_attention(queries, k_store, v_store, read, 0.125)
 
 
 @pytest.mark.parametrize("ends,length,groups", [([9, 300, 40, 290], 8, 3), ([5, 40], 8, 2), ([40, 5], 8, 2),
@@ -292,7 +293,7 @@ def test_a_passs_rows_attend_in_groups_of_like_spans_in_their_own_order(ends, le
     queries = mx.random.normal((len(ends), 9, length, 64), key=mx.random.key(2))
     starts = [max(0, e - length) for e in ends]
     lengths = [e - s for e, s in zip(ends, starts)]
-    read = paged_attention.PrefillRead(np.array(tables) - 1, starts, lengths, bs)  # block ids: store index - 1
+    read = paged_attention.PrefillRead(np.array(tables) - 1, starts, lengths, length, bs)  # block ids: store index - 1
     assert len(read.groups) == groups
     span = keys.shape[2]
     visible = mx.arange(span)[None, None, :] <= (mx.array(starts)[:, None, None] + mx.arange(length)[None, :, None])

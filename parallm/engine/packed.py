@@ -89,7 +89,7 @@ class PackedContext:
         else:
             self.write = prompt
         self.write_index = WriteIndex(self.write)
-        self.in_place = (PrefillRead(self.prefill._table, self.starts, self.lengths, live.block_size)
+        self.in_place = (PrefillRead(self.prefill._table, self.starts, self.lengths, self.prefill.length, live.block_size)
                          if live.keys_transposed and chunks_read_in_place(self.prefill.length, self.prefill.span)
                          else None)
         self._bound = live

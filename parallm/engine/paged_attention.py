@@ -108,6 +108,17 @@ class PagedRead:
             self._derived[key] = (tiles, per_row, own)
         return self._derived[key]  # type: ignore[return-value]
 
+    def chunk_visible(self, block_size: int, length: int) -> mx.array:
+        """[1, rows, width, 1, length, block_size]: which keys the queries of a chunk of `length` tokens
+        ending at each row's `lengths` see (query t of row r, at position lengths[r] - length + t, sees
+        keys 0 .. that position), as gather_mm_prefill_attention's scores are laid out."""
+        key = ("chunk", block_size, length)
+        if key not in self._derived:
+            keys = mx.arange(self.width * block_size, dtype=mx.int32).reshape(1, self.width, 1, block_size)
+            last = (self.lengths - length)[:, None, None, None] + mx.arange(length, dtype=mx.int32)[None, None, :, None]
+            self._derived[key] = ((keys <= last)[None, :, :, None],)
+        return self._derived[key][0]
+
 
 def paged_decode_attention(queries: mx.array, k_store: mx.array, v_store: mx.array, read: PagedRead,
                            scale: float, way: Way | None = None, *, keys_transposed: bool = False) -> mx.array:
@@ -201,32 +212,29 @@ def gather_mm_attention(queries: mx.array, k_store: mx.array, v_store: mx.array,
     return out.transpose(1, 0, 2, 3).reshape(rows, heads, 1, dim)
 
 
-def gather_mm_prefill_attention(queries: mx.array, k_store: mx.array, v_store: mx.array, tables: mx.array,
-                                starts: mx.array, scale: float) -> mx.array:
+def gather_mm_prefill_attention(queries: mx.array, k_store: mx.array, v_store: mx.array, read: PagedRead,
+                                scale: float) -> mx.array:
     """Prompt chunks' attention, read in place as `gather_mm_attention` reads a decode pass's: queries
-    [rows, heads, L, dim] (float32; row r's query t at position starts[r] + t sees keys 0 ..
-    starts[r] + t) over K stored as transposed tiles [kv_heads, blocks, dim, block_size] and V
-    [kv_heads, blocks, block_size, dim] through `tables` [rows, width] (store block indices; entries
-    past a row's keys are masked). The rows' K/V are never gathered: on the 2-core CPU a 16-token
-    chunk at position 5,000 of the default model attended in 9.9 ms a layer this way against 20.4 ms
-    gathered then attended (the late chunks of a long prompt are mostly that: issue 30's canary)."""
+    [rows, heads, L, dim] (float32; row r's chunk ends at read.lengths[r], its query t sees the keys up
+    to its own position) over K stored as transposed tiles [kv_heads, blocks, dim, block_size] and V
+    [kv_heads, blocks, block_size, dim] through `read.tables` (entries past a row's keys are masked;
+    the tiles' indices and the mask made once a pass, shared by every layer). The rows' K/V are never
+    gathered: on the 2-core CPU a 16-token chunk at position 5,000 of the default model attended in
+    9.9 ms a layer this way against 20.4 ms gathered then attended (the late chunks of a long prompt
+    are mostly that: issue 30's canary)."""
     rows, heads, length, dim = queries.shape
     kv_heads, blocks, block_size, v_dim = v_store.shape
     if queries.dtype != mx.float32 or k_store.shape != (kv_heads, blocks, dim, block_size) or heads % kv_heads:
         raise ValueError(f"prefill attention in place takes float32 queries and transposed K tiles; got "
                          f"{queries.dtype} {queries.shape}, {k_store.shape}, {v_store.shape}")
-    rep, width = heads // kv_heads, tables.shape[1]
-    head = mx.arange(kv_heads, dtype=mx.uint32)[:, None, None]
-    tiles = head * blocks + tables.astype(mx.uint32)[None]  # [kv_heads, rows, width]
-    per_row = mx.arange(rows, dtype=mx.uint32)[None, :, None] * kv_heads + head + mx.zeros_like(tiles)
-    own = mx.arange(tiles.size, dtype=mx.uint32).reshape(tiles.shape)
+    if read.rows != rows:
+        raise ValueError(f"the block tables have {read.rows} rows, the queries {rows}")
+    rep, width = heads // kv_heads, read.width
+    tiles, per_row, own = read.tiles(kv_heads, blocks)
     q = (queries * scale).reshape(rows * kv_heads, rep * length, dim)
     scores = mx.gather_mm(q, k_store.reshape(kv_heads * blocks, dim, block_size), lhs_indices=per_row,
                           rhs_indices=tiles).reshape(kv_heads, rows, width, rep, length, block_size)
-    keys = mx.arange(width * block_size, dtype=mx.int32).reshape(1, width, 1, block_size)
-    last = starts.astype(mx.int32)[:, None, None, None] + mx.arange(length, dtype=mx.int32)[None, None, :, None]
-    visible = (keys <= last)[None, :, :, None]  # [1, rows, width, 1, length, block_size]
-    scores = mx.where(visible, scores, mx.finfo(mx.float32).min)
+    scores = mx.where(read.chunk_visible(block_size, length), scores, mx.finfo(mx.float32).min)
     weights = kernels.exp_shifted(scores, scores.max(5, keepdims=True).max(2, keepdims=True))
     total = weights.sum(5).sum(2)  # [kv_heads, rows, rep, length]
     out = mx.gather_mm(weights.reshape(kv_heads * rows * width, rep * length, block_size),
@@ -251,9 +259,10 @@ class PrefillRead:
     attended over its widest row's table, so a short prompt beside a long prompt's late chunk is a group
     of its own (attended together, each row would read the long one's span: issue 30's canary). Made
     once a pass from its tables `table` [rows, blocks] (block ids, cache.TRASH past a row's own), the
-    rows' chunk starts and real lengths."""
+    rows' chunk starts and real lengths, and the pass's (padded) chunk length."""
 
-    def __init__(self, table: np.ndarray, starts: list[int], lengths: list[int], block_size: int) -> None:
+    def __init__(self, table: np.ndarray, starts: list[int], lengths: list[int], length: int,
+                 block_size: int) -> None:
         need = [max(1, -(-(s + n) // block_size)) for s, n in zip(starts, lengths)]
         order = sorted(range(len(need)), key=lambda i: -need[i])
         groups: list[list[int]] = []
@@ -264,13 +273,14 @@ class PrefillRead:
                 groups.append([i])
         groups = [sorted(g) for g in groups]  # one group: the pass's own row order
         whole = len(groups) == 1
-        self.groups = [(None if whole else mx.array(g, dtype=mx.int32), mx.array(table[g, :max(need[i] for i in g)] + 1),
-                        mx.array([starts[i] for i in g], dtype=mx.int32)) for g in groups]
+        self.groups = [(None if whole else mx.array(g, dtype=mx.int32),
+                        PagedRead(mx.array(table[g, :max(need[i] for i in g)] + 1),
+                                  mx.array([starts[i] + length for i in g], dtype=mx.int32))) for g in groups]
         self.unorder = None if whole else mx.argsort(mx.array([i for g in groups for i in g], dtype=mx.int32))
 
     def attend(self, queries: mx.array, k_store: mx.array, v_store: mx.array, scale: float) -> mx.array:
         """Attention of the pass's queries [rows, heads, L, dim] over the stores (K as transposed tiles
         [kv_heads, blocks, dim, block_size], V [kv_heads, blocks, block_size, dim])."""
-        parts = [gather_mm_prefill_attention(queries if rows is None else queries[rows], k_store, v_store, tables,
-                                             starts, scale) for rows, tables, starts in self.groups]
+        parts = [gather_mm_prefill_attention(queries if rows is None else queries[rows], k_store, v_store, read, scale)
+                 for rows, read in self.groups]
         return parts[0] if self.unorder is None else mx.concatenate(parts)[self.unorder]

@@ -164,7 +164,8 @@ class PassContext:
         if self._in_place is None:
             if self._bound is None or self._table is None:
                 raise ValueError("a pass's in-place read before bind()")
-            self._in_place = PrefillRead(self._table, self.offset_list, self.length_list, self._bound.block_size)
+            self._in_place = PrefillRead(self._table, self.offset_list, self.length_list, self.length,
+                                         self._bound.block_size)
         return self._in_place
 
     def gather(self, store: KV) -> KV:
