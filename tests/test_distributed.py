@@ -129,6 +129,7 @@ def test_two_ring_ranks_match_the_single_rank_engine(tmp_path):
     check_rank_timings(json.loads((tmp_path / "tokens.ranks.json").read_text()))
 
 
+@pytest.mark.slow  # 11 s; the plain two-rank test stays: make test's 10-minute budget (clean clone, 2-core CI host)
 def test_two_ring_ranks_with_compiled_decode_match_the_single_rank_engine(tmp_path):
     """engine.compiled_decode on every rank: the decode pass, its all-sums inside, traced once per shape
     under mx.compile (what cuts a GPU step's host launch cost, the cost TP=2 pays on every rank)."""
@@ -148,6 +149,7 @@ def check_rank_timings(ranks: list[dict]) -> None:
         assert all(v > 0 for v in r["collective_us"].values())
 
 
+@pytest.mark.slow  # 10 s: make test's 10-minute budget (clean clone, 2-core CI host)
 def test_ranks_that_time_their_passes_differently_pace_prefill_as_rank_0(tmp_path):
     """engine.prefill_pass_s on (the CPU default) with rank 1's passes timed 50x slower: a follower
     pacing by its own timings would admit fewer prompt tokens per step than rank 0 and diverge (the

@@ -40,6 +40,7 @@ def greedy_refs(model):
     return [reference_greedy(model, text_like(n, i), 16, prefill_step_size=512) for i, n in enumerate(PROMPT_LENS)]
 
 
+@pytest.mark.slow  # 62 s with its mlx-lm references: make test's 10-minute budget (clean clone, 2-core CI host)
 def test_greedy_batched_equals_mlx_lm_with_staggered_arrivals(engines, model, greedy_refs):
     e = new(engines, model)
     reqs = [req(f"r{i}", text_like(n, i), greedy(16)) for i, n in enumerate(PROMPT_LENS)]
@@ -64,6 +65,7 @@ def test_seeded_request_same_alone_and_in_a_batch_of_16(engines, model):
     assert max(batch.stats().decode_batch_hist) == 16
 
 
+@pytest.mark.slow  # 17 s: make test's 10-minute budget (clean clone, 2-core CI host)
 def test_shared_200_token_prefix_prefills_only_the_remainder(engines, model):
     prefix = text_like(200, 300)
     a = prefix + text_like(20, 301)[1:]

@@ -154,6 +154,7 @@ def test_ratio_is_clipped_for_stale_samples():
 
 # ----------------------------------------------------------------------------- checkpoints
 
+@pytest.mark.slow  # 14 s: make test's 10-minute budget (clean clone, 2-core CI host)
 def test_checkpoints_load_in_mlx_lm_and_restore_and_prune(tmp_path):
     from mlx_lm.tuner.utils import load_adapters
     from mlx_lm.utils import load_model as mlx_lm_load

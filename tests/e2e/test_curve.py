@@ -22,7 +22,7 @@ from parallm.launch.local import free_port_range
 
 from .server import Server
 
-pytestmark = pytest.mark.e2e
+pytestmark = [pytest.mark.e2e, pytest.mark.slow]  # 27 s with its CURVE server: make test's 10-minute budget (clean clone, 2-core CI host)
 
 
 @pytest.fixture(scope="module")

@@ -39,6 +39,7 @@ def fault_server():
 
 
 @pytest.mark.parametrize("stage", ["engine", "detokenizer", "tokenizer-0"])
+@pytest.mark.slow  # 45 s with its server; test_hardening kills each stage in the fast tier: make test's 10-minute budget (clean clone, 2-core CI host)
 def test_killed_stage_restarts_and_in_flight_request_errors(fault_server, stage):
     results: list = []
     started = threading.Event()
@@ -90,6 +91,7 @@ def _alive(pid: int) -> bool:
         return True
 
 
+@pytest.mark.slow  # 30 s: make test's 10-minute budget (clean clone, 2-core CI host)
 def test_sigterm_drains_in_flight_then_exits_zero():
     srv = Server("--model.served-name", "default", "--supervisor.drain-timeout-s", "60").start()
     results: list = []

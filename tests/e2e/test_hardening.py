@@ -318,6 +318,7 @@ def limited_server():
         yield srv
 
 
+@pytest.mark.slow  # limited_server: 40 s for the three: make test's 10-minute budget (clean clone, 2-core CI host)
 def test_auth_on(limited_server):
     url = limited_server.url
     body = {"model": MODEL, "prompt": "hi", "max_tokens": 2}
@@ -338,6 +339,7 @@ def test_auth_off_by_default(fault_server):
     assert httpx.get(f"{fault_server.url}/v1/models").status_code == 200
 
 
+@pytest.mark.slow  # limited_server: make test's 10-minute budget (clean clone, 2-core CI host)
 def test_limits_and_total_timeout(limited_server):
     url, auth = limited_server.url, {"Authorization": "Bearer sekrit"}
     too_many = httpx.post(f"{url}/v1/completions", json={"model": MODEL, "prompt": "x", "max_tokens": 65},
@@ -355,6 +357,7 @@ def test_limits_and_total_timeout(limited_server):
         assert slow.status_code == 200
 
 
+@pytest.mark.slow  # limited_server: make test's 10-minute budget (clean clone, 2-core CI host)
 def test_queue_bound_answers_503(limited_server):
     url, auth = limited_server.url, {"Authorization": "Bearer sekrit"}
     wait_engine_idle(limited_server)

@@ -15,7 +15,7 @@ import pytest
 
 from .server import Server
 
-pytestmark = pytest.mark.e2e
+pytestmark = [pytest.mark.e2e, pytest.mark.slow]  # 32 s, two servers: make test's 10-minute budget (clean clone, 2-core CI host)
 
 PROMPT = [1, 504, 3458, 282, 4649, 314]
 GENERATION_DEFAULTS = {"temperature": 0.0, "top_k": 1, "max_new_tokens": 5}

@@ -99,6 +99,7 @@ def test_stop_strings_never_leak(openai_client):
         assert finish == "stop"
 
 
+@pytest.mark.slow  # 26 s: make test's 10-minute budget (clean clone, 2-core CI host)
 def test_sixteen_concurrent_streams_batch_together(server, openai_client):
     model = server_model(openai_client)
 

@@ -456,8 +456,11 @@ def test_every_replica_gets_every_adapter_version(dp_server):
     before = tokenizer_stats(dp_server).routed
 
     def pinned(i: int) -> httpx.Response:  # a replica without version 2 would answer 404
+        # the prompts differ within their first block (as the test above's): "Adapter question {i}?" shared it,
+        # and prefix affinity could send all six to one replica whenever the load bound allowed (a loaded host)
         return httpx.post(f"{dp_server.url}/v1/chat/completions", timeout=120, json={
-            "model": "m", "messages": [{"role": "user", "content": f"Adapter question {i}?"}], "max_tokens": 3,
+            "model": "m", "messages": [{"role": "user", "content": f"Question {i}: what is {i} plus {i + 5}?"}],
+            "max_tokens": 3,
             "adapter": "dp", "adapter_version": 2})
 
     with ThreadPoolExecutor(6) as pool:

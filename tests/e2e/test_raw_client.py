@@ -28,6 +28,7 @@ def client(server):
         yield c
 
 
+@pytest.mark.slow  # 15 s: make test's 10-minute budget (clean clone, 2-core CI host)
 def test_group_logprobs_match_teacher_forced_rescoring(client):
     """8 prompts x 4 samples: the logprob reported for each sampled token is the one the model gives
     that token when the same ids are scored without sampling (temperature 1: the raw distribution)."""

@@ -94,6 +94,7 @@ def test_a_forged_heartbeat_restarts_no_stage(keyed):
     assert keyed.stage_pids() == pids and keyed.proc.poll() is None
 
 
+@pytest.mark.slow  # 20 s, a server of its own: make test's 10-minute budget (clean clone, 2-core CI host)
 def test_json_logs_follow_one_request_id_through_the_stages():
     """With --log-format json every output line is JSON, and a request's id is on the lines about it
     in ingress (the access log), the tokenizer (which refused it) and the detokenizer (which routed
