@@ -266,3 +266,27 @@ def test_short_requests_beside_a_paced_long_prefill_finish_in_two_steps_without_
     if prompt_logprobs:
         paced, plain = got[("long", 0)]["prompt_logprobs"][0], want[("long", 0)]["prompt_logprobs"][0]
         assert len(paced) == len(prompt) and max(abs(a - b) for a, b in zip(paced[1:], plain[1:])) < 1e-4
+
+
+def test_short_prompts_take_the_whole_budget_and_long_ones_are_paced():
+    """vLLM's long_prefill_token_threshold in time: prompts short enough for one unpaced pass (the whole
+    prompt within max_prefill_tokens) are not paced, so a pass takes what the fixed budget would (issue 37:
+    paced, c=16's 78-token prompts went about one a pass where the 128-token budget took 1.3-1.5); a
+    region with a long prompt gets the pacer's budget, and a short prompt joining it too."""
+    budget = KVBudget(budget_tokens=200_000, max_rows=16, max_len=8000)
+    pacer = PrefillPacer(0.25, 128, C)
+    pacer.observe(1.0, [0], [128])  # a slow machine: about 32 tokens a pass at position 0
+    assert pacer.budget(0) < 64
+
+    def scheduled(prompts: list[int]) -> list[int]:
+        sched = Scheduler(budget=budget, max_prefill_tokens=128, blocks=None, block_size=16, pacer=pacer)
+        for i, n in enumerate(prompts):
+            sched.add([Sequence(seq_id=i, rid=f"r{i}", index=0, prompt_ids=[i + 1] * n, params=SamplingParams(),
+                                seed=0)])
+        return list(sched.schedule().prefill.lengths)
+
+    paced = pacer.budget(0)
+    assert scheduled([60, 60, 60]) == [60, 60]  # 120 of the 128 tokens (paced: 32 of the first prompt)
+    assert scheduled([3000]) == [paced]
+    assert sum(scheduled([8, 3000])) <= paced  # a short prompt and a long one: the paced pass
+    assert sum(scheduled([3000, 8])) <= paced

@@ -16,13 +16,14 @@ from .sequence import Sequence
 @dataclass(slots=True)
 class PassShape:
     """A prefill pass over a region in priority order: its first `top` rows are of the best
-    effective priority and share the budget, the pass takes the first `k` rows, chunks of at most
-    `length` tokens, every row padded to `padded` (`length`, or its bucket: plan.length_bucket)."""
+    effective priority and share the budget of `tokens`, the pass takes the first `k` rows, chunks of
+    at most `length` tokens, every row padded to `padded` (`length`, or its bucket: plan.length_bucket)."""
 
     top: int
     k: int
     length: int
     padded: int
+    tokens: int = 0
 
 
 class AdmissionPolicy:
@@ -37,28 +38,41 @@ class AdmissionPolicy:
         # whether `seq` fits the block store once the sequences given were preempted (the Scheduler's)
         self.memory_fits: Callable[[Sequence, list[Sequence]], bool] | None = None
 
-    def chunk_len(self, remaining: list[int]) -> int:
-        """The padded chunk length L of a prefill pass over rows with these remaining tokens."""
+    def chunk_len(self, remaining: list[int], tokens: int | None = None) -> int:
+        """The padded chunk length L of a prefill pass of `tokens` (the step's budget) over rows with
+        these remaining tokens."""
         if not remaining:
             return 0
-        return min(max(remaining), max(1, self.pass_tokens // len(remaining)))
+        return min(max(remaining), max(1, (self.pass_tokens if tokens is None else tokens) // len(remaining)))
+
+    def tokens_for(self, region: list[Sequence]) -> int:
+        """The budget of a pass over `region`: max_prefill_tokens where every prompt in it is short (the
+        whole prompt, cached part included, within max_prefill_tokens), else the step's paced budget.
+        vLLM's `long_prefill_token_threshold` in this engine's terms: the pacer (pacing.py) bounds the time
+        of a long prompt's chunks, whose cost grows with their position; short prompts start at position 0
+        and finish in the pass, and pacing them too cut a pass to about one 78-token prompt where the fixed
+        128-token budget took 1.3-1.5 (c=16 on the 2-core CPU, docs/scheduling.md)."""
+        if all(s.prefill_target <= self.max_prefill_tokens for s in region):
+            return self.max_prefill_tokens
+        return self.pass_tokens
 
     def pass_shape(self, region: list[Sequence], rems: list[int], now: float) -> PassShape:
         """Equal priorities: every row, as many tokens each as the budget allows. Otherwise the
         best priority's rows share the budget, and worse rows ride along only while k x L stays
         within it and each fills half its chunk."""
+        tokens = self.tokens_for(region)
         if not self.priority.mixed(region):
-            length = self.chunk_len(rems)
-            return PassShape(len(region), len(region), length, self._padded(length))
+            length = self.chunk_len(rems, tokens)
+            return PassShape(len(region), len(region), length, self._padded(length), tokens)
         effs = [self.priority.effective(s, now) for s in region]
         top = 1
         while top < len(region) and effs[top] == effs[0]:
             top += 1
-        length = self.chunk_len(rems[:top])
+        length = self.chunk_len(rems[:top], tokens)
         k = top
-        while k < len(region) and (k + 1) * length <= self.pass_tokens and 2 * min(rems[k], length) >= length:
+        while k < len(region) and (k + 1) * length <= tokens and 2 * min(rems[k], length) >= length:
             k += 1
-        return PassShape(top, k, length, self._padded(length))
+        return PassShape(top, k, length, self._padded(length), tokens)
 
     def _padded(self, length: int) -> int:
         return length_bucket(length, self.max_prefill_tokens) if self.buckets and length else length
@@ -98,12 +112,13 @@ class AdmissionPolicy:
         others = rems[:pos] + rems[pos + 1:shape.top]
         if not others:
             return False
-        if length < min(remaining, self.chunk_len(others)):
+        tokens = shape.tokens or self.pass_tokens
+        if length < min(remaining, self.chunk_len(others, tokens)):
             return True
         if 2 * min(remaining, length) >= length:
             return False
-        chunked = all(r > self.chunk_len(others) for r in others)  # the others alone would not finish this pass
-        return not (chunked and length >= self.pass_tokens // 2)
+        chunked = all(r > self.chunk_len(others, tokens) for r in others)  # the others alone would not finish this pass
+        return not (chunked and length >= tokens // 2)
 
     def victim(self, seq: Sequence, pool: list[Sequence], rows_in_use: int, live: list[Sequence], now: float,
                check_memory: bool = True) -> Sequence | None:

@@ -31,6 +31,11 @@ decode pass alone took most of the target: on the 2-core CPU of 2026-11-30 (a de
 c=16 served 0.64x of main c9206fd's throughput. The chunk's time alone, without the whole pass's bound,
 let passes beside a 6k-token prompt's late chunks (f ~1 s there: every padded row reads the whole span)
 grow to 1-3 s, and a canary beside it waited 2.2 s (p50).
+
+Only long prompts are paced (AdmissionPolicy.tokens_for): a pass whose prompts are all short, each whole
+prompt within max_prefill_tokens, takes max_prefill_tokens. Such a pass starts at position 0 and its cost
+is bounded by the fixed budget's; pacing it too cut c=16's passes on the 2-core CPU to about one 78-token
+prompt where the 128-token budget took 1.3-1.5 (issue 37).
 """
 
 from __future__ import annotations
