@@ -63,9 +63,10 @@ def test_trl_shape_logprobs_match_teacher_forcing(server, http, raw):
 
 
 def test_mlx_rl_shape_logprobs_match_teacher_forcing(server, http, raw):
+    # seeded: sampled at temperature 1 without a seed, a first EOS once ended the completion empty
     r = post(server, http, "/generate", {"prompt": "What is machine learning?", "temperature": 1.0, "top_p": 1.0,
                                      "max_tokens": 12, "logprobs": 1, "policy_version": 42, "step_id": 1000,
-                                     "request_id": "unique-request-id"})
+                                     "request_id": "unique-request-id", "seed": 7})
     assert r.status_code == 200, r.text
     out = r.json()
     assert (out["request_id"], out["policy_version"], out["step_id"]) == ("unique-request-id", 42, 1000)
