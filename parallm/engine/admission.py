@@ -23,7 +23,7 @@ class PassShape:
     k: int
     length: int
     padded: int
-    tokens: int = 0
+    tokens: int
 
 
 class AdmissionPolicy:
@@ -38,12 +38,12 @@ class AdmissionPolicy:
         # whether `seq` fits the block store once the sequences given were preempted (the Scheduler's)
         self.memory_fits: Callable[[Sequence, list[Sequence]], bool] | None = None
 
-    def chunk_len(self, remaining: list[int], tokens: int | None = None) -> int:
-        """The padded chunk length L of a prefill pass of `tokens` (the step's budget) over rows with
+    def chunk_len(self, remaining: list[int], tokens: int) -> int:
+        """The padded chunk length L of a prefill pass of `tokens` (its budget: tokens_for) over rows with
         these remaining tokens."""
         if not remaining:
             return 0
-        return min(max(remaining), max(1, (self.pass_tokens if tokens is None else tokens) // len(remaining)))
+        return min(max(remaining), max(1, tokens // len(remaining)))
 
     def tokens_for(self, region: list[Sequence]) -> int:
         """The budget of a pass over `region`: max_prefill_tokens where every prompt in it is short (the
@@ -112,7 +112,7 @@ class AdmissionPolicy:
         others = rems[:pos] + rems[pos + 1:shape.top]
         if not others:
             return False
-        tokens = shape.tokens or self.pass_tokens
+        tokens = shape.tokens
         if length < min(remaining, self.chunk_len(others, tokens)):
             return True
         if 2 * min(remaining, length) >= length:

@@ -111,9 +111,6 @@ class Scheduler(RowLayout):
             seq.epoch += 1
 
     # ------------------------------------------------------------------ the step plan
-    def chunk_len(self, remaining: list[int]) -> int:
-        return self.admission.chunk_len(remaining)
-
     def _pass(self, now: float) -> PassShape:
         return self.admission.pass_shape(self.prefilling, [s.prefill_remaining for s in self.prefilling], now)
 
