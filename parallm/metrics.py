@@ -99,6 +99,8 @@ _ENGINE: tuple[tuple[str, str, str, Callable[[EngineStats], float]], ...] = (
     ("prefix_cache_queries", "Prompt tokens looked up in the prefix cache", "counter",
      lambda e: e.prefix_queried_tokens),
     ("prefix_cache_hits", "Prompt tokens found in the prefix cache", "counter", lambda e: e.prefix_hit_tokens),
+    ("prefix_cache_partial_hits", "Admissions whose prompt started from a copy of a partly matching cached block",
+     "counter", lambda e: e.prefix_partial_hits),
     ("prefix_cache_hit_rate", "prefix_cache_hits / prefix_cache_queries since the engine started", "rate",
      lambda e: e.prefix_hit_tokens),
     ("preemptions", "Sequences preempted (row freed, recomputed later) for KV memory or priority", "counter",

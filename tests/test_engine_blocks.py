@@ -1,5 +1,6 @@
 """BlockManager, pure Python: chained hashes, sharing, LRU eviction, integrity."""
 
+import itertools
 import random
 
 import pytest
@@ -52,6 +53,37 @@ def test_never_hashed_blocks_go_first_then_lru_eviction():
     bm.check_integrity({})
 
 
+def test_partial_finds_the_block_sharing_most_leading_tokens_after_the_same_chain():
+    bm = BlockManager(8, 4)
+    first = [b for b, _ in bm.store([], [1, 2, 3, 4, 5, 6, 7, 8], "", 2)]
+    other = [b for b, _ in bm.store([], [1, 2, 9, 9], "", 1)]
+    lora = [b for b, _ in bm.store([], [1, 2, 3, 7], "lora-a:1", 1)]
+    assert bm.partial([1, 2, 3, 0], "", NO_HASH) == (first[0], 3)
+    assert bm.partial([1, 2, 9], "", NO_HASH) == (other[0], 3)  # fewer tokens than a block
+    assert bm.partial([1, 5], "", NO_HASH) in {(first[0], 1), (other[0], 1)}
+    assert bm.partial([0, 2, 3, 4], "", NO_HASH) is None
+    assert bm.partial([1, 2, 3, 7], "lora-a:1", NO_HASH) == (lora[0], 4)
+    assert bm.partial([1, 2, 3, 0], "lora-b:1", NO_HASH) is None  # another adapter's KV is not this one's
+    # the second block's family is the first block's chain, not the root
+    assert bm.partial([5, 6, 0, 0], "", NO_HASH) is None
+    assert bm.partial([5, 6, 0, 0], "", bm.chain_hash(first[:1])) == (first[1], 2)
+    bm.release(first + other + lora)
+    bm.check_integrity({})
+    assert bm.drop_cached() == 4 and bm.partial([1, 2, 3, 0], "", NO_HASH) is None and not bm.families
+    bm.check_integrity({})
+
+
+def test_an_evicted_block_leaves_its_family():
+    bm = BlockManager(2, 2)
+    a = [b for b, _ in bm.store([], [1, 2], "", 1)]
+    bm.release(a)
+    b = [bid for bid, _ in bm.store([], [3, 4], "", 1)]
+    c = [bid for bid, _ in bm.store([], [5, 6], "", 1)]  # evicts [1, 2]
+    assert bm.evictions == 1 and bm.partial([1, 9], "", NO_HASH) is None
+    assert bm.partial([5, 9], "", NO_HASH) == (c[0], 1)
+    bm.check_integrity({b[0]: 1, c[0]: 1})
+
+
 def test_store_stops_when_no_block_is_free():
     bm = BlockManager(2, 2)
     got = bm.store([], [1, 2, 3, 4, 5, 6], "", 3)
@@ -96,6 +128,12 @@ def test_random_operations_keep_integrity(seed):
                 assert bm.blocks[bid].token_ids == tuple(toks[2 * j:2 * j + 2])
             held[sid] = hit + [b for b, _ in got]
             assert bm.match(toks, "", len(held[sid]))[:len(held[sid])] == held[sid]
+            query = tuple(toks[2 * len(hit):2 * len(hit) + 2])
+            keyed = [b for b in bm.blocks if b.family == (bm.chain_hash(hit), "")]
+            best = max((_shared(query, b.token_ids) for b in keyed), default=0)
+            found = bm.partial(query, "", bm.chain_hash(hit))
+            assert (found[1] if found else 0) == best
+            assert found is None or bm.blocks[found[0]].token_ids[:best] == query[:best]
         else:
             sid = rng.choice(list(held))
             bm.release(held.pop(sid))
@@ -108,3 +146,8 @@ def test_random_operations_keep_integrity(seed):
         bm.release(ids)
     bm.check_integrity({})
     assert bm.num_used == 0
+
+
+def _shared(a, b) -> int:
+    """Leading tokens a and b have in common (brute force, against BlockManager.partial)."""
+    return sum(1 for _ in itertools.takewhile(lambda pair: pair[0] == pair[1], zip(a, b)))

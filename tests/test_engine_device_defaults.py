@@ -32,6 +32,7 @@ def test_cpu_resolution_is_unchanged():
         "kv_preallocate": False,  # issue 41: the block store grows as it is used (allocated whole on CUDA)
         "kv_write_in_place": False,  # issue 41: decode passes store K/V in place only through the CUDA kernel
         "block_size": 32,  # issue 41: gather_mm reads 32-token tiles faster than 16 on the CPU
+        "prefix_partial_blocks": True,  # issue 37: 32-token blocks' prefix hits to the token (a copied block)
         "fused_projections": False,  # issue 37: one matmul for q/k/v and gate/up, no gain measured on the CPU
         "max_prefill_rows": 16}  # the one default before issue 37 made it 32 on CUDA
 
@@ -39,6 +40,12 @@ def test_cpu_resolution_is_unchanged():
 def test_blocks_are_32_tokens_on_the_cpu_and_16_on_gpus_unless_set():
     assert [resolve_engine_config(EngineConfig(), d).block_size for d in ("cpu", "cuda", "metal")] == [32, 16, 16]
     assert [resolve_engine_config(EngineConfig(block_size=16), d).block_size for d in ("cpu", "cuda")] == [16, 16]
+
+
+def test_partial_block_hits_are_the_cpus_unless_set():
+    assert [resolve_engine_config(EngineConfig(), d).prefix_partial_blocks for d in ("cpu", "cuda", "metal")] == \
+        [True, False, False]
+    assert resolve_engine_config(EngineConfig(prefix_partial_blocks=True), "cuda").prefix_partial_blocks
 
 
 def test_cuda_admits_32_prompts_and_2048_tokens_a_step_unless_set():

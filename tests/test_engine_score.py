@@ -121,9 +121,10 @@ def test_a_prefix_hit_is_used_and_gives_the_same_numbers(engines, model):
     before = e.stats()
     got = e.score(ids, start=len(prompt))
     after = e.stats()
-    # full blocks before position start-1 = 69: 4 blocks of 16; the prompt's were written back
-    assert after.prefix_hit_tokens - before.prefix_hit_tokens == 64
-    assert after.prompt_tokens_computed - before.prompt_tokens_computed == len(ids) - 64
+    # the tokens before position start-1 = 69: 4 full blocks of 16, and 5 of the fifth from a copy of the
+    # prompt's fifth block (a partial hit; the prompt's blocks were written back)
+    assert after.prefix_hit_tokens - before.prefix_hit_tokens == 69 and after.prefix_partial_hits == 1
+    assert after.prompt_tokens_computed - before.prompt_tokens_computed == len(ids) - 69
     assert after.scored_tokens == 20
     cold = new(engines, model, prefix_cache=False).score(ids, start=len(prompt))
     np.testing.assert_allclose(got.logprobs, cold.logprobs, atol=1e-5)

@@ -102,6 +102,13 @@ class EngineConfig(Struct, frozen=True, kw_only=True, forbid_unknown_fields=True
     block_size: Annotated[int | None, _d("tokens per block of the KV block store (and prefix cache); unset = 32 on "
                                          "MLX's CPU device, 16 elsewhere (docs/performance.md)")] = None
     prefix_cache: Annotated[bool, _d("reuse the KV of shared prompt prefixes")] = True
+    prefix_partial_blocks: Annotated[bool | None, _d("a prompt whose next block is not cached whole starts from a "
+                                                     "copy of the cached block after the same prefix that shares "
+                                                     "most of its leading tokens (a shared prefix is reused to the "
+                                                     "token, not to the block); unset = on with MLX's CPU device, "
+                                                     "whose 32-token blocks would recompute up to 31 tokens, off "
+                                                     "elsewhere (the copy waits for the device; not measured on a "
+                                                     "GPU)")] = None
     overlap: Annotated[bool | None, _d("build and launch step t+1 before reading step t's tokens; unset = on with "
                                        "a GPU, off on MLX's CPU device")] = None
     in_place_kv_mb: Annotated[float, _d("from this size of the live KV buffers (MiB) on, a pass that writes into "
@@ -272,6 +279,8 @@ def resolve_engine_config(config: EngineConfig, device: ComputeDevice) -> Engine
         changes["prefill_buckets"] = False  # a GPU default waits for `bash perf/gpu_runs.sh buckets`
     if config.kv_preallocate is None:
         changes["kv_preallocate"] = on_cuda
+    if config.prefix_partial_blocks is None:
+        changes["prefix_partial_blocks"] = on_cpu
     if config.unfused_decode is None:
         changes["unfused_decode"] = on_cuda
     if config.kv_write_in_place is None:

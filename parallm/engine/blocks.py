@@ -13,6 +13,13 @@ block is used first (lowest id first, so the store only grows as far as the bloc
 unless more than `max_cached` blocks sit in the LRU list (the cache's share of the store), then the
 least recently used is evicted first.
 
+A prompt whose next block is not cached whole can still start from the cached block after the same
+chain that shares the longest run of its leading tokens (`partial`): the scheduler copies that block
+into one of its own and computes from the first token that differs (vLLM reuses whole blocks only,
+SGLang's radix tree any prefix). Keyed blocks are indexed for it by (parent's key, adapter), each
+family's blocks sorted by their token ids, so the longest common prefix is one of the two neighbours
+of a prompt's place in that order.
+
 An optional lower tier (`tier`, e.g. prefix_tier.PrefixDiskTier) hears of blocks keyed and evicted,
 and may supply the blocks a lookup misses (`BlockTier`).
 """
@@ -20,6 +27,7 @@ and may supply the blocks a lookup misses (`BlockTier`).
 from __future__ import annotations
 
 import heapq
+from bisect import bisect_left, insort
 from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Mapping, Protocol, Sequence
@@ -35,6 +43,7 @@ class Block:
     ref_count: int = 0
     hash: int = NO_HASH
     token_ids: tuple[int, ...] = ()
+    family: tuple[int, str] | None = None  # (parent's key, adapter) where `partial` finds it
 
 
 class BlockTier(Protocol):
@@ -67,6 +76,8 @@ class BlockManager:
         self.hash_to_block: dict[int, int] = {}
         self.free_unhashed: list[int] = []  # a heap of freed ids below peak: lowest first
         self.free_cached: OrderedDict[int, None] = OrderedDict()  # least recently freed first
+        # keyed blocks by (parent's key, adapter), each family sorted by (token ids, block id): `partial`
+        self.families: dict[tuple[int, str], list[tuple[tuple[int, ...], int]]] = {}
         self.evictions = 0
 
     # ------------------------------------------------------------------ counts
@@ -115,6 +126,39 @@ class BlockManager:
             out.append(bid)
             parent = h
         return out
+
+    def partial(self, token_ids: Sequence[int], adapter: str, parent: int) -> tuple[int, int] | None:
+        """(block id, n): the keyed block after chain `parent` whose first n token ids are the first n of
+        `token_ids` (at most a block's), n as large as any such block has and at least 1; None if none.
+        No reference is taken."""
+        family = self.families.get((parent, adapter))
+        query = tuple(token_ids[:self.block_size])
+        if not family or not query:
+            return None
+        at = bisect_left(family, (query,))
+        best: tuple[int, int] | None = None
+        for tokens, bid in family[max(0, at - 1):at + 1]:
+            n = _common_prefix(query, tokens)
+            if n and (best is None or n > best[1]):
+                best = (bid, n)
+        return best
+
+    def _index(self, block: Block, parent: int, adapter: str) -> None:
+        block.family = (parent, adapter)
+        insort(self.families.setdefault(block.family, []), (block.token_ids, block.block_id))
+
+    def _unkey(self, block: Block) -> None:
+        """Forget block's key: the hash map's entry and its place in its family."""
+        if self.hash_to_block.get(block.hash) == block.block_id:
+            del self.hash_to_block[block.hash]
+        if block.family is not None:
+            family = self.families[block.family]
+            at = bisect_left(family, (block.token_ids, block.block_id))
+            if at < len(family) and family[at][1] == block.block_id:
+                del family[at]
+            if not family:
+                del self.families[block.family]
+        block.hash, block.token_ids, block.family = NO_HASH, (), None
 
     def install(self, h: int, tokens: tuple[int, ...], keep: Sequence[int] = ()) -> int | None:
         """Take a free block for key `h` (a lower tier's block coming back) and leave it cached, most
@@ -193,6 +237,7 @@ class BlockManager:
                     return j, parent
                 block.hash, block.token_ids = h, tokens
                 self.hash_to_block[h] = bid
+                self._index(block, parent, adapter)
                 if self.tier is not None:
                     self.tier.stored(bid, h, tokens, adapter)
             elif found != bid:
@@ -234,6 +279,7 @@ class BlockManager:
                 block = self.blocks[bid]
                 block.hash, block.token_ids, block.ref_count = h, tokens, 1
                 self.hash_to_block[h] = bid
+                self._index(block, parent, adapter)
                 if self.tier is not None:
                     self.tier.stored(bid, h, tokens, adapter)
                 out.append((bid, True))
@@ -251,9 +297,7 @@ class BlockManager:
             block = self.blocks[bid]
             if self.tier is not None:
                 self.tier.evicting(bid, block.hash, block.token_ids)
-            if self.hash_to_block.get(block.hash) == bid:
-                del self.hash_to_block[block.hash]
-            block.hash, block.token_ids = NO_HASH, ()
+            self._unkey(block)
             self.evictions += 1
             return bid
         return None
@@ -263,10 +307,7 @@ class BlockManager:
         key, so these can never be hit again); blocks still held keep their key. Returns how many."""
         dropped = list(self.free_cached)
         for bid in dropped:
-            block = self.blocks[bid]
-            if self.hash_to_block.get(block.hash) == bid:
-                del self.hash_to_block[block.hash]
-            block.hash, block.token_ids = NO_HASH, ()
+            self._unkey(self.blocks[bid])
         self.free_unhashed.extend(dropped)
         heapq.heapify(self.free_unhashed)
         self.free_cached.clear()
@@ -308,5 +349,19 @@ class BlockManager:
                 assert block.token_ids == ()
         for h, bid in self.hash_to_block.items():
             assert self.blocks[bid].hash == h, f"hash map entry for block {bid} is stale"
+        indexed = {bid for family in self.families.values() for _, bid in family}
+        assert indexed == {b.block_id for b in self.blocks if b.family is not None}, "a family lists a block not in it"
+        for key, family in self.families.items():
+            assert family == sorted(family) and all(self.blocks[bid].family == key and self.blocks[bid].token_ids == t
+                                                    for t, bid in family), f"family {key} is stale or unsorted"
         extra = [b for b in expected_refs if not 0 <= b < len(self.blocks)]
         assert not extra, f"sequences hold unknown blocks {sorted(extra)}"
+
+
+def _common_prefix(a: tuple[int, ...], b: tuple[int, ...]) -> int:
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n

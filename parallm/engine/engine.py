@@ -130,6 +130,7 @@ class Engine(EngineReport, EngineScoring):
         self.scheduler = Scheduler(budget=self.budget, max_prefill_tokens=settings.max_prefill_tokens, pacer=self.pacer,
                                    blocks=self.blocks, block_size=bs, max_prefill_rows=settings.max_prefill_rows,
                                    prefix_cache=settings.prefix_cache,
+                                   partial_blocks=settings.prefix_cache and bool(settings.prefix_partial_blocks),
                                    writeback_interval=settings.writeback_interval,
                                    priority_aging_s=settings.priority_aging_s,
                                    prefill_buckets=bool(settings.prefill_buckets) and not info.prefill_alone)
@@ -280,6 +281,7 @@ class Engine(EngineReport, EngineScoring):
         plan = self.scheduler.schedule()
         self.trace.plan(len(plan.admitted), len(plan.preempted))
         self._execute(plan.ops)
+        self.scheduler.ops_ran()
         self._phase("schedule", time.perf_counter() - t0)
         return plan
 
@@ -476,7 +478,7 @@ class Engine(EngineReport, EngineScoring):
         self.output.prompt_computed = self.output.generated = self.output.scored = 0
         self.trace.reset()
         self._seq_counter = self._seed_counter = self._score_counter = 0
-        self.scheduler.prefix_queried_tokens = self.scheduler.prefix_hit_tokens = 0
+        self.scheduler.prefix_queried_tokens = self.scheduler.prefix_hit_tokens = self.scheduler.partial_hits = 0
         self.runner.live.copied.clear()
         if self.spec is not None:
             self.spec.reset()

@@ -69,6 +69,7 @@ class EngineReport:
             kv_blocks_cached=b.num_cached,
             kv_budget_bytes=self.kv_budget_bytes, live_token_slots=self.budget.budget_tokens,
             prefix_queried_tokens=s.prefix_queried_tokens, prefix_hit_tokens=s.prefix_hit_tokens,
+            prefix_partial_hits=s.partial_hits,
             prefix_evictions=b.evictions, preemptions=s.preemptions,
             priority_preemptions=s.priority_preemptions, **self.counters.stats(),
             prompt_tokens_computed=self.output.prompt_computed,

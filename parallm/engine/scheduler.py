@@ -46,9 +46,11 @@ class Scheduler(RowLayout):
                  block_size: int, max_prefill_rows: int = 16, writeback_interval: int = 16,
                  headroom: int = 16, priority_aging_s: float = 0.0, prefill_buckets: bool = False,
                  pacer: PrefillPacer | None = None, clock: Callable[[], float] = time.monotonic,
-                 prefix_cache: bool | None = None) -> None:
+                 prefix_cache: bool | None = None, partial_blocks: bool = False) -> None:
         """`blocks`: the block store's bookkeeping (None: one of budget.budget_tokens, without prefix
-        cache); `prefix_cache`: key full blocks for later hits (default: whether `blocks` was given)."""
+        cache); `prefix_cache`: key full blocks for later hits (default: whether `blocks` was given);
+        `partial_blocks`: a prompt whose next block is not cached whole starts from a copy of the cached
+        block sharing most of its leading tokens (BlockManager.partial, engine.prefix_partial_blocks)."""
         if prefix_cache is None:
             prefix_cache = blocks is not None
         if blocks is None:
@@ -72,6 +74,9 @@ class Scheduler(RowLayout):
         self.priority_preemptions = 0
         self.prefix_queried_tokens = 0
         self.prefix_hit_tokens = 0
+        self.partial_blocks = partial_blocks
+        self.partial_hits = 0  # admissions that started from a copied partly matching block
+        self._copy_sources: list[int] = []  # blocks this step's CopyBlocks read: held until ops_ran
 
     # ------------------------------------------------------------------ queues
     def add(self, seqs: list[Sequence]) -> None:
@@ -121,6 +126,7 @@ class Scheduler(RowLayout):
     def schedule(self) -> Plan:
         plan = Plan()
         now = self.policy.clock()
+        self.ops_ran()  # the last step's, if its driver did not say so
         self._periodic_write_back()
         self._pace()
         self._order_prefilling(now)
@@ -295,8 +301,8 @@ class Scheduler(RowLayout):
             return "rows"
         if len(self.prefilling) + 1 > self.max_prefill_rows:
             return "prefill_rows"
-        hit = self._match(seq)
-        cached = len(hit) * self.block_size
+        hit, part = self._match(seq)
+        cached = len(hit) * self.block_size + (part[1] if part else 0)
         region, rems, starts = self.admission.with_candidate(self.prefilling, seq, seq.prefill_target - cached,
                                                              cached, now)
         shape = self.admission.pass_shape(region, rems, now)
@@ -309,6 +315,8 @@ class Scheduler(RowLayout):
         own = blocks_for(min(max(seq.num_tokens + self.headroom, starts[mine] + min(rems[mine], shape.length) + 1),
                              self.budget.max_len), self.block_size)
         own += nrows - 1 - len(hit) + sum(1 for b in hit if self.blocks.blocks[b].ref_count == 0)
+        if part is not None:
+            own += self.blocks.blocks[part[0]].ref_count == 0  # the copy's source is held until it ran
         if self._demand(region, rems, starts, shape, skip=seq) + own > self._available():
             return "memory"
         self.waiting.remove(seq)
@@ -321,6 +329,14 @@ class Scheduler(RowLayout):
             self.prefix_hit_tokens += cached
             self.blocks.acquire(hit)
         seq.block_ids = list(hit)  # a reference: the cached blocks are the row's KV
+        if part is not None:  # its first tokens copied from a cached block into one of its own
+            self.blocks.acquire([part[0]])
+            self._copy_sources.append(part[0])
+            got = self.blocks.allocate(1)
+            assert got is not None, "no block for a partial hit's copy (admission counted it)"
+            self._copy_block(part[0], got[0])
+            seq.block_ids.extend(got)
+            self.partial_hits += 1
         seq.num_keyed, seq.chain_hash = len(hit), self.blocks.chain_hash(hit)
         seq.num_computed = cached
         if seq.num_cached_first < 0:
@@ -350,10 +366,32 @@ class Scheduler(RowLayout):
         plan.preempted.append(victim)
         return True
 
-    def _match(self, seq: Sequence) -> list[int]:
+    def _match(self, seq: Sequence) -> tuple[list[int], tuple[int, int] | None]:
+        """The cached full blocks `seq`'s prompt starts with, and (with partial_blocks) the cached block
+        sharing most of the tokens after them with how many (at most up to its last cacheable token)."""
         if not self.prefix_cache or not seq.uses_prefix_cache:
-            return []
-        return self.blocks.match(seq.cache_ids, seq.adapter, seq.cacheable_tokens // self.block_size)
+            return [], None
+        hit = self.blocks.match(seq.cache_ids, seq.adapter, seq.cacheable_tokens // self.block_size)
+        if not self.partial_blocks:
+            return hit, None
+        start = len(hit) * self.block_size
+        part = self.blocks.partial(seq.cache_ids[start:seq.cacheable_tokens], seq.adapter,
+                                   self.blocks.chain_hash(hit))
+        return hit, part
+
+    def _copy_block(self, src: int, dst: int) -> None:
+        """Queue block dst := block src, in the same CopyBlocks as the step's other copies."""
+        if self._pending and isinstance(self._pending[-1], CopyBlocks):
+            self._pending[-1].pairs.append((src, dst))
+        else:
+            self._pending.append(CopyBlocks([(src, dst)]))
+
+    def ops_ran(self) -> None:
+        """The step's row ops ran: the blocks its copies read may be reused (a reference held them, so
+        no allocation or disk-tier read in the same schedule could write them before the copy)."""
+        if self._copy_sources:
+            self.blocks.release(self._copy_sources)
+            self._copy_sources = []
 
     def _prefill_work(self, now: float) -> PrefillWork | None:
         if not self.prefilling:
@@ -447,4 +485,6 @@ class Scheduler(RowLayout):
         for s in self.running + self.prefilling:
             for bid in s.block_ids:
                 refs[bid] = refs.get(bid, 0) + 1
+        for bid in self._copy_sources:
+            refs[bid] = refs.get(bid, 0) + 1
         self.blocks.check_integrity(refs)

@@ -167,6 +167,7 @@ class EngineStats(Struct, tag="engine", kw_only=True):
     live_token_slots: int = 0
     prefix_queried_tokens: int = 0
     prefix_hit_tokens: int = 0
+    prefix_partial_hits: int = 0  # admissions that started from a copy of a partly matching cached block
     prefix_evictions: int = 0
     preemptions: int = 0
     priority_preemptions: int = 0       # of those, made room for a request of better priority
