@@ -22,9 +22,10 @@ from typing import Any
 import msgspec
 
 COUNTERS = ("steps", "preemptions", "priority_preemptions", "recomputed_tokens", "oom_retries", "mixed_passes",
-            "prompt_tokens_computed", "generated_tokens", "prefix_hit_tokens")
+            "prompt_tokens_computed", "generated_tokens", "prefix_hit_tokens", "prefix_partial_hits")
 SETTINGS = ("max_num_seqs", "max_prefill_tokens", "max_prefill_rows", "mixed_passes", "overlap", "fast_math",
-            "prefix_cache", "kv_budget_mb", "buffer_cache_mb", "unfused_decode", "unfused_prefill_keys")
+            "prefix_cache", "prefix_partial_blocks", "kv_budget_mb", "buffer_cache_mb", "unfused_decode",
+            "unfused_prefill_keys")
 
 
 def settle() -> None:
