@@ -9,6 +9,7 @@ import pytest
 
 from _engine_helpers import TINY_VOCAB, greedy, req, run_all, tiny_model, tracked_engine as new, wide_heads_model
 from parallm.config import KVConfig
+from parallm.engine.plan import CopyBlocks
 
 SYSTEM = [random.Random(1).randrange(3, TINY_VOCAB) for _ in range(26)]  # shorter than a 32-token block
 
@@ -66,7 +67,7 @@ def test_prompts_admitted_together_copy_in_one_op_and_keep_their_tokens(engines,
     runner_execute = e.runner.execute
 
     def execute(ops, reach):
-        copies.extend(len(op.pairs) for op in ops if type(op).__name__ == "CopyBlocks")
+        copies.extend(len(op.pairs) for op in ops if isinstance(op, CopyBlocks))
         return runner_execute(ops, reach)
 
     e.runner.execute = execute

@@ -97,7 +97,8 @@ class SwapRows:
 @dataclass(slots=True)
 class CopyBlocks:
     """Block dst := block src for each (src, dst) of the block store: the copy-on-write of an n > 1
-    fork's partly filled last block (every full block is shared)."""
+    fork's partly filled last block (every full block is shared), and a partial prefix hit's cached block
+    (Scheduler._match)."""
 
     pairs: list[tuple[int, int]]
 

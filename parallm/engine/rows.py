@@ -151,6 +151,13 @@ class RowLayout:
         self._pending.append(CopyRow(copy_from.row, seq.row, copy_from.num_computed))
         self._pending.append(InitRow(seq.row, seq))
 
+    def _copy_block(self, src: int, dst: int) -> None:
+        """Queue block dst := block src, in the same CopyBlocks as the step's other copies."""
+        if self._pending and isinstance(self._pending[-1], CopyBlocks):
+            self._pending[-1].pairs.append((src, dst))
+        else:
+            self._pending.append(CopyBlocks([(src, dst)]))
+
     def _share_blocks(self, seq: Sequence, source: Sequence) -> None:
         """`seq`'s table := `source`'s computed blocks: the full ones shared (a reference each), a
         partly filled last one copied (the two write their next tokens into it)."""
@@ -163,7 +170,7 @@ class RowLayout:
         if part:
             got = self.blocks.allocate(1)
             assert got is not None, "no free block for a fork's last block (the policy should have made room)"
-            self._pending.append(CopyBlocks([(source.block_ids[full], got[0])]))
+            self._copy_block(source.block_ids[full], got[0])
             seq.block_ids.extend(got)
 
     def reserve(self, seq: Sequence, tokens: int) -> int:

@@ -379,13 +379,6 @@ class Scheduler(RowLayout):
                                    self.blocks.chain_hash(hit))
         return hit, part
 
-    def _copy_block(self, src: int, dst: int) -> None:
-        """Queue block dst := block src, in the same CopyBlocks as the step's other copies."""
-        if self._pending and isinstance(self._pending[-1], CopyBlocks):
-            self._pending[-1].pairs.append((src, dst))
-        else:
-            self._pending.append(CopyBlocks([(src, dst)]))
-
     def ops_ran(self) -> None:
         """The step's row ops ran: the blocks its copies read may be reused (a reference held them, so
         no allocation or disk-tier read in the same schedule could write them before the copy)."""
