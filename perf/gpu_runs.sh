@@ -139,6 +139,10 @@
 #             with ignore_eos, then perf/bench_serving.py c=1 over HTTP for both trees, ~8 min. SHAPE37=tiny-deep CPU_SMOKE=1
 #             (and TOK=a tokenizer directory) runs the same steps on the CPU (~2 min each; main's tree has no tiny-deep
 #             shape, so its bench_serving step fails there)
+#   opsbuf    issue 37: MLX's CUDA graph size (MLX_MAX_OPS_PER_BUFFER=${OPS:-1000} against MLX's default, which
+#             commits a CUDA graph every ~20-30 kernels, each commit an exec update, a launch and a completion
+#             callback): llama-3.2-3b at c=1 (in process and HTTP, the two settings alternated over two rounds),
+#             then c=256 (in process and HTTP) under each, a fresh engine and server every run, ~9 min
 #   pagedkv / pagedkvserve  issue 41: the KV block store with paged decode attention (this tree) vs the dense rows of
 #             main before it (BEFORE, default .gpu/before: `mkdir -p .gpu/before && git archive be43360 | tar -x -C
 #             .gpu/before`, 7 MB, carried with the call), alternating trees: `pagedkv` the engine's decode step at 1, 64
@@ -198,7 +202,7 @@
 #             CPU_SMOKE=1 SHAPE37=tiny TOK=<tokenizer dir>, ~7 min
 # A fresh server per wave: `waves` fits 6-7 waves in one 10-minute call; run it twice for ten.
 set -uo pipefail
-case "${1:-}" in dp512r|dp512|allsum38|tpdp|diag|llama|adapters|qwen-a|qwen-b|serving|waves|ingress|moe|moe256|hybrid|structured|tp|tp8b|dp|threads|compiled|republish|buckets|serve256|inplace|mixed|cudnn|decodeattn|unfuseddecode|defaults|defaultsab|qwendtype|qwenmlx|qwen8b|embeddings|policy|vision|trainmem|spec|specdraft|specdraft32|kvbits|pagedattn|trainshare|single|pagedkv|pagedkvserve|pagedkvdiag|pagedkvinplace|pagedkvfinal|pagedkvserveall|pagedkvhost|pagedkvlast|pagedkv256|pagedkvfused|final37|single37|single37b|fused37) ;;
+case "${1:-}" in dp512r|dp512|allsum38|tpdp|diag|llama|adapters|qwen-a|qwen-b|serving|waves|ingress|moe|moe256|hybrid|structured|tp|tp8b|dp|threads|compiled|republish|buckets|serve256|inplace|mixed|cudnn|decodeattn|unfuseddecode|defaults|defaultsab|qwendtype|qwenmlx|qwen8b|embeddings|policy|vision|trainmem|spec|specdraft|specdraft32|kvbits|pagedattn|trainshare|single|pagedkv|pagedkvserve|pagedkvdiag|pagedkvinplace|pagedkvfinal|pagedkvserveall|pagedkvhost|pagedkvlast|pagedkv256|pagedkvfused|final37|single37|single37b|fused37|opsbuf) ;;
   *) sed -n '2,/^# A fresh server per wave/p' "$0"; exit 2 ;; esac
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
@@ -443,6 +447,24 @@ case "${1:-}" in
             timeout 100 python3 perf/profile_decode.py --shape llama-3.2-3b --batch 1 --steps 30 --default-only \
               --engine compiled_decode=true --tokenizer-dir $TOK --work-dir $WORK \
               --out "$OUT/decode-profile-pagedkv-fusedk-compiled-b1-h200.json" | tail -1 ;;
+  opsbuf)   SECONDS=0; OPS=${OPS:-1000}
+            for r in 1 2; do for way in default ops$OPS; do
+              [ $SECONDS -lt 330 ] || break 2
+              env $([ $way = default ] || echo MLX_MAX_OPS_PER_BUFFER=$OPS) timeout -k 20 $((560 - SECONDS)) \
+                python3 -m perf.bench_serving --shape llama-3.2-3b --concurrency 1 --max-tokens 128 \
+                --requests-per-client 4 --client-procs 1 --targets inprocess,http --tokenizer-dir $TOK --work-dir $WORK \
+                --experiment llama-3.2-3b-opsbuf-c1-$way-r$r --out-dir "$OUT" | grep -v '^{"target"' | tail -3
+              echo "c=1 round $r $way: ${SECONDS} s"
+            done; done
+            for way in default ops$OPS; do
+              [ $SECONDS -lt 440 ] || break
+              env $([ $way = default ] || echo MLX_MAX_OPS_PER_BUFFER=$OPS) timeout -k 20 $((570 - SECONDS)) \
+                python3 -m perf.bench_serving --shape llama-3.2-3b --concurrency 256 --max-tokens 128 \
+                --requests-per-client 2 --client-procs 4 --targets inprocess,http --tokenizer-dir $TOK --work-dir $WORK \
+                --experiment llama-3.2-3b-opsbuf-c256-$way --out-dir "$OUT" | grep -v '^{"target"' | tail -3
+              echo "c=256 $way: ${SECONDS} s"
+            done
+            rm -f "$OUT"/*.png "$OUT"/*.md ;;
   final37)  SECONDS=0
             timeout -k 20 300 python3 -m perf.bench_serving --shape ${SHAPE37:-llama-3.2-3b} --concurrency ${LEVELS37:-64,256} --max-tokens 128 \
               --requests-per-client 2 --client-procs 4 --targets inprocess,http --tokenizer-dir $TOK --work-dir $WORK \
