@@ -52,8 +52,8 @@ def test_cuda_admits_32_prompts_and_2048_tokens_a_step_unless_set():
     assert [resolve_engine_config(EngineConfig(), d).max_prefill_rows for d in ("cpu", "cuda", "metal")] == \
         [PREFILL_ROWS, CUDA_PREFILL_ROWS, PREFILL_ROWS] == [16, 32, 16]
     assert resolve_engine_config(EngineConfig(max_prefill_rows=8), "cuda").max_prefill_rows == 8
-    assert [auto_prefill_tokens(False, False, True), auto_prefill_tokens(False, False), auto_prefill_tokens(True, True),
-            auto_prefill_tokens(True, False)] == [CUDA_PREFILL_TOKENS, 512, 128, 256]
+    assert [auto_prefill_tokens("cuda", False), auto_prefill_tokens("metal", False), auto_prefill_tokens("cpu", True),
+            auto_prefill_tokens("cpu", False)] == [CUDA_PREFILL_TOKENS, 512, 128, 256]
     assert CUDA_PREFILL_TOKENS == 2048
 
 

@@ -199,7 +199,10 @@ class EngineConfig(Struct, frozen=True, kw_only=True, forbid_unknown_fields=True
                                 "rank's ring connection uses; every rank on this machine for now")] = ""
 
 
-def auto_prefill_tokens(on_cpu: bool, mixed: bool, on_cuda: bool = False) -> int:
+ComputeDevice = Literal["cpu", "cuda", "metal"]  # the backend MLX computes on (parallm.device.compute_device)
+
+
+def auto_prefill_tokens(device: ComputeDevice, mixed: bool) -> int:
     """The prefill budget of `max_prefill_tokens` unset, once the engine knows whether its prompt
     chunks ride in the decode pass (`mixed`: then a chunk costs no extra read of the weights, so
     smaller chunks get first tokens out sooner for little throughput). Measured served on the
@@ -210,9 +213,9 @@ def auto_prefill_tokens(on_cpu: bool, mixed: bool, on_cuda: bool = False) -> int
     over HTTP on the H200 (llama-3.2-3b, 128 tokens, one call): 512 tokens / 16 rows 11,458 tok/s,
     TTFT p99 1.25 s; 2048 / 32 13,359 tok/s, 0.88 s; 4096 / 64 13,150 tok/s, 0.93 s
     (perf/results/serving-llama-3.2-3b-final37-*-h200.md). vLLM and SGLang chunk at 8192 on such GPUs."""
-    if on_cuda:
+    if device == "cuda":
         return CUDA_PREFILL_TOKENS
-    if not on_cpu:
+    if device == "metal":
         return 512
     return 128 if mixed else 256
 
@@ -226,8 +229,6 @@ def auto_adapter_merge_mb(on_cpu: bool) -> int:
     weight-sized matmuls made a load 20.8 ms instead of 2.1 (2-core CPU, perf/bench_adapters.py)."""
     return 0 if on_cpu else 256
 
-
-ComputeDevice = Literal["cpu", "cuda", "metal"]  # the backend MLX computes on (parallm.device.compute_device)
 
 CUDA_UNFUSED_PREFILL_KEYS = 4096  # engine.unfused_prefill_keys unset on a CUDA GPU
 CUDA_PREFILL_TOKENS = 2048  # engine.max_prefill_tokens unset on a CUDA GPU (auto_prefill_tokens says why)

@@ -117,8 +117,7 @@ class Engine(EngineReport, EngineScoring):
                                                                          weight_bytes(self.model))) is not None:
             resolved["buffer_cache_mb"] = cap / (1 << 20)
         if settings.max_prefill_tokens is None:
-            resolved["max_prefill_tokens"] = auto_prefill_tokens(on_cpu, settings.mixed_passes and self.runner.can_pack,
-                                                                  device == "cuda")
+            resolved["max_prefill_tokens"] = auto_prefill_tokens(device, settings.mixed_passes and self.runner.can_pack)
         self.config = settings = msgspec.structs.replace(settings, **resolved)
         self.budget = KVBudget(budget_tokens=num_blocks * bs, max_rows=settings.max_num_seqs,
                                max_len=self.max_model_len + settings.max_prefill_tokens + 1)
