@@ -11,7 +11,8 @@ is another client (a process of its own), sent again until the phase's canaries 
 attack's canary p99 at most 2x the idle p99 (the long prefill: at most 2 s). The default model, one
 server, default settings; each row notes the 1-minute load average when its phase ended, and each phase
 keeps the engine's own figures (perf/engine_figures.py: its steps, their phases and the slowest steps), which
-say whether a slow canary waited on a slow step and what that step did.
+say whether a slow canary waited on a slow step and what that step did, and each stage process's CPU over the
+phase (cores busy: how much of the machine the attack's own parsing, tokenizing and compiling took).
 
     python -m perf.bench_isolation [--canaries 20]
 """
@@ -31,7 +32,7 @@ from typing import Any, Callable
 import httpx
 
 from perf import engine_figures
-from perf.harness import Results, Server, add_results_options
+from perf.harness import Results, Server, add_results_options, cpu_delta
 
 
 def canary(url: str, count: int, until: Any = None) -> list[float]:
@@ -164,22 +165,30 @@ def main(argv: list[str] | None = None) -> int:
     data: dict[str, Any] = {}
     with Server(*shlex.split(args.server_args)) as srv:
         canary(srv.url, 5)  # warm-up
-        data["idle"] = {**summary(canary(srv.url, args.canaries)), "load_1m": round(os.getloadavg()[0], 1)}
-        for name in args.attacks.split(","):
+        for name in ["idle", *args.attacks.split(",")]:
             engine_figures.settle()  # the phase's burst of engine steps is its own
-            before = engine_figures.snapshot(srv.router)
-            lat, out = under(srv.url, ATTACKS[name](), args.canaries)
-            data[name] = {**lat, **out, "p99_over_idle": round(lat["p99_s"] / data["idle"]["p99_s"], 2),
-                          "load_1m": round(os.getloadavg()[0], 1)}
+            before, cpu_before, t0 = engine_figures.snapshot(srv.router), srv.cpu_seconds(), time.monotonic()
+            if name == "idle":
+                lat, out = summary(canary(srv.url, args.canaries)), {}
+            else:
+                lat, out = under(srv.url, ATTACKS[name](), args.canaries)
+            cpu, wall = cpu_delta(cpu_before, srv.cpu_seconds()), time.monotonic() - t0
+            data[name] = {**lat, **out, "load_1m": round(os.getloadavg()[0], 1), "wall_s": round(wall, 2),
+                          "cpu_s": cpu, "cores_busy": {k: round(v / wall, 2) for k, v in cpu.items()}}
+            if name != "idle":
+                data[name]["p99_over_idle"] = round(lat["p99_s"] / data["idle"]["p99_s"], 2)
             engine_figures.settle()
             data[name]["engine"] = engine_figures.figures(before, engine_figures.snapshot(srv.router))
             print(name, json.dumps({k: v for k, v in data[name].items() if k != "engine"}), flush=True)
-    lines = ["| phase | canary p50 s | p99 s | p99 / idle p99 | attack status | attack s (median) | attacks sent | "
-             "load 1m |", "|---|---:|---:|---:|---:|---:|---:|---:|"]
+    lines = ["| phase | canary p50 s | p99 s | p99 / idle p99 | cores busy: ingress / tokenizer / engine | attack status "
+             "| attack s (median) | attacks sent | load 1m |", "|---|---:|---:|---:|---|---:|---:|---:|---:|"]
     for name, row in data.items():
-        lines.append(f"| {name} | {row['p50_s']} | {row['p99_s']} | {row.get('p99_over_idle', 1.0)} | "
+        busy = row.get("cores_busy", {})
+        cores = " / ".join(f"{busy.get(k, 0.0):.2f}" for k in ("ingress", "tokenizer", "engine"))
+        lines.append(f"| {name} | {row['p50_s']} | {row['p99_s']} | {row.get('p99_over_idle', 1.0)} | {cores} | "
                      f"{row.get('status', '')} | {row.get('attack_s', '')} | {row.get('attacks', '')} | {row['load_1m']} |")
-    lines += ["", "The engine's own figures during each attack phase (perf/engine_figures.py; the slowest steps "
+    lines += ["", "Cores busy: each stage process's CPU seconds over the phase's wall time (this machine has "
+              f"{os.cpu_count()}). The engine's own figures in each phase (perf/engine_figures.py; the slowest steps "
               "with their phases in ms):", ""]
     lines += [line for name, row in data.items() if "engine" in row for line in engine_figures.lines(name, row["engine"])]
     print(results.write(data, "\n".join(lines)))
