@@ -61,6 +61,8 @@ from collections import deque
 from pathlib import Path
 from typing import Any
 
+import msgspec
+
 from perf import engine_figures
 from perf.harness import Process, Results, Server, add_results_options, cpu_delta, describe, free_port
 from perf.loadgen import WORKLOADS, RequestRecord, Workload, make_prompts, run_http, run_zmq, summarize
@@ -334,8 +336,12 @@ def main(argv: list[str] | None = None) -> int:
         for c in levels:
             w = workload_for(c)
             prompt_ids = chat_ids(tokenizer, make_prompts(w, prompt_seed(c, "inprocess")))
+            engine_figures.settle()  # the run's burst of engine steps is its own, as for the served runs
+            stats_before = msgspec.to_builtins(engine.stats())
             r = run_inprocess(engine, prompt_ids, w, c, eos)
             r["settings"] = {k: getattr(engine.config, k) for k in engine_figures.SETTINGS}  # as resolved here
+            engine_figures.settle()
+            r["engine"] = engine_figures.figures(stats_before, msgspec.to_builtins(engine.stats()))
             keep(r)
         del engine
 
