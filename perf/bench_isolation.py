@@ -180,8 +180,9 @@ def main(argv: list[str] | None = None) -> int:
             engine_figures.settle()
             data[name]["engine"] = engine_figures.figures(before, engine_figures.snapshot(srv.router))
             print(name, json.dumps({k: v for k, v in data[name].items() if k != "engine"}), flush=True)
-    lines = ["| phase | canary p50 s | p99 s | p99 / idle p99 | cores busy: ingress / tokenizer / engine | attack status "
-             "| attack s (median) | attacks sent | load 1m |", "|---|---:|---:|---:|---|---:|---:|---:|---:|"]
+    lines = ["| phase | canary p50 s | p99 s | p99 / idle p99 | cores busy: ingress / tokenizer / engine "
+             "| attack status | attack s (median) | attacks sent | load 1m |",
+             "|---|---:|---:|---:|---|---:|---:|---:|---:|"]
     for name, row in data.items():
         busy = row.get("cores_busy", {})
         cores = " / ".join(f"{busy.get(k, 0.0):.2f}" for k in ("ingress", "tokenizer", "engine"))

@@ -14,8 +14,8 @@ the functions that write and read it (pass_view's `scatter` and `gather`, the bl
 here) take either layout, and what leaves the store (a block's tile for the disk tier) is head-major either way.
 A sequence's KV is its block table (`Sequence.block_ids`), so a prefix hit, a finished block, an
 n > 1 fork and a row move are references, never copies (only a fork's partly filled last block and a
-partial prefix hit's block are copied: `copy_blocks`). The store grows (`ensure`) as far as the block ids in use reach, so its
-memory follows the tokens held, not the longest row.
+partial prefix hit's block are copied: `copy_blocks`). The store grows (`ensure`) as far as the block
+ids in use reach, so its memory follows the tokens held, not the longest row.
 
 Rows stay: each live sequence has a row, the index of its per-row state (penalties, the recurrent
 state of hybrid models: `LiveKV.states`, parallm.engine.state) and of its place in a pass. Without
@@ -229,7 +229,8 @@ class LiveKV:
         return mx.array([b + 1 for b in block_ids], dtype=mx.int32) if buf.ndim == 4 else self._slots(block_ids)
 
     def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
-        """Block dst := block src for every (src, dst) (a fork's partly filled last block, a partial prefix hit's block)."""
+        """Block dst := block src for every (src, dst): a fork's partly filled last block, a partial
+        prefix hit's block."""
         if not pairs:
             return
         self.ensure(max(max(p) for p in pairs) + 1)

@@ -1,6 +1,7 @@
 """A step's row operations (plan.RowOp) on the per-row state (penalties, recurrent state) and the
 block store, run in order. The KV itself moves with the block tables: only an n > 1 fork's partly
-filled last block and a partial prefix hit's block are copied (CopyBlocks); row moves and copies touch the per-row state alone."""
+filled last block and a partial prefix hit's block are copied (CopyBlocks); row moves and copies touch
+the per-row state alone."""
 
 from __future__ import annotations
 
