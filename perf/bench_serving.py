@@ -38,10 +38,10 @@ Issue 19's GPU runs, one 10-minute call each: `bash perf/gpu_runs.sh moe` (the Q
 HTTP again with MLX_CUDA_USE_CUDNN_SDPA=0) and `bash perf/gpu_runs.sh hybrid` (the Qwen3.5-4B-like
 hybrid, the same way).
 
-After each served run the engine's own figures are kept with it (perf/engine_figures.py: its
+After each served run, and each in-process one, the engine's own figures are kept with it (perf/engine_figures.py: its
 steps by kind, step-time percentiles, prefill tokens per pass, preemptions and recomputed tokens,
 OOM retries, KV budget and live buffer, row operations, first-seen pass shapes and the slowest
-steps with their phases), so a slow run says where its time went.
+steps with their phases), so a slow run says where its time went, step by step beside the other target.
 
 Writes perf/results/serving[-EXPERIMENT]-DEVICE.json (every number, the machine and the command),
 a markdown table (.md) and plots (.png).
@@ -209,7 +209,7 @@ def write_report(result: dict[str, Any], results: Results) -> None:
           *([f"parallm's weights (in process and served): stored {w['stored']}, served {w['served']} ({w['reason']})", ""]
             if (w := result.get("weight_dtype")) else []), *rows, "", "Ratios:",
           *ratios, *(["", "CPU seconds per process during each served run:", *cpu] if cpu else []),
-          *(["", "The engine's own figures during each served run (perf/engine_figures.py; the slowest steps "
+          *(["", "The engine's own figures during each run (perf/engine_figures.py; the slowest steps "
              "with their phases in ms):", *engine] if engine else [])]
     results.write(result, "\n".join(md))
     try:
