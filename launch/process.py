@@ -84,6 +84,7 @@ class StageProcess(ChildProcess):
     in_flight: int = 0              # what it still holds, as its last heartbeat said
     step_due: float = 0.0           # an engine's step in progress must end by then (monotonic; 0: none)
     step_deadline_s: float = 0.0    # that step's deadline, as its last heartbeat said
+    last_step_deadline_s: float = 0.0  # the deadline of the last step any heartbeat was inside
     next_restart_at: float = 0.0
     backoff: float = 0.0
     finished: bool = False          # an off-path stage (the trainer) that exited 0: done, not restarted
@@ -110,7 +111,7 @@ class StageProcess(ChildProcess):
         self.ready = False
         self.loop_age_s = 0.0
         self.in_flight = 0
-        self.step_due = self.step_deadline_s = 0.0
+        self.step_due = self.step_deadline_s = self.last_step_deadline_s = 0.0
         threading.Thread(target=_pump, args=(self.proc.stdout, self.spec.label, log_out, json_logs),
                          daemon=True, name=f"log-{self.spec.label}").start()
 
@@ -118,9 +119,20 @@ class StageProcess(ChildProcess):
         """A heartbeat said the engine's step in progress (a tensor-parallel group's) has run `step_age_s`
         of its `step_deadline_s` (0: between steps): it must end by `now - step_age_s + step_deadline_s`.
         An engine (rank 0) that falls silent keeps the last due time: a stopped one is caught by the same
-        deadline."""
-        self.step_deadline_s = step_deadline_s
-        self.step_due = now - step_age_s + step_deadline_s if step_deadline_s > 0 else 0.0
+        deadline. Between steps while it holds requests (`in_flight`, set from the same heartbeat) its next
+        step starts at once, so it is due by `now` plus the deadline of the last step heard of: the
+        heartbeat thread beats on while the loop is busy between steps (an adapter or weight load), so only
+        an engine stopped between two steps falls silent past it (before, only supervisor.dead_after_s's
+        silence caught that one)."""
+        if step_deadline_s > 0:
+            self.last_step_deadline_s = step_deadline_s
+            self.step_deadline_s = step_deadline_s
+            self.step_due = now - step_age_s + step_deadline_s
+        elif self.in_flight and self.last_step_deadline_s:
+            self.step_deadline_s = self.last_step_deadline_s
+            self.step_due = now + self.last_step_deadline_s
+        else:
+            self.step_deadline_s = self.step_due = 0.0
 
     def overdue_s(self, now: float) -> float:
         """How far past its deadline the step in progress is (0 when it is not, or none runs)."""

@@ -78,6 +78,35 @@ def test_between_steps_nothing_is_due():
     assert stage.step_due == 0 and stage.overdue_s(clock.t + 1e6) == 0
 
 
+def test_an_engine_stopped_between_steps_with_requests_in_flight_is_held_to_its_last_steps_deadline():
+    """The CI failure of test_engine_hang.py: the last heartbeat before SIGSTOP came between two steps, which
+    set no due time, and only dead_after_s's 10 s of silence caught the stopped engine."""
+    d, clock = steady()
+    stage = StageProcess(StageSpec("engine"))
+    stage.in_flight = 8
+    deadline = d.begin(DECODE, 100.0)
+    stage.heard_step(*d.progress(), now=clock.t)  # a beat inside a step
+    clock.t += 0.1
+    d.end()
+    stage.heard_step(*d.progress(), now=clock.t)  # the last beat: between steps, eight requests held
+    assert stage.step_deadline_s == pytest.approx(deadline)
+    assert stage.overdue_s(clock.t + deadline - 0.01) == 0
+    assert stage.overdue_s(clock.t + deadline + 0.01) > 0  # silent since: hung
+    clock.t += 3.0  # alive but busy between steps (an adapter load): its beats keep moving the due time
+    stage.heard_step(*d.progress(), now=clock.t)
+    assert stage.overdue_s(clock.t + deadline - 0.01) == 0
+    stage.in_flight = 0  # nothing held: a silent idle engine is dead_after_s's to judge
+    stage.heard_step(*d.progress(), now=clock.t)
+    assert stage.step_due == 0 and stage.overdue_s(clock.t + 1e6) == 0
+
+
+def test_before_any_step_was_heard_of_a_silent_engine_with_requests_has_no_due_time():
+    stage = StageProcess(StageSpec("engine"))
+    stage.in_flight = 3
+    stage.heard_step(0.0, 0.0, now=1000.0)
+    assert stage.step_due == 0 and stage.overdue_s(1e6) == 0
+
+
 def test_a_long_prefill_gets_the_time_its_predicted_work_says():
     d, clock = steady(step_s=0.1, work=100.0)  # 0.001 s per unit of work
     prefill = (8, True)
