@@ -22,10 +22,11 @@ from typing import Any
 import msgspec
 
 COUNTERS = ("steps", "preemptions", "priority_preemptions", "recomputed_tokens", "oom_retries", "mixed_passes",
-            "prompt_tokens_computed", "generated_tokens", "prefix_hit_tokens", "prefix_partial_hits")
+            "prompt_tokens_computed", "generated_tokens", "prefix_hit_tokens", "prefix_partial_hits",
+            "admissions_delayed")
 SETTINGS = ("max_num_seqs", "max_prefill_tokens", "max_prefill_rows", "mixed_passes", "overlap", "fast_math",
             "prefix_cache", "prefix_partial_blocks", "kv_budget_mb", "buffer_cache_mb", "unfused_decode",
-            "unfused_prefill_keys")
+            "unfused_prefill_keys", "admit_delay_factor", "prefill_buckets")
 
 
 def settle() -> None:
@@ -92,7 +93,7 @@ def lines(label: str, f: dict[str, Any]) -> list[str]:
            f"{b.get('prefill_passes', 0)} ({b.get('prefill_tokens_per_pass', 0):.0f} tokens, "
            f"{b.get('prefill_padded_per_pass', 0):.0f} padded a pass); preempted {c['preemptions']} "
            f"({c['recomputed_tokens']} tokens recomputed); OOM retries {c['oom_retries']}; mixed passes "
-           f"{c['mixed_passes']}; first-seen pass shapes {b.get('new_shapes', 0)} ({b.get('new_shape_ms', 0):.0f} ms); "
+           f"{c['mixed_passes']}; steps that delayed admissions {c.get('admissions_delayed', 0)}; first-seen pass shapes {b.get('new_shapes', 0)} ({b.get('new_shape_ms', 0):.0f} ms); "
            f"KV budget {f['kv_budget_mib']} MiB ({f['live_token_slots']} live slots), live {live['rows']}x"
            f"{live['capacity']} ({live['mib']} MiB); row ops {b.get('ops', {})}; KV bytes copied "
            f"{f.get('kv_copied_bytes', {})}; step phases ms "

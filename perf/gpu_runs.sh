@@ -143,6 +143,10 @@
 #             commits a CUDA graph every ~20-30 kernels, each commit an exec update, a launch and a completion
 #             callback): llama-3.2-3b at c=1 (in process and HTTP, the two settings alternated over two rounds),
 #             then c=256 (in process and HTTP) under each, a fresh engine and server every run, ~9 min
+#   admitdelay issue 37: engine.admit_delay_factor (admissions wait for a fuller prefill pass) on llama-3.2-3b at
+#             c=256, 512 requests: HTTP with the factor 0 first (it pays MLX's first-use kernel builds for the runs
+#             after it), then in process and HTTP at 0, HTTP at 1 and 3, then in process and HTTP at 1; each served
+#             run keeps the engine's figures (its prefill passes, steps that delayed admissions), ~8 min
 #   pagedkv / pagedkvserve  issue 41: the KV block store with paged decode attention (this tree) vs the dense rows of
 #             main before it (BEFORE, default .gpu/before: `mkdir -p .gpu/before && git archive be43360 | tar -x -C
 #             .gpu/before`, 7 MB, carried with the call), alternating trees: `pagedkv` the engine's decode step at 1, 64
@@ -202,7 +206,7 @@
 #             CPU_SMOKE=1 SHAPE37=tiny TOK=<tokenizer dir>, ~7 min
 # A fresh server per wave: `waves` fits 6-7 waves in one 10-minute call; run it twice for ten.
 set -uo pipefail
-case "${1:-}" in dp512r|dp512|allsum38|tpdp|diag|llama|adapters|qwen-a|qwen-b|serving|waves|ingress|moe|moe256|hybrid|structured|tp|tp8b|dp|threads|compiled|republish|buckets|serve256|inplace|mixed|cudnn|decodeattn|unfuseddecode|defaults|defaultsab|qwendtype|qwenmlx|qwen8b|embeddings|policy|vision|trainmem|spec|specdraft|specdraft32|kvbits|pagedattn|trainshare|single|pagedkv|pagedkvserve|pagedkvdiag|pagedkvinplace|pagedkvfinal|pagedkvserveall|pagedkvhost|pagedkvlast|pagedkv256|pagedkvfused|final37|single37|single37b|fused37|opsbuf) ;;
+case "${1:-}" in dp512r|dp512|allsum38|tpdp|diag|llama|adapters|qwen-a|qwen-b|serving|waves|ingress|moe|moe256|hybrid|structured|tp|tp8b|dp|threads|compiled|republish|buckets|serve256|inplace|mixed|cudnn|decodeattn|unfuseddecode|defaults|defaultsab|qwendtype|qwenmlx|qwen8b|embeddings|policy|vision|trainmem|spec|specdraft|specdraft32|kvbits|pagedattn|trainshare|single|pagedkv|pagedkvserve|pagedkvdiag|pagedkvinplace|pagedkvfinal|pagedkvserveall|pagedkvhost|pagedkvlast|pagedkv256|pagedkvfused|final37|single37|single37b|fused37|opsbuf|admitdelay) ;;
   *) sed -n '2,/^# A fresh server per wave/p' "$0"; exit 2 ;; esac
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
@@ -447,6 +451,16 @@ case "${1:-}" in
             timeout 100 python3 perf/profile_decode.py --shape llama-3.2-3b --batch 1 --steps 30 --default-only \
               --engine compiled_decode=true --tokenizer-dir $TOK --work-dir $WORK \
               --out "$OUT/decode-profile-pagedkv-fusedk-compiled-b1-h200.json" | tail -1 ;;
+  admitdelay) SECONDS=0
+            for run in warm-f0:http:0 f0:inprocess,http:0 f1:http:1 f3:http:3 f1b:inprocess,http:1; do
+              IFS=: read -r name targets factor <<< "$run"
+              [ $SECONDS -lt 450 ] || break
+              timeout -k 20 $((570 - SECONDS)) python3 -m perf.bench_serving --shape llama-3.2-3b --concurrency 256 \
+                --max-tokens 128 --requests-per-client 2 --client-procs 4 --targets $targets \
+                --server-args "--engine.admit-delay-factor $factor" --tokenizer-dir $TOK --work-dir $WORK \
+                --experiment llama-3.2-3b-admitdelay-$name --out-dir "$OUT" | grep -v '^{"target"' | tail -2
+              echo "$name ($targets, factor $factor): ${SECONDS} s"
+            done ;;
   opsbuf)   SECONDS=0; OPS=${OPS:-1000}
             for r in 1 2; do for way in default ops$OPS; do
               [ $SECONDS -lt 330 ] || break 2

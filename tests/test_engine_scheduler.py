@@ -79,7 +79,7 @@ def check_rows(sched: Scheduler, runner: FakeRunner, block_size: int):
 
 def simulate(seed: int, *, budget_tokens: int, n_requests: int = 30, max_rows: int = 8, prefill_budget: int = 24,
              pool_blocks: int = 32, block_size: int = 4, abort_rate: float = 0.02, shared_prefix: bool = True,
-             priorities: tuple[int, ...] = (0,), aging_s: float = 0.0):
+             priorities: tuple[int, ...] = (0,), aging_s: float = 0.0, admit_delay_factor: float = 0.0):
     rng = random.Random(seed)
     clock = [0.0]
     blocks = BlockManager(budget_tokens // block_size, block_size, max_cached=pool_blocks) if pool_blocks else None
@@ -87,7 +87,7 @@ def simulate(seed: int, *, budget_tokens: int, n_requests: int = 30, max_rows: i
                       row_quantum=2, cap_quantum=8)
     sched = Scheduler(budget=budget, max_prefill_tokens=prefill_budget, blocks=blocks, block_size=block_size,
                       max_prefill_rows=4, writeback_interval=2, headroom=4, priority_aging_s=aging_s,
-                      clock=lambda: clock[0])
+                      clock=lambda: clock[0], admit_delay_factor=admit_delay_factor)
     runner = FakeRunner(sched.blocks, block_size)
     base = [rng.randrange(50) for _ in range(40)]
     seqs_by_req = []

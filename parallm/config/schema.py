@@ -170,6 +170,12 @@ class EngineConfig(Struct, frozen=True, kw_only=True, forbid_unknown_fields=True
                                                "each (rows, length) shape at start: a new shape builds its "
                                                "kernels on first use on MLX CUDA; models prefilled one row per "
                                                "pass are never padded; unset = off")] = None
+    admit_delay_factor: Annotated[float | None, _d("while rows decode and less than a full prefill pass of prompts "
+                                                   "waits, a new prompt waits up to this many times the last "
+                                                   "prefill step's time for others to fill its pass (vLLM's "
+                                                   "scheduler_delay_factor; a full pass is admitted at once, an idle "
+                                                   "engine admits at once); 0 = admit what waits every step; unset = "
+                                                   "0 (docs/scheduling.md)")] = None
     default_max_tokens: Annotated[int, _d("max_tokens when a request gives none")] = 256
     seed: Annotated[int, _d("seed for requests that give none")] = 0
     priority_aging_s: Annotated[float, _d("a waiting request's priority improves by one level per this many seconds "
@@ -278,6 +284,8 @@ def resolve_engine_config(config: EngineConfig, device: ComputeDevice) -> Engine
         changes["prefill_pass_s"] = CPU_PREFILL_PASS_S if on_cpu else 0.0
     if config.prefill_buckets is None:
         changes["prefill_buckets"] = False  # a GPU default waits for `bash perf/gpu_runs.sh buckets`
+    if config.admit_delay_factor is None:
+        changes["admit_delay_factor"] = 0.0  # a GPU default waits for `bash perf/gpu_runs.sh admitdelay`
     if config.kv_preallocate is None:
         changes["kv_preallocate"] = on_cuda
     if config.prefix_partial_blocks is None:

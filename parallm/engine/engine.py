@@ -132,7 +132,8 @@ class Engine(EngineReport, EngineScoring):
                                    partial_blocks=settings.prefix_cache and bool(settings.prefix_partial_blocks),
                                    writeback_interval=settings.writeback_interval,
                                    priority_aging_s=settings.priority_aging_s,
-                                   prefill_buckets=bool(settings.prefill_buckets) and not info.prefill_alone)
+                                   prefill_buckets=bool(settings.prefill_buckets) and not info.prefill_alone,
+                                   admit_delay_factor=settings.admit_delay_factor or 0.0)
         self.kv_capacity_tokens = num_blocks * bs  # the block store's tokens (live and cached alike)
         if settings.kv_preallocate:
             self.runner.live.ensure(num_blocks)  # the whole budget now: the store never grows (never copies itself)

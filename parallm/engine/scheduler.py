@@ -46,11 +46,13 @@ class Scheduler(RowLayout):
                  block_size: int, max_prefill_rows: int = 16, writeback_interval: int = 16,
                  headroom: int = 16, priority_aging_s: float = 0.0, prefill_buckets: bool = False,
                  pacer: PrefillPacer | None = None, clock: Callable[[], float] = time.monotonic,
-                 prefix_cache: bool | None = None, partial_blocks: bool = False) -> None:
+                 prefix_cache: bool | None = None, partial_blocks: bool = False,
+                 admit_delay_factor: float = 0.0) -> None:
         """`blocks`: the block store's bookkeeping (None: one of budget.budget_tokens, without prefix
         cache); `prefix_cache`: key full blocks for later hits (default: whether `blocks` was given);
         `partial_blocks`: a prompt whose next block is not cached whole starts from a copy of the cached
-        block sharing most of its leading tokens (BlockManager.partial, engine.prefix_partial_blocks)."""
+        block sharing most of its leading tokens (BlockManager.partial, engine.prefix_partial_blocks);
+        `admit_delay_factor`: new prompts wait to fill a pass (`admission_waits`, engine.admit_delay_factor)."""
         if prefix_cache is None:
             prefix_cache = blocks is not None
         if blocks is None:
@@ -77,6 +79,10 @@ class Scheduler(RowLayout):
         self.partial_blocks = partial_blocks
         self.partial_hits = 0  # admissions that started from a copied partly matching block
         self._copy_sources: list[int] = []  # blocks this step's CopyBlocks read: held until ops_ran
+        self.admit_delay_factor = admit_delay_factor
+        self.prefill_step_s = 0.0  # the last step with a prefill pass, schedule to schedule
+        self._prefill_scheduled_at: float | None = None
+        self.delayed_steps = 0  # steps whose admissions waited for a fuller pass
 
     # ------------------------------------------------------------------ queues
     def add(self, seqs: list[Sequence]) -> None:
@@ -132,7 +138,12 @@ class Scheduler(RowLayout):
         self._order_prefilling(now)
         self._preempt_until_fits(plan, now)
         self._resize_at = len(self._pending)  # a grow goes before the admissions that write into new rows
-        self._admit(plan, now)
+        if self._prefill_scheduled_at is not None:
+            self.prefill_step_s, self._prefill_scheduled_at = now - self._prefill_scheduled_at, None
+        if self.admission_waits(now):
+            self.delayed_steps += 1
+        else:
+            self._admit(plan, now)
         self._order_prefilling(now)
         rows = self.rows_in_use
         demand = self.row_demand() if rows > self.shape[0] else 0
@@ -142,12 +153,31 @@ class Scheduler(RowLayout):
         self._grow(shape)
         plan.ops = self.take_ops()
         plan.prefill = self._prefill_work(now)
+        if plan.prefill is not None:
+            self._prefill_scheduled_at = now
         for seq in self.running:  # the blocks the passes write: each running row's next token, the prompt chunks
             self._ensure_blocks(seq, seq.num_computed + 1)
         if plan.prefill is not None:
             for seq, start, n in zip(plan.prefill.seqs, plan.prefill.starts, plan.prefill.lengths):
                 self._ensure_blocks(seq, start + n)
         return plan
+
+    def admission_waits(self, now: float) -> bool:
+        """Whether this step admits nothing so that the prompts waiting fill a fuller pass: rows decode (the
+        device is busy without them), no prompt is being prefilled (its pass would take them for free), less
+        than a full pass waits (max_prefill_rows prompts or the pass's tokens), and the oldest waiting prompt
+        arrived less than `admit_delay_factor` x the last prefill step's time ago. vLLM's
+        `scheduler_delay_factor` (vllm/core/scheduler.py, `_passed_delay`), with the full pass let through at
+        once. Served on a GPU, requests reach the engine spread out by the stages before it, and a pass
+        admitted as each arrives has a fixed cost its few prompts do not pay for (docs/scheduling.md)."""
+        if self.admit_delay_factor <= 0 or not self.running or self.prefilling or not self.waiting:
+            return False
+        if len(self.waiting) >= self.max_prefill_rows:
+            return False
+        waiting = list(self.waiting)
+        if sum(s.prefill_target for s in waiting) >= self.admission.pass_tokens:
+            return False
+        return now - min(s.arrived_at for s in waiting) < self.admit_delay_factor * self.prefill_step_s
 
     def _pace(self) -> None:
         """This step's prefill budget: max_prefill_tokens, or what the pacer says a pass's prompt chunks can

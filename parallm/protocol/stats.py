@@ -171,6 +171,7 @@ class EngineStats(Struct, tag="engine", kw_only=True):
     prefix_evictions: int = 0
     preemptions: int = 0
     priority_preemptions: int = 0       # of those, made room for a request of better priority
+    admissions_delayed: int = 0         # steps that admitted nothing to fill a fuller pass (engine.admit_delay_factor)
     steps: int = 0
     mixed_passes: int = 0
     decode_batch_hist: dict[int, int] = {}
