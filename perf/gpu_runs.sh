@@ -147,6 +147,9 @@
 #             c=256, 512 requests: HTTP with the factor 0 first (it pays MLX's first-use kernel builds for the runs
 #             after it), then in process and HTTP at 0, HTTP at 1 and 3, then in process and HTTP at 1; each served
 #             run keeps the engine's figures (its prefill passes, steps that delayed admissions), ~8 min
+#   admitdelay2 the same, alternated in one call: HTTP at 0 (warm-up), then in process and HTTP at 1 (c=64 and 256),
+#             at 0, at 1, at 0, at 2 (c=256); the results packed in one file, $OUT/admitdelay2.tar.gz (a call
+#             returns at most 8 files), ~8 min
 #   pagedkv / pagedkvserve  issue 41: the KV block store with paged decode attention (this tree) vs the dense rows of
 #             main before it (BEFORE, default .gpu/before: `mkdir -p .gpu/before && git archive be43360 | tar -x -C
 #             .gpu/before`, 7 MB, carried with the call), alternating trees: `pagedkv` the engine's decode step at 1, 64
@@ -206,7 +209,7 @@
 #             CPU_SMOKE=1 SHAPE37=tiny TOK=<tokenizer dir>, ~7 min
 # A fresh server per wave: `waves` fits 6-7 waves in one 10-minute call; run it twice for ten.
 set -uo pipefail
-case "${1:-}" in dp512r|dp512|allsum38|tpdp|diag|llama|adapters|qwen-a|qwen-b|serving|waves|ingress|moe|moe256|hybrid|structured|tp|tp8b|dp|threads|compiled|republish|buckets|serve256|inplace|mixed|cudnn|decodeattn|unfuseddecode|defaults|defaultsab|qwendtype|qwenmlx|qwen8b|embeddings|policy|vision|trainmem|spec|specdraft|specdraft32|kvbits|pagedattn|trainshare|single|pagedkv|pagedkvserve|pagedkvdiag|pagedkvinplace|pagedkvfinal|pagedkvserveall|pagedkvhost|pagedkvlast|pagedkv256|pagedkvfused|final37|single37|single37b|fused37|opsbuf|admitdelay) ;;
+case "${1:-}" in dp512r|dp512|allsum38|tpdp|diag|llama|adapters|qwen-a|qwen-b|serving|waves|ingress|moe|moe256|hybrid|structured|tp|tp8b|dp|threads|compiled|republish|buckets|serve256|inplace|mixed|cudnn|decodeattn|unfuseddecode|defaults|defaultsab|qwendtype|qwenmlx|qwen8b|embeddings|policy|vision|trainmem|spec|specdraft|specdraft32|kvbits|pagedattn|trainshare|single|pagedkv|pagedkvserve|pagedkvdiag|pagedkvinplace|pagedkvfinal|pagedkvserveall|pagedkvhost|pagedkvlast|pagedkv256|pagedkvfused|final37|single37|single37b|fused37|opsbuf|admitdelay|admitdelay2) ;;
   *) sed -n '2,/^# A fresh server per wave/p' "$0"; exit 2 ;; esac
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
@@ -460,6 +463,19 @@ case "${1:-}" in
                 --server-args "--engine.admit-delay-factor $factor" --tokenizer-dir $TOK --work-dir $WORK \
                 --experiment llama-3.2-3b-admitdelay-$name --out-dir "$OUT" | grep -v '^{"target"' | tail -2
               echo "$name ($targets, factor $factor): ${SECONDS} s"
+            done ;;
+  admitdelay2) SECONDS=0; mkdir -p /tmp/ad2
+            for run in warm-f0:http:0:256 r1-f1:inprocess,http:1:64,256 r1-f0:inprocess,http:0:256 \
+                       r2-f1:inprocess,http:1:256 r2-f0:inprocess,http:0:256 r2-f2:inprocess,http:2:256; do
+              IFS=: read -r name targets factor levels <<< "$run"
+              [ $SECONDS -lt 470 ] || break
+              timeout -k 20 $((575 - SECONDS)) python3 -m perf.bench_serving --shape llama-3.2-3b --concurrency $levels \
+                --max-tokens 128 --requests-per-client 2 --client-procs 4 --targets $targets \
+                --server-args "--engine.admit-delay-factor $factor" --tokenizer-dir $TOK --work-dir $WORK \
+                --experiment llama-3.2-3b-admitdelay2-$name --out-dir /tmp/ad2 | grep -v '^{"target"' | tail -2
+              echo "$name ($targets, factor $factor, c=$levels): ${SECONDS} s"
+              grep -E "^\| (inprocess|http) \|" /tmp/ad2/*admitdelay2-$name-*.md
+              tar czf "$OUT/admitdelay2.tar.gz" -C /tmp/ad2 .
             done ;;
   opsbuf)   SECONDS=0; OPS=${OPS:-1000}
             for r in 1 2; do for way in default ops$OPS; do
