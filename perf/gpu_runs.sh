@@ -150,6 +150,10 @@
 #   admitdelay2 the same, alternated in one call: HTTP at 0 (warm-up), then in process and HTTP at 1 (c=64 and 256),
 #             at 0, at 1, at 0, at 2 (c=256); the results packed in one file, $OUT/admitdelay2.tar.gz (a call
 #             returns at most 8 files), ~8 min
+#   c64load   issue 37: is the served engine's slower step at c=64 the host's CPU load? llama-3.2-3b, 128 tokens:
+#             HTTP (warm-up), then the in-process engine alone at c=64 on a quiet host and beside 6 busy-looping
+#             processes (what the benchmark's clients and the other stages keep busy), alternated, in process and
+#             HTTP at c=64, then at c=1; packed in $OUT/c64load.tar.gz, ~6 min
 #   pagedkv / pagedkvserve  issue 41: the KV block store with paged decode attention (this tree) vs the dense rows of
 #             main before it (BEFORE, default .gpu/before: `mkdir -p .gpu/before && git archive be43360 | tar -x -C
 #             .gpu/before`, 7 MB, carried with the call), alternating trees: `pagedkv` the engine's decode step at 1, 64
@@ -209,7 +213,7 @@
 #             CPU_SMOKE=1 SHAPE37=tiny TOK=<tokenizer dir>, ~7 min
 # A fresh server per wave: `waves` fits 6-7 waves in one 10-minute call; run it twice for ten.
 set -uo pipefail
-case "${1:-}" in dp512r|dp512|allsum38|tpdp|diag|llama|adapters|qwen-a|qwen-b|serving|waves|ingress|moe|moe256|hybrid|structured|tp|tp8b|dp|threads|compiled|republish|buckets|serve256|inplace|mixed|cudnn|decodeattn|unfuseddecode|defaults|defaultsab|qwendtype|qwenmlx|qwen8b|embeddings|policy|vision|trainmem|spec|specdraft|specdraft32|kvbits|pagedattn|trainshare|single|pagedkv|pagedkvserve|pagedkvdiag|pagedkvinplace|pagedkvfinal|pagedkvserveall|pagedkvhost|pagedkvlast|pagedkv256|pagedkvfused|final37|single37|single37b|fused37|opsbuf|admitdelay|admitdelay2) ;;
+case "${1:-}" in dp512r|dp512|allsum38|tpdp|diag|llama|adapters|qwen-a|qwen-b|serving|waves|ingress|moe|moe256|hybrid|structured|tp|tp8b|dp|threads|compiled|republish|buckets|serve256|inplace|mixed|cudnn|decodeattn|unfuseddecode|defaults|defaultsab|qwendtype|qwenmlx|qwen8b|embeddings|policy|vision|trainmem|spec|specdraft|specdraft32|kvbits|pagedattn|trainshare|single|pagedkv|pagedkvserve|pagedkvdiag|pagedkvinplace|pagedkvfinal|pagedkvserveall|pagedkvhost|pagedkvlast|pagedkv256|pagedkvfused|final37|single37|single37b|fused37|opsbuf|admitdelay|admitdelay2|c64load) ;;
   *) sed -n '2,/^# A fresh server per wave/p' "$0"; exit 2 ;; esac
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
@@ -476,6 +480,25 @@ case "${1:-}" in
               echo "$name ($targets, factor $factor, c=$levels): ${SECONDS} s"
               grep -E "^\| (inprocess|http) \|" /tmp/ad2/*admitdelay2-$name-*.md
               tar czf "$OUT/admitdelay2.tar.gz" -C /tmp/ad2 .
+            done ;;
+  c64load)  SECONDS=0; mkdir -p /tmp/c64
+            for run in warm:http:64:quiet quiet1:inprocess:64:quiet busy1:inprocess:64:busy both:inprocess,http:64:quiet \
+                       busy2:inprocess:64:busy quiet2:inprocess:64:quiet single:inprocess,http:1:quiet; do
+              IFS=: read -r name targets levels host <<< "$run"
+              [ $SECONDS -lt 480 ] || break
+              spinners=""
+              if [ $host = busy ]; then
+                for i in 1 2 3 4 5 6; do python3 -c 'while True: pass' & spinners="$spinners $!"; done
+              fi
+              rpc=2; procs=4; [ $levels = 1 ] && { rpc=4; procs=1; }
+              timeout -k 20 $((575 - SECONDS)) python3 -m perf.bench_serving --shape llama-3.2-3b --concurrency $levels \
+                --max-tokens 128 --requests-per-client $rpc --client-procs $procs --targets $targets \
+                --tokenizer-dir $TOK --work-dir $WORK --experiment llama-3.2-3b-c64load-$name --out-dir /tmp/c64 \
+                | grep -v '^{"target"' | tail -1
+              [ -n "$spinners" ] && kill $spinners
+              echo "$name ($targets, c=$levels, host $host): ${SECONDS} s"
+              grep -E "^\| (inprocess|http) \|" /tmp/c64/*c64load-$name-*.md
+              tar czf "$OUT/c64load.tar.gz" -C /tmp/c64 .
             done ;;
   opsbuf)   SECONDS=0; OPS=${OPS:-1000}
             for r in 1 2; do for way in default ops$OPS; do
