@@ -154,6 +154,8 @@
 #             HTTP (warm-up), then the in-process engine alone at c=64 on a quiet host and beside 6 busy-looping
 #             processes (what the benchmark's clients and the other stages keep busy), alternated, in process and
 #             HTTP at c=64, then at c=1; packed in $OUT/c64load.tar.gz, ~6 min
+#   bars37    issue 37's ratio bars, two rounds of in process and HTTP at c=64 and 256 (512 requests at 256), each
+#             round a fresh engine and server; packed in $OUT/bars37.tar.gz, ~3 min
 #   pagedkv / pagedkvserve  issue 41: the KV block store with paged decode attention (this tree) vs the dense rows of
 #             main before it (BEFORE, default .gpu/before: `mkdir -p .gpu/before && git archive be43360 | tar -x -C
 #             .gpu/before`, 7 MB, carried with the call), alternating trees: `pagedkv` the engine's decode step at 1, 64
@@ -213,7 +215,7 @@
 #             CPU_SMOKE=1 SHAPE37=tiny TOK=<tokenizer dir>, ~7 min
 # A fresh server per wave: `waves` fits 6-7 waves in one 10-minute call; run it twice for ten.
 set -uo pipefail
-case "${1:-}" in dp512r|dp512|allsum38|tpdp|diag|llama|adapters|qwen-a|qwen-b|serving|waves|ingress|moe|moe256|hybrid|structured|tp|tp8b|dp|threads|compiled|republish|buckets|serve256|inplace|mixed|cudnn|decodeattn|unfuseddecode|defaults|defaultsab|qwendtype|qwenmlx|qwen8b|embeddings|policy|vision|trainmem|spec|specdraft|specdraft32|kvbits|pagedattn|trainshare|single|pagedkv|pagedkvserve|pagedkvdiag|pagedkvinplace|pagedkvfinal|pagedkvserveall|pagedkvhost|pagedkvlast|pagedkv256|pagedkvfused|final37|single37|single37b|fused37|opsbuf|admitdelay|admitdelay2|c64load) ;;
+case "${1:-}" in dp512r|dp512|allsum38|tpdp|diag|llama|adapters|qwen-a|qwen-b|serving|waves|ingress|moe|moe256|hybrid|structured|tp|tp8b|dp|threads|compiled|republish|buckets|serve256|inplace|mixed|cudnn|decodeattn|unfuseddecode|defaults|defaultsab|qwendtype|qwenmlx|qwen8b|embeddings|policy|vision|trainmem|spec|specdraft|specdraft32|kvbits|pagedattn|trainshare|single|pagedkv|pagedkvserve|pagedkvdiag|pagedkvinplace|pagedkvfinal|pagedkvserveall|pagedkvhost|pagedkvlast|pagedkv256|pagedkvfused|final37|single37|single37b|fused37|opsbuf|admitdelay|admitdelay2|c64load|bars37) ;;
   *) sed -n '2,/^# A fresh server per wave/p' "$0"; exit 2 ;; esac
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
@@ -499,6 +501,16 @@ case "${1:-}" in
               echo "$name ($targets, c=$levels, host $host): ${SECONDS} s"
               grep -E "^\| (inprocess|http) \|" /tmp/c64/*c64load-$name-*.md
               tar czf "$OUT/c64load.tar.gz" -C /tmp/c64 .
+            done ;;
+  bars37)   SECONDS=0; mkdir -p /tmp/bars
+            for r in 1 2; do
+              [ $SECONDS -lt 200 ] || break
+              timeout -k 20 $((290 - SECONDS)) python3 -m perf.bench_serving --shape llama-3.2-3b --concurrency 64,256 \
+                --max-tokens 128 --requests-per-client 2 --client-procs 4 --targets inprocess,http --tokenizer-dir $TOK \
+                --work-dir $WORK --experiment llama-3.2-3b-bars37-r$r --out-dir /tmp/bars | grep -v '^{"target"' | tail -1
+              echo "round $r: $SECONDS s"
+              grep -E "^\| (inprocess|http) \||http/inprocess" /tmp/bars/*bars37-r$r-*.md
+              tar czf "$OUT/bars37.tar.gz" -C /tmp/bars .
             done ;;
   opsbuf)   SECONDS=0; OPS=${OPS:-1000}
             for r in 1 2; do for way in default ops$OPS; do
