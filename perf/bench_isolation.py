@@ -14,7 +14,11 @@ keeps the engine's own figures (perf/engine_figures.py: its steps, their phases 
 say whether a slow canary waited on a slow step and what that step did, and each stage process's CPU over the
 phase (cores busy: how much of the machine the attack's own parsing, tokenizing and compiling took).
 
-    python -m perf.bench_isolation [--canaries 20]
+    python -m perf.bench_isolation [--canaries 20] [--idle-each]
+
+With `--idle-each` an idle phase runs right before each attack as well, and each attack's p99 is also given
+over that phase's: on the 2-core VM the idle p99 itself moved 0.23 -> 0.54 s between two runs five minutes
+apart, so a ratio to the one idle phase at the start follows the host's state as much as the server's.
 """
 
 from __future__ import annotations
@@ -157,6 +161,10 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m perf.bench_isolation", description=__doc__.split("\n\n")[0])
     parser.add_argument("--canaries", type=int, default=20, help="canary requests per phase (%(default)s)")
     parser.add_argument("--attacks", default=",".join(ATTACKS), help="attacks to run, comma-separated (%(default)s)")
+    parser.add_argument("--idle-each", action="store_true",
+                        help="an idle phase right before each attack too, and each attack's p99 over that one's "
+                             "(this VM's idle p99 moved 0.23 -> 0.54 s between two runs five minutes apart: a "
+                             "ratio to one idle phase at the start follows the host as much as the server)")
     parser.add_argument("--server-args", default="", help="extra parallm-launch arguments, e.g. "
                         "'--engine.prefill-pass-s 0' (pacing off)")
     add_results_options(parser)
@@ -165,29 +173,34 @@ def main(argv: list[str] | None = None) -> int:
     data: dict[str, Any] = {}
     with Server(*shlex.split(args.server_args)) as srv:
         canary(srv.url, 5)  # warm-up
-        for name in ["idle", *args.attacks.split(",")]:
+        attacks = args.attacks.split(",")
+        phases = ["idle"] + [p for a in attacks for p in ([f"idle_before_{a}"] if args.idle_each else []) + [a]]
+        for name in phases:
             engine_figures.settle()  # the phase's burst of engine steps is its own
             before, cpu_before, t0 = engine_figures.snapshot(srv.router), srv.cpu_seconds(), time.monotonic()
-            if name == "idle":
+            if name.startswith("idle"):
                 lat, out = summary(canary(srv.url, args.canaries)), {}
             else:
                 lat, out = under(srv.url, ATTACKS[name](), args.canaries)
             cpu, wall = cpu_delta(cpu_before, srv.cpu_seconds()), time.monotonic() - t0
             data[name] = {**lat, **out, "load_1m": round(os.getloadavg()[0], 1), "wall_s": round(wall, 2),
                           "cpu_s": cpu, "cores_busy": {k: round(v / wall, 2) for k, v in cpu.items()}}
-            if name != "idle":
+            if not name.startswith("idle"):
                 data[name]["p99_over_idle"] = round(lat["p99_s"] / data["idle"]["p99_s"], 2)
+                if args.idle_each:
+                    data[name]["p99_over_idle_before"] = round(lat["p99_s"] / data[f"idle_before_{name}"]["p99_s"], 2)
             engine_figures.settle()
             data[name]["engine"] = engine_figures.figures(before, engine_figures.snapshot(srv.router))
             print(name, json.dumps({k: v for k, v in data[name].items() if k != "engine"}), flush=True)
-    lines = ["| phase | canary p50 s | p99 s | p99 / idle p99 | cores busy: ingress / tokenizer / engine "
-             "| attack status | attack s (median) | attacks sent | load 1m |",
-             "|---|---:|---:|---:|---|---:|---:|---:|---:|"]
+    lines = ["| phase | canary p50 s | p99 s | p99 / idle p99 | p99 / the idle p99 just before | cores busy: "
+             "ingress / tokenizer / engine | attack status | attack s (median) | attacks sent | load 1m |",
+             "|---|---:|---:|---:|---:|---|---:|---:|---:|---:|"]
     for name, row in data.items():
         busy = row.get("cores_busy", {})
         cores = " / ".join(f"{busy.get(k, 0.0):.2f}" for k in ("ingress", "tokenizer", "engine"))
-        lines.append(f"| {name} | {row['p50_s']} | {row['p99_s']} | {row.get('p99_over_idle', 1.0)} | {cores} | "
-                     f"{row.get('status', '')} | {row.get('attack_s', '')} | {row.get('attacks', '')} | {row['load_1m']} |")
+        lines.append(f"| {name} | {row['p50_s']} | {row['p99_s']} | {row.get('p99_over_idle', 1.0)} | "
+                     f"{row.get('p99_over_idle_before', '')} | {cores} | {row.get('status', '')} | "
+                     f"{row.get('attack_s', '')} | {row.get('attacks', '')} | {row['load_1m']} |")
     lines += ["", "Cores busy: each stage process's CPU seconds over the phase's wall time (this machine has "
               f"{os.cpu_count()}). The engine's own figures in each phase (perf/engine_figures.py; the slowest steps "
               "with their phases in ms):", ""]
