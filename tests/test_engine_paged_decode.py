@@ -253,3 +253,13 @@ def test_prompt_chunks_attend_in_place_only_where_the_probe_passes(monkeypatch):
     monkeypatch.setattr(paged_attention, "gather_mm_prefill_attention",
                         lambda queries, *a: real(queries, *a) * 1.5)  # a read that is wrong
     assert not make_engine(model).runner.prefills_in_place
+
+
+def test_the_warm_up_runs_the_in_place_prefill_probe_so_no_request_step_does():
+    """The probe pass (paged_decode.check_paged_prefill) ran inside the first real step whose prompt chunk
+    followed a prefix hit: served on the 2-core CPU, a 1.2-1.6 s step every running request waited for."""
+    engine = make_engine(tiny_model("llama"), block_size=4)
+    assert engine.runner._prefill_in_place is None  # decided on first use
+    engine.warm_up()
+    assert engine.runner._prefill_in_place is True
+    assert not engine.has_work() and engine.stats().steps == 0

@@ -445,7 +445,13 @@ class Engine(EngineReport, EngineScoring):
     # ------------------------------------------------------------------ start-up
     def warm_up(self) -> float:
         """Build what MLX builds on first use before the first real request (warmup.py); leaves no
-        request, cached block or counter behind. Returns the seconds it took."""
+        request, cached block or counter behind. Returns the seconds it took.
+
+        It also decides whether prompt chunks attend over the block store in place (its probe pass,
+        paged_decode.check_paged_prefill): the warm-up's prompts are under one block, so no chunk of theirs
+        follows a prefix hit, and the probe ran inside the first real step whose chunk did. Served on the
+        2-core CPU that was a 1.2-1.6 s step of the second 64 KiB tool request (a 2-token chunk after a
+        32-token hit), which every running request waited for (issue 30, perf/results/isolation-tool16-cpu.md)."""
         if self.has_work():
             raise RuntimeError("warm_up() must run before any request")
         tier, self.runner.kv_tier = self.runner.kv_tier, None  # warm-up prompts are not the disk tier's
@@ -453,6 +459,9 @@ class Engine(EngineReport, EngineScoring):
             self.blocks.tier = None
         try:
             seconds = warm_up(self)
+            t0 = time.perf_counter()
+            _ = self.runner.prefills_in_place  # its probe on a scratch store of its own: nothing to reset
+            seconds += time.perf_counter() - t0
         finally:
             self.runner.kv_tier = tier
             if self.blocks is not None:
