@@ -8,8 +8,9 @@ import pytest
 from parallm.engine.scheduler import KVBudget, Scheduler
 from parallm.engine.sequence import Sequence
 from parallm.protocol import SamplingParams
-
-from test_engine_scheduler import simulate
+from tests._engine_helpers import make_engine, run_all, tiny_model
+from tests.test_engine_buckets import _workload
+from tests.test_engine_scheduler import simulate
 
 BS = 4
 
@@ -124,9 +125,6 @@ def test_an_engine_whose_admissions_wait_gives_the_same_tokens_in_fewer_passes(m
     """Staggered arrivals into a decoding engine (tests/test_engine_buckets.py's workload): with a large
     factor the prompts that arrive one by one share passes, and every request's greedy tokens and logprobs
     are those of the engine that admits each at once."""
-    from tests._engine_helpers import make_engine, run_all, tiny_model
-    from tests.test_engine_buckets import _workload
-
     model = tiny_model("llama")
     runs = {}
     for factor in (0.0, 50.0):

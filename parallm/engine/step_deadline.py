@@ -14,10 +14,10 @@ One engine process is the same with one rank: a device call that never returns, 
 holds the loop, leaves the heartbeat thread answering while no step ends (before this, only
 supervisor.stall_after_s, 300 s, caught it); a stopped process stops its heartbeats mid-step, and the
 supervisor keeps the deadline of the step it last heard of (stopped between two steps while it holds
-requests, it is held to that deadline from its last heartbeat: launch/process.py). Its step is the engine's `step` (or the
-`flush` of a paused one): what happens between steps (adapter and weight loads, grammars compiled on their
-own thread, the pooling pass, model start-up and warm-up) is not inside any, so it has no deadline; a
-disk-tier block read inside a step runs `paused` (below).
+requests, it is held to that deadline from its last heartbeat: launch/process.py). Its step is the
+engine's `step` (or the `flush` of a paused one): what happens between steps (adapter and weight loads,
+grammars compiled on their own thread, the pooling pass, model start-up and warm-up) is not inside any, so
+it has no deadline; a disk-tier block read inside a step runs `paused` (below).
 
 The deadline is measured against the group's own recent steps, so that slow but alive is not hung:
 
