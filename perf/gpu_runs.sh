@@ -156,6 +156,10 @@
 #             HTTP at c=64, then at c=1; packed in $OUT/c64load.tar.gz, ~6 min
 #   bars37    issue 37's ratio bars, two rounds of in process and HTTP at c=64 and 256 (512 requests at 256), each
 #             round a fresh engine and server; packed in $OUT/bars37.tar.gz, ~3 min
+#   pin37     issue 37: the engine stage on two physical cores of its own (every thread, hyperthreads included) and
+#             the benchmark, its clients and the other stages on the rest: bars37's run unpinned, then twice the
+#             in-process engine pinned to those cores and HTTP with only the engine stage on them; packed in
+#             $OUT/pin37.tar.gz, ~8 min
 #   pagedkv / pagedkvserve  issue 41: the KV block store with paged decode attention (this tree) vs the dense rows of
 #             main before it (BEFORE, default .gpu/before: `mkdir -p .gpu/before && git archive be43360 | tar -x -C
 #             .gpu/before`, 7 MB, carried with the call), alternating trees: `pagedkv` the engine's decode step at 1, 64
@@ -215,7 +219,7 @@
 #             CPU_SMOKE=1 SHAPE37=tiny TOK=<tokenizer dir>, ~7 min
 # A fresh server per wave: `waves` fits 6-7 waves in one 10-minute call; run it twice for ten.
 set -uo pipefail
-case "${1:-}" in dp512r|dp512|allsum38|tpdp|diag|llama|adapters|qwen-a|qwen-b|serving|waves|ingress|moe|moe256|hybrid|structured|tp|tp8b|dp|threads|compiled|republish|buckets|serve256|inplace|mixed|cudnn|decodeattn|unfuseddecode|defaults|defaultsab|qwendtype|qwenmlx|qwen8b|embeddings|policy|vision|trainmem|spec|specdraft|specdraft32|kvbits|pagedattn|trainshare|single|pagedkv|pagedkvserve|pagedkvdiag|pagedkvinplace|pagedkvfinal|pagedkvserveall|pagedkvhost|pagedkvlast|pagedkv256|pagedkvfused|final37|single37|single37b|fused37|opsbuf|admitdelay|admitdelay2|c64load|bars37) ;;
+case "${1:-}" in dp512r|dp512|allsum38|tpdp|diag|llama|adapters|qwen-a|qwen-b|serving|waves|ingress|moe|moe256|hybrid|structured|tp|tp8b|dp|threads|compiled|republish|buckets|serve256|inplace|mixed|cudnn|decodeattn|unfuseddecode|defaults|defaultsab|qwendtype|qwenmlx|qwen8b|embeddings|policy|vision|trainmem|spec|specdraft|specdraft32|kvbits|pagedattn|trainshare|single|pagedkv|pagedkvserve|pagedkvdiag|pagedkvinplace|pagedkvfinal|pagedkvserveall|pagedkvhost|pagedkvlast|pagedkv256|pagedkvfused|final37|single37|single37b|fused37|opsbuf|admitdelay|admitdelay2|c64load|bars37|pin37) ;;
   *) sed -n '2,/^# A fresh server per wave/p' "$0"; exit 2 ;; esac
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
@@ -253,10 +257,11 @@ serve_pair() {  # serve_pair TAG LEVELS...: HTTP at each level (e.g. 1,64 256), 
 }
 packed_serving() {  # packed_serving PACK LIMIT_S RUN ARGS...: bench_serving on llama-3.2-3b, 128 tokens, as
   # experiment llama-3.2-3b-PACK-RUN, stopped LIMIT_S after the entry began; its table rows are printed and every
-  # file of the entry so far packed into $OUT/PACK.tar.gz (a call brings back 8 files: a run's png took a JSON's place)
+  # file of the entry so far packed into $OUT/PACK.tar.gz (a call brings back 8 files: a run's png took a JSON's place);
+  # ONCPUS, if set, runs the benchmark through it (pin37's `python3 /tmp/oncpus.py CPUS`)
   local pack=$1 limit=$2 run=$3; shift 3
   mkdir -p /tmp/$pack
-  timeout -k 20 $((limit - SECONDS)) python3 -m perf.bench_serving --shape llama-3.2-3b --max-tokens 128 "$@" \
+  timeout -k 20 $((limit - SECONDS)) ${ONCPUS:-} python3 -m perf.bench_serving --shape llama-3.2-3b --max-tokens 128 "$@" \
     --tokenizer-dir $TOK --work-dir $WORK --experiment llama-3.2-3b-$pack-$run --out-dir /tmp/$pack \
     | grep -v '^{"target"' | tail -1
   echo "$run: ${SECONDS} s"
@@ -504,6 +509,50 @@ case "${1:-}" in
               packed_serving c64load 575 $name --concurrency $levels --requests-per-client $rpc --client-procs $procs \
                 --targets $targets
               [ -n "$spinners" ] && kill $spinners
+            done ;;
+  pin37)    SECONDS=0  # the engine on cores of its own: does the served engine lose to the in-process one through
+            # the host CPU its neighbours share (c64load: the in-process engine 6-22 % slower beside six spinners)?
+            lscpu | grep -E "^(Model name|Thread|Core|Socket|NUMA node\(s\)|CPU\(s\))"
+            cat > /tmp/oncpus.py <<'PYEOF'
+import os, sys
+os.sched_setaffinity(0, {int(c) for c in sys.argv[1].split(",")})
+os.execvp(sys.argv[2], sys.argv[2:])
+PYEOF
+            cat > /tmp/pinloop.py <<'PYEOF'
+import os, sys, time  # every 0.3 s: every thread of each process whose command line holds argv[2] onto argv[1]
+cpus, pattern = {int(c) for c in sys.argv[1].split(",")}, sys.argv[2].encode()
+while True:
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            if pattern in open(f"/proc/{pid}/cmdline", "rb").read():
+                for tid in os.listdir(f"/proc/{pid}/task"):
+                    os.sched_setaffinity(int(tid), cpus)
+        except OSError:
+            pass
+    time.sleep(0.3)
+PYEOF
+            # E: the first two physical cores with their hyperthreads; R: every other CPU
+            read -r E R < <(python3 -c '
+import glob, os
+cores = {}
+for d in sorted(glob.glob("/sys/devices/system/cpu/cpu[0-9]*"), key=lambda p: int(p.rsplit("u", 1)[1])):
+    cpu = int(d.rsplit("u", 1)[1])
+    if cpu in os.sched_getaffinity(0):
+        cores.setdefault(open(d + "/topology/thread_siblings_list").read().strip(), []).append(cpu)
+groups = list(cores.values())
+e = sorted(c for g in groups[:2] for c in g); r = sorted(c for g in groups[2:] for c in g)
+print(",".join(map(str, e)), ",".join(map(str, r)))')
+            echo "engine CPUs $E; the rest $R"
+            packed_serving pin37 590 base1 --concurrency 64,256 --requests-per-client 2 --client-procs 4 \
+              --targets inprocess,http
+            for r in 1 2; do
+              [ $SECONDS -lt 420 ] || break
+              ONCPUS="python3 /tmp/oncpus.py $E" packed_serving pin37 590 inproc-pinned$r --concurrency 64,256 \
+                --requests-per-client 2 --client-procs 4 --targets inprocess
+              python3 /tmp/pinloop.py $E "parallm.stages engine" & pinner=$!
+              ONCPUS="python3 /tmp/oncpus.py $R" packed_serving pin37 590 http-pinned$r --concurrency 64,256 \
+                --requests-per-client 2 --client-procs 4 --targets http
+              kill $pinner
             done ;;
   bars37)   SECONDS=0
             for r in 1 2; do
