@@ -160,6 +160,10 @@
 #             the benchmark, its clients and the other stages on the rest: bars37's run unpinned, then twice the
 #             in-process engine pinned to those cores and HTTP with only the engine stage on them; packed in
 #             $OUT/pin37.tar.gz, ~8 min
+#   mixed37   issue 37: engine.mixed_passes on CUDA again (prompt chunks in the decode pass; off there since 7852810's
+#             0.70x at c=64, before the block store and with MLX's kernels built per process): HTTP at c=64 and 256
+#             with the default, the in-process engine, then HTTP mixed, default, mixed; packed in
+#             $OUT/mixed37.tar.gz, ~8 min
 #   pagedkv / pagedkvserve  issue 41: the KV block store with paged decode attention (this tree) vs the dense rows of
 #             main before it (BEFORE, default .gpu/before: `mkdir -p .gpu/before && git archive be43360 | tar -x -C
 #             .gpu/before`, 7 MB, carried with the call), alternating trees: `pagedkv` the engine's decode step at 1, 64
@@ -219,7 +223,7 @@
 #             CPU_SMOKE=1 SHAPE37=tiny TOK=<tokenizer dir>, ~7 min
 # A fresh server per wave: `waves` fits 6-7 waves in one 10-minute call; run it twice for ten.
 set -uo pipefail
-case "${1:-}" in dp512r|dp512|allsum38|tpdp|diag|llama|adapters|qwen-a|qwen-b|serving|waves|ingress|moe|moe256|hybrid|structured|tp|tp8b|dp|threads|compiled|republish|buckets|serve256|inplace|mixed|cudnn|decodeattn|unfuseddecode|defaults|defaultsab|qwendtype|qwenmlx|qwen8b|embeddings|policy|vision|trainmem|spec|specdraft|specdraft32|kvbits|pagedattn|trainshare|single|pagedkv|pagedkvserve|pagedkvdiag|pagedkvinplace|pagedkvfinal|pagedkvserveall|pagedkvhost|pagedkvlast|pagedkv256|pagedkvfused|final37|single37|single37b|fused37|opsbuf|admitdelay|admitdelay2|c64load|bars37|pin37) ;;
+case "${1:-}" in dp512r|dp512|allsum38|tpdp|diag|llama|adapters|qwen-a|qwen-b|serving|waves|ingress|moe|moe256|hybrid|structured|tp|tp8b|dp|threads|compiled|republish|buckets|serve256|inplace|mixed|cudnn|decodeattn|unfuseddecode|defaults|defaultsab|qwendtype|qwenmlx|qwen8b|embeddings|policy|vision|trainmem|spec|specdraft|specdraft32|kvbits|pagedattn|trainshare|single|pagedkv|pagedkvserve|pagedkvdiag|pagedkvinplace|pagedkvfinal|pagedkvserveall|pagedkvhost|pagedkvlast|pagedkv256|pagedkvfused|final37|single37|single37b|fused37|opsbuf|admitdelay|admitdelay2|c64load|bars37|pin37|mixed37) ;;
   *) sed -n '2,/^# A fresh server per wave/p' "$0"; exit 2 ;; esac
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
@@ -554,6 +558,18 @@ print(",".join(map(str, e)), ",".join(map(str, r)))')
                 --requests-per-client 2 --client-procs 4 --targets http
               kill $pinner
             done ;;
+  mixed37)  SECONDS=0  # mixed passes on CUDA again, with the block store and MLX's kernels built: HTTP alternating
+            # the default (separate prefill passes) and engine.mixed_passes on, the in-process engine (default) once
+            packed_serving mixed37 590 http-default1 --concurrency 64,256 --requests-per-client 2 --client-procs 4 \
+              --targets http
+            packed_serving mixed37 590 inproc --concurrency 64,256 --requests-per-client 2 --client-procs 4 \
+              --targets inprocess
+            for r in 1 2; do for way in mixed default; do
+              [ $way$r = default1 ] && continue
+              [ $SECONDS -lt 480 ] || break 2
+              packed_serving mixed37 590 http-$way$r --concurrency 64,256 --requests-per-client 2 --client-procs 4 \
+                --targets http --server-args "--engine.mixed-passes $([ $way = mixed ] && echo true || echo false)"
+            done; done ;;
   bars37)   SECONDS=0
             for r in 1 2; do
               [ $SECONDS -lt 200 ] || break
