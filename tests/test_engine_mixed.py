@@ -143,3 +143,64 @@ def test_a_short_prompt_beside_a_long_prompts_late_chunk_attends_over_its_own_ke
     assert max(groups) == 2, groups
     for name, p in prompts.items():
         assert res[(name, 0)]["tokens"] == reference_greedy(model, p, 40 if name == "decoding" else 6), name
+
+
+def test_cudas_unfused_defaults_mix_with_each_segment_attended_as_its_separate_pass(monkeypatch):
+    """A bfloat16 model under CUDA's attention defaults (unfused short prefills and masked decode): each
+    segment of a packed pass attends as the separate pass it stands for (fastmath._segment_sdpa), so the
+    runner's check lets packing on and the tokens are the separate passes'. With the stock kernel for every
+    segment, the check saw the fused kernel's rounding against the unfused reference's and refused packing
+    (0.16-0.18 apart on an H200)."""
+    import mlx.core as mx
+
+    from parallm.engine import fastmath
+
+    model = tiny_model("llama3-rope")
+    model.set_dtype(mx.bfloat16)
+    prompts = [prompt(n, 40 + n) for n in (5, 2, 13, 8)]
+    cuda = dict(fast_math=False, unfused_prefill_keys=4096, unfused_decode=True, max_prefill_tokens=10)
+    calls: list[bool] = []
+    real = fastmath.unfused_sdpa
+    monkeypatch.setattr(fastmath, "unfused_sdpa", lambda q, *a: (calls.append(True), real(q, *a))[1])
+    results = {}
+    for mixed in (False, True):
+        engine = make_engine(model, mixed_passes=mixed, **cuda)
+        assert engine.runner.can_pack
+        reqs = [req(f"r{i}", p, greedy(8)) for i, p in enumerate(prompts)]
+        calls.clear()
+        results[mixed] = run_all(engine, reqs[:2], arrivals={1: reqs[2:3], 3: reqs[3:]})
+        assert (engine.stats().mixed_passes >= 2) == mixed
+        assert calls
+    for i, p in enumerate(prompts):
+        assert results[True][(f"r{i}", 0)]["tokens"] == results[False][(f"r{i}", 0)]["tokens"] \
+            == reference_greedy(model, p, 8), i
+
+
+def test_a_packed_passs_segments_take_the_attention_of_their_separate_passes(monkeypatch):
+    """fastmath.packed_sdpa hands PackedContext.attend the separate passes' rule: a masked decode segment
+    and a short prefill segment attend unfused under CUDA's defaults, and with the stock kernel without
+    them. Before, every segment took the stock kernel whatever the settings."""
+    import types
+
+    import mlx.core as mx
+
+    from parallm.engine import fastmath
+    from parallm.engine.packed import PackedMask
+
+    calls: list[tuple[str, int]] = []
+    monkeypatch.setattr(fastmath, "unfused_sdpa", lambda q, k, v, scale, mask: calls.append(("unfused", q.shape[2])) or q)
+    monkeypatch.setattr(fastmath, "stock_sdpa",
+                        lambda q, k, v, cache, scale, mask, sinks=None: calls.append(("stock", q.shape[2])) or q)
+
+    def attend(queries, keys, values, scale, window, sdpa):  # a decode segment of 2 rows, then a prefill of 2 x 5
+        sdpa(mx.zeros((2, 4, 1, 8)), mx.zeros((2, 4, 9, 8)), mx.zeros((2, 4, 9, 8)), None, scale, mx.zeros((2, 1, 1, 9)))
+        sdpa(mx.zeros((2, 4, 5, 8)), mx.zeros((2, 4, 12, 8)), mx.zeros((2, 4, 12, 8)), None, scale, mx.zeros((2, 1, 5, 12)))
+        return queries
+
+    cache = types.SimpleNamespace(packed=types.SimpleNamespace(attend=attend))
+    q = mx.zeros((1, 4, 12, 8))
+    fastmath.packed_sdpa(q, q, q, cache, 1.0, PackedMask(None), unfused_keys=4096, unfused_decode=True)
+    assert calls == [("unfused", 1), ("unfused", 5)]
+    calls.clear()
+    fastmath.packed_sdpa(q, q, q, cache, 1.0, PackedMask(None), unfused_keys=8, unfused_decode=False)
+    assert calls == [("stock", 1), ("stock", 5)]  # a span of 12 past the 8 keys unfused, decode left fused

@@ -96,11 +96,14 @@ class RopeTables:
 
 def packed_sdpa(queries: mx.array, keys: mx.array, values: mx.array, cache: Any, scale: float, mask: Any,
                 sinks: mx.array | None = None, *, unfused_keys: int = 0, unfused_decode: bool = False) -> mx.array:
-    """mlx-lm's stock attention, which also runs a packed pass (each segment with the stock kernel),
-    and `unfused_sdpa` for more than one query per row over at most `unfused_keys` keys, and (with
-    `unfused_decode`) for one query per row under an array mask: what FastMath(exp=False) puts in
-    the model's module (a GPU's mixed passes, short prefills, masked decode), and a decode pass read
-    through the block tables (pass_view.PagedMask: a GPU's paged attention kernel)."""
+    """mlx-lm's stock attention, and `unfused_sdpa` for more than one query per row over at most
+    `unfused_keys` keys, and (with `unfused_decode`) for one query per row under an array mask: what
+    FastMath(exp=False) puts in the model's module (a GPU's short prefills, masked decode), a decode pass
+    read through the block tables (pass_view.PagedMask: a GPU's paged attention kernel), and a packed
+    pass, whose segments each attend by the same rule as the separate pass they stand for: with the
+    stock kernel for every segment, a packed pass's bf16 logits on CUDA's defaults differed from the
+    separate passes' by 0.16-0.18 (unfused against fused attention), and the runner's check refused
+    packing (docs/performance.md, "Mixed passes, tried again")."""
     if isinstance(mask, PagedMask):
         out = cache.paged_attention(queries, keys, scale) if sinks is None else None
         if out is not None:
@@ -110,7 +113,15 @@ def packed_sdpa(queries: mx.array, keys: mx.array, values: mx.array, cache: Any,
     if isinstance(mask, PackedMask):
         if sinks is not None:
             raise ValueError("packed passes take attention without sinks")
-        return cache.packed.attend(queries, keys, values, scale, mask.window, stock_sdpa)
+        return cache.packed.attend(queries, keys, values, scale, mask.window,
+                                   partial(_segment_sdpa, unfused_keys=unfused_keys, unfused_decode=unfused_decode))
+    return _segment_sdpa(queries, keys, values, cache, scale, mask, sinks,
+                         unfused_keys=unfused_keys, unfused_decode=unfused_decode)
+
+
+def _segment_sdpa(queries: mx.array, keys: mx.array, values: mx.array, cache: Any, scale: float, mask: Any,
+                  sinks: mx.array | None = None, *, unfused_keys: int = 0, unfused_decode: bool = False) -> mx.array:
+    """`packed_sdpa`'s choice for one pass's (or one packed segment's) [rows, heads, L, dim] queries."""
     if sinks is None and not hasattr(cache, "bits") and (
             (unfused_keys and queries.shape[2] > 1 and keys.shape[2] <= unfused_keys)
             or (unfused_decode and queries.shape[2] == 1 and isinstance(mask, mx.array))):
