@@ -163,7 +163,7 @@
 #   mixed37   issue 37: engine.mixed_passes on CUDA again (prompt chunks in the decode pass; off there since 7852810's
 #             0.70x at c=64, before the block store and with MLX's kernels built per process): HTTP at c=64 and 256
 #             with the default, the in-process engine, then HTTP mixed, default, mixed, default while the call has
-#             time; packed in $OUT/mixed37.tar.gz, ~8 min
+#             time (after 58cdbcf, as experiment llama-3.2-3b-mixed37b-RUN); packed in $OUT/mixed37b.tar.gz, ~8 min
 #   pagedkv / pagedkvserve  issue 41: the KV block store with paged decode attention (this tree) vs the dense rows of
 #             main before it (BEFORE, default .gpu/before: `mkdir -p .gpu/before && git archive be43360 | tar -x -C
 #             .gpu/before`, 7 MB, carried with the call), alternating trees: `pagedkv` the engine's decode step at 1, 64
@@ -560,13 +560,13 @@ print(",".join(map(str, e)), ",".join(map(str, r)))')
             done ;;
   mixed37)  SECONDS=0  # mixed passes on CUDA again, with the block store and MLX's kernels built: HTTP alternating
             # the default (separate prefill passes) and engine.mixed_passes on, the in-process engine (default) once
-            packed_serving mixed37 590 http-default1 --concurrency 64,256 --requests-per-client 2 --client-procs 4 \
+            packed_serving mixed37b 590 http-default1 --concurrency 64,256 --requests-per-client 2 --client-procs 4 \
               --targets http
-            packed_serving mixed37 590 inproc --concurrency 64,256 --requests-per-client 2 --client-procs 4 \
+            packed_serving mixed37b 590 inproc --concurrency 64,256 --requests-per-client 2 --client-procs 4 \
               --targets inprocess
             for run in mixed1 default2 mixed2 default3; do
               [ $SECONDS -lt 480 ] || break
-              packed_serving mixed37 590 http-$run --concurrency 64,256 --requests-per-client 2 --client-procs 4 \
+              packed_serving mixed37b 590 http-$run --concurrency 64,256 --requests-per-client 2 --client-procs 4 \
                 --targets http --server-args "--engine.mixed-passes $([[ $run = mixed* ]] && echo true || echo false)"
             done ;;
   bars37)   SECONDS=0
