@@ -164,6 +164,8 @@
 #             0.70x at c=64, before the block store and with MLX's kernels built per process): HTTP at c=64 and 256
 #             with the default, the in-process engine, then HTTP mixed, default, mixed, default while the call has
 #             time (after 58cdbcf, as experiment llama-3.2-3b-mixed37b-RUN); packed in $OUT/mixed37b.tar.gz, ~8 min
+#   mixed37c  the same at c=256 only: HTTP (warm-up), in process, then HTTP mixed and default in turn while the call has
+#             time (8 runs at most); packed in $OUT/mixed37c.tar.gz, ~7 min
 #   pagedkv / pagedkvserve  issue 41: the KV block store with paged decode attention (this tree) vs the dense rows of
 #             main before it (BEFORE, default .gpu/before: `mkdir -p .gpu/before && git archive be43360 | tar -x -C
 #             .gpu/before`, 7 MB, carried with the call), alternating trees: `pagedkv` the engine's decode step at 1, 64
@@ -223,7 +225,7 @@
 #             CPU_SMOKE=1 SHAPE37=tiny TOK=<tokenizer dir>, ~7 min
 # A fresh server per wave: `waves` fits 6-7 waves in one 10-minute call; run it twice for ten.
 set -uo pipefail
-case "${1:-}" in dp512r|dp512|allsum38|tpdp|diag|llama|adapters|qwen-a|qwen-b|serving|waves|ingress|moe|moe256|hybrid|structured|tp|tp8b|dp|threads|compiled|republish|buckets|serve256|inplace|mixed|cudnn|decodeattn|unfuseddecode|defaults|defaultsab|qwendtype|qwenmlx|qwen8b|embeddings|policy|vision|trainmem|spec|specdraft|specdraft32|kvbits|pagedattn|trainshare|single|pagedkv|pagedkvserve|pagedkvdiag|pagedkvinplace|pagedkvfinal|pagedkvserveall|pagedkvhost|pagedkvlast|pagedkv256|pagedkvfused|final37|single37|single37b|fused37|opsbuf|admitdelay|admitdelay2|c64load|bars37|pin37|mixed37) ;;
+case "${1:-}" in dp512r|dp512|allsum38|tpdp|diag|llama|adapters|qwen-a|qwen-b|serving|waves|ingress|moe|moe256|hybrid|structured|tp|tp8b|dp|threads|compiled|republish|buckets|serve256|inplace|mixed|cudnn|decodeattn|unfuseddecode|defaults|defaultsab|qwendtype|qwenmlx|qwen8b|embeddings|policy|vision|trainmem|spec|specdraft|specdraft32|kvbits|pagedattn|trainshare|single|pagedkv|pagedkvserve|pagedkvdiag|pagedkvinplace|pagedkvfinal|pagedkvserveall|pagedkvhost|pagedkvlast|pagedkv256|pagedkvfused|final37|single37|single37b|fused37|opsbuf|admitdelay|admitdelay2|c64load|bars37|pin37|mixed37|mixed37c) ;;
   *) sed -n '2,/^# A fresh server per wave/p' "$0"; exit 2 ;; esac
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
@@ -567,6 +569,15 @@ print(",".join(map(str, e)), ",".join(map(str, r)))')
             for run in mixed1 default2 mixed2 default3; do
               [ $SECONDS -lt 480 ] || break
               packed_serving mixed37b 590 http-$run --concurrency 64,256 --requests-per-client 2 --client-procs 4 \
+                --targets http --server-args "--engine.mixed-passes $([[ $run = mixed* ]] && echo true || echo false)"
+            done ;;
+  mixed37c) SECONDS=0  # mixed37's c=256 again, alternated more: HTTP default (warm-up), the in-process engine, then
+            # HTTP with engine.mixed_passes on and off in turn while the call has time
+            packed_serving mixed37c 500 http-warm --concurrency 256 --requests-per-client 2 --client-procs 4 --targets http
+            packed_serving mixed37c 500 inproc --concurrency 256 --requests-per-client 2 --client-procs 4 --targets inprocess
+            for run in mixed1 default1 mixed2 default2 mixed3 default3 mixed4 default4; do
+              [ $SECONDS -lt 400 ] || break
+              packed_serving mixed37c 500 http-$run --concurrency 256 --requests-per-client 2 --client-procs 4 \
                 --targets http --server-args "--engine.mixed-passes $([[ $run = mixed* ]] && echo true || echo false)"
             done ;;
   bars37)   SECONDS=0
