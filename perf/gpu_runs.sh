@@ -164,8 +164,9 @@
 #             0.70x at c=64, before the block store and with MLX's kernels built per process): HTTP at c=64 and 256
 #             with the default, the in-process engine, then HTTP mixed, default, mixed, default while the call has
 #             time (after 58cdbcf, as experiment llama-3.2-3b-mixed37b-RUN); packed in $OUT/mixed37b.tar.gz, ~8 min
-#   mixed37c  the same at c=256 only: HTTP (warm-up), in process, then HTTP mixed and default in turn while the call has
-#             time (8 runs at most); packed in $OUT/mixed37c.tar.gz, ~7 min
+#   mixed37c  the same at c=256 only: HTTP (warm-up, mixed passes on), in process, then HTTP default and mixed in turn
+#             while the call has time (8 runs at most; M37C_S=seconds, default 400, after which no run starts and
+#             a running one is stopped 100 s later); packed in $OUT/mixed37c.tar.gz, ~7 min
 #   pagedkv / pagedkvserve  issue 41: the KV block store with paged decode attention (this tree) vs the dense rows of
 #             main before it (BEFORE, default .gpu/before: `mkdir -p .gpu/before && git archive be43360 | tar -x -C
 #             .gpu/before`, 7 MB, carried with the call), alternating trees: `pagedkv` the engine's decode step at 1, 64
@@ -571,13 +572,15 @@ print(",".join(map(str, e)), ",".join(map(str, r)))')
               packed_serving mixed37b 590 http-$run --concurrency 64,256 --requests-per-client 2 --client-procs 4 \
                 --targets http --server-args "--engine.mixed-passes $([[ $run = mixed* ]] && echo true || echo false)"
             done ;;
-  mixed37c) SECONDS=0  # mixed37's c=256 again, alternated more: HTTP default (warm-up), the in-process engine, then
-            # HTTP with engine.mixed_passes on and off in turn while the call has time
-            packed_serving mixed37c 500 http-warm --concurrency 256 --requests-per-client 2 --client-procs 4 --targets http
-            packed_serving mixed37c 500 inproc --concurrency 256 --requests-per-client 2 --client-procs 4 --targets inprocess
-            for run in mixed1 default1 mixed2 default2 mixed3 default3 mixed4 default4; do
-              [ $SECONDS -lt 400 ] || break
-              packed_serving mixed37c 500 http-$run --concurrency 256 --requests-per-client 2 --client-procs 4 \
+  mixed37c) SECONDS=0  # mixed37's c=256 again, alternated more: HTTP (warm-up, its kernels and the mixed shapes'), the
+            # in-process engine, then HTTP with engine.mixed_passes off and on in turn while the call has time
+            budget=${M37C_S:-400}
+            packed_serving mixed37c $((budget + 100)) http-warm --concurrency 256 --requests-per-client 2 --client-procs 4 \
+              --targets http --server-args "--engine.mixed-passes true"
+            packed_serving mixed37c $((budget + 100)) inproc --concurrency 256 --requests-per-client 2 --client-procs 4 --targets inprocess
+            for run in default1 mixed1 default2 mixed2 default3 mixed3 default4 mixed4; do
+              [ $SECONDS -lt $budget ] || break
+              packed_serving mixed37c $((budget + 100)) http-$run --concurrency 256 --requests-per-client 2 --client-procs 4 \
                 --targets http --server-args "--engine.mixed-passes $([[ $run = mixed* ]] && echo true || echo false)"
             done ;;
   bars37)   SECONDS=0
