@@ -8,6 +8,7 @@ long, a stage down) gets its real HTTP status rather than a 200 stream holding a
 from __future__ import annotations
 
 import asyncio
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 from collections.abc import AsyncIterator, Awaitable
 from typing import Any, Callable, TypeVar
@@ -27,8 +28,16 @@ from parallm.api.validate import Limits, decode, decode_completion
 from parallm.api.vllm_admin import chat_tokens_plan
 from parallm.config import ServerConfig
 from parallm.metrics import ServerMetrics
+from parallm.threads import background_worker
 
 P = TypeVar("P")
+
+# Bodies this large are planned on a worker thread below the event loop's priority. A 62 KiB tool schema under
+# tool_choice "required" took 32-43 ms of llguidance's grammar validation on the loop (issue 30): every other
+# request on the loop waited, and the ingress process took that core from the engine's step on a 2-core CPU.
+# The validation releases the GIL, so the loop keeps serving while it runs; a body under this plans in well
+# under a millisecond on the loop.
+LARGE_BODY_BYTES = 16_384
 
 
 class Gate:
@@ -68,6 +77,7 @@ class GenerationRoutes:
         self.backend = backend
         self.server = server
         self.gate = Gate(server.max_concurrent_requests, metrics)
+        self._planner: ThreadPoolExecutor | None = None  # large bodies' plans (LARGE_BODY_BYTES), made lazily
         if metrics is not None:
             metrics.in_flight.set_function(lambda: self.gate.in_flight)
 
@@ -88,12 +98,20 @@ class GenerationRoutes:
         """The request's Plan; a `model` that is not the served one may name a loaded adapter (vLLM's
         LoRA convention), so the adapters are listed before it is refused."""
         try:
-            return make_plan(body, self.limits())
+            return await self._make(make_plan, body, self.limits())
         except APIError as exc:
             if exc.code != "model_not_found":
                 raise
         names = frozenset(a.name for a in (await self.backend.list_adapters()).adapters)
-        return make_plan(body, replace(self.limits(), adapters=names))
+        return await self._make(make_plan, body, replace(self.limits(), adapters=names))
+
+    async def _make(self, make_plan: Callable[[bytes, Limits], P], body: bytes, limits: Limits) -> P:
+        """make_plan(body, limits): on the loop for a small body, on the planner thread for a large one."""
+        if len(body) < LARGE_BODY_BYTES:
+            return make_plan(body, limits)
+        if self._planner is None:
+            self._planner = ThreadPoolExecutor(2, thread_name_prefix="parallm-plan", initializer=background_worker)
+        return await asyncio.get_running_loop().run_in_executor(self._planner, make_plan, body, limits)
 
     async def _serve(self, request: Request, make_plan: Callable[[bytes, Limits], Plan]) -> Response:
         plan = await self.plan(await read_body(request, self.server.max_body_bytes), make_plan)
