@@ -278,6 +278,12 @@ class Constraints:
             self.compiled += 1
         return Grammar(m, first[0] if words == mask_words(self.vocab_size) else None)
 
+    def forget(self) -> None:
+        """Drop every compiled grammar and zero the counters (after the engine's warm-up, which compiles one)."""
+        with self._lock:
+            self._templates.clear()
+            self.compiled = self.cache_hits = 0
+
     def check(self, c: Constraint) -> None:
         """Compile (or find) the grammar; raises GrammarError naming what is wrong."""
         self._template(c)
