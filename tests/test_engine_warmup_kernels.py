@@ -5,7 +5,8 @@ kept under $TMPDIR/mlx. With only greedy rows warmed, the first request that sam
 temperature 1) built the Gumbel noise's loops inside its steps: 4.1 s on a fresh 2-core machine, 2.9 s more
 for the first two sampled rows, 1.3 s for the first penalties and 2.6 s for the first grammar mask, every
 running request waiting. Here an engine warms up in a process of its own with an empty kernel cache, then
-runs each way of sampling alone and several together, and no new compiled loop may appear meanwhile."""
+runs each way of sampling alone and several together, and no new compiled loop may appear meanwhile; a second
+start on the same machine skips the waves that only build loops."""
 
 from __future__ import annotations
 
@@ -23,15 +24,26 @@ ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = r"""
 import json, sys
 from pathlib import Path
-from parallm.engine import make_request
+from parallm.engine import make_request, warmup
 from parallm.protocol import Constraint, SamplingParams
 from tests._engine_helpers import make_engine, tiny_model
 from tests.test_constraints import EOS, char_tokenizer
 
 cache = Path(sys.argv[1])
-engine = make_engine(tiny_model("llama"), eos=[EOS])
-engine.constraints.use_tokenizer(char_tokenizer())
-engine.warm_up()
+ran = []  # the warm-up's waves, by name
+run_wave = warmup._wave
+warmup._wave = lambda engine, name, *a, **kw: (ran.append(name), run_wave(engine, name, *a, **kw))
+
+
+def warmed_engine():
+    engine = make_engine(tiny_model("llama"), eos=[EOS])
+    engine.constraints.use_tokenizer(char_tokenizer())
+    engine.warm_up()
+    return engine
+
+
+engine = warmed_engine()
+first_waves, ran[:] = list(ran), []
 warmed = sorted(p.name for p in cache.rglob("*.so"))
 regex = Constraint(kind="regex", value="[a-z]+")
 waves = [
@@ -51,7 +63,9 @@ for w, rows in enumerate(waves):
     while engine.has_work():
         engine.step()
 after = sorted(p.name for p in cache.rglob("*.so"))
-print(json.dumps({"warmed": warmed, "new": sorted(set(after) - set(warmed))}))
+warmed_engine()  # a second start on this machine: every loop is in the cache
+print(json.dumps({"warmed": warmed, "new": sorted(set(after) - set(warmed)), "first_waves": first_waves,
+                  "second_waves": ran}))
 """
 
 
@@ -65,3 +79,6 @@ def test_no_request_builds_a_kernel_after_the_warm_up(tmp_path):
     found = json.loads(done.stdout.strip().splitlines()[-1])
     assert found["warmed"], "the warm-up built no loop: the kernel cache is not where this test looks"
     assert found["new"] == [], f"built after the warm-up, inside requests' steps: {found['new']}"
+    # the first warm-up on the machine ran every wave; a later start stops after the sampled wave found its loops
+    assert found["first_waves"] == ["0", "1", "2", "c0", "c1"]
+    assert found["second_waves"] == ["0", "1"]

@@ -44,7 +44,7 @@ from .scheduler import Scheduler
 from .spec import SpecDecoder, spec_decoder
 from .trace import StepTracer
 from .sequence import Sequence
-from .warmup import warm_up, warm_up_constrained
+from .warmup import warm_up
 
 Output = SeqOutput | ScoreResult
 FINISH_REASONS: tuple[str, ...] = get_args(FinishReason)
@@ -458,15 +458,17 @@ class Engine(EngineReport, EngineScoring):
         if self.blocks is not None:
             self.blocks.tier = None
         grammar = self.constraints.prepare()  # the grammars' tokenizer, built on the compile thread meanwhile
-        try:
-            seconds = warm_up(self)
+
+        def grammars() -> bool:
             try:
                 grammar.result()
             except GrammarError:
-                pass  # no grammar constraints on this model: their requests are refused with a 400
-            else:
-                seconds += warm_up_constrained(self)
-                self.constraints.forget()
+                return False  # no grammar constraints on this model: their requests are refused with a 400
+            return True
+
+        try:
+            seconds = warm_up(self, grammars)
+            self.constraints.forget()  # the grammar its rows compiled, if any
             t0 = time.perf_counter()
             _ = self.runner.prefills_in_place  # its probe on a scratch store of its own: nothing to reset
             seconds += time.perf_counter() - t0

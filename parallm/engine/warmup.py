@@ -7,15 +7,21 @@ compiled functions (the Gumbel noise of a sampled row, the penalties, a grammar'
 their own, one set for a single row and another for several: with only greedy rows warmed, on a fresh
 2-core machine the first request that sampled (the OpenAI default, temperature 1) ran 4.1 s of builds
 in its steps, the first two sampled rows 2.9 s more, the first penalties 1.3 s and the first grammar mask
-2.6 s, every running request waiting through them (issue 30).
+2.6 s, every running request waiting through them (issue 30). Those waves cost ~2 s of a start on that
+machine, so on the CPU they run only while the first sampled wave still builds loops: once a warm-up on the
+machine has built them all, later starts (an engine restarted by the supervisor, every test server) find
+them in the cache and stop after that wave.
 """
 
 from __future__ import annotations
 
+import tempfile
 import time
+from pathlib import Path
+from typing import TYPE_CHECKING, Callable, Protocol, Sequence
 
+import mlx.core as mx
 import msgspec
-from typing import TYPE_CHECKING, Protocol, Sequence
 
 from parallm.protocol import Constraint, RequestSpec, SamplingParams
 
@@ -55,18 +61,27 @@ SAMPLED_ROWS = [SamplingParams(temperature=1.0, seed=2, repetition_penalty=1.1, 
 CONSTRAINT = Constraint(kind="regex", value="[a-z]{1,3}")
 
 
-def warm_up(engine: Warmable) -> float:
-    """A few short requests through every kind of pass (one row alone; rows of different lengths
-    prefilled while another row decodes, then decoded under a mask; sampled rows beside a greedy one, then
-    the same rows all prefilled in one pass), then a score (its pass keeps every position's logprobs and
-    top-k). Prompts stay under one block, so nothing is cached; requests that do not fit a tiny context
-    or KV budget are left out. Returns the seconds it took."""
+def warm_up(engine: Warmable, grammars: Callable[[], bool] = lambda: False) -> float:
+    """A few short requests through every kind of pass (one row alone; rows of different lengths, sampled
+    beside a greedy one, the first decoding while the others are prefilled, then decoded under a mask), then
+    a score (its pass keeps every position's logprobs and top-k). Unless that sampled wave found every loop
+    it needed already built (cpu_loops), the same rows prefilled in one pass, and, if `grammars()` (which may
+    wait for the constraints' tokenizer) says grammar constraints can be used, rows under a grammar staggered
+    and together. Prompts stay under one block, so nothing is cached; requests that do not fit a tiny
+    context or KV budget are left out. Returns the seconds it took."""
     t0 = time.perf_counter()
     short = max(1, min(engine.config.block_size - 4, engine.max_model_len - 4))  # no full block to cache
     lengths = [short, max(1, short // 2), max(1, short // 3)]
     _wave(engine, "0", [(short, GREEDY)])
-    _wave(engine, "1", list(zip(lengths, SAMPLED_ROWS)))  # the passes of a greedy wave, and the sampler's loops
-    _wave(engine, "2", list(zip(lengths, SAMPLED_ROWS)), staggered=False)
+    before = cpu_loops()
+    _wave(engine, "1", list(zip(lengths, SAMPLED_ROWS)))
+    if not (before and cpu_loops() == before):  # loops were built (or cannot be counted): build the rest now
+        _wave(engine, "2", list(zip(lengths, SAMPLED_ROWS)), staggered=False, tokens=2)  # a prefill and a decode
+        if grammars():
+            sampled, greedy = (msgspec.structs.replace(p, constraint=CONSTRAINT) for p in SAMPLED_ROWS[:2])
+            rows = list(zip(lengths, [sampled, greedy, SAMPLED_ROWS[2]]))
+            _wave(engine, "c0", rows, ignore_eos=False, tokens=2)  # a grammar ends its output with EOS
+            _wave(engine, "c1", rows, staggered=False, ignore_eos=False, tokens=2)
     vocab = max(2, engine.vocab_size)
     try:
         engine.score([(7 * j + 3) % vocab for j in range(short + 1)], start=1, top_logprobs=1)
@@ -77,15 +92,26 @@ def warm_up(engine: Warmable) -> float:
     return time.perf_counter() - t0
 
 
+def cpu_loops() -> int:
+    """How many fused loops MLX's CPU backend keeps compiled on this machine (its cache,
+    $TMPDIR/mlx/<version>/cpu); 0 where that cannot be told (another device, no cache yet)."""
+    if mx.default_device() != mx.cpu:
+        return 0
+    try:
+        return sum(1 for _ in (Path(tempfile.gettempdir()) / "mlx" / mx.__version__ / "cpu").glob("*.so"))
+    except OSError:
+        return 0
+
+
 def _wave(engine: Warmable, name: str, rows: list[tuple[int, SamplingParams]], *, staggered: bool = True,
-          ignore_eos: bool = True) -> None:
+          ignore_eos: bool = True, tokens: int = 3) -> None:
     """Requests of (prompt length, sampling) run to their end: `staggered`, the first alone for a step and then
     decoding while the others are prefilled (a decode or mixed pass beside a prefill), else all prefilled in one
     pass. A request that does not fit is left out."""
     vocab = max(2, engine.vocab_size)
     for i, (n, params) in enumerate(rows):
         ids = [(7 * (i + j) + 1) % vocab for j in range(n)]
-        p = msgspec.structs.replace(params, max_tokens=max(1, min(3, engine.max_model_len - n)), ignore_eos=ignore_eos)
+        p = msgspec.structs.replace(params, max_tokens=max(1, min(tokens, engine.max_model_len - n)), ignore_eos=ignore_eos)
         try:
             engine.add_request(Request(f"__warm_up_{name}_{i}", ids, RequestSpec(params=p)))
         except RequestRejected:
@@ -94,19 +120,6 @@ def _wave(engine: Warmable, name: str, rows: list[tuple[int, SamplingParams]], *
             engine.step()
     while engine.has_work():
         engine.step()
-
-
-def warm_up_constrained(engine: Warmable) -> float:
-    """Rows under a grammar (its mask applied to the logits) beside a free one, staggered and then prefilled
-    together, once the constraints' tokenizer is built (Constraints.prepare). Returns the seconds."""
-    t0 = time.perf_counter()
-    short = max(1, min(engine.config.block_size - 4, engine.max_model_len - 4))
-    lengths = [short, max(1, short // 2), max(1, short // 3)]
-    sampled, greedy = (msgspec.structs.replace(p, constraint=CONSTRAINT) for p in SAMPLED_ROWS[:2])
-    rows = list(zip(lengths, [sampled, greedy, SAMPLED_ROWS[2]]))
-    _wave(engine, "c0", rows, ignore_eos=False)  # a grammar ends its output with EOS
-    _wave(engine, "c1", rows, staggered=False, ignore_eos=False)
-    return time.perf_counter() - t0
 
 
 def bucket_shapes(max_prefill_tokens: int, max_rows: int) -> list[tuple[int, int, int]]:
