@@ -10,7 +10,8 @@ in its steps, the first two sampled rows 2.9 s more, the first penalties 1.3 s a
 2.6 s, every running request waiting through them (issue 30). Those waves cost ~2 s of a start on that
 machine, so on the CPU they run only while the first sampled wave still builds loops: once a warm-up on the
 machine has built them all, later starts (an engine restarted by the supervisor, every test server) find
-them in the cache and stop after that wave.
+them in the cache and stop after that wave (not the ranks of a tensor-parallel group: each would decide by
+the cache of its own machine, and they must run the same steps).
 """
 
 from __future__ import annotations
@@ -73,7 +74,8 @@ def warm_up(engine: Warmable, grammars: Callable[[], bool] = lambda: False) -> f
     short = max(1, min(engine.config.block_size - 4, engine.max_model_len - 4))  # no full block to cache
     lengths = [short, max(1, short // 2), max(1, short // 3)]
     _wave(engine, "0", [(short, GREEDY)])
-    before = cpu_loops()
+    # a tensor-parallel group's ranks run the same steps, so none may decide by its own machine's cache
+    before = cpu_loops() if engine.config.tensor_parallel <= 1 else 0
     _wave(engine, "1", list(zip(lengths, SAMPLED_ROWS)))
     if not (before and cpu_loops() == before):  # loops were built (or cannot be counted): build the rest now
         _wave(engine, "2", list(zip(lengths, SAMPLED_ROWS)), staggered=False, tokens=2)  # a prefill and a decode
