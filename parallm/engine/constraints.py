@@ -170,6 +170,7 @@ class Constraints:
         self._templates: OrderedDict[tuple[str, str], Grammar | GrammarError] = OrderedDict()
         self._lock = threading.Lock()  # the cache is shared with the compile thread
         self._compiler: ThreadPoolExecutor | None = None
+        self._prepared: Future | None = None  # prepare()'s build
         self._compiler_lowered = False  # the compile thread runs below the step loop once requests compile on it
         # wraps each request's compile: the engine stage gives its OpenBLAS governor's (blas.ThreadGovernor.background),
         # which leaves the compile a core while it runs
@@ -221,13 +222,16 @@ class Constraints:
         engine stage does it beside its warm-up, before it serves. Built when a first grammar compiled, it
         held the GIL for its whole build (0.6-0.9 s for SmolLM2's 49k tokens on a CPU), and every running
         row's next token waited that long (issue 30: a canary's p99 2.2-3.1x its idle p99 beside a first
-        constraint). The future's result is None; a model without a usable tokenizer raises GrammarError."""
+        constraint). The future's result is None; a model without a usable tokenizer raises GrammarError.
+        Called again (the engine stage and Engine.warm_up both ask), it returns the same future."""
 
         def build() -> None:
             self.tokenizer  # noqa: B018 - built and kept
             self.thinking  # noqa: B018
 
-        return self._compile_thread().submit(build)
+        if self._prepared is None:
+            self._prepared = self._compile_thread().submit(build)
+        return self._prepared
 
     def _compile_thread(self) -> ThreadPoolExecutor:
         if self._compiler is None:
