@@ -43,6 +43,10 @@ steps by kind, step-time percentiles, prefill tokens per pass, preemptions and r
 OOM retries, KV budget and live buffer, row operations, first-seen pass shapes and the slowest
 steps with their phases), so a slow run says where its time went, step by step beside the other target.
 
+With `--repeats N` each level runs N times on the same warm in-process engine and on the same warm server
+(new prompts each run), and the ratios are of each target's median: a single run of a served c=256 on the
+H200 moved 14,428-19,649 tok/s from one fresh server to the next (issue 37).
+
 Writes perf/results/serving[-EXPERIMENT]-DEVICE.json (every number, the machine and the command),
 a markdown table (.md) and plots (.png).
 """
@@ -54,6 +58,7 @@ import asyncio
 import json
 import os
 import signal
+import statistics
 import sys
 import tempfile
 import time
@@ -76,9 +81,9 @@ def chat_ids(tokenizer: Any, prompts: list[str]) -> list[list[int]]:
     return [tokenizer.encode(t, add_special_tokens=False) for t in texts]
 
 
-def prompt_seed(concurrency: int, target: str) -> int:
-    """The prompt seed of one run (see the module docstring)."""
-    return 10 * concurrency + (1 if target == "zmq" else 0)
+def prompt_seed(concurrency: int, target: str, repeat: int = 0) -> int:
+    """The prompt seed of one run (see the module docstring); a repeat's prompts are new ones too."""
+    return 10 * concurrency + (1 if target == "zmq" else 0) + 100_000 * repeat
 
 
 WARM_SEED = 99_999
@@ -191,23 +196,27 @@ def wait_http(url: str, timeout: float = 300.0) -> None:
 def write_report(result: dict[str, Any], results: Results) -> None:
     rows = ["| target | c | tok/s | TTFT p50 s | TTFT p99 s | ITL p50 ms | ITL p99 ms | ok |",
             "|---|---|---|---|---|---|---|---|"]
+    def label(r: dict[str, Any]) -> str:
+        return r["target"] + (f" #{r['repeat'] + 1}" if r.get("repeat") else "")
+
     for r in result["runs"]:
-        rows.append(f"| {r['target']} | {r['concurrency']} | {r['throughput_tok_s']:.1f} | {r['ttft_p50_s']:.3f} | "
+        rows.append(f"| {label(r)} | {r['concurrency']} | {r['throughput_tok_s']:.1f} | {r['ttft_p50_s']:.3f} | "
                     f"{r['ttft_p99_s']:.3f} | {1000 * r['itl_p50_s']:.1f} | {1000 * r['itl_p99_s']:.1f} | "
                     f"{r['ok']}/{r['requests']} |")
     names = {"http": "http/inprocess", "zmq": "zmq/inprocess", "vs_batchgen": "http/batchgen",
              "vs_mlx_lm": "http/mlx_lm.server", "vs_mlx_lm_shipped": "http/mlx_lm.server-shipped"}
     ratios = [f"- c={c}: " + ", ".join(f"{names[k]} = {v[k]:.2f}" for k in names if k in v)
               for c, v in result["ratios"].items() if v]
-    cpu = [f"- {r['target']} c={r['concurrency']}: client {r.get('client_cpu_s', 0):.1f} s, "
+    cpu = [f"- {label(r)} c={r['concurrency']}: client {r.get('client_cpu_s', 0):.1f} s, "
            + ", ".join(f"{k} {v:.1f} s" for k, v in sorted(r["server_cpu_s"].items()))
            + f" (wall {r['wall_s']:.1f} s)" for r in result["runs"] if r.get("server_cpu_s")]
     engine = [line for r in result["runs"] if r.get("engine")
-              for line in engine_figures.lines(f"{r['target']} c={r['concurrency']}", r["engine"])]
+              for line in engine_figures.lines(f"{label(r)} c={r['concurrency']}", r["engine"])]
     md = [f"# Served vs in-process ({result['workload']}, {result['max_tokens']} output tokens)", "",
           f"Machine: {describe(results.machine)}", "", f"Command: `{results.command}`", "",
           *([f"parallm's weights (in process and served): stored {w['stored']}, served {w['served']} ({w['reason']})", ""]
-            if (w := result.get("weight_dtype")) else []), *rows, "", "Ratios:",
+            if (w := result.get("weight_dtype")) else []), *rows, "", "Ratios" + (" (of each target's median over its runs):" if len(result["runs"]) > len(
+              {(r["target"], r["concurrency"]) for r in result["runs"]}) else ":"),
           *ratios, *(["", "CPU seconds per process during each served run:", *cpu] if cpu else []),
           *(["", "The engine's own figures during each run (perf/engine_figures.py; the slowest steps "
              "with their phases in ms):", *engine] if engine else [])]
@@ -279,6 +288,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--mlx-lm-allocator", action="store_true",
                         help="preload parallm's allocator (mimalloc) for mlx_lm.server too")
     parser.add_argument("--server-args", default="", help="extra parallm-launch arguments")
+    parser.add_argument("--repeats", type=int, default=1,
+                        help="runs of each level by the in-process engine and the server, each on the same warm "
+                             "engine or server with prompts of its own; ratios are of the medians")
     parser.add_argument("--client-procs", type=int, default=1,
                         help="HTTP client processes at concurrencies of 16 and more (one Python client parses "
                              "~5,000 events/s)")
@@ -333,16 +345,18 @@ def main(argv: list[str] | None = None) -> int:
         engine = Engine(EngineModel.of(loaded), Config(engine=EngineConfig(max_num_seqs=max_seqs)))
         warm = workload_for(1)
         run_inprocess(engine, chat_ids(tokenizer, make_prompts(warm, WARM_SEED))[:2], warm, 2, eos)
-        for c in levels:
-            w = workload_for(c)
-            prompt_ids = chat_ids(tokenizer, make_prompts(w, prompt_seed(c, "inprocess")))
-            engine_figures.settle()  # the run's burst of engine steps is its own, as for the served runs
-            stats_before = msgspec.to_builtins(engine.stats())
-            r = run_inprocess(engine, prompt_ids, w, c, eos)
-            r["settings"] = {k: getattr(engine.config, k) for k in engine_figures.SETTINGS}  # as resolved here
-            engine_figures.settle()
-            r["engine"] = engine_figures.figures(stats_before, msgspec.to_builtins(engine.stats()))
-            keep(r)
+        for repeat in range(args.repeats):
+            for c in levels:
+                w = workload_for(c)
+                prompt_ids = chat_ids(tokenizer, make_prompts(w, prompt_seed(c, "inprocess", repeat)))
+                engine_figures.settle()  # the run's burst of engine steps is its own, as for the served runs
+                stats_before = msgspec.to_builtins(engine.stats())
+                r = run_inprocess(engine, prompt_ids, w, c, eos)
+                r["settings"] = {k: getattr(engine.config, k) for k in engine_figures.SETTINGS}  # as resolved here
+                engine_figures.settle()
+                r["engine"] = engine_figures.figures(stats_before, msgspec.to_builtins(engine.stats()))
+                r["repeat"] = repeat
+                keep(r)
         del engine
 
     if "batchgen" in targets:
@@ -361,24 +375,26 @@ def main(argv: list[str] | None = None) -> int:
         try:
             url, router = server.url, server.router
             asyncio.run(run_http(url, "bench", workload_for(1), 2, eos, WARM_SEED))  # warm-up
-            for c in levels:
-                w = workload_for(c)
-                for target in ("http", "zmq"):
-                    if target not in targets:
-                        continue
-                    engine_figures.settle()  # the run's burst of engine steps is its own
-                    stats_before = engine_figures.snapshot(router)
-                    before = server.cpu_seconds()
-                    if target == "http":
-                        r = asyncio.run(run_http(url, "bench", w, c, eos, prompt_seed(c, "http"),
-                                                 procs=client_procs(args, c)))
-                    else:
-                        r = asyncio.run(run_zmq(router, w, c, eos, prompt_seed(c, "zmq")))
-                    r["target"] = target
-                    r["server_cpu_s"] = cpu_delta(before, server.cpu_seconds())
-                    engine_figures.settle()
-                    r["engine"] = engine_figures.figures(stats_before, engine_figures.snapshot(router))
-                    keep(r)
+            for repeat in range(args.repeats):
+                for c in levels:
+                    w = workload_for(c)
+                    for target in ("http", "zmq"):
+                        if target not in targets:
+                            continue
+                        engine_figures.settle()  # the run's burst of engine steps is its own
+                        stats_before = engine_figures.snapshot(router)
+                        before = server.cpu_seconds()
+                        if target == "http":
+                            r = asyncio.run(run_http(url, "bench", w, c, eos, prompt_seed(c, "http", repeat),
+                                                     procs=client_procs(args, c)))
+                        else:
+                            r = asyncio.run(run_zmq(router, w, c, eos, prompt_seed(c, "zmq", repeat)))
+                        r["target"] = target
+                        r["server_cpu_s"] = cpu_delta(before, server.cpu_seconds())
+                        engine_figures.settle()
+                        r["engine"] = engine_figures.figures(stats_before, engine_figures.snapshot(router))
+                        r["repeat"] = repeat
+                        keep(r)
         finally:
             server.stop()
 
@@ -406,7 +422,10 @@ def main(argv: list[str] | None = None) -> int:
             server.stop()
 
     ratios: dict[str, dict[str, float]] = {}
-    by = {(r["target"], r["concurrency"]): r["throughput_tok_s"] for r in runs}
+    tallies: dict[tuple[str, int], list[float]] = {}
+    for r in runs:
+        tallies.setdefault((r["target"], r["concurrency"]), []).append(r["throughput_tok_s"])
+    by = {key: statistics.median(values) for key, values in tallies.items()}  # one run each: that run
     for c in levels:
         base = by.get(("inprocess", c))
         entry = {}

@@ -272,7 +272,7 @@ packed_serving() {  # packed_serving PACK LIMIT_S RUN ARGS...: bench_serving on 
     --tokenizer-dir $TOK --work-dir $WORK --experiment llama-3.2-3b-$pack-$run --out-dir /tmp/$pack \
     | grep -v '^{"target"' | tail -1
   echo "$run: ${SECONDS} s"
-  grep -E "^\| (inprocess|http) \||http/inprocess" /tmp/$pack/*$pack-$run-*.md
+  grep -E "^\| (inprocess|http)( #[0-9]+)? \||http/inprocess" /tmp/$pack/*$pack-$run-*.md
   tar czf "$OUT/$pack.tar.gz" -C /tmp/$pack .
 }
 [ -n "${CPU_SMOKE:-}" ] || nvidia-smi --query-gpu=name,memory.used --format=csv,noheader
@@ -583,6 +583,18 @@ print(",".join(map(str, e)), ",".join(map(str, r)))')
               packed_serving mixed37c $((budget + 100)) http-$run --concurrency 256 --requests-per-client 2 --client-procs 4 \
                 --targets http --server-args "--engine.mixed-passes $([[ $run = mixed* ]] && echo true || echo false)"
             done ;;
+  reps37)   SECONDS=0  # issue 37's ratio bar with each target warm and repeated: the in-process engine, then
+            # one server per admission setting, each running c=64 and c=256 REPS37 times (new prompts each run)
+            reps=${REPS37:-4}
+            packed_serving reps37 565 inproc1 --concurrency 64,256 --requests-per-client 2 --client-procs 4 \
+              --targets inprocess --repeats $reps
+            for f in ${FACTORS37:-0 0.25 0.5}; do
+              [ $SECONDS -lt ${HTTP37_S:-370} ] || break
+              packed_serving reps37 565 http-f$f --concurrency 64,256 --requests-per-client 2 --client-procs 4 \
+                --targets http --repeats $reps --server-args "--engine.admit-delay-factor $f"
+            done
+            [ $SECONDS -lt 470 ] && packed_serving reps37 565 inproc2 --concurrency 64,256 --requests-per-client 2 \
+              --client-procs 4 --targets inprocess --repeats 2 ;;
   bars37)   SECONDS=0
             for r in 1 2; do
               [ $SECONDS -lt 200 ] || break
