@@ -218,6 +218,9 @@
 #             admission chunks now that admissions copy no KV (max_prefill_tokens/max_prefill_rows 2048/32, then
 #             4096/64: does TTFT p99 fall under 1 s?), each a fresh server; JSON per run, png dropped. CPU smoke run:
 #             CPU_SMOKE=1 SHAPE37=tiny LEVELS37=2,4 C37=4, ~9 min
+#   reps37    issue 37's ratio bar with each target warm and repeated (bench_serving --repeats, REPS37 runs, default 4):
+#             the in-process engine at c=64 and 256, then a server per engine.admit_delay_factor (FACTORS37, default
+#             "0 0.25 0.5") at the same levels, then the in-process engine twice more (drift), ~9 min
 #   fused37   issue 37 item 3, engine.fused_projections (q/k/v and gate/up as one matmul each): llama-3.2-3b, the
 #             in-process decode step at 1 and 16 rows, fused vs unfused engines alternating, with each pass's primitive
 #             count (perf/bench_fused_projections.py), then HTTP single stream (c=1, 4 requests of 128 tokens) with the
@@ -226,7 +229,7 @@
 #             CPU_SMOKE=1 SHAPE37=tiny TOK=<tokenizer dir>, ~7 min
 # A fresh server per wave: `waves` fits 6-7 waves in one 10-minute call; run it twice for ten.
 set -uo pipefail
-case "${1:-}" in dp512r|dp512|allsum38|tpdp|diag|llama|adapters|qwen-a|qwen-b|serving|waves|ingress|moe|moe256|hybrid|structured|tp|tp8b|dp|threads|compiled|republish|buckets|serve256|inplace|mixed|cudnn|decodeattn|unfuseddecode|defaults|defaultsab|qwendtype|qwenmlx|qwen8b|embeddings|policy|vision|trainmem|spec|specdraft|specdraft32|kvbits|pagedattn|trainshare|single|pagedkv|pagedkvserve|pagedkvdiag|pagedkvinplace|pagedkvfinal|pagedkvserveall|pagedkvhost|pagedkvlast|pagedkv256|pagedkvfused|final37|single37|single37b|fused37|opsbuf|admitdelay|admitdelay2|c64load|bars37|pin37|mixed37|mixed37c) ;;
+case "${1:-}" in dp512r|dp512|allsum38|tpdp|diag|llama|adapters|qwen-a|qwen-b|serving|waves|ingress|moe|moe256|hybrid|structured|tp|tp8b|dp|threads|compiled|republish|buckets|serve256|inplace|mixed|cudnn|decodeattn|unfuseddecode|defaults|defaultsab|qwendtype|qwenmlx|qwen8b|embeddings|policy|vision|trainmem|spec|specdraft|specdraft32|kvbits|pagedattn|trainshare|single|pagedkv|pagedkvserve|pagedkvdiag|pagedkvinplace|pagedkvfinal|pagedkvserveall|pagedkvhost|pagedkvlast|pagedkv256|pagedkvfused|final37|single37|single37b|fused37|opsbuf|admitdelay|admitdelay2|c64load|bars37|pin37|mixed37|mixed37c|reps37) ;;
   *) sed -n '2,/^# A fresh server per wave/p' "$0"; exit 2 ;; esac
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
