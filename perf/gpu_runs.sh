@@ -221,6 +221,8 @@
 #   reps37    issue 37's ratio bar with each target warm and repeated (bench_serving --repeats, REPS37 runs, default 4):
 #             the in-process engine at c=64 and 256, then a server per engine.admit_delay_factor (FACTORS37, default
 #             "0 0.25 0.5") at the same levels, then the in-process engine twice more (drift), ~9 min
+#   procs37   issue 37's ratio bar with 4, 8 and 16 HTTP client processes (PROCS37), each target warm and repeated
+#             (REPS37, default 3): is the benchmark's client part of the served gap at c=256? ~8 min
 #   fused37   issue 37 item 3, engine.fused_projections (q/k/v and gate/up as one matmul each): llama-3.2-3b, the
 #             in-process decode step at 1 and 16 rows, fused vs unfused engines alternating, with each pass's primitive
 #             count (perf/bench_fused_projections.py), then HTTP single stream (c=1, 4 requests of 128 tokens) with the
@@ -229,7 +231,7 @@
 #             CPU_SMOKE=1 SHAPE37=tiny TOK=<tokenizer dir>, ~7 min
 # A fresh server per wave: `waves` fits 6-7 waves in one 10-minute call; run it twice for ten.
 set -uo pipefail
-case "${1:-}" in dp512r|dp512|allsum38|tpdp|diag|llama|adapters|qwen-a|qwen-b|serving|waves|ingress|moe|moe256|hybrid|structured|tp|tp8b|dp|threads|compiled|republish|buckets|serve256|inplace|mixed|cudnn|decodeattn|unfuseddecode|defaults|defaultsab|qwendtype|qwenmlx|qwen8b|embeddings|policy|vision|trainmem|spec|specdraft|specdraft32|kvbits|pagedattn|trainshare|single|pagedkv|pagedkvserve|pagedkvdiag|pagedkvinplace|pagedkvfinal|pagedkvserveall|pagedkvhost|pagedkvlast|pagedkv256|pagedkvfused|final37|single37|single37b|fused37|opsbuf|admitdelay|admitdelay2|c64load|bars37|pin37|mixed37|mixed37c|reps37) ;;
+case "${1:-}" in dp512r|dp512|allsum38|tpdp|diag|llama|adapters|qwen-a|qwen-b|serving|waves|ingress|moe|moe256|hybrid|structured|tp|tp8b|dp|threads|compiled|republish|buckets|serve256|inplace|mixed|cudnn|decodeattn|unfuseddecode|defaults|defaultsab|qwendtype|qwenmlx|qwen8b|embeddings|policy|vision|trainmem|spec|specdraft|specdraft32|kvbits|pagedattn|trainshare|single|pagedkv|pagedkvserve|pagedkvdiag|pagedkvinplace|pagedkvfinal|pagedkvserveall|pagedkvhost|pagedkvlast|pagedkv256|pagedkvfused|final37|single37|single37b|fused37|opsbuf|admitdelay|admitdelay2|c64load|bars37|pin37|mixed37|mixed37c|reps37|procs37) ;;
   *) sed -n '2,/^# A fresh server per wave/p' "$0"; exit 2 ;; esac
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
@@ -597,6 +599,19 @@ print(",".join(map(str, e)), ",".join(map(str, r)))')
                 --targets http --repeats $reps --server-args "--engine.admit-delay-factor $f"
             done
             [ $SECONDS -lt 470 ] && packed_serving reps37 565 inproc2 --concurrency 64,256 --requests-per-client 2 \
+              --client-procs 4 --targets inprocess --repeats 2 ;;
+  procs37)  SECONDS=0  # issue 37's ratio bar against the benchmark's own client: at c=256 four client processes
+            # parse ~15k SSE events a second at 60-75 % of their CPU (reps37), so their event loops lag. The in-process
+            # engine, then a server per HTTP client-process count (PROCS37), each level REPS37 times, then in process again
+            reps=${REPS37:-3}
+            packed_serving procs37 565 inproc1 --concurrency 64,256 --requests-per-client 2 --client-procs 4 \
+              --targets inprocess --repeats $reps
+            for p in ${PROCS37:-4 8 16}; do
+              [ $SECONDS -lt ${HTTP37_S:-400} ] || break
+              packed_serving procs37 565 http-p$p --concurrency 64,256 --requests-per-client 2 --client-procs $p \
+                --targets http --repeats $reps
+            done
+            [ $SECONDS -lt 480 ] && packed_serving procs37 565 inproc2 --concurrency 64,256 --requests-per-client 2 \
               --client-procs 4 --targets inprocess --repeats 2 ;;
   bars37)   SECONDS=0
             for r in 1 2; do
