@@ -45,7 +45,10 @@ steps with their phases), so a slow run says where its time went, step by step b
 
 With `--repeats N` each level runs N times on the same warm in-process engine and on the same warm server
 (new prompts each run), and the ratios are of each target's median: a single run of a served c=256 on the
-H200 moved 14,428-19,649 tok/s from one fresh server to the next (issue 37).
+H200 moved 14,428-19,649 tok/s from one fresh server to the next (issue 37). With `--paired` the server and
+the in-process engine are up together and alternate run by run (c in process, then c served): within one call
+the in-process engine's c=256 moved from 20,558-23,856 to 16,239-18,376 tok/s, so runs minutes apart compare
+the host's drift as much as the targets.
 
 Writes perf/results/serving[-EXPERIMENT]-DEVICE.json (every number, the machine and the command),
 a markdown table (.md) and plots (.png).
@@ -291,6 +294,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=1,
                         help="runs of each level by the in-process engine and the server, each on the same warm "
                              "engine or server with prompts of its own; ratios are of the medians")
+    parser.add_argument("--paired", action="store_true",
+                        help="run the in-process engine and the server side by side, alternating run by run (each "
+                             "level in process, then served): the host's drift within a call falls on both alike. "
+                             "Both hold their memory at once, so give them --kv-budget-mb and --buffer-cache-mb")
+    parser.add_argument("--kv-budget-mb", type=float, default=None, help="engine.kv_budget_mb for every parallm target")
+    parser.add_argument("--buffer-cache-mb", type=float, default=None,
+                        help="engine.buffer_cache_mb for every parallm target")
     parser.add_argument("--client-procs", type=int, default=1,
                         help="HTTP client processes at concurrencies of 16 and more (one Python client parses "
                              "~5,000 events/s)")
@@ -341,22 +351,78 @@ def main(argv: list[str] | None = None) -> int:
         return Workload(**{**base.__dict__, "max_tokens": args.max_tokens,
                            "requests": min(requests, args.max_requests) if args.max_requests else requests})
 
-    if "inprocess" in targets:
-        engine = Engine(EngineModel.of(loaded), Config(engine=EngineConfig(max_num_seqs=max_seqs)))
+    memory = EngineConfig(max_num_seqs=max_seqs, kv_budget_mb=args.kv_budget_mb, buffer_cache_mb=args.buffer_cache_mb)
+    memory_args = [arg for flag, value in (("--engine.kv-budget-mb", args.kv_budget_mb),
+                                           ("--engine.buffer-cache-mb", args.buffer_cache_mb))
+                   if value is not None for arg in (flag, str(value))]
+
+    def start_engine() -> Any:
+        engine = Engine(EngineModel.of(loaded), Config(engine=memory))
         warm = workload_for(1)
         run_inprocess(engine, chat_ids(tokenizer, make_prompts(warm, WARM_SEED))[:2], warm, 2, eos)
+        return engine
+
+    def inprocess_run(engine: Any, c: int, repeat: int) -> None:
+        w = workload_for(c)
+        prompt_ids = chat_ids(tokenizer, make_prompts(w, prompt_seed(c, "inprocess", repeat)))
+        engine_figures.settle()  # the run's burst of engine steps is its own, as for the served runs
+        stats_before = msgspec.to_builtins(engine.stats())
+        r = run_inprocess(engine, prompt_ids, w, c, eos)
+        r["settings"] = {k: getattr(engine.config, k) for k in engine_figures.SETTINGS}  # as resolved here
+        engine_figures.settle()
+        r["engine"] = engine_figures.figures(stats_before, msgspec.to_builtins(engine.stats()))
+        r["repeat"] = repeat
+        keep(r)
+
+    def start_server() -> Server:
+        server = Server("--model.path", model_config.path, "--engine.max-num-seqs", str(max_seqs),
+                        "--model.served-name", "bench",
+                        *(["--model.quantized-weights", weights] if weights else []), *memory_args,
+                        *args.server_args.split(), ready_timeout=600).start()
+        try:
+            asyncio.run(run_http(server.url, "bench", workload_for(1), 2, eos, WARM_SEED))  # warm-up
+        except BaseException:
+            server.stop()
+            raise
+        return server
+
+    def served_run(server: Server, target: str, c: int, repeat: int) -> None:
+        w = workload_for(c)
+        engine_figures.settle()  # the run's burst of engine steps is its own
+        stats_before = engine_figures.snapshot(server.router)
+        before = server.cpu_seconds()
+        if target == "http":
+            r = asyncio.run(run_http(server.url, "bench", w, c, eos, prompt_seed(c, "http", repeat),
+                                     procs=client_procs(args, c)))
+        else:
+            r = asyncio.run(run_zmq(server.router, w, c, eos, prompt_seed(c, "zmq", repeat)))
+        r["target"] = target
+        r["server_cpu_s"] = cpu_delta(before, server.cpu_seconds())
+        engine_figures.settle()
+        r["engine"] = engine_figures.figures(stats_before, engine_figures.snapshot(server.router))
+        r["repeat"] = repeat
+        keep(r)
+
+    served = [t for t in ("http", "zmq") if t in targets]
+    if args.paired:  # the server first (its engine sizes its memory by what is free), then the in-process engine
+        server = start_server()
+        try:
+            engine = start_engine()
+            for repeat in range(args.repeats):
+                for c in levels:
+                    inprocess_run(engine, c, repeat)
+                    for target in served:
+                        served_run(server, target, c, repeat)
+            del engine
+        finally:
+            server.stop()
+        targets = [t for t in targets if t not in ("inprocess", *served)]
+
+    if "inprocess" in targets:
+        engine = start_engine()
         for repeat in range(args.repeats):
             for c in levels:
-                w = workload_for(c)
-                prompt_ids = chat_ids(tokenizer, make_prompts(w, prompt_seed(c, "inprocess", repeat)))
-                engine_figures.settle()  # the run's burst of engine steps is its own, as for the served runs
-                stats_before = msgspec.to_builtins(engine.stats())
-                r = run_inprocess(engine, prompt_ids, w, c, eos)
-                r["settings"] = {k: getattr(engine.config, k) for k in engine_figures.SETTINGS}  # as resolved here
-                engine_figures.settle()
-                r["engine"] = engine_figures.figures(stats_before, msgspec.to_builtins(engine.stats()))
-                r["repeat"] = repeat
-                keep(r)
+                inprocess_run(engine, c, repeat)
         del engine
 
     if "batchgen" in targets:
@@ -368,33 +434,12 @@ def main(argv: list[str] | None = None) -> int:
             keep(run_batchgen(loaded.model, prompt_ids, w, c))
 
     if "http" in targets or "zmq" in targets:
-        server = Server("--model.path", model_config.path, "--engine.max-num-seqs", str(max_seqs),
-                        "--model.served-name", "bench",
-                        *(["--model.quantized-weights", weights] if weights else []),
-                        *args.server_args.split(), ready_timeout=600).start()
+        server = start_server()
         try:
-            url, router = server.url, server.router
-            asyncio.run(run_http(url, "bench", workload_for(1), 2, eos, WARM_SEED))  # warm-up
             for repeat in range(args.repeats):
                 for c in levels:
-                    w = workload_for(c)
-                    for target in ("http", "zmq"):
-                        if target not in targets:
-                            continue
-                        engine_figures.settle()  # the run's burst of engine steps is its own
-                        stats_before = engine_figures.snapshot(router)
-                        before = server.cpu_seconds()
-                        if target == "http":
-                            r = asyncio.run(run_http(url, "bench", w, c, eos, prompt_seed(c, "http", repeat),
-                                                     procs=client_procs(args, c)))
-                        else:
-                            r = asyncio.run(run_zmq(router, w, c, eos, prompt_seed(c, "zmq", repeat)))
-                        r["target"] = target
-                        r["server_cpu_s"] = cpu_delta(before, server.cpu_seconds())
-                        engine_figures.settle()
-                        r["engine"] = engine_figures.figures(stats_before, engine_figures.snapshot(router))
-                        r["repeat"] = repeat
-                        keep(r)
+                    for target in served:
+                        served_run(server, target, c, repeat)
         finally:
             server.stop()
 

@@ -223,6 +223,8 @@
 #             "0 0.25 0.5") at the same levels, then the in-process engine twice more (drift), ~9 min
 #   procs37   issue 37's ratio bar with 4, 8 and 16 HTTP client processes (PROCS37), each target warm and repeated
 #             (REPS37, default 3): is the benchmark's client part of the served gap at c=256? ~8 min
+#   paired37  issue 37's ratio bar, bench_serving --paired: the in-process engine and a server side by side, alternating
+#             run by run at c=64 and 256 (REPS37 rounds, default 4), 8 HTTP client processes, then 16 (3 rounds), ~7 min
 #   fused37   issue 37 item 3, engine.fused_projections (q/k/v and gate/up as one matmul each): llama-3.2-3b, the
 #             in-process decode step at 1 and 16 rows, fused vs unfused engines alternating, with each pass's primitive
 #             count (perf/bench_fused_projections.py), then HTTP single stream (c=1, 4 requests of 128 tokens) with the
@@ -231,7 +233,7 @@
 #             CPU_SMOKE=1 SHAPE37=tiny TOK=<tokenizer dir>, ~7 min
 # A fresh server per wave: `waves` fits 6-7 waves in one 10-minute call; run it twice for ten.
 set -uo pipefail
-case "${1:-}" in dp512r|dp512|allsum38|tpdp|diag|llama|adapters|qwen-a|qwen-b|serving|waves|ingress|moe|moe256|hybrid|structured|tp|tp8b|dp|threads|compiled|republish|buckets|serve256|inplace|mixed|cudnn|decodeattn|unfuseddecode|defaults|defaultsab|qwendtype|qwenmlx|qwen8b|embeddings|policy|vision|trainmem|spec|specdraft|specdraft32|kvbits|pagedattn|trainshare|single|pagedkv|pagedkvserve|pagedkvdiag|pagedkvinplace|pagedkvfinal|pagedkvserveall|pagedkvhost|pagedkvlast|pagedkv256|pagedkvfused|final37|single37|single37b|fused37|opsbuf|admitdelay|admitdelay2|c64load|bars37|pin37|mixed37|mixed37c|reps37|procs37) ;;
+case "${1:-}" in dp512r|dp512|allsum38|tpdp|diag|llama|adapters|qwen-a|qwen-b|serving|waves|ingress|moe|moe256|hybrid|structured|tp|tp8b|dp|threads|compiled|republish|buckets|serve256|inplace|mixed|cudnn|decodeattn|unfuseddecode|defaults|defaultsab|qwendtype|qwenmlx|qwen8b|embeddings|policy|vision|trainmem|spec|specdraft|specdraft32|kvbits|pagedattn|trainshare|single|pagedkv|pagedkvserve|pagedkvdiag|pagedkvinplace|pagedkvfinal|pagedkvserveall|pagedkvhost|pagedkvlast|pagedkv256|pagedkvfused|final37|single37|single37b|fused37|opsbuf|admitdelay|admitdelay2|c64load|bars37|pin37|mixed37|mixed37c|reps37|procs37|paired37) ;;
   *) sed -n '2,/^# A fresh server per wave/p' "$0"; exit 2 ;; esac
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
@@ -613,6 +615,14 @@ print(",".join(map(str, e)), ",".join(map(str, r)))')
             done
             [ $SECONDS -lt 480 ] && packed_serving procs37 565 inproc2 --concurrency 64,256 --requests-per-client 2 \
               --client-procs 4 --targets inprocess --repeats 2 ;;
+  paired37) SECONDS=0  # issue 37's ratio bar with the in-process engine and the server up together, alternating run
+            # by run (procs37: the in-process engine drifted 20,558-23,856 -> 16,239-18,376 tok/s within one call), each
+            # holding 16 GiB of KV and at most 16 GiB of MLX's buffer cache; 8 HTTP client processes, then 16
+            reps=${REPS37:-4}
+            packed_serving paired37 565 p8 --concurrency 64,256 --requests-per-client 2 --client-procs 8 \
+              --targets inprocess,http --paired --repeats $reps --kv-budget-mb 16384 --buffer-cache-mb 16384
+            [ $SECONDS -lt 330 ] && packed_serving paired37 565 p16 --concurrency 64,256 --requests-per-client 2 \
+              --client-procs 16 --targets inprocess,http --paired --repeats 3 --kv-budget-mb 16384 --buffer-cache-mb 16384 ;;
   bars37)   SECONDS=0
             for r in 1 2; do
               [ $SECONDS -lt 200 ] || break
