@@ -324,6 +324,8 @@ def main(argv: list[str] | None = None) -> int:
 
     levels = [int(c) for c in args.concurrency.split(",")]
     targets = args.targets.split(",") + (["mlx_lm.server"] if args.mlx_lm_server else [])
+    if args.paired and not ("inprocess" in targets and {"http", "zmq"} & set(targets)):
+        parser.error("--paired alternates the in-process engine with a server: --targets needs inprocess and http or zmq")
     eos = [2]
     weights = None if args.quantized_weights == "auto" else args.quantized_weights
     model_config = ModelConfig(quantized_weights=weights)
@@ -351,13 +353,13 @@ def main(argv: list[str] | None = None) -> int:
         return Workload(**{**base.__dict__, "max_tokens": args.max_tokens,
                            "requests": min(requests, args.max_requests) if args.max_requests else requests})
 
-    memory = EngineConfig(max_num_seqs=max_seqs, kv_budget_mb=args.kv_budget_mb, buffer_cache_mb=args.buffer_cache_mb)
+    engine_config = EngineConfig(max_num_seqs=max_seqs, kv_budget_mb=args.kv_budget_mb, buffer_cache_mb=args.buffer_cache_mb)
     memory_args = [arg for flag, value in (("--engine.kv-budget-mb", args.kv_budget_mb),
                                            ("--engine.buffer-cache-mb", args.buffer_cache_mb))
                    if value is not None for arg in (flag, str(value))]
 
     def start_engine() -> Any:
-        engine = Engine(EngineModel.of(loaded), Config(engine=memory))
+        engine = Engine(EngineModel.of(loaded), Config(engine=engine_config))
         warm = workload_for(1)
         run_inprocess(engine, chat_ids(tokenizer, make_prompts(warm, WARM_SEED))[:2], warm, 2, eos)
         return engine
