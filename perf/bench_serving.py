@@ -73,7 +73,7 @@ import msgspec
 
 from perf import engine_figures
 from perf.harness import Process, Results, Server, add_results_options, cpu_delta, describe, free_port
-from perf.loadgen import WORKLOADS, RequestRecord, Workload, make_prompts, run_http, run_zmq, summarize
+from perf.loadgen import HTTP_CLIENTS, WORKLOADS, RequestRecord, Workload, make_prompts, run_http, run_zmq, summarize
 
 
 # ---------------------------------------------------------------------------- in-process
@@ -301,9 +301,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--kv-budget-mb", type=float, default=None, help="engine.kv_budget_mb for every parallm target")
     parser.add_argument("--buffer-cache-mb", type=float, default=None,
                         help="engine.buffer_cache_mb for every parallm target")
+    parser.add_argument("--warm-decode-rows", type=int, default=None,
+                        help="engine.warm_decode_rows for every parallm target (the warm-up's decode-row ramp); "
+                             "unset: the device's default")
     parser.add_argument("--client-procs", type=int, default=1,
                         help="HTTP client processes at concurrencies of 16 and more (one Python client parses "
-                             "~5,000 events/s)")
+                             "~5,000 events/s with httpx)")
+    parser.add_argument("--http-client", choices=HTTP_CLIENTS, default="lean",
+                        help="the HTTP targets' client: lean (perf/sse_client.py, ~9x less CPU per event than httpx: "
+                             "perf/results/sse-client-cpu.md) or httpx (the client of the runs before the twentieth "
+                             "session)")
     parser.add_argument("--shape", help="a perf.bench_gpu shape with random weights and the default model's "
                                         "tokenizer, instead of the default model")
     parser.add_argument("--work-dir", default="", help="where --shape's model is built (reused if there)")
@@ -353,13 +360,17 @@ def main(argv: list[str] | None = None) -> int:
         return Workload(**{**base.__dict__, "max_tokens": args.max_tokens,
                            "requests": min(requests, args.max_requests) if args.max_requests else requests})
 
-    engine_config = EngineConfig(max_num_seqs=max_seqs, kv_budget_mb=args.kv_budget_mb, buffer_cache_mb=args.buffer_cache_mb)
+    engine_config = EngineConfig(max_num_seqs=max_seqs, kv_budget_mb=args.kv_budget_mb, buffer_cache_mb=args.buffer_cache_mb,
+                                 warm_decode_rows=args.warm_decode_rows)
     memory_args = [arg for flag, value in (("--engine.kv-budget-mb", args.kv_budget_mb),
-                                           ("--engine.buffer-cache-mb", args.buffer_cache_mb))
+                                           ("--engine.buffer-cache-mb", args.buffer_cache_mb),
+                                           ("--engine.warm-decode-rows", args.warm_decode_rows))
                    if value is not None for arg in (flag, str(value))]
 
     def start_engine() -> Any:
+        """The in-process engine, warmed up as the engine stage warms its own (Engine.warm_up), then two requests."""
         engine = Engine(EngineModel.of(loaded), Config(engine=engine_config))
+        engine.warm_up()
         warm = workload_for(1)
         run_inprocess(engine, chat_ids(tokenizer, make_prompts(warm, WARM_SEED))[:2], warm, 2, eos)
         return engine
@@ -395,7 +406,7 @@ def main(argv: list[str] | None = None) -> int:
         before = server.cpu_seconds()
         if target == "http":
             r = asyncio.run(run_http(server.url, "bench", w, c, eos, prompt_seed(c, "http", repeat),
-                                     procs=client_procs(args, c)))
+                                     procs=client_procs(args, c), http_client=args.http_client))
         else:
             r = asyncio.run(run_zmq(server.router, w, c, eos, prompt_seed(c, "zmq", repeat)))
         r["target"] = target
@@ -462,7 +473,7 @@ def main(argv: list[str] | None = None) -> int:
             asyncio.run(run_http(url, str(path), workload_for(1), 2, eos, WARM_SEED))
             for c in levels:
                 r = asyncio.run(run_http(url, str(path), workload_for(c), c, eos, prompt_seed(c, "mlx_lm.server"),
-                                         procs=client_procs(args, c)))
+                                         procs=client_procs(args, c), http_client=args.http_client))
                 r["target"] = label
                 keep(r)
         finally:

@@ -122,8 +122,8 @@ def steady_state(records: list[RequestRecord], concurrency: int) -> dict[str, fl
 
 # ---------------------------------------------------------------------------- HTTP
 
-async def _http_one(client, url: str, model: str, prompt: str, workload: Workload, eos_ids: list[int],
-                    seed: int) -> RequestRecord:
+def _http_request(model: str, prompt: str, workload: Workload, eos_ids: list[int], seed: int) -> tuple[str, dict]:
+    """(path, body) of one streaming request of the workload."""
     body: dict[str, Any] = {"model": model, "max_tokens": workload.max_tokens, "stream": True,
                             "temperature": 0.0, "stream_options": {"include_usage": True},
                             "logit_bias": {str(t): -100 for t in eos_ids}}
@@ -132,14 +132,44 @@ async def _http_one(client, url: str, model: str, prompt: str, workload: Workloa
         body.update(n=workload.n, temperature=1.0, seed=seed)
     if workload.chat:
         body["messages"] = [{"role": "user", "content": prompt}]
-        path = "/v1/chat/completions"
-    else:
-        body["prompt"] = prompt
-        path = "/v1/completions"
-    start = time.perf_counter()
-    last = None
+        return "/v1/chat/completions", body
+    body["prompt"] = prompt
+    return "/v1/completions", body
+
+
+class _StreamClock:
+    """Times one streamed response event by event: TTFT at the first event that carries text, an ITL
+    between each two; the usage event's completion_tokens (else the count of text events) as its tokens."""
+
+    def __init__(self, record: RequestRecord) -> None:
+        self.record, self.start, self.last, self.chunks = record, time.perf_counter(), 0.0, 0
+
+    def event(self, payload: dict[str, Any]) -> None:
+        if payload.get("usage"):
+            self.record.tokens = payload["usage"]["completion_tokens"]
+        choices = payload.get("choices") or []
+        if any((c.get("delta") or {}).get("content") or c.get("text") for c in choices):
+            now = time.perf_counter()
+            if self.chunks:
+                self.record.itls.append(now - self.last)
+            else:
+                self.record.ttft = now - self.start
+            self.last = now
+            self.chunks += 1
+
+    def done(self) -> RequestRecord:
+        self.record.latency = time.perf_counter() - self.start
+        self.record.tokens = self.record.tokens or self.chunks
+        self.record.ok = True
+        return self.record
+
+
+async def _http_one(client, url: str, model: str, prompt: str, workload: Workload, eos_ids: list[int],
+                    seed: int) -> RequestRecord:
+    """One request through httpx (`client`: an httpx.AsyncClient)."""
+    path, body = _http_request(model, prompt, workload, eos_ids, seed)
     record = RequestRecord(ok=False, started=time.time())
-    chunks = 0
+    clock = _StreamClock(record)
     try:
         async with client.stream("POST", url + path, json=body, timeout=3600) as response:
             if response.status_code != 200:
@@ -147,38 +177,60 @@ async def _http_one(client, url: str, model: str, prompt: str, workload: Workloa
                 await response.aread()
                 return record
             async for line in response.aiter_lines():
-                if not line.startswith("data: ") or line == "data: [DONE]":
-                    continue
-                payload = json.loads(line[6:])
-                if payload.get("usage"):
-                    record.tokens = payload["usage"]["completion_tokens"]
-                choices = payload.get("choices") or []
-                has_token = any((c.get("delta") or {}).get("content") or c.get("text") for c in choices)
-                if has_token:
-                    now = time.perf_counter()
-                    if last is None:
-                        record.ttft = now - start
-                    else:
-                        record.itls.append(now - last)
-                    last = now
-                    chunks += 1
+                if line.startswith("data: ") and line != "data: [DONE]":
+                    clock.event(json.loads(line[6:]))
     except Exception as exc:  # noqa: BLE001 - a benchmark records every failure
         record.error = f"{type(exc).__name__}: {exc}"
         return record
-    record.latency = time.perf_counter() - start
-    record.tokens = record.tokens or chunks
-    record.ok = True
-    return record
+    return clock.done()
+
+
+async def _lean_one(client, model: str, prompt: str, workload: Workload, eos_ids: list[int],
+                    seed: int) -> RequestRecord:
+    """One request through the lean client (`client`: a perf.sse_client.SSEClient)."""
+    import msgspec
+
+    from perf.sse_client import HTTPStatusError
+
+    path, body = _http_request(model, prompt, workload, eos_ids, seed)
+    record = RequestRecord(ok=False, started=time.time())
+    clock = _StreamClock(record)
+    decode = msgspec.json.decode
+    try:
+        async for data in client.post_events(path, msgspec.json.encode(body)):
+            if data != b"[DONE]":
+                clock.event(decode(data))
+    except HTTPStatusError as exc:
+        record.error = f"HTTP {exc.status}"
+        return record
+    except Exception as exc:  # noqa: BLE001 - a benchmark records every failure
+        record.error = f"{type(exc).__name__}: {exc}"
+        return record
+    return clock.done()
+
+
+HTTP_CLIENTS = ("lean", "httpx")
 
 
 async def _http_closed_loop(url: str, model: str, workload: Workload, items: list[tuple[int, str]],
-                            concurrency: int, eos_ids: list[int], seed: int) -> list[RequestRecord]:
+                            concurrency: int, eos_ids: list[int], seed: int,
+                            http_client: str = "lean") -> list[RequestRecord]:
+    semaphore = asyncio.Semaphore(concurrency)
+    if http_client == "lean":
+        from perf.sse_client import SSEClient
+
+        async with SSEClient(url) as lean:
+            async def one_lean(i: int, prompt: str) -> RequestRecord:
+                async with semaphore:
+                    return await _lean_one(lean, model, prompt, workload, eos_ids, seed + i)
+
+            return list(await asyncio.gather(*(one_lean(i, p) for i, p in items)))
+    if http_client != "httpx":
+        raise ValueError(f"http_client is one of {HTTP_CLIENTS}, not {http_client!r}")
     import httpx
 
     limits = httpx.Limits(max_connections=concurrency + 4, max_keepalive_connections=concurrency + 4)
     async with httpx.AsyncClient(limits=limits, timeout=3600) as client:
-        semaphore = asyncio.Semaphore(concurrency)
-
         async def one(i: int, prompt: str) -> RequestRecord:
             async with semaphore:
                 return await _http_one(client, url, model, prompt, workload, eos_ids, seed + i)
@@ -187,31 +239,46 @@ async def _http_closed_loop(url: str, model: str, workload: Workload, items: lis
 
 
 def _http_shard(url: str, model: str, workload: Workload, items: list[tuple[int, str]], concurrency: int,
-                eos_ids: list[int], seed: int, start_at: float) -> tuple[list[RequestRecord], float, float]:
-    """One client process's share, started at the wall-clock `start_at` shared by every shard:
-    its records, when it finished (wall clock) and the CPU seconds it spent."""
-    import httpx  # noqa: F401 - imported before the clock starts
+                eos_ids: list[int], seed: int, start_at: float,
+                http_client: str = "lean") -> tuple[list[RequestRecord], float, float]:
+    """One client process's share, started at the wall-clock `start_at` shared by every shard, on uvloop
+    where it is installed: its records, when it finished (wall clock) and the CPU seconds it spent."""
+    if http_client == "httpx":
+        import httpx  # noqa: F401 - imported before the clock starts
+    else:
+        import msgspec  # noqa: F401
 
+        import perf.sse_client  # noqa: F401
+    try:
+        import uvloop
+        loop_factory = uvloop.new_event_loop
+    except ImportError:
+        loop_factory = None
     time.sleep(max(0.0, start_at - time.time()))
     cpu = time.process_time()
-    records = asyncio.run(_http_closed_loop(url, model, workload, items, concurrency, eos_ids, seed))
+    with asyncio.Runner(loop_factory=loop_factory) as runner:
+        records = runner.run(_http_closed_loop(url, model, workload, items, concurrency, eos_ids, seed, http_client))
     return records, time.time(), time.process_time() - cpu
 
 
 async def run_http(url: str, model: str, workload: Workload, concurrency: int, eos_ids: list[int],
-                   seed: int = 0, procs: int = 1) -> dict[str, Any]:
+                   seed: int = 0, procs: int = 1, http_client: str = "lean") -> dict[str, Any]:
     """A closed loop of `concurrency` streams. With `procs` > 1 the streams (and prompts) are split
-    over that many client processes: one Python process parses ~5,000 SSE events per second
-    (httpx, ~180 µs of CPU per event on a 2-core x86 host), less than a GPU server sends at c=256,
-    so a single client would measure itself."""
+    over that many client processes: one Python process parses ~5,000 SSE events per second with httpx
+    (~180 µs of CPU per event on a 2-core x86 host), less than a GPU server sends at c=256, so a single
+    client would measure itself. `http_client`: "lean" (perf/sse_client.py, the default: a fraction
+    of httpx's CPU per event, `python -m perf.bench_sse_client`) or "httpx"."""
+    if http_client not in HTTP_CLIENTS:
+        raise ValueError(f"http_client is one of {HTTP_CLIENTS}, not {http_client!r}")
     items = list(enumerate(make_prompts(workload, seed)))
     procs = max(1, min(procs, concurrency))
     if procs == 1:
         cpu = time.process_time()
         start = time.perf_counter()
-        records = await _http_closed_loop(url, model, workload, items, concurrency, eos_ids, seed)
+        records = await _http_closed_loop(url, model, workload, items, concurrency, eos_ids, seed, http_client)
         result = summarize(records, time.perf_counter() - start, workload, concurrency, url)
         result["client_cpu_s"] = time.process_time() - cpu
+        result["http_client"] = http_client
         return result
     import concurrent.futures
     import multiprocessing
@@ -223,11 +290,12 @@ async def run_http(url: str, model: str, workload: Workload, concurrency: int, e
         start_at = time.time() + 1.0
         shards = await asyncio.gather(*(
             loop.run_in_executor(pool, _http_shard, url, model, workload, items[k::procs], shares[k], eos_ids,
-                                 seed, start_at) for k in range(procs)))
+                                 seed, start_at, http_client) for k in range(procs)))
     records = [r for shard in shards for r in shard[0]]
     result = summarize(records, max(end for _, end, _ in shards) - start_at, workload, concurrency, url)
     result["client_procs"] = procs
     result["client_cpu_s"] = sum(cpu for _, _, cpu in shards)
+    result["http_client"] = http_client
     return result
 
 
@@ -287,6 +355,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--eos-ids", default="2", help="token ids to suppress (comma-separated)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--client-procs", type=int, default=1, help="HTTP client processes sharing the streams")
+    parser.add_argument("--http-client", choices=HTTP_CLIENTS, default="lean",
+                        help="lean (perf/sse_client.py) or httpx")
     args = parser.parse_args(argv)
     workload = WORKLOADS[args.workload]
     if args.requests or args.max_tokens:
@@ -295,7 +365,7 @@ def main(argv: list[str] | None = None) -> int:
     eos = [int(x) for x in args.eos_ids.split(",") if x]
     if args.url:
         result = asyncio.run(run_http(args.url, args.model, workload, args.concurrency, eos, args.seed,
-                                      procs=args.client_procs))
+                                      procs=args.client_procs, http_client=args.http_client))
     else:
         result = asyncio.run(run_zmq(args.router, workload, args.concurrency, eos, args.seed))
     json.dump(result, sys.stdout, indent=2)
