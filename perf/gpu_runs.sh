@@ -225,6 +225,10 @@
 #             (REPS37, default 3): is the benchmark's client part of the served gap at c=256? ~8 min
 #   paired37  issue 37's ratio bar, bench_serving --paired: the in-process engine and a server side by side, alternating
 #             run by run at c=64 and 256 (REPS37 rounds, default 4), 8 HTTP client processes, then 16 (3 rounds), ~7 min
+#   lean37    issue 37's ratio bar with the lean HTTP client: the client's CPU per SSE event against httpx on this host
+#             (perf/bench_sse_client.py), a decode batch's first use (perf/profile_decode_rows.py: the warm-up's row
+#             ramp three times), then paired runs (8 client processes) with engine.warm_decode_rows 256 on both
+#             targets (REPS37 rounds, default 5), then 3 rounds without it, ~9.5 min
 #   fused37   issue 37 item 3, engine.fused_projections (q/k/v and gate/up as one matmul each): llama-3.2-3b, the
 #             in-process decode step at 1 and 16 rows, fused vs unfused engines alternating, with each pass's primitive
 #             count (perf/bench_fused_projections.py), then HTTP single stream (c=1, 4 requests of 128 tokens) with the
@@ -233,7 +237,7 @@
 #             CPU_SMOKE=1 SHAPE37=tiny TOK=<tokenizer dir>, ~7 min
 # A fresh server per wave: `waves` fits 6-7 waves in one 10-minute call; run it twice for ten.
 set -uo pipefail
-case "${1:-}" in dp512r|dp512|allsum38|tpdp|diag|llama|adapters|qwen-a|qwen-b|serving|waves|ingress|moe|moe256|hybrid|structured|tp|tp8b|dp|threads|compiled|republish|buckets|serve256|inplace|mixed|cudnn|decodeattn|unfuseddecode|defaults|defaultsab|qwendtype|qwenmlx|qwen8b|embeddings|policy|vision|trainmem|spec|specdraft|specdraft32|kvbits|pagedattn|trainshare|single|pagedkv|pagedkvserve|pagedkvdiag|pagedkvinplace|pagedkvfinal|pagedkvserveall|pagedkvhost|pagedkvlast|pagedkv256|pagedkvfused|final37|single37|single37b|fused37|opsbuf|admitdelay|admitdelay2|c64load|bars37|pin37|mixed37|mixed37c|reps37|procs37|paired37) ;;
+case "${1:-}" in dp512r|dp512|allsum38|tpdp|diag|llama|adapters|qwen-a|qwen-b|serving|waves|ingress|moe|moe256|hybrid|structured|tp|tp8b|dp|threads|compiled|republish|buckets|serve256|inplace|mixed|cudnn|decodeattn|unfuseddecode|defaults|defaultsab|qwendtype|qwenmlx|qwen8b|embeddings|policy|vision|trainmem|spec|specdraft|specdraft32|kvbits|pagedattn|trainshare|single|pagedkv|pagedkvserve|pagedkvdiag|pagedkvinplace|pagedkvfinal|pagedkvserveall|pagedkvhost|pagedkvlast|pagedkv256|pagedkvfused|final37|single37|single37b|fused37|opsbuf|admitdelay|admitdelay2|c64load|bars37|pin37|mixed37|mixed37c|reps37|procs37|paired37|lean37) ;;
   *) sed -n '2,/^# A fresh server per wave/p' "$0"; exit 2 ;; esac
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
@@ -623,6 +627,20 @@ print(",".join(map(str, e)), ",".join(map(str, r)))')
               --targets inprocess,http --paired --repeats $reps --kv-budget-mb 16384 --buffer-cache-mb 16384
             [ $SECONDS -lt 330 ] && packed_serving paired37 565 p16 --concurrency 64,256 --requests-per-client 2 \
               --client-procs 16 --targets inprocess,http --paired --repeats 3 --kv-budget-mb 16384 --buffer-cache-mb 16384 ;;
+  lean37)   SECONDS=0  # issue 37's ratio bar with the lean HTTP client (perf/sse_client.py) and the warm-up's decode-row
+            # ramp (engine.warm_decode_rows): the clients' CPU per event on this host, a decode batch's first-use cost
+            # (perf/profile_decode_rows.py), then paired runs with the ramp on both targets, then without it
+            mkdir -p /tmp/lean37
+            python3 -m perf.bench_sse_client --rounds 2 --out-dir /tmp/lean37 2>&1 | tail -5
+            timeout 170 python3 -m perf.profile_decode_rows --shape llama-3.2-3b --rows 256 --kv-budget-mb 16384 \
+              --tokenizer-dir $TOK --work-dir $WORK --out-dir /tmp/lean37 2>&1 | tail -1
+            echo "profile: ${SECONDS} s"
+            packed_serving lean37 565 ramp --concurrency 64,256 --requests-per-client 2 --client-procs 8 \
+              --targets inprocess,http --paired --repeats ${REPS37:-5} --kv-budget-mb 16384 --buffer-cache-mb 16384 \
+              --warm-decode-rows 256
+            [ $SECONDS -lt ${NORAMP37_S:-390} ] && packed_serving lean37 565 noramp --concurrency 64,256 \
+              --requests-per-client 2 --client-procs 8 --targets inprocess,http --paired --repeats 3 --kv-budget-mb 16384 \
+              --buffer-cache-mb 16384 --warm-decode-rows 0 ;;
   bars37)   SECONDS=0
             for r in 1 2; do
               [ $SECONDS -lt 200 ] || break

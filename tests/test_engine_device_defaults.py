@@ -35,7 +35,8 @@ def test_cpu_resolution_is_unchanged():
         "prefix_partial_blocks": True,  # issue 37: 32-token blocks' prefix hits to the token (a copied block)
         "fused_projections": False,  # issue 37: one matmul for q/k/v and gate/up, no gain measured on the CPU
         "max_prefill_rows": 16,  # the one default before issue 37 made it 32 on CUDA
-        "admit_delay_factor": 0.0}  # issue 37: admissions wait for a fuller pass only where measured
+        "admit_delay_factor": 0.0,  # issue 37: admissions wait for a fuller pass only where measured
+        "warm_decode_rows": 0}  # issue 37: the warm-up's decode-row ramp only where measured
 
 
 def test_blocks_are_32_tokens_on_the_cpu_and_16_on_gpus_unless_set():

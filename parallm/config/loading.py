@@ -330,6 +330,8 @@ def _check(config: Config) -> None:
         problems.append("engine.tensor_parallel must be >= 1")
     if config.engine.admit_delay_factor is not None and not 0 <= config.engine.admit_delay_factor <= 100:
         problems.append("engine.admit_delay_factor must be between 0 (off) and 100")
+    if config.engine.warm_decode_rows is not None and config.engine.warm_decode_rows < 0:
+        problems.append("engine.warm_decode_rows must be >= 0 (0 = none)")
     if config.engine.hang_floor_s < 0 or config.engine.hang_factor < 1:
         problems.append("engine.hang_floor_s must be >= 0 (0 = off) and engine.hang_factor >= 1")
     if config.engine.replicas < 1:

@@ -170,6 +170,11 @@ class EngineConfig(Struct, frozen=True, kw_only=True, forbid_unknown_fields=True
                                                "each (rows, length) shape at start: a new shape builds its "
                                                "kernels on first use on MLX CUDA; models prefilled one row per "
                                                "pass are never padded; unset = off")] = None
+    warm_decode_rows: Annotated[int | None, _d("at start, decode passes of every row count from 1 up to this many "
+                                               "(at most max_num_seqs; one short request admitted per step), so no "
+                                               "request pays a decode batch's first use (on MLX CUDA a decode "
+                                               "pass of a row count not run before launched ~5 ms slower on the "
+                                               "H200); 0 = none; unset = 0 (docs/performance.md)")] = None
     admit_delay_factor: Annotated[float | None, _d("while rows decode and less than a full prefill pass of prompts "
                                                    "waits, a new prompt waits up to this many times the last "
                                                    "prefill step's time for others to fill its pass (vLLM's "
@@ -284,6 +289,8 @@ def resolve_engine_config(config: EngineConfig, device: ComputeDevice) -> Engine
         changes["prefill_pass_s"] = CPU_PREFILL_PASS_S if on_cpu else 0.0
     if config.prefill_buckets is None:
         changes["prefill_buckets"] = False  # a GPU default waits for `bash perf/gpu_runs.sh buckets`
+    if config.warm_decode_rows is None:
+        changes["warm_decode_rows"] = 0  # a GPU default waits for `bash perf/gpu_runs.sh lean37`
     if config.admit_delay_factor is None:
         changes["admit_delay_factor"] = 0.0  # no gain measured on the H200 (docs/scheduling.md)
     if config.kv_preallocate is None:

@@ -91,6 +91,8 @@ def warm_up(engine: Warmable, grammars: Callable[[], bool] = lambda: False) -> f
         pass
     if engine.scheduler.admission.buckets:
         warm_up_buckets(engine)
+    if engine.config.warm_decode_rows:
+        warm_up_decode_rows(engine, engine.config.warm_decode_rows)
     return time.perf_counter() - t0
 
 
@@ -159,3 +161,32 @@ def warm_up_buckets(engine: Warmable) -> int:
             engine.blocks.reset()
         ran += 1
     return ran
+
+
+def warm_up_decode_rows(engine: Warmable, rows: int) -> int:
+    """Decode passes of every row count from 1 to `rows` (at most max_num_seqs): one short greedy request
+    admitted per step, each asked for as many tokens as let the rows end together, so the decode batch grows
+    by one row a step and then empties at once. On MLX CUDA a decode pass of a row count not run before
+    launched ~5 ms slower (engine.warm_decode_rows); requests arrive unevenly when served, so a server meets
+    new row counts for long after its start. The prompts stay under one block (nothing is cached); a request
+    that does not fit ends the ramp early. Returns the largest row count decoded."""
+    cfg, vocab = engine.config, max(2, engine.vocab_size)
+    n = max(0, min(rows, cfg.max_num_seqs))
+    length = max(1, min(cfg.block_size - 4, engine.max_model_len - n - 2, 8))
+    if n == 0 or length + n + 1 > engine.max_model_len:
+        return 0
+    admitted = 0
+    for i in range(n):
+        ids = [(13 * i + 3 * j + 1) % vocab for j in range(length)]
+        params = SamplingParams(max_tokens=n - i + 1, temperature=0.0, ignore_eos=True)
+        try:
+            engine.add_request(Request(f"__warm_up_rows_{i}", ids, RequestSpec(params=params)))
+        except RequestRejected:
+            break
+        admitted += 1
+        engine.step()
+    while engine.has_work():
+        engine.step()
+    if engine.blocks is not None:  # the generated tokens' full blocks: no real prompt should hit them
+        engine.blocks.reset()
+    return admitted
