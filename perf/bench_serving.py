@@ -369,7 +369,7 @@ def main(argv: list[str] | None = None) -> int:
 
     def start_engine() -> Any:
         """The in-process engine, warmed up as the engine stage warms its own (Engine.warm_up), then two requests."""
-        engine = Engine(EngineModel.of(loaded), Config(engine=engine_config))
+        engine = Engine(EngineModel.of(loaded), Config(model=model_config, engine=engine_config))
         engine.warm_up()
         warm = workload_for(1)
         run_inprocess(engine, chat_ids(tokenizer, make_prompts(warm, WARM_SEED))[:2], warm, 2, eos)

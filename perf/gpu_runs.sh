@@ -631,7 +631,7 @@ print(",".join(map(str, e)), ",".join(map(str, r)))')
             # ramp (engine.warm_decode_rows): the clients' CPU per event on this host, a decode batch's first-use cost
             # (perf/profile_decode_rows.py), then paired runs with the ramp on both targets, then without it
             mkdir -p /tmp/lean37
-            python3 -m perf.bench_sse_client --rounds 2 --out-dir /tmp/lean37 2>&1 | tail -5
+            [ -n "${NOSSE37:-}" ] || python3 -m perf.bench_sse_client --rounds 2 --out-dir /tmp/lean37 2>&1 | tail -5
             timeout 170 python3 -m perf.profile_decode_rows --shape llama-3.2-3b --rows 256 --kv-budget-mb 16384 \
               --tokenizer-dir $TOK --work-dir $WORK --out-dir /tmp/lean37 2>&1 | tail -1
             echo "profile: ${SECONDS} s"

@@ -71,9 +71,10 @@ def main(argv: list[str] | None = None) -> int:
     from parallm.models import load_model
     from perf.bench_serving import shape_model_dir
 
-    loaded = load_model(ModelConfig(path=str(shape_model_dir(args))))
-    engine = Engine(EngineModel.of(loaded), Config(engine=EngineConfig(max_num_seqs=args.rows,
-                                                                       kv_budget_mb=args.kv_budget_mb)))
+    model_config = ModelConfig(path=str(shape_model_dir(args)))
+    loaded = load_model(model_config)
+    engine = Engine(EngineModel.of(loaded), Config(model=model_config, engine=EngineConfig(
+        max_num_seqs=args.rows, kv_budget_mb=args.kv_budget_mb)))
     warm_s = engine.warm_up()
     results = Results.from_args(f"decode-rows-{args.shape}", args, argv)
     ramps = []
